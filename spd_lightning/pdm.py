@@ -1,0 +1,223 @@
+"""The Pipeline Draft Module (SPEC section 3): a pure `nn.Module`, shared by training and inference.
+
+    anchor states H^{b_0..b_{tau-1}}  --RMSNorm each, concat, Linear_tau-->  g   (fusion, one per type)
+    g at true positions  --L_s Qwen3-style layers-->  final RMSNorm  -->  head over V_d draft tokens
+
+Attention is the only part whose *mask* differs between the training layouts and the decoder, so each
+attention layer computes q, k, v (q/k RMSNorm, RoPE at the true positions, GQA expanded) and hands them
+to an `attend(layer, q, k, v)` callable. The default is plain causal attention, which is exactly the
+explicit staircase view; layouts and the decoder's KV cache pass their own. The math stays here, once.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class PDMConfig:
+    target_hidden_size: int
+    num_types: int
+    draft_vocab_size: int
+    hidden_size: int
+    num_layers: int = 1
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 512
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+
+    def __post_init__(self):
+        for f in ("target_hidden_size", "num_types", "draft_vocab_size", "hidden_size", "num_heads", "num_kv_heads",
+                  "head_dim", "intermediate_size"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"PDM {f}={getattr(self, f)} must be a positive integer")
+        if self.num_layers < 1:
+            raise ValueError(f"PDM num_layers={self.num_layers}: the drafter needs at least one layer (L_s >= 1)")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"PDM num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PDMConfig":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding (rotate-half convention) of `x[B, h, S, hd]` at integer `positions[B, S]`."""
+    hd = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))
+    angles = positions.to(torch.float32)[:, None, :, None] * inv_freq  # [B, 1, S, hd/2]
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated * sin).to(x.dtype)
+
+
+def causal_attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Plain causal attention over the sequence as given: the explicit staircase view."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[-2] > 1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: PDMConfig):
+        super().__init__()
+        self.cfg = cfg
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(d, cfg.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * hd, d, bias=False)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, layer: int, attend: Attend) -> torch.Tensor:
+        B, S, _ = x.shape
+        c = self.cfg
+        q = self.q_norm(self.q_proj(x).view(B, S, c.num_heads, c.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(B, S, c.num_kv_heads, c.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(B, S, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
+        groups = c.num_heads // c.num_kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = attend(layer, q, k, v)  # [B, heads, S, hd]
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, c.num_heads * c.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: PDMConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Qwen3 decoder layer; parameter names match Hugging Face's so target layers can seed it."""
+
+    def __init__(self, cfg: PDMConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, layer: int, attend: Attend):
+        x = x + self.self_attn(self.input_layernorm(x), positions, layer, attend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Fusion(nn.Module):
+    """`g = Linear_tau([RMSNorm(H^{b_0}); ...; RMSNorm(H^{b_{tau-1}})])`, one projection per type."""
+
+    def __init__(self, cfg: PDMConfig):
+        super().__init__()
+        self.norms = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(cfg.num_types))
+        self.proj = nn.ModuleList(nn.Linear(tau * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+                                  for tau in range(1, cfg.num_types + 1))
+
+    def forward(self, states: torch.Tensor, types: int | torch.Tensor) -> torch.Tensor:
+        """`states[..., m, H]` holds a token's anchor states in anchor order (entries past its type are
+        ignored); `types` is one type for all tokens or a tensor of types shaped like `states[..., 0, 0]`."""
+        if isinstance(types, int):
+            return self._one(states, types)
+        out = states.new_zeros(*states.shape[:-2], self.proj[0].out_features)
+        for tau in types.unique().tolist():
+            sel = types == tau
+            out[sel] = self._one(states[sel], tau)
+        return out
+
+    def _one(self, states: torch.Tensor, tau: int) -> torch.Tensor:
+        normed = [self.norms[j](states[..., j, :]) for j in range(tau)]
+        return self.proj[tau - 1](torch.cat(normed, dim=-1))
+
+
+class PipelineDraftModule(nn.Module):
+    def __init__(self, cfg: PDMConfig, d2t: Optional[torch.Tensor] = None):
+        super().__init__()
+        self.cfg = cfg
+        self.fusion = Fusion(cfg)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        d2t = torch.arange(cfg.draft_vocab_size) if d2t is None else d2t.to(torch.long)
+        if d2t.shape != (cfg.draft_vocab_size,):
+            raise ValueError(f"d2t has shape {tuple(d2t.shape)} but draft_vocab_size={cfg.draft_vocab_size}")
+        self.register_buffer("d2t", d2t, persistent=True)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module):
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=1.0 / math.sqrt(m.in_features))
+
+    def fuse(self, states: torch.Tensor, types: int | torch.Tensor) -> torch.Tensor:
+        return self.fusion(states, types)
+
+    def body(self, g: torch.Tensor, positions: torch.Tensor, attend: Attend = causal_attend) -> torch.Tensor:
+        """Run the `L_s` layers over features `g[B, S, d]` at `positions[B, S]`; returns normed hidden."""
+        x = g
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, i, attend)
+        return self.norm(x)
+
+    def forward(self, states: torch.Tensor, types: int | torch.Tensor, positions: torch.Tensor,
+                attend: Attend = causal_attend) -> torch.Tensor:
+        """Draft logits over `V_d` at every position (the decoder reads the last one)."""
+        return self.lm_head(self.body(self.fuse(states, types), positions, attend))
+
+    @torch.no_grad()
+    def init_head_from_target(self, target_lm_head: torch.Tensor) -> None:
+        """Seed the head with the target LM-head rows of the draft vocabulary (needs d == target width)."""
+        if target_lm_head.shape[1] != self.cfg.hidden_size:
+            raise ValueError(f"cannot seed the draft head: target LM head width {target_lm_head.shape[1]} != PDM hidden_size {self.cfg.hidden_size}; set hidden_size to the target width or disable init_head_from_target")
+        self.lm_head.weight.copy_(target_lm_head[self.d2t.to(target_lm_head.device)].to(self.lm_head.weight))
+
+    @torch.no_grad()
+    def init_layer_from_target(self, index: int, target_layer: nn.Module) -> list[str]:
+        """Seed PDM layer `index` from a target decoder layer where names and shapes agree.
+
+        Norms are copied by their effective scale (the norm applied to a vector of ones), so targets
+        whose RMSNorm stores `weight - 1` (Qwen3.5) seed correctly too. Returns the copied names."""
+        own = dict(self.layers[index].named_modules())
+        copied = []
+        for name, module in target_layer.named_modules():
+            mine = own.get(name)
+            if isinstance(mine, RMSNorm) and getattr(module, "weight", None) is not None:
+                if module.weight.shape == mine.weight.shape:
+                    probe = torch.ones(1, mine.weight.numel(), dtype=module.weight.dtype, device=module.weight.device)
+                    eps = getattr(module, "eps", getattr(module, "variance_epsilon", 0.0))
+                    scale = module(probe)[0].float() * math.sqrt(1.0 + eps)
+                    mine.weight.copy_(scale.to(mine.weight))
+                    copied.append(name + ".weight")
+            elif isinstance(mine, nn.Linear) and isinstance(module, nn.Linear) and module.weight.shape == mine.weight.shape:
+                mine.weight.copy_(module.weight.to(mine.weight))
+                copied.append(name + ".weight")
+        return copied

@@ -1,0 +1,170 @@
+"""The frozen target: load any HF causal LM and read its anchor states (SPEC sections 2, 8).
+
+`Target` wraps a Hugging Face causal LM (Qwen3, Qwen3.5 and its conditional-generation checkpoint,
+Llama, ...) and exposes the pieces the rest of the project needs without caring about the family:
+the embedding, the decoder layers, the final norm, the LM head and the rotary embedding. Anchor
+states are captured with forward hooks at the requested hidden-state indices only, so a 32-layer
+target never holds 33 copies of its residual stream.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+
+
+class TargetError(ValueError):
+    """A target that cannot be loaded or does not fit the request; one line that says why."""
+
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise TargetError(f"unknown dtype {dtype!r}: use one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _looks_local(name: str) -> bool:
+    """A hub id is `name` or `org/name`; anything else (./x, /x, ~/x, a/b/c) can only be a local path."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1
+
+
+def load_hf_causal_lm(name_or_path: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
+                      trust_remote_code: bool = False) -> nn.Module:
+    """`AutoModelForCausalLM` with the checks a user needs: a missing local path or a hub name that cannot
+    be reached fails with one line; remote code runs only when the caller passes `trust_remote_code`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = os.path.expanduser(name_or_path)
+    if _looks_local(name_or_path) and not os.path.isdir(path):
+        raise TargetError(f"target path {name_or_path!r} does not exist: build the tiny target with "
+                          f"`python -m spd_lightning.tiny_target --out {name_or_path}` or pass a hub name")
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except OSError as e:
+        raise TargetError(f"cannot load target {name_or_path!r}: no such local directory and the hub could not "
+                          f"provide it ({str(e).splitlines()[0][:120]}); pass an existing directory, or build the tiny "
+                          f"target with `python -m spd_lightning.tiny_target --out DIR`") from e
+    except ValueError as e:
+        raise TargetError(f"cannot load target {name_or_path!r}: {str(e).splitlines()[0]} "
+                          f"(pass --trust_remote_code only if you trust that repository)") from e
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=resolve_dtype(dtype),
+                                                 trust_remote_code=trust_remote_code)
+    return model.to(device)
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What a drafter must agree on with its target (stored in exported drafters, checked on load)."""
+
+    name_or_path: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    rope_theta: float
+    max_position_embeddings: int
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class Target(nn.Module):
+    """A frozen HF causal LM seen as `embed -> layers[0..L-1] -> norm -> lm_head`."""
+
+    def __init__(self, model: nn.Module, name_or_path: str = ""):
+        super().__init__()
+        self.model = model.eval().requires_grad_(False)
+        self.name_or_path = name_or_path
+        inner = getattr(model, "model", model)
+        inner = getattr(inner, "language_model", inner)  # conditional-generation wrappers
+        for attr in ("embed_tokens", "layers", "norm"):
+            if not hasattr(inner, attr):
+                raise TargetError(f"target {type(model).__name__} has no `{attr}`: only decoder-only LMs laid out as "
+                                  f"embed_tokens / layers / norm (Qwen3, Qwen3.5, Llama, ...) are supported")
+        self.text_model = inner
+        self.config = getattr(model.config, "text_config", None) or model.config
+
+    @classmethod
+    def load(cls, name_or_path: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
+             trust_remote_code: bool = False) -> "Target":
+        return cls(load_hf_causal_lm(name_or_path, dtype, device, trust_remote_code), name_or_path)
+
+    # -- the pieces -----------------------------------------------------------------------------
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self.text_model.embed_tokens
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.text_model.layers
+
+    @property
+    def norm(self) -> nn.Module:
+        return self.text_model.norm
+
+    @property
+    def rotary_emb(self) -> nn.Module:
+        return self.text_model.rotary_emb
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    @property
+    def info(self) -> TargetInfo:
+        rope = getattr(self.config, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(self.config, "rope_theta", 10000.0))
+        return TargetInfo(self.name_or_path, self.num_layers, self.hidden_size, self.vocab_size, float(theta),
+                          int(getattr(self.config, "max_position_embeddings", 0) or 0))
+
+    def check_layers(self, layers: Sequence[int]) -> list[int]:
+        layers = [int(b) for b in layers]
+        bad = [b for b in layers if not 0 <= b <= self.num_layers]
+        if bad:
+            raise TargetError(f"hidden-state indices {bad} are out of range 0..L={self.num_layers} for this target")
+        return layers
+
+    # -- one call: anchor states + logits -------------------------------------------------------
+    @torch.no_grad()
+    def anchor_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                      layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states `H^l` at `layers` (HF `hidden_states` indices, 0 = embedding output, L = final
+        norm output) as `[B, T, len(layers), H]`, and the final logits `[B, T, V]`, for a right-padded batch."""
+        layers = self.check_layers(layers)
+        captured: dict[int, torch.Tensor] = {}
+        L = self.num_layers
+
+        def keep(index):
+            def hook(_module, _inputs, output):
+                captured[index] = output[0] if isinstance(output, tuple) else output
+            return hook
+
+        sources = {0: self.embed_tokens, L: self.norm}
+        handles = [(sources.get(b) or self.layers[b - 1]).register_forward_hook(keep(b)) for b in set(layers)]
+        try:
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        finally:
+            for h in handles:
+                h.remove()
+        states = torch.stack([captured[b] for b in layers], dim=2)
+        return states, out.logits
