@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 
 import torch
-from safetensors import SafetensorsError
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .geometry import Geometry
@@ -97,7 +97,7 @@ def load_drafter(path: str, map_location: str | torch.device = "cpu") -> tuple[P
             with open(cfg_path) as f:
                 spec = DrafterSpec.from_dict(json.load(f), cfg_path)
             state = load_file(weights, device=str(map_location))
-        except (json.JSONDecodeError, SafetensorsError, OSError) as e:
+        except (json.JSONDecodeError, SafetensorError, OSError) as e:
             raise DrafterLoadError(f"{path!r} is corrupt ({type(e).__name__}: {str(e).splitlines()[0][:120]}); re-export it") from e
         return _build(spec, state, path), spec
     try:

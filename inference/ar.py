@@ -1,0 +1,75 @@
+"""Plain autoregressive decoding through the same stage modules (SPEC 5.4 `ar`, 5.2 reference).
+
+The lossless reference: the stages run in sequence on one device, one token at a time after the
+prefill, with exactly the cache path of the pipeline (same `Stage.forward`, same dtype). Greedy SPD
+must reproduce these tokens exactly; under sampling it must match their distribution. Its first token
+uses the same generator stream as the pipeline's verifier, so the two agree on it for a given seed.
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+
+from spd_lightning.geometry import Geometry
+from spd_lightning.target import Target
+
+from .pipeline import stream_seeds
+from .result import DecodeResult
+from .schedule import eos_set
+from .stages import Stage
+from .verify import Sampling, sample_token
+
+
+def target_eos(target_config, generation_config=None) -> int | list[int] | None:
+    """The target's EOS id(s): the generation config's when it has one, else the model config's."""
+    eos = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
+    return eos if eos is not None else getattr(target_config, "eos_token_id", None)
+
+
+@torch.no_grad()
+def ar_decode_stages(stages: Sequence[Stage], prompt_ids: Sequence[int], max_new_tokens: int,
+                     sampling: Sampling = Sampling(), eos_token_id: int | Sequence[int] | None = None,
+                     seed: int = 0) -> DecodeResult:
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if not prompt_ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    eos = eos_set(eos_token_id)
+    device = stages[0].device
+    generator = torch.Generator(device=device)
+    generator.manual_seed(stream_seeds(seed)[0])
+    step_s: list[float] = []
+
+    def forward(x: torch.Tensor, start: int) -> torch.Tensor:
+        for stage in stages:
+            out = stage(x, start)
+            x = out.hidden
+        return out.logits
+
+    t0 = time.perf_counter()
+    for stage in stages:
+        stage.cache.reset()
+    prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
+    tokens = [sample_token(forward(prompt, 0), sampling, generator)]
+    prefill_s = time.perf_counter() - t0
+    t_start = time.perf_counter()
+    while tokens[-1] not in eos and len(tokens) < max_new_tokens:
+        t_step = time.perf_counter()
+        logits = forward(torch.tensor([[tokens[-1]]], device=device), prompt.shape[1] + len(tokens) - 1)
+        tokens.append(sample_token(logits, sampling, generator))
+        step_s.append(time.perf_counter() - t_step)
+    stop = "eos" if tokens[-1] in eos else "max_new_tokens"
+    timing = {"per_cycle": {"wall_s": step_s}, "totals": {"wall_s": sum(step_s),
+                                                          "mean_cycle_s": sum(step_s) / len(step_s) if step_s else 0.0}}
+    return DecodeResult("ar", len(stages), prompt.shape[1], tokens, len(step_s), stop, {}, prefill_s,
+                        time.perf_counter() - t_start, timing)
+
+
+def ar_decode(target: Target, prompt_ids: Sequence[int], max_new_tokens: int, sampling: Sampling = Sampling(),
+              eos_token_id: int | Sequence[int] | None = None, seed: int = 0, geometry: Geometry | None = None) -> DecodeResult:
+    """AR decoding of an in-memory target, split like `geometry` (one stage when omitted: same math)."""
+    geometry = geometry or Geometry.build(target.num_layers, 1)
+    stages = [Stage.from_target(target, geometry, s) for s in range(1, geometry.n + 1)]
+    return ar_decode_stages(stages, prompt_ids, max_new_tokens, sampling, eos_token_id, seed)

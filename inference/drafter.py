@@ -1,0 +1,191 @@
+"""The drafter runtime on the PDM rank: the PDM with its KV cache, fed by the staircase (SPEC 5.1).
+
+The PDM keeps one row of anchor states per position (filled as the stages send them; anchor 0 is the
+embedding, which this rank computes itself from the token id). Positions older than the in-flight
+window are verified and complete: their depth-n view never changes, so their body keys/values are
+cached once. Every draft appends the newly verified positions to that cache and recomputes the
+in-flight positions, at the depths the schedule gives, on top of it.
+
+`ReplayDrafter` proposes from a known continuation instead (always right, or always wrong): it measures
+the pipeline without a model (the closed forms of SPEC 5.1, oracle timing).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Protocol, Sequence
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from spd_lightning.export import CKPT_KEY, DrafterLoadError, DrafterSpec
+from spd_lightning.geometry import Geometry
+from spd_lightning.pdm import PipelineDraftModule
+
+from .verify import Sampling, warp
+
+
+class Drafter(Protocol):
+    """What the PDM rank runs. `draft` returns the target id as a one-element tensor on the drafter's device
+    (it goes straight into the message buffer) and `q`, the draft distribution over the draft vocabulary
+    (None when greedy)."""
+
+    def start(self, prompt_ids: torch.Tensor, capacity: int) -> None: ...
+    def set_token(self, position: int, token: int) -> None: ...
+    def store_anchors(self, stage: int, start: int, states: torch.Tensor) -> None: ...
+    def draft(self, view: Sequence[tuple[int, int]],
+              generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
+class DraftKVCache:
+    """Preallocated body keys/values of the verified positions, used as the PDM's `attend`.
+
+    Each call writes the new keys/values at `[length, length + S)` and attends causally over
+    `[0, length + S)`; `commit` makes them part of the cache (verified positions), otherwise the next
+    call overwrites them (in-flight positions)."""
+
+    def __init__(self, num_layers: int, heads: int, head_dim: int, max_len: int, dtype: torch.dtype, device):
+        self.keys = torch.zeros(num_layers, 1, heads, max_len, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
+        self.length = 0
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        S, end = q.shape[-2], self.length + q.shape[-2]
+        if end > self.keys.shape[-2]:
+            raise RuntimeError(f"PDM cache holds {self.keys.shape[-2]} positions; position {end - 1} does not fit")
+        self.keys[layer, :, :, self.length:end] = k
+        self.values[layer, :, :, self.length:end] = v
+        keys, values = self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+        if S == 1:
+            return F.scaled_dot_product_attention(q, keys, values)
+        mask = torch.arange(end, device=q.device)[None, :] <= (self.length + torch.arange(S, device=q.device))[:, None]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+
+    def commit(self, count: int) -> None:
+        self.length += count
+
+
+class PDMDrafter:
+    def __init__(self, pdm: PipelineDraftModule, geometry: Geometry, embed_tokens: nn.Module, sampling: Sampling,
+                 state_dtype: torch.dtype):
+        cfg = pdm.cfg
+        if cfg.num_types != geometry.num_types:
+            raise DrafterLoadError(f"the PDM fuses {cfg.num_types} aggregation types but the geometry has "
+                                   f"{geometry.num_types} anchors {list(geometry.anchors)}: use the drafter's own geometry")
+        if cfg.target_hidden_size != embed_tokens.weight.shape[1]:
+            raise DrafterLoadError(f"the PDM reads target states of width {cfg.target_hidden_size} but the target "
+                                   f"embedding has width {embed_tokens.weight.shape[1]}")
+        if int(pdm.d2t.max()) >= embed_tokens.weight.shape[0]:
+            raise DrafterLoadError(f"the draft vocabulary maps to target id {int(pdm.d2t.max())}, beyond the target "
+                                   f"vocabulary of {embed_tokens.weight.shape[0]}")
+        self.pdm, self.geometry, self.embed_tokens, self.sampling = pdm, geometry, embed_tokens, sampling
+        p = next(pdm.parameters())
+        self.device, self.dtype, self.state_dtype = p.device, p.dtype, state_dtype
+        self.capacity = 0
+        self._slots = {b: i for i, b in enumerate(geometry.anchors)}
+        self._stage_slots = {s: [self._slots[b] for b in geometry.anchors_of_stage(s) if b > 0]
+                             for s in range(1, geometry.n + 1)}
+
+    @torch.no_grad()
+    def start(self, prompt_ids: torch.Tensor, capacity: int) -> None:
+        """A new sequence of at most `capacity` positions: the prompt's own embeddings (the stages send
+        its other anchors); the state rows and the KV cache grow only when a longer sequence comes."""
+        P = prompt_ids.shape[-1]
+        if capacity > self.capacity:
+            cfg = self.pdm.cfg
+            self.states = torch.zeros(capacity, self.geometry.num_types, cfg.target_hidden_size,
+                                      dtype=self.state_dtype, device=self.device)
+            self.cache = DraftKVCache(cfg.num_layers, cfg.num_heads, cfg.head_dim, capacity, self.dtype, self.device)
+            self.capacity = capacity
+        self.cache.length = 0
+        self.states.zero_()
+        self.states[:P, 0] = self.embed_tokens(prompt_ids.reshape(1, P).to(self.device))[0]
+
+    @torch.no_grad()
+    def set_token(self, position: int, token: int) -> None:
+        self.states[position, 0] = self.embed_tokens(torch.tensor([token], device=self.device))[0]
+
+    def store_anchors(self, stage: int, start: int, states: torch.Tensor) -> None:
+        """`states[S, A, H]`: the anchors stage `stage` produced for positions `start..start+S-1`."""
+        slots = self._stage_slots[stage]
+        if slots:
+            self.states[start:start + states.shape[0], slots[0]:slots[-1] + 1] = states
+
+    @torch.no_grad()
+    def draft(self, view: Sequence[tuple[int, int]],
+              generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft the token after `view[-1]`; `view` lists (depth, position) of the in-flight tokens."""
+        geometry, pdm = self.geometry, self.pdm
+        verified = view[0][1]
+        if verified < self.cache.length:
+            raise RuntimeError(f"position {verified} is in flight but the PDM cache already holds it as verified")
+        if verified > self.cache.length:  # newly verified positions: depth n, cached for good
+            start = self.cache.length
+            g = pdm.fuse(self.states[start:verified].to(self.dtype)[None], geometry.type_of(geometry.n))
+            pdm.body(g, torch.arange(start, verified, device=self.device)[None], self.cache)
+            self.cache.commit(verified - start)
+        positions = [p for _, p in view]
+        types = torch.tensor([[geometry.type_of(d) for d, _ in view]], device=self.device)
+        g = pdm.fuse(self.states[positions[0]:positions[-1] + 1].to(self.dtype)[None], types)
+        hidden = pdm.body(g, torch.tensor([positions], device=self.device), self.cache)
+        logits = pdm.lm_head(hidden[0, -1])
+        if self.sampling.greedy:
+            token, q = pdm.d2t[logits.argmax(-1, keepdim=True)], None
+        else:
+            q = warp(logits, self.sampling)
+            token = pdm.d2t[torch.multinomial(q, 1, generator=generator)]
+        self.states[positions[-1] + 1, 0] = self.embed_tokens(token)[0]  # H^0 of the new token, no host sync
+        return token, q
+
+
+class ReplayDrafter:
+    """Proposes a known continuation: the i-th `start` replays `references[i]`, the continuation of the
+    i-th prompt. `oracle` proposes `reference[position - prompt_len]`, `adversary` a token that is surely
+    not it; greedy only. Past the end of the reference it proposes token 0 (never judged then)."""
+
+    def __init__(self, references: Sequence[Sequence[int]], policy: str, vocab_size: int):
+        if policy not in ("oracle", "adversary"):
+            raise ValueError(f"unknown replay policy {policy!r}: use 'oracle' or 'adversary'")
+        self.references, self.policy, self.vocab_size = [list(r) for r in references], policy, vocab_size
+        self._next, self.reference, self.prompt_len = 0, [], 0
+
+    def start(self, prompt_ids: torch.Tensor, capacity: int) -> None:
+        if self._next >= len(self.references):
+            raise ValueError(f"the replay drafter has {len(self.references)} references and no more prompts to replay")
+        self.reference, self.prompt_len = self.references[self._next], prompt_ids.shape[-1]
+        self._next += 1
+
+    def set_token(self, position: int, token: int) -> None:
+        pass
+
+    def store_anchors(self, stage: int, start: int, states: torch.Tensor) -> None:
+        pass
+
+    def draft(self, view, generator) -> tuple[torch.Tensor, None]:
+        index = view[-1][1] + 1 - self.prompt_len
+        right = self.reference[index] if index < len(self.reference) else 0
+        return torch.tensor([right if self.policy == "oracle" else (right + 1) % self.vocab_size]), None
+
+
+def read_drafter_spec(path: str) -> tuple[DrafterSpec, torch.Tensor]:
+    """The drafter's description and `d2t`, without loading its weights (what the stage ranks need)."""
+    from safetensors import SafetensorError, safe_open
+
+    if not os.path.exists(path):
+        raise DrafterLoadError(f"drafter {path!r} does not exist: pass a Lightning .ckpt or an exported directory")
+    try:
+        if os.path.isdir(path):
+            with open(os.path.join(path, "config.json")) as f:
+                spec = DrafterSpec.from_dict(json.load(f), path)
+            with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
+                return spec, f.get_tensor("d2t")
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        if not isinstance(ckpt, dict) or CKPT_KEY not in ckpt:
+            raise DrafterLoadError(f"{path!r} is not an SPD-Lightning checkpoint (no {CKPT_KEY!r} entry)")
+        return DrafterSpec.from_dict(ckpt[CKPT_KEY], path), ckpt["state_dict"]["pdm.d2t"]
+    except DrafterLoadError:
+        raise
+    except (OSError, KeyError, ValueError, RuntimeError, SafetensorError, json.JSONDecodeError) as e:
+        raise DrafterLoadError(f"drafter {path!r} is corrupt or incomplete ({type(e).__name__}: "
+                               f"{str(e).splitlines()[0][:120] if str(e) else ''}); re-export it") from e

@@ -1,0 +1,86 @@
+"""What one decoded prompt reports (SPEC 5.1, 6): tokens, N, K, alpha, counters, per-cycle timing.
+
+Timing comes as one row per rank and cycle: the rank's compute (a stage's layers, or the PDM's draft),
+the verifier's time, the time the rank spent in messages (send/recv/broadcast, including waiting for
+its peers) and the cycle's wall-clock time. In the simulator every rank's row is filled by the one
+process, sequentially; in the distributed decoder each rank fills its own and the reporting rank
+gathers them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+COMPUTE, VERIFY, COMM, WALL = range(4)
+TIMING_FIELDS = 4
+
+
+def max_cycles(n: int, max_new_tokens: int) -> int:
+    """An upper bound on K: at worst every token costs n cycles (an always-wrong drafter)."""
+    return n * max_new_tokens + n
+
+
+def summarize_timing(rows: torch.Tensor, K: int, n: int, has_drafter: bool = True) -> dict:
+    """`rows[world, cycles, TIMING_FIELDS]` (ranks 0..n-1 are stages, rank n the PDM) -> JSON-ready dict."""
+    rows = rows[:, :K].double()
+    stage = rows[:n, :, COMPUTE].T  # [K, n]
+    draft = rows[n, :, COMPUTE] if has_drafter else torch.zeros(K, dtype=torch.float64)
+    verify = rows[n - 1, :, VERIFY]
+    comm = rows[:, :, COMM].max(dim=0).values
+    wall = rows[n - 1, :, WALL]
+    per_cycle = {"stage_compute_s": stage.tolist(), "draft_s": draft.tolist(), "verify_s": verify.tolist(),
+                 "comm_s": comm.tolist(), "wall_s": wall.tolist()}
+    slowest = stage.max(dim=1).values if K else torch.zeros(0, dtype=torch.float64)
+    totals = {"stage_compute_s": stage.sum(0).tolist(), "draft_s": float(draft.sum()), "verify_s": float(verify.sum()),
+              "comm_s": float(comm.sum()), "wall_s": float(wall.sum()),
+              "mean_cycle_s": float(wall.mean()) if K else 0.0,
+              "mean_slowest_stage_s": float(slowest.mean()) if K else 0.0,
+              "mean_draft_s": float(draft.mean()) if K else 0.0}
+    return {"per_cycle": per_cycle, "totals": totals}
+
+
+@dataclass
+class DecodeResult:
+    mode: str  # spd | post_step | ppsd | ar
+    n: int
+    prompt_len: int
+    tokens: list[int]
+    K: int
+    stop_reason: str
+    counters: dict = field(default_factory=dict)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    timing: dict = field(default_factory=dict)
+    text: str | None = None
+
+    @property
+    def N(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def alpha(self) -> float | None:
+        """Step acceptance ratio N / K; undefined for plain AR and when no cycle ran."""
+        return self.N / self.K if self.mode != "ar" and self.K > 0 else None
+
+    @property
+    def theoretical_speedup(self) -> float | None:
+        """`S0 = n * alpha`: the speedup with a free drafter and free communication."""
+        return None if self.alpha is None else self.n * self.alpha
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens produced after prefill per second of decode wall-clock (the first comes from prefill)."""
+        return (self.N - 1) / self.decode_s if self.decode_s > 0 and self.N > 1 else None
+
+    def to_dict(self) -> dict:
+        return {"mode": self.mode, "n": self.n, "prompt_len": self.prompt_len, "tokens": self.tokens, "text": self.text,
+                "N": self.N, "K": self.K, "alpha": self.alpha, "theoretical_speedup": self.theoretical_speedup,
+                "stop_reason": self.stop_reason, **self.counters, "prefill_s": self.prefill_s,
+                "decode_s": self.decode_s, "decode_tokens_per_s": self.decode_tokens_per_s, "timing": self.timing}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DecodeResult":
+        counters = {k: d[k] for k in ("accepted_by_fill", "rejected_by_fill", "accepted_by_depth", "rejected_by_depth") if k in d}
+        return cls(d["mode"], d["n"], d["prompt_len"], list(d["tokens"]), d["K"], d["stop_reason"], counters,
+                   d.get("prefill_s", 0.0), d.get("decode_s", 0.0), d.get("timing", {}), d.get("text"))

@@ -1,0 +1,208 @@
+"""The deterministic pipeline schedule of SPEC 5.1, as a pure state machine (no tensors, no model).
+
+Every rank (and the one-process simulator) runs one `PipelineSchedule` per sequence and feeds it the
+same verdicts, so every rank agrees on which token each stage processes, what the PDM reads, which
+position a rejection rolls back to, and on `N`, `K` and the acceptance counters.
+
+One cycle, seen from the schedule:
+
+    begin(verdict of the previous cycle)  ->  CyclePlan  ->  the ranks run it  ->  verdict  ->  begin(...)
+
+At the start of a cycle the in-flight tokens sit at depths 0..a-1 (newest at depth 0, about to run
+stage 1; the one at depth d runs stage d+1). The PDM drafts the token after the newest one from the
+staircase that `Geometry.inflight_depth` defines (pre-step: before the cycle's compute; post-step: after
+it, one stage deeper). After the compute the token that ran stage n is complete; its final logits judge
+its successor (now at depth n-1). Accept: the successor is verified and the fresh draft enters stage 1.
+Reject: the correction replaces the successor at its position, every younger token and the fresh draft
+are discarded, and the correction reseeds stage 1 (fill 1). No token completed: the fresh draft enters.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Sequence
+
+from spd_lightning.geometry import Geometry
+
+
+class Verdict(IntEnum):
+    """What the verifier reports after a cycle (the first field of the control message)."""
+
+    NONE = 0  # no token completed stage n this cycle
+    ACCEPT = 1  # the judged draft is verified; the token field repeats it
+    REJECT = 2  # the judged draft is replaced by the correction in the token field
+    FIRST = 3  # after prefill: the token field is the first generated token, sampled from the target
+
+
+@dataclass
+class Slot:
+    """One in-flight token."""
+
+    position: int
+    depth: int  # stages completed at the start of the current cycle
+    fill: int  # fill level when it was drafted; 0 once verified (the first token, a correction, an accepted draft)
+
+    @property
+    def verified(self) -> bool:
+        return self.fill == 0
+
+
+@dataclass
+class CyclePlan:
+    """Everything a rank needs to run one cycle; identical on every rank."""
+
+    cycle: int  # 1-based; equals K once the cycle has run
+    stage_positions: tuple[int, ...]  # stage s (index s-1) processes this position, or -1 when idle
+    seed_token: int  # the token stage 1 embeds when it is a seed (first token / correction), else -1
+    draft_entered: bool  # stage 1 embeds the previous cycle's fresh draft (the PDM sends it)
+    rollback_to: int  # a rejection discarded every position >= this one, or -1
+    # (depth, position) of the in-flight tokens the PDM reads, oldest first; every older position is
+    # verified and complete, read at depth n
+    draft_view: tuple[tuple[int, int], ...]
+    draft_position: int  # the position of the token the PDM drafts this cycle
+    fill: int  # a: in-flight tokens at the start of the cycle
+    anchors_before: tuple[tuple[int, int], ...]  # (stage, position) states produced last cycle that the PDM still needs
+    anchors_during: tuple[tuple[int, int], ...]  # (stage, position) states produced by this cycle's compute
+    judged_position: int  # the position the verifier judges after this cycle, or -1
+
+
+@dataclass
+class Counters:
+    """Accepted / rejected drafts by the fill level `a` (1..n, list index a-1) at which they were drafted,
+    and by their drafting depth `inflight_depth(a-1)` (0..n): the depth at which the PDM read the oldest
+    in-flight token, which tells pre-step (a-1) from post-step (a) drafting at the same fill."""
+
+    accepted_by_fill: list[int]
+    rejected_by_fill: list[int]
+    accepted_by_depth: list[int]
+    rejected_by_depth: list[int]
+
+    @classmethod
+    def zeros(cls, n: int) -> "Counters":
+        return cls([0] * n, [0] * n, [0] * (n + 1), [0] * (n + 1))
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class PipelineSchedule:
+    geometry: Geometry
+    max_new_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    tokens: list[int] = field(default_factory=list)  # the verified generated tokens, in order
+    K: int = 0
+    stop_reason: str = ""
+    _inflight: list[Slot] = field(default_factory=list)
+    _fresh_fill: int = 0  # fill level of the draft made in the cycle that just ran
+
+    def __post_init__(self):
+        if self.geometry.n < 2:
+            raise ValueError(f"pipeline decoding needs n >= 2 stages (got n={self.geometry.n}); use --mode ar for n=1")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        self.counters = Counters.zeros(self.geometry.n)
+
+    @property
+    def n(self) -> int:
+        return self.geometry.n
+
+    @property
+    def N(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def done(self) -> bool:
+        return bool(self.stop_reason)
+
+    def drafting_depth(self, fill: int) -> int:
+        """The deepest in-flight depth the PDM reads at fill `fill` (distinguishes pre- and post-step)."""
+        return self.geometry.inflight_depth(fill - 1)
+
+    def begin(self, verdict: int, token: int, prompt_len: int = -1) -> CyclePlan | None:
+        """Apply the previous cycle's verdict and plan the next cycle; None once decoding has stopped."""
+        verdict = Verdict(verdict)
+        rollback_to = -1
+        completed = None
+        if verdict == Verdict.FIRST:
+            if self.tokens or prompt_len < 1:
+                raise RuntimeError("FIRST is only valid once, right after a prefill of prompt_len >= 1 tokens")
+            self._inflight = [Slot(prompt_len, 0, 0)]
+            self._verified(token)
+        else:
+            if not self._inflight or self.done:
+                raise RuntimeError(f"schedule received {verdict.name} outside a running decode")
+            for slot in self._inflight:
+                slot.depth += 1
+            if self._inflight[0].depth == self.n:
+                completed = self._inflight.pop(0)
+            fresh = Slot(self._inflight[-1].position + 1, 0, self._fresh_fill)  # n >= 2: someone is still in flight
+            if verdict == Verdict.NONE:
+                if completed is not None:
+                    raise RuntimeError(f"cycle {self.K}: a token completed stage n but the verifier reported no verdict")
+                self._inflight.append(fresh)
+            else:
+                judged = self._inflight[0] if completed is not None and self._inflight else None
+                if judged is None or judged.verified or judged.position != completed.position + 1:
+                    raise RuntimeError(f"cycle {self.K}: verdict {verdict.name} but no draft was due for judgement")
+                self._count(verdict == Verdict.ACCEPT, judged.fill)
+                if verdict == Verdict.ACCEPT:
+                    judged.fill = 0  # verified from now on
+                    self._inflight.append(fresh)
+                else:
+                    self._inflight = [Slot(judged.position, 0, 0)]
+                    rollback_to = judged.position
+                self._verified(token)
+        if self.done:
+            return None
+        self.K += 1
+        return self._plan(verdict, token, rollback_to, completed)
+
+    def _verified(self, token: int) -> None:
+        self.tokens.append(int(token))
+        if int(token) in self.eos_token_ids:
+            self.stop_reason = "eos"
+        elif self.N >= self.max_new_tokens:
+            self.stop_reason = "max_new_tokens"
+
+    def _count(self, accepted: bool, fill: int) -> None:
+        c, depth = self.counters, self.drafting_depth(fill)
+        (c.accepted_by_fill if accepted else c.rejected_by_fill)[fill - 1] += 1
+        (c.accepted_by_depth if accepted else c.rejected_by_depth)[depth] += 1
+
+    def _plan(self, verdict: Verdict, token: int, rollback_to: int, completed: Slot | None) -> CyclePlan:
+        n, inflight = self.n, self._inflight
+        stage_positions = [-1] * n
+        for slot in inflight:
+            stage_positions[slot.depth] = slot.position
+        newest = inflight[-1]
+        a = len(inflight)
+        self._fresh_fill = a
+        view = tuple((self.geometry.inflight_depth(a - 1 - i), slot.position) for i, slot in enumerate(inflight))
+        before = [(slot.depth, slot.position) for slot in inflight if slot.depth >= 1]
+        if completed is not None:
+            before.append((n, completed.position))
+        during = [(slot.depth + 1, slot.position) for slot in inflight]
+        oldest = inflight[0]
+        return CyclePlan(
+            cycle=self.K,
+            stage_positions=tuple(stage_positions),
+            seed_token=int(token) if newest.verified else -1,
+            draft_entered=not newest.verified,
+            rollback_to=rollback_to,
+            draft_view=view,
+            draft_position=newest.position + 1,
+            fill=a,
+            anchors_before=tuple(sorted(before)),
+            anchors_during=tuple(sorted(during)),
+            judged_position=oldest.position + 1 if oldest.depth == n - 1 else -1,
+        )
+
+
+def eos_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
+    """`eos_token_id` may be an int, a list of ints, or missing (SPEC 11)."""
+    if eos_token_id is None:
+        return frozenset()
+    if isinstance(eos_token_id, int):
+        return frozenset({eos_token_id})
+    return frozenset(int(t) for t in eos_token_id)

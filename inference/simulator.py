@@ -1,0 +1,62 @@
+"""The one-process simulator: every rank's role in this process, the stages run in sequence.
+
+It runs the same `PipelineRunner` as the distributed decoder over a `LocalTransport`, so its tokens, N,
+K and counters are the distributed decoder's. It takes an in-memory target and PDM, which is what the
+staircase-evaluation callback and the benchmarks need:
+
+    result = simulate_decode(target, pdm, geometry, prompt_ids, max_new_tokens=128)
+    result.alpha, result.theoretical_speedup, result.counters
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from spd_lightning.geometry import Geometry
+from spd_lightning.pdm import PipelineDraftModule
+from spd_lightning.target import Target
+
+from .drafter import Drafter, PDMDrafter, ReplayDrafter
+from .pipeline import PipelineRunner
+from .result import DecodeResult
+from .schedule import eos_set
+from .stages import Stage
+from .transport import LocalTransport
+from .verify import Sampling
+
+
+class Simulator:
+    """Stages, drafter and verifier of one pipeline, built once and reused across prompts."""
+
+    def __init__(self, target: Target, drafter: PipelineDraftModule | Drafter, geometry: Geometry,
+                 sampling: Sampling = Sampling()):
+        geometry.check_target(target.num_layers)
+        self.geometry, self.sampling = geometry, sampling
+        stages = {s: Stage.from_target(target, geometry, s) for s in range(1, geometry.n + 1)}
+        device = stages[1].device
+        if isinstance(drafter, PipelineDraftModule):
+            d2t, draft_vocab = drafter.d2t, drafter.cfg.draft_vocab_size
+            drafter = PDMDrafter(drafter, geometry, target.embed_tokens, sampling, stages[1].dtype)
+        else:
+            if isinstance(drafter, ReplayDrafter) and not sampling.greedy:
+                raise ValueError("a replay drafter has no draft distribution: use it with greedy decoding only")
+            d2t, draft_vocab = None, 1
+        self.runner = PipelineRunner(geometry, LocalTransport(geometry.n + 1), stages, drafter, sampling,
+                                     target.vocab_size, draft_vocab, d2t, device, target.hidden_size, stages[1].dtype)
+
+    def decode(self, prompt_ids: Sequence[int], max_new_tokens: int,
+               eos_token_id: int | Sequence[int] | None = None, seed: int = 0) -> DecodeResult:
+        """Decode one prompt; `eos_token_id=None` never stops early (see `ar.target_eos` for the target's)."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        result = self.runner.decode(prompt_ids, max_new_tokens, eos_set(eos_token_id), seed)
+        result.timing = self.runner.timing(result.K)
+        return result
+
+
+@torch.no_grad()
+def simulate_decode(target: Target, drafter: PipelineDraftModule | Drafter, geometry: Geometry,
+                    prompt_ids: Sequence[int], max_new_tokens: int = 64, sampling: Sampling = Sampling(),
+                    eos_token_id: int | Sequence[int] | None = None, seed: int = 0) -> DecodeResult:
+    return Simulator(target, drafter, geometry, sampling).decode(prompt_ids, max_new_tokens, eos_token_id, seed)

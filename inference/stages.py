@@ -1,0 +1,214 @@
+"""Pipeline stages built from the target by layer range (SPEC 2, 5.3, 11).
+
+Stage `s` runs the HF decoder layers `e_{s-1}+1 .. e_s` (global indices `e_{s-1} .. e_s - 1`) directly,
+with the target's rotary embedding and its own `StageCache`; stage 1 also owns the embedding, stage `n`
+the final norm and the LM head. A stage returns the anchor states it produces (HF hidden-state indices:
+`l < L` is the residual after layer `l`, `L` the final-norm output) so the PDM rank can read them.
+
+Two ways to get the pieces: from an in-memory `Target` (the simulator, tests; no copy), or from a
+checkpoint directory, loading ONLY the tensors of the requested pieces (a distributed rank never holds
+another rank's layers): the model is built on the meta device, the pieces are materialized, and their
+tensors are read one by one from the safetensors files.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from spd_lightning.geometry import Geometry
+from spd_lightning.target import Target, TargetError, resolve_dtype
+
+from .cache import StageCache
+
+# Checkpoint key prefixes of the text model: causal-LM checkpoints use `model.`, the Qwen3.5
+# conditional-generation checkpoints `model.language_model.`.
+TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
+
+
+@dataclass
+class TargetPieces:
+    """The parts of a target one process needs; absent pieces are None, `layers` maps global index -> layer."""
+
+    config: object  # the text config
+    layers: dict[int, nn.Module]
+    rotary_emb: nn.Module
+    embed_tokens: nn.Module | None = None
+    norm: nn.Module | None = None
+    lm_head: nn.Module | None = None
+
+    @classmethod
+    def from_target(cls, target: Target, layers: range, embed: bool, head: bool) -> "TargetPieces":
+        return cls(target.config, {i: target.layers[i] for i in layers}, target.rotary_emb,
+                   target.embed_tokens if embed else None, target.norm if head else None, target.lm_head if head else None)
+
+
+def meta_target(path: str, dtype: torch.dtype = torch.float32) -> Target:
+    """The target's module tree on the meta device: shapes and names, no weights, no memory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not os.path.isdir(path):
+        raise TargetError(f"target {path!r} is not a local directory: the pipeline decoder loads stages from a "
+                          f"Hugging Face checkpoint directory (pass --target DIR)")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise TargetError(f"cannot read the target config in {path!r}: {str(e).splitlines()[0][:160]}") from e
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return Target(model, path)
+
+
+def _checkpoint_index(path: str) -> dict[str, tuple[str, str]]:
+    """Normalized tensor name -> (file, name in file), over every safetensors shard of the checkpoint."""
+    from safetensors import safe_open
+
+    index_file = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index_file):
+        with open(index_file) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(path, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise TargetError(f"{path!r} has no model.safetensors (or index): the pipeline decoder loads safetensors checkpoints only")
+    index = {}
+    for name in files:
+        with safe_open(os.path.join(path, name), framework="pt") as f:
+            for key in f.keys():
+                index[_normalize(key)] = (os.path.join(path, name), key)
+    return index
+
+
+def _normalize(key: str) -> str:
+    for prefix in TEXT_PREFIXES:
+        if key.startswith(prefix):
+            return key[len(prefix):]
+    return key
+
+
+def load_pieces(path: str, layers: range, embed: bool, head: bool, dtype: str | torch.dtype = "float32",
+                device: str | torch.device = "cpu") -> TargetPieces:
+    """Materialize only the requested pieces of the checkpoint at `path` on `device`."""
+    from safetensors import safe_open
+
+    dtype = resolve_dtype(dtype)
+    skeleton = meta_target(path, dtype)
+    wanted: dict[str, nn.Module] = {f"layers.{i}": skeleton.layers[i] for i in layers}
+    if embed:
+        wanted["embed_tokens"] = skeleton.embed_tokens
+    if head:
+        wanted["norm"] = skeleton.norm
+        wanted["lm_head"] = skeleton.lm_head
+    index = _checkpoint_index(path)
+    tied = bool(getattr(skeleton.model.config, "tie_word_embeddings", False))
+    by_file: dict[str, list[tuple[str, str, nn.Module]]] = {}
+    for prefix, module in wanted.items():
+        module.to_empty(device=device)
+        for name, _ in list(module.named_parameters()) + list(module.named_buffers()):
+            key = f"{prefix}.{name}"
+            if key not in index and key == "lm_head.weight" and tied:
+                key = "embed_tokens.weight"
+            if key not in index:
+                raise TargetError(f"checkpoint {path!r} has no tensor for {prefix}.{name}: it is incomplete or not this architecture")
+            file, stored = index[key]
+            by_file.setdefault(file, []).append((stored, name, module))
+    with torch.no_grad():
+        for file, entries in by_file.items():
+            with safe_open(file, framework="pt", device=str(device)) as f:
+                for stored, name, module in entries:
+                    owner_name, _, leaf = name.rpartition(".")
+                    owner = module.get_submodule(owner_name) if owner_name else module
+                    getattr(owner, leaf).copy_(f.get_tensor(stored))
+    config = skeleton.config
+    rotary = type(skeleton.rotary_emb)(config=config).to(device)  # non-persistent buffers: rebuilt, not loaded
+    return TargetPieces(config, {i: skeleton.layers[i].eval() for i in layers}, rotary,
+                        skeleton.embed_tokens.eval() if embed else None, skeleton.norm.eval() if head else None,
+                        skeleton.lm_head.eval() if head else None)
+
+
+def stage_layers(geometry: Geometry, stage: int) -> range:
+    """Global HF layer indices of stage `stage` (1..n)."""
+    return range(geometry.split[stage - 1], geometry.split[stage])
+
+
+@dataclass
+class StageOutput:
+    hidden: torch.Tensor  # [1, S, H] residual after the stage's last layer (the next stage's input)
+    anchors: torch.Tensor  # [S, A, H] anchor states this stage produces (A may be 0)
+    logits: torch.Tensor | None  # [V] at the last position, last stage only
+
+
+class Stage(nn.Module):
+    """One pipeline stage: layer range + its cache; stage 1 embeds tokens, stage n returns logits."""
+
+    def __init__(self, geometry: Geometry, index: int, pieces: TargetPieces):
+        super().__init__()
+        self.geometry, self.index = geometry, index
+        self.first = index == 1
+        self.last = index == geometry.n
+        self.layer_range = stage_layers(geometry, index)
+        self.layers = nn.ModuleList(pieces.layers[i] for i in self.layer_range)
+        self.rotary_emb = pieces.rotary_emb
+        self.embed_tokens = pieces.embed_tokens if self.first else None
+        self.norm = pieces.norm if self.last else None
+        self.lm_head = pieces.lm_head if self.last else None
+        if (self.first and self.embed_tokens is None) or (self.last and self.lm_head is None):
+            raise ValueError(f"stage {index} needs the {'embedding' if self.first else 'final norm and LM head'}")
+        self.config = pieces.config
+        # Anchor 0 (the embedding output) is never sent: the PDM rank embeds tokens itself.
+        self.anchor_layers = tuple(b for b in geometry.anchors_of_stage(index) if b > 0)
+        self.cache = StageCache(pieces.config, self.layer_range, window=geometry.n + 1)
+
+    @classmethod
+    def from_target(cls, target: Target, geometry: Geometry, index: int) -> "Stage":
+        geometry.check_target(target.num_layers)
+        return cls(geometry, index, TargetPieces.from_target(target, stage_layers(geometry, index), index == 1, index == geometry.n))
+
+    @classmethod
+    def load(cls, path: str, geometry: Geometry, index: int, dtype="float32", device="cpu") -> "Stage":
+        pieces = load_pieces(path, stage_layers(geometry, index), index == 1, index == geometry.n, dtype, device)
+        return cls(geometry, index, pieces)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.layers.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.layers.parameters()).device
+
+    @torch.no_grad()
+    def forward(self, inputs: torch.Tensor, start: int) -> StageOutput:
+        """Run `inputs` (token ids [1, S] on stage 1, hidden states [1, S, H] otherwise) at positions
+        `start..start+S-1`, appending to the cache. S > 1 is a prefill of an empty cache."""
+        S = inputs.shape[1]
+        if S == 1:
+            self.cache.before_token(start)
+        elif self.cache.length != 0 or start != 0:
+            raise RuntimeError(f"stage {self.index}: a multi-token forward must be the prefill of an empty cache")
+        x = self.embed_tokens(inputs) if self.first else inputs
+        positions = torch.arange(start, start + S, device=x.device)[None]
+        position_embeddings = self.rotary_emb(x, positions)
+        L = self.geometry.num_layers
+        captured = []
+        for offset, layer in enumerate(self.layers):
+            x = layer(x, position_embeddings=position_embeddings, attention_mask=None, position_ids=positions,
+                      cache=self.cache.hf, use_cache=True)
+            if self.layer_range.start + offset + 1 in self.anchor_layers and self.layer_range.start + offset + 1 < L:
+                captured.append(x)
+        logits = None
+        if self.last:
+            normed = self.norm(x)
+            if L in self.anchor_layers:
+                captured.append(normed)
+            logits = self.lm_head(normed[:, -1])[0]
+        self.cache.advance(S)
+        anchors = torch.stack(captured, dim=2)[0] if captured else x.new_zeros(S, 0, x.shape[-1])
+        return StageOutput(x, anchors, logits)

@@ -1,0 +1,120 @@
+"""The multi-process decoder over gloo: n stage ranks + 1 PDM rank as real processes (SPEC 5.2, 5.3).
+
+Lossless against AR and identical (tokens, N, K, counters) to the one-process simulator; the closed forms
+with replay drafters; the same random streams under sampling; and failures that end every rank fast.
+Every launch uses a free port and a process-group timeout, and pytest-timeout bounds each test.
+"""
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+
+from conftest import make_tiny_model
+from spd_lightning.export import load_drafter
+from spd_lightning.geometry import Geometry
+from inference.ar import ar_decode
+from inference.drafter import ReplayDrafter
+from inference.launch import DecodeJob, LaunchError, launch
+from inference.simulator import Simulator
+from inference.verify import Sampling
+from test_inference_support import one_thread, save_random_drafter, target_dir  # noqa: F401 - autouse fixture
+
+pytestmark = pytest.mark.timeout(240)
+PROMPTS = [[3, 14, 15, 92, 65, 35], [7, 7, 8]]
+TIMEOUT_S = 60
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    return {arch: target_dir(tmp_path_factory, arch, make_tiny_model) for arch in ("qwen3_5", "qwen3")}
+
+
+def job_for(path, target, geometry, **overrides) -> DecodeJob:
+    fields = dict(target_path=path, geometry=geometry.to_dict(), prompts=PROMPTS, max_new_tokens=20, eos_token_ids=[],
+                  vocab_size=target.vocab_size, hidden_size=target.hidden_size, sampling=Sampling().to_dict(),
+                  timeout_s=TIMEOUT_S)
+    fields.update(overrides)
+    return DecodeJob(**fields)
+
+
+@pytest.mark.parametrize("arch,n", [("qwen3_5", 3), ("qwen3", 2)])
+def test_gloo_greedy_is_lossless_and_equals_the_simulator(targets, tmp_path, arch, n):
+    path, target = targets[arch]
+    geometry = Geometry.build(target.num_layers, n)
+    drafter = save_random_drafter(target, geometry, str(tmp_path / "drafter"))
+    results = launch(job_for(path, target, geometry, drafter_path=drafter))
+    simulator = Simulator(target, load_drafter(drafter)[0], geometry)
+    for prompt, result in zip(PROMPTS, results):
+        simulated = simulator.decode(prompt, 20)
+        assert result.tokens == ar_decode(target, prompt, 20).tokens == simulated.tokens
+        assert (result.N, result.K, result.counters) == (simulated.N, simulated.K, simulated.counters)
+        per_cycle = result.timing["per_cycle"]
+        assert len(per_cycle["wall_s"]) == result.K and all(len(r) == n for r in per_cycle["stage_compute_s"])
+        assert result.timing["totals"]["draft_s"] > 0 and result.timing["totals"]["comm_s"] > 0
+
+
+def test_gloo_closed_forms(targets):
+    path, target = targets["qwen3_5"]
+    n = 3
+    geometry = Geometry.build(target.num_layers, n)
+    references = [ar_decode(target, p, 20).tokens for p in PROMPTS]
+    for policy, expected_K in (("oracle", lambda N: N + n - 2), ("adversary", lambda N: n * (N - 1))):
+        results = launch(job_for(path, target, geometry, replay=(policy, references)))
+        for reference, result in zip(references, results):
+            assert result.tokens == reference and result.K == expected_K(result.N)
+        simulator = Simulator(target, ReplayDrafter(references, policy, target.vocab_size), geometry)
+        assert [simulator.decode(p, 20).K for p in PROMPTS] == [r.K for r in results]
+
+
+def test_gloo_sampling_draws_the_simulators_tokens(targets, tmp_path):
+    """Each rank owns its random stream (verifier, drafter), so a seed gives the same tokens in both."""
+    path, target = targets["qwen3"]
+    geometry = Geometry.build(target.num_layers, 2)
+    drafter = save_random_drafter(target, geometry, str(tmp_path / "drafter"))
+    sampling = Sampling(1.0, top_k=30, top_p=0.95)
+    results = launch(job_for(path, target, geometry, drafter_path=drafter, sampling=sampling.to_dict(), seed=5))
+    simulator = Simulator(target, load_drafter(drafter)[0], geometry, sampling)
+    for i, (prompt, result) in enumerate(zip(PROMPTS, results)):
+        simulated = simulator.decode(prompt, 20, seed=5 + i)
+        assert (result.tokens, result.K, result.counters) == (simulated.tokens, simulated.K, simulated.counters)
+
+
+def test_a_rank_that_raises_ends_every_rank(targets, tmp_path):
+    """Stage 2 cannot load its layers: the launch fails at once, naming that rank (no wait for a timeout)."""
+    from safetensors.torch import load_file, save_file
+
+    path, target = targets["qwen3"]
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in os.listdir(path):
+        if name != "model.safetensors":
+            (broken / name).write_bytes(open(os.path.join(path, name), "rb").read())
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    save_file({k: v for k, v in weights.items() if ".layers.3." not in k}, str(broken / "model.safetensors"),
+              metadata={"format": "pt"})
+    geometry = Geometry.build(target.num_layers, 2)
+    references = [ar_decode(target, p, 20).tokens for p in PROMPTS]
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match=r"rank 1 \(stage 2\) failed: TargetError: .*layers\.3"):
+        launch(job_for(str(broken), target, geometry, replay=("oracle", references)))
+    assert time.monotonic() - start < TIMEOUT_S
+
+
+def test_a_rank_killed_mid_decode_ends_every_rank(targets):
+    path, target = targets["qwen3"]
+    geometry = Geometry.build(target.num_layers, 2)
+    prompts = PROMPTS * 20
+    references = [ar_decode(target, p, 20).tokens for p in PROMPTS] * 20
+
+    def kill_a_rank(index, result):
+        if index == 0:  # the first prompt is done: decoding is under way
+            rank = next(p for p in mp.active_children() if p.name == "spd-rank0")
+            os.kill(rank.pid, signal.SIGKILL)
+
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match=r"rank 0 \(stage 1\) was killed by signal 9"):
+        launch(job_for(path, target, geometry, prompts=prompts, replay=("adversary", references)), on_result=kill_a_rank)
+    assert time.monotonic() - start < TIMEOUT_S
+    assert not [p for p in mp.active_children() if p.name.startswith("spd-rank")]

@@ -1,0 +1,118 @@
+"""The one-process simulator: lossless greedy decoding, closed forms, the PDM's cached staircase, EOS."""
+import pytest
+import torch
+
+from spd_lightning.geometry import Geometry
+from spd_lightning.pdm import PDMConfig, PipelineDraftModule
+from inference.ar import ar_decode
+from inference.drafter import PDMDrafter, ReplayDrafter
+from inference.simulator import Simulator, simulate_decode
+from inference.verify import Sampling
+from test_inference_support import one_thread, random_pdm  # noqa: F401 - one_thread is an autouse fixture
+
+PROMPTS = [[3, 14, 15, 92, 65, 35], [7, 7, 8]]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_greedy_spd_is_token_identical_to_ar(tiny_target, n):
+    geometry = Geometry.build(tiny_target.num_layers, n)
+    simulator = Simulator(tiny_target, random_pdm(tiny_target, geometry), geometry)
+    for prompt in PROMPTS:
+        reference = ar_decode(tiny_target, prompt, 24)
+        result = simulator.decode(prompt, 24)
+        assert result.tokens == reference.tokens
+        assert result.N == 24 and n <= result.K <= n * (result.N - 1)
+        assert sum(result.counters["accepted_by_fill"]) + sum(result.counters["rejected_by_fill"]) == result.N - 1
+
+
+def test_llama_target_is_lossless():
+    from conftest import make_tiny_model
+    from spd_lightning.target import Target
+
+    target = Target(make_tiny_model("llama"), "tiny-llama")
+    geometry = Geometry.build(target.num_layers, 3)
+    result = simulate_decode(target, random_pdm(target, geometry), geometry, PROMPTS[0], 16)
+    assert result.tokens == ar_decode(target, PROMPTS[0], 16).tokens
+
+
+@pytest.mark.parametrize("schedule,features", [("post_step", "spd"), ("post_step", "first_stage")])
+def test_post_step_and_ppsd_are_lossless(tiny_qwen35, schedule, features):
+    geometry = Geometry.build(tiny_qwen35.num_layers, 3, schedule=schedule, features=features)
+    result = simulate_decode(tiny_qwen35, random_pdm(tiny_qwen35, geometry, num_layers=1), geometry, PROMPTS[0], 20)
+    assert result.tokens == ar_decode(tiny_qwen35, PROMPTS[0], 20).tokens
+    assert result.mode == ("ppsd" if features == "first_stage" else "post_step")
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_closed_forms_with_a_real_target(tiny_qwen35, n):
+    geometry = Geometry.build(tiny_qwen35.num_layers, n)
+    references = [ar_decode(tiny_qwen35, p, 16).tokens for p in PROMPTS]
+    for policy, expected_K in (("oracle", lambda N: N + n - 2), ("adversary", lambda N: n * (N - 1))):
+        simulator = Simulator(tiny_qwen35, ReplayDrafter(references, policy, tiny_qwen35.vocab_size), geometry)
+        for prompt, reference in zip(PROMPTS, references):
+            result = simulator.decode(prompt, 16)
+            assert result.tokens == reference
+            assert result.K == expected_K(result.N)
+            assert result.theoretical_speedup == pytest.approx(n * result.N / result.K)
+
+
+def test_pdm_cache_computes_the_explicit_staircase(tiny_qwen35):
+    """Drafting with the cached verified prefix gives exactly the PDM forward over the explicit view."""
+    n = 3
+    geometry = Geometry.build(tiny_qwen35.num_layers, n)
+    pdm = random_pdm(tiny_qwen35, geometry, num_layers=2)
+    drafter = PDMDrafter(pdm, geometry, tiny_qwen35.embed_tokens, Sampling(1.0), torch.float32)
+    g = torch.Generator().manual_seed(0)
+    T, H, m = 14, tiny_qwen35.hidden_size, geometry.num_types
+    tokens = torch.randint(0, tiny_qwen35.vocab_size, (T,), generator=g)
+    states = torch.randn(T, m, H, generator=g)
+    with torch.no_grad():
+        states[:, 0] = tiny_qwen35.embed_tokens(tokens)
+    prompt_len = 4
+    drafter.start(tokens[:prompt_len][None], T + 1)
+    for s in range(1, n + 1):
+        drafter.store_anchors(s, 0, states[:, [i for i, b in enumerate(geometry.anchors) if b > 0 and geometry.stage_of_layer(b) == s]])
+    for t, fill in zip(range(prompt_len, T - 1), [1, 2, 3, 3, 1, 2, 3, 2, 3]):
+        for p in range(prompt_len, t + 1):
+            drafter.set_token(p, int(tokens[p]))
+        view = geometry.view(t, fill)
+        _, q = drafter.draft(view[-fill:], g)
+        explicit = torch.stack([states[p] * (torch.arange(m) < geometry.type_of(d))[:, None] for d, p in view])[None]
+        types = torch.tensor([[geometry.type_of(d) for d, _ in view]])
+        with torch.no_grad():
+            logits = pdm(explicit, types, torch.arange(t + 1)[None])[0, -1]
+        assert torch.allclose(q, torch.softmax(logits, -1), atol=1e-5), (t, fill)
+
+
+def test_eos_ends_the_output_like_ar(tiny_qwen3):
+    geometry = Geometry.build(tiny_qwen3.num_layers, 2)
+    free = ar_decode(tiny_qwen3, PROMPTS[0], 20).tokens
+    eos = free[5]
+    cut = free.index(eos)
+    for eos_id in (eos, [eos, 10_000]):
+        result = simulate_decode(tiny_qwen3, random_pdm(tiny_qwen3, geometry), geometry, PROMPTS[0], 20, eos_token_id=eos_id)
+        assert result.tokens == free[:cut + 1] == ar_decode(tiny_qwen3, PROMPTS[0], 20, eos_token_id=eos_id).tokens
+        assert result.stop_reason == "eos"
+
+
+def test_sampling_is_reproducible_per_seed(tiny_qwen35):
+    geometry = Geometry.build(tiny_qwen35.num_layers, 2)
+    simulator = Simulator(tiny_qwen35, random_pdm(tiny_qwen35, geometry), geometry, Sampling(1.0, top_k=20, top_p=0.9))
+    runs = [simulator.decode(PROMPTS[1], 16, seed=s).tokens for s in (0, 0, 1)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_timing_breakdown_has_one_row_per_cycle(tiny_qwen3):
+    geometry = Geometry.build(tiny_qwen3.num_layers, 2)
+    result = simulate_decode(tiny_qwen3, random_pdm(tiny_qwen3, geometry), geometry, PROMPTS[0], 8)
+    per_cycle = result.timing["per_cycle"]
+    assert len(per_cycle["wall_s"]) == len(per_cycle["draft_s"]) == len(per_cycle["stage_compute_s"]) == result.K
+    assert all(len(row) == 2 for row in per_cycle["stage_compute_s"])
+    assert result.timing["totals"]["draft_s"] > 0 and result.to_dict()["alpha"] == result.N / result.K
+
+
+def test_mismatched_pdm_is_refused(tiny_qwen3):
+    geometry = Geometry.build(tiny_qwen3.num_layers, 2)
+    wrong = PipelineDraftModule(PDMConfig(tiny_qwen3.hidden_size, geometry.num_types + 1, 16, 32, head_dim=8))
+    with pytest.raises(ValueError, match="aggregation types"):
+        Simulator(tiny_qwen3, wrong, geometry)

@@ -1,0 +1,135 @@
+"""Stages and their caches: same math as the HF model, exact rollback, per-rank loading of own weights only."""
+import pytest
+import torch
+
+from conftest import make_tiny_model
+from spd_lightning.geometry import Geometry
+from spd_lightning.target import Target, TargetError
+from inference.stages import Stage, load_pieces
+from test_inference_support import hf_logits, one_thread, save_target  # noqa: F401 - one_thread is an autouse fixture
+
+
+def run_through(stages, ids, start):
+    x = torch.tensor([ids]) if start == 0 else torch.tensor([[ids[0]]])
+    for stage in stages:
+        out = stage(x, start)
+        x = out.hidden
+    return out.logits
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_stages_in_sequence_are_the_hf_model(tiny_target, n):
+    geometry = Geometry.build(tiny_target.num_layers, n)
+    stages = [Stage.from_target(tiny_target, geometry, s) for s in range(1, n + 1)]
+    ids = [5, 17, 3, 44, 9, 81, 2]
+    reference = hf_logits(tiny_target, ids)
+    assert torch.allclose(run_through(stages, ids[:4], 0), reference[3], atol=1e-5)
+    for i in range(4, len(ids)):  # then one token at a time through the caches
+        assert torch.allclose(run_through(stages, ids[i:i + 1], i), reference[i], atol=1e-5)
+
+
+def test_anchor_states_are_hf_hidden_states(tiny_qwen35):
+    geometry = Geometry.build(4, 2, anchors=[0, 1, 2, 3, 4])
+    stages = [Stage.from_target(tiny_qwen35, geometry, s) for s in (1, 2)]
+    ids = torch.tensor([[5, 17, 3, 44]])
+    hidden = tiny_qwen35.model(ids, output_hidden_states=True).hidden_states
+    out1 = stages[0](ids, 0)
+    out2 = stages[1](out1.hidden, 0)
+    assert stages[0].anchor_layers == (1, 2) and stages[1].anchor_layers == (3, 4)  # anchor 0: the PDM embeds itself
+    got = torch.cat([out1.anchors, out2.anchors], dim=1)
+    want = torch.stack([hidden[b][0] for b in (1, 2, 3, 4)], dim=1)
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def cache_snapshot(stage):
+    """Every tensor a stage's cache holds, by name (keys/values of attention, conv/recurrent of linear layers)."""
+    out = {}
+    for i in stage.cache.attention_layers:
+        layer = stage.cache.hf.layers[i]
+        out[f"k{i}"], out[f"v{i}"] = layer.keys.clone(), layer.values.clone()
+    for i in stage.cache.linear_layers:
+        layer = stage.cache.hf.layers[i]
+        out[f"conv{i}"], out[f"rec{i}"] = layer.conv_states[0].clone(), layer.recurrent_states[0].clone()
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_rollback_is_bit_exact(arch):
+    """Run a, b, c, then d1 d2 d3 (to be rejected): rolling back equals a run that never saw d1..d3, and
+    decoding on after the rollback equals decoding on that run."""
+    target = Target(make_tiny_model(arch), arch)
+    geometry = Geometry.build(4, 4)  # one layer per stage; window n+1 = 5 snapshots
+    stage_a = [Stage.from_target(target, geometry, s) for s in range(1, 5)]
+    stage_b = [Stage.from_target(target, geometry, s) for s in range(1, 5)]
+    prompt, kept, discarded, after = [3, 9, 27], [81, 5], [11, 12, 13], [40, 41]
+    for stages in (stage_a, stage_b):
+        run_through(stages, prompt, 0)
+        for i, t in enumerate(kept):
+            run_through(stages, [t], len(prompt) + i)
+    clean = [cache_snapshot(s) for s in stage_b]
+    keep = len(prompt) + len(kept)
+    for i, t in enumerate(discarded):
+        run_through(stage_a, [t], keep + i)
+    for s in stage_a:
+        s.cache.rollback(keep)
+    for restored, fresh in zip([cache_snapshot(s) for s in stage_a], clean):
+        assert restored.keys() == fresh.keys()
+        for name in fresh:
+            assert torch.equal(restored[name], fresh[name]), name
+    if arch == "qwen3_5":
+        assert any(s.cache.linear_layers for s in stage_a)
+    for i, t in enumerate(after):
+        assert torch.equal(run_through(stage_a, [t], keep + i), run_through(stage_b, [t], keep + i))
+
+
+def test_a_rank_loads_only_its_own_stage(tmp_path):
+    model = make_tiny_model("qwen3_5")
+    save_target(model, str(tmp_path))
+    target = Target(model, str(tmp_path))
+    geometry = Geometry.build(4, 2)
+    loaded = Stage.load(str(tmp_path), geometry, 2)
+    in_memory = Stage.from_target(target, geometry, 2)
+    assert loaded.embed_tokens is None and loaded.lm_head is not None
+    for (name, a), (_, b) in zip(loaded.state_dict().items(), in_memory.state_dict().items()):
+        assert torch.equal(a, b), name
+    pieces = load_pieces(str(tmp_path), range(0, 2), embed=True, head=False)
+    assert set(pieces.layers) == {0, 1} and pieces.lm_head is None
+    assert torch.equal(pieces.embed_tokens.weight, model.get_input_embeddings().weight)
+    ids = torch.tensor([[4, 8, 15, 16]])
+    first = Stage.load(str(tmp_path), geometry, 1)
+    assert torch.allclose(loaded(first(ids, 0).hidden, 0).logits, hf_logits(target, ids[0].tolist())[-1], atol=1e-5)
+
+
+def test_incomplete_checkpoint_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    save_target(make_tiny_model("qwen3"), str(tmp_path))
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    save_file({k: v for k, v in weights.items() if ".layers.3." not in k}, str(tmp_path / "model.safetensors"),
+              metadata={"format": "pt"})
+    Stage.load(str(tmp_path), Geometry.build(4, 2), 1)  # stage 1 never reads layer 3
+    with pytest.raises(TargetError, match="layers.3"):
+        Stage.load(str(tmp_path), Geometry.build(4, 2), 2)
+
+
+def test_tied_heads_and_prefixed_checkpoints_load(tmp_path):
+    """A tied LM head is read from the embedding; `model.language_model.*` keys (Qwen3.5 conditional-generation
+    checkpoints) map onto the text model."""
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    tied = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)).eval()
+    tied.save_pretrained(tmp_path / "tied")
+    assert not any(k.startswith("lm_head") for k in load_file(str(tmp_path / "tied" / "model.safetensors")))
+    last = Stage.load(str(tmp_path / "tied"), Geometry.build(2, 2), 2)
+    assert torch.equal(last.lm_head.weight, tied.get_input_embeddings().weight)
+
+    model = make_tiny_model("qwen3_5")
+    save_target(model, str(tmp_path / "prefixed"))
+    file = str(tmp_path / "prefixed" / "model.safetensors")
+    weights = load_file(file)
+    save_file({k.replace("model.", "model.language_model.", 1): v for k, v in weights.items()}, file, metadata={"format": "pt"})
+    stage = Stage.load(str(tmp_path / "prefixed"), Geometry.build(4, 2), 1)
+    assert torch.equal(stage.layers[1].mlp.up_proj.weight, model.model.layers[1].mlp.up_proj.weight)
