@@ -32,19 +32,17 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def _looks_local(name: str) -> bool:
+def looks_local(name: str) -> bool:
     """A hub id is `name` or `org/name`; anything else (./x, /x, ~/x, a/b/c) can only be a local path."""
     return name.startswith((".", "/", "~")) or name.count("/") > 1
 
 
-def load_hf_causal_lm(name_or_path: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
-                      trust_remote_code: bool = False) -> nn.Module:
-    """`AutoModelForCausalLM` with the checks a user needs: a missing local path or a hub name that cannot
-    be reached fails with one line; remote code runs only when the caller passes `trust_remote_code`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def load_hf_config(name_or_path: str, trust_remote_code: bool = False):
+    """The target's HF config alone (cheap: no weights), with the same one-line errors as the model."""
+    from transformers import AutoConfig
 
     path = os.path.expanduser(name_or_path)
-    if _looks_local(name_or_path) and not os.path.isdir(path):
+    if looks_local(name_or_path) and not os.path.isdir(path):
         raise TargetError(f"target path {name_or_path!r} does not exist: build the tiny target with "
                           f"`python -m spd_lightning.tiny_target --out {name_or_path}` or pass a hub name")
     try:
@@ -56,6 +54,17 @@ def load_hf_causal_lm(name_or_path: str, dtype: str | torch.dtype = "float32", d
     except ValueError as e:
         raise TargetError(f"cannot load target {name_or_path!r}: {str(e).splitlines()[0]} "
                           f"(pass --trust_remote_code only if you trust that repository)") from e
+    return config
+
+
+def load_hf_causal_lm(name_or_path: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
+                      trust_remote_code: bool = False) -> nn.Module:
+    """`AutoModelForCausalLM` with the checks a user needs: a missing local path or a hub name that cannot
+    be reached fails with one line; remote code runs only when the caller passes `trust_remote_code`."""
+    from transformers import AutoModelForCausalLM
+
+    config = load_hf_config(name_or_path, trust_remote_code)
+    path = os.path.expanduser(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=resolve_dtype(dtype),
                                                  trust_remote_code=trust_remote_code)
     return model.to(device)

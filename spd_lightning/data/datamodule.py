@@ -1,0 +1,187 @@
+"""`ChatDataModule`: chat data for online distillation of the drafter (SPEC 4.1).
+
+    sources --tokenize (cached, per source)--> usable samples --split + mix (seed)--> train / validation
+    train --count assistant tokens--> d2t (cached next to the samples)
+
+`prepare_data` (one process per node) builds the caches; `setup` (every process) reads them, building
+them itself when run alone. After `setup`: `train_dataset`, `val_dataset`, `d2t` (LongTensor [V_d]),
+`stats` (per-source drop counts), and `heldout_prompts(count)` for decoding-based evaluation.
+
+The init arguments are plain types and `DataSource` dataclasses, so LightningCLI builds this module from
+YAML. `save_hyperparameters` is deliberately not called: checkpoints are read with
+`torch.load(weights_only=True)`, which refuses pickled dataclasses; LightningCLI saves the config anyway.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Optional, Union
+
+import datasets
+import numpy as np
+import torch
+from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import rank_zero_info
+from torch.utils.data import DataLoader
+
+from ..target import looks_local
+from .chat import check_chat_tokenizer
+from .collate import ChatCollator
+from .formats import DataError
+from .mixing import check_val_size, plan_mixture
+from .sources import DataSource
+from .tokenized import SourceStats, TokenizedSource, processed_root, tokenize_source
+from .vocab import check_draft_vocab_size, load_or_build_d2t
+
+DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "spd_lightning", "data")
+
+
+def load_tokenizer(name_or_path: str):
+    """`AutoTokenizer` for a local directory or hub name, with one-line errors and a chat-template check."""
+    from transformers import AutoTokenizer
+
+    path = os.path.expanduser(name_or_path)
+    if looks_local(name_or_path) and not os.path.isdir(path):
+        raise DataError(f"tokenizer path {name_or_path!r} does not exist: pass the target's directory (build the tiny "
+                        f"one with `python -m spd_lightning.tiny_target --out {name_or_path}`) or a hub name")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise DataError(f"cannot load tokenizer {name_or_path!r} ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
+                        f"pass an existing directory or a reachable hub name") from e
+    check_chat_tokenizer(tokenizer, name_or_path)
+    return tokenizer
+
+
+class ChatDataModule(LightningDataModule):
+    """Chat conversations rendered with the target's template, assistant-only loss mask, draft vocabulary.
+
+    Args:
+        tokenizer: the target's tokenizer (local directory or hub name); its chat template renders the data.
+        sources: the mixture; default: the embedded ShareGPT.
+        max_length: samples with more tokens are dropped (and counted), never truncated.
+        batch_size: samples per batch (per device).
+        num_workers: DataLoader worker processes.
+        seed: drives the split, the mixture and the shuffling order.
+        val_size: validation samples: a count (int) or a fraction of all usable samples (float in (0, 1)).
+        draft_vocab_size: `V_d`, clamped to the number of distinct assistant tokens in the training split.
+        cache_dir: where tokenized samples and draft vocabularies are cached.
+        num_proc: processes for tokenization (None: this process).
+        pad_to_multiple_of: round the padded batch length up (e.g. to the attention block size).
+    """
+
+    def __init__(self, tokenizer: str, sources: Optional[list[DataSource]] = None, max_length: int = 2048,
+                 batch_size: int = 4, num_workers: int = 0, seed: int = 0, val_size: Union[int, float] = 0.01,
+                 draft_vocab_size: int = 32000, cache_dir: str = DEFAULT_CACHE_DIR, num_proc: Optional[int] = None,
+                 pad_to_multiple_of: int = 1):
+        super().__init__()
+        check_draft_vocab_size(draft_vocab_size)
+        if batch_size < 1:
+            raise DataError(f"batch_size={batch_size}: use a positive number of samples per batch")
+        check_val_size(val_size)
+        self.tokenizer_name = tokenizer
+        self.tokenizer = load_tokenizer(tokenizer)
+        self.sources = [s if isinstance(s, DataSource) else DataSource(**s) for s in (sources or [DataSource()])]
+        self.max_length = max_length
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.seed = seed
+        self.val_size = val_size
+        self.draft_vocab_size = draft_vocab_size
+        self.cache_dir = os.path.abspath(os.path.expanduser(cache_dir))
+        self.num_proc = num_proc
+        self.collate = ChatCollator(self._pad_token_id(), pad_to_multiple_of)
+
+        self.train_dataset: Optional[datasets.Dataset] = None
+        self.val_dataset: Optional[datasets.Dataset] = None
+        self.d2t: Optional[torch.Tensor] = None
+        self.stats: list[SourceStats] = []
+
+    def _pad_token_id(self) -> int:
+        tokenizer = self.tokenizer
+        if tokenizer.pad_token_id is not None:
+            return tokenizer.pad_token_id
+        if tokenizer.eos_token_id is None:
+            raise DataError(f"tokenizer {self.tokenizer_name!r} has neither a pad nor an eos token: set `pad_token` "
+                            f"in its tokenizer_config.json")
+        rank_zero_info(f"tokenizer {self.tokenizer_name!r} has no pad token: padding with eos "
+                       f"{tokenizer.eos_token!r} (padding is masked out, so any id works)")
+        return tokenizer.eos_token_id
+
+    # -- building ---------------------------------------------------------------------------------
+    def _tokenized_sources(self) -> list[TokenizedSource]:
+        return [tokenize_source(source, self.tokenizer, self.tokenizer_name, self.max_length, self.cache_dir,
+                                self.num_proc) for source in self.sources]
+
+    def _d2t_path(self) -> str:
+        identity = {"sources": [[s.fingerprint(), s.weight] for s in self.sources], "val_size": self.val_size,
+                    "seed": self.seed, "draft_vocab_size": self.draft_vocab_size}
+        key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+        return os.path.join(processed_root(self.cache_dir, self.tokenizer, self.max_length), f"d2t-{key}.npy")
+
+    def _split(self, parts: list[TokenizedSource]) -> tuple[datasets.Dataset, datasets.Dataset]:
+        sizes = [len(p.usable) for p in parts]
+        plan = plan_mixture([s.path for s in self.sources], sizes, [s.weight for s in self.sources],
+                            self.val_size, self.seed)
+        rank_zero_info(plan.summary)
+        offsets = np.cumsum([0] + [len(p.rows) for p in parts[:-1]])
+        rows = datasets.concatenate_datasets([p.rows for p in parts]).remove_columns("status")
+        rng = np.random.default_rng(self.seed)
+
+        def gather(per_source: list[np.ndarray]) -> np.ndarray:
+            indices = np.concatenate([offset + part.usable[chosen]
+                                      for offset, part, chosen in zip(offsets, parts, per_source)])
+            return rng.permutation(indices)  # interleave the sources
+
+        # indices stay in memory: a mixture must not write files into the shared sample cache
+        train = rows.select(gather(plan.train), keep_in_memory=True).remove_columns("prompt")
+        return train, rows.select(gather(plan.val), keep_in_memory=True)
+
+    def prepare_data(self) -> None:
+        """Build the caches (Lightning runs this on one process per node before `setup` anywhere). The state it
+        sets is exactly what `setup` would set, so this process's `setup` then has nothing left to do."""
+        self._load()
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        self._load()
+
+    def _load(self) -> None:
+        if self.train_dataset is not None:
+            return
+        parts = self._tokenized_sources()
+        self.stats = [p.stats for p in parts]
+        self.train_dataset, self.val_dataset = self._split(parts)
+        self.d2t = load_or_build_d2t(self.train_dataset, len(self.tokenizer), self.draft_vocab_size, self._d2t_path())
+
+    # -- loaders ----------------------------------------------------------------------------------
+    def _loader(self, dataset: datasets.Dataset, shuffle: bool) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
+        return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, generator=generator,
+                          collate_fn=self.collate, num_workers=self.num_workers,
+                          persistent_workers=self.num_workers > 0, pin_memory=torch.cuda.is_available())
+
+    def _require_setup(self) -> None:
+        if self.train_dataset is None:
+            raise DataError("ChatDataModule is not set up: call `setup()` first (the Trainer does this)")
+
+    def train_dataloader(self) -> DataLoader:
+        self._require_setup()
+        return self._loader(self.train_dataset.select_columns(["input_ids", "loss_mask"]), shuffle=True)
+
+    def val_dataloader(self) -> DataLoader | list:
+        self._require_setup()
+        if len(self.val_dataset) == 0:
+            return []  # val_size=0: Lightning then skips validation
+        return self._loader(self.val_dataset.select_columns(["input_ids", "loss_mask"]), shuffle=False)
+
+    def heldout_prompts(self, count: int) -> list[list[int]]:
+        """Token ids of the first user turn of the first `count` validation conversations, rendered with the
+        chat template, generation prompt added, thinking disabled: prompts of conversations the drafter never trains on."""
+        self._require_setup()
+        available = len(self.val_dataset)
+        if count > available:
+            rank_zero_info(f"heldout_prompts: asked for {count} prompts, the validation split has {available} "
+                           f"(val_size={self.val_size}); returning {available}")
+        texts = self.val_dataset.select(range(min(count, available)))["prompt"]
+        return [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
