@@ -1,0 +1,141 @@
+"""Attention backends for a structural mask given ONCE as a FlexAttention-style predicate.
+
+A training layout (spd_lightning/layouts.py) describes its mask as `mask_mod(b, h, q_idx, kv_idx) -> bool`
+over the replicated sequence of length `S`. The same predicate drives three backends:
+
+- `flex`: `create_block_mask` + `flex_attention` (compiled on CUDA). The mask is never materialized as a
+  dense `S x S` tensor, which at `S = (n+1) * 2048` would not fit next to a 9B target.
+- `dense`: the predicate evaluated vectorized into a boolean `[B, 1, S, S]` mask for SDPA; the simplest
+  and fastest path on CPU for small `S`.
+- `two_part`: every SPD mask row is "a causal prefix of ONE block up to a per-query cutoff" plus "at most
+  `W` staircase keys". The layout hands over that factorization (`TwoPartPlan`, derived from the same
+  per-row quantities as its predicate); attention then costs `S * (T + W)` instead of `S^2`, with one
+  joint softmax over both parts. Tests check that all three agree.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+import torch
+import torch.nn.functional as F
+
+from .pdm import Attend
+
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Backend = Literal["auto", "flex", "dense", "two_part"]
+BACKENDS = ("auto", "flex", "dense", "two_part")
+
+# Above this replicated length the CPU path switches from a dense mask to the two-part factorization:
+# a dense fp32 score matrix per head grows as S^2 (4096^2 * 4 B = 64 MiB per head and sample).
+DENSE_MAX_LEN = 4096
+# Query rows processed at once by the two-part path, sized so one chunk's prefix scores stay ~64 MiB.
+_TWO_PART_SCORE_BUDGET = 16 * 1024 * 1024
+
+
+@dataclass
+class TwoPartPlan:
+    """Per query row: keys `prefix_start + i` for `0 <= i <= cutoff` (a prefix of one block of length
+    `prefix_len`; `cutoff = -1` for none) plus the explicit key indices `stair[b, q, :]` (`-1` = none)."""
+
+    prefix_start: int
+    prefix_len: int
+    cutoff: torch.Tensor  # [B, S] long
+    stair: torch.Tensor  # [B, S, W] long
+
+    def dense(self) -> torch.Tensor:
+        """The mask this plan stands for, `[B, S, S]` bool (for tests and small sizes)."""
+        B, S = self.cutoff.shape
+        kv = torch.arange(S, device=self.cutoff.device)
+        rel = kv - self.prefix_start
+        in_prefix = (rel >= 0) & (rel < self.prefix_len)
+        mask = in_prefix & (rel <= self.cutoff[..., None])
+        hits = torch.zeros(B, S, S + 1, dtype=torch.bool, device=mask.device)
+        hits.scatter_(2, torch.where(self.stair < 0, S, self.stair), True)  # column S collects the "none"s
+        return mask | hits[..., :S]
+
+
+def resolve_backend(backend: Backend, device: torch.device, seq_len: int) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}: use one of {BACKENDS}")
+    if backend != "auto":
+        return backend
+    if device.type == "cuda":
+        return "flex"
+    return "dense" if seq_len <= DENSE_MAX_LEN else "two_part"
+
+
+def dense_mask(mask_mod: MaskMod, batch: int, seq_len: int, device: torch.device) -> torch.Tensor:
+    """Evaluate the predicate on the full grid at once by broadcasting: `[B, S, S]` bool."""
+    b = torch.arange(batch, device=device)[:, None, None]
+    q = torch.arange(seq_len, device=device)[None, :, None]
+    kv = torch.arange(seq_len, device=device)[None, None, :]
+    h = torch.zeros((), dtype=torch.long, device=device)
+    return mask_mod(b, h, q, kv).expand(batch, seq_len, seq_len)
+
+
+def dense_attend(mask: torch.Tensor) -> Attend:
+    attn_mask = mask[:, None]  # one mask for every head
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+    return attend
+
+
+def two_part_attend(plan: TwoPartPlan) -> Attend:
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        B, heads, S, hd = q.shape
+        start, T = plan.prefix_start, plan.prefix_len
+        k_pre, v_pre = k[:, :, start:start + T], v[:, :, start:start + T]
+        W = plan.stair.shape[-1]
+        chunk = max(1, _TWO_PART_SCORE_BUDGET // max(1, B * heads * (T + W)))
+        key_pos = torch.arange(T, device=q.device)
+        outs = []
+        for lo in range(0, S, chunk):
+            hi = min(S, lo + chunk)
+            qc = q[:, :, lo:hi]
+            pre = torch.matmul(qc, k_pre.transpose(-1, -2)) / math.sqrt(hd)  # [B, h, C, T]
+            pre = pre.masked_fill((key_pos > plan.cutoff[:, None, lo:hi, None]), float("-inf"))
+            idx = plan.stair[:, lo:hi]  # [B, C, W]
+            gather = idx.clamp(min=0).reshape(B, 1, -1, 1).expand(B, heads, -1, hd)
+            k_st = k.gather(2, gather).view(B, heads, hi - lo, W, hd)
+            v_st = v.gather(2, gather).view(B, heads, hi - lo, W, hd)
+            st = (qc.unsqueeze(-2) * k_st).sum(-1) / math.sqrt(hd)  # [B, h, C, W]
+            st = st.masked_fill((idx < 0)[:, None], float("-inf"))
+            probs = torch.softmax(torch.cat([pre, st], dim=-1).float(), dim=-1).to(v.dtype)
+            out = torch.matmul(probs[..., :T], v_pre) + (probs[..., T:, None] * v_st).sum(-2)
+            outs.append(out)
+        return torch.cat(outs, dim=2)
+    return attend
+
+
+_compiled_flex = None
+
+
+def flex_attend(mask_mod: MaskMod, batch: int, seq_len: int, device: torch.device) -> Attend:
+    """FlexAttention with a block mask built once per step and shared by every layer. On CUDA both the
+    mask construction and the kernel are compiled, so the `S x S` grid is never materialized."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    global _compiled_flex
+    on_cuda = device.type == "cuda"
+    block_mask = create_block_mask(mask_mod, batch, None, seq_len, seq_len, device=device, _compile=on_cuda)
+    if on_cuda and _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    kernel = _compiled_flex if on_cuda else flex_attention
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return kernel(q, k, v, block_mask=block_mask)
+    return attend
+
+
+def make_attend(backend: Backend, mask_mod: MaskMod, plan: Callable[[], TwoPartPlan], batch: int, seq_len: int,
+                device: torch.device) -> Attend:
+    """The attend callable for the PDM body; `plan` is only called when the two-part path is used."""
+    chosen = resolve_backend(backend, device, seq_len)
+    if chosen == "flex":
+        return flex_attend(mask_mod, batch, seq_len, device)
+    if chosen == "dense":
+        return dense_attend(dense_mask(mask_mod, batch, seq_len, device))
+    return two_part_attend(plan())

@@ -1,0 +1,101 @@
+"""Command line: `python -m spd_lightning fit|validate --config configs/X.yaml` and `... export`.
+
+`fit` and `validate` are LightningCLI over `SPDModule` + `ChatDataModule`; the data module's tokenizer is
+linked to the model's target, so a config names the target once. Defaults every run gets:
+- a `WandbLogger`, offline when no W&B key is configured (no WANDB_API_KEY and no netrc entry);
+- a `ModelCheckpoint` under `checkpoint.*` that keeps `last.ckpt` (resume: `--ckpt_path .../last.ckpt`).
+`export --ckpt PATH --out DIR` writes the drafter directory that `inference/` loads.
+
+Bad settings (geometry, target path, vocabulary, data) end the run with one line on stderr and exit code 2;
+`--debug` or `SPD_DEBUG=1` shows the traceback instead.
+"""
+from __future__ import annotations
+
+import argparse
+import netrc
+import os
+import sys
+from typing import Optional, Sequence
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningCLI
+
+from .data import ChatDataModule
+from .export import load_drafter, save_drafter
+from .module import SPDModule
+
+WANDB_HOST = "api.wandb.ai"
+DEFAULT_LOGGER = {"class_path": "lightning.pytorch.loggers.WandbLogger",
+                  "init_args": {"project": "spd-lightning", "save_dir": "runs"}}
+
+
+class SPDLightningCLI(LightningCLI):
+    @staticmethod
+    def subcommands() -> dict:
+        base = LightningCLI.subcommands()
+        return {name: base[name] for name in ("fit", "validate")}
+
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.link_arguments("model.target", "data.tokenizer")
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.set_defaults({"checkpoint.save_last": True, "checkpoint.dirpath": None})
+
+
+def wandb_has_key() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(WANDB_HOST) is not None
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+
+
+def default_wandb_offline() -> None:
+    """W&B runs offline unless the user configured a key or chose a mode themselves."""
+    if "WANDB_MODE" not in os.environ and not wandb_has_key():
+        os.environ["WANDB_MODE"] = "offline"
+
+
+def run_cli(args: Optional[Sequence[str]] = None) -> SPDLightningCLI:
+    """LightningCLI over `args`, or over `sys.argv` when None (DDP relaunches each rank with sys.argv)."""
+    default_wandb_offline()
+    return SPDLightningCLI(
+        SPDModule, ChatDataModule, args=None if args is None else list(args), seed_everything_default=0,
+        auto_configure_optimizers=False,  # SPDModule.configure_optimizers owns AdamW + the linear schedule
+        trainer_defaults={"logger": DEFAULT_LOGGER, "max_epochs": 1},
+        save_config_kwargs={"overwrite": True},
+    )
+
+
+def export(args: Sequence[str]) -> str:
+    parser = argparse.ArgumentParser(prog="python -m spd_lightning export",
+                                     description="Write a drafter directory (config.json + model.safetensors).")
+    parser.add_argument("--ckpt", required=True, help="a Lightning .ckpt written by `fit` (or a drafter directory)")
+    parser.add_argument("--out", required=True, help="output directory")
+    opts = parser.parse_args(list(args))
+    pdm, spec = load_drafter(opts.ckpt)
+    out = save_drafter(pdm, spec, opts.out)
+    print(f"exported the drafter of {opts.ckpt} to {out} (n={spec.geometry.n}, L_s={spec.pdm.num_layers}, "
+          f"V_d={spec.pdm.draft_vocab_size}, target {spec.target.name_or_path})")
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--debug" in args:
+        os.environ["SPD_DEBUG"] = "1"  # inherited by the processes a DDP launch starts
+        args = [a for a in args if a != "--debug"]
+        if argv is None:
+            sys.argv = sys.argv[:1] + args
+    debug = os.environ.get("SPD_DEBUG") == "1"
+    try:
+        if args and args[0] == "export":
+            export(args[1:])
+        else:
+            run_cli(None if argv is None else args)
+    except (ValueError, FileNotFoundError) as e:  # every project error class is a ValueError
+        if debug:
+            raise
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"error: {message} (rerun with --debug for the traceback)", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,239 @@
+"""Sequence replication for training (SPEC 4.2-4.4): one forward covers the drafting view of every time.
+
+At inference the PDM drafts `x_{t+1}` from the staircase view `V(t)` (spd_lightning/geometry.py). Training
+replicates the sequence so that ONE forward computes the last-position output of `V(t)` for every `t`:
+
+- `layout: depth` (exact for any `L_s`): `n+1` copies. Copy `c < n`, position `i` is `x_i` as the `c`-th
+  newest in-flight token of the view of drafting time `t = i + c` (features of depth `inflight_depth(c)`);
+  copy `n` is the verified stream. Fill `a(t)` is drawn per drafting time.
+- `layout: type` (the paper's; exact for `L_s = 1`): one block per aggregation type that a view uses.
+  Fill is drawn once per step.
+
+Each layout states its mask once, as per-row quantities (`_rows`) from which both the FlexAttention-style
+predicate and the two-part factorization are read (spd_lightning/attention.py). Every replicated token
+keeps RoPE position `i`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Optional, Sequence
+
+import torch
+
+from .attention import Backend, MaskMod, TwoPartPlan, make_attend
+from .geometry import Geometry
+from .pdm import Attend
+
+LayoutName = Literal["depth", "type"]
+LAYOUTS = ("depth", "type")
+
+
+@dataclass(frozen=True)
+class FillDistribution:
+    """Distribution of the fill level `a` in `1..n`: `a = n` with probability `full_prob`, otherwise uniform
+    over `1..n-1`; or explicit `probs` for `a = 1..n` (normalized), which overrides `full_prob`."""
+
+    full_prob: float = 0.5
+    probs: Optional[Sequence[float]] = None
+
+    def probabilities(self, n: int) -> torch.Tensor:
+        if self.probs is not None:
+            p = torch.tensor([float(x) for x in self.probs], dtype=torch.float64)
+            if p.numel() != n or (p < 0).any() or p.sum() <= 0:
+                raise ValueError(f"fill_probs={list(self.probs)} must be {n} non-negative weights for a = 1..n={n} "
+                                 f"with a positive sum")
+            return p / p.sum()
+        if not 0.0 <= self.full_prob <= 1.0:
+            raise ValueError(f"fill_full_prob={self.full_prob} must lie in [0, 1]")
+        if n == 1:
+            return torch.ones(1, dtype=torch.float64)
+        rest = (1.0 - self.full_prob) / (n - 1)
+        return torch.tensor([rest] * (n - 1) + [self.full_prob], dtype=torch.float64)
+
+    def sample(self, n: int, shape: Sequence[int], generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        p = self.probabilities(n)
+        draws = torch.multinomial(p, int(torch.Size(shape).numel()), replacement=True, generator=generator)
+        return (draws + 1).view(*shape)
+
+
+@dataclass
+class Replication:
+    """One replicated batch: which features go where, the mask, and which outputs mean what.
+
+    `copy_types[c]` is the aggregation type of copy (block) `c`; `copy_depths[c]` the depth of the newest
+    token of the views that copy `c` computes (what its outputs are labelled by in metrics); `loss_copy`
+    the copy whose outputs are the drafts; `active[c]` marks tokens of copy `c` whose output IS a view's
+    output (`[B, T]`); `fill[c]` the fill level of that view per token (`[B, T]`).
+    """
+
+    batch: int
+    length: int
+    copy_types: list[int]
+    copy_depths: list[int]
+    loss_copy: int
+    mask_mod: MaskMod
+    plan_fn: Callable[[], TwoPartPlan]
+    active: list[torch.Tensor]
+    fill: list[torch.Tensor]
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def num_copies(self) -> int:
+        return len(self.copy_types)
+
+    @property
+    def seq_len(self) -> int:
+        return self.num_copies * self.length
+
+    def positions(self) -> torch.Tensor:
+        """RoPE positions `[B, S]`: every copy keeps its token's true position."""
+        pos = torch.arange(self.length, device=self.device).repeat(self.num_copies)
+        return pos.expand(self.batch, -1)
+
+    def features(self, fuse, states: torch.Tensor) -> torch.Tensor:
+        """`g[B, S, d]`: each distinct type is fused once and laid out in every copy that uses it."""
+        by_type = {tau: fuse(states, tau) for tau in sorted(set(self.copy_types))}
+        return torch.cat([by_type[tau] for tau in self.copy_types], dim=1)
+
+    def plan(self) -> TwoPartPlan:
+        return self.plan_fn()
+
+    def attend(self, backend: Backend = "auto") -> Attend:
+        return make_attend(backend, self.mask_mod, self.plan_fn, self.batch, self.seq_len, self.device)
+
+    def copy_slice(self, c: int) -> slice:
+        return slice(c * self.length, (c + 1) * self.length)
+
+
+class DepthLayout:
+    """`n+1` copies; the structural mask of SPEC 4.4."""
+
+    name = "depth"
+
+    def __init__(self, geometry: Geometry, fill: FillDistribution = FillDistribution()):
+        self.geometry, self.fill_dist = geometry, fill
+        n = geometry.n
+        self.copy_depths = [geometry.inflight_depth(c) for c in range(n)] + [n]
+        self.copy_types = [geometry.type_of(k) for k in self.copy_depths]
+
+    def draw_fill(self, batch: int, length: int, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """`a(t)` for every drafting time a copy token can stand for: `t = i + c <= T - 1 + n`."""
+        return self.fill_dist.sample(self.geometry.n, (batch, length + self.geometry.n), generator)
+
+    def replicate(self, lengths: torch.Tensor, length: int, fill: torch.Tensor) -> Replication:
+        n, T, device = self.geometry.n, length, lengths.device
+        fill = fill.to(device)
+        B = lengths.shape[0]
+
+        def rows(b, q):
+            """Per query row: copy, position, drafting time, whether it is a view's token, the copy-n prefix
+            cutoff, and the staircase copies `lo..hi-1` it reads at `(j, t - j)`."""
+            copy, pos = q // T, q % T
+            t = pos + copy
+            a = fill[b, t]
+            real = pos < lengths[b]
+            active = real & ((copy == n) | (copy < a))
+            cutoff = torch.where(active, torch.where(copy == n, pos, t - a), -1)
+            hi = torch.where(active & (copy < n), a, copy)
+            return copy, pos, t, active, cutoff, copy, hi
+
+        def mask_mod(b, h, q, kv):
+            copy, pos, t, active, cutoff, lo, hi = rows(b, q)
+            kc, kp = kv // T, kv % T
+            prefix = (kc == n) & (kp <= cutoff)
+            stair = (kc >= lo) & (kc < hi) & (kp + kc == t)
+            return prefix | stair | (~active & (kv == q))
+
+        def plan() -> TwoPartPlan:
+            b = torch.arange(B, device=device)[:, None]
+            q = torch.arange((n + 1) * T, device=device)[None, :]
+            copy, pos, t, active, cutoff, lo, hi = rows(b, q)
+            j = lo[..., None] + torch.arange(max(n, 1), device=device)  # [B, S, W]
+            ok = (j < hi[..., None]) & (t[..., None] - j >= 0)
+            stair = torch.where(ok, j * T + t[..., None] - j, -1)
+            stair[..., 0] = torch.where(active, stair[..., 0], q.expand(B, -1))  # inactive and padding: self only
+            return TwoPartPlan(prefix_start=n * T, prefix_len=T, cutoff=cutoff.expand(B, -1), stair=stair)
+
+        i = torch.arange(T, device=device)
+        real = i[None, :] < lengths[:, None]
+        active = [real & (c < fill[:, i + c]) for c in range(n)] + [real]
+        fills = [fill[:, i + c] for c in range(n)] + [torch.full_like(fill[:, :T], n)]
+        return Replication(B, T, self.copy_types, self.copy_depths, 0, mask_mod, plan, active, fills, device)
+
+
+class TypeLayout:
+    """One block per aggregation type (the paper's layout, SPEC 4.2).
+
+    Block `beta` stands for a token at in-flight index `jq(beta)` (the first index whose depth has that
+    type; under the pre-step schedule that is `d(tau)`). Query `(beta, t)` sees key `(beta_k, T)` iff
+    `T <= t` and `beta_k` is the block of in-flight index `min(n, jq + t - T)`; keys with `t - T >= a` use
+    the deepest block. For the loss block (`jq = 0`) this is exactly `V(t)` when `L_s = 1`.
+    """
+
+    name = "type"
+
+    def __init__(self, geometry: Geometry, fill: FillDistribution = FillDistribution()):
+        self.geometry, self.fill_dist = geometry, fill
+        n = geometry.n
+        type_of_j = [geometry.type_of(geometry.inflight_depth(j)) for j in range(n)] + [geometry.type_of(n)]
+        self.copy_types = sorted(set(type_of_j))  # blocks: only the types some view actually uses
+        self.block_of_j = [self.copy_types.index(tau) for j, tau in enumerate(type_of_j)]
+        self.jq = [self.block_of_j.index(beta) for beta in range(len(self.copy_types))]
+        self.copy_depths = [geometry.inflight_depth(j) if j < n else n for j in self.jq]
+        self.deepest = len(self.copy_types) - 1
+        self.first_deep_j = self.block_of_j.index(self.deepest)
+
+    def draw_fill(self, batch: int, length: int, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """One fill level for the whole step, repeated per sample."""
+        return self.fill_dist.sample(self.geometry.n, (1,), generator).expand(batch).clone()
+
+    def replicate(self, lengths: torch.Tensor, length: int, fill: torch.Tensor) -> Replication:
+        n, T, device = self.geometry.n, length, lengths.device
+        fill = fill.to(device)
+        B, m = lengths.shape[0], len(self.copy_types)
+        block_of_j = torch.tensor(self.block_of_j, device=device)
+        jq_of_block = torch.tensor(self.jq, device=device)
+
+        def rows(b, q):
+            """Per query row: block, position, fill, in-flight index, and `delta0`: keys at distance
+            `>= delta0` all come from the deepest block (a prefix), nearer ones from the staircase."""
+            blk, t = q // T, q % T
+            a = fill[b]
+            real = t < lengths[b]
+            jq = jq_of_block[blk]
+            delta0 = torch.minimum((self.first_deep_j - jq).clamp(min=0), a)
+            cutoff = torch.where(real, t - delta0, -1)
+            return blk, t, a, real, jq, delta0, cutoff
+
+        def mask_mod(b, h, q, kv):
+            blk, t, a, real, jq, delta0, cutoff = rows(b, q)
+            kb, kt = kv // T, kv % T
+            delta = t - kt
+            key_block = torch.where(delta < a, block_of_j[(jq + delta).clamp(0, n)], self.deepest)
+            return (real & (delta >= 0) & (kb == key_block)) | (~real & (kv == q))
+
+        def plan() -> TwoPartPlan:
+            b = torch.arange(B, device=device)[:, None]
+            q = torch.arange(m * T, device=device)[None, :]
+            blk, t, a, real, jq, delta0, cutoff = rows(b, q)
+            delta = torch.arange(max(self.first_deep_j, 1), device=device)  # [W]
+            kt = t[..., None] - delta
+            ok = real[..., None] & (delta < delta0[..., None]) & (kt >= 0)
+            key_block = block_of_j[(jq[..., None] + delta).clamp(0, n)]
+            stair = torch.where(ok, key_block * T + kt, -1)
+            stair[..., 0] = torch.where(real, stair[..., 0], q.expand(B, -1))  # padding: self only
+            return TwoPartPlan(prefix_start=self.deepest * T, prefix_len=T, cutoff=cutoff.expand(B, -1), stair=stair)
+
+        i = torch.arange(T, device=device)
+        real = i[None, :] < lengths[:, None]
+        per_token_fill = fill[:, None].expand(B, T)
+        return Replication(B, T, self.copy_types, self.copy_depths, self.block_of_j[0], mask_mod, plan,
+                           [real] * m, [per_token_fill] * m, device)
+
+
+def build_layout(name: LayoutName, geometry: Geometry, fill: FillDistribution = FillDistribution()):
+    if name == "depth":
+        return DepthLayout(geometry, fill)
+    if name == "type":
+        return TypeLayout(geometry, fill)
+    raise ValueError(f"unknown layout {name!r}: use 'depth' (exact) or 'type' (the paper's)")

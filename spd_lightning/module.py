@@ -1,0 +1,317 @@
+"""The LightningModule: online distillation of the PDM from a frozen target (SPEC section 4).
+
+Per step: the frozen target (no grad, eval mode) returns anchor states and logits for the batch; the layout
+replicates the sequence so that one PDM forward yields the draft of every drafting time under its
+simulated fill level; the loss is the forward KL from the teacher restricted to the draft vocabulary.
+
+The target is deliberately NOT a registered submodule: it never enters the optimizer, `state_dict`, the
+checkpoints or Lightning's device moves; `setup` loads it on the strategy's device. The PDM is built in
+`configure_model` (inside the FSDP sharding context when that strategy is used) from the data module's
+draft vocabulary `d2t`, or from a checkpoint's drafter description when loaded without a trainer.
+
+Positions whose teacher argmax falls outside `V_d` are KEPT: the restricted, renormalized teacher is still a
+valid target over what the drafter can propose; their share is logged as `*/teacher_top1_outside_vd`.
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+import torchmetrics
+from lightning.pytorch.utilities import rank_zero_info
+
+from .attention import Backend
+from .export import CKPT_KEY, DrafterSpec
+from .geometry import Features, Geometry, Schedule
+from .layouts import FillDistribution, LayoutName, build_layout
+from .pdm import PDMConfig, PipelineDraftModule
+from .target import Target, TargetError, load_hf_config
+
+
+class GroupedAgreement(torchmetrics.Metric):
+    """Top-1 agreement per group (depth or fill level); the counts are summed across processes."""
+
+    full_state_update = False
+
+    def __init__(self, num_groups: int):
+        super().__init__()
+        self.add_state("correct", torch.zeros(num_groups, dtype=torch.long), dist_reduce_fx="sum")
+        self.add_state("total", torch.zeros(num_groups, dtype=torch.long), dist_reduce_fx="sum")
+
+    def update(self, agree: torch.Tensor, group: torch.Tensor) -> None:
+        self.correct += torch.bincount(group[agree], minlength=self.correct.numel())
+        self.total += torch.bincount(group, minlength=self.total.numel())
+
+    def compute(self) -> dict[int, float]:
+        return {g: c / t for g, (c, t) in enumerate(zip(self.correct.tolist(), self.total.tolist())) if t > 0}
+
+
+class SPDModule(L.LightningModule):
+    def __init__(
+        self,
+        target: str,
+        target_dtype: str = "bfloat16",
+        trust_remote_code: bool = False,
+        n: int = 8,
+        split: Union[Literal["uniform"], list[int]] = "uniform",
+        anchors: Union[Literal["quarters", "n_scaled"], list[int]] = "n_scaled",
+        layout: LayoutName = "depth",
+        schedule: Schedule = "pre_step",
+        features: Features = "spd",
+        num_layers: int = 1,
+        hidden_size: Optional[int] = None,
+        num_heads: Optional[int] = None,
+        num_kv_heads: Optional[int] = None,
+        head_dim: Optional[int] = None,
+        intermediate_size: Optional[int] = None,
+        init_layers_from: Optional[list[int]] = None,
+        init_head: bool = True,
+        fill_full_prob: float = 0.5,
+        fill_probs: Optional[list[float]] = None,
+        teacher_temperature: float = 1.0,
+        aux_loss_weight: float = 0.0,
+        lr: float = 1e-4,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        min_lr_ratio: float = 0.0,
+        attention_backend: Backend = "auto",
+        seed: int = 0,
+    ):
+        """Args:
+            target: HF name or local directory of the frozen target.
+            target_dtype: dtype the target runs in (bfloat16 on GPU; float32 for CPU runs).
+            n, split, anchors, schedule, features: the staircase geometry (spd_lightning/geometry.py).
+            layout: `depth` (exact for any `num_layers`) or `type` (the paper's; exact for `num_layers` 1).
+            num_layers .. intermediate_size: PDM shape; `None` takes the target's value (width, heads, ...).
+            init_layers_from: target layer index to seed each PDM layer from (one per PDM layer).
+            init_head: seed the draft head with the target LM-head rows of the draft vocabulary.
+            fill_full_prob, fill_probs: fill-level distribution (SPEC 4.3).
+            teacher_temperature: temperature of the teacher distribution in the KL.
+            aux_loss_weight: weight of the KL on the other active copies (depths > 0).
+            lr, weight_decay, warmup_steps, min_lr_ratio: AdamW with linear warmup, then linear decay to
+                `min_lr_ratio * lr` over the trainer's estimated stepping batches.
+            attention_backend: `auto` (flex on CUDA, dense or two-part on CPU), `flex`, `dense`, `two_part`.
+            seed: seeds the per-step fill draws (deterministic, and identical after a resume).
+        """
+        super().__init__()
+        self.save_hyperparameters()
+        for name, value in (("teacher_temperature", teacher_temperature), ("lr", lr)):
+            if value <= 0:
+                raise ValueError(f"{name}={value} must be positive")
+        for name, value in (("aux_loss_weight", aux_loss_weight), ("weight_decay", weight_decay),
+                            ("warmup_steps", warmup_steps)):
+            if value < 0:
+                raise ValueError(f"{name}={value} must be >= 0")
+        if not 0 <= min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio={min_lr_ratio} must lie in [0, 1] (the final lr as a fraction of lr)")
+        config = load_hf_config(target, trust_remote_code)
+        self.target_config = getattr(config, "text_config", None) or config
+        self.geometry = Geometry.build(self.target_config.num_hidden_layers, n, split, anchors, schedule, features)
+        self.layout = build_layout(layout, self.geometry, FillDistribution(fill_full_prob, fill_probs))
+        self.layout.fill_dist.probabilities(n)  # validates the fill settings now, not at the first step
+        self._check_init_args()
+        self.pdm: Optional[PipelineDraftModule] = None
+        self._target: Optional[Target] = None
+        self._target_info = None
+        n_groups = n + 1
+        self.train_agree, self.val_agree = torchmetrics.MeanMetric(), torchmetrics.MeanMetric()
+        self.val_loss, self.val_outside = torchmetrics.MeanMetric(), torchmetrics.MeanMetric()
+        self.val_agree_depth, self.val_agree_fill = GroupedAgreement(n_groups), GroupedAgreement(n_groups)
+
+    def _pdm_config(self, draft_vocab_size: int, rope_theta: float) -> PDMConfig:
+        """The PDM shape: the configured values, the target's where none is given."""
+        hp, cfg = self.hparams, self.target_config
+        heads = hp.num_heads or cfg.num_attention_heads
+        return PDMConfig(
+            target_hidden_size=cfg.hidden_size, num_types=self.geometry.num_types, draft_vocab_size=draft_vocab_size,
+            hidden_size=hp.hidden_size or cfg.hidden_size, num_layers=hp.num_layers, num_heads=heads,
+            num_kv_heads=hp.num_kv_heads or getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=hp.head_dim or getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+            intermediate_size=hp.intermediate_size or cfg.intermediate_size,
+            rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6), rope_theta=rope_theta)
+
+    def _check_init_args(self) -> None:
+        hp, cfg = self.hparams, self.target_config
+        self._pdm_config(draft_vocab_size=1, rope_theta=1.0)  # shape errors now, before any data is processed
+        width = hp.hidden_size or cfg.hidden_size
+        if hp.init_head and width != cfg.hidden_size:
+            raise ValueError(f"init_head needs the PDM width to equal the target's ({cfg.hidden_size}), got "
+                             f"hidden_size={width}: drop hidden_size or set init_head: false")
+        if hp.init_layers_from is not None:
+            idx = list(hp.init_layers_from)
+            if len(idx) != hp.num_layers or any(not 0 <= i < cfg.num_hidden_layers for i in idx):
+                raise ValueError(f"init_layers_from={idx} must name {hp.num_layers} target layer(s) (one per PDM "
+                                 f"layer) in 0..{cfg.num_hidden_layers - 1}")
+
+    # -- the frozen target ---------------------------------------------------------------------
+    @property
+    def target(self) -> Target:
+        if self._target is None:
+            raise RuntimeError("the target is loaded in setup(); run this module through a Lightning Trainer")
+        return self._target
+
+    def setup(self, stage: str) -> None:
+        if self._target is None:
+            device = self.trainer.strategy.root_device
+            target = Target.load(self.hparams.target, self.hparams.target_dtype, device, self.hparams.trust_remote_code)
+            self.geometry.check_target(target.num_layers)
+            # object.__setattr__ keeps the target out of nn.Module registration (params, state_dict, .to()).
+            object.__setattr__(self, "_target", target)
+            self._target_info = target.info
+
+    def configure_model(self) -> None:
+        if self.pdm is not None or self._trainer is None:
+            return  # without a trainer (`load_from_checkpoint`), on_load_checkpoint builds the PDM
+        d2t = getattr(self.trainer.datamodule, "d2t", None) if self.trainer.datamodule is not None else None
+        if d2t is None:
+            raise ValueError("SPDModule needs a data module with a draft vocabulary `d2t` (ChatDataModule): "
+                             "train through `python -m spd_lightning fit` or pass datamodule=ChatDataModule(...)")
+        d2t = torch.as_tensor(d2t, dtype=torch.long)
+        vocab = self.target.vocab_size
+        if d2t.ndim != 1 or d2t.numel() == 0 or int(d2t.max()) >= vocab or int(d2t.min()) < 0:
+            raise ValueError(f"the draft vocabulary ({d2t.numel()} ids, max {int(d2t.max()) if d2t.numel() else None}) "
+                             f"does not fit the target vocabulary of {vocab}: use the target's own tokenizer")
+        hp = self.hparams
+        self.pdm = PipelineDraftModule(self._pdm_config(d2t.numel(), self._target_info.rope_theta), d2t)
+        self._freeze_unused_types()
+        if hp.init_head:
+            self.pdm.init_head_from_target(self.target.lm_head.weight)
+        for i, layer in enumerate(hp.init_layers_from or []):
+            copied = self.pdm.init_layer_from_target(i, self.target.layers[layer])
+            rank_zero_info(f"PDM layer {i} seeded from target layer {layer}: {len(copied)} tensors ({', '.join(copied)})")
+
+    def _freeze_unused_types(self) -> None:
+        """Fusion projections of aggregation types that no view uses would never receive a gradient (and
+        DDP rejects such parameters): they stay at their initialization, outside the optimizer."""
+        used = set(self.layout.copy_types)
+        for tau, proj in enumerate(self.pdm.fusion.proj, start=1):
+            proj.requires_grad_(tau in used)
+
+    # -- one replicated forward ----------------------------------------------------------------
+    def _fill_generator(self, phase: int, index: int) -> torch.Generator:
+        """Fill draws are a function of (seed, phase, batch counter, rank): reproducible, and a resumed run
+        draws what the uninterrupted run would have drawn (the training counter is restored on resume)."""
+        key = (self.hparams.seed, phase, index, self.global_rank)
+        return torch.Generator().manual_seed(hash(key) % (2 ** 63))
+
+    def _forward(self, batch: dict, generator: torch.Generator):
+        input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+        if not bool((attention_mask[:, :-1] >= attention_mask[:, 1:]).all()):
+            raise ValueError("batches must be right-padded (attention_mask 1...1 0...0): the layouts read each "
+                             "sequence's length as attention_mask.sum(1)")
+        states, teacher = self.target.anchor_states(input_ids, attention_mask, self.geometry.anchors)
+        B, T = input_ids.shape
+        rep = self.layout.replicate(attention_mask.sum(1), T, self.layout.draw_fill(B, T, generator))
+        g = rep.features(self.pdm.fuse, states.to(self.pdm.lm_head.weight.dtype))
+        hidden = self.pdm.body(g, rep.positions(), rep.attend(self.hparams.attention_backend))
+        # Output i of every copy drafts x_{i+1}: a loss position iff x_{i+1} is an assistant token.
+        predicts_loss_token = F.pad(batch["loss_mask"][:, 1:].bool(), (0, 1), value=False)
+        return rep, hidden, teacher, predicts_loss_token
+
+    def _distill(self, rep, hidden, teacher, valid, copy: int):
+        """KL(P || q) on the active outputs of `copy` that predict a loss token; returns the per-token KL,
+        the student's and restricted teacher's argmax, the tokens' fill levels and the outside-V_d flags."""
+        sel = valid & rep.active[copy]
+        student = self.pdm.lm_head(hidden[:, rep.copy_slice(copy)][sel]).float()
+        full = teacher[sel].float()
+        d2t = self.pdm.d2t
+        restricted = full[:, d2t]
+        log_p = F.log_softmax(restricted / self.hparams.teacher_temperature, dim=-1)
+        kl = (log_p.exp() * (log_p - F.log_softmax(student, dim=-1))).sum(-1)
+        in_vd = torch.zeros(full.shape[-1], dtype=torch.bool, device=full.device).index_fill_(0, d2t, True)
+        return kl, student.argmax(-1), restricted.argmax(-1), rep.fill[copy][sel], ~in_vd[full.argmax(-1)]
+
+    @staticmethod
+    def _mean(x: torch.Tensor) -> torch.Tensor:
+        """Mean that is 0 (with a graph) on a batch without loss tokens instead of NaN."""
+        return x.sum() / max(x.numel(), 1)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        step = self.trainer.fit_loop.epoch_loop.total_batch_idx  # counts every batch of every epoch
+        rep, hidden, teacher, valid = self._forward(batch, self._fill_generator(0, step))
+        kl, student, target, _, outside = self._distill(rep, hidden, teacher, valid, rep.loss_copy)
+        loss = self._mean(kl)
+        if self.hparams.aux_loss_weight > 0:
+            aux = [self._distill(rep, hidden, teacher, valid, c)[0] for c in range(rep.num_copies) if c != rep.loss_copy]
+            loss = loss + self.hparams.aux_loss_weight * self._mean(torch.cat(aux))
+        B = batch["input_ids"].shape[0]
+        self.log("train/loss", loss, prog_bar=True, batch_size=B)
+        self.log("train/kl_draft", self._mean(kl), batch_size=B)
+        if kl.numel():
+            self.train_agree(student.eq(target).float())
+            self.log("train/agree", self.train_agree, prog_bar=True, batch_size=B)
+            self.log("train/teacher_top1_outside_vd", outside.float().mean(), batch_size=B)
+        self.log("train/loss_tokens", float(kl.numel()), batch_size=B)
+        self.log("train/lr", self.optimizers().param_groups[0]["lr"], batch_size=B)
+        return loss
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        rep, hidden, teacher, valid = self._forward(batch, self._fill_generator(1, batch_idx))  # same draws at every validation
+        for c in range(rep.num_copies):
+            kl, student, target, fill, outside = self._distill(rep, hidden, teacher, valid, c)
+            if not kl.numel():
+                continue
+            agree = student.eq(target)
+            self.val_agree_depth.update(agree, torch.full_like(fill, rep.copy_depths[c]))
+            if c == rep.loss_copy:
+                self.val_loss.update(kl)
+                self.val_agree.update(agree.float())
+                self.val_outside.update(outside.float())
+                self.val_agree_fill.update(agree, fill)
+
+    def on_validation_epoch_end(self) -> None:
+        # compute() synchronizes across ranks, so every rank holds the same values and the same keys; the
+        # sync_dist mean of identical values is a no-op that keeps Lightning's distributed bookkeeping happy.
+        values = {}
+        for name, metric in (("loss", self.val_loss), ("agree", self.val_agree),
+                             ("teacher_top1_outside_vd", self.val_outside)):
+            value = metric.compute()  # NaN (identically on every rank) when no loss token was seen
+            if torch.isfinite(value):
+                values[f"val/{name}"] = value
+        for prefix, metric in (("depth", self.val_agree_depth), ("fill", self.val_agree_fill)):
+            values.update({f"val/agree_{prefix}{group}": value for group, value in metric.compute().items()})
+        self.log_dict({k: v for k, v in values.items() if k in ("val/loss", "val/agree")}, prog_bar=True, sync_dist=True)
+        self.log_dict({k: v for k, v in values.items() if k not in ("val/loss", "val/agree")}, sync_dist=True)
+        # `validate` runs under inference mode; states reset there would be inference tensors that the
+        # no-grad validation inside a later `fit` may not update in place.
+        with torch.inference_mode(False):
+            for metric in (self.val_loss, self.val_agree, self.val_outside, self.val_agree_depth, self.val_agree_fill):
+                metric.reset()
+
+    # -- optimizer -------------------------------------------------------------------------------
+    def configure_optimizers(self):
+        params = [p for p in self.pdm.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": self.hparams.weight_decay},
+                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]  # no decay on norms
+        optimizer = torch.optim.AdamW(groups, lr=self.hparams.lr)
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        warmup, floor = self.hparams.warmup_steps, self.hparams.min_lr_ratio
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            return max(floor, 1.0 - (1.0 - floor) * (step - warmup) / max(1, total - warmup))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def drafter_spec(self) -> DrafterSpec:
+        if self.pdm is None or self._target_info is None:
+            raise RuntimeError("the drafter is built in configure_model(); fit or load a checkpoint first")
+        return DrafterSpec(self.pdm.cfg, self.geometry, self._target_info)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # What inference/ and `export` read; the frozen target is not in state_dict to begin with.
+        checkpoint[CKPT_KEY] = self.drafter_spec().to_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if CKPT_KEY not in checkpoint:
+            raise TargetError("this checkpoint has no drafter description: it was not written by SPDModule")
+        spec = DrafterSpec.from_dict(checkpoint[CKPT_KEY], "checkpoint")
+        self._target_info = self._target_info or spec.target
+        if self.pdm is None:  # loaded without a trainer: build the PDM the checkpoint describes
+            self.pdm = PipelineDraftModule(spec.pdm)
+            self._freeze_unused_types()

@@ -1,0 +1,133 @@
+"""`python -m spd_lightning`: every shipped config parses, bad settings fail with one line, and a real fit
+(ChatDataModule over embedded ShareGPT, a micro chat target) trains, validates, resumes and runs on 2-process
+CPU DDP."""
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from spd_lightning import cli
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended")
+CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
+
+
+@pytest.fixture(scope="module")
+def micro_target(tmp_path_factory) -> str:
+    """A chat target made in seconds: a 512-id BPE tokenizer with the chat template and a 4-layer Qwen3.5."""
+    from spd_lightning.tiny_target import build_tiny_target
+
+    out = str(tmp_path_factory.mktemp("micro") / "target")
+    build_tiny_target(out, max_steps=1, hidden_size=32, num_layers=4, vocab_size=512, seq_len=64, batch_size=2,
+                      max_conversations=200, tokenizer_conversations=200, heldout_conversations=4, heldout_blocks=2)
+    return out
+
+
+def fit_args(target: str, root, *extra: str) -> list[str]:
+    """configs/tiny.yaml shrunk to seconds: 2 stages, 12 chats, a few steps, no logger."""
+    return ["--config", os.path.join(REPO, "configs", "tiny.yaml"), "--model.target", target, "--model.n", "2",
+            "--data.sources", "[{path: sharegpt, max_samples: 100}]", "--data.max_length", "1024",
+            "--data.draft_vocab_size", "256", "--data.batch_size", "2", "--data.val_size", "4",
+            "--data.cache_dir", str(root / "cache"), "--trainer.logger", "false",
+            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+            "--trainer.default_root_dir", str(root), "--checkpoint.dirpath", str(root / "ckpt"), *extra]
+
+
+def run_main(args, capsys) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(args)
+    return exit_info.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=os.path.basename)
+def test_every_config_parses_without_loading_the_target(config, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["fit", "--config", config, "--print_config"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and "model:" in out and "target:" in out
+
+
+def test_print_config_shows_the_linked_defaults(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["fit", "--config", os.path.join(REPO, "configs", "qwen35_9b.yaml"), "--print_config"])
+    out = capsys.readouterr().out
+    assert "target: Qwen/Qwen3.5-9B" in out and "num_layers: 3" in out and "n: 8" in out
+    assert "save_last: true" in out and "WandbLogger" in out and "precision: bf16-mixed" in out
+    assert "tokenizer:" not in out  # linked to model.target, not a second setting
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--model.n", "9"], "n=9"),
+    (["--model.anchors", "[0, 2, 9]"], "anchor 9 is out of range"),
+    (["--model.split", "[0, 3, 3, 4]", "--model.n", "3"], "stage split"),
+    (["--model.init_layers_from", "[5]"], "init_layers_from"),
+    (["--data.max_length", "8"], "max_length"),
+])
+def test_bad_settings_print_one_line(micro_target, tmp_path, capsys, extra, expected):
+    code, err = run_main(["fit", *fit_args(micro_target, tmp_path), *extra], capsys)
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(lines) == 1 and expected in lines[0], err
+    assert "Traceback" not in err
+
+
+def test_missing_target_path(tmp_path, capsys):
+    code, err = run_main(["fit", *fit_args(str(tmp_path / "no_target"), tmp_path)], capsys)
+    assert code == 2 and "does not exist" in err and "Traceback" not in err
+
+
+def test_debug_flag_shows_the_traceback(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        cli.main(["fit", *fit_args(str(tmp_path / "no_target"), tmp_path), "--debug"])
+    os.environ.pop("SPD_DEBUG", None)
+
+
+def test_wandb_runs_offline_without_a_key(monkeypatch, tmp_path):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("NETRC", str(tmp_path / ".netrc"))
+    cli.default_wandb_offline()
+    assert os.environ["WANDB_MODE"] == "offline"
+    monkeypatch.delenv("WANDB_MODE")
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password abc\n")
+    (tmp_path / ".netrc").chmod(0o600)
+    cli.default_wandb_offline()
+    assert "WANDB_MODE" not in os.environ
+
+
+def test_fit_validate_resume_and_export(micro_target, tmp_path):
+    # a periodic last.ckpt, as an interrupted run leaves it (a run that reached max_steps has finished its epoch)
+    trained = cli.run_cli(["fit", *fit_args(micro_target, tmp_path, "--trainer.max_steps", "3",
+                                            "--checkpoint.every_n_train_steps", "1")])
+    assert trained.trainer.global_step == 3
+    last = tmp_path / "ckpt" / "last.ckpt"
+    assert last.exists()
+    assert {"val/loss", "val/agree", "val/agree_depth0", "val/agree_fill1"} <= set(trained.trainer.callback_metrics)
+
+    resumed = cli.run_cli(["fit", *fit_args(micro_target, tmp_path, "--trainer.max_steps", "5"), "--ckpt_path", str(last)])
+    assert resumed.trainer.global_step == 5
+
+    validated = cli.run_cli(["validate", *fit_args(micro_target, tmp_path), "--ckpt_path", str(last)])
+    assert "val/agree" in validated.trainer.callback_metrics
+
+    out = cli.export(["--ckpt", str(last), "--out", str(tmp_path / "drafter")])
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+
+
+@pytest.mark.timeout(300)
+def test_ddp_two_cpu_processes(micro_target, tmp_path):
+    """Lightning's own DDP strategy (gloo on CPU), launched the way a user launches it."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+    cmd = [sys.executable, "-m", "spd_lightning", "fit",
+           *fit_args(micro_target, tmp_path, "--trainer.max_steps", "2", "--trainer.strategy", "ddp",
+                     "--trainer.devices", "2", "--trainer.accelerator", "cpu")]
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ckpt = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
+    assert ckpt["global_step"] == 2 and "spd_drafter" in ckpt
+    assert "distributed_backend=gloo" in result.stderr + result.stdout
+    assert "Starting with 2 processes" in result.stderr + result.stdout

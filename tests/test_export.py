@@ -1,0 +1,39 @@
+"""Export round trip: the exported directory, the checkpoint and the in-memory PDM give the same logits."""
+import json
+import os
+
+import torch
+
+from spd_lightning import cli
+from spd_lightning.export import load_drafter
+from test_module import SyntheticChat, make_module, make_trainer, tiny_target_dir  # noqa: F401 (fixture)
+
+
+def test_export_round_trip(tiny_target_dir, tmp_path):
+    module = make_module(tiny_target_dir, num_layers=2)
+    trainer = make_trainer(tmp_path, max_steps=2, enable_checkpointing=True)
+    trainer.fit(module, datamodule=SyntheticChat(num_samples=8))
+    ckpt = trainer.checkpoint_callback.last_model_path or trainer.checkpoint_callback.best_model_path
+    out = cli.export(["--ckpt", ckpt, "--out", str(tmp_path / "drafter")])
+
+    from_ckpt, ckpt_spec = load_drafter(ckpt)
+    from_dir, dir_spec = load_drafter(out)
+    assert ckpt_spec.to_dict() == dir_spec.to_dict() == module.drafter_spec().to_dict()
+    dir_spec.check_target(module.target.info)
+    assert torch.equal(from_dir.d2t, module.pdm.d2t)
+
+    geometry = module.geometry
+    gen = torch.Generator().manual_seed(0)
+    states = torch.randn(2, 7, geometry.num_types, module.target.hidden_size, generator=gen)
+    types = torch.tensor([geometry.type_of(geometry.n)] * 5 + [geometry.type_of(1), geometry.type_of(0)]).expand(2, -1)
+    positions = torch.arange(7).expand(2, -1)
+    with torch.no_grad():
+        want = module.pdm.eval()(states, types, positions)
+        torch.testing.assert_close(from_ckpt(states, types, positions), want, rtol=0, atol=0)
+        torch.testing.assert_close(from_dir(states, types, positions), want, rtol=0, atol=0)
+
+    with open(os.path.join(out, "config.json")) as f:
+        config = json.load(f)
+    assert config["geometry"]["n"] == 2 and config["geometry"]["split"] == [0, 2, 4]
+    assert config["pdm"]["num_layers"] == 2 and config["pdm"]["draft_vocab_size"] == 64
+    assert config["target"]["name_or_path"] == tiny_target_dir and config["target"]["num_layers"] == 4

@@ -1,0 +1,208 @@
+"""SPDModule: training on a saved tiny target with synthetic chat batches, checkpoints, resume."""
+import os
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from conftest import TINY_VOCAB, make_tiny_model
+from spd_lightning.export import CKPT_KEY
+from spd_lightning.module import SPDModule
+
+
+class SyntheticChat(L.LightningDataModule):
+    """Batches in the data contract of spd_lightning.data: right-padded `input_ids`, `attention_mask`, and a
+    `loss_mask` on the second half of each sequence (the "assistant" tokens); `d2t` after setup."""
+
+    def __init__(self, draft_vocab_size: int = 64, num_samples: int = 16, max_length: int = 20, batch_size: int = 4,
+                 repeat_one: bool = False, seed: int = 0):
+        super().__init__()
+        self.draft_vocab_size, self.num_samples, self.max_length = draft_vocab_size, num_samples, max_length
+        self.batch_size, self.repeat_one, self.seed = batch_size, repeat_one, seed
+        self.d2t = None
+
+    def setup(self, stage: str) -> None:
+        gen = torch.Generator().manual_seed(self.seed)
+        self.d2t = torch.randperm(TINY_VOCAB - 1, generator=gen)[: self.draft_vocab_size].sort().values
+        self.samples = []
+        for _ in range(self.num_samples):
+            n = int(torch.randint(self.max_length // 2, self.max_length + 1, (1,), generator=gen))
+            ids = torch.randint(1, TINY_VOCAB - 1, (n,), generator=gen)
+            self.samples.append((ids, torch.arange(n) >= n // 2))
+        if self.repeat_one:
+            self.samples = [self.samples[0]] * self.num_samples
+
+    @staticmethod
+    def collate(items):
+        T = max(len(ids) for ids, _ in items)
+        batch = {"input_ids": torch.zeros(len(items), T, dtype=torch.long),
+                 "attention_mask": torch.zeros(len(items), T, dtype=torch.long),
+                 "loss_mask": torch.zeros(len(items), T, dtype=torch.bool)}
+        for b, (ids, loss) in enumerate(items):
+            batch["input_ids"][b, :len(ids)] = ids
+            batch["attention_mask"][b, :len(ids)] = 1
+            batch["loss_mask"][b, :len(ids)] = loss
+        return batch
+
+    def train_dataloader(self):
+        return DataLoader(self.samples, batch_size=self.batch_size, collate_fn=self.collate)
+
+    def val_dataloader(self):
+        return DataLoader(self.samples[:8], batch_size=self.batch_size, collate_fn=self.collate)
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("targets") / "tiny_qwen35")
+    make_tiny_model("qwen3_5").save_pretrained(path)
+    return path
+
+
+def make_module(target_dir: str, **overrides) -> SPDModule:
+    args = dict(target=target_dir, target_dtype="float32", n=2, num_layers=1, lr=3e-3, seed=0)
+    return SPDModule(**{**args, **overrides})
+
+
+def make_trainer(root, max_steps: int, **overrides) -> L.Trainer:
+    args = dict(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
+                enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=2, default_root_dir=str(root),
+                enable_checkpointing=False, val_check_interval=max_steps, check_val_every_n_epoch=None)
+    return L.Trainer(**{**args, **overrides})
+
+
+def pdm_numel(module: SPDModule) -> int:
+    return sum(t.numel() for t in module.pdm.state_dict().values())
+
+
+def test_fit_learns_and_logs_agreement(tiny_target_dir, tmp_path):
+    module, data = make_module(tiny_target_dir), SyntheticChat(repeat_one=True)
+    trainer = make_trainer(tmp_path, max_steps=30)
+    trainer.fit(module, datamodule=data)
+    m = trainer.callback_metrics
+    assert torch.isfinite(m["train/loss"])
+    assert {"val/loss", "val/agree", "val/agree_depth0", "val/agree_depth2", "val/agree_fill1", "val/agree_fill2",
+            "val/teacher_top1_outside_vd"} <= set(m)
+    assert m["val/agree"] > 0.5  # one repeated sequence: the drafter must fit it
+    assert not module.target.model.training and all(not p.requires_grad for p in module.target.parameters())
+    assert all(not name.startswith("_target") for name, _ in module.named_parameters())
+
+
+def test_loss_decreases_from_initialization(tiny_target_dir, tmp_path):
+    module, data = make_module(tiny_target_dir), SyntheticChat(repeat_one=True)
+    before = make_trainer(tmp_path, max_steps=1).validate(module, datamodule=data, verbose=False)[0]
+    make_trainer(tmp_path, max_steps=20).fit(module, datamodule=data)
+    after = make_trainer(tmp_path, max_steps=1).validate(module, datamodule=data, verbose=False)[0]
+    assert after["val/loss"] < 0.5 * before["val/loss"]
+    assert after["val/agree"] > before["val/agree"]
+
+
+@pytest.mark.parametrize("overrides", [dict(layout="type"), dict(aux_loss_weight=0.5, num_layers=2),
+                                       dict(schedule="post_step", attention_backend="two_part"),
+                                       dict(features="first_stage", init_layers_from=[3])])
+def test_variants_train(tiny_target_dir, tmp_path, overrides):
+    module = make_module(tiny_target_dir, **overrides)
+    trainer = make_trainer(tmp_path, max_steps=2)
+    trainer.fit(module, datamodule=SyntheticChat(num_samples=8))
+    assert torch.isfinite(trainer.callback_metrics["train/loss"])
+
+
+def test_checkpoint_holds_the_pdm_not_the_target(tiny_target_dir, tmp_path):
+    # A wide target and a narrow PDM: a checkpoint that held the target would be many times the PDM.
+    wide = str(tmp_path / "wide")
+    make_tiny_model("qwen3_5", num_layers=8, hidden_size=128).save_pretrained(wide)
+    module = make_module(wide, hidden_size=32, init_head=False, num_heads=2, num_kv_heads=1, head_dim=8,
+                         intermediate_size=32)
+    trainer = make_trainer(tmp_path, max_steps=1, enable_checkpointing=True)
+    trainer.fit(module, datamodule=SyntheticChat(num_samples=4))
+    ckpt_path = trainer.checkpoint_callback.best_model_path or trainer.checkpoint_callback.last_model_path
+    ckpt = torch.load(ckpt_path, weights_only=True)
+    assert set(ckpt["state_dict"]) == {"pdm." + k for k in module.pdm.state_dict()}
+    assert ckpt[CKPT_KEY]["target"]["name_or_path"] == wide and ckpt[CKPT_KEY]["geometry"]["n"] == 2
+    assert ckpt["hyper_parameters"]["target"] == wide and ckpt["hyper_parameters"]["layout"] == "depth"
+    target_numel = sum(p.numel() for p in module.target.parameters())
+    assert target_numel > 10 * pdm_numel(module)
+    # weights + two AdamW moments in fp32, plus pickling overhead; far below the target's own size.
+    assert os.path.getsize(ckpt_path) < 3 * 4 * pdm_numel(module) + 200_000 < 4 * target_numel
+
+
+def test_load_from_checkpoint_without_trainer(tiny_target_dir, tmp_path):
+    module = make_module(tiny_target_dir)
+    trainer = make_trainer(tmp_path, max_steps=2, enable_checkpointing=True)
+    trainer.fit(module, datamodule=SyntheticChat(num_samples=8))
+    loaded = SPDModule.load_from_checkpoint(trainer.checkpoint_callback.last_model_path or
+                                            trainer.checkpoint_callback.best_model_path)
+    for (name, a), (_, b) in zip(module.pdm.state_dict().items(), loaded.pdm.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+class RecordStart(L.Callback):
+    def on_train_start(self, trainer, pl_module):
+        self.global_step = trainer.global_step
+        opt = trainer.optimizers[0]
+        self.state = {k: {n: t.clone() for n, t in v.items()} for k, v in opt.state_dict()["state"].items()}
+        self.lr = opt.param_groups[0]["lr"]
+
+
+def test_resume_continues_at_the_same_step_with_the_same_optimizer_state(tiny_target_dir, tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class StopAt(L.Callback):  # an interruption: same run length (so same LR schedule), stopped early
+        def __init__(self, step):
+            self.step = step
+
+        def on_train_batch_end(self, trainer, *args):
+            trainer.should_stop = trainer.global_step >= self.step
+
+    def run(root, stop_at, ckpt_path=None):
+        L.seed_everything(0)
+        module = make_module(tiny_target_dir)
+        record = RecordStart()
+        ckpt = ModelCheckpoint(dirpath=str(root), save_last=True, every_n_train_steps=1)
+        trainer = make_trainer(root, max_steps=6, enable_checkpointing=True, callbacks=[ckpt, record, StopAt(stop_at)],
+                               limit_val_batches=0)
+        trainer.fit(module, datamodule=SyntheticChat(num_samples=32, batch_size=2, repeat_one=True), ckpt_path=ckpt_path)
+        return module, trainer, record
+
+    _, first, _ = run(tmp_path / "a", 3)
+    last = os.path.join(tmp_path / "a", "last.ckpt")
+    saved = torch.load(last, weights_only=True)
+    resumed, trainer, record = run(tmp_path / "b", 6, ckpt_path=last)
+    assert record.global_step == 3 == saved["global_step"]
+    saved_state = saved["optimizer_states"][0]["state"]
+    assert record.state.keys() == saved_state.keys() and len(saved_state) > 0
+    for k, moments in saved_state.items():
+        for name in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(record.state[k][name], moments[name]), (k, name)
+    assert record.lr == pytest.approx(saved["lr_schedulers"][0]["_last_lr"][0])
+    assert trainer.global_step == 6
+    straight, _, _ = run(tmp_path / "c", 6)  # the uninterrupted run ends with the same weights
+    for (name, a), (_, b) in zip(resumed.pdm.state_dict().items(), straight.pdm.state_dict().items()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def test_bad_settings_fail_with_one_line(tiny_target_dir, tmp_path):
+    from spd_lightning.geometry import GeometryError
+    from spd_lightning.target import TargetError
+
+    with pytest.raises(GeometryError, match="n=9"):
+        make_module(tiny_target_dir, n=9)
+    with pytest.raises(GeometryError, match="anchor"):
+        make_module(tiny_target_dir, anchors=[0, 2, 9])
+    with pytest.raises(GeometryError, match="split"):
+        make_module(tiny_target_dir, split=[0, 3, 3, 4], n=3)
+    with pytest.raises(TargetError, match="does not exist"):
+        make_module(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="init_layers_from"):
+        make_module(tiny_target_dir, init_layers_from=[7])
+    with pytest.raises(ValueError, match="num_heads=3 must be a multiple of num_kv_heads=2"):
+        make_module(tiny_target_dir, num_heads=3)
+    with pytest.raises(ValueError, match="fill_probs"):
+        make_module(tiny_target_dir, fill_probs=[1.0])
+    data = SyntheticChat()
+    data.setup("fit")
+    module = make_module(tiny_target_dir)
+    bad = SyntheticChat()
+    bad.setup = lambda stage: setattr(bad, "d2t", torch.tensor([0, TINY_VOCAB + 5])) or setattr(bad, "samples", data.samples)
+    with pytest.raises(ValueError, match="does not fit the target vocabulary"):
+        make_trainer(tmp_path, max_steps=1).fit(module, datamodule=bad)
