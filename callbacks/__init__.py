@@ -1,0 +1,3 @@
+from .staircase import StaircaseEvaluation
+
+__all__ = ["StaircaseEvaluation"]

@@ -18,7 +18,7 @@ import sys
 from typing import Optional, Sequence
 
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
 from .data import ChatDataModule
 from .export import load_drafter, save_drafter
@@ -39,6 +39,15 @@ class SPDLightningCLI(LightningCLI):
         parser.link_arguments("model.target", "data.tokenizer")
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.dirpath": None})
+
+
+class LoggedConfigCallback(SaveConfigCallback):
+    """Writes config.yaml next to the run (Lightning's default) and puts the resolved config into the
+    logger's run config too, so a W&B run shows exactly what produced it."""
+
+    def save_config(self, trainer, pl_module, stage: str) -> None:
+        for logger in trainer.loggers:
+            logger.log_hyperparams({"config": self.config.as_dict()})
 
 
 def wandb_has_key() -> bool:
@@ -63,7 +72,7 @@ def run_cli(args: Optional[Sequence[str]] = None) -> SPDLightningCLI:
         SPDModule, ChatDataModule, args=None if args is None else list(args), seed_everything_default=0,
         auto_configure_optimizers=False,  # SPDModule.configure_optimizers owns AdamW + the linear schedule
         trainer_defaults={"logger": DEFAULT_LOGGER, "max_epochs": 1},
-        save_config_kwargs={"overwrite": True},
+        save_config_callback=LoggedConfigCallback, save_config_kwargs={"overwrite": True},
     )
 
 

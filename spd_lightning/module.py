@@ -261,6 +261,19 @@ class SPDModule(L.LightningModule):
                 self.val_outside.update(outside.float())
                 self.val_agree_fill.update(agree, fill)
 
+    @torch.no_grad()
+    def staircase_agreement(self, batch: dict, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Teacher-forced top-1 agreement of every view output of every copy on `batch`, with fill draws
+        seeded by `seed`: `(agree, depth, fill)`, one entry per output (the staircase evaluation's heatmap)."""
+        rep, hidden, teacher, valid = self._forward(batch, torch.Generator().manual_seed(seed))
+        agree, depth, fill = [], [], []
+        for c in range(rep.num_copies):
+            _, student, target, fills, _ = self._distill(rep, hidden, teacher, valid, c)
+            agree.append(student.eq(target))
+            depth.append(torch.full_like(fills, rep.copy_depths[c]))
+            fill.append(fills)
+        return torch.cat(agree), torch.cat(depth), torch.cat(fill)
+
     def on_validation_epoch_end(self) -> None:
         # compute() synchronizes across ranks, so every rank holds the same values and the same keys; the
         # sync_dist mean of identical values is a no-op that keeps Lightning's distributed bookkeeping happy.

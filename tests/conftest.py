@@ -11,6 +11,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 import torch
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 from spd_lightning.target import Target
 
 TINY_VOCAB = 97
@@ -54,3 +56,24 @@ def tiny_qwen35() -> Target:
 @pytest.fixture(scope="session")
 def tiny_qwen3() -> Target:
     return Target(make_tiny_model("qwen3"), "tiny-qwen3")
+
+
+@pytest.fixture(scope="session")
+def micro_target(tmp_path_factory) -> str:
+    """A chat target made in seconds: a 512-id BPE tokenizer with the chat template and a 4-layer Qwen3.5."""
+    from spd_lightning.tiny_target import build_tiny_target
+
+    out = str(tmp_path_factory.mktemp("micro") / "target")
+    build_tiny_target(out, max_steps=1, hidden_size=32, num_layers=4, vocab_size=512, seq_len=64, batch_size=2,
+                      max_conversations=200, tokenizer_conversations=200, heldout_conversations=4, heldout_blocks=2)
+    return out
+
+
+def fit_args(target: str, root, *extra: str) -> list[str]:
+    """configs/tiny.yaml shrunk to seconds: 2 stages, 12 chats, a few steps, no logger."""
+    return ["--config", os.path.join(REPO, "configs", "tiny.yaml"), "--model.target", target, "--model.n", "2",
+            "--data.sources", "[{path: sharegpt, max_samples: 100}]", "--data.max_length", "1024",
+            "--data.draft_vocab_size", "256", "--data.batch_size", "2", "--data.val_size", "4",
+            "--data.cache_dir", str(root / "cache"), "--trainer.logger", "false",
+            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+            "--trainer.default_root_dir", str(root), "--checkpoint.dirpath", str(root / "ckpt"), *extra]

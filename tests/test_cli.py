@@ -8,33 +8,13 @@ import sys
 
 import pytest
 import torch
+from conftest import fit_args
 
 from spd_lightning import cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended")
 CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
-
-
-@pytest.fixture(scope="module")
-def micro_target(tmp_path_factory) -> str:
-    """A chat target made in seconds: a 512-id BPE tokenizer with the chat template and a 4-layer Qwen3.5."""
-    from spd_lightning.tiny_target import build_tiny_target
-
-    out = str(tmp_path_factory.mktemp("micro") / "target")
-    build_tiny_target(out, max_steps=1, hidden_size=32, num_layers=4, vocab_size=512, seq_len=64, batch_size=2,
-                      max_conversations=200, tokenizer_conversations=200, heldout_conversations=4, heldout_blocks=2)
-    return out
-
-
-def fit_args(target: str, root, *extra: str) -> list[str]:
-    """configs/tiny.yaml shrunk to seconds: 2 stages, 12 chats, a few steps, no logger."""
-    return ["--config", os.path.join(REPO, "configs", "tiny.yaml"), "--model.target", target, "--model.n", "2",
-            "--data.sources", "[{path: sharegpt, max_samples: 100}]", "--data.max_length", "1024",
-            "--data.draft_vocab_size", "256", "--data.batch_size", "2", "--data.val_size", "4",
-            "--data.cache_dir", str(root / "cache"), "--trainer.logger", "false",
-            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-            "--trainer.default_root_dir", str(root), "--checkpoint.dirpath", str(root / "ckpt"), *extra]
 
 
 def run_main(args, capsys) -> tuple[int, str]:

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The end-to-end demo on the embedded default: tiny Qwen3.5 target -> trained drafter -> pipeline decode.
+# Called by `make demo` (which creates the environment first).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+TARGET=${TARGET:-artifacts/tiny_target}
+RUN=runs/tiny   # where configs/tiny.yaml writes checkpoints and logs
+export WANDB_MODE=${WANDB_MODE:-offline} HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+if [ ! -f "$TARGET/config.json" ]; then
+  echo "== 1/4 building the embedded tiny Qwen3.5 target in $TARGET (a few minutes)"
+  "$PY" -m spd_lightning.tiny_target --out "$TARGET" --minutes 4
+else
+  echo "== 1/4 tiny target found in $TARGET"
+fi
+
+echo "== 2/4 training the drafter: python -m spd_lightning fit --config configs/tiny.yaml"
+rm -rf "$RUN/checkpoints"   # a rerun trains afresh instead of versioning last.ckpt into last-v1.ckpt
+"$PY" -m spd_lightning fit --config configs/tiny.yaml --model.target "$TARGET"
+
+echo "== 3/4 exporting it"
+"$PY" -m spd_lightning export --ckpt "$RUN/checkpoints/last.ckpt" --out "$RUN/drafter"
+
+echo "== 4/4 decoding held-out prompts with n stage processes + 1 PDM process (gloo), checked against AR"
+"$PY" -m inference.decode --ckpt "$RUN/drafter" --target "$TARGET" --prompts docs/demo_prompts.jsonl \
+  --max-new-tokens 64 --check-lossless --json "$RUN/decode.json"

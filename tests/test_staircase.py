@@ -1,0 +1,141 @@
+"""The staircase-evaluation callback: keys and values with CSV and offline W&B loggers, equality with the
+decoder CLI, checkpointed state, and a 2-process DDP fit that logs once per evaluation."""
+import csv
+import glob
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO, fit_args
+
+from callbacks import StaircaseEvaluation
+from spd_lightning import cli
+
+pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended")
+PROMPTS = os.path.join(REPO, "docs", "demo_prompts.jsonl")
+
+
+def callback_args(every: int = 2, **extra) -> list[str]:
+    init = {"every_n_steps": every, "num_prompts": 3, "max_new_tokens": 12, "prompts": PROMPTS, "num_batches": 1,
+            **extra}
+    # configs/tiny.yaml already has the callback: these override its settings.
+    return [f"--trainer.callbacks.init_args.{k}={v}" for k, v in init.items()]
+
+
+def csv_rows(root) -> list[dict]:
+    [path] = glob.glob(os.path.join(str(root), "**", "metrics.csv"), recursive=True)
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def csv_run(micro_target, tmp_path_factory):
+    root = tmp_path_factory.mktemp("csv_run")
+    args = fit_args(micro_target, root, "--trainer.max_steps", "4", "--trainer.logger",
+                    "lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.init_args.save_dir={root}",
+                    *callback_args())
+    trained = cli.run_cli(["fit", *args])
+    return root, trained
+
+
+def test_csv_logger_gets_plausible_staircase_metrics(csv_run):
+    root, trained = csv_run
+    rows = [r for r in csv_rows(root) if r.get("staircase/alpha")]
+    assert [int(r["step"]) for r in rows] == [2, 4]  # every 2 steps; the end of fit at step 4 is not repeated
+    n = trained.model.geometry.n
+    for r in rows:
+        alpha = float(r["staircase/alpha"])
+        assert 1.0 / n - 1e-9 <= alpha <= 1.0 + 1e-9  # between always-wrong and always-right
+        assert math.isclose(float(r["staircase/speedup"]), n * alpha, rel_tol=1e-6)
+        for key in ("staircase/mean_accept_run", "staircase/accept_fill1", "staircase/agree_d0_f1"):
+            assert math.isfinite(float(r[key])), key
+        assert 0.0 <= float(r["staircase/agree_d0_f1"]) <= 1.0
+    pictures = os.listdir(os.path.join(trained.trainer.log_dir, "staircase"))
+    assert "alpha_vs_step.png" in pictures and "agreement_step4.png" in pictures
+    assert float(trained.trainer.callback_metrics["staircase/alpha"]) == float(rows[-1]["staircase/alpha"])
+
+
+def test_alpha_equals_the_decoder_cli(csv_run, micro_target, tmp_path):
+    root, trained = csv_run
+    [callback] = [c for c in trained.trainer.callbacks if isinstance(c, StaircaseEvaluation)]
+    ckpt = str(tmp_path / "now.ckpt")
+    trained.trainer.save_checkpoint(ckpt)
+    report = tmp_path / "decode.json"
+    subprocess.run([sys.executable, "-m", "inference.decode", "--ckpt", ckpt, "--target", micro_target, "--simulate",
+                    "--prompts", PROMPTS, "--max-new-tokens", "12", "--json", str(report)],
+                   check=True, cwd=REPO, timeout=240, capture_output=True)
+    with open(report) as f:
+        totals = json.load(f)["totals"]
+    # The callback evaluates 3 of the file's prompts; evaluate it now on all of them for the same set.
+    callback.num_prompts, callback._prompt_ids = 10**6, None
+    metrics = callback.evaluate(trained.trainer, trained.model)
+    assert metrics["staircase/N"] == totals["N"] and metrics["staircase/K"] == totals["K"]
+    assert metrics["staircase/alpha"] == pytest.approx(totals["alpha"], rel=1e-12)
+
+
+def test_state_round_trips_through_a_checkpoint(csv_run, tmp_path):
+    _, trained = csv_run
+    [callback] = [c for c in trained.trainer.callbacks if isinstance(c, StaircaseEvaluation)]
+    path = str(tmp_path / "c.ckpt")
+    trained.trainer.save_checkpoint(path)
+    states = torch.load(path, weights_only=True)["callbacks"]
+    [state] = [v for k, v in states.items() if k.startswith("StaircaseEvaluation")]
+    fresh = StaircaseEvaluation()
+    fresh.load_state_dict(state)
+    assert fresh.history == callback.history and len(fresh.history) >= 2
+
+
+def test_offline_wandb_run_gets_scalars_table_and_images(micro_target, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    args = fit_args(micro_target, tmp_path, "--trainer.max_steps", "2", "--trainer.logger",
+                    "lightning.pytorch.loggers.WandbLogger", f"--trainer.logger.init_args.save_dir={tmp_path}",
+                    "--trainer.logger.init_args.project=spd-test", *callback_args(every=0))
+    trained = cli.run_cli(["fit", *args])
+    trained.trainer.logger.experiment.finish()
+    [run_dir] = glob.glob(os.path.join(str(tmp_path), "**", "offline-run-*"), recursive=True)
+    media = os.path.join(run_dir, "files", "media")
+    assert glob.glob(os.path.join(media, "table", "staircase", "prompts_*.table.json"))
+    assert glob.glob(os.path.join(media, "images", "staircase", "agreement_heatmap_*.png"))
+    assert glob.glob(os.path.join(media, "images", "staircase", "alpha_vs_step_*.png"))
+    with open(glob.glob(os.path.join(run_dir, "run-*.wandb"))[0], "rb") as f:
+        records = f.read()  # offline runs keep history and config only in this protobuf log
+    assert b"staircase/alpha" in records and b"staircase/accept_fill1" in records
+    assert b"StaircaseEvaluation" in records  # the resolved config is in the run config
+    with open(glob.glob(os.path.join(media, "table", "staircase", "prompts_*.table.json"))[0]) as f:
+        table = json.load(f)
+    assert table["columns"] == ["index", "prompt", "output", "N", "K", "alpha"] and len(table["data"]) == 3
+
+
+def test_model_checkpoint_can_keep_the_best_alpha(micro_target, tmp_path):
+    args = fit_args(micro_target, tmp_path, "--trainer.max_steps", "4", *callback_args(),
+                    "--checkpoint.monitor", "staircase/alpha", "--checkpoint.mode", "max",
+                    "--checkpoint.every_n_train_steps", "2", "--checkpoint.save_top_k", "1")
+    trained = cli.run_cli(["fit", *args])
+    best = trained.trainer.checkpoint_callback
+    assert best.best_model_path and best.best_model_score is not None
+    assert 0.0 < float(best.best_model_score) <= 1.0
+
+
+def test_bad_callback_settings_fail_with_one_line():
+    with pytest.raises(ValueError, match="num_prompts=0"):
+        StaircaseEvaluation(num_prompts=0)
+
+
+@pytest.mark.timeout(240)
+def test_ddp_fit_with_the_callback_logs_once_per_evaluation(micro_target, tmp_path):
+    args = fit_args(micro_target, tmp_path, "--trainer.max_steps", "2", "--trainer.strategy", "ddp",
+                    "--trainer.devices", "2", "--trainer.accelerator", "cpu", "--trainer.logger",
+                    "lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.init_args.save_dir={tmp_path}",
+                    *callback_args(every=0))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PL_DISABLE_FORK": "1"}
+    proc = subprocess.run([sys.executable, "-m", "spd_lightning", "fit", *args], cwd=REPO, env=env, timeout=220,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [r for r in csv_rows(tmp_path) if r.get("staircase/alpha")]
+    assert len(rows) == 1 and int(rows[0]["step"]) == 2
+    assert 0.0 < float(rows[0]["staircase/alpha"]) <= 1.0
