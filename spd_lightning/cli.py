@@ -3,23 +3,30 @@
 `fit` and `validate` are LightningCLI over `SPDModule` + `ChatDataModule`; the data module's tokenizer is
 linked to the model's target, so a config names the target once. Defaults every run gets:
 - a `WandbLogger`, offline when no W&B key is configured (no WANDB_API_KEY and no netrc entry);
-- a `ModelCheckpoint` under `checkpoint.*` that keeps `last.ckpt` (resume: `--ckpt_path .../last.ckpt`).
+- a `ModelCheckpoint` under `checkpoint.*` that keeps `last.ckpt` (resume: `--ckpt_path .../last.ckpt` or
+  `--ckpt_path last`), also written when SIGTERM stops the run;
+- checkpoint files written atomically (`checkpoint_io.py`): a killed run never leaves a half-written one.
 `export --ckpt PATH --out DIR` writes the drafter directory that `inference/` loads.
 
 Bad settings (geometry, target path, vocabulary, data) end the run with one line on stderr and exit code 2;
-`--debug` or `SPD_DEBUG=1` shows the traceback instead.
+`--debug` or `SPD_DEBUG=1` shows the traceback instead. SIGTERM ends `fit` after the current step with exit
+code 143 (128 + SIGTERM), its checkpoint saved.
 """
 from __future__ import annotations
 
 import argparse
 import netrc
 import os
+import signal
 import sys
 from typing import Optional, Sequence
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from .checkpoint_io import AtomicCheckpointIO
 from .data import ChatDataModule
 from .export import load_drafter, save_drafter
 from .module import SPDModule
@@ -27,6 +34,22 @@ from .module import SPDModule
 WANDB_HOST = "api.wandb.ai"
 DEFAULT_LOGGER = {"class_path": "lightning.pytorch.loggers.WandbLogger",
                   "init_args": {"project": "spd-lightning", "save_dir": "runs"}}
+
+
+class CheckpointOnSigterm(ModelCheckpoint):
+    """`ModelCheckpoint` that also saves (and updates last.ckpt) when SIGTERM stops the run: Lightning finishes
+    the current step before it raises `SIGTERMException`, so the checkpoint lies on a step boundary and a resume
+    loses no step. Other exceptions save only with `save_on_exception: true`."""
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if isinstance(exception, SIGTERMException) and not self.save_on_exception:
+            self.save_on_exception = True
+            try:
+                super().on_exception(trainer, pl_module, exception)
+            finally:
+                self.save_on_exception = False
+        else:
+            super().on_exception(trainer, pl_module, exception)
 
 
 class SPDLightningCLI(LightningCLI):
@@ -37,8 +60,14 @@ class SPDLightningCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("model.target", "data.tokenizer")
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(CheckpointOnSigterm, "checkpoint")
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.dirpath": None})
+
+    def instantiate_trainer(self, **kwargs):
+        trainer = super().instantiate_trainer(**kwargs)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # keep a user's or a strategy's own IO
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        return trainer
 
 
 class LoggedConfigCallback(SaveConfigCallback):
@@ -102,6 +131,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             export(args[1:])
         else:
             run_cli(None if argv is None else args)
+    except SIGTERMException:  # a SystemExit without a code: it would exit 0 as if the run had finished
+        print("error: stopped by SIGTERM after a complete step, saved as last.ckpt: resume with `--ckpt_path last`",
+              file=sys.stderr)
+        sys.exit(128 + signal.SIGTERM)
     except (ValueError, FileNotFoundError) as e:  # every project error class is a ValueError
         if debug:
             raise

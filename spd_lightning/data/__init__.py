@@ -11,6 +11,7 @@ _EXPORTS = {
     "datamodule": ("ChatDataModule", "load_tokenizer"),
     "formats": ("DataError", "first_user_turn", "normalize_conversation"),
     "mixing": ("allocate", "plan_mixture"),
+    "resumable": ("ResumableDataLoader", "ResumableSampler"),
     "sharegpt": ("iter_json_array_records", "load_embedded_sharegpt"),
     "sources": ("DataSource", "load_source"),
     "tokenized": ("SourceStats", "tokenize_source"),

@@ -7,6 +7,10 @@
 them itself when run alone. After `setup`: `train_dataset`, `val_dataset`, `d2t` (LongTensor [V_d]),
 `stats` (per-source drop counts), and `heldout_prompts(count)` for decoding-based evaluation.
 
+The training loader is resumable (see `resumable.py`): it shuffles by (seed, epoch), shards across the ranks of a
+DDP/FSDP run itself, and a run resumed from a mid-epoch checkpoint continues with exactly the batches the
+uninterrupted run would have trained next. The position is saved in the checkpoint and read back by Lightning.
+
 The init arguments are plain types and `DataSource` dataclasses, so LightningCLI builds this module from
 YAML. `save_hyperparameters` is deliberately not called: checkpoints are read with
 `torch.load(weights_only=True)`, which refuses pickled dataclasses; LightningCLI saves the config anyway.
@@ -22,6 +26,7 @@ import datasets
 import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
@@ -30,6 +35,7 @@ from .chat import check_chat_tokenizer
 from .collate import ChatCollator
 from .formats import DataError
 from .mixing import check_val_size, plan_mixture
+from .resumable import ResumableDataLoader, ResumableSampler
 from .sources import DataSource
 from .tokenized import SourceStats, TokenizedSource, processed_root, tokenize_source
 from .vocab import check_draft_vocab_size, load_or_build_d2t
@@ -63,7 +69,7 @@ class ChatDataModule(LightningDataModule):
         max_length: samples with more tokens are dropped (and counted), never truncated.
         batch_size: samples per batch (per device).
         num_workers: DataLoader worker processes.
-        seed: drives the split, the mixture and the shuffling order.
+        seed: drives the split, the mixture and the shuffling order (epoch e's order is drawn from (seed, e)).
         val_size: validation samples: a count (int) or a fraction of all usable samples (float in (0, 1)).
         draft_vocab_size: `V_d`, clamped to the number of distinct assistant tokens in the training split.
         cache_dir: where tokenized samples and draft vocabularies are cached.
@@ -97,6 +103,8 @@ class ChatDataModule(LightningDataModule):
         self.val_dataset: Optional[datasets.Dataset] = None
         self.d2t: Optional[torch.Tensor] = None
         self.stats: list[SourceStats] = []
+        self._train_loader: Optional[ResumableDataLoader] = None
+        self._resume_position: Optional[dict] = None  # from a checkpoint, for the next train loader
 
     def _pad_token_id(self) -> int:
         tokenizer = self.tokenizer
@@ -155,25 +163,61 @@ class ChatDataModule(LightningDataModule):
         self.d2t = load_or_build_d2t(self.train_dataset, len(self.tokenizer), self.draft_vocab_size, self._d2t_path())
 
     # -- loaders ----------------------------------------------------------------------------------
-    def _loader(self, dataset: datasets.Dataset, shuffle: bool) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
-        return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, generator=generator,
-                          collate_fn=self.collate, num_workers=self.num_workers,
-                          persistent_workers=self.num_workers > 0, pin_memory=torch.cuda.is_available())
+    def _loader_kwargs(self) -> dict:
+        return dict(batch_size=self.batch_size, collate_fn=self.collate, num_workers=self.num_workers,
+                    persistent_workers=self.num_workers > 0, pin_memory=torch.cuda.is_available())
 
     def _require_setup(self) -> None:
         if self.train_dataset is None:
             raise DataError("ChatDataModule is not set up: call `setup()` first (the Trainer does this)")
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> ResumableDataLoader:
+        """Shuffled by (seed, epoch) and sharded over the trainer's ranks (Lightning keeps this sampler under
+        DDP/FSDP); after a resume its first iteration continues the checkpoint's epoch where it stopped."""
         self._require_setup()
-        return self._loader(self.train_dataset.select_columns(["input_ids", "loss_mask"]), shuffle=True)
+        dataset = self.train_dataset.select_columns(["input_ids", "loss_mask"])
+        shard = (self.trainer.distributed_sampler_kwargs if self.trainer is not None else None) or {}
+        sampler = ResumableSampler(dataset, num_replicas=shard.get("num_replicas", 1), rank=shard.get("rank", 0),
+                                   seed=self.seed)
+        loader = ResumableDataLoader(dataset, sampler=sampler, **self._loader_kwargs())
+        if self.trainer is not None:
+            loader.position = self.train_position
+            sampler.set_epoch(self.trainer.current_epoch)
+        if self._resume_position is not None:
+            loader.load_state_dict(self._resume_position)
+            self._resume_position = None
+        self._train_loader = loader
+        return loader
+
+    def train_position(self) -> tuple[int, bool]:
+        """The trainer's progress in the train sampler's current epoch: (batches whose training step ran, whether
+        the epoch is finished). Read from the trainer, never counted in the loader, which runs a batch ahead."""
+        trainer = self.trainer
+        batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        return batches, batches >= trainer.num_training_batches
+
+    def state_dict(self) -> dict:
+        """The training data position (Lightning saves it in every checkpoint)."""
+        return {"train_position": self._train_loader.state_dict()} if self._train_loader is not None else {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Lightning calls this when it restores a checkpoint; `train_dataloader` applies the position."""
+        trainer = self.trainer
+        if trainer is not None and trainer.state.fn != TrainerFn.FITTING:
+            return  # `validate --ckpt_path`: no training here, and none to resume in a later `fit`
+        self._resume_position = state_dict.get("train_position") or None
+        if self._resume_position is not None and trainer is not None and trainer.fit_loop._combined_loader is not None:
+            # Strategies that restore after `configure_optimizers` (FSDP, DeepSpeed, ModelParallel) get here after
+            # `estimated_stepping_batches` built the train loader (and fetched its first batch) at the epoch's
+            # start: drop it, so the fit loop builds it again at the checkpoint's position (Lightning's own tuner
+            # forces a reload the same way).
+            trainer.fit_loop._combined_loader = None
 
     def val_dataloader(self) -> DataLoader | list:
         self._require_setup()
         if len(self.val_dataset) == 0:
             return []  # val_size=0: Lightning then skips validation
-        return self._loader(self.val_dataset.select_columns(["input_ids", "loss_mask"]), shuffle=False)
+        return DataLoader(self.val_dataset.select_columns(["input_ids", "loss_mask"]), **self._loader_kwargs())
 
     def heldout_prompts(self, count: int) -> list[list[int]]:
         """Token ids of the first user turn of the first `count` validation conversations, rendered with the

@@ -1,0 +1,50 @@
+"""Checkpoint files that are complete or absent: never a half-written `last.ckpt`.
+
+Lightning's `TorchCheckpointIO` writes through an fsspec transaction whose temporary file lies in the system
+temp dir (`tempfile.gettempdir()`), then *moves* it into place. That is a rename only when the temp dir and the
+checkpoint directory are on the same filesystem; otherwise (`/tmp` on tmpfs or a local disk, checkpoints on
+NFS/Lustre/another volume) `shutil.move` copies into the destination, and a kill during the copy leaves a
+truncated checkpoint. Nothing is fsynced either. It also stages the whole checkpoint in the temp dir, which a
+small `/tmp` may not hold.
+
+`AtomicCheckpointIO` writes local checkpoints to a temporary file in the checkpoint's own directory, fsyncs it,
+renames it over the destination and fsyncs the directory. Remote paths (s3://, gs://, ...) keep Lightning's
+write. The temporary name ends in `.tmp`, so Lightning's `ckpt_path="last"` never picks one a kill left behind.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from typing import Any, Optional
+
+import torch
+from fsspec.implementations.local import LocalFileSystem
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None or not isinstance(get_filesystem(path), LocalFileSystem):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        path = os.path.abspath(os.fspath(path))
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
+        try:
+            with open(tmp, "xb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
+        with contextlib.suppress(OSError):  # make the rename itself durable (not possible on every filesystem)
+            fd = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)

@@ -1,0 +1,480 @@
+"""Resume (SPEC 4.5): the data position survives a checkpoint (same order, same shard, same next batch), a
+resumed run trains exactly what the uninterrupted run trains, and a killed `fit` leaves a loadable `last.ckpt`."""
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import SingleDeviceStrategy
+
+from conftest import make_tiny_model
+from spd_lightning.data import ChatDataModule, DataSource, ResumableSampler
+from test_module import make_module, make_trainer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOT_RESUMABLE = "not resumable"
+WORDS = "apple pear plum fig kiwi lime date grape melon peach cherry mango lemon berry olive".split()
+pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended")
+
+
+def chat_records(count: int, seed: int = 0) -> list[dict]:
+    """Distinct short chats, so that every batch gives a different loss."""
+    rng = np.random.default_rng(seed)
+
+    def words(k):
+        return " ".join(rng.choice(WORDS, k))
+
+    return [{"conversations": [{"from": "human", "value": f"question {i}: {words(3)}?"},
+                               {"from": "gpt", "value": f"answer {i}: {words(int(rng.integers(3, 12)))}."}]}
+            for i in range(count)]
+
+
+@pytest.fixture(scope="module")
+def chat_target(tmp_path_factory) -> dict:
+    """A saved tiny Qwen3.5 target with its own 300-id chat tokenizer, a local jsonl of 48 chats, a data cache."""
+    from spd_lightning.tiny_target import train_chat_tokenizer
+
+    root = tmp_path_factory.mktemp("resume")
+    records = chat_records(48)
+    data = root / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tokenizer = train_chat_tokenizer((t["value"] for r in records for t in r["conversations"]), vocab_size=300,
+                                     show_progress=False)
+    target = root / "target"
+    make_tiny_model("qwen3_5", vocab_size=len(tokenizer)).save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    return {"target": str(target), "data": str(data), "cache": str(root / "cache")}
+
+
+def make_data(chat_target, **overrides) -> ChatDataModule:
+    args = dict(tokenizer=chat_target["target"], sources=[DataSource(path=chat_target["data"])], val_size=0,
+                batch_size=2, draft_vocab_size=64, cache_dir=chat_target["cache"], seed=0)
+    return ChatDataModule(**{**args, **overrides})
+
+
+def sample_keys(batch) -> list[tuple]:
+    """The samples of a batch, by content (padding removed)."""
+    return [tuple(ids[mask.bool()].tolist()) for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
+
+
+class Record(L.Callback):
+    """Per trained step: its global step, its samples and its loss."""
+
+    def __init__(self):
+        self.steps, self.batches, self.losses = [], [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps.append(trainer.global_step)
+        self.batches.append(sample_keys(batch))
+        self.losses.append(float(outputs["loss"]))
+
+
+class StopAt(L.Callback):
+    """An interruption: the run keeps its length (so its LR schedule) and stops early."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
+def not_resumable_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if NOT_RESUMABLE in str(w.message)]
+
+
+# -- the sampler ---------------------------------------------------------------------------------------
+def test_sampler_order_shards_and_resumes_exactly():
+    data = list(range(23))
+    one = ResumableSampler(data, seed=5)
+    assert sorted(one) == data and list(one) == list(ResumableSampler(data, seed=5))  # a permutation, by seed
+    epoch0 = list(one)
+    one.set_epoch(1)
+    assert list(one) != epoch0 and sorted(one) == data  # a new order every epoch
+    assert list(ResumableSampler(data, seed=6)) != epoch0
+
+    B, R = 3, 2
+    shards = [list(ResumableSampler(data, R, r, seed=5)) for r in range(R)]
+    assert [len(s) for s in shards] == [12, 12] and set(shards[0] + shards[1]) == set(data)  # 1 sample repeated
+    for k in (1, 2, 4):  # k batches trained on each rank, then resumed: each rank continues its own shard
+        for r in range(R):
+            resumed = ResumableSampler(data, R, r, seed=5)
+            resumed.resume_at(0, k * B * R)
+            assert len(resumed) == 12 and list(resumed) == shards[r][k * B:]
+            assert list(resumed) == shards[r]  # the resume applies to the next iteration only
+
+    # the trainer moved on to another epoch than the checkpoint's: that epoch starts afresh
+    moved = ResumableSampler(data, seed=5)
+    moved.resume_at(0, 6)
+    moved.set_epoch(1)
+    assert list(moved) == list(ResumableSampler(data, seed=5).order(1))
+
+    # 2 ranks -> 1 rank: exactly the samples not yet trained on, in the same order
+    single = ResumableSampler(data, 1, 0, seed=5)
+    single.resume_at(0, 2 * B * R)
+    trained = set(shards[0][:2 * B] + shards[1][:2 * B])
+    assert list(single) == [i for i in single.order(0) if i not in trained]
+
+
+def saved_and_loaded(obj):
+    """`obj` through torch.save and torch.load(weights_only=True), as a checkpoint carries it."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def test_loader_state_round_trips_through_a_checkpoint_dict(chat_target):
+    data = make_data(chat_target, batch_size=3)
+    data.setup("fit")
+    loader = data.train_dataloader()
+    full = [sample_keys(b) for b in loader]
+    loader.position = lambda: (5, False)  # 5 batches trained in epoch 0
+    state = saved_and_loaded(data.state_dict())["train_position"]
+    assert state == loader.state_dict() and state["epoch"] == 0 and state["offset"] == 15
+    fresh = make_data(chat_target, batch_size=3)
+    fresh.setup("fit")
+    fresh.load_state_dict({"train_position": state})
+    assert [sample_keys(b) for b in fresh.train_dataloader()] == full[5:]
+    loader.position = lambda: (16, True)  # the epoch is over: the next one starts at its beginning
+    assert (loader.state_dict()["epoch"], loader.state_dict()["offset"]) == (1, 0)
+
+
+# -- data order through Lightning ----------------------------------------------------------------------
+class RecordSamples(L.LightningModule):
+    """A model that trains on nothing but the data order (fast). Like SPDModule, it may size an LR schedule with
+    `estimated_stepping_batches`, which makes Lightning build the train loader inside `configure_optimizers`."""
+
+    def __init__(self, estimate_steps: bool = False):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.estimate_steps = estimate_steps
+
+    def training_step(self, batch, batch_idx):
+        return (self.w - batch["attention_mask"].float().mean()).pow(2).sum()
+
+    def configure_optimizers(self):
+        if self.estimate_steps:
+            assert self.trainer.estimated_stepping_batches > 0
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class RestoreAfterSetup(SingleDeviceStrategy):
+    """Restores checkpoints after `configure_optimizers`, like FSDP, DeepSpeed and ModelParallel do."""
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+
+def run_order(chat_target, root, stop_at=None, ckpt_path=None, num_workers=0, save_every=None, callbacks_extra=(),
+              estimate_steps=False, **trainer_args):
+    record = Record()
+    save_every = save_every or {"every_n_train_steps": 1}
+    callbacks = [record, ModelCheckpoint(dirpath=str(root), save_last=True, **save_every), *callbacks_extra]
+    if stop_at is not None:
+        callbacks.append(StopAt(stop_at))
+    if "strategy" in trainer_args:  # a strategy class: a new instance for every run
+        trainer_args["strategy"] = trainer_args["strategy"](torch.device("cpu"))
+    else:
+        trainer_args["accelerator"] = "cpu"
+    trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        default_root_dir=str(root), callbacks=callbacks, **trainer_args)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(RecordSamples(estimate_steps), datamodule=make_data(chat_target, batch_size=3,
+                                                                         num_workers=num_workers), ckpt_path=ckpt_path)
+    return record, not_resumable_warnings(caught)
+
+
+# 48 chats, 3 per batch: 16 batches per epoch, 2 epochs
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stop_at, num_workers, setup", [
+    (5, 0, dict(max_steps=32)),                   # mid-epoch
+    (16, 0, dict(max_steps=32)),                  # at an epoch's end
+    (21, 1, dict(max_steps=32)),                  # mid-epoch in epoch 1, a worker process fetching ahead
+    # an epoch-based run from a checkpoint written by `on_train_epoch_end`: Lightning does not reload loader
+    # states there (the epoch is complete); the data module's state still starts the worker on epoch 1
+    (16, 1, dict(max_epochs=2, max_steps=-1, save_every={"every_n_epochs": 1, "save_on_train_epoch_end": True})),
+    # the loader built by `estimated_stepping_batches` (as SPDModule does) before the data module's state is
+    # restored (as FSDP does): it must be rebuilt at the checkpoint's position
+    (5, 0, dict(max_epochs=2, estimate_steps=True, strategy=RestoreAfterSetup)),
+    (5, 0, dict(max_epochs=2, estimate_steps=True)),
+], ids=["mid_epoch", "epoch_end", "epoch1_worker", "epoch_based_end", "restore_after_setup", "estimated_steps"])
+def test_resumed_run_trains_the_same_batches(chat_target, tmp_path, stop_at, num_workers, setup):
+    straight, _ = run_order(chat_target, tmp_path / "straight", num_workers=num_workers, **setup)
+    assert len(straight.batches) == 32 and straight.batches[:16] != straight.batches[16:]
+    first, _ = run_order(chat_target, tmp_path / "run", stop_at=stop_at, num_workers=num_workers, **setup)
+    assert first.batches == straight.batches[:stop_at]
+    resumed, warned = run_order(chat_target, tmp_path / "run", ckpt_path=str(tmp_path / "run" / "last.ckpt"),
+                                num_workers=num_workers, **setup)
+    assert not warned
+    assert resumed.steps == straight.steps[stop_at:]
+    assert resumed.batches == straight.batches[stop_at:]
+
+
+class SigtermAt(L.Callback):
+    """Sends this process SIGTERM during step `step`: Lightning finishes the step, then raises SIGTERMException."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step + 1 == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.timeout(120)
+def test_checkpoint_saved_when_sigterm_stops_the_run_resumes_the_data(chat_target, tmp_path):
+    """The checkpoint `ModelCheckpoint(save_on_exception=True)` writes when SIGTERM stops `fit` (after a complete
+    step, at another point of Lightning's loop than the periodic saves) resumes the data at the next batch."""
+    straight, _ = run_order(chat_target, tmp_path / "straight", max_steps=20)
+    save = {"every_n_train_steps": 100, "save_on_exception": True}
+    with pytest.raises(SystemExit):  # Lightning's SIGTERMException
+        run_order(chat_target, tmp_path / "run", save_every=save, max_steps=20, callbacks_extra=[SigtermAt(7)])
+    assert torch.load(tmp_path / "run" / "last.ckpt", weights_only=True)["global_step"] == 7
+    resumed, warned = run_order(chat_target, tmp_path / "run", ckpt_path=str(tmp_path / "run" / "last.ckpt"),
+                                save_every=save, max_steps=20)
+    assert not warned and resumed.steps == straight.steps[7:] and resumed.batches == straight.batches[7:]
+
+
+DDP_SCRIPT = """
+import json, sys, warnings
+import torch
+torch.set_num_threads(1)
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+sys.path.insert(0, {tests!r})
+from test_resume import Record, RecordSamples, StopAt, make_data, not_resumable_warnings
+
+chat_target, out = json.loads(sys.argv[1]), sys.argv[2]
+
+def run(root, stop_at=None, ckpt_path=None):
+    record = Record()
+    callbacks = [record, ModelCheckpoint(dirpath=root, save_last=True, every_n_train_steps=1)]
+    callbacks += [StopAt(stop_at)] if stop_at else []
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=8, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        default_root_dir=root, callbacks=callbacks)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(RecordSamples(), datamodule=make_data(chat_target, batch_size=3), ckpt_path=ckpt_path)
+    return trainer.global_rank, record, not_resumable_warnings(caught)
+
+rank, straight, _ = run(out + "/straight")
+_, first, _ = run(out + "/run", stop_at=3)
+_, resumed, warned = run(out + "/run", ckpt_path=out + "/run/last.ckpt")
+with open(f"{{out}}/rank{{rank}}.json", "w") as f:
+    json.dump({{"straight": straight.batches, "first": first.batches, "resumed": resumed.batches,
+               "steps": resumed.steps, "warned": warned}}, f)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ddp_two_processes_resume_each_shard(chat_target, tmp_path):
+    """Lightning's DDP (gloo, 2 CPU processes) keeps our sampler: the ranks split every epoch without overlap, and
+    after a resume each rank trains what it would have trained without the interruption."""
+    script = tmp_path / "ddp_resume.py"
+    script.write_text(DDP_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+    result = subprocess.run([sys.executable, str(script), json.dumps(chat_target), str(tmp_path)], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=280)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank in ranks:
+        assert not rank["warned"] and rank["steps"] == [4, 5, 6, 7, 8]
+        assert rank["first"] == rank["straight"][:3] and rank["resumed"] == rank["straight"][3:]
+    # 48 chats, 3 per batch on each of 2 ranks: 8 steps are one epoch, every chat exactly once
+    seen = [tuple(s) for rank in ranks for batch in rank["straight"] for s in batch]
+    assert len(seen) == 48 and len(set(seen)) == 48
+
+
+# -- (a) the drafter: same losses after a resume -------------------------------------------------------
+@pytest.mark.timeout(180)
+def test_resume_gives_the_same_losses_as_the_uninterrupted_run(chat_target, tmp_path):
+    def run(root, stop_at=None, ckpt_path=None):
+        L.seed_everything(0)
+        record = Record()
+        callbacks = [record, ModelCheckpoint(dirpath=str(root), save_last=True, every_n_train_steps=1)]
+        callbacks += [StopAt(stop_at)] if stop_at else []
+        trainer = make_trainer(root, max_steps=7, enable_checkpointing=True, callbacks=callbacks, limit_val_batches=0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(make_module(chat_target["target"]), datamodule=make_data(chat_target), ckpt_path=ckpt_path)
+        assert not not_resumable_warnings(caught)
+        return record
+
+    straight = run(tmp_path / "straight")
+    first = run(tmp_path / "run", stop_at=3)
+    resumed = run(tmp_path / "run", ckpt_path=str(tmp_path / "run" / "last.ckpt"))
+    assert straight.steps == [1, 2, 3, 4, 5, 6, 7] and resumed.steps == [4, 5, 6, 7]
+    assert first.batches == straight.batches[:3] and resumed.batches == straight.batches[3:]
+    assert len(set(map(tuple, map(sorted, straight.batches)))) == 7  # 7 different batches: the order matters
+    torch.testing.assert_close(first.losses + resumed.losses, straight.losses, rtol=1e-5, atol=1e-6)
+    assert len(set(straight.losses)) == 7
+
+
+# -- (b) a killed `fit` leaves a loadable last.ckpt, and `--ckpt_path last` continues ---------------------
+def fit_args(chat_target, root, *extra: str) -> list[str]:
+    """A config of its own (configs/ change with the project): the tiny target and the local chats on CPU, a
+    checkpoint every step, no validation, no logger."""
+    config = root / "resume.yaml"
+    config.write_text(textwrap.dedent(f"""\
+        seed_everything: 0
+        trainer:
+          accelerator: cpu
+          devices: 1
+          precision: 32-true
+          max_epochs: 1
+          limit_val_batches: 0
+          logger: false
+          enable_progress_bar: false
+          enable_model_summary: false
+          default_root_dir: {root}
+        model:
+          target: {chat_target["target"]}
+          target_dtype: float32
+          n: 2
+          num_layers: 1
+          lr: 3.0e-3
+        data:
+          sources: [{{path: {chat_target["data"]}}}]
+          batch_size: 2
+          val_size: 0
+          draft_vocab_size: 64
+          cache_dir: {chat_target["cache"]}
+        checkpoint:
+          dirpath: {root / "ckpt"}
+          every_n_train_steps: 1
+        """))
+    return ["--config", str(config), *extra]
+
+
+def saved_step(path) -> int:
+    try:
+        return int(torch.load(path, weights_only=True)["global_step"])
+    except Exception:  # noqa: BLE001 - not there yet
+        return -1
+
+
+def fit_and_kill(chat_target, root, sig, after_step: int = 3, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`python -m spd_lightning fit` in a subprocess (one thread), sent `sig` once last.ckpt holds `after_step`."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "WANDB_MODE": "disabled"}
+    cmd = [sys.executable, "-m", "spd_lightning", "fit", *fit_args(chat_target, root, "--trainer.max_steps", "1000")]
+    last = root / "ckpt" / "last.ckpt"
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + timeout
+    try:
+        while saved_step(last) < after_step:
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            assert time.time() < deadline, "no checkpoint in time"
+            time.sleep(0.05)
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("sig", [
+    signal.SIGKILL,
+    # Lightning turns SIGTERM into `SIGTERMException`, a `SystemExit` without a code: the process exits 0 until
+    # spd_lightning/cli.py catches it (see the resume report); remove the xfail with that change.
+    pytest.param(signal.SIGTERM, marks=[pytest.mark.slow]),
+], ids=["sigkill", "sigterm"])
+def test_killed_fit_leaves_a_loadable_last_ckpt_and_resumes(chat_target, tmp_path, sig):
+    from spd_lightning import cli
+    from spd_lightning.export import load_drafter
+
+    killed = fit_and_kill(chat_target, tmp_path, sig)
+    last = tmp_path / "ckpt" / "last.ckpt"
+    ckpt = torch.load(last, weights_only=True)  # never a half-written file
+    pdm, spec = load_drafter(str(last))
+    assert spec.geometry.n == 2 and sum(p.numel() for p in pdm.parameters()) > 0
+    step = ckpt["global_step"]
+    batch_progress = ckpt["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]
+    assert 3 <= step < 24 and batch_progress["processed"] == step  # mid-epoch: 48 chats, 2 per batch
+    assert ckpt["ChatDataModule"]["train_position"]["offset"] == 2 * step
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = cli.run_cli(["fit", *fit_args(chat_target, tmp_path, "--trainer.max_steps", str(step + 2)),
+                               "--ckpt_path", "last"])
+    assert resumed.trainer.global_step == step + 2 and not not_resumable_warnings(caught)
+    assert torch.load(last, weights_only=True)["global_step"] == step + 2
+    if sig == signal.SIGTERM:
+        assert "Received SIGTERM" in killed.stdout
+    assert killed.returncode != 0, killed.stdout[-2000:]
+
+
+# -- how Lightning writes last.ckpt ---------------------------------------------------------------------
+_WRITES: list | None = None
+
+
+def _audit(event, args):
+    if _WRITES is None:
+        return
+    if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+        mode, flags = args[1], args[2]
+        writing = any(c in mode for c in "wax+") if isinstance(mode, str) else bool(flags & (os.O_WRONLY | os.O_RDWR))
+        if writing:
+            _WRITES.append(("open", os.fsdecode(args[0])))
+    elif event == "os.rename":
+        _WRITES.append(("rename", os.fsdecode(args[1])))
+
+
+def other_filesystem_dir(tmp_path):
+    shm = "/dev/shm"
+    if os.path.isdir(shm) and os.access(shm, os.W_OK) and os.stat(shm).st_dev != os.stat(tmp_path).st_dev:
+        return shm
+    pytest.skip("no writable directory on another filesystem than the test's")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tempdir", [
+    "same_filesystem",
+    # Lightning's `_atomic_save` writes through fsspec's transaction: the temporary file lies in the system
+    # temp dir and is *moved* into place, a copy when that dir is another filesystem (tmpfs /tmp, checkpoints on
+    # NFS/Lustre). A kill during the copy truncates last.ckpt. Fixed by the checkpoint IO proposed for cli.py.
+    "other_filesystem",
+])
+def test_checkpoints_are_renamed_into_place(chat_target, tmp_path, monkeypatch, tempdir):
+    """Every .ckpt the CLI's trainer writes appears by a rename of a complete file, never by writing the file."""
+    global _WRITES
+    import tempfile
+
+    from spd_lightning import cli
+
+    if tempdir == "other_filesystem":
+        other = tempfile.mkdtemp(dir=other_filesystem_dir(tmp_path))
+        monkeypatch.setattr(tempfile, "tempdir", other)
+    if not getattr(sys, "_spd_audit_installed", False):
+        sys.addaudithook(_audit)
+        sys._spd_audit_installed = True
+    _WRITES = []
+    try:
+        cli.run_cli(["fit", *fit_args(chat_target, tmp_path, "--trainer.max_steps", "2")])
+        writes, _WRITES = _WRITES, None
+    finally:
+        _WRITES = None
+        if tempdir == "other_filesystem":
+            import shutil
+            shutil.rmtree(other, ignore_errors=True)
+    ckpt_dir = str(tmp_path / "ckpt")
+    final = [(kind, path) for kind, path in writes if path.startswith(ckpt_dir) and path.endswith(".ckpt")]
+    assert ("rename", str(tmp_path / "ckpt" / "last.ckpt")) in final
+    assert [path for kind, path in final if kind == "open"] == []
