@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -91,14 +92,29 @@ def check_args(args: argparse.Namespace) -> Sampling:
     return sampling
 
 
-def run(args: argparse.Namespace) -> dict:
-    sampling = check_args(args)
-    ckpt = None if args.ckpt in (None, "", "none") else args.ckpt
+@dataclass
+class Setup:
+    """What a decode needs before any weight is loaded: the drafter, mode, target, geometry, dtype, tokenizer, EOS."""
+    ckpt: str | None
+    spec: object
+    mode: str
+    target_path: str
+    info: object
+    skeleton: object
+    geometry: Geometry
+    dtype: str
+    tokenizer: object
+    eos: list[int]
+
+
+def prepare(ckpt: str | None, target: str | None, mode: str | None, device: str, dtype: str) -> Setup:
+    """Resolve the drafter, mode, target and geometry (shared by `inference.decode` and `inference.eval`)."""
+    ckpt = None if ckpt in (None, "", "none") else ckpt
     spec = read_drafter_spec(ckpt)[0] if ckpt else None
-    mode = args.mode or (mode_name(spec.geometry) if spec else "ar")
+    mode = mode or (mode_name(spec.geometry) if spec else "ar")
     if spec is None and mode != "ar":
         raise UsageError(f"--mode {mode} needs a drafter: pass --ckpt (only --mode ar runs without one)")
-    target_path = args.target or (spec.target.name_or_path if spec else None)
+    target_path = target or (spec.target.name_or_path if spec else None)
     if not target_path:
         raise UsageError("no target: pass --target DIR (required without --ckpt)")
     skeleton = meta_target(target_path)
@@ -106,18 +122,33 @@ def run(args: argparse.Namespace) -> dict:
     if spec is not None:
         spec.check_target(info)
     geometry = decode_geometry(spec.geometry, mode) if mode != "ar" else (spec.geometry if spec else Geometry.build(info.num_layers, 1))
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device.startswith("cuda") else "float32")
+    dtype = dtype if dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
     tokenizer = load_tokenizer(target_path)
-    texts = read_prompts(args.prompt, args.prompts)
+    eos = sorted(eos_set(target_eos(skeleton.config, _generation_config(target_path))))
+    return Setup(ckpt, spec, mode, target_path, info, skeleton, geometry, dtype, tokenizer, eos)
+
+
+def encode_prompts(tokenizer, texts: list[str], info, max_new_tokens: int) -> list[list[int]]:
+    """Render each prompt with the chat template; a prompt longer than the target's context is an error."""
     prompts = [render(tokenizer, t) for t in texts]
     context = info.max_position_embeddings
     for text, ids in zip(texts, prompts):
         if context and len(ids) >= context:
             raise PromptError(f"the prompt {text[:40]!r} has {len(ids)} tokens; the target's context is {context}")
-        if context and len(ids) + args.max_new_tokens > context:
-            print(f"warning: {len(ids)} prompt tokens + {args.max_new_tokens} new tokens exceed the target's "
+        if context and len(ids) + max_new_tokens > context:
+            print(f"warning: {len(ids)} prompt tokens + {max_new_tokens} new tokens exceed the target's "
                   f"context of {context}", file=sys.stderr)
-    eos = sorted(eos_set(target_eos(skeleton.config, _generation_config(target_path))))
+    return prompts
+
+
+def run(args: argparse.Namespace) -> dict:
+    sampling = check_args(args)
+    setup = prepare(args.ckpt, args.target, args.mode, args.device, args.dtype)
+    ckpt, spec, mode, target_path, info, geometry, dtype, tokenizer, eos = (
+        setup.ckpt, setup.spec, setup.mode, setup.target_path, setup.info, setup.geometry, setup.dtype, setup.tokenizer,
+        setup.eos)
+    texts = read_prompts(args.prompt, args.prompts)
+    prompts = encode_prompts(tokenizer, texts, info, args.max_new_tokens)
     report = {"mode": mode, "n": geometry.n, "geometry": geometry.to_dict(), "target": target_path, "drafter": ckpt,
               "sampling": sampling.to_dict(), "max_new_tokens": args.max_new_tokens, "seed": args.seed,
               "device": args.device, "dtype": dtype, "simulate": args.simulate, "eos_token_ids": eos}

@@ -6,8 +6,9 @@ window are verified and complete: their depth-n view never changes, so their bod
 cached once. Every draft appends the newly verified positions to that cache and recomputes the
 in-flight positions, at the depths the schedule gives, on top of it.
 
-`ReplayDrafter` proposes from a known continuation instead (always right, or always wrong): it measures
-the pipeline without a model (the closed forms of SPEC 5.1, oracle timing).
+`ReplayDrafter` proposes from a known continuation instead (always right, always wrong, or right by an
+exact pattern): it measures the pipeline without a model (the closed forms of SPEC 5.1, oracle timing) and
+drives it through chosen accept/reject sequences.
 """
 from __future__ import annotations
 
@@ -83,6 +84,7 @@ class PDMDrafter:
         p = next(pdm.parameters())
         self.device, self.dtype, self.state_dtype = p.device, p.dtype, state_dtype
         self.capacity = 0
+        self._types: dict[tuple[int, ...], torch.Tensor] = {}  # depth pattern of a view -> its type ids, built once
         self._slots = {b: i for i, b in enumerate(geometry.anchors)}
         self._stage_slots = {s: [self._slots[b] for b in geometry.anchors_of_stage(s) if b > 0]
                              for s in range(1, geometry.n + 1)}
@@ -97,6 +99,7 @@ class PDMDrafter:
             self.states = torch.zeros(capacity, self.geometry.num_types, cfg.target_hidden_size,
                                       dtype=self.state_dtype, device=self.device)
             self.cache = DraftKVCache(cfg.num_layers, cfg.num_heads, cfg.head_dim, capacity, self.dtype, self.device)
+            self.positions = torch.arange(capacity, device=self.device)[None]  # sliced per draft, never rebuilt
             self.capacity = capacity
         self.cache.length = 0
         self.states.zero_()
@@ -123,31 +126,36 @@ class PDMDrafter:
         if verified > self.cache.length:  # newly verified positions: depth n, cached for good
             start = self.cache.length
             g = pdm.fuse(self.states[start:verified].to(self.dtype)[None], geometry.type_of(geometry.n))
-            pdm.body(g, torch.arange(start, verified, device=self.device)[None], self.cache)
+            pdm.body(g, self.positions[:, start:verified], self.cache)
             self.cache.commit(verified - start)
-        positions = [p for _, p in view]
-        types = torch.tensor([[geometry.type_of(d) for d, _ in view]], device=self.device)
-        g = pdm.fuse(self.states[positions[0]:positions[-1] + 1].to(self.dtype)[None], types)
-        hidden = pdm.body(g, torch.tensor([positions], device=self.device), self.cache)
+        first, last = view[0][1], view[-1][1]  # in-flight positions are consecutive
+        depths = tuple(d for d, _ in view)
+        types = self._types.get(depths)
+        if types is None:
+            types = self._types[depths] = torch.tensor([[geometry.type_of(d) for d in depths]], device=self.device)
+        g = pdm.fuse(self.states[first:last + 1].to(self.dtype)[None], types)
+        hidden = pdm.body(g, self.positions[:, first:last + 1], self.cache)
         logits = pdm.lm_head(hidden[0, -1])
         if self.sampling.greedy:
             token, q = pdm.d2t[logits.argmax(-1, keepdim=True)], None
         else:
             q = warp(logits, self.sampling)
             token = pdm.d2t[torch.multinomial(q, 1, generator=generator)]
-        self.states[positions[-1] + 1, 0] = self.embed_tokens(token)[0]  # H^0 of the new token, no host sync
+        self.states[last + 1, 0] = self.embed_tokens(token)[0]  # H^0 of the new token, no host sync
         return token, q
 
 
 class ReplayDrafter:
     """Proposes a known continuation: the i-th `start` replays `references[i]`, the continuation of the
     i-th prompt. `oracle` proposes `reference[position - prompt_len]`, `adversary` a token that is surely
-    not it; greedy only. Past the end of the reference it proposes token 0 (never judged then)."""
+    not it, and a pattern of `R` (right) and `W` (wrong) letters, read cyclically by that index, chooses
+    per position; greedy only. Past the end of the reference it proposes token 0 (never judged then)."""
 
     def __init__(self, references: Sequence[Sequence[int]], policy: str, vocab_size: int):
-        if policy not in ("oracle", "adversary"):
-            raise ValueError(f"unknown replay policy {policy!r}: use 'oracle' or 'adversary'")
-        self.references, self.policy, self.vocab_size = [list(r) for r in references], policy, vocab_size
+        pattern = {"oracle": "R", "adversary": "W"}.get(policy, policy)
+        if not pattern or set(pattern) - {"R", "W"}:
+            raise ValueError(f"unknown replay policy {policy!r}: use 'oracle', 'adversary' or a pattern of R and W")
+        self.references, self.pattern, self.vocab_size = [list(r) for r in references], pattern, vocab_size
         self._next, self.reference, self.prompt_len = 0, [], 0
 
     def start(self, prompt_ids: torch.Tensor, capacity: int) -> None:
@@ -165,7 +173,8 @@ class ReplayDrafter:
     def draft(self, view, generator) -> tuple[torch.Tensor, None]:
         index = view[-1][1] + 1 - self.prompt_len
         right = self.reference[index] if index < len(self.reference) else 0
-        return torch.tensor([right if self.policy == "oracle" else (right + 1) % self.vocab_size]), None
+        wrong = self.pattern[index % len(self.pattern)] == "W"
+        return torch.tensor([(right + 1) % self.vocab_size if wrong else right]), None
 
 
 def read_drafter_spec(path: str) -> tuple[DrafterSpec, torch.Tensor]:

@@ -2,8 +2,9 @@
 
 `launch` spawns the `n + 1` ranks as local processes on a free port and watches them: the first rank
 that exits non-zero (an exception, a kill, a lost peer) ends the whole run at once, and the error names
-that rank. Inside the ranks every blocking call is bounded by the process-group timeout, so a rank that
-hangs makes its peers fail too. Under `torchrun` the same `run_rank` runs in every process instead.
+the rank that caused it. Inside the ranks every blocking call is bounded by the process-group timeout, so
+a rank that stalls makes its peers fail too, and each rank holds a lifeline to the launcher, so a launcher
+that dies takes its ranks with it. Under `torchrun` the same `run_rank` runs in every process instead.
 
 Each rank loads only what its role needs: a stage rank its layer range (plus the embedding or the head
 at the ends), the PDM rank the drafter and the target's embedding table.
@@ -13,10 +14,13 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue as queue_module
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,15 +31,23 @@ from spd_lightning.geometry import Geometry
 from spd_lightning.target import resolve_dtype
 
 from .drafter import PDMDrafter, ReplayDrafter, read_drafter_spec
-from .pipeline import PipelineRunner
+from .pipeline import PipelineRunner, role_name
 from .result import DecodeResult, summarize_timing
 from .stages import Stage, load_pieces, meta_target
-from .transport import DistributedTransport, close_distributed, init_distributed
+from .transport import DistributedTransport, PeerError, close_distributed, init_distributed
 from .verify import Sampling
+
+EXIT_ORPHANED = 4  # a rank's exit status when it ends because its launcher is gone
 
 
 class LaunchError(RuntimeError):
-    """A rank failed; the message names it and says why."""
+    """A rank failed; the message names it and says why. `pids` are the ranks' processes, all ended by the
+    time it is raised, and `exitcodes` how each ended (negative: the signal that ended it)."""
+
+    def __init__(self, message: str, pids: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.pids = pids
+        self.exitcodes: tuple[int | None, ...] = ()
 
 
 @dataclass
@@ -57,14 +69,49 @@ class DecodeJob:
     device: str = "cpu"
     timeout_s: float = 120.0
     debug: bool = False
+    fault: str | None = None  # test-only, see `Fault`
 
     @property
     def world_size(self) -> int:
         return self.geometry["n"] + 1
 
 
-def role_name(rank: int, n: int) -> str:
-    return f"stage {rank + 1}" if rank < n else "PDM"
+@dataclass(frozen=True)
+class Fault:
+    """Test-only fault injection (tests/test_faults.py). `DecodeJob.fault = "RANK:POINT:COUNT:ACTION"` makes
+    rank RANK fail the COUNT-th time it reaches POINT: `prefill`, `step` (any decode step) or `redo` (the
+    step right after a rejection). ACTION: `exit` (os._exit(3), dies without a word), `kill` (SIGKILL to
+    itself), `raise` (an exception, reported like any error) or `stall` (sleeps forever, a silent peer)."""
+
+    rank: int
+    point: str
+    count: int
+    action: str
+
+    @classmethod
+    def parse(cls, spec: str) -> "Fault":
+        rank, point, count, action = spec.split(":")
+        if point not in ("prefill", "step", "redo") or action not in ("exit", "kill", "raise", "stall"):
+            raise ValueError(f"bad fault {spec!r}: want RANK:prefill|step|redo:COUNT:exit|kill|raise|stall")
+        return cls(int(rank), point, int(count), action)
+
+    def hook(self) -> Callable[[str], None]:
+        seen = Counter()
+
+        def on_step(point: str) -> None:
+            seen[point] += 1
+            if point == "redo":
+                seen["step"] += 1
+            if (point == self.point or (point, self.point) == ("redo", "step")) and seen[self.point] == self.count:
+                if self.action == "exit":
+                    os._exit(3)
+                if self.action == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if self.action == "raise":
+                    raise RuntimeError(f"injected fault at {self.point} #{self.count}")
+                while True:
+                    time.sleep(3600)
+        return on_step
 
 
 def free_port() -> int:
@@ -94,6 +141,8 @@ def build_runner(job: DecodeJob, rank: int, device: torch.device) -> PipelineRun
     if job.replay is None:
         spec, d2t = read_drafter_spec(job.drafter_path)
         draft_vocab = spec.pdm.draft_vocab_size
+    fault = Fault.parse(job.fault) if job.fault else None
+    on_step = fault.hook() if fault is not None and fault.rank == rank else None
     if rank < n:
         stages[rank + 1] = Stage.load(job.target_path, geometry, rank + 1, dtype, device)
     elif job.replay is not None:
@@ -102,8 +151,9 @@ def build_runner(job: DecodeJob, rank: int, device: torch.device) -> PipelineRun
         pdm, _ = load_drafter(job.drafter_path, map_location=device)
         embed = load_pieces(job.target_path, range(0), embed=True, head=False, dtype=dtype, device=device).embed_tokens
         drafter = PDMDrafter(pdm.to(dtype), geometry, embed, sampling, dtype)
-    return PipelineRunner(geometry, DistributedTransport(), stages, drafter, sampling, job.vocab_size, draft_vocab,
-                          d2t, device, job.hidden_size, dtype)
+    transport = DistributedTransport([role_name(r, n) for r in range(n + 1)])
+    return PipelineRunner(geometry, transport, stages, drafter, sampling, job.vocab_size, draft_vocab, d2t, device,
+                          job.hidden_size, dtype, on_step=on_step)
 
 
 def run_rank(job: DecodeJob, rank: int, local_rank: int, init_method: str | None,
@@ -129,18 +179,33 @@ def run_rank(job: DecodeJob, rank: int, local_rank: int, init_method: str | None
     close_distributed()
 
 
-def _rank_entry(job: DecodeJob, rank: int, init_method: str, results) -> None:
+def _rank_entry(job: DecodeJob, rank: int, init_method: str, results, lifeline) -> None:
     """Process entry point: any failure becomes one message to the launcher and a non-zero exit."""
+    _follow_launcher(lifeline, rank)
     if not job.debug:
         _quiet_transformers()
     try:
         run_rank(job, rank, rank, init_method, lambda i, r: results.put(("result", rank, i, r.to_dict())))
     except BaseException as e:  # noqa: BLE001 - whatever it was, the launcher must hear about it
         first = str(e).splitlines()[0] if str(e) else ""
-        results.put(("error", rank, f"{type(e).__name__}: {first}", traceback.format_exc()))
+        results.put(("error", rank, f"{type(e).__name__}: {first}", traceback.format_exc(), getattr(e, "peer", None)))
         results.close()
         results.join_thread()  # the message is in the pipe before this process (and its sockets) goes away
         sys.exit(1)
+
+
+def _follow_launcher(lifeline, rank: int) -> None:
+    """End this rank when the launcher is gone, however it died: nothing is ever sent on the lifeline, so
+    a read returns only when the launcher's end of it closes."""
+    def watch() -> None:
+        try:
+            lifeline.recv()
+        except (EOFError, OSError):
+            pass
+        print(f"spd rank {rank}: the launcher is gone, exiting", file=sys.stderr, flush=True)
+        os._exit(EXIT_ORPHANED)
+
+    threading.Thread(target=watch, name="spd-lifeline", daemon=True).start()
 
 
 def launch(job: DecodeJob, on_result: Callable[[int, DecodeResult], None] | None = None) -> list[DecodeResult]:
@@ -154,13 +219,16 @@ def launch(job: DecodeJob, on_result: Callable[[int, DecodeResult], None] | None
                               f"lower n, or run the one-process simulator with --simulate")
     ctx = _context(job)
     results = ctx.Queue()
+    lifeline, keep_alive = ctx.Pipe(duplex=False)  # the ranks hold the reading end; only this process writes
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=_rank_entry, args=(job, r, init_method, results), name=f"spd-rank{r}", daemon=True)
-             for r in range(job.world_size)]
+    procs = [ctx.Process(target=_rank_entry, args=(job, r, init_method, results, lifeline), name=f"spd-rank{r}",
+                         daemon=True) for r in range(job.world_size)]
     for p in procs:
         p.start()
+    pids = tuple(p.pid for p in procs)
     collected: dict[int, DecodeResult] = {}
-    errors: list[tuple[int, str, str]] = []
+    errors: list[tuple] = []
+    failure: LaunchError | None = None
     try:
         while True:
             _drain(results, collected, errors, on_result, wait_s=0.05)
@@ -169,7 +237,8 @@ def launch(job: DecodeJob, on_result: Callable[[int, DecodeResult], None] | None
                 deadline = time.monotonic() + 1.0  # let the failing ranks' own messages arrive
                 while time.monotonic() < deadline:
                     _drain(results, collected, errors, on_result, wait_s=0.05)
-                raise LaunchError(_failure_message(job, [p.exitcode for p in procs], errors))
+                failure = LaunchError(_failure_message(job, [p.exitcode for p in procs], errors), pids)
+                raise failure
             if all(c == 0 for c in codes):
                 _drain(results, collected, errors, on_result, wait_s=0.0)
                 break
@@ -181,9 +250,14 @@ def launch(job: DecodeJob, on_result: Callable[[int, DecodeResult], None] | None
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+                p.join()
+        keep_alive.close()
+        lifeline.close()
+        if failure is not None:
+            failure.exitcodes = tuple(p.exitcode for p in procs)
     missing = [i for i in range(len(job.prompts)) if i not in collected]
     if missing:
-        raise LaunchError(f"every rank exited cleanly but prompts {missing} produced no result")
+        raise LaunchError(f"every rank exited cleanly but prompts {missing} produced no result", pids)
     return [collected[i] for i in range(len(job.prompts))]
 
 
@@ -217,16 +291,32 @@ def _drain(results, collected, errors, on_result, wait_s: float) -> None:
             errors.append(item[1:])
 
 
-def _failure_message(job: DecodeJob, codes: list[int | None], errors: list[tuple[int, str, str]]) -> str:
-    """The rank that failed first: a rank killed by a signal, else the first error reported."""
+def _failure_message(job: DecodeJob, codes: list[int | None], errors: list[tuple]) -> str:
+    """Names the rank that caused the failure: one killed by a signal; else one that exited without
+    reporting anything (it died abruptly); else one that reported an error of its own; else, when every
+    report is a lost peer (`PeerError`), the rank at the end of the chain of blamed peers: the one that
+    went silent (e.g. stalled) while the others, directly or through blocked peers, waited on it."""
     n = job.geometry["n"]
+    reported = {e[0]: e for e in errors}
     killed = [r for r, c in enumerate(codes) if c is not None and c < 0]
+    silent = [r for r, c in enumerate(codes) if c not in (None, 0) and r not in reported]
+    own = [e for e in errors if e[3] is None]
     if killed:
         r = killed[0]
         head = f"rank {r} ({role_name(r, n)}) was killed by signal {-codes[r]}"
+    elif silent:
+        r = silent[0]
+        head = f"rank {r} ({role_name(r, n)}) exited with code {codes[r]} without reporting an error"
     elif errors:
-        r, message, trace = errors[0]
-        head = f"rank {r} ({role_name(r, n)}) failed: {message}" + (f"\n{trace}" if job.debug else "")
+        r, message, trace, peer = (own or errors)[0]
+        head = f"rank {r} ({role_name(r, n)}) failed: {message}"
+        chain = {r}
+        while peer is not None and peer not in chain and peer in reported:
+            chain.add(peer)
+            peer = reported[peer][3]
+        if not own and peer is not None and peer not in reported:
+            head = f"rank {peer} ({role_name(peer, n)}) stopped responding: {head}"
+        head += f"\n{trace}" if job.debug else ""
     else:
         r = next(r for r, c in enumerate(codes) if c not in (None, 0))
         head = f"rank {r} ({role_name(r, n)}) exited with code {codes[r]}"

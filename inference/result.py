@@ -1,10 +1,11 @@
 """What one decoded prompt reports (SPEC 5.1, 6): tokens, N, K, alpha, counters, per-cycle timing.
 
-Timing comes as one row per rank and cycle: the rank's compute (a stage's layers, or the PDM's draft),
-the verifier's time, the time the rank spent in messages (send/recv/broadcast, including waiting for
-its peers) and the cycle's wall-clock time. In the simulator every rank's row is filled by the one
-process, sequentially; in the distributed decoder each rank fills its own and the reporting rank
-gathers them.
+Timing comes as one row per rank and logical cycle: the rank's compute (a stage's layers, or the PDM's
+draft), the verifier's time, the time the rank spent in messages (sending, and waiting to receive from its
+peers) and the cycle's wall-clock time. With optimistic execution a late rejection costs a wasted step
+before the cycle is redone; both steps are charged to that cycle, so the rows add up to the decode time.
+In the simulator every rank's row is filled by the one process, sequentially; in the distributed decoder
+each rank fills its own and the reporting rank gathers them.
 """
 from __future__ import annotations
 

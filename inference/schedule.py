@@ -15,6 +15,10 @@ it, one stage deeper). After the compute the token that ran stage n is complete;
 its successor (now at depth n-1). Accept: the successor is verified and the fresh draft enters stage 1.
 Reject: the correction replaces the successor at its position, every younger token and the fresh draft
 are discarded, and the correction reseeds stage 1 (fill 1). No token completed: the fresh draft enters.
+
+`PipelineSchedule` is the logical schedule: it only ever sees real verdicts, and `N`, `K` and the
+counters are its own. `Steps` lays the physical steps of optimistic execution (SPEC 11) over it: after a
+judged cycle every rank already runs the cycle that an ACCEPT would give, before the verdict arrives.
 """
 from __future__ import annotations
 
@@ -156,7 +160,27 @@ class PipelineSchedule:
         if self.done:
             return None
         self.K += 1
-        return self._plan(verdict, token, rollback_to, completed)
+        plan = self._plan(self._inflight, self.K, token, rollback_to, completed)
+        self._fresh_fill = plan.fill
+        return plan
+
+    @property
+    def judging(self) -> bool:
+        """The cycle that just ran judges a draft, so its verdict is not known in advance."""
+        return bool(self._inflight) and self._inflight[0].depth == self.n - 1
+
+    def speculate(self) -> CyclePlan:
+        """The plan an ACCEPT of the draft being judged would give, without applying anything.
+
+        A later `begin(ACCEPT, token)` returns this very plan (unless the token ends the decode); a
+        REJECT replaces it. Judged cycles run at fill n, so the accepted successor keeps the fill at n."""
+        if not self.judging or self.done:
+            raise RuntimeError(f"cycle {self.K}: nothing is being judged, there is no verdict to anticipate")
+        slots = [Slot(s.position, s.depth + 1, s.fill) for s in self._inflight]
+        completed = slots.pop(0)
+        slots[0].fill = 0
+        slots.append(Slot(slots[-1].position + 1, 0, self._fresh_fill))
+        return self._plan(slots, self.K + 1, -1, -1, completed)
 
     def _verified(self, token: int) -> None:
         self.tokens.append(int(token))
@@ -170,14 +194,14 @@ class PipelineSchedule:
         (c.accepted_by_fill if accepted else c.rejected_by_fill)[fill - 1] += 1
         (c.accepted_by_depth if accepted else c.rejected_by_depth)[depth] += 1
 
-    def _plan(self, verdict: Verdict, token: int, rollback_to: int, completed: Slot | None) -> CyclePlan:
-        n, inflight = self.n, self._inflight
+    def _plan(self, inflight: list[Slot], cycle: int, token: int, rollback_to: int, completed: Slot | None) -> CyclePlan:
+        """The plan of cycle `cycle` with `inflight` at the start of it; no side effects."""
+        n = self.n
         stage_positions = [-1] * n
         for slot in inflight:
             stage_positions[slot.depth] = slot.position
         newest = inflight[-1]
         a = len(inflight)
-        self._fresh_fill = a
         view = tuple((self.geometry.inflight_depth(a - 1 - i), slot.position) for i, slot in enumerate(inflight))
         before = [(slot.depth, slot.position) for slot in inflight if slot.depth >= 1]
         if completed is not None:
@@ -185,7 +209,7 @@ class PipelineSchedule:
         during = [(slot.depth + 1, slot.position) for slot in inflight]
         oldest = inflight[0]
         return CyclePlan(
-            cycle=self.K,
+            cycle=cycle,
             stage_positions=tuple(stage_positions),
             seed_token=int(token) if newest.verified else -1,
             draft_entered=not newest.verified,
@@ -197,6 +221,68 @@ class PipelineSchedule:
             anchors_during=tuple(sorted(during)),
             judged_position=oldest.position + 1 if oldest.depth == n - 1 else -1,
         )
+
+
+@dataclass(frozen=True)
+class Step:
+    """One physical step: a cycle of the logical schedule as the ranks run it."""
+
+    plan: CyclePlan
+    awaits: bool = False  # runs before the previous cycle's verdict is known; that verdict arrives during the step
+    redo: bool = False  # repeats a cycle whose optimistic run was wasted: its inputs came with that run, none travel
+    final: bool = False  # the decode ends with this cycle's verdict whatever it is: delivered at once, nothing anticipated
+
+
+class Steps:
+    """Optimistic execution (SPEC 11) over the logical schedule.
+
+    After a judged cycle no rank waits for the verdict: every rank runs the cycle that an ACCEPT gives
+    (`PipelineSchedule.speculate`), so the fresh draft enters stage 1 at once, and the verdict travels
+    point-to-point while it runs. At the end of that step the verdict is applied to the logical schedule:
+
+    - ACCEPT: the step was the real cycle; the schedule confirms exactly its plan.
+    - REJECT: the step is wasted. The next step redoes the cycle as the rejection plans it (every stage
+      rolls back, stage 1 runs the correction, the PDM drafts from it); its inputs are the ones that
+      arrived for the wasted step (the previous cycle's outputs), so nothing travels for it.
+    - a token that ends the decode (EOS): the step is wasted and decoding stops.
+
+    Non-judged cycles have the verdict NONE, known in advance: no waiting, nothing to anticipate. When any
+    verdict of a judged cycle ends the decode (`max_new_tokens`), it is delivered at once instead. So the
+    physical steps are the logical cycles plus one wasted step per rejection (and per EOS verdict), and
+    N, K and the counters are those of the logical schedule, which only ever sees real verdicts.
+    """
+
+    def __init__(self, schedule: PipelineSchedule):
+        self.schedule = schedule
+
+    def first(self, token: int, prompt_len: int) -> Step | None:
+        return self._real(self.schedule.begin(Verdict.FIRST, token, prompt_len))
+
+    def wasted(self, verdict: int, token: int) -> bool:
+        """Whether the step that awaited this verdict is thrown away."""
+        return verdict == Verdict.REJECT or int(token) in self.schedule.eos_token_ids
+
+    def after(self, step: Step, awaited: tuple[int, int] | None, own: tuple[int, int] | None) -> Step | None:
+        """The step after `step`, or None when decoding has stopped. `awaited` is the previous cycle's
+        verdict (given iff `step.awaits`), `own` this cycle's (iff `step.final` and `step` was not wasted)."""
+        schedule = self.schedule
+        if step.awaits:
+            plan = schedule.begin(*awaited)
+            if plan is None or awaited[0] == Verdict.REJECT:
+                return None if plan is None else Step(plan, redo=True)
+            if (plan.cycle, plan.stage_positions) != (step.plan.cycle, step.plan.stage_positions):
+                raise RuntimeError(f"cycle {plan.cycle}: the accepted plan differs from the one run optimistically")
+        if step.final:
+            if schedule.begin(*own) is not None:
+                raise RuntimeError(f"cycle {step.plan.cycle}: the decode was due to end with this verdict")
+            return None
+        if schedule.judging:
+            return Step(schedule.speculate(), awaits=True, final=schedule.N + 2 >= schedule.max_new_tokens)
+        return self._real(schedule.begin(Verdict.NONE, -1))
+
+    def _real(self, plan: CyclePlan | None) -> Step | None:
+        schedule = self.schedule
+        return None if plan is None else Step(plan, final=schedule.judging and schedule.N + 1 >= schedule.max_new_tokens)
 
 
 def eos_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:

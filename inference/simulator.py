@@ -30,7 +30,9 @@ class Simulator:
     """Stages, drafter and verifier of one pipeline, built once and reused across prompts."""
 
     def __init__(self, target: Target, drafter: PipelineDraftModule | Drafter, geometry: Geometry,
-                 sampling: Sampling = Sampling()):
+                 sampling: Sampling = Sampling(), replay_wasted_work: bool = False):
+        """`replay_wasted_work`: the stages also run the optimistic steps that a rejection wastes, as the
+        distributed stage ranks do (they learn of it only afterwards), instead of skipping them."""
         geometry.check_target(target.num_layers)
         self.geometry, self.sampling = geometry, sampling
         stages = {s: Stage.from_target(target, geometry, s) for s in range(1, geometry.n + 1)}
@@ -43,7 +45,8 @@ class Simulator:
                 raise ValueError("a replay drafter has no draft distribution: use it with greedy decoding only")
             d2t, draft_vocab = None, 1
         self.runner = PipelineRunner(geometry, LocalTransport(geometry.n + 1), stages, drafter, sampling,
-                                     target.vocab_size, draft_vocab, d2t, device, target.hidden_size, stages[1].dtype)
+                                     target.vocab_size, draft_vocab, d2t, device, target.hidden_size, stages[1].dtype,
+                                     replay_wasted_work=replay_wasted_work)
 
     def decode(self, prompt_ids: Sequence[int], max_new_tokens: int,
                eos_token_id: int | Sequence[int] | None = None, seed: int = 0) -> DecodeResult:

@@ -160,7 +160,10 @@ class Stage(nn.Module):
         self.config = pieces.config
         # Anchor 0 (the embedding output) is never sent: the PDM rank embeds tokens itself.
         self.anchor_layers = tuple(b for b in geometry.anchors_of_stage(index) if b > 0)
+        # n + 1 snapshots: a rejection discards at most n positions on stage 1 (n - 1 in flight plus the
+        # draft it ran optimistically before the verdict arrived).
         self.cache = StageCache(pieces.config, self.layer_range, window=geometry.n + 1)
+        self._positions = torch.arange(0)  # 0, 1, 2, ... sliced per forward; regrown (doubled) when too short
 
     @classmethod
     def from_target(cls, target: Target, geometry: Geometry, index: int) -> "Stage":
@@ -194,7 +197,9 @@ class Stage(nn.Module):
         elif self.cache.length != 0 or start != 0:
             raise RuntimeError(f"stage {self.index}: a multi-token forward must be the prefill of an empty cache")
         x = self.embed_tokens(inputs) if self.first else inputs
-        positions = torch.arange(start, start + S, device=x.device)[None]
+        if start + S > len(self._positions) or self._positions.device != x.device:
+            self._positions = torch.arange(max(2 * (start + S), 1024), device=x.device)
+        positions = self._positions[None, start:start + S]
         position_embeddings = self.rotary_emb(x, positions)
         L = self.geometry.num_layers
         captured = []

@@ -1,20 +1,37 @@
-"""How the ranks' messages travel: in-process copies (the simulator) or torch.distributed.
+"""How the ranks' messages travel: in-process queues (the simulator) or torch.distributed point-to-point.
 
-The pipeline runner names every message by (source rank, destination rank, buffer) and issues them in
-one global order that every rank derives from the same schedule; a rank takes part only in the
-messages that involve it. With blocking point-to-point operations that order cannot deadlock: the
-earliest unfinished message always has both of its ranks waiting on it. Gloo gets plain blocking
-`send`/`recv` (its `batch_isend_irecv` can hang); NCCL uses the same calls on the GPU stream.
+The pipeline runner names every message by (source rank, destination rank, kind) and every rank derives
+the same message sequence from the same schedule, taking part only in the messages that involve it.
+Sends never block (`isend`): a rank waits only to receive what it needs, so no rank ever waits for a
+peer to catch up with it, and with sends that cannot block, a set of blocking receives cannot deadlock
+as long as every receive's send comes earlier in the sender's program (the schedule guarantees it).
+Between any two ranks the messages of all kinds travel in one order on both sides, which is what NCCL
+needs (it ignores tags); the local transport checks that order, so the one-process simulator is also a
+test of the distributed protocol.
 
-Buffers are preallocated by the roles and have fixed shapes per message kind, so nothing is pickled
-and nothing is allocated per cycle. Every blocking call is bounded by the process-group timeout.
+Received buffers are preallocated by the runner and have a fixed shape per message kind; what a rank
+sends is either a fresh output of its compute or a buffer it does not touch again until the send has
+completed (`settle`). Every blocking call is bounded by the process-group timeout, and a failed message
+raises `PeerError` naming the peer.
 """
 from __future__ import annotations
 
+import queue
+import re
+import threading
+from collections import deque
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+
+class PeerError(RuntimeError):
+    """A message to or from another rank failed: the peer died, stalled past the timeout, or left."""
+
+    def __init__(self, message: str, peer: int):
+        super().__init__(message)
+        self.peer = peer
 
 
 class Transport:
@@ -23,49 +40,130 @@ class Transport:
     def hosts(self, rank: int) -> bool:
         raise NotImplementedError
 
-    def transfer(self, src: int, dst: int, send: torch.Tensor | None, recv: torch.Tensor | None) -> None:
+    def send(self, src: int, dst: int, tensor: torch.Tensor, kind: str) -> None:
+        """Start sending; `tensor` must stay unchanged until `settle` has run twice after this call."""
         raise NotImplementedError
 
-    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+    def recv(self, src: int, dst: int, tensor: torch.Tensor, kind: str) -> None:
+        """Receive into `tensor`, blocking until the message is there."""
         raise NotImplementedError
+
+    def post(self, src: int, dst: int, tensor: torch.Tensor, kind: str) -> "Arrival":
+        """Start receiving into `tensor` without blocking; the `Arrival` tells when it is in."""
+        raise NotImplementedError
+
+    def settle(self) -> None:
+        """Once per step: wait for the sends issued before the previous `settle` (bounded bookkeeping)."""
+
+    def flush(self) -> None:
+        """At the end of a prompt: every send has completed and nothing is left in flight."""
+
+
+class Arrival:
+    """A receive in progress: `ready()` says without blocking whether the message is in, `wait()` blocks
+    until it is (and raises `PeerError` if it never comes)."""
+
+    def ready(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass
 
 
 class LocalTransport(Transport):
-    """All ranks in this process: a message is a copy from the sender's buffer into the receiver's."""
+    """All ranks in this process: one queue per (src, dst), exactly like a point-to-point channel.
+
+    Each message is copied when sent, so a sender may reuse its buffer at once. A receive that finds no
+    message, or a message of another kind, is a protocol error of the runner and raises at once."""
 
     def __init__(self, world_size: int):
         self.world_size = world_size
+        self._queues: dict[tuple[int, int], deque] = {}
 
     def hosts(self, rank: int) -> bool:
         return 0 <= rank < self.world_size
 
-    def transfer(self, src, dst, send, recv) -> None:
-        recv.copy_(send)
+    def send(self, src, dst, tensor, kind) -> None:
+        self._queues.setdefault((src, dst), deque()).append((kind, tensor.clone()))
 
-    def broadcast(self, tensor, src) -> None:
-        pass  # every role of this process reads the same control tensor
+    def recv(self, src, dst, tensor, kind) -> None:
+        queue = self._queues.get((src, dst))
+        if not queue:
+            raise RuntimeError(f"protocol error: rank {dst} receives {kind!r} from rank {src}, which sent nothing")
+        sent_kind, payload = queue.popleft()
+        if sent_kind != kind:
+            raise RuntimeError(f"protocol error: rank {dst} expects {kind!r} from rank {src} but the next message is {sent_kind!r}")
+        tensor.copy_(payload)
+
+    def post(self, src, dst, tensor, kind) -> Arrival:
+        self.recv(src, dst, tensor, kind)  # in one process a sent message is always there already
+        return Arrival()
+
+    def flush(self) -> None:
+        left = {pair: [kind for kind, _ in q] for pair, q in self._queues.items() if q}
+        if left:
+            raise RuntimeError(f"protocol error: messages sent but never received: {left}")
 
 
 class DistributedTransport(Transport):
     """One rank per process over an initialized default process group."""
 
-    def __init__(self):
+    def __init__(self, names: list[str] | None = None):
+        """`names[r]` says what rank `r` is (e.g. "stage 2"), for error messages."""
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call init_distributed first")
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        self.names = names or [f"rank {r}" for r in range(self.world_size)]
+        self._watched: queue.SimpleQueue | None = None  # posted receives, waited on by the watcher thread
+        self._sent_now: list[tuple[object, int, str]] = []  # (work, dst, kind) since the last settle
+        self._sent_before: list[tuple[object, int, str]] = []
 
     def hosts(self, rank: int) -> bool:
         return rank == self.rank
 
-    def transfer(self, src, dst, send, recv) -> None:
-        if src == self.rank:
-            dist.send(send, dst)
-        elif dst == self.rank:
-            dist.recv(recv, src)
+    def send(self, src, dst, tensor, kind) -> None:
+        try:
+            work = dist.isend(tensor, dst)
+        except RuntimeError as e:
+            raise _peer_error(f"cannot send {kind} to rank {dst} ({self.names[dst]})", dst, e) from e
+        self._sent_now.append((work, dst, kind))  # the work keeps the tensor alive until it completes
 
-    def broadcast(self, tensor, src) -> None:
-        dist.broadcast(tensor, src)
+    def recv(self, src, dst, tensor, kind) -> None:
+        try:
+            dist.recv(tensor, src)
+        except RuntimeError as e:
+            raise _peer_error(f"no {kind} from rank {src} ({self.names[src]})", src, e) from e
+
+    def post(self, src, dst, tensor, kind) -> Arrival:
+        """NCCL's receive `Work` polls its GPU event (`is_completed`). Gloo's reports completion only to a
+        thread blocked in its `wait()`, so one watcher thread waits on every posted gloo receive, in
+        order, and flags each when it is in."""
+        what = f"no {kind} from rank {src} ({self.names[src]})"
+        try:
+            work = dist.irecv(tensor, src)
+        except RuntimeError as e:
+            raise _peer_error(what, src, e) from e
+        if dist.get_backend() == "nccl":
+            return _PostedArrival(work, what, src, watched=False)
+        if self._watched is None:
+            self._watched = queue.SimpleQueue()
+            threading.Thread(target=_watch, args=(self._watched,), name="spd-arrivals", daemon=True).start()
+        arrival = _PostedArrival(work, what, src, watched=True)
+        self._watched.put(arrival)
+        return arrival
+
+    def settle(self) -> None:
+        for work, dst, kind in self._sent_before:
+            try:
+                work.wait()
+            except RuntimeError as e:
+                raise _peer_error(f"rank {dst} ({self.names[dst]}) never took the {kind} sent to it", dst, e) from e
+        self._sent_before, self._sent_now = self._sent_now, []
+
+    def flush(self) -> None:
+        self.settle()
+        self.settle()
 
     def gather(self, tensor: torch.Tensor, dst: int) -> list[torch.Tensor] | None:
         """Every rank's `tensor` (same shape everywhere) on rank `dst`, None elsewhere; once per prompt."""
@@ -73,6 +171,47 @@ class DistributedTransport(Transport):
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
         dist.all_gather(out, tensor)
         return out if self.rank == dst else None
+
+
+class _PostedArrival(Arrival):
+    def __init__(self, work, what: str, peer: int, watched: bool):
+        self.work, self.what, self.peer = work, what, peer
+        self.done = threading.Event() if watched else None  # set by the watcher thread
+        self.error: Exception | None = None
+
+    def ready(self) -> bool:
+        if self.done is None:
+            return self.work.is_completed()
+        return self.done.is_set() and self.error is None
+
+    def wait(self) -> None:
+        if self.done is None:
+            try:
+                self.work.wait()
+            except RuntimeError as e:
+                raise _peer_error(self.what, self.peer, e) from e
+            return
+        self.done.wait()  # the watcher's wait is bounded by the process-group timeout
+        if self.error is not None:
+            raise _peer_error(self.what, self.peer, self.error) from self.error
+
+
+def _watch(watched: queue.SimpleQueue) -> None:
+    while True:
+        arrival = watched.get()
+        try:
+            arrival.work.wait()
+        except RuntimeError as e:
+            arrival.error = e
+        arrival.done.set()
+
+
+def _peer_error(what: str, peer: int, cause: Exception) -> PeerError:
+    text = str(cause).strip().splitlines()
+    reason = re.sub(r"^\[[^\]]*\]\s*", "", text[-1]) if text else type(cause).__name__  # drop gloo's [file:line]
+    if "timed out" in reason.lower() or "timeout" in reason.lower():
+        reason = f"timed out, so it stalled or waits on a stalled rank ({reason[:160]})"
+    return PeerError(f"{what}: {reason[:240]}", peer)
 
 
 def init_distributed(backend: str, rank: int, world_size: int, timeout_s: float, init_method: str | None = None) -> None:

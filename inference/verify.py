@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .schedule import Verdict
+
 
 class SamplingError(ValueError):
     """An impossible sampling setting; the message names the value and the allowed range."""
@@ -145,10 +147,17 @@ class Verifier:
     def first(self, logits: torch.Tensor) -> int:
         return sample_token(logits, self.sampling, self.generator)
 
-    def judge(self, position: int, logits: torch.Tensor) -> Judgement:
-        """Judge the draft at `position` with the logits of the token before it."""
-        token = int(self.tokens[position % self.window])
+    def judge(self, position: int, logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Judge the draft at `position` with the logits of the token before it; writes the verdict message
+        `[verdict, token]` into `out` and returns it. Greedy stays on the device (the caller's single
+        `.tolist()` is the only host sync); sampling decides on the host, one draw at a time, as `judge`."""
+        slot = position % self.window
         if self.sampling.greedy:
-            return judge(logits, token, None, None)
-        q = draft_distribution(self.q[position % self.window], self.d2t, self.vocab_size)
-        return judge(warp(logits, self.sampling), token, q, self.generator)
+            target = logits.argmax()
+            out[0] = torch.where(target == self.tokens[slot], Verdict.ACCEPT, Verdict.REJECT)
+            out[1] = target
+            return out
+        q = draft_distribution(self.q[slot], self.d2t, self.vocab_size)
+        judgement = judge(warp(logits, self.sampling), int(self.tokens[slot]), q, self.generator)
+        out[0], out[1] = Verdict.ACCEPT if judgement.accepted else Verdict.REJECT, judgement.token
+        return out

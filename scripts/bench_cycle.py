@@ -84,41 +84,46 @@ def median_profile(profiles: list[dict]) -> dict:
     return {k: sorted(p[k] for p in profiles)[len(profiles) // 2] for k in profiles[0]}
 
 
-def table(rows: dict[str, dict]) -> str:
-    lines = ["| run | n | K | alpha | cycle wall (ms) | slowest stage (ms) | PDM draft (ms) | overhead (ms) | decode tok/s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for label, by_n in rows.items():
+def table(rows: dict[tuple[str, str], dict]) -> str:
+    lines = ["| drafter | run | n | K | alpha | cycle wall (ms) | slowest stage (ms) | PDM draft (ms) | overhead (ms) | decode tok/s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for (drafter, label), by_n in rows.items():
         for n, p in sorted(by_n.items(), key=lambda kv: int(kv[0])):
-            lines.append(f"| {label} | {n} | {p['K']} | {p['alpha']:.3f} | {p['wall_ms']:.2f} | {p['slowest_stage_ms']:.2f} "
-                         f"| {p['draft_ms']:.2f} | {p['overhead_ms']:.2f} | {p['decode_tok_s']:.1f} |")
+            lines.append(f"| {drafter} | {label} | {n} | {p['K']} | {p['alpha']:.3f} | {p['wall_ms']:.2f} "
+                         f"| {p['slowest_stage_ms']:.2f} | {p['draft_ms']:.2f} | {p['overhead_ms']:.2f} | {p['decode_tok_s']:.1f} |")
     return "\n".join(lines)
 
 
-def plot(rows: dict[str, dict], path: str) -> None:
-    """One stacked bar per (run, n): slowest stage, the draft's excess over it, and the overhead."""
+def plot(rows: dict[tuple[str, str], dict], path: str) -> None:
+    """One panel per drafter, one stacked bar per (n, run): slowest stage, the draft's excess over it, and
+    the overhead."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels, stage, excess, overhead = [], [], [], []
-    for n in sorted({n for by_n in rows.values() for n in by_n}, key=int):
-        for label, by_n in rows.items():
-            if n in by_n:
-                p = by_n[n]
-                labels.append(f"n={n}\n{label}")
-                stage.append(p["slowest_stage_ms"])
-                excess.append(max(0.0, p["draft_ms"] - p["slowest_stage_ms"]))
-                overhead.append(max(0.0, p["wall_ms"] - max(p["slowest_stage_ms"], p["draft_ms"])))
-    fig, ax = plt.subplots(figsize=(1.6 * len(labels) + 2, 4))
-    x = range(len(labels))
-    ax.bar(x, stage, label="slowest stage")
-    ax.bar(x, excess, bottom=stage, label="PDM draft beyond the slowest stage")
-    ax.bar(x, overhead, bottom=[a + b for a, b in zip(stage, excess)], label="overhead nothing overlaps")
-    ax.set_xticks(list(x), labels)
-    ax.set_ylabel("ms per cycle")
-    ax.set_title("Pipeline cycle profile (CPU, gloo)")
-    ax.legend(fontsize=8)
+    drafters = list(dict.fromkeys(d for d, _ in rows))
+    fig, axes = plt.subplots(1, len(drafters), figsize=(5.5 * len(drafters), 4.2), squeeze=False)
+    for ax, drafter in zip(axes[0], drafters):
+        labels, stage, excess, overhead = [], [], [], []
+        runs = {label: by_n for (d, label), by_n in rows.items() if d == drafter}
+        for n in sorted({n for by_n in runs.values() for n in by_n}, key=int):
+            for label, by_n in runs.items():
+                if n in by_n:
+                    p = by_n[n]
+                    labels.append(f"n={n}\n{label.split(':')[0]}")
+                    stage.append(p["slowest_stage_ms"])
+                    excess.append(max(0.0, p["draft_ms"] - p["slowest_stage_ms"]))
+                    overhead.append(max(0.0, p["wall_ms"] - max(p["slowest_stage_ms"], p["draft_ms"])))
+        x = range(len(labels))
+        ax.bar(x, stage, label="slowest stage")
+        ax.bar(x, excess, bottom=stage, label="PDM draft beyond the slowest stage")
+        ax.bar(x, overhead, bottom=[a + b for a, b in zip(stage, excess)], label="overhead nothing overlaps")
+        ax.set_xticks(list(x), labels)
+        ax.set_ylabel("ms per cycle")
+        ax.set_title(drafter)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle("Pipeline cycle profile (CPU, gloo)")
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -184,15 +189,16 @@ def main(argv: list[str] | None = None) -> int:
             os.makedirs(os.path.dirname(args.json_out) or ".", exist_ok=True)
             with open(args.json_out, "w") as f:
                 json.dump(runs[0], f, indent=1)
-    grouped: dict[str, dict[str, list[dict]]] = {}
+    grouped: dict[tuple[str, str], dict[str, list[dict]]] = {}
     for run in runs:
-        label = run["meta"]["label"]
+        key = (run["meta"]["drafter"], run["meta"]["label"])
         for n, prof in run["profiles"].items():
-            grouped.setdefault(label, {}).setdefault(n, []).append(prof)
-    rows = {label: {n: median_profile(ps) for n, ps in by_n.items()} for label, by_n in grouped.items()}
+            grouped.setdefault(key, {}).setdefault(n, []).append(prof)
+    rows = {key: {n: median_profile(ps) for n, ps in by_n.items()}
+            for key, by_n in sorted(grouped.items(), key=lambda kv: kv[0][0])}  # by drafter, runs as given
     meta = runs[0]["meta"]
     count = max(len(ps) for by_n in grouped.values() for ps in by_n.values())
-    print(f"{meta['date']}, {meta['machine']}, torch {meta['torch']}, {meta['drafter']}, {meta['prompts']} prompts "
+    print(f"{meta['date']}, {meta['machine']}, torch {meta['torch']}, {meta['prompts']} prompts "
           f"x {meta['max_new_tokens']} new tokens (greedy), median of {count} run(s) per row\n")
     print(table(rows))
     if args.png:

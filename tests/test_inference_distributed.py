@@ -68,6 +68,45 @@ def test_gloo_closed_forms(targets):
         assert [simulator.decode(p, 20).K for p in PROMPTS] == [r.K for r in results]
 
 
+@pytest.mark.parametrize("kind", ["pre_step", "post_step"])
+def test_gloo_optimistic_rejections_after_refills(targets, kind):
+    """Drafts right by an exact pattern: rejections right after a refill and after accepts at full fill.
+    The stage ranks run ahead of every verdict, and a late rejection makes them run a step that the redo
+    rolls back (hybrid target: linear-attention states restored): AR's tokens, the simulator's N, K and
+    counters - the logical schedule's. Post-step sends its anchor states within the step, so the
+    verdicts share the last stage's channel to the PDM with them in another order."""
+    path, target = targets["qwen3_5"]
+    n, pattern = 3, "WRRRW"
+    geometry = Geometry.build(target.num_layers, n, schedule=kind)
+    references = [ar_decode(target, p, 20).tokens for p in PROMPTS]
+    results = launch(job_for(path, target, geometry, replay=(pattern, references)))
+    simulator = Simulator(target, ReplayDrafter(references, pattern, target.vocab_size), geometry)
+    for prompt, reference, result in zip(PROMPTS, references, results):
+        simulated = simulator.decode(prompt, 20)
+        assert result.tokens == reference
+        assert (result.N, result.K, result.counters) == (simulated.N, simulated.K, simulated.counters)
+        assert result.counters["rejected_by_fill"][0] > 0 and result.counters["rejected_by_fill"][n - 1] > 0
+        assert sum(result.counters["accepted_by_fill"]) > 0
+
+
+@pytest.mark.parametrize("right_at_eos", [True, False])
+def test_gloo_eos_verdict_during_an_optimistic_step(targets, right_at_eos):
+    """EOS accepted (or sampled as the correction) while every rank already runs the next step: the
+    output ends there, that step is thrown away, and every rank stops."""
+    path, target = targets["qwen3"]
+    n, pattern = 2, "RRW"
+    geometry = Geometry.build(target.num_layers, n)
+    reference = ar_decode(target, PROMPTS[0], 20).tokens
+    i = next(i for i in range(n + 1, len(reference)) if reference[i] not in reference[:i]
+             and (pattern[i % len(pattern)] == "R") == right_at_eos)
+    [result] = launch(job_for(path, target, geometry, prompts=PROMPTS[:1], eos_token_ids=[reference[i]],
+                              replay=(pattern, [reference])))
+    simulated = Simulator(target, ReplayDrafter([reference], pattern, target.vocab_size), geometry).decode(
+        PROMPTS[0], 20, eos_token_id=reference[i])
+    assert result.tokens == reference[:i + 1] and result.stop_reason == "eos"
+    assert (result.K, result.counters) == (simulated.K, simulated.counters)
+
+
 def test_gloo_sampling_draws_the_simulators_tokens(targets, tmp_path):
     """Each rank owns its random stream (verifier, drafter), so a seed gives the same tokens in both."""
     path, target = targets["qwen3"]

@@ -1,8 +1,11 @@
-"""The pipeline schedule as a pure state machine: closed forms, plans, stopping (no model involved)."""
+"""The pipeline schedule as a pure state machine: closed forms, plans, stopping, and the optimistic steps
+laid over it (no model involved)."""
+import itertools
+
 import pytest
 
 from spd_lightning.geometry import Geometry
-from inference.schedule import PipelineSchedule, Verdict, eos_set
+from inference.schedule import PipelineSchedule, Steps, Verdict, eos_set
 
 
 def drive(schedule: PipelineSchedule, right) -> PipelineSchedule:
@@ -104,3 +107,69 @@ def test_inconsistent_verdicts_are_loud():
         schedule.begin(Verdict.ACCEPT, 4)
     with pytest.raises(ValueError, match="n >= 2"):
         PipelineSchedule(Geometry.build(8, 1), 10)
+
+
+def run_steps(schedule: PipelineSchedule, right, token=lambda position: position) -> list:
+    """The physical steps with a verifier that accepts when `right(position)`; each verdict reaches the
+    planner as the runner delivers it (awaited by the next step, or at once when final)."""
+    steps = Steps(schedule)
+    step, made, run = steps.first(1000, prompt_len=5), None, []
+    while step is not None:
+        run.append(step)
+        awaited = made if step.awaits else None
+        made = None
+        if step.plan.judged_position >= 0 and not (awaited is not None and steps.wasted(*awaited)):
+            p = step.plan.judged_position
+            made = (Verdict.ACCEPT if right(p) else Verdict.REJECT, token(p))
+        step = steps.after(step, awaited, made if step.final else None)
+    return run
+
+
+PATTERNS = ["R", "W", "RW", "WR", "RRW", "WWR", "RWW", "RRRW", "WRWW", "RWRRW"]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("kind", ["pre_step", "post_step"])
+def test_optimistic_steps_keep_the_logical_schedule(n, kind):
+    """For any accept/reject pattern: N, K, tokens and counters are the logical schedule's; the physical
+    steps are its cycles plus one wasted step per rejection that arrives while the next step runs."""
+    geometry = Geometry.build(16, n, schedule=kind)
+    for pattern, N in itertools.product(PATTERNS, (2, 7, 20)):
+        right = lambda p: pattern[p % len(pattern)] == "R"  # noqa: E731
+        logical = drive(PipelineSchedule(geometry, N), right)
+        schedule = PipelineSchedule(geometry, N)
+        run = run_steps(schedule, right)
+        assert (schedule.tokens, schedule.K, schedule.counters) == (logical.tokens, logical.K, logical.counters)
+        redos = [i for i, step in enumerate(run) if step.redo]
+        last = run[-1] if run else None
+        final_reject = last is not None and last.final and not right(last.plan.judged_position)
+        assert len(run) == logical.K + len(redos)
+        assert len(redos) == sum(logical.counters.rejected_by_fill) - final_reject
+        for i in redos:  # a redo repeats the wasted step's cycle as the rejection plans it
+            wasted, redo = run[i - 1], run[i]
+            assert wasted.awaits and wasted.plan.cycle == redo.plan.cycle and wasted.plan.fill == n
+            assert redo.plan.fill == 1 and redo.plan.rollback_to >= 0 and not redo.plan.draft_entered
+        for previous, step in zip(run, run[1:]):
+            assert step.awaits == (previous.plan.judged_position >= 0 and not previous.final and not step.redo)
+        assert [s.plan.cycle for s in run if not s.redo] == list(range(1, len(run) - len(redos) + 1))
+
+
+def test_an_eos_verdict_wastes_the_optimistic_step():
+    geometry = Geometry.build(8, 3)
+    for right in (lambda p: True, lambda p: p != 9):  # EOS accepted, or EOS as the correction
+        schedule = PipelineSchedule(geometry, 50, eos_set(109))
+        run = run_steps(schedule, right, token=lambda p: 100 + p)
+        assert schedule.tokens[-1] == 109 and schedule.stop_reason == "eos"
+        assert run[-1].awaits and run[-1].plan.cycle == schedule.K + 1  # run, then thrown away: K does not count it
+
+
+def test_speculation_is_the_accepted_plan():
+    geometry = Geometry.build(8, 3)
+    schedule = PipelineSchedule(geometry, 20)
+    plan = schedule.begin(Verdict.FIRST, 1, prompt_len=4)
+    while plan.judged_position < 0:
+        plan = schedule.begin(Verdict.NONE, -1)
+    speculated = schedule.speculate()
+    assert schedule.begin(Verdict.ACCEPT, 5) == speculated
+    with pytest.raises(RuntimeError, match="nothing is being judged"):
+        PipelineSchedule(geometry, 20).speculate()

@@ -1,4 +1,5 @@
-"""The one-process simulator: lossless greedy decoding, closed forms, the PDM's cached staircase, EOS."""
+"""The one-process simulator: lossless greedy decoding, closed forms, the PDM's cached staircase, EOS, and
+optimistic execution under exact accept/reject patterns."""
 import pytest
 import torch
 
@@ -6,6 +7,7 @@ from spd_lightning.geometry import Geometry
 from spd_lightning.pdm import PDMConfig, PipelineDraftModule
 from inference.ar import ar_decode
 from inference.drafter import PDMDrafter, ReplayDrafter
+from inference.schedule import PipelineSchedule, Verdict
 from inference.simulator import Simulator, simulate_decode
 from inference.verify import Sampling
 from test_inference_support import one_thread, random_pdm  # noqa: F401 - one_thread is an autouse fixture
@@ -116,3 +118,55 @@ def test_mismatched_pdm_is_refused(tiny_qwen3):
     wrong = PipelineDraftModule(PDMConfig(tiny_qwen3.hidden_size, geometry.num_types + 1, 16, 32, head_dim=8))
     with pytest.raises(ValueError, match="aggregation types"):
         Simulator(tiny_qwen3, wrong, geometry)
+
+
+def logical_run(geometry, max_new_tokens, prompt_len, reference, pattern, eos=frozenset()):
+    """K and counters of the logical schedule when the draft at each position is right as `pattern` says."""
+    schedule = PipelineSchedule(geometry, max_new_tokens, eos)
+    plan = schedule.begin(Verdict.FIRST, reference[0], prompt_len=prompt_len)
+    while plan is not None:
+        if plan.judged_position < 0:
+            plan = schedule.begin(Verdict.NONE, -1)
+            continue
+        index = plan.judged_position - prompt_len
+        right = pattern[index % len(pattern)] == "R"
+        plan = schedule.begin(Verdict.ACCEPT if right else Verdict.REJECT, reference[index])
+    return schedule.K, schedule.counters.to_dict()
+
+
+@pytest.mark.parametrize("n,kind", [(2, "pre_step"), (3, "pre_step"), (4, "pre_step"), (3, "post_step")])
+def test_optimistic_steps_roll_back_exactly(tiny_qwen35, n, kind):
+    """Rejections right after a refill (WW), after accepts (RRW), at the last verdict: AR's tokens and the
+    logical schedule's K and counters, both when the stages skip the wasted optimistic steps and when they
+    run them, as distributed stage ranks do when the verdict arrives late (the hybrid target restores its
+    linear-attention states from the snapshot ring)."""
+    geometry = Geometry.build(tiny_qwen35.num_layers, n, schedule=kind)
+    references = [ar_decode(tiny_qwen35, p, 20).tokens for p in PROMPTS]
+    seen = torch.zeros(2, n, dtype=torch.long)  # accepted / rejected by fill, over every run
+    for pattern in ("RWW", "RRW", "WRRRW"):
+        expected = [logical_run(geometry, 20, len(p), r, pattern) for p, r in zip(PROMPTS, references)]
+        for _, counters in expected:
+            seen += torch.tensor([counters["accepted_by_fill"], counters["rejected_by_fill"]])
+        for replay in (False, True):
+            drafter = ReplayDrafter(references, pattern, tiny_qwen35.vocab_size)
+            simulator = Simulator(tiny_qwen35, drafter, geometry, replay_wasted_work=replay)
+            for prompt, reference, (K, counters) in zip(PROMPTS, references, expected):
+                result = simulator.decode(prompt, 20)
+                assert result.tokens == reference and (result.K, result.counters) == (K, counters), (pattern, replay)
+    assert seen[1, 0] > 0 and seen[1, n - 1] > 0 and seen[0].sum() > 0  # rejects right after refills and at fill n
+
+
+@pytest.mark.parametrize("right_at_eos", [True, False])
+def test_an_eos_verdict_ends_an_optimistic_step(tiny_qwen3, right_at_eos):
+    """EOS accepted while the next step already runs, or EOS as the correction: the output ends there."""
+    n, pattern = 3, "RRW"
+    geometry = Geometry.build(tiny_qwen3.num_layers, n)
+    reference = ar_decode(tiny_qwen3, PROMPTS[0], 30).tokens
+    i = next(i for i in range(n + 1, len(reference)) if reference[i] not in reference[:i]
+             and (pattern[i % len(pattern)] == "R") == right_at_eos)
+    eos = reference[i]
+    for replay in (False, True):
+        drafter = ReplayDrafter([reference], pattern, tiny_qwen3.vocab_size)
+        result = Simulator(tiny_qwen3, drafter, geometry, replay_wasted_work=replay).decode(PROMPTS[0], 30, eos_token_id=eos)
+        assert result.tokens == reference[:i + 1] == ar_decode(tiny_qwen3, PROMPTS[0], 30, eos_token_id=eos).tokens
+        assert (result.K, result.counters) == logical_run(geometry, 30, len(PROMPTS[0]), reference, pattern, frozenset({eos}))

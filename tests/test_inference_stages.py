@@ -55,13 +55,14 @@ def cache_snapshot(stage):
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
 def test_rollback_is_bit_exact(arch):
-    """Run a, b, c, then d1 d2 d3 (to be rejected): rolling back equals a run that never saw d1..d3, and
-    decoding on after the rollback equals decoding on that run."""
+    """Run a, b, c, then d1..d4 (to be rejected; n = 4 is the most a rejection discards on stage 1: the n - 1
+    younger in-flight tokens plus the draft it ran optimistically): rolling back equals a run that never
+    saw them, and decoding on after the rollback equals decoding on that run."""
     target = Target(make_tiny_model(arch), arch)
     geometry = Geometry.build(4, 4)  # one layer per stage; window n+1 = 5 snapshots
     stage_a = [Stage.from_target(target, geometry, s) for s in range(1, 5)]
     stage_b = [Stage.from_target(target, geometry, s) for s in range(1, 5)]
-    prompt, kept, discarded, after = [3, 9, 27], [81, 5], [11, 12, 13], [40, 41]
+    prompt, kept, discarded, after = [3, 9, 27], [81, 5], [11, 12, 13, 14], [40, 41]
     for stages in (stage_a, stage_b):
         run_through(stages, prompt, 0)
         for i, t in enumerate(kept):

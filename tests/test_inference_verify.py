@@ -3,6 +3,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from inference.schedule import Verdict
 from inference.verify import (Sampling, SamplingError, Verifier, acceptance_probability, draft_distribution, judge,
                               residual, warp)
 
@@ -80,8 +81,18 @@ def test_verifier_remembers_by_position():
                         device=torch.device("cpu"))
     verifier.reset(0)
     verifier.remember(7, torch.tensor([4]), torch.tensor([0.2, 0.3, 0.5]))  # token 4 is outside V_d: q(4) = 0, never accepted
-    out = verifier.judge(7, torch.zeros(5))
-    assert not out.accepted and out.token in (3, 4)  # the residual is P - q, positive only on 3 and 4
+    verdict, token = verifier.judge(7, torch.zeros(5), torch.zeros(2, dtype=torch.long)).tolist()
+    assert verdict == Verdict.REJECT and token in (3, 4)  # the residual is P - q, positive only on 3 and 4
+
+
+def test_greedy_verifier_writes_the_verdict_message():
+    verifier = Verifier(Sampling(), window=3, vocab_size=5, d2t=None, draft_vocab_size=1, device=torch.device("cpu"))
+    verifier.reset(0)
+    logits = torch.tensor([0.0, 0.0, 3.0, 1.0, 0.0])
+    out = torch.zeros(2, dtype=torch.long)
+    for position, draft, expected in ((4, 2, [Verdict.ACCEPT, 2]), (5, 3, [Verdict.REJECT, 2])):
+        verifier.remember(position, torch.tensor([draft]), None)
+        assert verifier.judge(position, logits, out).tolist() == expected
 
 
 @pytest.mark.parametrize("kwargs,match", [({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"),

@@ -1,0 +1,144 @@
+"""`python -m inference.eval` (a tiny simulated benchmark) and `python -m inference.plan` (the cost model)."""
+import json
+import math
+
+import pytest
+
+from conftest import make_tiny_model
+from spd_lightning.geometry import Geometry
+from inference import eval as spd_eval
+from inference import plan as spd_plan
+from test_inference_support import one_thread, save_random_drafter, target_dir  # noqa: F401 - autouse fixture
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval")
+    path, target = target_dir(tmp_path_factory, "qwen3_5", make_tiny_model)
+    drafter = save_random_drafter(target, Geometry.build(target.num_layers, 2), str(root / "drafter"))
+    sets = []
+    for name, turns in (("gsm8k_question", ["hello world", "the cat sat on the mat", "unused"]),
+                        ("humaneval_question", ["a cat", "world hello"])):
+        p = root / f"{name}.jsonl"
+        p.write_text("".join(json.dumps({"question_id": i, "turns": [t]}) + "\n" for i, t in enumerate(turns)))
+        sets.append(str(p))
+    bad = root / "bad.jsonl"
+    bad.write_text('{"no_turns": 1}\n')
+    return {"target": path, "drafter": drafter, "sets": sets, "bad": str(bad), "root": root}
+
+
+@pytest.fixture(scope="module")
+def evaluated(files):
+    out = files["root"] / "out"
+    rc = spd_eval.main(["--ckpt", files["drafter"], "--prompts", *files["sets"], "--max-new-tokens", "8", "--limit", "2",
+                        "--temperatures", "0", "1", "--out", str(out), "--simulate", "--no-progress"])
+    assert rc == 0
+    return out
+
+
+def test_eval_writes_json_markdown_and_plot(evaluated):
+    report = json.loads((evaluated / "eval.json").read_text())
+    assert report["n"] == 2 and report["mode"] == "spd"
+    rows = report["results"]
+    assert [(r["set"], r["temperature"]) for r in rows] == [
+        (s, t) for t in (0.0, 1.0) for s in ("gsm8k", "humaneval", "overall")]
+    n = report["n"]
+    for r in rows:
+        assert r["prompts"] == (4 if r["set"] == "overall" else 2)
+        for key in ("alpha", "r", "T_full_s", "T_draft_s", "S0", "S_spd", "S_post", "decode_tokens_per_s",
+                    "ar_decode_tokens_per_s", "wall_clock_speedup"):
+            assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] > 0, (key, r)
+        assert r["alpha"] == pytest.approx(r["N"] / r["K"]) and 0 < r["alpha"] <= 1
+        assert r["S0"] == pytest.approx(n * r["alpha"])
+        assert r["r"] == pytest.approx(r["T_draft_s"] / r["T_full_s"])
+        assert r["S_post"] == pytest.approx(n * r["alpha"] / (1 + n * r["r"]))
+        assert r["S_spd"] == pytest.approx(n * r["alpha"] * min(1.0, 1.0 / (n * r["r"])))
+        assert r["wall_clock_speedup"] == pytest.approx(r["decode_tokens_per_s"] / r["ar_decode_tokens_per_s"])
+    by = {(r["set"], r["temperature"]): r for r in rows}
+    for t in (0.0, 1.0):  # the overall row pools the sets
+        assert by[("overall", t)]["N"] == by[("gsm8k", t)]["N"] + by[("humaneval", t)]["N"]
+        assert by[("overall", t)]["K"] == by[("gsm8k", t)]["K"] + by[("humaneval", t)]["K"]
+    assert by[("gsm8k", 1.0)]["sampling"]["top_k"] == 50 and by[("gsm8k", 0.0)]["sampling"]["temperature"] == 0
+    md = (evaluated / "eval.md").read_text()
+    assert md.count("\n| ") == 1 + len(rows) and "| overall | 1 |" in md
+    assert (evaluated / "eval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert set(report["plan_inputs"]) >= {"T_full_s", "T_draft_s", "L_s", "overhead_s", "n", "alpha"}
+
+
+def test_plan_reads_the_eval_report(evaluated, tmp_path, capsys):
+    eval_json = str(evaluated / "eval.json")
+    rc = spd_plan.main(["--times", eval_json, "--alphas", eval_json, "--alpha", "1:2:1.0",
+                        "--plot", str(tmp_path / "p.png"), "--json", str(tmp_path / "p.json")])
+    assert rc == 0
+    out = json.loads((tmp_path / "p.json").read_text())
+    p = json.loads(evaluated.joinpath("eval.json").read_text())["plan_inputs"]
+    row = next(r for r in out["rows"] if r["n"] == 2)
+    assert row["stage"] == pytest.approx(p["T_full_s"] / 2) and row["draft"] == pytest.approx(p["T_draft_s"])
+    assert row["cycle"] == pytest.approx(max(row["stage"], row["draft"]) + p["overhead_s"])
+    assert row["speedup"] == pytest.approx(p["alpha"] * p["T_full_s"] / row["cycle"])
+    assert "recommended: n=" in capsys.readouterr().out and (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_speedup_formulas_by_hand():
+    s = spd_eval.speedups(4, 0.5, 0.5)  # n*r = 2: drafting is twice a stage
+    assert s["S0"] == 2.0 and s["S_post"] == pytest.approx(2 / 3) and s["S_spd"] == pytest.approx(1.0)
+    assert spd_eval.speedups(4, 0.5, 0.1)["S_spd"] == pytest.approx(2.0)  # masked: n*r < 1
+    assert spd_eval.speedups(4, 0.5, 0.0)["S_spd"] == 2.0 and spd_eval.speedups(4, None, 0.1)["S0"] is None
+
+
+def test_plan_cost_model_by_hand():
+    m = spd_plan.CostModel(t_full=8.0, t_draft_layer=1.0, overhead=0.5, num_layers=8)
+    a = m.predict(4, 1, 0.75)  # stage 2, draft 1: stage-bound, cycle 2.5
+    assert (a["stage"], a["draft"], a["cycle"], a["draft_bound"]) == (2.0, 1.0, 2.5, False)
+    assert a["speedup"] == pytest.approx(0.75 * 8 / 2.5) and a["S0"] == 3.0
+    b = m.predict(8, 3, 0.5)  # stage 1, draft 3: draft-bound, cycle 3.5
+    assert (b["cycle"], b["draft_bound"]) == (3.5, True) and b["speedup"] == pytest.approx(0.5 * 8 / 3.5)
+    rows, best = spd_plan.plan(m, {(4, 1): 0.75, (8, 3): 0.5, (2, 1): 0.9})  # 2.4, 1.14, 8*0.9/4.5 = 1.6
+    assert (best["n"], best["L_s"]) == (4, 1) and [r["n"] for r in rows] == [4, 2, 8]
+    # with no overhead the model reduces to SPEC 6's formulas (r = draft / T_full)
+    free = spd_plan.CostModel(t_full=8.0, t_draft_layer=1.0)
+    post = spd_plan.CostModel(t_full=8.0, t_draft_layer=1.0, schedule="post_step")
+    for n, L_s in ((4, 1), (8, 3), (2, 1)):
+        ref = spd_eval.speedups(n, 0.6, L_s / 8.0)
+        assert free.predict(n, L_s, 0.6)["speedup"] == pytest.approx(ref["S_spd"])
+        assert post.predict(n, L_s, 0.6)["speedup"] == pytest.approx(ref["S_post"])
+
+
+def test_plan_from_a_target_config(files, tmp_path, capsys):
+    alphas = tmp_path / "alphas.json"
+    alphas.write_text(json.dumps({"2,1": 0.9, "4,2": 0.6, "4,1": 0.5}))
+    assert spd_plan.main(["--target", files["target"], "--alphas", str(alphas), "--overhead-layers", "0",
+                          "--plot", str(tmp_path / "p.png")]) == 0
+    out = capsys.readouterr().out
+    # L=4 target layers: n=4 L_s=1 cycle = max(1, 1) = 1 -> 0.5*4; n=2 L_s=1 cycle 2 -> 0.9*2; n=4 L_s=2 -> 0.6*4/2
+    assert "recommended: n=4 L_s=1 (predicted 2.00x" in out and "| 2 | 1 | 0.900 | 1.80 |" in out
+
+
+@pytest.mark.parametrize("case", ["no_alpha", "alpha_range", "alpha_syntax", "n_over_L", "no_shape", "missing_json",
+                                  "seconds_without_t_full", "bad_alphas_json"])
+def test_plan_bad_input_is_one_line(files, tmp_path, capsys, case):
+    garbage = tmp_path / "g.json"
+    garbage.write_text('{"x": [1, 2]}')
+    argv = {"no_alpha": ["--layers", "8"], "alpha_range": ["--layers", "8", "--alpha", "2:1:1.5"],
+            "alpha_syntax": ["--layers", "8", "--alpha", "2-1-0.5"], "n_over_L": ["--layers", "2", "--alpha", "4:1:0.5"],
+            "no_shape": ["--alpha", "2:1:0.5"], "missing_json": ["--layers", "8", "--alphas", str(tmp_path / "nope.json")],
+            "seconds_without_t_full": ["--layers", "8", "--t-draft", "0.1", "--alpha", "2:1:0.5"],
+            "bad_alphas_json": ["--layers", "8", "--alphas", str(garbage)]}[case]
+    assert spd_plan.main([*argv, "--plot", ""]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("case", ["missing_prompts", "bad_jsonl", "max_new_tokens", "missing_ckpt", "limit"])
+def test_eval_bad_input_is_one_line(files, tmp_path, capsys, case):
+    base = ["--ckpt", files["drafter"], "--prompts", files["sets"][0], "--out", str(tmp_path / "o"), "--simulate",
+            "--max-new-tokens", "4", "--no-progress"]
+    argv = {"missing_prompts": [*base, "--prompts", str(tmp_path / "nope.jsonl")],
+            "bad_jsonl": [*base, "--prompts", files["bad"]], "max_new_tokens": [*base, "--max-new-tokens", "0"],
+            "missing_ckpt": [*base, "--ckpt", str(tmp_path / "no_drafter")], "limit": [*base, "--limit", "0"]}[case]
+    assert spd_eval.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "o" / "eval.json").exists()

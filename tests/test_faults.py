@@ -1,0 +1,147 @@
+"""Fault injection into the multi-process decoder (gloo, CPU, SPEC 5.3: a failed rank ends the run with a
+clear error on every rank, never a hang).
+
+A rank that dies, raises or stalls at a chosen point - prefill, steady state, right after a rejection
+(`DecodeJob.fault`, see `launch.Fault`) - ends the whole run well within the process-group timeout, every
+rank exits non-zero, the launcher names the rank that failed and why, and no process is left behind
+(checked in /proc on the recorded pids). A stalled peer is caught by the timeout, not waited on forever,
+and a launcher that dies takes its ranks with it. The replay pattern makes rejections happen early, so
+`redo` points come within the first cycles.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import make_tiny_model
+from spd_lightning.geometry import Geometry
+from inference.ar import ar_decode
+from inference.launch import DecodeJob, LaunchError, launch
+from inference.verify import Sampling
+from test_inference_support import env_without_threads, one_thread, target_dir  # noqa: F401 - autouse fixture
+
+pytestmark = pytest.mark.timeout(180)
+PROMPTS = [[3, 14, 15, 92, 65, 35], [7, 7, 8]]
+PATTERN = "WRRW"
+TIMEOUT_S = 20  # the process-group timeout: every failure below must end the run well before a hang would
+STALL_TIMEOUT_S = 10  # short, so the stall cases stay quick, yet ample for loading a tiny stage
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    path, target = target_dir(tmp_path_factory, "qwen3", make_tiny_model)
+    return path, target, [ar_decode(target, p, 24).tokens for p in PROMPTS]
+
+
+def job_for(qwen3, n: int, fault: str | None, timeout_s: float = TIMEOUT_S, repeat: int = 1) -> DecodeJob:
+    path, target, references = qwen3
+    return DecodeJob(target_path=path, geometry=Geometry.build(target.num_layers, n).to_dict(), prompts=PROMPTS * repeat,
+                     max_new_tokens=24, eos_token_ids=[], vocab_size=target.vocab_size, hidden_size=target.hidden_size,
+                     sampling=Sampling().to_dict(), replay=(PATTERN, references * repeat), timeout_s=timeout_s, fault=fault)
+
+
+def gone(pid: int) -> bool:
+    """The process has exited (a zombie only keeps its exit status)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state in ("Z", "X")
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+    return found
+
+
+def wait_gone(pids, within_s: float) -> list[int]:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline and not all(gone(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if not gone(p)]
+
+
+def failing_launch(job: DecodeJob, match: str) -> LaunchError:
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match=match) as info:
+        launch(job)
+    elapsed = time.monotonic() - start
+    error = info.value
+    assert elapsed < job.timeout_s + 15, f"the failure took {elapsed:.1f} s to surface: {error}"
+    assert len(error.pids) == job.world_size and not wait_gone(error.pids, 1.0), "a rank outlived the launch"
+    assert all(code not in (None, 0) for code in error.exitcodes), error.exitcodes
+    return error
+
+
+def test_a_stage_rank_that_dies_in_steady_state_ends_every_rank(qwen3):
+    """Stage 2 of 3 vanishes without a word at its 8th step: the launcher names it, not its peers' echoes."""
+    failing_launch(job_for(qwen3, 3, "1:step:8:exit"), r"rank 1 \(stage 2\) exited with code 3 without reporting an error")
+
+
+def test_a_stalled_peer_is_caught_by_the_timeout(qwen3):
+    """The PDM stops sending in steady state: the ranks waiting on it time out and name it."""
+    error = failing_launch(job_for(qwen3, 2, "2:step:6:stall", timeout_s=STALL_TIMEOUT_S),
+                           r"^rank 2 \(PDM\) stopped responding: .* timed out")
+    assert error.exitcodes[2] == -signal.SIGTERM  # the staller never noticed; the launcher ended it
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault,match", [
+    ("0:prefill:1:exit", r"rank 0 \(stage 1\) exited with code 3 without reporting"),
+    ("3:prefill:1:kill", r"rank 3 \(PDM\) was killed by signal 9"),
+    ("2:redo:1:raise", r"rank 2 \(stage 3\) failed: RuntimeError: injected fault at redo #1"),
+    ("0:redo:2:exit", r"rank 0 \(stage 1\) exited with code 3 without reporting"),
+    ("3:step:10:raise", r"rank 3 \(PDM\) failed: RuntimeError: injected fault at step #10"),
+    ("1:redo:1:kill", r"rank 1 \(stage 2\) was killed by signal 9"),
+])
+def test_every_rank_and_point(qwen3, fault, match):
+    """Stage and PDM ranks failing at prefill, in steady state and right after a rejection (n = 3)."""
+    failing_launch(job_for(qwen3, 3, fault), match)
+
+
+@pytest.mark.slow
+def test_a_stalled_stage_right_after_a_rejection(qwen3):
+    """Stage 1 stops after learning of a rejection; a rank that times out waiting on a blocked peer
+    (not on stage 1 itself) still leads the launcher to stage 1."""
+    failing_launch(job_for(qwen3, 3, "0:redo:1:stall", timeout_s=STALL_TIMEOUT_S),
+                   r"^rank 0 \(stage 1\) stopped responding: .* timed out")
+
+
+LAUNCHER = """
+import json, multiprocessing as mp, sys
+from inference.launch import DecodeJob, launch
+def started(index, result):
+    if index == 0:  # decoding is under way: tell the test which processes to watch
+        print(json.dumps([p.pid for p in mp.active_children()]), flush=True)
+launch(DecodeJob(**json.loads(sys.argv[1])), on_result=started)
+"""
+
+
+@pytest.mark.slow
+def test_a_dead_launcher_takes_its_ranks_with_it(qwen3):
+    """SIGKILL the launching process mid-decode: its ranks (and its fork server) exit on their own."""
+    job = job_for(qwen3, 2, None, repeat=200)
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, json.dumps(job.__dict__)], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env_without_threads(), text=True)
+    try:
+        ranks = json.loads(launcher.stdout.readline())
+        helpers = children_of(launcher.pid)  # the fork server (the ranks' parent) and the resource tracker
+        assert len(ranks) == job.world_size and helpers
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert not wait_gone(ranks + helpers, 20.0), "processes outlived their launcher"
