@@ -247,26 +247,34 @@ def print_summary(report: dict) -> None:
     print(" ".join(parts))
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run_guarded(run_fn, args, user_errors: tuple = ()) -> tuple[int | None, object]:
+    """Run an inference CLI's `run_fn(args)`: quiet transformers, and every failure ends with one line on
+    stderr (exit 2 for bad input, 1 for anything unexpected) unless `--debug`. Returns (exit code or None, report)."""
     if not args.debug:
         import transformers
 
         transformers.utils.logging.set_verbosity_error()
         transformers.utils.logging.disable_progress_bar()
     try:
-        report = run(args)
-    except (UsageError, *USER_ERRORS) as e:
+        return None, run_fn(args)
+    except (UsageError, *USER_ERRORS, *user_errors) as e:
         if args.debug:
             raise
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return 2, None
     except Exception as e:  # noqa: BLE001 - an unexpected failure still ends with one line unless --debug
         if args.debug:
             raise
         print(f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} (rerun with --debug for the traceback)",
               file=sys.stderr)
-        return 1
+        return 1, None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    code, report = run_guarded(run, args)
+    if code is not None:
+        return code
     if not report:
         return 0
     if args.json_out:

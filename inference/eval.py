@@ -31,7 +31,7 @@ import sys
 import torch
 
 from .ar import ar_decode
-from .decode import USER_ERRORS, DecodeJob, UsageError, encode_prompts, prepare
+from .decode import DecodeJob, UsageError, encode_prompts, prepare, run_guarded
 from .prompts import PromptError, read_prompts
 from .result import DecodeResult
 from .verify import Sampling
@@ -262,24 +262,9 @@ def write_outputs(report: dict, out: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if not args.debug:
-        import transformers
-
-        transformers.utils.logging.set_verbosity_error()
-        transformers.utils.logging.disable_progress_bar()
-    try:
-        report = run(args)
-    except (UsageError, PromptError, OSError, *USER_ERRORS) as e:
-        if args.debug:
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # noqa: BLE001 - an unexpected failure still ends with one line unless --debug
-        if args.debug:
-            raise
-        print(f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} (rerun with --debug for the traceback)",
-              file=sys.stderr)
-        return 1
+    code, report = run_guarded(run, args, (PromptError, OSError))
+    if code is not None:
+        return code
     print(markdown(report), end="")
     print(f"wrote {os.path.join(args.out, 'eval.json')}, eval.md, eval.png")
     return 0

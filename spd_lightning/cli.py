@@ -102,6 +102,7 @@ def run_cli(args: Optional[Sequence[str]] = None) -> SPDLightningCLI:
         auto_configure_optimizers=False,  # SPDModule.configure_optimizers owns AdamW + the linear schedule
         trainer_defaults={"logger": DEFAULT_LOGGER, "max_epochs": 1},
         save_config_callback=LoggedConfigCallback, save_config_kwargs={"overwrite": True},
+        parser_kwargs={"exit_on_error": False},  # a bad value raises (one line below), not usage text + exit
     )
 
 
@@ -135,7 +136,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print("error: stopped by SIGTERM after a complete step, saved as last.ckpt: resume with `--ckpt_path last`",
               file=sys.stderr)
         sys.exit(128 + signal.SIGTERM)
-    except (ValueError, FileNotFoundError) as e:  # every project error class is a ValueError
+    except (ValueError, FileNotFoundError, argparse.ArgumentError) as e:  # project errors are ValueErrors
         if debug:
             raise
         message = " ".join(str(e).split()) or type(e).__name__
