@@ -139,3 +139,20 @@ def test_ddp_fit_with_the_callback_logs_once_per_evaluation(micro_target, tmp_pa
     rows = [r for r in csv_rows(tmp_path) if r.get("staircase/alpha")]
     assert len(rows) == 1 and int(rows[0]["step"]) == 2
     assert 0.0 < float(rows[0]["staircase/alpha"]) <= 1.0
+
+
+def test_resume_restores_the_history_and_repeats_the_numbers(micro_target, tmp_path):
+    """Resuming from a mid-epoch checkpoint keeps the callback's history, and the evaluation after the
+    resume reports what the uninterrupted run reported (exact resume of weights, data order and decoding)."""
+    def run(root, *extra):
+        args = fit_args(micro_target, root, "--trainer.max_steps", "4", "--checkpoint.every_n_train_steps", "2",
+                        "--checkpoint.save_top_k", "-1", *callback_args(), *extra)
+        trainer = cli.run_cli(["fit", *args]).trainer
+        return [c for c in trainer.callbacks if isinstance(c, StaircaseEvaluation)][0].history
+
+    straight = run(tmp_path / "a")
+    [mid] = glob.glob(os.path.join(str(tmp_path / "a" / "ckpt"), "*step=2.ckpt"))
+    resumed = run(tmp_path / "b", "--ckpt_path", mid)
+    assert [s for s, _ in straight] == [2, 4]
+    assert resumed[0] == straight[0]  # restored from the checkpoint, not re-evaluated
+    assert resumed[1][0] == 4 and resumed[1][1] == pytest.approx(straight[1][1], abs=1e-12)
