@@ -111,6 +111,10 @@ class StaircaseEvaluation(L.Callback):
         sim = Simulator(pl_module.target, pl_module.pdm, pl_module.geometry, self.sampling)
         eos = target_eos(pl_module.target.config, getattr(pl_module.target.model, "generation_config", None))
         tok = getattr(trainer.datamodule, "tokenizer", None)
+
+        def text(ids: list[int]) -> str:
+            return tok.decode(ids) if tok is not None else str(ids)
+
         # [N, K, accepted_by_fill(n), rejected_by_fill(n), accepted_by_depth(n+1), rejected_by_depth(n+1)]
         counts = torch.zeros(2 + 2 * n + 2 * (n + 1), dtype=torch.float64)
         rows = []
@@ -121,7 +125,6 @@ class StaircaseEvaluation(L.Callback):
             c = r.counters
             counts += torch.tensor([r.N, r.K, *c["accepted_by_fill"], *c["rejected_by_fill"],
                                     *c["accepted_by_depth"], *c["rejected_by_depth"]], dtype=torch.float64)
-            text = (lambda t: tok.decode(t) if tok is not None else str(t))
             rows.append([i, text(ids), text(r.tokens), r.N, r.K, r.alpha])
         return self._sum(trainer, counts), self._gather(trainer, rows)
 

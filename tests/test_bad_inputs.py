@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 import bad_inputs  # noqa: E402
 from spd_lightning.target import Target, TargetError  # noqa: E402
+from test_inference_support import one_thread  # noqa: E402,F401 - one_thread is an autouse fixture
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended")]
@@ -21,16 +22,6 @@ pytestmark = [pytest.mark.timeout(300),
 def files(tmp_path_factory):
     """One tiny target (plus two mismatching ones), one random drafter and the broken inputs for every case."""
     return bad_inputs.build_files(str(tmp_path_factory.mktemp("bad_inputs")))
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _param(case):
