@@ -3,7 +3,7 @@
     python -m inference.eval --ckpt drafter/ --prompts ../shared/data/gsm8k_question.jsonl \\
         ../shared/data/humaneval_question.jsonl --temperatures 0 1 --limit 80 --out eval_out --simulate
 
-For each EAGLE-style jsonl set and each temperature (T > 0 samples with `--top-k`/`--top-p`, by default
+For each EAGLE-style jsonl set (or dataset, see inference/prompts.py) and each temperature (T > 0 samples with `--top-k`/`--top-p`, by default
 top-k 50 and top-p 1.0), every prompt is decoded by the SPD decoder (`--simulate`: the one-process
 simulator; otherwise the n+1-process pipeline) and by plain AR decoding of the same target loaded in
 this process. Reported per set and overall (all sets pooled):
@@ -41,7 +41,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m inference.eval", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, help="Lightning .ckpt or exported drafter directory")
-    p.add_argument("--prompts", nargs="+", required=True, help="EAGLE-style jsonl sets (first turn of each line)")
+    p.add_argument("--prompts", nargs="+", required=True,
+                   help="EAGLE-style jsonl sets (first turn of each line), or datasets NAME[:CONFIG][@SPLIT] (hub or local)")
     p.add_argument("--target", help="target checkpoint directory (default: the one the drafter was trained on)")
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="0 = greedy")
@@ -111,7 +112,7 @@ def check_args(args: argparse.Namespace) -> list[Sampling]:
 
 
 def set_name(path: str, taken: set[str]) -> str:
-    name = os.path.splitext(os.path.basename(path))[0].removesuffix("_question")
+    name = os.path.splitext(os.path.basename(path.rstrip("/").partition(":")[0].partition("@")[0]))[0].removesuffix("_question")
     base, i = name, 2
     while name in taken:
         name, i = f"{base}_{i}", i + 1
@@ -194,7 +195,7 @@ def _progress(total: int, disable: bool):
 
 
 def _plan_inputs(report: dict) -> None:
-    """What `inference.plan --times eval.json` reads: measured T_full, draft time at this L_s, overhead."""
+    """What `inference.plan --times eval.json` reads: measured T_full, draft time at this L_s, slowest stage, overhead."""
     greedy = [r for r in report["results"] if r["set"] == "overall"]
     row = min(greedy, key=lambda r: r["temperature"])
     overhead = None
@@ -203,7 +204,8 @@ def _plan_inputs(report: dict) -> None:
         busy = (row["mean_stage_sum_s"] + row["T_draft_s"]) if report["simulate"] else max(row["mean_slowest_stage_s"], row["T_draft_s"])
         overhead = max(0.0, row["mean_cycle_s"] - busy)
     report["plan_inputs"] = {"T_full_s": row["T_full_s"], "T_draft_s": row["T_draft_s"], "L_s": report["L_s"],
-                             "overhead_s": overhead, "n": report["n"], "alpha": row["alpha"], "L": report["L"]}
+                             "overhead_s": overhead, "n": report["n"], "alpha": row["alpha"], "L": report["L"],
+                             "slowest_stage_s": row["mean_slowest_stage_s"]}
 
 
 def _fmt(x, digits: int = 3) -> str:

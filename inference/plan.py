@@ -9,7 +9,9 @@ The model (SPEC 6, 9). Batch-1 decoding; one SPD cycle emits `alpha` verified to
 (`alpha = N / K`, measured by `inference.eval` or the staircase evaluation for each (n, L_s)):
 
     T_full        one full forward of the target (AR per-token decode time)
-    stage(n)      = T_full / n                         (the L layers split evenly over n stages)
+    stage(n)      = T_full / n + stage_fixed           (the L layers split evenly over n stages, plus what a
+                                                        stage pays per step whatever its share: launch, norms,
+                                                        the activation hop; measured, 0 in the config-only model)
     draft(L_s)    = draft_fixed + L_s * t_draft_layer  (the PDM's per-cycle draft time grows with L_s)
     cycle         = max(stage, draft) + overhead        (pre-step SPD: drafting overlaps the stages)
                   = stage + draft + overhead            (--schedule post_step, PPSD: drafting is serial)
@@ -20,9 +22,10 @@ With zero draft cost and overhead the pre-step speedup is `S0 = n * alpha`; with
 `S_spd = n*alpha*min(1, 1/(n*r))` and, post-step, `S_post = n*alpha/(1 + n*r)`, with `r = draft/T_full`.
 
 Times come from one of:
-- measured (`--times eval.json` from `inference.eval`, which holds T_full, the draft time at its L_s and
-  the per-cycle overhead; or the flags `--t-full`, `--t-draft` at `--draft-layers`, `--overhead`, in seconds);
-  `t_draft_layer = (t_draft - draft_fixed) / draft_layers`;
+- measured (`--times eval.json` from `inference.eval`, which holds T_full, the draft time at its L_s, the
+  slowest stage at its n and the per-cycle overhead; or the flags `--t-full`, `--t-draft` at
+  `--draft-layers`, `--overhead`, `--stage-fixed`, in seconds); `t_draft_layer = (t_draft - draft_fixed) /
+  draft_layers` and `stage_fixed = max(0, slowest_stage - T_full / n)` at the measured n;
 - a target config only (`--target` HF dir or name, or `--layers L --hidden-size H`): times in units of one
   target layer's forward, `T_full = L`, a PDM layer costs `(pdm_hidden / H)^2` target layers
   (`--pdm-hidden`, default H: the PDM layer is a target-sized decoder layer), and the overhead is
@@ -54,11 +57,12 @@ class CostModel:
     draft_fixed: float = 0.0
     overhead: float = 0.0
     schedule: str = "pre_step"  # pre_step | post_step
+    stage_fixed: float = 0.0
     unit: str = "s"
     num_layers: int | None = None
 
     def stage(self, n: int) -> float:
-        return self.t_full / n
+        return self.t_full / n + self.stage_fixed
 
     def draft(self, L_s: int) -> float:
         return self.draft_fixed + L_s * self.t_draft_layer
@@ -160,8 +164,9 @@ def target_shape(name_or_path: str) -> tuple[int, int]:
 
 
 def cost_model(args: argparse.Namespace) -> CostModel:
-    for name in ("t_full", "t_draft", "draft_fixed", "overhead", "overhead_layers", "pdm_hidden"):
-        _positive(f"--{name.replace('_', '-')}", getattr(args, name), allow_zero=name in ("draft_fixed", "overhead", "overhead_layers"))
+    zero_ok = ("draft_fixed", "overhead", "overhead_layers", "stage_fixed")
+    for name in ("t_full", "t_draft", "draft_fixed", "overhead", "overhead_layers", "pdm_hidden", "stage_fixed"):
+        _positive(f"--{name.replace('_', '-')}", getattr(args, name), allow_zero=name in zero_ok)
     for name in ("layers", "hidden_size", "draft_layers"):
         v = getattr(args, name)
         if v is not None and v < 1:
@@ -187,20 +192,28 @@ def cost_model(args: argparse.Namespace) -> CostModel:
         if t_draft <= draft_fixed:
             raise PlanError(f"--draft-fixed={draft_fixed} must be below the measured draft time {t_draft}")
         _positive("T_full", t_full)
-        return CostModel(t_full, (t_draft - draft_fixed) / draft_layers, draft_fixed, overhead, args.schedule, "s", layers)
-    if args.t_draft is not None or args.overhead is not None:
-        raise PlanError("--t-draft/--overhead are seconds and need --t-full (or --times eval.json)")
+        stage_fixed = args.stage_fixed if args.stage_fixed is not None else _stage_fixed(measured, t_full)
+        return CostModel(t_full, (t_draft - draft_fixed) / draft_layers, draft_fixed, overhead, args.schedule, stage_fixed,
+                         "s", layers)
+    if args.t_draft is not None or args.overhead is not None or args.stage_fixed is not None:
+        raise PlanError("--t-draft/--overhead/--stage-fixed are seconds and need --t-full (or --times eval.json)")
     if layers is None:
         raise PlanError("no target shape or times: pass --target DIR|NAME, --layers L [--hidden-size H], "
                         "--times eval.json, or --t-full/--t-draft/--draft-layers")
     per_layer = (args.pdm_hidden / hidden) ** 2 if args.pdm_hidden and hidden else 1.0
-    return CostModel(float(layers), per_layer, draft_fixed, args.overhead_layers, args.schedule, "target layers", layers)
+    return CostModel(float(layers), per_layer, draft_fixed, args.overhead_layers, args.schedule, 0.0, "target layers", layers)
+
+
+def _stage_fixed(measured: dict, t_full: float) -> float:
+    """What the measured slowest stage costs beyond its even share `T_full / n` (0 when not measured)."""
+    slowest, n = measured.get("slowest_stage_s"), measured.get("n")
+    return max(0.0, slowest - t_full / n) if slowest is not None and n else 0.0
 
 
 def markdown(model: CostModel, rows: list[dict], best: dict) -> str:
     u = model.unit
-    lines = [f"SPD plan ({model.schedule}; times in {u}; T_full={model.t_full:.4g}, draft/layer={model.t_draft_layer:.4g}, "
-             f"overhead={model.overhead:.4g})", "",
+    lines = [f"SPD plan ({model.schedule}; times in {u}; T_full={model.t_full:.4g}, stage fixed={model.stage_fixed:.4g}, "
+             f"draft/layer={model.t_draft_layer:.4g}, draft fixed={model.draft_fixed:.4g}, overhead={model.overhead:.4g})", "",
              f"| n | L_s | alpha | S0 = n*alpha | stage | draft | cycle | r | bound | predicted speedup |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -246,6 +259,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--draft-layers", type=int, help="the L_s at which --t-draft was measured")
     p.add_argument("--draft-fixed", type=float, help="part of the draft time that does not grow with L_s (default 0)")
     p.add_argument("--overhead", type=float, help="seconds per cycle nothing overlaps (verify, communication, control)")
+    p.add_argument("--stage-fixed", type=float, help="seconds a stage costs per step beyond T_full / n (default: "
+                                                     "from --times, else 0)")
     p.add_argument("--alpha", action="append", default=[], help="N:L_S:ALPHA, repeatable")
     p.add_argument("--alphas", help="JSON: {\"n,L_s\": alpha}, [{n, L_s, alpha}], or an eval.json")
     p.add_argument("--schedule", choices=["pre_step", "post_step"], default="pre_step")

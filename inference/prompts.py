@@ -1,7 +1,10 @@
-"""Prompts for the decoder: a text, or an EAGLE-style jsonl file, rendered with the target's chat template.
+"""Prompts for the decoder: a text, an EAGLE-style jsonl file or a dataset, rendered with the chat template.
 
 EAGLE-style benchmark files (MT-Bench, GSM8K, HumanEval question files) hold one JSON object per line
-with a `turns` list; the decoder uses the first turn. Each prompt becomes one user message, rendered
+with a `turns` list; the decoder uses the first turn. Anything that is not a file is read with
+`datasets.load_dataset` (a hub name when a hub is reachable, or a local dataset directory), written
+`NAME[:CONFIG][@SPLIT]` (split `test` by default, e.g. `openai/gsm8k:main@test`); the prompt is the first
+turn of its `turns` column, or its `prompt`, `question` or `instruction` column. Each prompt becomes one user message, rendered
 with the target tokenizer's chat template, `add_generation_prompt=True` and thinking disabled (SPEC 4.1
 renders training data the same way). A tokenizer without a chat template encodes the raw text.
 """
@@ -9,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+
+DATASET_COLUMNS = ("turns", "prompt", "question", "instruction")
 
 
 class PromptError(ValueError):
@@ -23,6 +28,8 @@ def read_prompts(text: str | None, path: str | None) -> list[str]:
             raise PromptError("the prompt is empty")
         return [text]
     if not os.path.isfile(path):
+        if os.path.isdir(path.partition("@")[0].partition(":")[0]) or looks_like_hub_name(path):
+            return read_dataset_prompts(path)
         raise PromptError(f"prompts file {path!r} does not exist")
     prompts = []
     with open(path) as f:
@@ -39,6 +46,33 @@ def read_prompts(text: str | None, path: str | None) -> list[str]:
             prompts.append(turn)
     if not prompts:
         raise PromptError(f"prompts file {path!r} holds no prompt")
+    return prompts
+
+
+def looks_like_hub_name(spec: str) -> bool:
+    """`owner/name[:config][@split]`: relative, one slash, no file extension (a missing file is not a hub name)."""
+    name = spec.partition("@")[0].partition(":")[0]
+    return (name.count("/") == 1 and not name.startswith((".", "/", "~"))
+            and not os.path.splitext(name)[1] and all(name.split("/")))
+
+
+def read_dataset_prompts(spec: str) -> list[str]:
+    """First turns of a dataset named `NAME[:CONFIG][@SPLIT]` (hub or local directory)."""
+    name, _, split = spec.partition("@")
+    name, _, config = name.partition(":")
+    import datasets
+
+    try:
+        data = datasets.load_dataset(name, config or None, split=split or "test")
+    except Exception as e:  # hub, network and builder errors have many types; all mean "cannot read it"
+        raise PromptError(f"prompts {spec!r}: cannot load the dataset ({type(e).__name__}: "
+                          f"{' '.join(str(e).split())[:160]}); pass a local jsonl file when no hub is reachable") from e
+    column = next((c for c in DATASET_COLUMNS if c in data.column_names), None)
+    if column is None:
+        raise PromptError(f"prompts {spec!r}: no prompt column; expected one of {DATASET_COLUMNS}, found {data.column_names}")
+    prompts = [row[0] if isinstance(row, list) and row else row for row in data[column]]
+    if not prompts or not all(isinstance(t, str) and t.strip() for t in prompts):
+        raise PromptError(f"prompts {spec!r}: column {column!r} is empty or holds a non-text prompt")
     return prompts
 
 

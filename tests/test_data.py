@@ -168,6 +168,41 @@ def test_tokenized_source_is_cached(tokenizer, tokenizer_dir, tmp_path, monkeypa
     assert again.rows["input_ids"] == first.rows["input_ids"] and again.stats == first.stats
 
 
+CONCURRENT_BUILD = """
+import json, sys
+from transformers import AutoTokenizer
+from spd_lightning.data import DataSource
+from spd_lightning.data import tokenized
+
+tokenizer_dir, source_path, cache, log = sys.argv[1:]
+build = tokenized._build
+def logged(*args, **kwargs):
+    with open(log, "a") as f:
+        f.write("build\\n")
+    return build(*args, **kwargs)
+tokenized._build = logged
+out = tokenized.tokenize_source(DataSource(path=source_path), AutoTokenizer.from_pretrained(tokenizer_dir),
+                                tokenizer_dir, 256, cache)
+print(json.dumps({"rows": len(out.rows), "usable": len(out.usable)}))
+"""
+
+
+def test_runs_sharing_a_cache_build_it_once(tokenizer_dir, tmp_path):
+    """Two jobs started together on one cache: one builds, the other waits for it and reads the same rows."""
+    import subprocess
+    import sys
+
+    source = write_jsonl(tmp_path / "a.jsonl", chat_records(400))
+    log = tmp_path / "builds.log"
+    jobs = [subprocess.Popen([sys.executable, "-c", CONCURRENT_BUILD, tokenizer_dir, source, str(tmp_path / "cache"),
+                              str(log)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [job.communicate(timeout=120) for job in jobs]
+    assert [job.returncode for job in jobs] == [0, 0], [err[-800:] for _, err in outs]
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert results[0] == results[1] and results[0]["usable"] > 0
+    assert log.read_text() == "build\n"  # exactly one of them tokenized
+
+
 # -- sources -------------------------------------------------------------------------------------------
 def test_embedded_sharegpt_reads_only_what_is_asked():
     records = load_embedded_sharegpt(max_samples=5)

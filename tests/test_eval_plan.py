@@ -75,7 +75,9 @@ def test_plan_reads_the_eval_report(evaluated, tmp_path, capsys):
     out = json.loads((tmp_path / "p.json").read_text())
     p = json.loads(evaluated.joinpath("eval.json").read_text())["plan_inputs"]
     row = next(r for r in out["rows"] if r["n"] == 2)
-    assert row["stage"] == pytest.approx(p["T_full_s"] / 2) and row["draft"] == pytest.approx(p["T_draft_s"])
+    stage_fixed = max(0.0, p["slowest_stage_s"] - p["T_full_s"] / p["n"])  # the measured stage beyond its share
+    assert out["model"]["stage_fixed"] == pytest.approx(stage_fixed)
+    assert row["stage"] == pytest.approx(p["T_full_s"] / 2 + stage_fixed) and row["draft"] == pytest.approx(p["T_draft_s"])
     assert row["cycle"] == pytest.approx(max(row["stage"], row["draft"]) + p["overhead_s"])
     assert row["speedup"] == pytest.approx(p["alpha"] * p["T_full_s"] / row["cycle"])
     assert "recommended: n=" in capsys.readouterr().out and (tmp_path / "p.png").stat().st_size > 0
@@ -104,6 +106,21 @@ def test_plan_cost_model_by_hand():
         ref = spd_eval.speedups(n, 0.6, L_s / 8.0)
         assert free.predict(n, L_s, 0.6)["speedup"] == pytest.approx(ref["S_spd"])
         assert post.predict(n, L_s, 0.6)["speedup"] == pytest.approx(ref["S_post"])
+
+
+def test_plan_stage_fixed_cost_by_hand(tmp_path):
+    # a stage pays 1.0 beyond its share: n = 8 stops paying off against n = 4 at equal alpha
+    m = spd_plan.CostModel(t_full=8.0, t_draft_layer=0.5, stage_fixed=1.0)
+    assert m.stage(4) == 3.0 and m.stage(8) == 2.0
+    assert m.predict(8, 1, 0.5)["speedup"] == pytest.approx(0.5 * 8 / 2.0)
+    # derived from a measured slowest stage: 2.5 at n = 4 with T_full = 8 -> 0.5 per stage
+    times = tmp_path / "eval.json"
+    times.write_text(json.dumps({"plan_inputs": {"T_full_s": 8.0, "T_draft_s": 1.0, "L_s": 1, "overhead_s": 0.0,
+                                                 "n": 4, "alpha": 0.5, "L": 8, "slowest_stage_s": 2.5}}))
+    args = spd_plan.parse_args(["--times", str(times), "--alpha", "4:1:0.5"])
+    assert spd_plan.cost_model(args).stage_fixed == pytest.approx(0.5)
+    args = spd_plan.parse_args(["--times", str(times), "--alpha", "4:1:0.5", "--stage-fixed", "0"])
+    assert spd_plan.cost_model(args).stage_fixed == 0.0  # the flag overrides the measurement
 
 
 def test_plan_from_a_target_config(files, tmp_path, capsys):
@@ -142,3 +159,29 @@ def test_eval_bad_input_is_one_line(files, tmp_path, capsys, case):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
     assert not (tmp_path / "o" / "eval.json").exists()
+
+
+def test_prompt_sets_can_be_datasets(tmp_path):
+    """Anything that is not a file goes through `datasets.load_dataset`: a local dataset directory here, a hub
+    name (`openai/gsm8k:main@test`) on a machine that reaches the hub."""
+    from inference.prompts import PromptError, looks_like_hub_name, read_prompts
+
+    questions = tmp_path / "qa"
+    questions.mkdir()
+    (questions / "test.jsonl").write_text("".join(json.dumps({"question": q, "answer": "4"}) + "\n" for q in ("2+2?", "3+1?")))
+    (questions / "train.jsonl").write_text(json.dumps({"question": "not this split", "answer": "0"}) + "\n")
+    assert read_prompts(None, str(questions)) == ["2+2?", "3+1?"]
+    assert read_prompts(None, f"{questions}@train") == ["not this split"]
+    turns = tmp_path / "mt"
+    turns.mkdir()
+    (turns / "test.jsonl").write_text(json.dumps({"turns": ["first", "second"]}) + "\n")
+    assert read_prompts(None, str(turns)) == ["first"]
+    assert looks_like_hub_name("openai/gsm8k:main@test") and not looks_like_hub_name("runs/none.jsonl")
+    with pytest.raises(PromptError, match="does not exist"):
+        read_prompts(None, str(tmp_path / "none.jsonl"))
+    with pytest.raises(PromptError, match="cannot load the dataset .* local jsonl"):
+        read_prompts(None, "nobody-here/no-such-set")  # offline in tests: the hub is not reached
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "test.jsonl").write_text(json.dumps({"text": "x"}) + "\n")
+    with pytest.raises(PromptError, match="no prompt column"):
+        read_prompts(None, str(tmp_path / "bad"))

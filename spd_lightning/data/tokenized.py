@@ -6,11 +6,14 @@ Layout of the cache (one directory per tokenizer + max_length, one sub-directory
     CACHE/<tokenizer fingerprint>-len<max_length>/<source fingerprint>/meta.json         counts; written last
 
 `meta.json` marks a complete build, so an interrupted run rebuilds instead of reading half a cache.
+Runs that share a cache (several jobs, or DDP ranks) take an exclusive lock on `<source fingerprint>.lock`
+while they check and build, so one builds and the others wait and then read its cache.
 Every record keeps a row (with its `status`) so the counts come back with the cache; usable rows are
 selected on load. A hit skips reading the raw source entirely.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -114,7 +117,11 @@ def tokenize_source(source: DataSource, tokenizer: Any, tokenizer_name: str, max
     directory = os.path.join(processed_root(cache_dir, tokenizer, max_length), source.fingerprint())
     meta_path = os.path.join(directory, "meta.json")
     if not os.path.isfile(meta_path):
-        _build(source, tokenizer, max_length, cache_dir, directory, num_proc)
+        os.makedirs(os.path.dirname(directory), exist_ok=True)
+        with open(directory + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+            if not os.path.isfile(meta_path):  # another run may have built it while this one waited
+                _build(source, tokenizer, max_length, cache_dir, directory, num_proc)
     with open(meta_path) as f:
         meta = json.load(f)
     stats = SourceStats(**meta["stats"])

@@ -64,7 +64,7 @@ def load_or_build_d2t(samples: datasets.Dataset, vocab_size: int, draft_vocab_si
         return torch.from_numpy(np.load(path))
     d2t = select_draft_vocab(count_assistant_tokens(samples, vocab_size), draft_vocab_size)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    staging = path + ".partial.npy"
+    staging = f"{path}.{os.getpid()}.partial.npy"  # per process: concurrent runs on one cache write their own
     np.save(staging, d2t.numpy())
     os.replace(staging, path)
     return d2t

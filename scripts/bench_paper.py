@@ -1,0 +1,287 @@
+"""The paper's experiments (Tables 2-4, layout and anchor ablations) on the benchmark tiny target.
+
+    python scripts/bench_paper.py train all --jobs 2        # fit every drafter (configs/bench_tiny.yaml + overrides)
+    python scripts/bench_paper.py eval all --jobs 2         # python -m inference.eval on GSM8K, HumanEval, ShareGPT
+    python scripts/bench_paper.py table --out docs/BENCHMARKS.md --png docs/paper_tables.png
+    python scripts/bench_paper.py alphas                    # {"n,L_s": alpha} of the SPD runs for inference.plan
+
+Every run is an ordinary `python -m spd_lightning fit` / `python -m inference.eval` command; this script
+only names the runs, prints each command before running it (so the docs can quote it), runs up to
+`--jobs` of them at once with `--threads` torch threads each, and gathers the numbers. Each run writes
+under `ROOT/NAME/` (`--root`, default `runs/bench`): `checkpoints/last.ckpt`, `logs/` (CSV metrics), `train.json` (the command, wall
+time, final validation agreement) and `eval/eval.json`.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import glob
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+SETS = {"gsm8k": "../shared/data/gsm8k_question.jsonl", "humaneval": "../shared/data/humaneval_question.jsonl",
+        "sharegpt": "runs/bench/sharegpt.jsonl"}
+
+PRE, POST, PPSD = ("pre_step", "spd"), ("post_step", "spd"), ("post_step", "first_stage")
+# name: (n, L_s, (schedule, features), layout, anchors). The base run is spd_n4_L1 (the config as written).
+RUNS = {
+    "spd_n2_L3": (2, 3, PRE, "depth", "n_scaled"),
+    "spd_n4_L1": (4, 1, PRE, "depth", "n_scaled"),
+    "spd_n8_L1": (8, 1, PRE, "depth", "n_scaled"),
+    "ppsd_n2_L3": (2, 3, PPSD, "depth", "n_scaled"),
+    "ppsd_n4_L1": (4, 1, PPSD, "depth", "n_scaled"),
+    "ppsd_n8_L1": (8, 1, PPSD, "depth", "n_scaled"),
+    "spd_n4_L2": (4, 2, PRE, "depth", "n_scaled"),
+    "spd_n4_L3": (4, 3, PRE, "depth", "n_scaled"),
+    "spd_n4_L4": (4, 4, PRE, "depth", "n_scaled"),
+    "post_n4_L1": (4, 1, POST, "depth", "n_scaled"),
+    "type_n4_L1": (4, 1, PRE, "type", "n_scaled"),
+    "quarters_n4_L1": (4, 1, PRE, "depth", "quarters"),
+}
+TABLES = {
+    "Table 2 shape: SPD vs PPSD across n (L_s = max(1, L/n - 1) with L = 8)":
+        ["spd_n2_L3", "spd_n4_L1", "spd_n8_L1", "ppsd_n2_L3", "ppsd_n4_L1", "ppsd_n8_L1"],
+    "Table 3 shape: PDM depth L_s at n = 4": ["spd_n4_L1", "spd_n4_L2", "spd_n4_L3", "spd_n4_L4"],
+    "Table 4 shape: pre-step vs post-step drafting at n = 4, L_s = 1": ["spd_n4_L1", "post_n4_L1"],
+    "Training layout: depth vs type at n = 4, L_s = 1, equal steps": ["spd_n4_L1", "type_n4_L1"],
+    "Anchor presets at n = 4, L_s = 1": ["spd_n4_L1", "quarters_n4_L1"],
+}
+
+
+def train_command(name: str, args: argparse.Namespace) -> list[str]:
+    n, L_s, (schedule, features), layout, anchors = RUNS[name]
+    out = f"{args.root}/{name}"
+    return ["python", "-m", "spd_lightning", "fit", "--config", args.config, "--model.n", str(n), "--model.num_layers",
+            str(L_s), "--model.schedule", schedule, "--model.features", features, "--model.layout", layout,
+            "--model.anchors", anchors, "--trainer.default_root_dir", out, "--trainer.logger.init_args.save_dir", out,
+            "--checkpoint.dirpath", f"{out}/checkpoints", *shlex.split(args.extra)]
+
+
+def eval_command(name: str, args: argparse.Namespace) -> list[str]:
+    return ["python", "-m", "inference.eval", "--ckpt", f"{args.root}/{name}/checkpoints/last.ckpt", "--prompts",
+            *args.sets.values(), "--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens),
+            "--temperatures", "0", "1", "--simulate", "--no-progress", "--out", f"{args.root}/{name}/eval"]
+
+
+def _run(name: str, command: list[str], threads: int, log: str) -> tuple[int, float]:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), WANDB_MODE="offline")
+    print(f"[{name}] {shlex.join(command)}", flush=True)
+    start = time.time()
+    os.makedirs(os.path.dirname(log), exist_ok=True)
+    with open(log, "w") as f:
+        code = subprocess.run([sys.executable, *command[1:]], env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    minutes = (time.time() - start) / 60
+    print(f"[{name}] exit {code} after {minutes:.1f} min (log: {log})", flush=True)
+    return code, minutes
+
+
+def train(name: str, args: argparse.Namespace) -> int:
+    command = train_command(name, args)
+    code, minutes = _run(name, command, args.threads, f"{args.root}/{name}/train.log")
+    record = {"name": name, "command": shlex.join(command), "exit": code, "minutes": round(minutes, 2),
+              "threads": args.threads, "jobs": args.jobs, "date": datetime.date.today().isoformat(),
+              **final_metrics(f"{args.root}/{name}")}
+    with open(f"{args.root}/{name}/train.json", "w") as f:
+        json.dump(record, f, indent=1)
+    return code
+
+
+def final_metrics(run_dir: str) -> dict:
+    """Steps, last validation agreement and loss from the run's CSV metrics (any logger save_dir under the run)."""
+    out: dict = {}
+    for path in sorted(glob.glob(f"{run_dir}/**/metrics.csv", recursive=True), key=os.path.getmtime)[-1:]:
+        with open(path) as f:
+            for row in csv.DictReader(f):
+                if row.get("train/loss"):  # logged at step index s after s + 1 optimizer steps
+                    out["steps"] = max(out.get("steps", 0), int(row["step"]) + 1)
+                for key in ("val/agree", "val/loss"):
+                    if row.get(key):
+                        out[key] = float(row[key])
+    return out
+
+
+def evaluate(name: str, args: argparse.Namespace) -> int:
+    return _run(name, eval_command(name, args), args.threads, f"{args.root}/{name}/eval.log")[0]
+
+
+def load_runs(root: str) -> dict[str, tuple[dict, dict]]:
+    """(train.json, eval.json) of every run that has both, in RUNS order."""
+    runs = {}
+    for name in RUNS:
+        train_file, eval_file = f"{root}/{name}/train.json", f"{root}/{name}/eval/eval.json"
+        if os.path.isfile(train_file) and os.path.isfile(eval_file):
+            with open(train_file) as f, open(eval_file) as g:
+                runs[name] = (json.load(f), json.load(g))
+    return runs
+
+
+def _result(report: dict, set_name: str, temperature: float) -> dict:
+    return next(r for r in report["results"] if r["set"] == set_name and r["temperature"] == temperature)
+
+
+def _sets(report: dict) -> list[str]:
+    return list(dict.fromkeys(r["set"] for r in report["results"] if r["set"] != "overall"))
+
+
+def adjusted(report: dict, row: dict) -> float | None:
+    """The speedup that charges the measured draft cost the way the run's mode pays it (SPEC 6)."""
+    return row["S_spd"] if report["mode"] == "spd" else row["S_post"]
+
+
+def _f(x, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def table(runs: dict[str, tuple[dict, dict]], names: list[str]) -> str:
+    sets = _sets(runs[names[0]][1])
+    head = ["run", "mode", "n", "L_s", "layout", "anchors", "steps", "val agree", *(f"alpha {s}" for s in sets),
+            "alpha T=0", "n*alpha", "r", "S adj. T=0", "alpha T=1", "S adj. T=1", "train min"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in names:
+        trained, report = runs[name]
+        greedy, sampled = _result(report, "overall", 0.0), _result(report, "overall", 1.0)
+        layout, anchors = RUNS[name][3:]
+        cells = [name, report["mode"], str(report["n"]), str(report["L_s"]), layout, anchors, str(trained.get("steps", "-")),
+                 _f(trained.get("val/agree")), *(_f(_result(report, s, 0.0)["alpha"]) for s in sets),
+                 _f(greedy["alpha"]), _f(greedy["S0"], 2), _f(greedy["r"]), _f(adjusted(report, greedy), 2),
+                 _f(sampled["alpha"]), _f(adjusted(report, sampled), 2), _f(trained["minutes"], 1)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def ar_line(runs: dict[str, tuple[dict, dict]]) -> str:
+    """The AR baseline as every evaluation measured it (same target and prompts, one process)."""
+    greedy = [_result(report, "overall", 0.0) for _, report in runs.values()]
+    rates = [r["ar_decode_tokens_per_s"] for r in greedy]
+    t_full = [r["T_full_s"] * 1e3 for r in greedy]
+    return (f"AR baseline (speedup 1 by definition): {min(rates):.1f}-{max(rates):.1f} decode tok/s greedy, "
+            f"T_full {min(t_full):.2f}-{max(t_full):.2f} ms per token, across the {len(runs)} evaluations.")
+
+
+def write_tables(args: argparse.Namespace) -> None:
+    runs = load_runs(args.root)
+    parts = ["<!-- generated by `python scripts/bench_paper.py table`; do not edit by hand -->", ""]
+    for title, names in TABLES.items():
+        present = [n for n in names if n in runs]
+        missing = [n for n in names if n not in runs]
+        parts += [f"### {title}", "", table(runs, present) if present else "(no run finished)", ""]
+        if missing:
+            parts += [f"Not run: {', '.join(missing)}.", ""]
+    if runs:
+        parts += [ar_line(runs), "", "Commands (one per drafter, from the repository root):", "", "```bash"]
+        parts += [trained["command"] for trained, _ in runs.values()]
+        parts += ["```", ""]
+    write_region(args.out, "\n".join(parts))
+    print(f"wrote {args.out} ({len(runs)} runs)")
+    if args.png and runs:
+        plot(runs, args.png)
+        print(f"wrote {args.png}")
+
+
+BEGIN, END = "<!-- paper-tables:begin -->", "<!-- paper-tables:end -->"
+
+
+def write_region(path: str, text: str) -> None:
+    """Replace the text between the paper-tables markers of an existing file, or write the whole file."""
+    body = f"{BEGIN}\n{text}\n{END}"
+    if os.path.isfile(path):
+        with open(path) as f:
+            old = f.read()
+        if BEGIN in old and END in old:
+            body = old[: old.index(BEGIN)] + body + old[old.index(END) + len(END):]
+    with open(path, "w") as f:
+        f.write(body)
+
+
+def plot(runs: dict[str, tuple[dict, dict]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(runs)
+    reports = [runs[n][1] for n in names]
+    sets = _sets(reports[0])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    x = list(range(len(names)))
+    width = 0.8 / len(sets)
+    for j, set_name in enumerate(sets):
+        alphas = [_result(r, set_name, 0.0)["alpha"] or 0.0 for r in reports]
+        ax1.bar([i + (j - (len(sets) - 1) / 2) * width for i in x], alphas, width, label=set_name)
+    ax1.set_xticks(x, names, rotation=45, ha="right", fontsize=8)
+    ax1.set_title("step acceptance alpha = N / K (greedy)")
+    ax1.legend(fontsize=8)
+    for temperature, marker in ((0.0, "o"), (1.0, "s")):
+        rows = [_result(r, "overall", temperature) for r in reports]
+        ax2.plot(x, [row["S0"] or 0.0 for row in rows], marker, ls="none", label=f"n*alpha, T={temperature:g}")
+        ax2.plot(x, [adjusted(r, row) or 0.0 for r, row in zip(reports, rows)], marker, ls="none", mfc="none",
+                 label=f"draft-cost adjusted, T={temperature:g}")
+    ax2.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax2.set_xticks(x, names, rotation=45, ha="right", fontsize=8)
+    ax2.set_title("speedup over AR (SPEC 6)")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_alphas(args: argparse.Namespace) -> None:
+    """Greedy overall alpha of the pre-step SPD runs as `{"n,L_s": alpha}`, for `inference.plan --alphas`."""
+    runs = load_runs(args.root)
+    alphas = {f"{r['n']},{r['L_s']}": _result(r, "overall", 0.0)["alpha"]
+              for name, (_, r) in runs.items() if RUNS[name][2:] == (PRE, "depth", "n_scaled")}
+    with open(args.out, "w") as f:
+        json.dump(alphas, f, indent=1)
+    print(f"wrote {args.out}: {alphas}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("action", choices=["train", "eval", "table", "alphas", "commands"])
+    p.add_argument("names", nargs="*", help=f"run names or 'all': {', '.join(RUNS)}")
+    p.add_argument("--root", default="runs/bench", help="where the runs live")
+    p.add_argument("--config", default="configs/bench_tiny.yaml", help="train: the base config")
+    p.add_argument("--extra", default="", help="train: more `fit` arguments for every run, one shell-quoted string")
+    p.add_argument("--sets", nargs="+", help="eval: jsonl prompt sets (default: GSM8K, HumanEval, ShareGPT held-out)")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    p.add_argument("--limit", type=int, default=10, help="eval: prompts per set")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="eval: tokens per prompt")
+    p.add_argument("--out", help="table: markdown file; its text between the paper-tables markers is replaced when it "
+                                 "has them (default docs/BENCHMARKS.md); alphas: json (default ROOT/alphas.json)")
+    p.add_argument("--png", default="docs/paper_tables.png", help="table: plot output ('' for none)")
+    args = p.parse_args(argv)
+    args.sets = dict(enumerate(args.sets)) if args.sets else SETS
+    names = list(RUNS) if args.names in ([], ["all"]) else args.names
+    unknown = [n for n in names if n not in RUNS]
+    if unknown:
+        sys.exit(f"error: unknown run {unknown[0]!r}: choose from {', '.join(RUNS)} or 'all'")
+    if args.jobs < 1 or args.threads < 1:
+        sys.exit("error: --jobs and --threads must be >= 1")
+    if args.action == "table":
+        args.out = args.out or "docs/BENCHMARKS.md"
+        return write_tables(args)
+    if args.action == "alphas":
+        args.out = args.out or f"{args.root}/alphas.json"
+        return write_alphas(args)
+    if args.action == "commands":
+        for name in names:
+            print(shlex.join(train_command(name, args)))
+            print(shlex.join(eval_command(name, args)))
+        return
+    work = train if args.action == "train" else evaluate
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        codes = list(pool.map(lambda name: work(name, args), names))
+    failed = [n for n, c in zip(names, codes) if c != 0]
+    if failed:
+        sys.exit(f"error: {args.action} failed for {', '.join(failed)} (see {args.root}/NAME/*.log)")
+
+
+if __name__ == "__main__":
+    main()

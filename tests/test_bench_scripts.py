@@ -1,0 +1,97 @@
+"""Smoke tests of the benchmark scripts on a micro target: each runs end to end and writes what the docs quote.
+
+The benchmarks themselves never run here (docs/BENCHMARKS.md has their commands); these prove the
+commands work: `scripts/bench_paper.py` trains, evaluates and tabulates a real run, `scripts/bench_train_step.py`
+times a real training step, `scripts/sharegpt_heldout.py` writes prompts no training run reads.
+"""
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _script(name: str, *args: str, cwd: str = REPO) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, os.path.join(REPO, "scripts", name), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=220)
+
+
+def test_bench_paper_trains_evaluates_and_tabulates(micro_target, tmp_path):
+    prompts = tmp_path / "set_question.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in ("hello world", "the cat sat")))
+    root = tmp_path / "bench"
+    extra = shlex.join(["--model.target", micro_target, "--data.sources", "[{path: sharegpt, max_samples: 100}]",
+                        "--data.max_length", "1024", "--data.draft_vocab_size", "256", "--data.batch_size", "2",
+                        "--data.val_size", "4", "--data.cache_dir", str(tmp_path / "cache"), "--trainer.max_steps", "2",
+                        "--trainer.val_check_interval", "2", "--trainer.log_every_n_steps", "1",
+                        "--trainer.enable_progress_bar", "false"])
+    common = ["--root", str(root), "--config", os.path.join(REPO, "configs", "bench_tiny.yaml")]
+    done = _script("bench_paper.py", "train", "spd_n2_L3", *common, "--extra", extra)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "python -m spd_lightning fit --config" in done.stdout  # the command is printed before it runs
+    trained = json.loads((root / "spd_n2_L3" / "train.json").read_text())
+    assert trained["exit"] == 0 and trained["steps"] == 2 and 0 <= trained["val/agree"] <= 1
+    assert "--model.n 2 --model.num_layers 3" in trained["command"]
+
+    done = _script("bench_paper.py", "eval", "spd_n2_L3", *common, "--sets", str(prompts), "--limit", "2",
+                   "--max-new-tokens", "6")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    report = json.loads((root / "spd_n2_L3" / "eval" / "eval.json").read_text())
+    assert (report["n"], report["L_s"], report["mode"]) == (2, 3, "spd")
+
+    out, png = tmp_path / "tables.md", tmp_path / "tables.png"
+    out.write_text("# Numbers\n\n<!-- paper-tables:begin -->\nold\n<!-- paper-tables:end -->\n\nkept\n")
+    done = _script("bench_paper.py", "table", "--root", str(root), "--out", str(out), "--png", str(png))
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = out.read_text()
+    greedy = next(r for r in report["results"] if r["set"] == "overall" and r["temperature"] == 0)
+    assert f"| spd_n2_L3 | spd | 2 | 3 | depth | n_scaled | 2 |" in text and f"| {greedy['alpha']:.3f} |" in text
+    assert "Not run: spd_n4_L1" in text and trained["command"] in text
+    assert text.startswith("# Numbers\n") and text.endswith("\n\nkept\n") and "old" not in text  # only the region
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+    done = _script("bench_paper.py", "alphas", "--root", str(root), "--out", str(tmp_path / "alphas.json"))
+    assert done.returncode == 0 and json.loads((tmp_path / "alphas.json").read_text()) == {"2,3": greedy["alpha"]}
+
+
+def test_bench_paper_rejects_an_unknown_run(tmp_path):
+    done = _script("bench_paper.py", "train", "spd_n3_L9", "--root", str(tmp_path))
+    assert done.returncode != 0 and "unknown run 'spd_n3_L9'" in done.stderr
+
+
+def test_bench_train_step_times_a_real_step(micro_target, tmp_path):
+    out = tmp_path / "steps.json"
+    done = _script("bench_train_step.py", "--target", micro_target, "--layouts", "depth", "type", "--seq-lens", "32",
+                   "--batch-size", "1", "--steps", "2", "--threads", "1", "--json", str(out), "--markdown")
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert [(r["layout"], r["T"]) for r in rows] == [("depth", 32), ("type", 32)]
+    for r in rows:
+        assert 0 < r["target_forward_s"] < r["step_s"] and r["tokens_per_s"] == pytest.approx(32 / r["step_s"])
+        assert r["backend"] == "dense" and r["peak_rss_mb"] >= r["rss_before_step_mb"] > 0
+    # depth: one copy per depth 0..n (n = 4); type: one copy per aggregation type some view uses (at most n + 1)
+    assert rows[0]["replicated_len"] == 5 * 32 and rows[1]["replicated_len"] in (32, 64, 96, 128, 160)
+    assert "| depth | 32 | 1 |" in done.stdout
+
+
+def test_sharegpt_heldout_skips_the_training_records(tmp_path):
+    out = tmp_path / "heldout.jsonl"
+    done = _script("sharegpt_heldout.py", "--skip", "100", "--count", "3", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["question_id"] for r in rows] == [0, 1, 2] and all(r["turns"][0].strip() for r in rows)
+    from spd_lightning.data.formats import normalize_conversation
+    from spd_lightning.data.sharegpt import load_embedded_sharegpt
+
+    firsts = set()
+    for record in load_embedded_sharegpt(max_samples=100):
+        messages = normalize_conversation(record["conversations"], "conversations", "test")
+        firsts.update(m["content"].strip() for m in messages if m["role"] == "user")
+    assert not firsts & {r["turns"][0] for r in rows}  # none of them is a training record's user message
