@@ -4,6 +4,8 @@
     python scripts/bench_paper.py eval all --jobs 2         # python -m inference.eval on GSM8K, HumanEval, ShareGPT
     python scripts/bench_paper.py table --out docs/BENCHMARKS.md --png docs/paper_tables.png
     python scripts/bench_paper.py alphas                    # {"n,L_s": alpha} of the SPD runs for inference.plan
+    python scripts/bench_paper.py plancheck                 # inference.plan vs the real n+1-process pipeline
+    python scripts/bench_paper.py repetition                # how repetitive the target's greedy output is
 
 Every run is an ordinary `python -m spd_lightning fit` / `python -m inference.eval` command; this script
 only names the runs, prints each command before running it (so the docs can quote it), runs up to
@@ -241,9 +243,88 @@ def write_alphas(args: argparse.Namespace) -> None:
     print(f"wrote {args.out}: {alphas}")
 
 
+def plan_check(args: argparse.Namespace) -> None:
+    """The planner against the real pipeline: run n+1 gloo processes for the calibration drafter and the
+    checks (greedy, the eval's prompts), predict every check from the calibration's times alone (the draft
+    cost per PDM layer from the calibration and the first check with another L_s), and tabulate predicted vs
+    measured."""
+    calibration_name, names = args.calibration, [args.calibration, *args.checks]
+    reports = {}
+    for name in names:
+        out = f"{args.root}/pipeline/{name}"
+        command = [*eval_command(name, args)[:-2], "--out", out]
+        command = [c for c in command if c != "--simulate"]
+        command[command.index("--temperatures") + 1:command.index("--temperatures") + 3] = ["0"]
+        if _run(name, command, args.threads, f"{out}.log")[0] != 0:
+            sys.exit(f"error: the pipeline evaluation of {name} failed (see {out}.log)")
+        with open(f"{out}/eval.json") as f:
+            reports[name] = json.load(f)
+    greedy = {name: _result(r, "overall", 0.0) for name, r in reports.items()}
+    calibration = reports[calibration_name]
+    d1, l1 = greedy[calibration_name]["T_draft_s"], calibration["L_s"]
+    other = next((n for n in args.checks if reports[n]["L_s"] != l1), None)
+    per_layer = (greedy[other]["T_draft_s"] - d1) / (reports[other]["L_s"] - l1) if other else d1 / l1
+    draft_fixed = min(max(0.0, d1 - per_layer * l1), 0.99 * d1)
+    command = ["python", "-m", "inference.plan", "--times", f"{args.root}/pipeline/{calibration_name}/eval.json",
+               "--draft-fixed", f"{draft_fixed:.6f}", "--json", f"{args.root}/pipeline/plan.json",
+               "--plot", f"{args.root}/pipeline/plan.png"]
+    command += [a for n in names for a in ("--alpha", f"{reports[n]['n']}:{reports[n]['L_s']}:{greedy[n]['alpha']:.6f}")]
+    if _run("plan", command, args.threads, f"{args.root}/pipeline/plan.log")[0] != 0:
+        sys.exit(f"error: inference.plan failed (see {args.root}/pipeline/plan.log)")
+    with open(f"{args.root}/pipeline/plan.json") as f:
+        predicted = {(r["n"], r["L_s"]): r for r in json.load(f)["rows"]}
+    lines = [f"Calibration: {calibration_name} (T_full {greedy[calibration_name]['T_full_s'] * 1e3:.2f} ms, slowest stage "
+             f"{greedy[calibration_name]['mean_slowest_stage_s'] * 1e3:.2f} ms, overhead "
+             f"{calibration['plan_inputs']['overhead_s'] * 1e3:.2f} ms); draft {draft_fixed * 1e3:.2f} ms + "
+             f"{per_layer * 1e3:.2f} ms per PDM layer.", "",
+             "| run | n | L_s | alpha | predicted cycle (ms) | measured cycle (ms) | predicted speedup | measured speedup |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name in names:
+        row, r = predicted[(reports[name]["n"], reports[name]["L_s"])], greedy[name]
+        lines.append(f"| {name}{' (calibration)' if name == calibration_name else ''} | {row['n']} | {row['L_s']} | "
+                     f"{row['alpha']:.3f} | {row['cycle'] * 1e3:.2f} | {r['mean_cycle_s'] * 1e3:.2f} | "
+                     f"{row['speedup']:.2f} | {r['wall_clock_speedup']:.2f} |")
+    text = "\n".join(lines) + "\n"
+    with open(f"{args.root}/pipeline/plan_check.md", "w") as f:
+        f.write(text)
+    print(text, end="")
+
+
+def repeated_kgrams(tokens: list[int], k: int = 4) -> tuple[int, int]:
+    """(generated tokens that complete a k-gram already seen earlier in the same output, tokens that end a k-gram)."""
+    seen, repeats = set(), 0
+    for i in range(k - 1, len(tokens)):
+        gram = tuple(tokens[i - k + 1:i + 1])
+        repeats += gram in seen
+        seen.add(gram)
+    return repeats, max(len(tokens) - k + 1, 0)
+
+
+def repetition(args: argparse.Namespace) -> None:
+    """How repetitive the target's own greedy output is on the eval prompts (SPEC 8: repetition flatters
+    every drafter): AR-decode the first `--limit` prompts of each set and count repeated 4-grams."""
+    target = args.target
+    lines = ["| set | prompts | tokens | share of tokens completing a repeated 4-gram |", "|---|---|---|---|"]
+    for path in args.sets.values():
+        subset = f"{args.root}/repetition/{os.path.basename(path)}"
+        os.makedirs(os.path.dirname(subset), exist_ok=True)
+        with open(path) as f, open(subset, "w") as g:
+            g.writelines([line for line in f if line.strip()][: args.limit])
+        out = subset + ".ar.json"
+        command = ["python", "-m", "inference.decode", "--target", target, "--mode", "ar", "--prompts", subset,
+                   "--max-new-tokens", str(args.max_new_tokens), "--json", out]
+        if _run("repetition", command, args.threads, out + ".log")[0] != 0:
+            sys.exit(f"error: AR decoding failed (see {out}.log)")
+        with open(out) as f:
+            outputs = [p["tokens"] for p in json.load(f)["prompts"]]
+        repeats, ends = (sum(x) for x in zip(*(repeated_kgrams(t) for t in outputs)))
+        lines.append(f"| {os.path.basename(path)} | {len(outputs)} | {sum(len(t) for t in outputs)} | {repeats / max(ends, 1):.2f} |")
+    print("\n".join(lines))
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("action", choices=["train", "eval", "table", "alphas", "commands"])
+    p.add_argument("action", choices=["train", "eval", "table", "alphas", "plancheck", "repetition", "commands"])
     p.add_argument("names", nargs="*", help=f"run names or 'all': {', '.join(RUNS)}")
     p.add_argument("--root", default="runs/bench", help="where the runs live")
     p.add_argument("--config", default="configs/bench_tiny.yaml", help="train: the base config")
@@ -256,10 +337,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", help="table: markdown file; its text between the paper-tables markers is replaced when it "
                                  "has them (default docs/BENCHMARKS.md); alphas: json (default ROOT/alphas.json)")
     p.add_argument("--png", default="docs/paper_tables.png", help="table: plot output ('' for none)")
+    p.add_argument("--target", default="artifacts/bench_target", help="repetition: the target to decode with")
+    p.add_argument("--calibration", default="spd_n4_L1", help="plancheck: the run whose measured times calibrate the planner")
+    p.add_argument("--checks", nargs="+", default=["spd_n4_L3", "spd_n2_L3"], help="plancheck: runs predicted and measured")
     args = p.parse_args(argv)
     args.sets = dict(enumerate(args.sets)) if args.sets else SETS
     names = list(RUNS) if args.names in ([], ["all"]) else args.names
-    unknown = [n for n in names if n not in RUNS]
+    unknown = [n for n in [*names, args.calibration, *args.checks] if n not in RUNS]
     if unknown:
         sys.exit(f"error: unknown run {unknown[0]!r}: choose from {', '.join(RUNS)} or 'all'")
     if args.jobs < 1 or args.threads < 1:
@@ -270,6 +354,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.action == "alphas":
         args.out = args.out or f"{args.root}/alphas.json"
         return write_alphas(args)
+    if args.action == "repetition":
+        return repetition(args)
+    if args.action == "plancheck":
+        return plan_check(args)
     if args.action == "commands":
         for name in names:
             print(shlex.join(train_command(name, args)))

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import REPO
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(480)
 
 
 def _script(name: str, *args: str, cwd: str = REPO) -> subprocess.CompletedProcess:
@@ -33,7 +33,7 @@ def test_bench_paper_trains_evaluates_and_tabulates(micro_target, tmp_path):
                         "--trainer.val_check_interval", "2", "--trainer.log_every_n_steps", "1",
                         "--trainer.enable_progress_bar", "false"])
     common = ["--root", str(root), "--config", os.path.join(REPO, "configs", "bench_tiny.yaml")]
-    done = _script("bench_paper.py", "train", "spd_n2_L3", *common, "--extra", extra)
+    done = _script("bench_paper.py", "train", "spd_n2_L3", "spd_n4_L1", *common, "--extra", extra)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "python -m spd_lightning fit --config" in done.stdout  # the command is printed before it runs
     trained = json.loads((root / "spd_n2_L3" / "train.json").read_text())
@@ -59,6 +59,18 @@ def test_bench_paper_trains_evaluates_and_tabulates(micro_target, tmp_path):
 
     done = _script("bench_paper.py", "alphas", "--root", str(root), "--out", str(tmp_path / "alphas.json"))
     assert done.returncode == 0 and json.loads((tmp_path / "alphas.json").read_text()) == {"2,3": greedy["alpha"]}
+
+    # the planner, calibrated on one real multi-process run, predicts another (n and L_s both differ)
+    done = _script("bench_paper.py", "plancheck", "--root", str(root), "--calibration", "spd_n4_L1", "--checks",
+                   "spd_n2_L3", "--sets", str(prompts), "--limit", "1", "--max-new-tokens", "6")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in
+            (root / "pipeline" / "plan_check.md").read_text().splitlines() if line.startswith("| spd_")}
+    assert set(rows) == {"spd_n4_L1 (calibration)", "spd_n2_L3"}
+    predicted, measured = float(rows["spd_n4_L1 (calibration)"][4]), float(rows["spd_n4_L1 (calibration)"][5])
+    assert predicted >= measured * 0.99  # the calibration reproduces its own cycle (more only if overhead clips at 0)
+    pipeline = json.loads((root / "pipeline" / "spd_n2_L3" / "eval.json").read_text())
+    assert pipeline["simulate"] is False and [r["temperature"] for r in pipeline["results"]] == [0.0, 0.0]
 
 
 def test_bench_paper_rejects_an_unknown_run(tmp_path):
@@ -95,3 +107,19 @@ def test_sharegpt_heldout_skips_the_training_records(tmp_path):
         messages = normalize_conversation(record["conversations"], "conversations", "test")
         firsts.update(m["content"].strip() for m in messages if m["role"] == "user")
     assert not firsts & {r["turns"][0] for r in rows}  # none of them is a training record's user message
+
+
+def test_repetition_counts_repeated_4grams(micro_target, tmp_path):
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    from bench_paper import repeated_kgrams
+
+    assert repeated_kgrams([1, 2, 3, 4, 1, 2, 3, 4, 1, 2]) == (3, 7)  # 1234 2341 3412 4123, then 3 repeats
+    assert repeated_kgrams([1, 2, 3, 4, 5, 6]) == (0, 3) and repeated_kgrams([1, 2]) == (0, 0)
+    prompts = tmp_path / "set.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in ("hello world", "the cat sat", "unused")))
+    done = _script("bench_paper.py", "repetition", "--root", str(tmp_path / "bench"), "--target", micro_target,
+                   "--sets", str(prompts), "--limit", "2", "--max-new-tokens", "8")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| set.jsonl"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == "2" and 0 <= float(cells[3]) <= 1
