@@ -123,3 +123,17 @@ def test_repetition_counts_repeated_4grams(micro_target, tmp_path):
     row = next(line for line in done.stdout.splitlines() if line.startswith("| set.jsonl"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[1] == "2" and 0 <= float(cells[3]) <= 1
+
+
+def test_bench_cycle_profiles_the_real_pipeline(micro_target, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"turns": ["hello world"]}) + "\n")
+    out = tmp_path / "profile.json"
+    done = _script("bench_cycle.py", "--target", micro_target, "--prompts", str(prompts), "--n", "2",
+                   "--max-new-tokens", "6", "--label", "smoke", "--json", str(out))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    done = _script("bench_cycle.py", "--table", str(out), "--png", str(tmp_path / "profile.png"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = next(line for line in done.stdout.splitlines() if "| smoke |" in line)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert "2" in cells and (tmp_path / "profile.png").read_bytes()[:4] == b"\x89PNG"
