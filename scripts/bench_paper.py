@@ -10,8 +10,8 @@
 Every run is an ordinary `python -m spd_lightning fit` / `python -m inference.eval` command; this script
 only names the runs, prints each command before running it (so the docs can quote it), runs up to
 `--jobs` of them at once with `--threads` torch threads each, and gathers the numbers. Each run writes
-under `ROOT/NAME/` (`--root`, default `runs/bench`): `checkpoints/last.ckpt`, `logs/` (CSV metrics), `train.json` (the command, wall
-time, final validation agreement) and `eval/eval.json`.
+under `ROOT/NAME/` (`--root`, default `runs/bench`): `checkpoints/last.ckpt`, `logs/` (CSV metrics),
+`train.json` (the command, wall time, final validation agreement) and `eval/eval.json`.
 """
 from __future__ import annotations
 
