@@ -3,10 +3,10 @@
     python -m inference.eval --ckpt drafter/ --prompts ../shared/data/gsm8k_question.jsonl \\
         ../shared/data/humaneval_question.jsonl --temperatures 0 1 --limit 80 --out eval_out --simulate
 
-For each EAGLE-style jsonl set (or dataset, see inference/prompts.py) and each temperature (T > 0 samples with `--top-k`/`--top-p`, by default
-top-k 50 and top-p 1.0), every prompt is decoded by the SPD decoder (`--simulate`: the one-process
-simulator; otherwise the n+1-process pipeline) and by plain AR decoding of the same target loaded in
-this process. Reported per set and overall (all sets pooled):
+For each EAGLE-style jsonl set (or dataset, see inference/prompts.py) and each temperature (T > 0
+samples with `--top-k`/`--top-p`, by default top-k 50 and top-p 1.0), every prompt is decoded by the SPD
+decoder (`--simulate`: the one-process simulator; otherwise the n+1-process pipeline) and by plain AR
+decoding of the same target loaded in this process. Reported per set and overall (all sets pooled):
 
 - `alpha = N / K` (pooled over prompts) and `S0 = n * alpha`;
 - `r = T_draft / T_full`: `T_draft` is the decoder's mean per-cycle draft time, `T_full` the AR
@@ -32,7 +32,7 @@ import torch
 
 from .ar import ar_decode
 from .decode import DecodeJob, UsageError, encode_prompts, prepare, run_guarded
-from .prompts import PromptError, read_prompts
+from .prompts import PromptError, dataset_spec, read_prompts
 from .result import DecodeResult
 from .verify import Sampling
 
@@ -112,7 +112,7 @@ def check_args(args: argparse.Namespace) -> list[Sampling]:
 
 
 def set_name(path: str, taken: set[str]) -> str:
-    name = os.path.splitext(os.path.basename(path.rstrip("/").partition(":")[0].partition("@")[0]))[0].removesuffix("_question")
+    name = os.path.splitext(os.path.basename(dataset_spec(path.rstrip("/"))[0]))[0].removesuffix("_question")
     base, i = name, 2
     while name in taken:
         name, i = f"{base}_{i}", i + 1

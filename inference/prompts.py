@@ -4,8 +4,8 @@ EAGLE-style benchmark files (MT-Bench, GSM8K, HumanEval question files) hold one
 with a `turns` list; the decoder uses the first turn. Anything that is not a file is read with
 `datasets.load_dataset` (a hub name when a hub is reachable, or a local dataset directory), written
 `NAME[:CONFIG][@SPLIT]` (split `test` by default, e.g. `openai/gsm8k:main@test`); the prompt is the first
-turn of its `turns` column, or its `prompt`, `question` or `instruction` column. Each prompt becomes one user message, rendered
-with the target tokenizer's chat template, `add_generation_prompt=True` and thinking disabled (SPEC 4.1
+turn of its `turns` column, or its `prompt`, `question` or `instruction` column. Each prompt becomes one
+user message, rendered with the target tokenizer's chat template, `add_generation_prompt=True` and thinking disabled (SPEC 4.1
 renders training data the same way). A tokenizer without a chat template encodes the raw text.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ def read_prompts(text: str | None, path: str | None) -> list[str]:
             raise PromptError("the prompt is empty")
         return [text]
     if not os.path.isfile(path):
-        if os.path.isdir(path.partition("@")[0].partition(":")[0]) or looks_like_hub_name(path):
+        if os.path.isdir(dataset_spec(path)[0]) or looks_like_hub_name(path):
             return read_dataset_prompts(path)
         raise PromptError(f"prompts file {path!r} does not exist")
     prompts = []
@@ -49,21 +49,27 @@ def read_prompts(text: str | None, path: str | None) -> list[str]:
     return prompts
 
 
+def dataset_spec(spec: str) -> tuple[str, str | None, str]:
+    """`NAME[:CONFIG][@SPLIT]` -> (name, config or None, split, default `test`)."""
+    name, _, split = spec.partition("@")
+    name, _, config = name.partition(":")
+    return name, config or None, split or "test"
+
+
 def looks_like_hub_name(spec: str) -> bool:
     """`owner/name[:config][@split]`: relative, one slash, no file extension (a missing file is not a hub name)."""
-    name = spec.partition("@")[0].partition(":")[0]
+    name = dataset_spec(spec)[0]
     return (name.count("/") == 1 and not name.startswith((".", "/", "~"))
             and not os.path.splitext(name)[1] and all(name.split("/")))
 
 
 def read_dataset_prompts(spec: str) -> list[str]:
     """First turns of a dataset named `NAME[:CONFIG][@SPLIT]` (hub or local directory)."""
-    name, _, split = spec.partition("@")
-    name, _, config = name.partition(":")
     import datasets
 
     try:
-        data = datasets.load_dataset(name, config or None, split=split or "test")
+        name, config, split = dataset_spec(spec)
+        data = datasets.load_dataset(name, config, split=split)
     except Exception as e:  # hub, network and builder errors have many types; all mean "cannot read it"
         raise PromptError(f"prompts {spec!r}: cannot load the dataset ({type(e).__name__}: "
                           f"{' '.join(str(e).split())[:160]}); pass a local jsonl file when no hub is reachable") from e

@@ -65,10 +65,12 @@ def train_command(name: str, args: argparse.Namespace) -> list[str]:
             "--checkpoint.dirpath", f"{out}/checkpoints", *shlex.split(args.extra)]
 
 
-def eval_command(name: str, args: argparse.Namespace) -> list[str]:
+def eval_command(name: str, args: argparse.Namespace, pipeline: bool = False) -> list[str]:
+    """The simulator at T = 0 and 1 into NAME/eval, or (`pipeline`) the n+1 gloo processes, greedy, into pipeline/NAME."""
+    out, mode = (f"{args.root}/pipeline/{name}", ["0"]) if pipeline else (f"{args.root}/{name}/eval", ["0", "1", "--simulate"])
     return ["python", "-m", "inference.eval", "--ckpt", f"{args.root}/{name}/checkpoints/last.ckpt", "--prompts",
             *args.sets.values(), "--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens),
-            "--temperatures", "0", "1", "--simulate", "--no-progress", "--out", f"{args.root}/{name}/eval"]
+            "--temperatures", *mode, "--no-progress", "--out", out]
 
 
 def _run(name: str, command: list[str], threads: int, log: str) -> tuple[int, float]:
@@ -252,10 +254,7 @@ def plan_check(args: argparse.Namespace) -> None:
     reports = {}
     for name in names:
         out = f"{args.root}/pipeline/{name}"
-        command = [*eval_command(name, args)[:-2], "--out", out]
-        command = [c for c in command if c != "--simulate"]
-        command[command.index("--temperatures") + 1:command.index("--temperatures") + 3] = ["0"]
-        if _run(name, command, args.threads, f"{out}.log")[0] != 0:
+        if _run(name, eval_command(name, args, pipeline=True), args.threads, f"{out}.log")[0] != 0:
             sys.exit(f"error: the pipeline evaluation of {name} failed (see {out}.log)")
         with open(f"{out}/eval.json") as f:
             reports[name] = json.load(f)
