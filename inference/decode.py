@@ -36,12 +36,13 @@ from .schedule import eos_set
 from .simulator import Simulator
 from .stages import Stage, meta_target
 from .verify import Sampling, SamplingError
+from spd_lightning.errors import UserError
 
 MODES = {"spd": ("pre_step", "spd"), "post_step": ("post_step", "spd"), "ppsd": ("post_step", "first_stage")}
 USER_ERRORS = (SamplingError, PromptError, DrafterLoadError, TargetError, GeometryError, LaunchError, CacheError)
 
 
-class UsageError(ValueError):
+class UsageError(UserError):
     """A bad command line."""
 
 

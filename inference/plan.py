@@ -44,9 +44,10 @@ import math
 import os
 import sys
 from dataclasses import asdict, dataclass
+from spd_lightning.errors import UserError
 
 
-class PlanError(ValueError):
+class PlanError(UserError):
     """Bad planner input; one line."""
 
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+from spd_lightning.errors import UserError
 
 DATASET_COLUMNS = ("turns", "prompt", "question", "instruction")
 
 
-class PromptError(ValueError):
+class PromptError(UserError):
     """Unusable prompt input; one line that says which and why."""
 
 

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from .schedule import Verdict
+from spd_lightning.errors import UserError
 
 
-class SamplingError(ValueError):
+class SamplingError(UserError):
     """An impossible sampling setting; the message names the value and the allowed range."""
 
 

@@ -20,12 +20,13 @@ from safetensors.torch import load_file, save_file
 from .geometry import Geometry
 from .pdm import PDMConfig, PipelineDraftModule
 from .target import TargetInfo
+from .errors import UserError
 
 FORMAT_VERSION = 1
 CKPT_KEY = "spd_drafter"
 
 
-class DrafterLoadError(ValueError):
+class DrafterLoadError(UserError):
     """A drafter that cannot be loaded, or does not match its target; one line that says what to do."""
 
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
+from .errors import UserError
 
 Schedule = Literal["pre_step", "post_step"]
 Features = Literal["spd", "first_stage"]
 ANCHOR_PRESETS = ("quarters", "n_scaled")
 
 
-class GeometryError(ValueError):
+class GeometryError(UserError):
     """An impossible split/anchor setting; the message names the values and the fix."""
 
 

@@ -14,9 +14,10 @@ from typing import Sequence
 
 import torch
 from torch import nn
+from .errors import UserError
 
 
-class TargetError(ValueError):
+class TargetError(UserError):
     """A target that cannot be loaded or does not fit the request; one line that says why."""
 
 

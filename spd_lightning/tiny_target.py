@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from .data.formats import DataError, normalize_conversation
 from .data.sharegpt import load_embedded_sharegpt
+from .errors import UserError
 
 ENDOFTEXT, IM_START, IM_END, THINK, END_THINK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"
 REPORT_FILE = "tiny_target.json"
@@ -41,7 +42,7 @@ ARCHS = ("qwen3_5", "qwen3")
 
 
 
-class TinyTargetError(ValueError):
+class TinyTargetError(UserError):
     """Impossible tiny-target settings; the one-line message names the value and the fix."""
 
 

@@ -16,6 +16,7 @@ kept message is something the target could have said in that position:
 from __future__ import annotations
 
 from typing import Any, Iterable
+from ..errors import UserError
 
 SYSTEM, USER, ASSISTANT = "system", "user", "assistant"
 
@@ -28,7 +29,7 @@ ROLE_ALIASES = {
 CONVERSATION_COLUMNS = {"conversations": ("from", "value"), "messages": ("role", "content")}
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """Unusable data or data settings; the one-line message names the value and the fix."""
 
 
