@@ -8,10 +8,10 @@ Command line: `python -m inference.decode --help`.
 """
 from .ar import ar_decode, ar_decode_stages, target_eos
 from .drafter import PDMDrafter, ReplayDrafter
-from .launch import DecodeJob, LaunchError, launch
+from .launch import DecodeJob, LaunchError, Replay, launch
 from .result import DecodeResult
 from .simulator import Simulator, simulate_decode
 from .verify import Sampling
 
-__all__ = ["ar_decode", "ar_decode_stages", "target_eos", "PDMDrafter", "ReplayDrafter", "DecodeJob", "LaunchError",
+__all__ = ["ar_decode", "ar_decode_stages", "target_eos", "PDMDrafter", "ReplayDrafter", "DecodeJob", "LaunchError", "Replay",
            "launch", "DecodeResult", "Simulator", "simulate_decode", "Sampling"]

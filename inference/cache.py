@@ -19,9 +19,12 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
+from spd_lightning.errors import UserError
 
-class CacheError(RuntimeError):
-    """A cache state the decoder cannot roll back; the message says what is unsupported."""
+
+class CacheError(UserError):
+    """A target whose cache the decoder cannot roll back (an unsupported layer type): the user picks another
+    target. A broken cache invariant during decoding is a bug and raises `RuntimeError` instead."""
 
 
 class StageCache:
@@ -62,7 +65,7 @@ class StageCache:
     def before_token(self, position: int) -> None:
         """Called before the stage runs the single token at `position` (== `length`)."""
         if position != self.length:
-            raise CacheError(f"stage cache holds {self.length} positions but is asked to run position {position}")
+            raise RuntimeError(f"stage cache holds {self.length} positions but is asked to run position {position}")
         for i in self.linear_layers:
             conv, recurrent = self._states(i)
             if i not in self._ring:  # allocated once per prompt, after prefill made the states exist
@@ -80,7 +83,7 @@ class StageCache:
         if drop <= 0:
             return
         if drop >= self.window:
-            raise CacheError(f"cannot roll back {drop} positions: snapshots cover the last {self.window - 1} only")
+            raise RuntimeError(f"cannot roll back {drop} positions: snapshots cover the last {self.window - 1} only")
         for i in self.attention_layers:
             self.hf.layers[i].crop(-drop)
         for i in self.linear_layers:

@@ -12,15 +12,13 @@ drives it through chosen accept/reject sequences.
 """
 from __future__ import annotations
 
-import json
-import os
 from typing import Protocol, Sequence
 
 import torch
 from torch import nn
 import torch.nn.functional as F
 
-from spd_lightning.export import CKPT_KEY, DrafterLoadError, DrafterSpec
+from spd_lightning.export import DrafterLoadError
 from spd_lightning.geometry import Geometry
 from spd_lightning.pdm import PipelineDraftModule
 
@@ -175,26 +173,3 @@ class ReplayDrafter:
         right = self.reference[index] if index < len(self.reference) else 0
         wrong = self.pattern[index % len(self.pattern)] == "W"
         return torch.tensor([(right + 1) % self.vocab_size if wrong else right]), None
-
-
-def read_drafter_spec(path: str) -> tuple[DrafterSpec, torch.Tensor]:
-    """The drafter's description and `d2t`, without loading its weights (what the stage ranks need)."""
-    from safetensors import SafetensorError, safe_open
-
-    if not os.path.exists(path):
-        raise DrafterLoadError(f"drafter {path!r} does not exist: pass a Lightning .ckpt or an exported directory")
-    try:
-        if os.path.isdir(path):
-            with open(os.path.join(path, "config.json")) as f:
-                spec = DrafterSpec.from_dict(json.load(f), path)
-            with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
-                return spec, f.get_tensor("d2t")
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        if not isinstance(ckpt, dict) or CKPT_KEY not in ckpt:
-            raise DrafterLoadError(f"{path!r} is not an SPD-Lightning checkpoint (no {CKPT_KEY!r} entry)")
-        return DrafterSpec.from_dict(ckpt[CKPT_KEY], path), ckpt["state_dict"]["pdm.d2t"]
-    except DrafterLoadError:
-        raise
-    except (OSError, KeyError, ValueError, RuntimeError, SafetensorError, json.JSONDecodeError) as e:
-        raise DrafterLoadError(f"drafter {path!r} is corrupt or incomplete ({type(e).__name__}: "
-                               f"{str(e).splitlines()[0][:120] if str(e) else ''}); re-export it") from e

@@ -1,58 +1,89 @@
-"""Start the distributed decoder: `n` stage ranks + 1 PDM rank (SPEC 5.3).
+"""Start the distributed decoder: `n` stage ranks + 1 PDM rank (SPEC 5.3), on torch's elastic launcher.
 
-`launch` spawns the `n + 1` ranks as local processes on a free port and watches them: the first rank
-that exits non-zero (an exception, a kill, a lost peer) ends the whole run at once, and the error names
-the rank that caused it. Inside the ranks every blocking call is bounded by the process-group timeout, so
-a rank that stalls makes its peers fail too, and each rank holds a lifeline to the launcher, so a launcher
-that dies takes its ranks with it. Under `torchrun` the same `run_rank` runs in every process instead.
+`launch` runs the `n + 1` ranks as local processes through `torch.distributed.launcher.api.elastic_launch`,
+the agent `torchrun` uses: it finds a free port (its c10d rendezvous), sets each rank's environment
+(`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, ...), watches the processes, and stops all of them as soon as one
+exits non-zero. Under `torchrun` the same `run_rank` runs in every process instead. What this module
+adds to the agent:
+
+- the ranks report through one queue: their pid, each result as it is ready (`on_result`), and the
+  error that ends them. The launcher names the rank that caused a failure from these reports and the
+  agent's exit codes (`failure_message`);
+- inside the ranks every blocking call is bounded by the process-group timeout, so a rank that stalls
+  makes its peers fail too; a rank that lost a peer waits `PEER_REPORT_GRACE_S` before it exits, so the
+  other ranks that lost it report before the agent stops them, and the chain of blame reaches the rank
+  that went silent;
+- on Linux each rank asks the kernel to kill it when its parent (the fork server, which exits with the
+  launching process) dies, so a launcher that dies takes its ranks with it.
 
 Each rank loads only what its role needs: a stage rank its layer range (plus the embedding or the head
 at the ends), the PDM rank the drafter and the target's embedding table.
 """
 from __future__ import annotations
 
+import ctypes
+import logging
 import multiprocessing as mp
 import os
-import queue as queue_module
 import signal
-import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
-from collections import Counter
+import uuid
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
-from spd_lightning.export import load_drafter
+from spd_lightning.errors import UserError
+from spd_lightning.export import load_drafter, read_drafter_spec
 from spd_lightning.geometry import Geometry
 from spd_lightning.target import resolve_dtype
 
-from .drafter import PDMDrafter, ReplayDrafter, read_drafter_spec
-from .pipeline import PipelineRunner, role_name
+from .drafter import PDMDrafter, ReplayDrafter
+from .faults import step_hook
+from .pipeline import PipelineRunner, RunnerConfig, role_name
 from .result import DecodeResult, summarize_timing
 from .stages import Stage, load_pieces, meta_target
 from .transport import DistributedTransport, PeerError, close_distributed, init_distributed
 from .verify import Sampling
 
-EXIT_ORPHANED = 4  # a rank's exit status when it ends because its launcher is gone
+log = logging.getLogger(__name__)
+PEER_REPORT_GRACE_S = 1.0
+_PR_SET_PDEATHSIG = 1
 
 
 class LaunchError(RuntimeError):
-    """A rank failed; the message names it and says why. `pids` are the ranks' processes, all ended by the
-    time it is raised, and `exitcodes` how each ended (negative: the signal that ended it)."""
+    """A rank failed; the message names it and says why. `pids` are the ranks' processes (all ended by the
+    time it is raised) and `failed` the exit code of each rank the launcher saw fail on its own (negative:
+    the signal that ended it); the launcher stopped the others."""
 
-    def __init__(self, message: str, pids: tuple[int, ...] = ()):
+    def __init__(self, message: str, pids: tuple[int, ...] = (), failed: dict[int, int] | None = None):
         super().__init__(message)
         self.pids = pids
-        self.exitcodes: tuple[int | None, ...] = ()
+        self.failed = failed or {}
+
+
+class RankInputError(LaunchError, UserError):
+    """A rank rejected its input (e.g. a target directory without the layers it must load): the user's to fix."""
+
+
+class TooFewDevices(UserError):
+    """The job needs more GPUs than this machine shows."""
+
+
+class Replay(NamedTuple):
+    """A `ReplayDrafter` instead of a PDM: its policy and the reference continuation of each prompt."""
+
+    policy: str
+    references: Sequence[Sequence[int]]
 
 
 @dataclass
 class DecodeJob:
-    """Everything a rank needs, picklable for the spawned processes."""
+    """Everything a rank needs, picklable for the rank processes."""
 
     target_path: str
     geometry: dict
@@ -63,61 +94,129 @@ class DecodeJob:
     hidden_size: int
     sampling: dict
     drafter_path: str | None = None  # an exported drafter dir or a Lightning .ckpt
-    replay: tuple[str, list[list[int]]] | None = None  # (policy, reference continuation per prompt) instead of a PDM
+    replay: Replay | None = None
     seed: int = 0
     dtype: str = "float32"
     device: str = "cpu"
     timeout_s: float = 120.0
     debug: bool = False
-    fault: str | None = None  # test-only, see `Fault`
+    profile: bool = False  # per-cycle timing in each result (`profiler.Profiler`)
+    fault: str | None = None  # test-only, see `faults.Fault`
+
+    def __post_init__(self):
+        if self.replay is not None:
+            self.replay = Replay(*self.replay)
 
     @property
     def world_size(self) -> int:
         return self.geometry["n"] + 1
 
 
-@dataclass(frozen=True)
-class Fault:
-    """Test-only fault injection (tests/test_faults.py). `DecodeJob.fault = "RANK:POINT:COUNT:ACTION"` makes
-    rank RANK fail the COUNT-th time it reaches POINT: `prefill`, `step` (any decode step) or `redo` (the
-    step right after a rejection). ACTION: `exit` (os._exit(3), dies without a word), `kill` (SIGKILL to
-    itself), `raise` (an exception, reported like any error) or `stall` (sleeps forever, a silent peer)."""
+# -- the ranks ------------------------------------------------------------------------------------
+def rank_device(job: DecodeJob, local_rank: int) -> torch.device:
+    return torch.device(f"cuda:{local_rank}") if job.device.startswith("cuda") else torch.device("cpu")
 
+
+def build_runner(job: DecodeJob, rank: int, device: torch.device) -> PipelineRunner:
+    """The roles of `rank`: a stage (the last one also verifies) or the drafter."""
+    geometry = Geometry.from_dict(job.geometry)
+    n, sampling, dtype = geometry.n, Sampling(**job.sampling), resolve_dtype(job.dtype)
+    if job.replay is not None and not sampling.greedy:
+        raise ValueError("a replay drafter has no draft distribution: use it with greedy decoding only")
+    d2t, draft_vocab = (None, 1) if job.replay is not None else _draft_vocabulary(job.drafter_path)
+    stages, drafter = {}, None
+    if rank < n:
+        stages[rank + 1] = Stage.load(job.target_path, geometry, rank + 1, dtype, device)
+    elif job.replay is not None:
+        drafter = ReplayDrafter(job.replay.references, job.replay.policy, job.vocab_size)
+    else:
+        pdm, _ = load_drafter(job.drafter_path, map_location=device)
+        embed = load_pieces(job.target_path, range(0), embed=True, head=False, dtype=dtype, device=device).embed_tokens
+        drafter = PDMDrafter(pdm.to(dtype), geometry, embed, sampling, dtype)
+    config = RunnerConfig(sampling, job.vocab_size, draft_vocab, job.hidden_size, dtype, device, d2t,
+                          on_step=step_hook(job.fault, rank), profile=job.profile)
+    return PipelineRunner(geometry, DistributedTransport([role_name(r, n) for r in range(n + 1)]), stages, drafter,
+                          config)
+
+
+def _draft_vocabulary(drafter_path: str) -> tuple[torch.Tensor, int]:
+    spec, d2t = read_drafter_spec(drafter_path)
+    return d2t, spec.pdm.draft_vocab_size
+
+
+def run_rank(job: DecodeJob, rank: int, local_rank: int, report: Callable[[int, DecodeResult], None]) -> None:
+    """One rank's whole life: join (the `torchrun`/elastic environment), load, decode every prompt, leave.
+    The last stage reports the results."""
+    device = rank_device(job, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:  # ranks share the CPU: oversubscribed threads make every rank slower
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.world_size))
+    init_distributed("nccl" if device.type == "cuda" else "gloo", rank, job.world_size, job.timeout_s)
+    runner = build_runner(job, rank, device)
+    n, reporter = runner.n, runner.verifier_rank
+    for i, prompt in enumerate(job.prompts):
+        result = runner.decode(prompt, job.max_new_tokens, frozenset(job.eos_token_ids), job.seed + i)
+        if job.profile:  # every rank's timing rows to the reporter
+            rows = runner.transport.gather(torch.from_numpy(runner.clock.rows[rank]).to(device), dst=reporter)
+            if rank == reporter:
+                result.timing = summarize_timing(torch.stack(rows).cpu()[:, 1:], result.K, n,
+                                                 has_drafter=job.replay is None)
+        if rank == reporter:
+            report(i, result)
+    # Only a clean finish leaves the group here. After a failure the connections close when the process
+    # exits, i.e. after the error was reported, so the launcher hears the cause before the peers' echoes.
+    close_distributed()
+
+
+# -- what the ranks tell the launcher ------------------------------------------------------------
+class Started(NamedTuple):
     rank: int
-    point: str
-    count: int
-    action: str
-
-    @classmethod
-    def parse(cls, spec: str) -> "Fault":
-        rank, point, count, action = spec.split(":")
-        if point not in ("prefill", "step", "redo") or action not in ("exit", "kill", "raise", "stall"):
-            raise ValueError(f"bad fault {spec!r}: want RANK:prefill|step|redo:COUNT:exit|kill|raise|stall")
-        return cls(int(rank), point, int(count), action)
-
-    def hook(self) -> Callable[[str], None]:
-        seen = Counter()
-
-        def on_step(point: str) -> None:
-            seen[point] += 1
-            if point == "redo":
-                seen["step"] += 1
-            if (point == self.point or (point, self.point) == ("redo", "step")) and seen[self.point] == self.count:
-                if self.action == "exit":
-                    os._exit(3)
-                if self.action == "kill":
-                    os.kill(os.getpid(), signal.SIGKILL)
-                if self.action == "raise":
-                    raise RuntimeError(f"injected fault at {self.point} #{self.count}")
-                while True:
-                    time.sleep(3600)
-        return on_step
+    pid: int
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Finished(NamedTuple):
+    rank: int
+    index: int  # the prompt
+    result: dict  # DecodeResult.to_dict()
+
+
+class Failed(NamedTuple):
+    rank: int
+    message: str  # "Type: first line"
+    trace: str
+    peer: int | None  # the rank it lost, for a `PeerError`
+    user_error: bool
+
+
+def _rank_main(job: DecodeJob, messages) -> None:
+    """A rank process under the elastic agent: any failure becomes one report and a non-zero exit."""
+    _die_with_parent()
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    messages.put(Started(rank, os.getpid()))
+    if not job.debug:
+        _quiet_transformers()
+    try:
+        run_rank(job, rank, local_rank, lambda i, r: messages.put(Finished(rank, i, r.to_dict())))
+    except BaseException as e:  # noqa: BLE001 - whatever it was, the launcher must hear about it
+        first = str(e).splitlines()[0] if str(e) else ""
+        messages.put(Failed(rank, f"{type(e).__name__}: {first}", traceback.format_exc(), getattr(e, "peer", None),
+                            isinstance(e, UserError)))
+        messages.close()
+        messages.join_thread()  # the report is in the pipe before this process (and its sockets) goes away
+        if isinstance(e, PeerError):
+            time.sleep(PEER_REPORT_GRACE_S)
+        sys.exit(1)
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this rank when its parent (the fork server) dies, i.e. with the launcher."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before the request took effect
+        os._exit(1)
 
 
 def _quiet_transformers() -> None:
@@ -127,198 +226,149 @@ def _quiet_transformers() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def rank_device(job: DecodeJob, local_rank: int) -> torch.device:
-    return torch.device(f"cuda:{local_rank}") if job.device.startswith("cuda") else torch.device("cpu")
+class Inbox:
+    """The launcher's side of the queue, drained by a thread while the agent watches the processes."""
+
+    def __init__(self, messages, on_result: Callable[[int, DecodeResult], None] | None):
+        self.messages, self.on_result = messages, on_result
+        self.pids: dict[int, int] = {}
+        self.results: dict[int, DecodeResult] = {}
+        self.failures: dict[int, Failed] = {}
+        self._thread = threading.Thread(target=self._drain, name="spd-launch-inbox", daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> None:
+        while (message := self.messages.get()) is not None:
+            if isinstance(message, Started):
+                self.pids[message.rank] = message.pid
+            elif isinstance(message, Finished):
+                self.results[message.index] = result = DecodeResult.from_dict(message.result)
+                if self.on_result is not None:
+                    self.on_result(message.index, result)
+            else:
+                self.failures.setdefault(message.rank, message)
+
+    def close(self, wait_s: float = 5.0) -> None:
+        """Every report the ranks made is in (they have all exited by now)."""
+        self.messages.put(None)
+        self._thread.join(wait_s)
+
+    def pid_list(self) -> tuple[int, ...]:
+        return tuple(self.pids[r] for r in sorted(self.pids))
 
 
-def build_runner(job: DecodeJob, rank: int, device: torch.device) -> PipelineRunner:
-    """The roles of `rank`: a stage (the last one also verifies) or the drafter."""
-    geometry = Geometry.from_dict(job.geometry)
-    n, sampling, dtype = geometry.n, Sampling(**job.sampling), resolve_dtype(job.dtype)
-    stages, drafter, d2t, draft_vocab = {}, None, None, 1
-    if job.replay is not None and not sampling.greedy:
-        raise ValueError("a replay drafter has no draft distribution: use it with greedy decoding only")
-    if job.replay is None:
-        spec, d2t = read_drafter_spec(job.drafter_path)
-        draft_vocab = spec.pdm.draft_vocab_size
-    fault = Fault.parse(job.fault) if job.fault else None
-    on_step = fault.hook() if fault is not None and fault.rank == rank else None
-    if rank < n:
-        stages[rank + 1] = Stage.load(job.target_path, geometry, rank + 1, dtype, device)
-    elif job.replay is not None:
-        drafter = ReplayDrafter(job.replay[1], job.replay[0], job.vocab_size)
-    else:
-        pdm, _ = load_drafter(job.drafter_path, map_location=device)
-        embed = load_pieces(job.target_path, range(0), embed=True, head=False, dtype=dtype, device=device).embed_tokens
-        drafter = PDMDrafter(pdm.to(dtype), geometry, embed, sampling, dtype)
-    transport = DistributedTransport([role_name(r, n) for r in range(n + 1)])
-    return PipelineRunner(geometry, transport, stages, drafter, sampling, job.vocab_size, draft_vocab, d2t, device,
-                          job.hidden_size, dtype, on_step=on_step)
-
-
-def run_rank(job: DecodeJob, rank: int, local_rank: int, init_method: str | None,
-             report: Callable[[int, DecodeResult], None]) -> None:
-    """One rank's whole life: join, load, decode every prompt, leave. The last stage reports results."""
-    device = rank_device(job, local_rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    else:  # ranks share the CPU: oversubscribed threads make every rank slower
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.world_size))
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    init_distributed(backend, rank, job.world_size, job.timeout_s, init_method)
-    runner = build_runner(job, rank, device)
-    n, reporter = runner.n, runner.verifier_rank
-    for i, prompt in enumerate(job.prompts):
-        result = runner.decode(prompt, job.max_new_tokens, frozenset(job.eos_token_ids), job.seed + i)
-        rows = runner.transport.gather(torch.from_numpy(runner.clock[rank]).to(device), dst=reporter)
-        if rank == reporter:
-            result.timing = summarize_timing(torch.stack(rows).cpu()[:, 1:], result.K, n, has_drafter=job.replay is None)
-            report(i, result)
-    # Only a clean finish leaves the group here. After a failure the connections close when the process
-    # exits, i.e. after the error was reported, so the launcher hears the cause before the peers' echoes.
-    close_distributed()
-
-
-def _rank_entry(job: DecodeJob, rank: int, init_method: str, results, lifeline) -> None:
-    """Process entry point: any failure becomes one message to the launcher and a non-zero exit."""
-    _follow_launcher(lifeline, rank)
-    if not job.debug:
-        _quiet_transformers()
-    try:
-        run_rank(job, rank, rank, init_method, lambda i, r: results.put(("result", rank, i, r.to_dict())))
-    except BaseException as e:  # noqa: BLE001 - whatever it was, the launcher must hear about it
-        first = str(e).splitlines()[0] if str(e) else ""
-        results.put(("error", rank, f"{type(e).__name__}: {first}", traceback.format_exc(), getattr(e, "peer", None)))
-        results.close()
-        results.join_thread()  # the message is in the pipe before this process (and its sockets) goes away
-        sys.exit(1)
-
-
-def _follow_launcher(lifeline, rank: int) -> None:
-    """End this rank when the launcher is gone, however it died: nothing is ever sent on the lifeline, so
-    a read returns only when the launcher's end of it closes."""
-    def watch() -> None:
-        try:
-            lifeline.recv()
-        except (EOFError, OSError):
-            pass
-        print(f"spd rank {rank}: the launcher is gone, exiting", file=sys.stderr, flush=True)
-        os._exit(EXIT_ORPHANED)
-
-    threading.Thread(target=watch, name="spd-lifeline", daemon=True).start()
-
-
+# -- the launcher -----------------------------------------------------------------------------
 def launch(job: DecodeJob, on_result: Callable[[int, DecodeResult], None] | None = None) -> list[DecodeResult]:
     """Run `job` on `n + 1` local processes; results in prompt order. Raises `LaunchError` naming the
-    first rank that failed, after ending all of them."""
-    n = job.geometry["n"]
+    rank that caused a failure, after every rank has ended."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    _check_devices(job)
+    start_method = _start_method(job)
+    inbox = Inbox(mp.get_context(start_method).Queue(), on_result)
+    with tempfile.TemporaryDirectory(prefix="spd_launch_") as logs, _quiet_agent(job.debug):
+        try:
+            elastic_launch(_agent_config(job, start_method, logs), _rank_main)(job, inbox.messages)
+        except ChildFailedError as e:
+            inbox.close()
+            failed = {rank: f.exitcode for rank, f in e.failures.items()}
+            cls = RankInputError if _blamed_report(job, failed, inbox.failures, user_error=True) else LaunchError
+            raise cls(failure_message(job, failed, inbox.failures), inbox.pid_list(), failed) from None
+    inbox.close()
+    missing = [i for i in range(len(job.prompts)) if i not in inbox.results]
+    if missing:
+        raise LaunchError(f"every rank exited cleanly but prompts {missing} produced no result", inbox.pid_list())
+    return [inbox.results[i] for i in range(len(job.prompts))]
+
+
+def _check_devices(job: DecodeJob) -> None:
     if job.device.startswith("cuda"):
         available = torch.cuda.device_count()
         if available < job.world_size:
-            raise LaunchError(f"n={n} stages + 1 PDM rank need {job.world_size} GPUs, {available} are visible: "
-                              f"lower n, or run the one-process simulator with --simulate")
-    ctx = _context(job)
-    results = ctx.Queue()
-    lifeline, keep_alive = ctx.Pipe(duplex=False)  # the ranks hold the reading end; only this process writes
-    init_method = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=_rank_entry, args=(job, r, init_method, results, lifeline), name=f"spd-rank{r}",
-                         daemon=True) for r in range(job.world_size)]
-    for p in procs:
-        p.start()
-    pids = tuple(p.pid for p in procs)
-    collected: dict[int, DecodeResult] = {}
-    errors: list[tuple] = []
-    failure: LaunchError | None = None
-    try:
-        while True:
-            _drain(results, collected, errors, on_result, wait_s=0.05)
-            codes = [p.exitcode for p in procs]
-            if any(c not in (None, 0) for c in codes):
-                deadline = time.monotonic() + 1.0  # let the failing ranks' own messages arrive
-                while time.monotonic() < deadline:
-                    _drain(results, collected, errors, on_result, wait_s=0.05)
-                failure = LaunchError(_failure_message(job, [p.exitcode for p in procs], errors), pids)
-                raise failure
-            if all(c == 0 for c in codes):
-                _drain(results, collected, errors, on_result, wait_s=0.0)
-                break
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        keep_alive.close()
-        lifeline.close()
-        if failure is not None:
-            failure.exitcodes = tuple(p.exitcode for p in procs)
-    missing = [i for i in range(len(job.prompts)) if i not in collected]
-    if missing:
-        raise LaunchError(f"every rank exited cleanly but prompts {missing} produced no result", pids)
-    return [collected[i] for i in range(len(job.prompts))]
+            raise TooFewDevices(f"n={job.world_size - 1} stages + 1 PDM rank need {job.world_size} GPUs, {available} "
+                                f"are visible: lower n, or run the one-process simulator with --simulate")
 
 
-def _context(job: DecodeJob):
+def _agent_config(job: DecodeJob, start_method: str, log_dir: str):
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig
+
+    # One node, no restarts: what `torchrun --standalone --nproc-per-node n+1` does (c10d on a free port).
+    return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=job.world_size, run_id=f"spd-{uuid.uuid4().hex}",
+                        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.05,
+                        start_method=start_method, logs_specs=DefaultLogsSpecs(log_dir=log_dir), shutdown_timeout=5)
+
+
+def _start_method(job: DecodeJob) -> str:
     """Fresh interpreters for the ranks (never `fork`: torch's thread pools and CUDA do not survive it).
 
     On Linux a fork server that has already imported torch, transformers, the decoder and the target's
     modeling code starts every rank in milliseconds instead of re-importing them all; it stays up for the
     life of this process, so later launches are fast too. Elsewhere `spawn`."""
     if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
+        return "spawn"
     modeling = type(meta_target(job.target_path).model).__module__
-    ctx.set_forkserver_preload(["torch", "transformers", "inference.launch", modeling])
-    return ctx
+    mp.get_context("forkserver").set_forkserver_preload(["torch", "transformers", "inference.launch", modeling])
+    return "forkserver"
 
 
-def _drain(results, collected, errors, on_result, wait_s: float) -> None:
-    while True:
-        try:
-            item = results.get(timeout=wait_s) if wait_s > 0 else results.get_nowait()
-        except queue_module.Empty:
-            return
-        wait_s = 0.0
-        if item[0] == "result":
-            _, _, index, payload = item
-            collected[index] = result = DecodeResult.from_dict(payload)
-            if on_result is not None:
-                on_result(index, result)
-        else:
-            errors.append(item[1:])
+class _quiet_agent:
+    """The agent logs every stopped worker with a traceback; our own message says it in one line."""
+
+    def __init__(self, debug: bool):
+        self.debug, self.levels = debug, {}
+
+    def __enter__(self):
+        if not self.debug:
+            for name, logger in list(logging.root.manager.loggerDict.items()):
+                if name.startswith("torch.distributed") and isinstance(logger, logging.Logger):
+                    self.levels[logger] = logger.level
+                    logger.setLevel(logging.CRITICAL + 1)
+
+    def __exit__(self, *exc):
+        for logger, level in self.levels.items():
+            logger.setLevel(level)
 
 
-def _failure_message(job: DecodeJob, codes: list[int | None], errors: list[tuple]) -> str:
-    """Names the rank that caused the failure: one killed by a signal; else one that exited without
-    reporting anything (it died abruptly); else one that reported an error of its own; else, when every
+def _blamed_report(job: DecodeJob, failed: dict[int, int], reports: dict[int, Failed],
+                   user_error: bool = False) -> Failed | None:
+    """The report of the rank that caused the failure, when that rank reported one (see `failure_message`)."""
+    rank, code = min(failed.items())
+    if code < 0 or rank not in reports:
+        return None
+    own = [r for r in reports.values() if r.peer is None]
+    report = own[0] if own else reports[rank]
+    return report if not user_error or report.user_error else None
+
+
+def failure_message(job: DecodeJob, failed: dict[int, int], reports: dict[int, Failed]) -> str:
+    """Names the rank that caused the failure: the one the agent saw die when it was killed by a signal or
+    exited without a report (it died abruptly); else one that reported an error of its own; else, when every
     report is a lost peer (`PeerError`), the rank at the end of the chain of blamed peers: the one that
     went silent (e.g. stalled) while the others, directly or through blocked peers, waited on it."""
-    n = job.geometry["n"]
-    reported = {e[0]: e for e in errors}
-    killed = [r for r, c in enumerate(codes) if c is not None and c < 0]
-    silent = [r for r, c in enumerate(codes) if c not in (None, 0) and r not in reported]
-    own = [e for e in errors if e[3] is None]
-    if killed:
-        r = killed[0]
-        head = f"rank {r} ({role_name(r, n)}) was killed by signal {-codes[r]}"
-    elif silent:
-        r = silent[0]
-        head = f"rank {r} ({role_name(r, n)}) exited with code {codes[r]} without reporting an error"
-    elif errors:
-        r, message, trace, peer = (own or errors)[0]
-        head = f"rank {r} ({role_name(r, n)}) failed: {message}"
-        chain = {r}
-        while peer is not None and peer not in chain and peer in reported:
-            chain.add(peer)
-            peer = reported[peer][3]
-        if not own and peer is not None and peer not in reported:
-            head = f"rank {peer} ({role_name(peer, n)}) stopped responding: {head}"
-        head += f"\n{trace}" if job.debug else ""
+    n = job.world_size - 1
+    rank, code = min(failed.items())
+    report = _blamed_report(job, failed, reports)
+    if code < 0:
+        head = f"rank {rank} ({role_name(rank, n)}) was killed by signal {-code}"
+    elif report is None:
+        head = f"rank {rank} ({role_name(rank, n)}) exited with code {code} without reporting an error"
     else:
-        r = next(r for r, c in enumerate(codes) if c not in (None, 0))
-        head = f"rank {r} ({role_name(r, n)}) exited with code {codes[r]}"
-    others = [f"{role_name(q, n)}" for q, c in enumerate(codes) if c not in (None, 0) and q != r]
+        rank = report.rank
+        head = f"rank {rank} ({role_name(rank, n)}) failed: {report.message}"
+        silent = _end_of_blame(report, reports)
+        if silent is not None:
+            head = f"rank {silent} ({role_name(silent, n)}) stopped responding: {head}"
+        head += f"\n{report.trace}" if job.debug else ""
+    others = [role_name(q, n) for q in sorted({*failed, *reports}) if q != rank]
     return head + (f" (then also: {', '.join(others)})" if others else "") + "; every rank was stopped"
+
+
+def _end_of_blame(report: Failed, reports: dict[int, Failed]) -> int | None:
+    """Follow lost peers from `report` through the ranks that reported one; the first that did not report."""
+    chain, peer = {report.rank}, report.peer
+    while peer is not None and peer not in chain and peer in reports:
+        chain.add(peer)
+        peer = reports[peer].peer
+    return peer if peer is not None and peer not in reports else None

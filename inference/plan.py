@@ -34,7 +34,8 @@ Times come from one of:
 
 Flags override the JSON. The recommendation is the (n, L_s) with the highest predicted speedup among
 those with an alpha (n must be <= L). Writes a markdown table to stdout and a plot (`--plot`, default
-plan.png); `--json` writes every row. Exit status 0, or 2 on bad input (one line on stderr).
+plan.png); `--json` writes every row. Exit status 0, 2 on bad input (one line on stderr),
+1 on anything else (`--debug` shows the traceback).
 """
 from __future__ import annotations
 
@@ -44,7 +45,11 @@ import math
 import os
 import sys
 from dataclasses import asdict, dataclass
+
 from spd_lightning.errors import UserError
+
+from . import cli
+from .tables import markdown_table, pyplot, save
 
 
 class PlanError(UserError):
@@ -150,6 +155,8 @@ def _read_json(path: str):
             return json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise PlanError(f"{path}: not JSON ({e})") from e
+    except OSError as e:
+        raise PlanError(f"cannot read {path!r}: {e.strerror or e}") from e
 
 
 def target_shape(name_or_path: str) -> tuple[int, int]:
@@ -212,26 +219,19 @@ def _stage_fixed(measured: dict, t_full: float) -> float:
 
 
 def markdown(model: CostModel, rows: list[dict], best: dict) -> str:
-    u = model.unit
-    lines = [f"SPD plan ({model.schedule}; times in {u}; T_full={model.t_full:.4g}, stage fixed={model.stage_fixed:.4g}, "
-             f"draft/layer={model.t_draft_layer:.4g}, draft fixed={model.draft_fixed:.4g}, overhead={model.overhead:.4g})", "",
-             f"| n | L_s | alpha | S0 = n*alpha | stage | draft | cycle | r | bound | predicted speedup |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        mark = " **(recommended)**" if r is best else ""
-        lines.append(f"| {r['n']} | {r['L_s']} | {r['alpha']:.3f} | {r['S0']:.2f} | {r['stage']:.4g} | {r['draft']:.4g} | "
-                     f"{r['cycle']:.4g} | {r['r']:.3f} | {'draft' if r['draft_bound'] else 'stage'} | {r['speedup']:.2f}{mark} |")
-    lines += ["", f"recommended: n={best['n']} L_s={best['L_s']} (predicted {best['speedup']:.2f}x over AR, S0 {best['S0']:.2f})"]
+    head = ["n", "L_s", "alpha", "S0 = n*alpha", "stage", "draft", "cycle", "r", "bound", "predicted speedup"]
+    cells = [[str(r["n"]), str(r["L_s"]), f"{r['alpha']:.3f}", f"{r['S0']:.2f}", f"{r['stage']:.4g}", f"{r['draft']:.4g}",
+              f"{r['cycle']:.4g}", f"{r['r']:.3f}", "draft" if r["draft_bound"] else "stage",
+              f"{r['speedup']:.2f}" + (" **(recommended)**" if r is best else "")] for r in rows]
+    title = (f"SPD plan ({model.schedule}; times in {model.unit}; T_full={model.t_full:.4g}, stage fixed={model.stage_fixed:.4g}, "
+             f"draft/layer={model.t_draft_layer:.4g}, draft fixed={model.draft_fixed:.4g}, overhead={model.overhead:.4g})")
+    lines = [title, "", *markdown_table(head, cells), "",
+             f"recommended: n={best['n']} L_s={best['L_s']} (predicted {best['speedup']:.2f}x over AR, S0 {best['S0']:.2f})"]
     return "\n".join(lines) + "\n"
 
 
 def plot(rows: list[dict], best: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = pyplot().subplots(figsize=(6, 4))
     for L_s in sorted({r["L_s"] for r in rows}):
         pts = sorted((r["n"], r["speedup"], r["S0"]) for r in rows if r["L_s"] == L_s)
         line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"L_s={L_s} predicted")
@@ -241,14 +241,11 @@ def plot(rows: list[dict], best: dict, path: str) -> None:
     ax.set_xlabel("n (stages)")
     ax.set_ylabel("speedup over AR")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save(fig, path)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m inference.plan", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.parser("python -m inference.plan", __doc__)
     p.add_argument("--target", help="HF config directory or name: L and hidden size")
     p.add_argument("--layers", type=int, help="L (overrides the target's)")
     p.add_argument("--hidden-size", type=int, help="the target's hidden size (overrides the target's)")
@@ -267,7 +264,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--schedule", choices=["pre_step", "post_step"], default="pre_step")
     p.add_argument("--plot", default="plan.png", help="plot path ('' for none)")
     p.add_argument("--json", dest="json_out", help="write the rows and the recommendation here")
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    cli.add_debug_argument(p)
     return p.parse_args(argv)
 
 
@@ -279,26 +276,23 @@ def run(args: argparse.Namespace) -> dict:
     rows, best = plan(model, alphas)
     text = markdown(model, rows, best)
     if args.plot:
-        plot(rows, best, args.plot)
+        with cli.writing(args.plot):
+            plot(rows, best, args.plot)
     result = {"model": asdict(model), "rows": rows, "recommended": {"n": best["n"], "L_s": best["L_s"],
                                                                    "speedup": best["speedup"]}, "markdown": text}
     if args.json_out:
-        with open(args.json_out, "w") as f:
+        with cli.writing(args.json_out), open(args.json_out, "w") as f:
             json.dump(result, f, indent=1)
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        result = run(args)
-    except (PlanError, OSError) as e:
-        if args.debug:
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def finish(args: argparse.Namespace, result: dict) -> int:
     print(result["markdown"], end="")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.main(argv, parse_args, run, finish)
 
 
 if __name__ == "__main__":

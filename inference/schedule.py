@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from spd_lightning.geometry import Geometry
 
@@ -223,6 +223,13 @@ class PipelineSchedule:
         )
 
 
+class Judged(NamedTuple):
+    """A verdict message as every rank reads it: the verdict and the token it concerns."""
+
+    verdict: int
+    token: int
+
+
 @dataclass(frozen=True)
 class Step:
     """One physical step: a cycle of the logical schedule as the ranks run it."""
@@ -262,7 +269,7 @@ class Steps:
         """Whether the step that awaited this verdict is thrown away."""
         return verdict == Verdict.REJECT or int(token) in self.schedule.eos_token_ids
 
-    def after(self, step: Step, awaited: tuple[int, int] | None, own: tuple[int, int] | None) -> Step | None:
+    def after(self, step: Step, awaited: Judged | None, own: Judged | None) -> Step | None:
         """The step after `step`, or None when decoding has stopped. `awaited` is the previous cycle's
         verdict (given iff `step.awaits`), `own` this cycle's (iff `step.final` and `step` was not wasted)."""
         schedule = self.schedule

@@ -18,7 +18,7 @@ from spd_lightning.pdm import PipelineDraftModule
 from spd_lightning.target import Target
 
 from .drafter import Drafter, PDMDrafter, ReplayDrafter
-from .pipeline import PipelineRunner
+from .pipeline import PipelineRunner, RunnerConfig
 from .result import DecodeResult
 from .schedule import eos_set
 from .stages import Stage
@@ -30,9 +30,10 @@ class Simulator:
     """Stages, drafter and verifier of one pipeline, built once and reused across prompts."""
 
     def __init__(self, target: Target, drafter: PipelineDraftModule | Drafter, geometry: Geometry,
-                 sampling: Sampling = Sampling(), replay_wasted_work: bool = False):
+                 sampling: Sampling = Sampling(), replay_wasted_work: bool = False, profile: bool = False):
         """`replay_wasted_work`: the stages also run the optimistic steps that a rejection wastes, as the
-        distributed stage ranks do (they learn of it only afterwards), instead of skipping them."""
+        distributed stage ranks do (they learn of it only afterwards), instead of skipping them.
+        `profile`: per-cycle timing in each result's `timing` (empty otherwise)."""
         geometry.check_target(target.num_layers)
         self.geometry, self.sampling = geometry, sampling
         stages = {s: Stage.from_target(target, geometry, s) for s in range(1, geometry.n + 1)}
@@ -44,9 +45,9 @@ class Simulator:
             if isinstance(drafter, ReplayDrafter) and not sampling.greedy:
                 raise ValueError("a replay drafter has no draft distribution: use it with greedy decoding only")
             d2t, draft_vocab = None, 1
-        self.runner = PipelineRunner(geometry, LocalTransport(geometry.n + 1), stages, drafter, sampling,
-                                     target.vocab_size, draft_vocab, d2t, device, target.hidden_size, stages[1].dtype,
-                                     replay_wasted_work=replay_wasted_work)
+        config = RunnerConfig(sampling, target.vocab_size, draft_vocab, target.hidden_size, stages[1].dtype, device, d2t,
+                              replay_wasted_work=replay_wasted_work, profile=profile)
+        self.runner = PipelineRunner(geometry, LocalTransport(geometry.n + 1), stages, drafter, config)
 
     def decode(self, prompt_ids: Sequence[int], max_new_tokens: int,
                eos_token_id: int | Sequence[int] | None = None, seed: int = 0) -> DecodeResult:
@@ -61,5 +62,6 @@ class Simulator:
 @torch.no_grad()
 def simulate_decode(target: Target, drafter: PipelineDraftModule | Drafter, geometry: Geometry,
                     prompt_ids: Sequence[int], max_new_tokens: int = 64, sampling: Sampling = Sampling(),
-                    eos_token_id: int | Sequence[int] | None = None, seed: int = 0) -> DecodeResult:
-    return Simulator(target, drafter, geometry, sampling).decode(prompt_ids, max_new_tokens, eos_token_id, seed)
+                    eos_token_id: int | Sequence[int] | None = None, seed: int = 0, profile: bool = False) -> DecodeResult:
+    simulator = Simulator(target, drafter, geometry, sampling, profile=profile)
+    return simulator.decode(prompt_ids, max_new_tokens, eos_token_id, seed)

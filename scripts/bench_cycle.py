@@ -40,8 +40,8 @@ from spd_lightning.geometry import Geometry  # noqa: E402
 from spd_lightning.pdm import PDMConfig, PipelineDraftModule  # noqa: E402
 from spd_lightning.target import Target  # noqa: E402
 from inference.ar import ar_decode, target_eos  # noqa: E402
-from inference.drafter import read_drafter_spec  # noqa: E402
-from inference.launch import DecodeJob, launch  # noqa: E402
+from spd_lightning.export import read_drafter_spec  # noqa: E402
+from inference.launch import DecodeJob, Replay, launch  # noqa: E402
 from inference.prompts import load_tokenizer, read_prompts, render  # noqa: E402
 from inference.verify import Sampling  # noqa: E402
 
@@ -139,7 +139,7 @@ def measure(args) -> dict:
     replay = None
     if args.replay:
         drafter = f"replay {args.replay}"
-        replay = (args.replay, [ar_decode(target, ids, args.max_new_tokens, eos_token_id=eos).tokens for ids in prompts])
+        replay = Replay(args.replay, [ar_decode(target, ids, args.max_new_tokens, eos_token_id=eos).tokens for ids in prompts])
     profiles = {}
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.n:
@@ -151,9 +151,9 @@ def measure(args) -> dict:
                 else:  # a trained drafter serves only its own n
                     path = random_drafter(target, n, os.path.join(tmp, f"pdm_n{n}"))
             job = DecodeJob(args.target, geometry.to_dict(), prompts, args.max_new_tokens, eos, target.vocab_size,
-                            target.hidden_size, Sampling().to_dict(), drafter_path=path, replay=replay)
+                            target.hidden_size, Sampling().to_dict(), drafter_path=path, replay=replay, profile=True)
             warm = dataclasses.replace(job, prompts=prompts[:1], max_new_tokens=8,
-                                       replay=None if replay is None else (replay[0], replay[1][:1]))
+                                       replay=None if replay is None else replay._replace(references=replay.references[:1]))
             launch(warm)  # the fork server, imports and first-touch allocations
             profiles[str(n)] = median_profile([profile(launch(job)) for _ in range(args.repeat)])
     meta = {"label": args.label, "date": datetime.date.today().isoformat(), "machine": f"{os.cpu_count()}-core CPU, gloo",

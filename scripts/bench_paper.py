@@ -26,25 +26,47 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from spd_lightning.errors import UserError  # noqa: E402
+from spd_lightning.geometry import MODES  # noqa: E402
+from inference.cli import run_guarded  # noqa: E402
+from inference.repetition import repeated_kgrams  # noqa: E402
+from inference.tables import fmt, grouped_bars, markdown_table, pyplot, save  # noqa: E402
 
 SETS = {"gsm8k": "../shared/data/gsm8k_question.jsonl", "humaneval": "../shared/data/humaneval_question.jsonl",
         "sharegpt": "runs/bench/sharegpt.jsonl"}
 
-PRE, POST, PPSD = ("pre_step", "spd"), ("post_step", "spd"), ("post_step", "first_stage")
-# name: (n, L_s, (schedule, features), layout, anchors). The base run is spd_n4_L1 (the config as written).
+
+
+class BenchError(UserError):
+    """A bad argument or a failed run; one line."""
+
+
+class Run(NamedTuple):
+    n: int
+    L_s: int
+    mode: str  # a key of spd_lightning.geometry.MODES
+    layout: str = "depth"
+    anchors: str = "n_scaled"
+
+
+# The base run is spd_n4_L1 (the config as written).
 RUNS = {
-    "spd_n2_L3": (2, 3, PRE, "depth", "n_scaled"),
-    "spd_n4_L1": (4, 1, PRE, "depth", "n_scaled"),
-    "spd_n8_L1": (8, 1, PRE, "depth", "n_scaled"),
-    "ppsd_n2_L3": (2, 3, PPSD, "depth", "n_scaled"),
-    "ppsd_n4_L1": (4, 1, PPSD, "depth", "n_scaled"),
-    "ppsd_n8_L1": (8, 1, PPSD, "depth", "n_scaled"),
-    "spd_n4_L2": (4, 2, PRE, "depth", "n_scaled"),
-    "spd_n4_L3": (4, 3, PRE, "depth", "n_scaled"),
-    "spd_n4_L4": (4, 4, PRE, "depth", "n_scaled"),
-    "post_n4_L1": (4, 1, POST, "depth", "n_scaled"),
-    "type_n4_L1": (4, 1, PRE, "type", "n_scaled"),
-    "quarters_n4_L1": (4, 1, PRE, "depth", "quarters"),
+    "spd_n2_L3": Run(2, 3, "spd"),
+    "spd_n4_L1": Run(4, 1, "spd"),
+    "spd_n8_L1": Run(8, 1, "spd"),
+    "ppsd_n2_L3": Run(2, 3, "ppsd"),
+    "ppsd_n4_L1": Run(4, 1, "ppsd"),
+    "ppsd_n8_L1": Run(8, 1, "ppsd"),
+    "spd_n4_L2": Run(4, 2, "spd"),
+    "spd_n4_L3": Run(4, 3, "spd"),
+    "spd_n4_L4": Run(4, 4, "spd"),
+    "post_n4_L1": Run(4, 1, "post_step"),
+    "type_n4_L1": Run(4, 1, "spd", layout="type"),
+    "quarters_n4_L1": Run(4, 1, "spd", anchors="quarters"),
 }
 TABLES = {
     "Table 2 shape: SPD vs PPSD across n (L_s = max(1, L/n - 1) with L = 8)":
@@ -57,11 +79,12 @@ TABLES = {
 
 
 def train_command(name: str, args: argparse.Namespace) -> list[str]:
-    n, L_s, (schedule, features), layout, anchors = RUNS[name]
+    run = RUNS[name]
+    schedule, features = MODES[run.mode]
     out = f"{args.root}/{name}"
-    return ["python", "-m", "spd_lightning", "fit", "--config", args.config, "--model.n", str(n), "--model.num_layers",
-            str(L_s), "--model.schedule", schedule, "--model.features", features, "--model.layout", layout,
-            "--model.anchors", anchors, "--trainer.default_root_dir", out, "--trainer.logger.init_args.save_dir", out,
+    return ["python", "-m", "spd_lightning", "fit", "--config", args.config, "--model.n", str(run.n), "--model.num_layers",
+            str(run.L_s), "--model.schedule", schedule, "--model.features", features, "--model.layout", run.layout,
+            "--model.anchors", run.anchors, "--trainer.default_root_dir", out, "--trainer.logger.init_args.save_dir", out,
             "--checkpoint.dirpath", f"{out}/checkpoints", *shlex.split(args.extra)]
 
 
@@ -138,25 +161,20 @@ def adjusted(report: dict, row: dict) -> float | None:
     return row["S_spd"] if report["mode"] == "spd" else row["S_post"]
 
 
-def _f(x, digits: int = 3) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
-
-
 def table(runs: dict[str, tuple[dict, dict]], names: list[str]) -> str:
     sets = _sets(runs[names[0]][1])
     head = ["run", "mode", "n", "L_s", "layout", "anchors", "steps", "val agree", *(f"alpha {s}" for s in sets),
             "alpha T=0", "n*alpha", "r", "S adj. T=0", "alpha T=1", "S adj. T=1", "train min"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for name in names:
         trained, report = runs[name]
         greedy, sampled = _result(report, "overall", 0.0), _result(report, "overall", 1.0)
-        layout, anchors = RUNS[name][3:]
-        cells = [name, report["mode"], str(report["n"]), str(report["L_s"]), layout, anchors, str(trained.get("steps", "-")),
-                 _f(trained.get("val/agree")), *(_f(_result(report, s, 0.0)["alpha"]) for s in sets),
-                 _f(greedy["alpha"]), _f(greedy["S0"], 2), _f(greedy["r"]), _f(adjusted(report, greedy), 2),
-                 _f(sampled["alpha"]), _f(adjusted(report, sampled), 2), _f(trained["minutes"], 1)]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append([name, report["mode"], str(report["n"]), str(report["L_s"]), RUNS[name].layout, RUNS[name].anchors,
+                     str(trained.get("steps", "-")), fmt(trained.get("val/agree")),
+                     *(fmt(_result(report, s, 0.0)["alpha"]) for s in sets), fmt(greedy["alpha"]), fmt(greedy["S0"], 2),
+                     fmt(greedy["r"]), fmt(adjusted(report, greedy), 2), fmt(sampled["alpha"]),
+                     fmt(adjusted(report, sampled), 2), fmt(trained["minutes"], 1)])
+    return "\n".join(markdown_table(head, rows))
 
 
 def ar_line(runs: dict[str, tuple[dict, dict]]) -> str:
@@ -204,20 +222,10 @@ def write_region(path: str, text: str) -> None:
 
 
 def plot(runs: dict[str, tuple[dict, dict]], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = list(runs)
     reports = [runs[n][1] for n in names]
-    sets = _sets(reports[0])
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
-    x = list(range(len(names)))
-    width = 0.8 / len(sets)
-    for j, set_name in enumerate(sets):
-        alphas = [_result(r, set_name, 0.0)["alpha"] or 0.0 for r in reports]
-        ax1.bar([i + (j - (len(sets) - 1) / 2) * width for i in x], alphas, width, label=set_name)
+    fig, (ax1, ax2) = pyplot().subplots(1, 2, figsize=(13, 4.5))
+    x = grouped_bars(ax1, [(s, [_result(r, s, 0.0)["alpha"] for r in reports]) for s in _sets(reports[0])])
     ax1.set_xticks(x, names, rotation=45, ha="right", fontsize=8)
     ax1.set_title("step acceptance alpha = N / K (greedy)")
     ax1.legend(fontsize=8)
@@ -230,16 +238,14 @@ def plot(runs: dict[str, tuple[dict, dict]], path: str) -> None:
     ax2.set_xticks(x, names, rotation=45, ha="right", fontsize=8)
     ax2.set_title("speedup over AR (SPEC 6)")
     ax2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save(fig, path)
 
 
 def write_alphas(args: argparse.Namespace) -> None:
     """Greedy overall alpha of the pre-step SPD runs as `{"n,L_s": alpha}`, for `inference.plan --alphas`."""
     runs = load_runs(args.root)
     alphas = {f"{r['n']},{r['L_s']}": _result(r, "overall", 0.0)["alpha"]
-              for name, (_, r) in runs.items() if RUNS[name][2:] == (PRE, "depth", "n_scaled")}
+              for name, (_, r) in runs.items() if RUNS[name][2:] == ("spd", "depth", "n_scaled")}
     with open(args.out, "w") as f:
         json.dump(alphas, f, indent=1)
     print(f"wrote {args.out}: {alphas}")
@@ -255,7 +261,7 @@ def plan_check(args: argparse.Namespace) -> None:
     for name in names:
         out = f"{args.root}/pipeline/{name}"
         if _run(name, eval_command(name, args, pipeline=True), args.threads, f"{out}.log")[0] != 0:
-            sys.exit(f"error: the pipeline evaluation of {name} failed (see {out}.log)")
+            raise BenchError(f"the pipeline evaluation of {name} failed (see {out}.log)")
         with open(f"{out}/eval.json") as f:
             reports[name] = json.load(f)
     greedy = {name: _result(r, "overall", 0.0) for name, r in reports.items()}
@@ -269,7 +275,7 @@ def plan_check(args: argparse.Namespace) -> None:
                "--plot", f"{args.root}/pipeline/plan.png"]
     command += [a for n in names for a in ("--alpha", f"{reports[n]['n']}:{reports[n]['L_s']}:{greedy[n]['alpha']:.6f}")]
     if _run("plan", command, args.threads, f"{args.root}/pipeline/plan.log")[0] != 0:
-        sys.exit(f"error: inference.plan failed (see {args.root}/pipeline/plan.log)")
+        raise BenchError(f"inference.plan failed (see {args.root}/pipeline/plan.log)")
     with open(f"{args.root}/pipeline/plan.json") as f:
         predicted = {(r["n"], r["L_s"]): r for r in json.load(f)["rows"]}
     lines = [f"Calibration: {calibration_name} (T_full {greedy[calibration_name]['T_full_s'] * 1e3:.2f} ms, slowest stage "
@@ -289,16 +295,6 @@ def plan_check(args: argparse.Namespace) -> None:
     print(text, end="")
 
 
-def repeated_kgrams(tokens: list[int], k: int = 4) -> tuple[int, int]:
-    """(generated tokens that complete a k-gram already seen earlier in the same output, tokens that end a k-gram)."""
-    seen, repeats = set(), 0
-    for i in range(k - 1, len(tokens)):
-        gram = tuple(tokens[i - k + 1:i + 1])
-        repeats += gram in seen
-        seen.add(gram)
-    return repeats, max(len(tokens) - k + 1, 0)
-
-
 def repetition(args: argparse.Namespace) -> None:
     """How repetitive the target's own greedy output is on the eval prompts (SPEC 8: repetition flatters
     every drafter): AR-decode the first `--limit` prompts of each set and count repeated 4-grams."""
@@ -313,7 +309,7 @@ def repetition(args: argparse.Namespace) -> None:
         command = ["python", "-m", "inference.decode", "--target", target, "--mode", "ar", "--prompts", subset,
                    "--max-new-tokens", str(args.max_new_tokens), "--json", out]
         if _run("repetition", command, args.threads, out + ".log")[0] != 0:
-            sys.exit(f"error: AR decoding failed (see {out}.log)")
+            raise BenchError(f"AR decoding failed (see {out}.log)")
         with open(out) as f:
             outputs = [p["tokens"] for p in json.load(f)["prompts"]]
         repeats, ends = (sum(x) for x in zip(*(repeated_kgrams(t) for t in outputs)))
@@ -321,7 +317,7 @@ def repetition(args: argparse.Namespace) -> None:
     print("\n".join(lines))
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("action", choices=["train", "eval", "table", "alphas", "plancheck", "repetition", "commands"])
     p.add_argument("names", nargs="*", help=f"run names or 'all': {', '.join(RUNS)}")
@@ -339,14 +335,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--target", default="artifacts/bench_target", help="repetition: the target to decode with")
     p.add_argument("--calibration", default="spd_n4_L1", help="plancheck: the run whose measured times calibrate the planner")
     p.add_argument("--checks", nargs="+", default=["spd_n4_L3", "spd_n2_L3"], help="plancheck: runs predicted and measured")
+    p.add_argument("--debug", action="store_true", help="show tracebacks (also SPD_DEBUG=1)")
     args = p.parse_args(argv)
     args.sets = dict(enumerate(args.sets)) if args.sets else SETS
-    names = list(RUNS) if args.names in ([], ["all"]) else args.names
-    unknown = [n for n in [*names, args.calibration, *args.checks] if n not in RUNS]
+    args.names = list(RUNS) if args.names in ([], ["all"]) else args.names
+    return args
+
+
+def run(args: argparse.Namespace) -> None:
+    unknown = [n for n in [*args.names, args.calibration, *args.checks] if n not in RUNS]
     if unknown:
-        sys.exit(f"error: unknown run {unknown[0]!r}: choose from {', '.join(RUNS)} or 'all'")
+        raise BenchError(f"unknown run {unknown[0]!r}: choose from {', '.join(RUNS)} or 'all'")
     if args.jobs < 1 or args.threads < 1:
-        sys.exit("error: --jobs and --threads must be >= 1")
+        raise BenchError("--jobs and --threads must be >= 1")
     if args.action == "table":
         args.out = args.out or "docs/BENCHMARKS.md"
         return write_tables(args)
@@ -358,17 +359,23 @@ def main(argv: list[str] | None = None) -> None:
     if args.action == "plancheck":
         return plan_check(args)
     if args.action == "commands":
-        for name in names:
+        for name in args.names:
             print(shlex.join(train_command(name, args)))
             print(shlex.join(eval_command(name, args)))
         return
     work = train if args.action == "train" else evaluate
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        codes = list(pool.map(lambda name: work(name, args), names))
-    failed = [n for n, c in zip(names, codes) if c != 0]
+        codes = list(pool.map(lambda name: work(name, args), args.names))
+    failed = [n for n, c in zip(args.names, codes) if c != 0]
     if failed:
-        sys.exit(f"error: {args.action} failed for {', '.join(failed)} (see {args.root}/NAME/*.log)")
+        raise BenchError(f"{args.action} failed for {', '.join(failed)} (see {args.root}/NAME/*.log)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit 0 when every step worked; 2 with one `error:` line for a bad argument or a failed run."""
+    code, _ = run_guarded(run, parse_args(argv))
+    return code or 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

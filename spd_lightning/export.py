@@ -14,8 +14,8 @@ import os
 from dataclasses import dataclass
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from .geometry import Geometry
 from .pdm import PDMConfig, PipelineDraftModule
@@ -24,6 +24,7 @@ from .errors import UserError
 
 FORMAT_VERSION = 1
 CKPT_KEY = "spd_drafter"
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
 
 class DrafterLoadError(UserError):
@@ -67,10 +68,10 @@ class DrafterSpec:
 def save_drafter(pdm: PipelineDraftModule, spec: DrafterSpec, out_dir: str) -> str:
     os.makedirs(out_dir, exist_ok=True)
     state = {k: v.detach().to("cpu").contiguous() for k, v in pdm.state_dict().items()}
-    tmp = os.path.join(out_dir, "model.safetensors.tmp")
+    tmp = os.path.join(out_dir, WEIGHTS_FILE + ".tmp")
     save_file(state, tmp, metadata={"format": "pt"})
-    os.replace(tmp, os.path.join(out_dir, "model.safetensors"))  # never leave a half-written file
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
+    os.replace(tmp, os.path.join(out_dir, WEIGHTS_FILE))  # never leave a half-written file
+    with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
         json.dump(spec.to_dict(), f, indent=2)
     return out_dir
 
@@ -85,29 +86,57 @@ def _build(spec: DrafterSpec, state: dict, where: str) -> PipelineDraftModule:
     return pdm.eval()
 
 
-def load_drafter(path: str, map_location: str | torch.device = "cpu") -> tuple[PipelineDraftModule, DrafterSpec]:
-    """Load an exported drafter directory or a Lightning `.ckpt` of the PDM."""
+def _check_exists(path: str) -> None:
+    """One message per missing piece: the path itself, or a file of a drafter directory."""
     if not os.path.exists(path):
         raise DrafterLoadError(f"drafter {path!r} does not exist: pass a Lightning .ckpt or a directory written by "
                                f"`python -m spd_lightning export`")
     if os.path.isdir(path):
-        cfg_path, weights = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
-        if not (os.path.isfile(cfg_path) and os.path.isfile(weights)):
-            raise DrafterLoadError(f"{path!r} is not a drafter directory: it needs config.json and model.safetensors")
-        try:
-            with open(cfg_path) as f:
-                spec = DrafterSpec.from_dict(json.load(f), cfg_path)
-            state = load_file(weights, device=str(map_location))
-        except (json.JSONDecodeError, SafetensorError, OSError) as e:
-            raise DrafterLoadError(f"{path!r} is corrupt ({type(e).__name__}: {str(e).splitlines()[0][:120]}); re-export it") from e
-        return _build(spec, state, path), spec
-    try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # noqa: BLE001 - torch raises many types for a bad file; all mean the same to a user
-        raise DrafterLoadError(f"cannot read checkpoint {path!r} ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
-                               f"it is corrupt, truncated, or not a checkpoint") from e
+        for name in (CONFIG_FILE, WEIGHTS_FILE):
+            if not os.path.isfile(os.path.join(path, name)):
+                raise DrafterLoadError(f"{path!r} is not a drafter directory: it has no {name} (an exported drafter "
+                                       f"holds {CONFIG_FILE} and {WEIGHTS_FILE})")
+
+
+def _read_directory(path: str, map_location: str, keys: tuple[str, ...] | None) -> tuple[DrafterSpec, dict]:
+    cfg_path = os.path.join(path, CONFIG_FILE)
+    with open(cfg_path) as f:
+        spec = DrafterSpec.from_dict(json.load(f), cfg_path)
+    with safe_open(os.path.join(path, WEIGHTS_FILE), framework="pt", device=map_location) as f:
+        return spec, {k: f.get_tensor(k) for k in (keys or f.keys())}
+
+
+def _read_checkpoint(path: str, map_location: str, keys: tuple[str, ...] | None) -> tuple[DrafterSpec, dict]:
+    ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=keys is not None)
     if not isinstance(ckpt, dict) or CKPT_KEY not in ckpt:
         raise DrafterLoadError(f"{path!r} is not an SPD-Lightning checkpoint (no {CKPT_KEY!r} entry)")
     spec = DrafterSpec.from_dict(ckpt[CKPT_KEY], path)
     state = {k[len("pdm."):]: v for k, v in ckpt.get("state_dict", {}).items() if k.startswith("pdm.")}
+    return spec, state if keys is None else {k: state[k] for k in keys}
+
+
+def read_drafter(path: str, map_location: str | torch.device = "cpu",
+                 keys: tuple[str, ...] | None = None) -> tuple[DrafterSpec, dict[str, torch.Tensor]]:
+    """The drafter's description and its PDM weights (only `keys` of them when given) from an exported
+    directory or a Lightning `.ckpt`; the one reader of both formats, with one message per failure."""
+    _check_exists(path)
+    read = _read_directory if os.path.isdir(path) else _read_checkpoint
+    try:
+        return read(path, str(map_location), keys)
+    except DrafterLoadError:
+        raise
+    except Exception as e:  # noqa: BLE001 - torch and safetensors raise many types for a bad file; all mean one thing
+        raise DrafterLoadError(f"drafter {path!r} is corrupt, truncated or incomplete ({type(e).__name__}: "
+                               f"{str(e).splitlines()[0][:120] if str(e) else ''}); re-export it") from e
+
+
+def read_drafter_spec(path: str) -> tuple[DrafterSpec, torch.Tensor]:
+    """The drafter's description and `d2t`, without loading its other weights (what the stage ranks need)."""
+    spec, state = read_drafter(path, keys=("d2t",))
+    return spec, state["d2t"]
+
+
+def load_drafter(path: str, map_location: str | torch.device = "cpu") -> tuple[PipelineDraftModule, DrafterSpec]:
+    """Load an exported drafter directory or a Lightning `.ckpt` of the PDM."""
+    spec, state = read_drafter(path, map_location)
     return _build(spec, state, path), spec

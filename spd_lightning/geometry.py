@@ -14,6 +14,9 @@ from .errors import UserError
 Schedule = Literal["pre_step", "post_step"]
 Features = Literal["spd", "first_stage"]
 ANCHOR_PRESETS = ("quarters", "n_scaled")
+# The decoding modes of SPEC 5.4 that use a drafter: mode -> (schedule, features). `ar` needs none.
+MODES: dict[str, tuple[Schedule, Features]] = {"spd": ("pre_step", "spd"), "post_step": ("post_step", "spd"),
+                                               "ppsd": ("post_step", "first_stage")}
 
 
 class GeometryError(UserError):
@@ -102,6 +105,24 @@ class Geometry:
 
     def __post_init__(self):
         object.__setattr__(self, "_types", tuple(self._type_of(k) for k in range(self.n + 1)))
+
+    # -- decoding mode (SPEC 5.4) ---------------------------------------------------------------
+    @property
+    def mode(self) -> str:
+        """The decoding mode this geometry's (schedule, features) stand for: `spd`, `post_step` or `ppsd`."""
+        if self.features == "first_stage":
+            return "ppsd"
+        return "post_step" if self.schedule == "post_step" else "spd"
+
+    def with_mode(self, mode: str) -> "Geometry":
+        """This geometry decoded in `mode`: the mode's schedule; its features must be the ones trained on."""
+        if mode not in MODES:
+            raise GeometryError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
+        schedule, features = MODES[mode]
+        if features != self.features:
+            raise GeometryError(f"--mode {mode} reads {features!r} features but this drafter was trained with "
+                                f"features={self.features!r}: use --mode {self.mode} or a matching drafter")
+        return Geometry.build(self.num_layers, self.n, list(self.split), list(self.anchors), schedule, features)
 
     # -- depth -> anchors -> type ---------------------------------------------------------------
     def _type_of(self, depth: int) -> int:

@@ -10,7 +10,7 @@ from conftest import make_tiny_model
 from spd_lightning.export import CKPT_KEY, DrafterSpec, save_drafter
 from spd_lightning.geometry import Geometry
 from inference.decode import main
-from inference.launch import DecodeJob, LaunchError, launch
+from inference.launch import DecodeJob, TooFewDevices, launch
 from test_inference_support import one_thread, random_pdm, save_target, target_dir  # noqa: F401 - autouse fixture
 
 pytestmark = pytest.mark.timeout(240)
@@ -45,7 +45,7 @@ def files(tmp_path_factory):
 def test_simulated_decode_writes_the_report(files, capsys):
     out = files["root"] / "report.json"
     rc = main(["--ckpt", files["drafter"], "--prompts", files["prompts"], "--max-new-tokens", "12", "--simulate",
-               "--check-lossless", "--json", str(out)])
+               "--check-lossless", "--profile", "--json", str(out)])
     assert rc == 0
     assert "lossless=yes" in capsys.readouterr().out
     report = json.loads(out.read_text())
@@ -129,7 +129,7 @@ def test_the_process_exits_non_zero_with_one_line(files):
 def test_too_few_gpus_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     job = DecodeJob("unused", Geometry.build(8, 4).to_dict(), [[1]], 4, [], 10, 8, {}, device="cuda")
-    with pytest.raises(LaunchError, match="need 5 GPUs, 2 are visible"):
+    with pytest.raises(TooFewDevices, match="need 5 GPUs, 2 are visible"):
         launch(job)
 
 

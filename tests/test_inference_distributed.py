@@ -44,7 +44,7 @@ def test_gloo_greedy_is_lossless_and_equals_the_simulator(targets, tmp_path, arc
     path, target = targets[arch]
     geometry = Geometry.build(target.num_layers, n)
     drafter = save_random_drafter(target, geometry, str(tmp_path / "drafter"))
-    results = launch(job_for(path, target, geometry, drafter_path=drafter))
+    results = launch(job_for(path, target, geometry, drafter_path=drafter, profile=True))
     simulator = Simulator(target, load_drafter(drafter)[0], geometry)
     for prompt, result in zip(PROMPTS, results):
         simulated = simulator.decode(prompt, 20)

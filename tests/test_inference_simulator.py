@@ -106,7 +106,7 @@ def test_sampling_is_reproducible_per_seed(tiny_qwen35):
 
 def test_timing_breakdown_has_one_row_per_cycle(tiny_qwen3):
     geometry = Geometry.build(tiny_qwen3.num_layers, 2)
-    result = simulate_decode(tiny_qwen3, random_pdm(tiny_qwen3, geometry), geometry, PROMPTS[0], 8)
+    result = simulate_decode(tiny_qwen3, random_pdm(tiny_qwen3, geometry), geometry, PROMPTS[0], 8, profile=True)
     per_cycle = result.timing["per_cycle"]
     assert len(per_cycle["wall_s"]) == len(per_cycle["draft_s"]) == len(per_cycle["stage_compute_s"]) == result.K
     assert all(len(row) == 2 for row in per_cycle["stage_compute_s"])

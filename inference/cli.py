@@ -1,0 +1,219 @@
+"""What the inference command lines share: arguments, checks, the decode setup, jobs, totals, the guarded `main`.
+
+`inference.decode`, `inference.eval` and `inference.plan` are thin: each adds its own arguments, runs, and
+prints. The error policy is `spd_lightning.errors`: a `UserError` (bad input) ends with one `error:` line on
+stderr and exit 2; any other exception is a bug: one line and exit 1, with the traceback under `--debug`
+(or `SPD_DEBUG=1`).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from spd_lightning.errors import UserError
+from spd_lightning.export import DrafterSpec, read_drafter_spec
+from spd_lightning.geometry import MODES, Geometry
+from spd_lightning.target import Target, TargetInfo
+
+from .ar import target_eos
+from .launch import DecodeJob
+from .prompts import PromptError, load_tokenizer, render
+from .repetition import repeated_share
+from .result import DecodeResult
+from .schedule import eos_set
+from .stages import meta_target
+from .verify import Sampling
+
+log = logging.getLogger("inference")
+
+
+class UsageError(UserError):
+    """A bad command line."""
+
+
+def parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_decoder_arguments(p: argparse.ArgumentParser, max_new_tokens: int, with_ar: bool) -> None:
+    """The options of every CLI that decodes: drafter, target, mode, where and how long to decode."""
+    p.add_argument("--ckpt", required=not with_ar, help="Lightning .ckpt or exported drafter directory"
+                   + ("; 'none' (or absent) for --mode ar" if with_ar else ""))
+    p.add_argument("--target", help="target checkpoint directory (default: the one the drafter was trained on)")
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="verified tokens to generate per prompt")
+    p.add_argument("--seed", type=int, default=0, help="prompt i uses seed + i")
+    p.add_argument("--mode", choices=[*MODES, "ar"] if with_ar else list(MODES),
+                   help="default: the drafter's own mode" + (", 'ar' without a drafter" if with_ar else ""))
+    p.add_argument("--simulate", action="store_true", help="run every rank in this process (stages in sequence)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (the distributed decoder uses cuda:0..n)")
+    p.add_argument("--dtype", default="auto",
+                   help="target/PDM dtype: float32, bfloat16, float16; auto = bf16 on cuda, fp32 on cpu")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds any rank may wait on a peer before the run fails (no --simulate)")
+    add_debug_argument(p)
+
+
+def add_debug_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--debug", action="store_true", help="show tracebacks (also SPD_DEBUG=1)")
+
+
+def check_decoder_args(args: argparse.Namespace) -> None:
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
+    if args.timeout <= 0:
+        raise UsageError(f"--timeout={args.timeout} must be > 0 seconds")
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        raise UsageError(f"--device {args.device!r}: use cpu or cuda")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {args.device} but CUDA is not available here: use --device cpu")
+
+
+@dataclass
+class Setup:
+    """What a decode needs before any weight is loaded: the drafter, mode, target, geometry, dtype, tokenizer, EOS."""
+
+    ckpt: str | None
+    spec: DrafterSpec | None
+    mode: str
+    target_path: str
+    info: TargetInfo
+    skeleton: Target  # the target on the meta device: shapes and config, no weights
+    geometry: Geometry
+    dtype: str
+    tokenizer: object  # a transformers tokenizer (typed loosely: transformers is imported lazily)
+    eos: list[int]
+
+
+def prepare(args: argparse.Namespace) -> Setup:
+    """Resolve the drafter, mode, target and geometry from `--ckpt --target --mode --device --dtype`."""
+    ckpt = None if args.ckpt in (None, "", "none") else args.ckpt
+    spec = read_drafter_spec(ckpt)[0] if ckpt else None
+    mode = args.mode or (spec.geometry.mode if spec else "ar")
+    if spec is None and mode != "ar":
+        raise UsageError(f"--mode {mode} needs a drafter: pass --ckpt (only --mode ar runs without one)")
+    target_path = args.target or (spec.target.name_or_path if spec else None)
+    if not target_path:
+        raise UsageError("no target: pass --target DIR (required without --ckpt)")
+    skeleton = meta_target(target_path)
+    info = skeleton.info
+    if spec is not None:
+        spec.check_target(info)
+    if spec is None:
+        geometry = Geometry.build(info.num_layers, 1)
+    else:
+        geometry = spec.geometry if mode == "ar" else spec.geometry.with_mode(mode)
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device.startswith("cuda") else "float32")
+    eos = sorted(eos_set(target_eos(skeleton.config, _generation_config(target_path))))
+    return Setup(ckpt, spec, mode, target_path, info, skeleton, geometry, dtype, load_tokenizer(target_path), eos)
+
+
+def _generation_config(path: str):
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:
+        return None
+
+
+def encode_prompts(setup: Setup, texts: list[str], max_new_tokens: int) -> list[list[int]]:
+    """Render each prompt with the chat template; a prompt longer than the target's context is an error."""
+    prompts = [render(setup.tokenizer, t) for t in texts]
+    context = setup.info.max_position_embeddings
+    for text, ids in zip(texts, prompts):
+        if context and len(ids) >= context:
+            raise PromptError(f"the prompt {text[:40]!r} has {len(ids)} tokens; the target's context is {context}")
+        if context and len(ids) + max_new_tokens > context:
+            log.warning("%d prompt tokens + %d new tokens exceed the target's context of %d", len(ids), max_new_tokens,
+                        context)
+    return prompts
+
+
+def decode_job(setup: Setup, args: argparse.Namespace, prompts: list[list[int]], sampling: Sampling,
+               profile: bool) -> DecodeJob:
+    """The distributed decoder's job for these prompts (`profile`: with per-cycle timing)."""
+    info = setup.info
+    return DecodeJob(setup.target_path, setup.geometry.to_dict(), prompts, args.max_new_tokens, setup.eos,
+                     info.vocab_size, info.hidden_size, sampling.to_dict(), drafter_path=setup.ckpt, seed=args.seed,
+                     dtype=setup.dtype, device=args.device, timeout_s=args.timeout, debug=debugging(args),
+                     profile=profile)
+
+
+def decode_rate(results: Sequence[DecodeResult]) -> float | None:
+    """Pooled decode-phase tokens per second (the first token of each prompt comes from prefill)."""
+    seconds = sum(r.decode_s for r in results)
+    return sum(r.N - 1 for r in results) / seconds if seconds > 0 else None
+
+
+def totals(results: list[DecodeResult], references: list[DecodeResult] | None, n: int) -> dict:
+    """Pooled N, K, alpha, n*alpha, tokens/s and repeated 4-grams of the outputs; with AR `references`,
+    whether every output is identical to its reference and the wall-clock speedup."""
+    N, K = sum(r.N for r in results), sum(r.K for r in results)
+    alpha = N / K if K and results[0].mode != "ar" else None
+    out = {"N": N, "K": K, "alpha": alpha, "theoretical_speedup": n * alpha if alpha is not None else None,
+           "decode_tokens_per_s": decode_rate(results), "repeated_4gram_share": repeated_share([r.tokens for r in results])}
+    if references is not None:
+        out["lossless"] = all(a.tokens == b.tokens for a, b in zip(results, references))
+        out["ar_decode_tokens_per_s"] = decode_rate(references)
+        if out["decode_tokens_per_s"] and out["ar_decode_tokens_per_s"]:
+            out["wall_clock_speedup"] = out["decode_tokens_per_s"] / out["ar_decode_tokens_per_s"]
+    return out
+
+
+@contextmanager
+def writing(path: str) -> Iterator[None]:
+    """Output the user asked for: a path that cannot be written is bad input, not a bug."""
+    try:
+        yield
+    except OSError as e:
+        raise UsageError(f"cannot write {path!r}: {e.strerror or e}; choose another output path") from e
+
+
+def debugging(args: argparse.Namespace | None = None) -> bool:
+    return bool(getattr(args, "debug", False)) or os.environ.get("SPD_DEBUG", "") not in ("", "0")
+
+
+def run_guarded(run: Callable[[argparse.Namespace], object], args: argparse.Namespace) -> tuple[int | None, object]:
+    """`run(args)` under the error policy: returns (None, its result), or (exit code, None) after one
+    `error:` line on stderr. Under `--debug` every exception propagates with its traceback."""
+    debug = debugging(args)
+    configure_logging(debug)
+    try:
+        return None, run(args)
+    except UserError as e:
+        if debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code, None
+    except Exception as e:  # noqa: BLE001 - a bug still ends with one line unless --debug
+        if debug:
+            raise
+        first = str(e).splitlines()[0] if str(e) else ""
+        print(f"error: {type(e).__name__}: {first} (rerun with --debug for the traceback)", file=sys.stderr)
+        return 1, None
+
+
+def configure_logging(debug: bool) -> None:
+    """Warnings of this project on stderr; transformers and torch's launcher quiet unless debugging."""
+    logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s: %(message)s")
+    logging.getLogger("inference").setLevel(logging.DEBUG if debug else logging.INFO)
+    if not debug:
+        import transformers
+
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+
+
+def main(argv: list[str] | None, parse: Callable[[list[str] | None], argparse.Namespace],
+         run: Callable[[argparse.Namespace], object], finish: Callable[[argparse.Namespace, object], int]) -> int:
+    """A CLI's `main`: parse, run under the error policy, then `finish(args, result)` prints and says the exit code."""
+    args = parse(argv)
+    code, result = run_guarded(run, args)
+    return code if code is not None else finish(args, result)

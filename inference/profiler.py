@@ -1,0 +1,69 @@
+"""The decoder's one switch for timing: seconds per (rank, logical cycle, field), or nothing at all.
+
+Off (the default) every `span` is a shared no-op context and nothing touches the device: the production
+path has no timer and no device synchronization. On, host work (messages, the cycle's wall time) is timed
+with `perf_counter`, and device work (a stage's layers, the PDM's draft, verification) on a GPU with CUDA
+events, read once the prompt is done (`rows`), so timing adds no synchronization inside a cycle either;
+on the CPU device work is host work. Row 0 collects prefill, row `k` cycle `k` (see `result.py` for what
+each field means and `summarize_timing` for the report).
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager, nullcontext
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from .result import TIMING_FIELDS
+
+_OFF = nullcontext()
+
+
+class Profiler:
+    def __init__(self, enabled: bool, device: torch.device):
+        self.enabled = enabled
+        self._events = enabled and device.type == "cuda"
+        self.cycle = 0
+        self._rows = np.zeros((0, 0, TIMING_FIELDS))
+        self._pending: list[tuple[Sequence[int], int, int, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def start(self, world_size: int, cycles: int) -> None:
+        """A new prompt of at most `cycles` cycles (row 0 is prefill)."""
+        self.cycle = 0
+        if self.enabled:
+            # numpy, not tensors: bookkeeping must not cost tensor ops on the critical path
+            self._rows = np.zeros((world_size, cycles + 1, TIMING_FIELDS))
+            self._pending.clear()
+
+    def span(self, ranks: int | Sequence[int], field: int, device_work: bool = False):
+        """Time the block into `field` of the current cycle of `ranks` (one rank or several)."""
+        if not self.enabled:
+            return _OFF
+        ranks = (ranks,) if isinstance(ranks, int) else tuple(ranks)
+        return self._device_span(ranks, field) if device_work and self._events else self._host_span(ranks, field)
+
+    @contextmanager
+    def _host_span(self, ranks: Sequence[int], field: int) -> Iterator[None]:
+        t0 = time.perf_counter()
+        yield
+        self._rows[list(ranks), self.cycle, field] += time.perf_counter() - t0
+
+    @contextmanager
+    def _device_span(self, ranks: Sequence[int], field: int) -> Iterator[None]:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        self._pending.append((ranks, self.cycle, field, start, end))
+
+    @property
+    def rows(self) -> np.ndarray:
+        """`[world, cycles + 1, TIMING_FIELDS]` seconds (all zero when off); waits for timed device work."""
+        if self._pending:
+            self._pending[-1][4].synchronize()
+            for ranks, cycle, field, start, end in self._pending:
+                self._rows[list(ranks), cycle, field] += start.elapsed_time(end) / 1e3
+            self._pending.clear()
+        return self._rows

@@ -1,0 +1,48 @@
+"""The few helpers every report of this project uses: numbers in cells, markdown tables, matplotlib bars.
+
+`inference.eval`, `inference.plan` and `scripts/bench_paper.py` write their tables and plots with these,
+so a missing number reads `-` everywhere and every plot is drawn off-screen the same way.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+
+def fmt(x, digits: int = 3) -> str:
+    """A table cell: `-` for a missing or non-finite number, floats with `digits` decimals."""
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "-"
+    return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def markdown_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """The lines of a markdown table: the header, its rule, one line per row."""
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def pyplot():
+    """matplotlib's pyplot on the off-screen backend (imported only when a plot is drawn)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def grouped_bars(ax, series: Sequence[tuple[str, Sequence[float | None]]], width: float = 0.8) -> list[float]:
+    """One group of bars per x position, one bar per (label, values) series, side by side; returns the x
+    positions of the groups. A missing value draws as 0."""
+    x = list(range(len(series[0][1])))
+    bar = width / len(series)
+    for j, (label, values) in enumerate(series):
+        ax.bar([i + (j - (len(series) - 1) / 2) * bar for i in x], [v or 0.0 for v in values], bar, label=label)
+    return x
+
+
+def save(fig, path: str) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    fig.clear()
+    pyplot().close(fig)
