@@ -13,19 +13,19 @@ adds to the agent:
   makes its peers fail too; a rank that lost a peer waits `PEER_REPORT_GRACE_S` before it exits, so the
   other ranks that lost it report before the agent stops them, and the chain of blame reaches the rank
   that went silent;
-- on Linux each rank asks the kernel to kill it when its parent (the fork server, which exits with the
-  launching process) dies, so a launcher that dies takes its ranks with it.
+- each rank watches the launching process (a Linux pidfd, readable once that process has exited) and
+  exits when it is gone, however it died, so a launcher that dies takes its ranks with it (and then its
+  fork server, which lives as long as a rank holds its end of the server's pipe).
 
 Each rank loads only what its role needs: a stage rank its layer range (plus the embedding or the head
 at the ends), the PDM rank the drafter and the target's embedding table.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing as mp
 import os
-import signal
+import select
 import sys
 import tempfile
 import threading
@@ -52,7 +52,7 @@ from .verify import Sampling
 
 log = logging.getLogger(__name__)
 PEER_REPORT_GRACE_S = 1.0
-_PR_SET_PDEATHSIG = 1
+EXIT_ORPHANED = 4  # a rank's exit status when it ends because its launcher is gone
 
 
 class LaunchError(RuntimeError):
@@ -189,10 +189,10 @@ class Failed(NamedTuple):
     user_error: bool
 
 
-def _rank_main(job: DecodeJob, messages) -> None:
+def _rank_main(job: DecodeJob, messages, launcher_pid: int) -> None:
     """A rank process under the elastic agent: any failure becomes one report and a non-zero exit."""
-    _die_with_parent()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    _exit_with(launcher_pid, rank)
     messages.put(Started(rank, os.getpid()))
     if not job.debug:
         _quiet_transformers()
@@ -209,14 +209,20 @@ def _rank_main(job: DecodeJob, messages) -> None:
         sys.exit(1)
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this rank when its parent (the fork server) dies, i.e. with the launcher."""
-    if not sys.platform.startswith("linux"):
+def _exit_with(launcher_pid: int, rank: int) -> None:
+    """End this rank when the launching process is gone. Without pidfds (not Linux >= 5.3) nothing watches:
+    the process-group timeout still ends a rank whose peers are gone."""
+    try:
+        launcher = os.pidfd_open(launcher_pid)
+    except (AttributeError, OSError):
         return
-    parent = os.getppid()
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # it died before the request took effect
-        os._exit(1)
+
+    def watch() -> None:
+        select.select([launcher], [], [])
+        log.warning("rank %d: the launcher (pid %d) is gone, exiting", rank, launcher_pid)
+        os._exit(EXIT_ORPHANED)
+
+    threading.Thread(target=watch, name="spd-launcher-watch", daemon=True).start()
 
 
 def _quiet_transformers() -> None:
@@ -229,8 +235,9 @@ def _quiet_transformers() -> None:
 class Inbox:
     """The launcher's side of the queue, drained by a thread while the agent watches the processes."""
 
-    def __init__(self, messages, on_result: Callable[[int, DecodeResult], None] | None):
-        self.messages, self.on_result = messages, on_result
+    def __init__(self, messages, on_result: Callable[[int, DecodeResult], None] | None,
+                 on_start: Callable[[int, int], None] | None):
+        self.messages, self.on_result, self.on_start = messages, on_result, on_start
         self.pids: dict[int, int] = {}
         self.results: dict[int, DecodeResult] = {}
         self.failures: dict[int, Failed] = {}
@@ -241,6 +248,8 @@ class Inbox:
         while (message := self.messages.get()) is not None:
             if isinstance(message, Started):
                 self.pids[message.rank] = message.pid
+                if self.on_start is not None:
+                    self.on_start(message.rank, message.pid)
             elif isinstance(message, Finished):
                 self.results[message.index] = result = DecodeResult.from_dict(message.result)
                 if self.on_result is not None:
@@ -258,18 +267,20 @@ class Inbox:
 
 
 # -- the launcher -----------------------------------------------------------------------------
-def launch(job: DecodeJob, on_result: Callable[[int, DecodeResult], None] | None = None) -> list[DecodeResult]:
-    """Run `job` on `n + 1` local processes; results in prompt order. Raises `LaunchError` naming the
-    rank that caused a failure, after every rank has ended."""
+def launch(job: DecodeJob, on_result: Callable[[int, DecodeResult], None] | None = None,
+           on_start: Callable[[int, int], None] | None = None) -> list[DecodeResult]:
+    """Run `job` on `n + 1` local processes; results in prompt order. `on_result(prompt index, result)` as
+    each prompt is done, `on_start(rank, pid)` as each rank starts (both on a helper thread). Raises
+    `LaunchError` naming the rank that caused a failure, after every rank has ended."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
     _check_devices(job)
     start_method = _start_method(job)
-    inbox = Inbox(mp.get_context(start_method).Queue(), on_result)
+    inbox = Inbox(mp.get_context(start_method).Queue(), on_result, on_start)
     with tempfile.TemporaryDirectory(prefix="spd_launch_") as logs, _quiet_agent(job.debug):
         try:
-            elastic_launch(_agent_config(job, start_method, logs), _rank_main)(job, inbox.messages)
+            elastic_launch(_agent_config(job, start_method, logs), _rank_main)(job, inbox.messages, os.getpid())
         except ChildFailedError as e:
             inbox.close()
             failed = {rank: f.exitcode for rank, f in e.failures.items()}
@@ -322,7 +333,7 @@ class _quiet_agent:
     def __enter__(self):
         if not self.debug:
             for name, logger in list(logging.root.manager.loggerDict.items()):
-                if name.startswith("torch.distributed") and isinstance(logger, logging.Logger):
+                if name.startswith(("torch.distributed", "torchelastic")) and isinstance(logger, logging.Logger):
                     self.levels[logger] = logger.level
                     logger.setLevel(logging.CRITICAL + 1)
 

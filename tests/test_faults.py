@@ -121,12 +121,13 @@ def test_a_stalled_stage_right_after_a_rejection(qwen3):
 
 
 LAUNCHER = """
-import json, multiprocessing as mp, sys
+import json, sys
 from inference.launch import DecodeJob, launch
-def started(index, result):
+pids = {}
+def decoding(index, result):
     if index == 0:  # decoding is under way: tell the test which processes to watch
-        print(json.dumps([p.pid for p in mp.active_children()]), flush=True)
-launch(DecodeJob(**json.loads(sys.argv[1])), on_result=started)
+        print(json.dumps(list(pids.values())), flush=True)
+launch(DecodeJob(**json.loads(sys.argv[1])), on_result=decoding, on_start=pids.__setitem__)
 """
 
 

@@ -147,13 +147,15 @@ def test_a_rank_killed_mid_decode_ends_every_rank(targets):
     prompts = PROMPTS * 20
     references = [ar_decode(target, p, 20).tokens for p in PROMPTS] * 20
 
+    pids = {}
+
     def kill_a_rank(index, result):
         if index == 0:  # the first prompt is done: decoding is under way
-            rank = next(p for p in mp.active_children() if p.name == "spd-rank0")
-            os.kill(rank.pid, signal.SIGKILL)
+            os.kill(pids[0], signal.SIGKILL)
 
     start = time.monotonic()
     with pytest.raises(LaunchError, match=r"rank 0 \(stage 1\) was killed by signal 9"):
-        launch(job_for(path, target, geometry, prompts=prompts, replay=("adversary", references)), on_result=kill_a_rank)
+        launch(job_for(path, target, geometry, prompts=prompts, replay=("adversary", references)), on_result=kill_a_rank,
+               on_start=pids.__setitem__)
     assert time.monotonic() - start < TIMEOUT_S
-    assert not [p for p in mp.active_children() if p.name.startswith("spd-rank")]
+    assert len(pids) == 3 and not [p for p in mp.active_children() if p.pid in pids.values()]
