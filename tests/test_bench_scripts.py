@@ -75,7 +75,8 @@ def test_bench_paper_trains_evaluates_and_tabulates(micro_target, tmp_path):
 
 def test_bench_paper_rejects_an_unknown_run(tmp_path):
     done = _script("bench_paper.py", "train", "spd_n3_L9", "--root", str(tmp_path))
-    assert done.returncode != 0 and "unknown run 'spd_n3_L9'" in done.stderr
+    assert done.returncode == 2 and done.stderr.startswith("error: unknown run 'spd_n3_L9'")
+    assert len(done.stderr.splitlines()) == 1  # one line, no traceback
 
 
 def test_bench_train_step_times_a_real_step(micro_target, tmp_path):

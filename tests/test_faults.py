@@ -19,7 +19,7 @@ import pytest
 from conftest import make_tiny_model
 from spd_lightning.geometry import Geometry
 from inference.ar import ar_decode
-from inference.launch import DecodeJob, LaunchError, launch
+from inference.launch import DecodeJob, Failed, LaunchError, failure_message, launch
 from inference.verify import Sampling
 from test_inference_support import env_without_threads, one_thread, target_dir  # noqa: F401 - autouse fixture
 
@@ -145,3 +145,16 @@ def test_a_dead_launcher_takes_its_ranks_with_it(qwen3):
         launcher.kill()
         launcher.wait()
     assert not wait_gone(ranks + helpers, 20.0), "processes outlived their launcher"
+
+
+def test_the_failure_message_follows_the_chain_of_blame():
+    """Without processes: the reports the launcher reads, and the rank it names (n = 3, ranks 0..3)."""
+    job = DecodeJob("unused", Geometry.build(4, 3).to_dict(), [[1]], 4, [], 10, 8, {})
+    lost = lambda rank, peer: Failed(rank, f"PeerError: waiting on rank {peer} timed out", "trace", peer, False)  # noqa: E731
+    chain = {3: lost(3, 2), 2: lost(2, 0)}  # the PDM waited on stage 3, which waited on the silent stage 1
+    assert failure_message(job, {3: 1}, chain).startswith(
+        "rank 0 (stage 1) stopped responding: rank 3 (PDM) failed: PeerError: waiting on rank 2 timed out")
+    own = {**chain, 1: Failed(1, "TargetError: no layer 3", "trace", None, True)}
+    assert failure_message(job, {3: 1}, own).startswith("rank 1 (stage 2) failed: TargetError: no layer 3")
+    assert failure_message(job, {1: -9}, chain).startswith("rank 1 (stage 2) was killed by signal 9")
+    assert failure_message(job, {1: 3}, chain).startswith("rank 1 (stage 2) exited with code 3 without reporting")

@@ -1,5 +1,8 @@
 """`python -m inference.decode`: the happy paths (simulator, processes, AR, a Lightning .ckpt) and bad input."""
+import argparse
 import json
+import os
+import shutil
 import subprocess
 import sys
 
@@ -7,9 +10,14 @@ import pytest
 import torch
 
 from conftest import make_tiny_model
-from spd_lightning.export import CKPT_KEY, DrafterSpec, save_drafter
-from spd_lightning.geometry import Geometry
+from spd_lightning.export import CKPT_KEY, DrafterLoadError, DrafterSpec, load_drafter, read_drafter_spec, save_drafter
+from spd_lightning.geometry import MODES, Geometry, GeometryError
+from inference import cli
 from inference.decode import main
+from inference.profiler import Profiler
+from inference.prompts import PromptError
+from inference.repetition import repeated_kgrams, repeated_share
+from inference.result import COMPUTE, TIMING_FIELDS, WALL
 from inference.launch import DecodeJob, TooFewDevices, launch
 from test_inference_support import one_thread, random_pdm, save_target, target_dir  # noqa: F401 - autouse fixture
 
@@ -141,3 +149,84 @@ def test_the_decoder_deploys_without_training_code():
             "assert not bad, bad\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_decode_prints_each_text_and_its_repetition(files, capsys):
+    """stdout: per prompt a header, the generated text, its counters; then the totals, with repeated 4-grams."""
+    out = files["root"] / "texts.json"
+    assert main(["--ckpt", files["drafter"], "--prompts", files["prompts"], "--max-new-tokens", "12", "--simulate",
+                 "--json", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    report = json.loads(out.read_text())
+    for i, (entry, prompt) in enumerate(zip(report["prompts"], ["hello world", "the cat sat on the mat"])):
+        at = lines.index(f"### prompt {i + 1}: {prompt}")
+        assert "\n".join(lines[at + 1:]).startswith(entry["text"] + "\n(N=12 K=")
+        assert entry["repeated_4gram_share"] == repeated_share([entry["tokens"]])
+    share = repeated_share([p["tokens"] for p in report["prompts"]])
+    assert report["totals"]["repeated_4gram_share"] == share
+    assert lines[-1].startswith("mode=spd n=2 prompts=2 N=24") and f"repeated_4grams={share:.2f}" in lines[-1]
+    assert report["prompts"][0]["timing"] == {}  # no --profile: the decoder timed nothing
+
+
+def test_timing_off_is_a_no_op_even_on_a_gpu_device():
+    """Off, the profiler hands out one shared no-op span and never touches the device (no CUDA event, no sync)."""
+    clock = Profiler(False, torch.device("cuda"))
+    clock.start(3, 10)
+    assert clock.span(0, COMPUTE, device_work=True) is clock.span([0, 1], WALL) and clock.rows.size == 0
+    on = Profiler(True, torch.device("cpu"))
+    on.start(2, 4)
+    on.cycle = 3
+    with on.span([0, 1], WALL):
+        sum(range(1000))
+    assert on.rows.shape == (2, 5, TIMING_FIELDS) and (on.rows[:, 3, WALL] > 0).all() and on.rows.sum() == on.rows[:, 3, WALL].sum()
+
+
+def test_repeated_share_pools_the_outputs():
+    assert repeated_kgrams([1, 2, 3, 4, 1, 2, 3, 4, 1, 2]) == (3, 7)  # 1234 2341 3412 4123, then 3 repeats
+    assert repeated_share([[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [1, 2, 3, 4, 5, 6]]) == 3 / 10
+    assert repeated_share([[1, 2]]) is None
+
+
+def test_the_error_policy(monkeypatch, capsys):
+    """A UserError is bad input (exit 2, one line); anything else a bug (exit 1, one line); --debug/SPD_DEBUG raise."""
+    args = argparse.Namespace(debug=False)
+
+    def bad_input(_):
+        raise PromptError("the prompt is empty")
+
+    def bug(_):
+        raise KeyError("oops")
+
+    monkeypatch.delenv("SPD_DEBUG", raising=False)
+    assert cli.run_guarded(bad_input, args) == (2, None)
+    assert capsys.readouterr().err == "error: the prompt is empty\n"
+    assert cli.run_guarded(bug, args) == (1, None)
+    assert capsys.readouterr().err == "error: KeyError: 'oops' (rerun with --debug for the traceback)\n"
+    monkeypatch.setenv("SPD_DEBUG", "1")
+    with pytest.raises(KeyError):
+        cli.run_guarded(bug, args)
+
+
+@pytest.mark.parametrize("mode,schedule,features", [(m, *MODES[m]) for m in MODES])
+def test_the_mode_table_is_the_geometrys(mode, schedule, features):
+    geometry = Geometry.build(8, 4, schedule=schedule, features=features)
+    assert geometry.mode == mode and geometry.with_mode(mode) == geometry
+    trained = Geometry.build(8, 4, features=features)
+    assert (trained.with_mode(mode).schedule, trained.with_mode(mode).features) == (schedule, features)
+    other = "ppsd" if features == "spd" else "spd"
+    with pytest.raises(GeometryError, match=f"--mode {other} reads"):
+        trained.with_mode(other)
+
+
+@pytest.mark.parametrize("missing", ["config.json", "model.safetensors"])
+def test_a_drafter_directory_names_its_missing_file(files, tmp_path, missing):
+    """One reader: the stage ranks' `read_drafter_spec` and the PDM rank's `load_drafter` say the same."""
+    broken = tmp_path / "drafter"
+    shutil.copytree(files["drafter"], broken)
+    os.remove(broken / missing)
+    messages = set()
+    for read in (read_drafter_spec, load_drafter):
+        with pytest.raises(DrafterLoadError, match=f"it has no {missing}") as info:
+            read(str(broken))
+        messages.add(str(info.value))
+    assert len(messages) == 1

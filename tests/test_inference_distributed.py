@@ -12,6 +12,7 @@ import time
 import pytest
 
 from conftest import make_tiny_model
+from spd_lightning.errors import UserError
 from spd_lightning.export import load_drafter
 from spd_lightning.geometry import Geometry
 from inference.ar import ar_decode
@@ -136,9 +137,10 @@ def test_a_rank_that_raises_ends_every_rank(targets, tmp_path):
     geometry = Geometry.build(target.num_layers, 2)
     references = [ar_decode(target, p, 20).tokens for p in PROMPTS]
     start = time.monotonic()
-    with pytest.raises(LaunchError, match=r"rank 1 \(stage 2\) failed: TargetError: .*layers\.3"):
+    with pytest.raises(LaunchError, match=r"rank 1 \(stage 2\) failed: TargetError: .*layers\.3") as info:
         launch(job_for(str(broken), target, geometry, replay=("oracle", references)))
     assert time.monotonic() - start < TIMEOUT_S
+    assert isinstance(info.value, UserError)  # the rank rejected its input: exit 2 in the CLIs, not a bug
 
 
 def test_a_rank_killed_mid_decode_ends_every_rank(targets):
@@ -154,8 +156,9 @@ def test_a_rank_killed_mid_decode_ends_every_rank(targets):
             os.kill(pids[0], signal.SIGKILL)
 
     start = time.monotonic()
-    with pytest.raises(LaunchError, match=r"rank 0 \(stage 1\) was killed by signal 9"):
+    with pytest.raises(LaunchError, match=r"rank 0 \(stage 1\) was killed by signal 9") as info:
         launch(job_for(path, target, geometry, prompts=prompts, replay=("adversary", references)), on_result=kill_a_rank,
                on_start=pids.__setitem__)
     assert time.monotonic() - start < TIMEOUT_S
     assert len(pids) == 3 and not [p for p in mp.active_children() if p.pid in pids.values()]
+    assert not isinstance(info.value, UserError)  # a dead rank is not bad input
