@@ -11,9 +11,9 @@ Without `--simulate` the pipeline runs as n+1 processes; with it, in this proces
 
 Output (stdout): for each prompt a `### prompt I: TEXT` line, the generated text, and one line of counters
 (N, K, alpha, n*alpha, the share of repeated 4-grams of the output, why it stopped); then one line of
-totals. `--json` writes everything, token ids included. Exit status: 0 done, 2 bad input (one line on
-stderr; `--debug` shows tracebacks), 1 anything else (e.g. a failed rank), 3 `--check-lossless` found a
-difference.
+totals. `--json` writes everything, token ids included (`--profile` adds per-cycle timing). Exit status:
+0 done, 2 bad input, a rank's included (one line on stderr; `--debug` or SPD_DEBUG=1 shows tracebacks),
+1 anything else (e.g. a rank that died), 3 `--check-lossless` found a difference.
 """
 from __future__ import annotations
 

@@ -52,7 +52,7 @@ def test_bench_paper_trains_evaluates_and_tabulates(micro_target, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     text = out.read_text()
     greedy = next(r for r in report["results"] if r["set"] == "overall" and r["temperature"] == 0)
-    assert f"| spd_n2_L3 | spd | 2 | 3 | depth | n_scaled | 2 |" in text and f"| {greedy['alpha']:.3f} |" in text
+    assert "| spd_n2_L3 | spd | 2 | 3 | depth | n_scaled | 2 |" in text and f"| {greedy['alpha']:.3f} |" in text
     assert "Not run: spd_n4_L1" in text and trained["command"] in text
     assert text.startswith("# Numbers\n") and text.endswith("\n\nkept\n") and "old" not in text  # only the region
     assert png.read_bytes()[:4] == b"\x89PNG"
