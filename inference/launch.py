@@ -258,9 +258,10 @@ class Inbox:
                 self.failures.setdefault(message.rank, message)
 
     def close(self, wait_s: float = 5.0) -> None:
-        """Every report the ranks made is in (they have all exited by now)."""
-        self.messages.put(None)
-        self._thread.join(wait_s)
+        """Every report the ranks made is in (they have all exited by now); a second call does nothing."""
+        if self._thread.is_alive():
+            self.messages.put(None)
+            self._thread.join(wait_s)
 
     def pid_list(self) -> tuple[int, ...]:
         return tuple(self.pids[r] for r in sorted(self.pids))
@@ -278,15 +279,17 @@ def launch(job: DecodeJob, on_result: Callable[[int, DecodeResult], None] | None
     _check_devices(job)
     start_method = _start_method(job)
     inbox = Inbox(mp.get_context(start_method).Queue(), on_result, on_start)
-    with tempfile.TemporaryDirectory(prefix="spd_launch_") as logs, _quiet_agent(job.debug):
-        try:
+    try:
+        with tempfile.TemporaryDirectory(prefix="spd_launch_") as logs, _quiet_agent(job.debug):
             elastic_launch(_agent_config(job, start_method, logs), _rank_main)(job, inbox.messages, os.getpid())
-        except ChildFailedError as e:
-            inbox.close()
-            failed = {rank: f.exitcode for rank, f in e.failures.items()}
-            cls = RankInputError if _blamed_report(job, failed, inbox.failures, user_error=True) else LaunchError
-            raise cls(failure_message(job, failed, inbox.failures), inbox.pid_list(), failed) from None
-    inbox.close()
+    except ChildFailedError as e:
+        inbox.close()
+        failed = {rank: f.exitcode for rank, f in e.failures.items()}
+        blamed = _blamed_report(failed, inbox.failures)
+        cls = RankInputError if blamed is not None and blamed.user_error else LaunchError
+        raise cls(failure_message(job, failed, inbox.failures), inbox.pid_list(), failed) from None
+    finally:
+        inbox.close()
     missing = [i for i in range(len(job.prompts)) if i not in inbox.results]
     if missing:
         raise LaunchError(f"every rank exited cleanly but prompts {missing} produced no result", inbox.pid_list())
@@ -342,15 +345,13 @@ class _quiet_agent:
             logger.setLevel(level)
 
 
-def _blamed_report(job: DecodeJob, failed: dict[int, int], reports: dict[int, Failed],
-                   user_error: bool = False) -> Failed | None:
+def _blamed_report(failed: dict[int, int], reports: dict[int, Failed]) -> Failed | None:
     """The report of the rank that caused the failure, when that rank reported one (see `failure_message`)."""
     rank, code = min(failed.items())
     if code < 0 or rank not in reports:
         return None
     own = [r for r in reports.values() if r.peer is None]
-    report = own[0] if own else reports[rank]
-    return report if not user_error or report.user_error else None
+    return own[0] if own else reports[rank]
 
 
 def failure_message(job: DecodeJob, failed: dict[int, int], reports: dict[int, Failed]) -> str:
@@ -360,7 +361,7 @@ def failure_message(job: DecodeJob, failed: dict[int, int], reports: dict[int, F
     went silent (e.g. stalled) while the others, directly or through blocked peers, waited on it."""
     n = job.world_size - 1
     rank, code = min(failed.items())
-    report = _blamed_report(job, failed, reports)
+    report = _blamed_report(failed, reports)
     if code < 0:
         head = f"rank {rank} ({role_name(rank, n)}) was killed by signal {-code}"
     elif report is None:
