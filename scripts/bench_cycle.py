@@ -43,6 +43,8 @@ from inference.ar import ar_decode, target_eos  # noqa: E402
 from spd_lightning.export import read_drafter_spec  # noqa: E402
 from inference.launch import DecodeJob, Replay, launch  # noqa: E402
 from inference.prompts import load_tokenizer, read_prompts, render  # noqa: E402
+from inference.schedule import eos_set  # noqa: E402
+from inference.tables import fmt, markdown_table, pyplot, save  # noqa: E402
 from inference.verify import Sampling  # noqa: E402
 
 TRAINED = "artifacts/tiny_run/drafter"
@@ -85,25 +87,19 @@ def median_profile(profiles: list[dict]) -> dict:
 
 
 def table(rows: dict[tuple[str, str], dict]) -> str:
-    lines = ["| drafter | run | n | K | alpha | cycle wall (ms) | slowest stage (ms) | PDM draft (ms) | overhead (ms) | decode tok/s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for (drafter, label), by_n in rows.items():
-        for n, p in sorted(by_n.items(), key=lambda kv: int(kv[0])):
-            lines.append(f"| {drafter} | {label} | {n} | {p['K']} | {p['alpha']:.3f} | {p['wall_ms']:.2f} "
-                         f"| {p['slowest_stage_ms']:.2f} | {p['draft_ms']:.2f} | {p['overhead_ms']:.2f} | {p['decode_tok_s']:.1f} |")
-    return "\n".join(lines)
+    head = ["drafter", "run", "n", "K", "alpha", "cycle wall (ms)", "slowest stage (ms)", "PDM draft (ms)", "overhead (ms)",
+            "decode tok/s"]
+    cells = [[drafter, label, n, str(p["K"]), fmt(p["alpha"]), fmt(p["wall_ms"], 2), fmt(p["slowest_stage_ms"], 2),
+              fmt(p["draft_ms"], 2), fmt(p["overhead_ms"], 2), fmt(p["decode_tok_s"], 1)]
+             for (drafter, label), by_n in rows.items() for n, p in sorted(by_n.items(), key=lambda kv: int(kv[0]))]
+    return "\n".join(markdown_table(head, cells))
 
 
 def plot(rows: dict[tuple[str, str], dict], path: str) -> None:
     """One panel per drafter, one stacked bar per (n, run): slowest stage, the draft's excess over it, and
     the overhead."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     drafters = list(dict.fromkeys(d for d, _ in rows))
-    fig, axes = plt.subplots(1, len(drafters), figsize=(5.5 * len(drafters), 4.2), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(drafters), figsize=(5.5 * len(drafters), 4.2), squeeze=False)
     for ax, drafter in zip(axes[0], drafters):
         labels, stage, excess, overhead = [], [], [], []
         runs = {label: by_n for (d, label), by_n in rows.items() if d == drafter}
@@ -124,17 +120,15 @@ def plot(rows: dict[tuple[str, str], dict], path: str) -> None:
         ax.set_title(drafter)
     axes[0][0].legend(fontsize=8)
     fig.suptitle("Pipeline cycle profile (CPU, gloo)")
-    fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=120)
+    save(fig, path)
 
 
 def measure(args) -> dict:
     target = Target.load(args.target, "float32", "cpu")
     tokenizer = load_tokenizer(args.target)
     prompts = [render(tokenizer, t) for t in read_prompts(None, args.prompts)]
-    eos = target_eos(target.config)
-    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    eos = sorted(eos_set(target_eos(target.config)))
     drafter = args.drafter or (TRAINED if os.path.isdir(TRAINED) else None)
     replay = None
     if args.replay:
