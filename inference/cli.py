@@ -13,7 +13,7 @@ import os
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 
@@ -30,6 +30,9 @@ from .result import DecodeResult
 from .schedule import eos_set
 from .stages import meta_target
 from .verify import Sampling
+
+if TYPE_CHECKING:  # transformers is imported lazily at run time
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("inference")
 
@@ -87,7 +90,7 @@ class Setup:
     skeleton: Target  # the target on the meta device: shapes and config, no weights
     geometry: Geometry
     dtype: str
-    tokenizer: object  # a transformers tokenizer (typed loosely: transformers is imported lazily)
+    tokenizer: PreTrainedTokenizerBase
     eos: list[int]
 
 
