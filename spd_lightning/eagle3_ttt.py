@@ -101,21 +101,21 @@ class StepLoss:
     agree: torch.Tensor  # [N] bool: student argmax == restricted teacher argmax
 
 
-def step_rows(loss_mask: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(batch, row) indices of the rows step `step` is trained on: those whose drafted token x_{i+step+2}
-    is an assistant token."""
-    counted = shift_left(loss_mask.bool(), step + 2, fill=0)
-    return counted.nonzero(as_tuple=True)
+def step_targets(loss_mask: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(batch, row, teacher_row)` of the rows step `step` is trained on: row `i` counts iff the token it
+    drafts, `x_{i+step+2}`, is an assistant token; its teacher is the target's logits at `i + step + 1`."""
+    b, i = shift_left(loss_mask.bool(), step + 2, fill=0).nonzero(as_tuple=True)
+    return b, i, i + step + 1
 
 
 def ttt_step_losses(drafter: Eagle3Drafter, outs: list[torch.Tensor], teacher_logits: torch.Tensor,
                     loss_mask: torch.Tensor, temperature: float = 1.0) -> list[StepLoss]:
-    """Per step: KL and top-1 agreement on the counted rows; the teacher of row i at step j is Z_{i+j+1}."""
+    """Per step: KL and top-1 agreement (vs the restricted teacher's argmax) on the counted rows."""
     losses = []
     for j, out in enumerate(outs):
-        b, i = step_rows(loss_mask, j)
+        b, i, teacher_row = step_targets(loss_mask, j)
         student = drafter.logits(out[b, i])
-        teacher = teacher_logits[b, i + j + 1]
+        teacher = teacher_logits[b, teacher_row]
         kl = restricted_kl(teacher, student, drafter.d2t, temperature)
         agree = student.argmax(-1) == teacher.float()[:, drafter.d2t].argmax(-1)
         losses.append(StepLoss(kl, agree))
