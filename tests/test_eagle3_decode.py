@@ -233,3 +233,23 @@ def test_speedup_from_measured_costs():
     assert result.tau == 2.0 and result.r == pytest.approx(0.1)
     assert result.theoretical_speedup == pytest.approx(2.0 / 1.3)
     assert result.to_dict()["K"] == 2 and result.decode_tokens_per_s == pytest.approx(4 / 2.6)
+
+
+def test_chain_target_loads_from_a_checkpoint_directory(tmp_path):
+    model = make_tiny_model("qwen3_5")
+    model.save_pretrained(str(tmp_path))
+    target = Target(model, "tiny-qwen3_5")
+    layers = eagle_feature_layers(target.num_layers)
+    chain_target = ChainTarget.load(str(tmp_path), layers, 4)
+    drafter = drafter_for(target, torch.arange(target.vocab_size), layers)
+    runtime = Eagle3Runtime(drafter, chain_target.embed_tokens, Sampling())
+    for prompt in ([5], PROMPTS[1]):  # a one-token prompt too (inference.ar cannot start from one token yet)
+        assert chain_decode(chain_target, runtime, prompt, 12, 3).tokens == greedy_without_cache(target, prompt, 12)
+
+
+def greedy_without_cache(target: Target, prompt, new: int) -> list[int]:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(new):
+            ids.append(int(target.model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+    return ids[len(prompt):]
