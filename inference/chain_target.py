@@ -109,8 +109,9 @@ class ChainTarget:
                 x = torch.cat([self._linear_token(layer, i, x[:, j:j + 1], start + j, position_embeddings, positions, j)
                                for j in range(S)], dim=1)
             else:
-                x = layer(x, position_embeddings=position_embeddings, attention_mask=mask, position_ids=positions,
-                          cache=self.cache.hf, use_cache=True)
+                # Gated DeltaNet reads attention_mask as a padding mask: only attention layers get the causal one.
+                x = layer(x, position_embeddings=position_embeddings, attention_mask=None if i in self.linear else mask,
+                          position_ids=positions, cache=self.cache.hf, use_cache=True)
             if i + 1 in wanted:
                 captured[i + 1] = x
         normed = self.norm(x)
