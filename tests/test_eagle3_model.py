@@ -14,6 +14,7 @@ from spd_lightning.export import DrafterLoadError
 from spd_lightning.pdm import causal_attend
 from spd_lightning.target import Target
 from test_inference_support import one_thread  # noqa: F401 - one_thread is an autouse fixture
+from test_resume import chat_target, make_data  # noqa: F401 - chat_target is a fixture
 
 H = 32
 
@@ -151,3 +152,17 @@ def test_export_round_trip(tmp_path):
     (tmp_path / "d" / "config.json").write_text(json.dumps(config))
     with pytest.raises(DrafterLoadError, match="not an EAGLE-3"):
         load_eagle3(str(tmp_path / "d"))
+
+
+def test_module_trains_on_chat_data_module_batches(chat_target, tmp_path):
+    """The batches ChatDataModule produces (rendered chats, assistant loss mask, its d2t) train the drafter."""
+    from spd_lightning.eagle3_module import Eagle3Module
+    from test_module import make_trainer
+
+    module = Eagle3Module(target=chat_target["target"], target_dtype="float32", ttt_steps=2, lr=3e-3)
+    data = make_data(chat_target, val_size=4)
+    trainer = make_trainer(tmp_path, max_steps=3, limit_val_batches=1)
+    trainer.fit(module, datamodule=data)
+    assert torch.equal(module.drafter.d2t, torch.as_tensor(data.d2t))
+    metrics = trainer.callback_metrics
+    assert torch.isfinite(metrics["val/loss"]) and 0 <= float(metrics["val/agree_step1"]) <= 1
