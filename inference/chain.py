@@ -25,10 +25,13 @@ from typing import Protocol, Sequence
 
 import torch
 
+from spd_lightning.eagle3_export import Eagle3Spec, load_eagle3
+
 from .chain_target import ChainTarget
-from .eagle3_runtime import Draft
+from .eagle3_runtime import Draft, Eagle3Runtime
 from .pipeline import stream_seeds
 from .schedule import eos_set
+from .stages import meta_target
 from .verify import Sampling, draft_distribution, judge, sample_token, warp
 
 
@@ -162,3 +165,27 @@ def chain_decode(target: ChainTarget, drafter: ChainDrafter, prompt_ids: Sequenc
                 break
     result.stop_reason = "eos" if tokens[-1] in eos else "max_new_tokens"
     return result
+
+
+@dataclass
+class ChainDecoder:
+    """A target directory and an exported EAGLE-3 drafter (directory or `.ckpt`), ready to decode prompts."""
+
+    target: ChainTarget
+    runtime: Eagle3Runtime
+    spec: Eagle3Spec
+    k: int
+    sampling: Sampling
+
+    @classmethod
+    def load(cls, target_path: str, drafter_path: str, k: int, sampling: Sampling = Sampling(), dtype="float32",
+             device="cpu") -> "ChainDecoder":
+        drafter, spec = load_eagle3(drafter_path, device)
+        spec.check_target(meta_target(target_path).info)  # one line on a mismatch, before loading any weight
+        target = ChainTarget.load(target_path, spec.drafter.feature_layers, k + 1, dtype, device)
+        return cls(target, Eagle3Runtime(drafter, target.embed_tokens, sampling), spec, k, sampling)
+
+    def decode(self, prompt_ids: Sequence[int], max_new_tokens: int, eos_token_id: int | Sequence[int] | None = None,
+               seed: int = 0) -> ChainResult:
+        return chain_decode(self.target, self.runtime, prompt_ids, max_new_tokens, self.k, self.sampling, eos_token_id,
+                            seed, self.runtime.drafter.d2t)
