@@ -1,0 +1,191 @@
+"""Chain speculative decoding (the EAGLE-3 baseline, SPEC 12): k drafts, ONE target forward over k + 1.
+
+Each round the drafter chains `d_1..d_k` from the last committed row; the target runs the last committed
+token and the drafts, `[x_t, d_1..d_k]` at positions `t..t+k`, in one forward (inference/chain_target.py).
+Row `j` of its logits is the target distribution `P_{j+1}` that judges `d_{j+1}`:
+
+    greedy: accept while d_{j+1} == argmax P_{j+1};
+    sampling (temperature / top-k / top-p on BOTH P and q, inference/verify.py): accept with probability
+        min(1, P(d)/q(d)), on the first rejection sample norm(max(0, P - q)) and stop;
+    all k accepted: one bonus token from P_{k+1}.
+
+The round yields `tau` = accepted + 1 tokens. The target cache is rolled back to the accepted positions,
+whose features the drafter then commits. Lossless: greedy output is AR's token for token, sampled output
+has the target's distribution (tests/test_eagle3_decode.py).
+
+Counting (SPEC 6): `N` generated tokens (the prefill's included), `K` target forwards after prefill,
+`tau` per forward, and the theoretical speedup `S = mean(tau) / (1 + k r)` with `r` the measured cost of
+one draft step over one verify forward.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import torch
+
+from spd_lightning.eagle3_export import Eagle3Spec, load_eagle3
+
+from .chain_target import ChainTarget
+from .eagle3_runtime import Draft, Eagle3Runtime
+from .pipeline import stream_seeds
+from .schedule import eos_set
+from .stages import meta_target
+from .verify import Sampling, draft_distribution, judge, sample_token, warp
+
+
+class ChainDrafter(Protocol):
+    """What chain decoding needs from a drafter (inference/eagle3_runtime.py `Eagle3Runtime`)."""
+
+    def start(self, capacity: int) -> None: ...
+    def commit(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None: ...
+    def draft(self, k: int, generator: torch.Generator | None) -> Draft: ...
+
+
+@dataclass
+class ChainResult:
+    k: int
+    prompt_len: int
+    tokens: list[int]
+    accept_lengths: list[int]  # tau per target forward (accepted drafts + 1, before EOS / length truncation)
+    stop_reason: str
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    draft_steps: int = 0
+    timing: dict = field(default_factory=dict)
+
+    @property
+    def N(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def K(self) -> int:
+        return len(self.accept_lengths)
+
+    @property
+    def tau(self) -> float | None:
+        """Mean tokens per target forward."""
+        return sum(self.accept_lengths) / self.K if self.K else None
+
+    @property
+    def r(self) -> float | None:
+        """Measured cost of one draft step relative to one verify forward."""
+        if not self.draft_steps or not self.verify_s:
+            return None
+        return (self.draft_s / self.draft_steps) / (self.verify_s / self.K)
+
+    @property
+    def theoretical_speedup(self) -> float | None:
+        """`S_eagle3 = tau / (1 + k r)` (SPEC 6)."""
+        if self.tau is None or self.r is None:
+            return None
+        return self.tau / (1.0 + self.k * self.r)
+
+    @property
+    def decode_s(self) -> float:
+        return self.draft_s + self.verify_s
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        return (self.N - 1) / self.decode_s if self.decode_s > 0 and self.N > 1 else None
+
+    def to_dict(self) -> dict:
+        return {"mode": "eagle3", "k": self.k, "prompt_len": self.prompt_len, "tokens": self.tokens, "N": self.N,
+                "K": self.K, "tau": self.tau, "accept_lengths": self.accept_lengths, "r": self.r,
+                "theoretical_speedup": self.theoretical_speedup, "stop_reason": self.stop_reason,
+                "prefill_s": self.prefill_s, "draft_s": self.draft_s, "verify_s": self.verify_s,
+                "decode_s": self.decode_s, "decode_tokens_per_s": self.decode_tokens_per_s}
+
+
+def judge_chain(logits: torch.Tensor, draft: Draft, sampling: Sampling, d2t: torch.Tensor | None,
+                generator: torch.Generator | None) -> list[int]:
+    """The tokens one verify forward yields: the accepted drafts, then the correction or the bonus token.
+    `logits[k+1, V]` are the target's at `[x_t, d_1..d_k]`; `d2t` maps `draft.q` into the target vocabulary."""
+    out = []
+    for j, token in enumerate(draft.tokens):
+        if sampling.greedy:
+            verdict = judge(logits[j], token, None, generator)
+        else:
+            q = draft_distribution(draft.q[j], d2t, logits.shape[-1])
+            verdict = judge(warp(logits[j], sampling), token, q, generator)
+        out.append(verdict.token)
+        if not verdict.accepted:
+            return out
+    out.append(sample_token(logits[len(draft.tokens)], sampling, generator))
+    return out
+
+
+def _timed(fn, *args):
+    t0 = time.perf_counter()
+    value = fn(*args)
+    return value, time.perf_counter() - t0
+
+
+@torch.no_grad()
+def chain_decode(target: ChainTarget, drafter: ChainDrafter, prompt_ids: Sequence[int], max_new_tokens: int, k: int,
+                 sampling: Sampling = Sampling(), eos_token_id: int | Sequence[int] | None = None, seed: int = 0,
+                 d2t: torch.Tensor | None = None) -> ChainResult:
+    """Decode one prompt; `d2t` (the drafter's) is needed under sampling only."""
+    if max_new_tokens < 1 or k < 0 or not prompt_ids:
+        raise ValueError(f"need max_new_tokens >= 1 (got {max_new_tokens}), k >= 0 (got {k}) and a non-empty prompt")
+    if not sampling.greedy and d2t is None:
+        raise ValueError("sampled chain decoding needs the drafter's d2t to judge its q")
+    eos, device = eos_set(eos_token_id), target.device
+    generator = torch.Generator(device=device)
+    generator.manual_seed(stream_seeds(seed)[0])  # the stream of AR's first token: same first token per seed
+    P = len(prompt_ids)
+    t0 = time.perf_counter()
+    target.reset()
+    drafter.start(P + max_new_tokens + k + 1)
+    prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
+    logits, features = target.forward(prompt, 0)
+    tokens = [sample_token(logits[-1], sampling, generator)]
+    drafter.commit(features, torch.tensor(list(prompt_ids[1:]) + tokens))
+    result = ChainResult(k, P, tokens, [], "max_new_tokens", prefill_s=time.perf_counter() - t0)
+    while tokens[-1] not in eos and len(tokens) < max_new_tokens:
+        chain = min(k, max_new_tokens - len(tokens) - 1)  # never draft past the last token we may emit
+        draft, dt = _timed(drafter.draft, chain, generator)
+        result.draft_s += dt
+        result.draft_steps += chain
+        start = P + len(tokens) - 1
+        block = torch.tensor([[tokens[-1]] + draft.tokens], device=device)
+        (logits, features), dt = _timed(target.forward, block, start)
+        new = judge_chain(logits, draft, sampling, d2t, generator)
+        target.rollback(start + len(new))  # keeps x_t and the accepted drafts
+        t_commit = time.perf_counter()
+        drafter.commit(features[:len(new)], torch.tensor(block[0, 1:len(new)].tolist() + [new[-1]]))
+        result.draft_s += time.perf_counter() - t_commit
+        result.verify_s += dt
+        result.accept_lengths.append(len(new))
+        for token in new:
+            tokens.append(token)
+            if token in eos or len(tokens) >= max_new_tokens:
+                break
+    result.stop_reason = "eos" if tokens[-1] in eos else "max_new_tokens"
+    return result
+
+
+@dataclass
+class ChainDecoder:
+    """A target directory and an exported EAGLE-3 drafter (directory or `.ckpt`), ready to decode prompts."""
+
+    target: ChainTarget
+    runtime: Eagle3Runtime
+    spec: Eagle3Spec
+    k: int
+    sampling: Sampling
+
+    @classmethod
+    def load(cls, target_path: str, drafter_path: str, k: int, sampling: Sampling = Sampling(), dtype="float32",
+             device="cpu") -> "ChainDecoder":
+        drafter, spec = load_eagle3(drafter_path, device)
+        spec.check_target(meta_target(target_path).info)  # one line on a mismatch, before loading any weight
+        target = ChainTarget.load(target_path, spec.drafter.feature_layers, k + 1, dtype, device)
+        return cls(target, Eagle3Runtime(drafter, target.embed_tokens, sampling), spec, k, sampling)
+
+    def decode(self, prompt_ids: Sequence[int], max_new_tokens: int, eos_token_id: int | Sequence[int] | None = None,
+               seed: int = 0) -> ChainResult:
+        return chain_decode(self.target, self.runtime, prompt_ids, max_new_tokens, self.k, self.sampling, eos_token_id,
+                            seed, self.runtime.drafter.d2t)

@@ -1,0 +1,128 @@
+"""The whole target as ONE verify stage for chain speculative decoding (SPEC 12), with exact rollback.
+
+`ChainTarget` runs the target's pieces (inference/stages.py `TargetPieces`: embedding, every layer, final
+norm, LM head) over a block of tokens at `start..start+S-1` on top of its cache and returns the logits of
+every position plus the EAGLE-3 feature states (`hidden_states[l]` for the drafter's feature layers).
+
+- Prefill (`start == 0`): one plain causal forward, exactly the path of `Stage.forward` (and of AR).
+- Verify (`start > 0`, the last committed token plus k drafts): attention layers run all S tokens at once
+  under an explicit causal mask over `[cache | block]`; linear-attention (Gated DeltaNet) layers step
+  through the block one token at a time, snapshotting their conv and recurrent states before each token
+  into the ring of `VerifyCache` (the per-token states SGLang's verify kernel keeps). `rollback(keep)` then
+  crops the attention KV and restores the linear states of position `keep`: the cache holds exactly the
+  accepted positions, as if the rejected drafts had never been run.
+
+The rollback itself is inference/cache.py `StageCache.rollback`; `VerifyCache` only adds per-layer
+snapshots, because one verify forward advances layer after layer, not token after token.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from spd_lightning.target import Target
+
+from .cache import StageCache
+from .stages import TargetPieces, load_pieces
+
+
+class VerifyCache(StageCache):
+    """A `StageCache` over every target layer whose linear-attention states are snapshotted per layer."""
+
+    def snapshot(self, layer: int, position: int) -> None:
+        """Keep layer `layer`'s conv and recurrent states as they are before it runs `position`."""
+        conv, recurrent = self._states(layer)
+        if layer not in self._ring:
+            self._ring[layer] = (conv.new_empty((self.window, *conv.shape)),
+                                 recurrent.new_empty((self.window, *recurrent.shape)))
+        conv_ring, recurrent_ring = self._ring[layer]
+        conv_ring[position % self.window].copy_(conv)
+        recurrent_ring[position % self.window].copy_(recurrent)
+
+
+class ChainTarget:
+    def __init__(self, pieces: TargetPieces, feature_layers: Sequence[int], max_block: int):
+        """`max_block`: the most tokens one verify forward runs (k + 1); the snapshot ring holds one more."""
+        self.config = pieces.config
+        L = self.num_layers = len(pieces.layers)
+        if sorted(pieces.layers) != list(range(L)) or pieces.embed_tokens is None or pieces.lm_head is None:
+            raise ValueError("a chain target needs every layer, the embedding, the final norm and the LM head")
+        self.layers = [pieces.layers[i] for i in range(L)]
+        self.embed_tokens, self.norm, self.lm_head = pieces.embed_tokens, pieces.norm, pieces.lm_head
+        self.rotary_emb = pieces.rotary_emb
+        self.feature_layers = [int(b) for b in feature_layers]
+        if any(not 0 <= b <= L for b in self.feature_layers):
+            raise ValueError(f"feature layers {self.feature_layers} are outside 0..L={L}")
+        self.cache = VerifyCache(pieces.config, range(L), window=max_block + 1)
+        self.linear = set(self.cache.linear_layers)
+
+    @classmethod
+    def from_target(cls, target: Target, feature_layers: Sequence[int], max_block: int) -> "ChainTarget":
+        return cls(TargetPieces.from_target(target, range(target.num_layers), True, True), feature_layers, max_block)
+
+    @classmethod
+    def load(cls, path: str, feature_layers: Sequence[int], max_block: int, dtype="float32", device="cpu") -> "ChainTarget":
+        from .stages import meta_target
+
+        num_layers = meta_target(path).num_layers
+        return cls(load_pieces(path, range(num_layers), True, True, dtype, device), feature_layers, max_block)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+    def rollback(self, keep: int) -> None:
+        """Keep positions `< keep` (the accepted ones), discard the rest."""
+        self.cache.rollback(keep)
+
+    def _mask(self, start: int, S: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Additive causal mask of a block after `start` cached positions (None where `is_causal` is exact)."""
+        if start == 0 or S == 1:
+            return None
+        keys = torch.arange(start + S, device=self.device)
+        visible = keys[None, :] <= (start + torch.arange(S, device=self.device))[:, None]
+        return torch.zeros(S, start + S, dtype=dtype, device=self.device).masked_fill(~visible, torch.finfo(dtype).min)[None, None]
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run `tokens[1, S]` at positions `start..`; returns logits `[S, V]` and features `[S, 3, H]`."""
+        S = tokens.shape[1]
+        if start != self.cache.length:
+            raise RuntimeError(f"the target cache holds {self.cache.length} positions but is asked to run position {start}")
+        x = self.embed_tokens(tokens.to(self.device))
+        positions = torch.arange(start, start + S, device=self.device)[None]
+        position_embeddings = self.rotary_emb(x, positions)
+        mask = self._mask(start, S, x.dtype)
+        step = start > 0  # a prefill is never rolled back: no snapshots, one chunked pass per layer
+        wanted = set(self.feature_layers)
+        captured = {0: x} if 0 in wanted else {}
+        for i, layer in enumerate(self.layers):
+            if i in self.linear and step:
+                x = torch.cat([self._linear_token(layer, i, x[:, j:j + 1], start + j, position_embeddings, positions, j)
+                               for j in range(S)], dim=1)
+            else:
+                # Gated DeltaNet reads attention_mask as a padding mask: only attention layers get the causal one.
+                x = layer(x, position_embeddings=position_embeddings, attention_mask=None if i in self.linear else mask,
+                          position_ids=positions, cache=self.cache.hf, use_cache=True)
+            if i + 1 in wanted:
+                captured[i + 1] = x
+        normed = self.norm(x)
+        captured[self.num_layers] = normed  # hidden_states[L] is the final-norm output (SPEC 2)
+        self.cache.advance(S)
+        features = torch.stack([captured[b][0] for b in self.feature_layers], dim=1)
+        return self.lm_head(normed)[0], features
+
+    def _linear_token(self, layer, index: int, x: torch.Tensor, position: int, position_embeddings, positions,
+                      j: int) -> torch.Tensor:
+        self.cache.snapshot(index, position)
+        cos, sin = position_embeddings
+        return layer(x, position_embeddings=(cos[:, j:j + 1], sin[:, j:j + 1]), attention_mask=None,
+                     position_ids=positions[:, j:j + 1], cache=self.cache.hf, use_cache=True)

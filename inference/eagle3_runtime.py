@@ -1,0 +1,91 @@
+"""The EAGLE-3 drafter at inference: committed rows cached, a chain of k drafts per verify (SPEC 12).
+
+Row `p` of the drafter reads the target features of `x_p` and the embedding of `x_{p+1}`, so a row can be
+computed once `x_{p+1}` is known and `x_p` went through the target. After each verify forward the
+accepted positions are such rows: `commit` runs them teacher-forced (TTT step 0) and keeps their keys and
+values for good. `draft` then chains from the last committed row `p`: its output drafts `d_1`; step
+`j >= 1` feeds its own previous output with `embed(d_j)` at position `p + j` and drafts `d_{j+1}`. The
+chain's keys are temporary (dropped before the next commit overwrites those positions). This is exactly
+the attention of training-time test (spd_lightning/eagle3_ttt.py): committed rows `<= p`, then the
+chain's own positions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from spd_lightning.eagle3 import Eagle3Drafter
+
+from .drafter import DraftKVCache
+from .verify import Sampling, warp
+
+
+@dataclass
+class Draft:
+    tokens: list[int]  # target ids d_1..d_k
+    q: torch.Tensor | None  # [k, V_d] warped draft distributions (None when greedy)
+    logits: torch.Tensor  # [k, V_d] raw draft logits
+
+
+class Eagle3Runtime:
+    def __init__(self, drafter: Eagle3Drafter, embed_tokens: nn.Module, sampling: Sampling):
+        if drafter.cfg.hidden_size != embed_tokens.weight.shape[1]:
+            raise ValueError(f"the drafter has width {drafter.cfg.hidden_size} but the target embedding has width "
+                             f"{embed_tokens.weight.shape[1]}: load the drafter's own target")
+        self.drafter, self.embed_tokens, self.sampling = drafter.eval(), embed_tokens, sampling
+        p = next(drafter.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.cache: DraftKVCache | None = None
+        self.last_out: torch.Tensor | None = None  # [1, 1, H] output of the last committed row
+
+    def start(self, capacity: int) -> None:
+        """A new sequence of at most `capacity` positions (prompt, generated tokens and a chain)."""
+        cfg = self.drafter.cfg
+        if self.cache is None or self.cache.keys.shape[-2] < capacity:
+            self.cache = DraftKVCache(1, cfg.num_heads, cfg.head_dim, capacity, self.dtype, self.device)
+        self.cache.length = 0
+        self.last_out = None
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(tokens.to(self.device)).to(self.dtype)
+
+    @torch.no_grad()
+    def commit(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """Rows at the next `S` positions: `features[S, 3, H]` of their tokens and `next_tokens[S]`."""
+        S, start = features.shape[0], self.cache.length
+        positions = torch.arange(start, start + S, device=self.device)[None]
+        hidden = self.drafter.fuse(features.to(self.device, self.dtype)[None])
+        out = self.drafter.step(hidden, self._embed(next_tokens)[None], positions, self.cache)
+        self.cache.commit(S)
+        self.last_out = out[:, -1:]
+
+    def _pick(self, logits: torch.Tensor, generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
+        if self.sampling.greedy:
+            return int(self.drafter.d2t[logits.argmax()]), None
+        q = warp(logits, self.sampling)
+        return int(self.drafter.d2t[torch.multinomial(q, 1, generator=generator)]), q
+
+    @torch.no_grad()
+    def draft(self, k: int, generator: torch.Generator | None = None) -> Draft:
+        """Chain `k` drafts from the last committed row; leaves the committed cache as it was."""
+        if self.last_out is None:
+            raise RuntimeError("commit the prompt's rows before drafting")
+        tokens, qs, logits_rows = [], [], []
+        out, committed = self.last_out, self.cache.length
+        for j in range(k):
+            logits = self.drafter.logits(out)[0, -1]
+            token, q = self._pick(logits, generator)
+            tokens.append(token)
+            qs.append(q)
+            logits_rows.append(logits)
+            if j + 1 < k:
+                position = torch.tensor([[self.cache.length]], device=self.device)
+                embeds = self._embed(torch.tensor([[token]]))
+                out = self.drafter.step(out, embeds, position, self.cache)
+                self.cache.commit(1)  # later chain steps attend to this one ...
+        self.cache.length = committed  # ... but only until the next commit overwrites these positions
+        empty = torch.zeros(0, self.drafter.cfg.draft_vocab_size, device=self.device)
+        stacked = torch.stack(logits_rows) if k else empty
+        return Draft(tokens, None if self.sampling.greedy or not k else torch.stack(qs), stacked)

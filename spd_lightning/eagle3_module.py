@@ -1,0 +1,194 @@
+"""`Eagle3Module`: online distillation of the EAGLE-3 drafter with training-time test (SPEC 4, 12).
+
+The same contract as `SPDModule` (spd_lightning/module.py): the frozen target is loaded in `setup` and is
+NOT a submodule (never in the optimizer, the `state_dict` or a checkpoint); the drafter is built in
+`configure_model` from the data module's draft vocabulary `d2t` (ChatDataModule's batches: right-padded
+`input_ids`, `attention_mask`, `loss_mask`); AdamW with linear warmup and decay. Per step the target returns
+the three feature states and its logits; `ttt_steps` steps of TTT (spd_lightning/eagle3_ttt.py) give one
+KL per step. Validation logs the loss and the top-1 agreement of every TTT step (`val/agree_step{j}`:
+step j drafts the (j+1)-th token of a chain, so its agreement bounds the acceptance of that draft).
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+import lightning as L
+import torch
+import torchmetrics
+from torch import nn
+
+from .eagle3 import Eagle3Config, Eagle3Drafter, check_feature_layers, eagle_feature_layers
+from .eagle3_export import Eagle3Spec
+from .eagle3_ttt import ttt_outputs, ttt_step_losses, ttt_total
+from .export import CKPT_KEY
+from .target import Target, TargetError, load_hf_config
+
+
+def adamw_linear_schedule(params: list[nn.Parameter], lr: float, weight_decay: float, warmup_steps: int,
+                          min_lr_ratio: float, total_steps: int) -> dict:
+    """AdamW (no decay on norms / 1-d tensors), linear warmup, then linear decay to `min_lr_ratio * lr`."""
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=lr)
+    total = max(1, total_steps)
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        return max(min_lr_ratio, 1.0 - (1.0 - min_lr_ratio) * (step - warmup_steps) / max(1, total - warmup_steps))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class Eagle3Module(L.LightningModule):
+    def __init__(
+        self,
+        target: str,
+        target_dtype: str = "bfloat16",
+        trust_remote_code: bool = False,
+        feature_layers: Union[Literal["eagle"], list[int]] = "eagle",
+        ttt_steps: int = 7,
+        step_weight: float = 0.8,
+        num_heads: Optional[int] = None,
+        num_kv_heads: Optional[int] = None,
+        head_dim: Optional[int] = None,
+        intermediate_size: Optional[int] = None,
+        init_head: bool = True,
+        teacher_temperature: float = 1.0,
+        lr: float = 1e-4,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        min_lr_ratio: float = 0.0,
+        dense_attention: bool = False,
+    ):
+        """Args:
+            target, target_dtype, trust_remote_code: the frozen target, as for SPDModule.
+            feature_layers: `eagle` (`hidden_states[2, L//2, L-3]`) or three HF hidden-state indices.
+            ttt_steps: training-time test length k (EAGLE-3 uses 7).
+            step_weight: step j's KL is weighted `step_weight ** j`.
+            num_heads .. intermediate_size: the layer's shape; `None` takes the target's.
+            init_head: seed the draft head with the target LM-head rows of the draft vocabulary.
+            teacher_temperature: temperature of the teacher distribution in the KL.
+            lr, weight_decay, warmup_steps, min_lr_ratio: AdamW with linear warmup, then linear decay.
+            dense_attention: evaluate the TTT mask densely (small CPU runs) instead of the two-part path.
+        """
+        super().__init__()
+        self.save_hyperparameters()
+        if ttt_steps < 1:
+            raise ValueError(f"ttt_steps={ttt_steps} must be >= 1")
+        for name, value in (("teacher_temperature", teacher_temperature), ("lr", lr), ("step_weight", step_weight)):
+            if value <= 0:
+                raise ValueError(f"{name}={value} must be positive")
+        config = load_hf_config(target, trust_remote_code)
+        self.target_config = getattr(config, "text_config", None) or config
+        L_ = self.target_config.num_hidden_layers
+        self.feature_layers = eagle_feature_layers(L_) if feature_layers == "eagle" else check_feature_layers(feature_layers, L_)
+        self.drafter: Optional[Eagle3Drafter] = None
+        self._target: Optional[Target] = None
+        self._target_info = None
+        self.train_agree = torchmetrics.MeanMetric()
+        self.val_loss = torchmetrics.MeanMetric()
+        self.val_step_loss = nn.ModuleList(torchmetrics.MeanMetric() for _ in range(ttt_steps))
+        self.val_step_agree = nn.ModuleList(torchmetrics.MeanMetric() for _ in range(ttt_steps))
+
+    def drafter_config(self, draft_vocab_size: int, rope_theta: float) -> Eagle3Config:
+        hp, cfg = self.hparams, self.target_config
+        heads = hp.num_heads or cfg.num_attention_heads
+        return Eagle3Config(
+            hidden_size=cfg.hidden_size, draft_vocab_size=draft_vocab_size, feature_layers=tuple(self.feature_layers),
+            num_heads=heads, num_kv_heads=hp.num_kv_heads or getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=hp.head_dim or getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+            intermediate_size=hp.intermediate_size or cfg.intermediate_size,
+            rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6), rope_theta=rope_theta)
+
+    # -- the frozen target and the drafter -------------------------------------------------------
+    @property
+    def target(self) -> Target:
+        if self._target is None:
+            raise RuntimeError("the target is loaded in setup(); run this module through a Lightning Trainer")
+        return self._target
+
+    def setup(self, stage: str) -> None:
+        if self._target is None:
+            hp = self.hparams
+            target = Target.load(hp.target, hp.target_dtype, self.trainer.strategy.root_device, hp.trust_remote_code)
+            object.__setattr__(self, "_target", target)  # not a submodule: no params, state_dict or .to()
+            self._target_info = target.info
+
+    def configure_model(self) -> None:
+        if self.drafter is not None or self._trainer is None:
+            return  # without a trainer, on_load_checkpoint builds the drafter
+        d2t = getattr(self.trainer.datamodule, "d2t", None) if self.trainer.datamodule is not None else None
+        if d2t is None:
+            raise ValueError("Eagle3Module needs a data module with a draft vocabulary `d2t` (ChatDataModule)")
+        d2t = torch.as_tensor(d2t, dtype=torch.long)
+        if d2t.ndim != 1 or d2t.numel() == 0 or int(d2t.max()) >= self.target.vocab_size or int(d2t.min()) < 0:
+            raise ValueError(f"the draft vocabulary ({d2t.numel()} ids) does not fit the target vocabulary of "
+                             f"{self.target.vocab_size}: use the target's own tokenizer")
+        self.drafter = Eagle3Drafter(self.drafter_config(d2t.numel(), self._target_info.rope_theta), d2t)
+        if self.hparams.init_head:
+            self.drafter.init_head_from_target(self.target.lm_head.weight)
+
+    # -- training-time test ----------------------------------------------------------------------
+    def _step_losses(self, batch: dict):
+        input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+        features, teacher = self.target.anchor_states(input_ids, attention_mask, self.feature_layers)
+        dtype = self.drafter.lm_head.weight.dtype
+        outs = ttt_outputs(self.drafter, features.to(dtype), input_ids, self.target.embed_tokens,
+                           self.hparams.ttt_steps, self.hparams.dense_attention)
+        loss_mask = batch["loss_mask"].bool() & attention_mask.bool()
+        return ttt_step_losses(self.drafter, outs, teacher, loss_mask, self.hparams.teacher_temperature)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        losses = self._step_losses(batch)
+        loss = ttt_total(losses, self.hparams.step_weight)
+        B = batch["input_ids"].shape[0]
+        self.log("train/loss", loss, prog_bar=True, batch_size=B)
+        if losses[0].agree.numel():
+            self.train_agree(losses[0].agree.float())
+            self.log("train/agree", self.train_agree, prog_bar=True, batch_size=B)
+        self.log("train/lr", self.optimizers().param_groups[0]["lr"], batch_size=B)
+        return loss
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        losses = self._step_losses(batch)
+        self.val_loss.update(ttt_total(losses, self.hparams.step_weight))
+        for j, step in enumerate(losses):
+            if step.kl.numel():
+                self.val_step_loss[j].update(step.kl)
+                self.val_step_agree[j].update(step.agree.float())
+
+    def on_validation_epoch_end(self) -> None:
+        values = {"val/loss": self.val_loss.compute()}
+        for j in range(self.hparams.ttt_steps):
+            values[f"val/loss_step{j}"] = self.val_step_loss[j].compute()
+            values[f"val/agree_step{j}"] = self.val_step_agree[j].compute()
+        values = {k: v for k, v in values.items() if torch.isfinite(v)}  # NaN: no counted row was seen
+        self.log_dict(values, sync_dist=True)
+        with torch.inference_mode(False):  # see SPDModule.on_validation_epoch_end
+            for metric in (self.val_loss, *self.val_step_loss, *self.val_step_agree):
+                metric.reset()
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        return adamw_linear_schedule(params, hp.lr, hp.weight_decay, hp.warmup_steps, hp.min_lr_ratio,
+                                     int(self.trainer.estimated_stepping_batches))
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def drafter_spec(self) -> Eagle3Spec:
+        if self.drafter is None or self._target_info is None:
+            raise RuntimeError("the drafter is built in configure_model(); fit or load a checkpoint first")
+        return Eagle3Spec(self.drafter.cfg, self._target_info)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint[CKPT_KEY] = self.drafter_spec().to_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if CKPT_KEY not in checkpoint:
+            raise TargetError("this checkpoint has no drafter description: it was not written by Eagle3Module")
+        spec = Eagle3Spec.from_dict(checkpoint[CKPT_KEY], "checkpoint")
+        self._target_info = self._target_info or spec.target
+        if self.drafter is None:
+            self.drafter = Eagle3Drafter(spec.drafter)
