@@ -163,6 +163,13 @@ class SPDModule(L.LightningModule):
             object.__setattr__(self, "_target", target)
             self._target_info = target.info
 
+    def use_target(self, target: Target) -> None:
+        """Train against this already-loaded target instead of loading `hparams.target` in `setup` (benchmarks
+        and the GPU check build random-init targets of real shapes in memory)."""
+        self.geometry.check_target(target.num_layers)
+        object.__setattr__(self, "_target", target)  # kept out of nn.Module registration, as in setup
+        self._target_info = target.info
+
     def configure_model(self) -> None:
         if self.pdm is not None or self._trainer is None:
             return  # without a trainer (`load_from_checkpoint`), on_load_checkpoint builds the PDM
