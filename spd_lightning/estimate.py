@@ -126,6 +126,20 @@ def _layer_saved_bytes(c, act: int, mixed: bool) -> float:
             + 3 * act * i)
 
 
+def _flops_per_token(tcfg, c, target_params: int, pdm_params: int, copies: int, T: int, checkpointing: bool) -> float:
+    """Training FLOPs per token of the data: the target's no-grad forward (2 per weight, plus causal attention
+    over T/2 keys on its full-attention layers) and the PDM's forward + backward (6 per weight per replicated
+    copy, 8 with checkpointing's second forward; its attention sees about T/2 keys per query)."""
+    full_layers = sum(t == "full_attention" for t in getattr(tcfg, "layer_types", None) or
+                      ["full_attention"] * tcfg.num_hidden_layers)
+    target_attn = full_layers * 4 * tcfg.num_attention_heads * getattr(tcfg, "head_dim", 128) * T / 2
+    passes = 8 if checkpointing else 6
+    body = pdm_params - c.draft_vocab_size * c.hidden_size
+    pdm_attn = c.num_layers * 4 * c.num_heads * c.head_dim * T / 2 * passes / 2
+    return (2 * target_params + target_attn + copies * (passes * body + pdm_attn)
+            + 6 * c.draft_vocab_size * c.hidden_size)
+
+
 def estimate(shape: Shape, tcfg, gpus: int = 1) -> dict:
     """Per-GPU bytes by component, and FLOPs per training token."""
     from transformers import AutoModelForCausalLM
@@ -165,9 +179,7 @@ def estimate(shape: Shape, tcfg, gpus: int = 1) -> dict:
                                           pdm_phase + out["activations_plain"])
     out["total_checkpointed"] = persistent + max(out["target_forward"] + out["anchor_states"],
                                                  pdm_phase + out["activations_checkpointed"])
-    body = pdm_params - c.draft_vocab_size * c.hidden_size
-    out["flops_per_token"] = (2 * target_params + 6 * body * copies * (4 / 3 if shape.checkpointing else 1)
-                              + 6 * c.draft_vocab_size * c.hidden_size)
+    out["flops_per_token"] = _flops_per_token(tcfg, c, target_params, pdm_params, copies, T, shape.checkpointing)
     out.update(target_params=target_params, pdm_params=pdm_params, gpus=gpus, replicated_length=S)
     return out
 
@@ -175,7 +187,9 @@ def estimate(shape: Shape, tcfg, gpus: int = 1) -> dict:
 def report(path: str, shape: Shape, est: dict, gpu_mem: float) -> str:
     gib = lambda x: f"{x / GIB:7.2f} GiB"  # noqa: E731
     rows = [("target weights", est["target_weights"]),
-            (f"PDM state ({est['pdm_params'] / 1e9:.2f} B params, {shape.strategy} over {est['gpus']})", est["pdm_state"]),
+            (f"PDM state ({est['pdm_params'] / 1e9:.2f} B params, " +
+             (f"FSDP: 1/{est['gpus']} per GPU)" if shape.strategy == "fsdp" else "DDP: whole on every GPU)"),
+             est["pdm_state"]),
             ("anchor states", est["anchor_states"]), ("teacher over V_d (+ fp32 loss copies)", est["teacher_vd"]),
             ("PDM activations, plain", est["activations_plain"]),
             ("PDM activations, checkpointed", est["activations_checkpointed"]),
