@@ -3,8 +3,8 @@
     python scripts/bench_train_memory.py            # prints two markdown tables for docs/BENCHMARKS.md
 
 1. Estimate vs measured: one training step (the second: AdamW's moments exist) of a random-init Qwen3.5-style
-   target (hidden 128, vocab 2048, 4 layers) with an L_s=2 PDM, fp32, dense attention, per layout and with or
-   without activation checkpointing. Measured = the most bytes of tensor storages alive at once
+   target (hidden 128, vocab 2048, 4 layers) with an L_s=2 PDM, fp32 and bf16-mixed, dense attention, per
+   layout and with or without activation checkpointing. Measured = the most bytes of tensor storages alive at once
    (`spd_lightning.memory_meter.LiveTensorBytes`), counting the target, the PDM and the optimizer state.
 2. The teacher over V_d: extra peak bytes of turning bf16 target logits `[B, T, V]` into the fp32 restricted
    teacher of the loss positions, restricted after the upcast (before the fix) and before it (now).
@@ -55,8 +55,9 @@ class MeasureSecondStep(L.Callback):
             self.peak = self.meter.peak
 
 
-def estimate_rows(target_dir: str, length: int, batch: int) -> list[str]:
-    rows = ["| layout | checkpointing | B x T | estimate MB | measured MB | error |", "| --- | --- | --- | --- | --- | --- |"]
+def estimate_rows(target_dir: str, length: int, batch: int, precision: str) -> list[str]:
+    rows = ["| precision | layout | checkpointing | B x T | estimate MB | measured MB | error |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
     for layout in ("depth", "type"):
         for checkpointing in (False, True):
             module = SPDModule(target=target_dir, target_dtype="float32", n=2, num_layers=2, layout=layout,
@@ -64,11 +65,11 @@ def estimate_rows(target_dir: str, length: int, batch: int) -> list[str]:
             callback = MeasureSecondStep()
             trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
                                 enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                                num_sanity_val_steps=0, callbacks=[callback])
+                                num_sanity_val_steps=0, callbacks=[callback], precision=precision)
             trainer.fit(module, Chats(2048, length, batch, 64))
-            shape = Shape(batch, length, 64, "32", "ddp", "float32", checkpointing, "dense", dict(module.hparams))
+            shape = Shape(batch, length, 64, precision, "ddp", "float32", checkpointing, "dense", dict(module.hparams))
             predicted = estimate(shape, target_config(target_dir))["total"]
-            rows.append(f"| {layout} | {'yes' if checkpointing else 'no'} | {batch} x {length} | {predicted / MB:.2f} | "
+            rows.append(f"| {precision} | {layout} | {'yes' if checkpointing else 'no'} | {batch} x {length} | {predicted / MB:.2f} | "
                         f"{callback.peak / MB:.2f} | {100 * (predicted - callback.peak) / callback.peak:+.0f}% |")
     return rows
 
@@ -96,6 +97,7 @@ def main(argv=None) -> int:
     p.add_argument("--length", type=int, default=64)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--teacher-length", type=int, default=512)
+    p.add_argument("--precision", nargs="+", default=["32", "bf16-mixed"])
     opts = p.parse_args(argv)
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
@@ -107,7 +109,8 @@ def main(argv=None) -> int:
                                full_attention_interval=2, max_position_embeddings=4096)
     target_dir = os.path.join(tempfile.mkdtemp(prefix="bench_train_memory_"), "target")
     Qwen3_5ForCausalLM(config).save_pretrained(target_dir)
-    print("\n".join(estimate_rows(target_dir, opts.length, opts.batch)) + "\n")
+    for precision in opts.precision:
+        print("\n".join(estimate_rows(target_dir, opts.length, opts.batch, precision)) + "\n")
     print("\n".join(teacher_rows(opts.batch, opts.teacher_length, 248320, 32000)))
     return 0
 
