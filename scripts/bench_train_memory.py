@@ -69,8 +69,9 @@ def estimate_rows(target_dir: str, length: int, batch: int, precision: str) -> l
             trainer.fit(module, Chats(2048, length, batch, 64))
             shape = Shape(batch, length, 64, precision, "ddp", "float32", checkpointing, "dense", dict(module.hparams))
             predicted = estimate(shape, target_config(target_dir))["total"]
-            rows.append(f"| {precision} | {layout} | {'yes' if checkpointing else 'no'} | {batch} x {length} | {predicted / MB:.2f} | "
-                        f"{callback.peak / MB:.2f} | {100 * (predicted - callback.peak) / callback.peak:+.0f}% |")
+            rows.append(f"| {precision} | {layout} | {'yes' if checkpointing else 'no'} | {batch} x {length} | "
+                        f"{predicted / MB:.2f} | {callback.peak / MB:.2f} | "
+                        f"{100 * (predicted - callback.peak) / callback.peak:+.0f}% |")
     return rows
 
 

@@ -163,14 +163,19 @@ def stage_latencies(target: Target, n: int, prompt: torch.Tensor, repeats: int, 
         stage = Stage.from_target(target, geometry, s)
         hidden = stage(x, 0).hidden
         token = prompt[:, -1:] if s == 1 else hidden[:, -1:]
-        position = [prompt.shape[1]]
-
-        def step():
-            stage(token, position[0])
-            position[0] += 1
-        out.append(median_time(step, device, repeats))
+        out.append(median_time(one_token_steps(stage, token, prompt.shape[1]), device, repeats))
         x = hidden
     return out
+
+
+def one_token_steps(stage: Stage, token: torch.Tensor, start: int):
+    """A callable that runs `stage` on one more token at the next position each time it is called."""
+    position = [start]
+
+    def step():
+        stage(token, position[0])
+        position[0] += 1
+    return step
 
 
 @torch.no_grad()
@@ -209,8 +214,9 @@ def check_arch(arch: str, opts, device, budget: Budget) -> dict:
     dtype = torch.bfloat16 if opts.dtype == "bfloat16" else torch.float32
     t0 = time.perf_counter()
     target, config_dir = build_target(arch, opts, device, dtype)
-    result = {"arch": ARCHS[arch], "layers": target.num_layers, "params_b": sum(p.numel() for p in target.parameters()) / 1e9,
-              "build_s": time.perf_counter() - t0, "train": [], "stage_latency_ms": {}, "draft_latency_ms": {}}
+    result = {"arch": ARCHS[arch], "layers": target.num_layers,
+              "params_b": sum(p.numel() for p in target.parameters()) / 1e9, "build_s": time.perf_counter() - t0,
+              "train": [], "stage_latency_ms": {}, "draft_latency_ms": {}}
     for layout in ("depth", "type"):
         for checkpointing in (False, True):
             if budget.allows(f"{arch} train {layout} ckpt={checkpointing}", opts.section_s):
@@ -235,8 +241,10 @@ def markdown(report: dict) -> str:
     """The tables for docs/BENCHMARKS.md."""
     o = report["options"]
     lines = [f"GPU check: `bash scripts/gpu_check.sh` on {report['device']}, {report['date']}; random-init targets "
-             f"({o['dtype']}), T={o['length']}, B={o['batch']}, n={o['n']}, L_s={o['ls']}, V_d={o['draft_vocab']}.", "",
-             "| target | layers | layout | checkpointing | tokens/s | step s | first step s | peak GiB | estimate GiB |",
+             f"({o['dtype']}), T={o['length']}, B={o['batch']}, n={o['n']}, L_s={o['ls']}, "
+             f"V_d={o['draft_vocab']}.", "",
+             "| target | layers | layout | checkpointing | tokens/s | step s | first step s | peak GiB | "
+             "estimate GiB |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in report["archs"]:
         for t in r["train"]:
@@ -244,12 +252,14 @@ def markdown(report: dict) -> str:
                          f"{t['tokens_per_s']:.0f} | {t['step_s']:.3f} | {t['first_step_s']:.1f} | "
                          f"{'n/a' if t['peak_gib'] is None else format(t['peak_gib'], '.1f')} | "
                          f"{t['estimate_gib']:.1f} |")
-    lines += ["", "| target | n | per-stage forward ms (one token) | PDM draft ms, L_s = 1, 2, 3, 4 | greedy SPD == AR |",
+    lines += ["", "| target | n | per-stage forward ms (one token) | PDM draft ms, L_s = 1, 2, 3, 4 | "
+              "greedy SPD == AR |",
               "| --- | --- | --- | --- | --- |"]
     for r in report["archs"]:
         drafts = ", ".join(f"{r['draft_latency_ms'][k]:.2f}" for k in sorted(r["draft_latency_ms"]))
         decode = r.get("decode")
-        same = "skipped" if decode is None else f"{'yes' if decode['identical'] else 'NO'} ({decode['new_tokens']} tokens)"
+        same = ("skipped" if decode is None
+                else f"{'yes' if decode['identical'] else 'NO'} ({decode['new_tokens']} tokens)")
         for n, ms in sorted(r["stage_latency_ms"].items()):
             lines.append(f"| {r['arch']} | {n} | {', '.join(f'{x:.2f}' for x in ms)} | {drafts} | {same} |")
     if report["skipped"]:

@@ -93,7 +93,7 @@ class SPDModule(L.LightningModule):
             aux_loss_weight: weight of the KL on the other active copies (depths > 0).
             lr, weight_decay, warmup_steps, min_lr_ratio: AdamW with linear warmup, then linear decay to
                 `min_lr_ratio * lr` over the trainer's estimated stepping batches.
-            attention_backend: `auto` (flex on CUDA, dense or two-part on CPU), `flex`, `flex_compiled`, `dense`, `two_part`.
+            attention_backend: `auto` (flex on CUDA, dense or two-part on CPU), `flex`, `dense`, `two_part`.
             activation_checkpointing: recompute each PDM layer in the backward pass instead of storing its activations.
             seed: seeds the per-step fill draws (deterministic, and identical after a resume).
         """

@@ -7,7 +7,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import spd_lightning.layouts as layouts
 from spd_lightning.pdm import PDMConfig, PipelineDraftModule
-from test_module import SyntheticChat, make_module, make_trainer, tiny_target_dir  # noqa: F401 (fixture)
+from conftest import make_tiny_model
+from test_module import SyntheticChat, make_module, make_trainer
+
+
+@pytest.fixture(scope="module")
+def tiny_target_dir(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("targets") / "tiny_qwen35")
+    make_tiny_model("qwen3_5").save_pretrained(path)
+    return path
 
 
 class GradRecorder(L.Callback):
