@@ -73,3 +73,17 @@ def test_other_shipped_configs_have_an_estimate(name, capsys):
 def test_unreadable_config_is_a_user_error(tmp_path, capsys):
     assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
     assert "missing.yaml" in capsys.readouterr().err
+
+
+def test_fsdp_shards_the_pdm_state(tmp_path, capsys):
+    shipped = open(os.path.join(REPO, "configs", "qwen35_9b.yaml")).read()
+    assert "strategy: ddp" in shipped
+    fsdp = tmp_path / "fsdp.yaml"
+    fsdp.write_text(shipped.replace("strategy: ddp", "strategy: fsdp"))
+    estimates = []
+    for config in (os.path.join(REPO, "configs", "qwen35_9b.yaml"), str(fsdp)):
+        assert main(["--config", config, "--gpus", "8", "--json"]) == 0
+        estimates.append(json.loads(capsys.readouterr().out))
+    ddp, sharded = estimates
+    assert sharded["pdm_state"] == pytest.approx(ddp["pdm_state"] / 8)
+    assert sharded["target_weights"] == ddp["target_weights"]  # every rank holds the whole frozen target
