@@ -4,7 +4,10 @@ A training layout (spd_lightning/layouts.py) describes its mask as `mask_mod(b, 
 over the replicated sequence of length `S`. The same predicate drives three backends:
 
 - `flex`: `create_block_mask` + `flex_attention` (compiled on CUDA). The mask is never materialized as a
-  dense `S x S` tensor, which at `S = (n+1) * 2048` would not fit next to a 9B target.
+  dense `S x S` tensor, which at `S = (n+1) * 2048` would not fit next to a 9B target. Both are compiled
+  ONCE with dynamic shapes: with static shapes every (batch, length) recompiles, and past dynamo's
+  recompile limit torch silently runs the unfused flex path that builds the whole `S x S` score matrix.
+  `flex_compiled` is the same compiled path on any device (CPU included: rehearsals and tests).
 - `dense`: the predicate evaluated vectorized into a boolean `[B, 1, S, S]` mask for SDPA; the simplest
   and fastest path on CPU for small `S`.
 - `two_part`: every SPD mask row is "a causal prefix of ONE block up to a per-query cutoff" plus "at most
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Callable, Literal, Optional
 
 import torch
 import torch.nn.functional as F
@@ -24,8 +27,8 @@ import torch.nn.functional as F
 from .pdm import Attend
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-Backend = Literal["auto", "flex", "dense", "two_part"]
-BACKENDS = ("auto", "flex", "dense", "two_part")
+Backend = Literal["auto", "flex", "flex_compiled", "dense", "two_part"]
+BACKENDS = ("auto", "flex", "flex_compiled", "dense", "two_part")
 
 # Above this replicated length the CPU path switches from a dense mask to the two-part factorization:
 # a dense fp32 score matrix per head grows as S^2 (4096^2 * 4 B = 64 MiB per head and sample).
@@ -110,20 +113,32 @@ def two_part_attend(plan: TwoPartPlan) -> Attend:
     return attend
 
 
-_compiled_flex = None
+_COMPILED: dict = {}
 
 
-def flex_attend(mask_mod: MaskMod, batch: int, seq_len: int, device: torch.device) -> Attend:
-    """FlexAttention with a block mask built once per step and shared by every layer. On CUDA both the
-    mask construction and the kernel are compiled, so the `S x S` grid is never materialized."""
+def compiled_flex() -> tuple[Callable, Callable]:
+    """`(create_block_mask, flex_attention)` compiled once per process with `dynamic=True`: one graph serves
+    every batch size and length (a size of 1 is specialized once), so padded lengths, validation and the
+    staircase callback stay far below dynamo's recompile limit."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    global _compiled_flex
-    on_cuda = device.type == "cuda"
-    block_mask = create_block_mask(mask_mod, batch, None, seq_len, seq_len, device=device, _compile=on_cuda)
-    if on_cuda and _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    kernel = _compiled_flex if on_cuda else flex_attention
+    if not _COMPILED:
+        _COMPILED["mask"] = torch.compile(create_block_mask, dynamic=True)
+        _COMPILED["flex"] = torch.compile(flex_attention, dynamic=True)
+    return _COMPILED["mask"], _COMPILED["flex"]
+
+
+def flex_attend(mask_mod: MaskMod, batch: int, seq_len: int, device: torch.device,
+                compiled: Optional[bool] = None) -> Attend:
+    """FlexAttention with a block mask built once per step and shared by every layer. Compiled (default: on
+    CUDA), neither the mask construction nor the kernel materializes the `S x S` grid; eager flex (CPU
+    tests of the predicate) does."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if compiled is None:
+        compiled = device.type == "cuda"
+    make_mask, kernel = compiled_flex() if compiled else (create_block_mask, flex_attention)
+    block_mask = make_mask(mask_mod, batch, None, seq_len, seq_len, device=device)
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return kernel(q, k, v, block_mask=block_mask)
@@ -134,8 +149,8 @@ def make_attend(backend: Backend, mask_mod: MaskMod, plan: Callable[[], TwoPartP
                 device: torch.device) -> Attend:
     """The attend callable for the PDM body; `plan` is only called when the two-part path is used."""
     chosen = resolve_backend(backend, device, seq_len)
-    if chosen == "flex":
-        return flex_attend(mask_mod, batch, seq_len, device)
+    if chosen in ("flex", "flex_compiled"):
+        return flex_attend(mask_mod, batch, seq_len, device, compiled=True if chosen == "flex_compiled" else None)
     if chosen == "dense":
         return dense_attend(dense_mask(mask_mod, batch, seq_len, device))
     return two_part_attend(plan())

@@ -77,6 +77,7 @@ class SPDModule(L.LightningModule):
         warmup_steps: int = 0,
         min_lr_ratio: float = 0.0,
         attention_backend: Backend = "auto",
+        activation_checkpointing: bool = False,
         seed: int = 0,
     ):
         """Args:
@@ -93,6 +94,7 @@ class SPDModule(L.LightningModule):
             lr, weight_decay, warmup_steps, min_lr_ratio: AdamW with linear warmup, then linear decay to
                 `min_lr_ratio * lr` over the trainer's estimated stepping batches.
             attention_backend: `auto` (flex on CUDA, dense or two-part on CPU), `flex`, `dense`, `two_part`.
+            activation_checkpointing: recompute each PDM layer in the backward pass instead of storing its activations.
             seed: seeds the per-step fill draws (deterministic, and identical after a resume).
         """
         super().__init__()
@@ -161,6 +163,13 @@ class SPDModule(L.LightningModule):
             object.__setattr__(self, "_target", target)
             self._target_info = target.info
 
+    def use_target(self, target: Target) -> None:
+        """Train against this already-loaded target instead of loading `hparams.target` in `setup` (benchmarks
+        and the GPU check build random-init targets of real shapes in memory)."""
+        self.geometry.check_target(target.num_layers)
+        object.__setattr__(self, "_target", target)  # kept out of nn.Module registration, as in setup
+        self._target_info = target.info
+
     def configure_model(self) -> None:
         if self.pdm is not None or self._trainer is None:
             return  # without a trainer (`load_from_checkpoint`), on_load_checkpoint builds the PDM
@@ -201,27 +210,36 @@ class SPDModule(L.LightningModule):
         if not bool((attention_mask[:, :-1] >= attention_mask[:, 1:]).all()):
             raise ValueError("batches must be right-padded (attention_mask 1...1 0...0): the layouts read each "
                              "sequence's length as attention_mask.sum(1)")
-        states, teacher = self.target.anchor_states(input_ids, attention_mask, self.geometry.anchors)
+        states, logits = self.target.anchor_states(input_ids, attention_mask, self.geometry.anchors)
+        teacher = self._restrict_teacher(logits)
+        del logits  # the full-vocabulary logits are freed before the PDM's activations are allocated
         B, T = input_ids.shape
         rep = self.layout.replicate(attention_mask.sum(1), T, self.layout.draw_fill(B, T, generator))
         g = rep.features(self.pdm.fuse, states.to(self.pdm.lm_head.weight.dtype))
-        hidden = self.pdm.body(g, rep.positions(), rep.attend(self.hparams.attention_backend))
+        hidden = self.pdm.body(g, rep.positions(), rep.attend(self.hparams.attention_backend),
+                               checkpointing=self.hparams.activation_checkpointing)
         # Output i of every copy drafts x_{i+1}: a loss position iff x_{i+1} is an assistant token.
         predicts_loss_token = F.pad(batch["loss_mask"][:, 1:].bool(), (0, 1), value=False)
         return rep, hidden, teacher, predicts_loss_token
+
+    def _restrict_teacher(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The teacher logits over `V_d` in the target's dtype, `[B, T, V_d]`, and whether each position's
+        full-vocabulary argmax lies outside `V_d`, `[B, T]`. The restriction comes BEFORE any upcast: no
+        `[*, V]` fp32 tensor exists (9B target, B=2, T=2048: 4.07 GB at V=248,320 vs 0.52 GB at V_d=32,000)."""
+        d2t = self.pdm.d2t
+        in_vd = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device).index_fill_(0, d2t, True)
+        return logits.index_select(-1, d2t), ~in_vd[logits.argmax(-1)]
 
     def _distill(self, rep, hidden, teacher, valid, copy: int):
         """KL(P || q) on the active outputs of `copy` that predict a loss token; returns the per-token KL,
         the student's and restricted teacher's argmax, the tokens' fill levels and the outside-V_d flags."""
         sel = valid & rep.active[copy]
+        teacher_vd, outside_vd = teacher
         student = self.pdm.lm_head(hidden[:, rep.copy_slice(copy)][sel]).float()
-        full = teacher[sel].float()
-        d2t = self.pdm.d2t
-        restricted = full[:, d2t]
+        restricted = teacher_vd[sel].float()
         log_p = F.log_softmax(restricted / self.hparams.teacher_temperature, dim=-1)
         kl = (log_p.exp() * (log_p - F.log_softmax(student, dim=-1))).sum(-1)
-        in_vd = torch.zeros(full.shape[-1], dtype=torch.bool, device=full.device).index_fill_(0, d2t, True)
-        return kl, student.argmax(-1), restricted.argmax(-1), rep.fill[copy][sel], ~in_vd[full.argmax(-1)]
+        return kl, student.argmax(-1), restricted.argmax(-1), rep.fill[copy][sel], outside_vd[sel]
 
     @staticmethod
     def _mean(x: torch.Tensor) -> torch.Tensor:

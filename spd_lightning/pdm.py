@@ -17,6 +17,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -102,6 +103,9 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(B, S, c.num_kv_heads, c.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(B, S, c.num_kv_heads, c.head_dim).transpose(1, 2)
         q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
+        # Under autocast the fp32 q/k-norm weights promote q and k to fp32 while v stays bf16: one dtype for
+        # every backend (flex rejects mixed dtypes on older torch, or silently runs fp32 kernels).
+        q, k = q.to(v.dtype), k.to(v.dtype)
         groups = c.num_heads // c.num_kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         out = attend(layer, q, k, v)  # [B, heads, S, hd]
@@ -181,11 +185,19 @@ class PipelineDraftModule(nn.Module):
     def fuse(self, states: torch.Tensor, types: int | torch.Tensor) -> torch.Tensor:
         return self.fusion(states, types)
 
-    def body(self, g: torch.Tensor, positions: torch.Tensor, attend: Attend = causal_attend) -> torch.Tensor:
-        """Run the `L_s` layers over features `g[B, S, d]` at `positions[B, S]`; returns normed hidden."""
+    def body(self, g: torch.Tensor, positions: torch.Tensor, attend: Attend = causal_attend,
+             checkpointing: bool = False) -> torch.Tensor:
+        """Run the `L_s` layers over features `g[B, S, d]` at `positions[B, S]`; returns normed hidden.
+
+        With `checkpointing` (and grad enabled) each layer keeps only its input and recomputes its inside in
+        the backward pass (non-reentrant `torch.utils.checkpoint`): the activations of `n+1` replicated
+        copies drop from every tensor of every layer to one `[B, S, d]` tensor per layer."""
         x = g
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, i, attend)
+            if checkpointing and torch.is_grad_enabled():
+                x = checkpoint(layer, x, positions, i, attend, use_reentrant=False)
+            else:
+                x = layer(x, positions, i, attend)
         return self.norm(x)
 
     def forward(self, states: torch.Tensor, types: int | torch.Tensor, positions: torch.Tensor,

@@ -1,0 +1,328 @@
+"""The GPU check (SPEC 14): one prepared run on one GPU that finishes in under 8 minutes.
+
+Run it on the device machine (through the session's `run` tool) from the repository root:
+
+    bash scripts/gpu_check.sh                  # writes gpu_check/gpu_check.json and gpu_check/gpu_check.md
+    python scripts/gpu_check.py --tiny --device cpu --out DIR    # the CPU smoke test (seconds; tests/test_gpu_check.py)
+
+Random-init Qwen3.5-4B and -9B targets of their real shapes (spd_lightning/archs, bf16) measure:
+1. training-step tokens/s and peak memory at T=2048, n=8, L_s=3, both layouts, with and without activation
+   checkpointing, next to `spd_lightning.estimate`'s prediction for the same shape;
+2. per-stage forward latency (one token after a prefill) for n in {4, 8};
+3. PDM draft latency for L_s in 1..4 (the in-flight view of a full pipeline over a cached prefix);
+4. a simulator greedy decode, checked identical to AR decoding on the same GPU.
+Sections that would overrun the time budget are skipped and listed as skipped. Only torch, transformers,
+lightning, torchmetrics, safetensors and numpy are imported (no datasets, wandb, jsonargparse, ShareGPT).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import lightning as L
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from inference.ar import ar_decode  # noqa: E402
+from inference.drafter import PDMDrafter  # noqa: E402
+from inference.simulator import simulate_decode  # noqa: E402
+from inference.stages import Stage  # noqa: E402
+from inference.verify import Sampling  # noqa: E402
+from spd_lightning.estimate import Shape, estimate, target_config  # noqa: E402
+from spd_lightning.geometry import Geometry  # noqa: E402
+from spd_lightning.module import SPDModule  # noqa: E402
+from spd_lightning.pdm import PDMConfig, PipelineDraftModule  # noqa: E402
+from spd_lightning.target import Target  # noqa: E402
+
+ARCHS = {"qwen35_9b": "Qwen3.5-9B", "qwen35_4b": "Qwen3.5-4B"}  # the 9B first: its memory is the question
+TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            vocab_size=512)
+
+
+class Budget:
+    def __init__(self, seconds: float):
+        self.start, self.seconds, self.skipped = time.perf_counter(), seconds, []
+
+    def allows(self, what: str, needs: float) -> bool:
+        if time.perf_counter() - self.start + needs > self.seconds:
+            self.skipped.append(what)
+            return False
+        return True
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build_target(arch: str, opts, device: torch.device, dtype: torch.dtype) -> tuple[Target, str]:
+    """A random-init target of `arch`'s architecture, and a directory holding its config (what `fit` reads)."""
+    from transformers import AutoModelForCausalLM
+
+    config = target_config(ARCHS[arch])
+    if opts.tiny:
+        for key, value in TINY.items():
+            setattr(config, key, value)
+    if opts.layers:  # fewer layers, keeping the hybrid pattern (said so in the output)
+        config.num_hidden_layers = opts.layers
+        config.layer_types = config.layer_types[:opts.layers]
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    config_dir = tempfile.mkdtemp(prefix=f"gpu_check_{arch}_")
+    config.save_pretrained(config_dir)
+    return Target(model.eval(), config_dir), config_dir
+
+
+class RandomChats(L.LightningDataModule):
+    """Full-length random batches with a loss mask on the second half; `d2t` = the first V_d ids."""
+
+    def __init__(self, vocab: int, length: int, batch: int, steps: int, draft_vocab: int):
+        super().__init__()
+        self.vocab, self.length, self.batch, self.steps = vocab, length, batch, steps
+        self.d2t = torch.arange(draft_vocab)
+
+    def train_dataloader(self):
+        gen = torch.Generator().manual_seed(0)
+        batches = []
+        for _ in range(self.steps):
+            ids = torch.randint(0, self.vocab, (self.batch, self.length), generator=gen)
+            loss = (torch.arange(self.length) >= self.length // 2).expand(self.batch, -1)
+            batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": loss.clone()})
+        return torch.utils.data.DataLoader(batches, batch_size=None)  # the items are whole batches
+
+
+class StepTimer(L.Callback):
+    def __init__(self, device: torch.device):
+        self.device, self.times = device, []
+
+    def on_train_batch_start(self, *args):
+        sync(self.device)
+        self.t0 = time.perf_counter()
+
+    def on_train_batch_end(self, *args):
+        sync(self.device)
+        self.times.append(time.perf_counter() - self.t0)
+
+
+def train_row(target: Target, config_dir: str, layout: str, checkpointing: bool, opts, device) -> dict:
+    on_gpu = device.type == "cuda"
+    module = SPDModule(target=config_dir, target_dtype=opts.dtype, n=opts.n, num_layers=opts.ls, layout=layout,
+                       activation_checkpointing=checkpointing, init_head=True)
+    module.use_target(target)
+    data = RandomChats(target.vocab_size, opts.length, opts.batch, opts.steps, opts.draft_vocab)
+    timer = StepTimer(device)
+    trainer = L.Trainer(accelerator="gpu" if on_gpu else "cpu", devices=1, precision="bf16-mixed" if on_gpu else "32",
+                        max_steps=opts.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[timer])
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats(device)
+    trainer.fit(module, data)
+    peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if on_gpu else None  # CPU: tests/test_estimate.py
+    step_s = statistics.median(timer.times[1:] or timer.times)  # the first step compiles
+    shape = Shape(opts.batch, opts.length, opts.draft_vocab, "bf16-mixed" if on_gpu else "32", "ddp", opts.dtype,
+                  checkpointing, "flex" if on_gpu else "dense", dict(module.hparams))
+    predicted = estimate(shape, target.config)["total"]
+    del module, trainer
+    gc.collect()
+    if on_gpu:
+        torch.cuda.empty_cache()
+    return {"layout": layout, "checkpointing": checkpointing, "step_s": step_s, "first_step_s": timer.times[0],
+            "tokens_per_s": opts.batch * opts.length / step_s, "peak_gib": peak,
+            "estimate_gib": predicted / 2 ** 30}
+
+
+def median_time(fn, device, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:] or times)
+
+
+@torch.no_grad()
+def stage_latencies(target: Target, n: int, prompt: torch.Tensor, repeats: int, device) -> list[float]:
+    """Per stage: seconds for one token after a prefill of `prompt` (the decoder's steady state)."""
+    geometry = Geometry.build(target.num_layers, n)
+    out = []
+    x = prompt
+    for s in range(1, n + 1):
+        stage = Stage.from_target(target, geometry, s)
+        hidden = stage(x, 0).hidden
+        token = prompt[:, -1:] if s == 1 else hidden[:, -1:]
+        out.append(median_time(one_token_steps(stage, token, prompt.shape[1]), device, repeats))
+        x = hidden
+    return out
+
+
+def one_token_steps(stage: Stage, token: torch.Tensor, start: int):
+    """A callable that runs `stage` on one more token at the next position each time it is called."""
+    position = [start]
+
+    def step():
+        stage(token, position[0])
+        position[0] += 1
+    return step
+
+
+@torch.no_grad()
+def draft_latency(target: Target, num_layers: int, opts, prompt: torch.Tensor, device) -> float:
+    n = opts.n
+    geometry = Geometry.build(target.num_layers, n)
+    c = target.config
+    cfg = PDMConfig(target_hidden_size=c.hidden_size, num_types=geometry.num_types, draft_vocab_size=opts.draft_vocab,
+                    hidden_size=c.hidden_size, num_layers=num_layers, num_heads=c.num_attention_heads,
+                    num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, intermediate_size=c.intermediate_size)
+    pdm = PipelineDraftModule(cfg).to(device=device, dtype=target.lm_head.weight.dtype).eval()
+    drafter = PDMDrafter(pdm, geometry, target.embed_tokens, Sampling(), target.lm_head.weight.dtype)
+    P = prompt.shape[1]
+    drafter.start(prompt[0], P + n + 2)
+    view = geometry.view(P - 1, n)
+    return median_time(lambda: drafter.draft(view, None), device, opts.repeats)
+
+
+@torch.no_grad()
+def decode_check(target: Target, opts, device) -> dict:
+    geometry = Geometry.build(target.num_layers, opts.n)
+    c = target.config
+    cfg = PDMConfig(target_hidden_size=c.hidden_size, num_types=geometry.num_types, draft_vocab_size=opts.draft_vocab,
+                    hidden_size=c.hidden_size, num_layers=opts.ls, num_heads=c.num_attention_heads,
+                    num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, intermediate_size=c.intermediate_size)
+    torch.manual_seed(1)
+    pdm = PipelineDraftModule(cfg).to(device=device, dtype=target.lm_head.weight.dtype).eval()
+    prompt = torch.randint(0, target.vocab_size, (opts.prompt,), generator=torch.Generator().manual_seed(2)).tolist()
+    spd = simulate_decode(target, pdm, geometry, prompt, opts.new_tokens)
+    ar = ar_decode(target, prompt, opts.new_tokens)
+    return {"identical": spd.tokens == ar.tokens, "new_tokens": spd.N, "spd_cycles": spd.K,
+            "spd_decode_s": spd.decode_s, "ar_decode_s": ar.decode_s}
+
+
+def check_arch(arch: str, opts, device, budget: Budget) -> dict:
+    dtype = torch.bfloat16 if opts.dtype == "bfloat16" else torch.float32
+    t0 = time.perf_counter()
+    target, config_dir = build_target(arch, opts, device, dtype)
+    result = {"arch": ARCHS[arch], "layers": target.num_layers,
+              "params_b": sum(p.numel() for p in target.parameters()) / 1e9, "build_s": time.perf_counter() - t0,
+              "train": [], "stage_latency_ms": {}, "draft_latency_ms": {}}
+    for layout in ("depth", "type"):
+        for checkpointing in (False, True):
+            if budget.allows(f"{arch} train {layout} ckpt={checkpointing}", opts.section_s):
+                result["train"].append(train_row(target, config_dir, layout, checkpointing, opts, device))
+    prompt = torch.randint(0, target.vocab_size, (1, opts.prompt), device=device)
+    for n in (4, 8):
+        if budget.allows(f"{arch} stage latency n={n}", opts.section_s / 2):
+            result["stage_latency_ms"][n] = [1e3 * s for s in stage_latencies(target, n, prompt, opts.repeats, device)]
+    for ls in (1, 2, 3, 4):
+        if budget.allows(f"{arch} draft latency L_s={ls}", opts.section_s / 4):
+            result["draft_latency_ms"][ls] = 1e3 * draft_latency(target, ls, opts, prompt, device)
+    if budget.allows(f"{arch} decode check", opts.section_s):
+        result["decode"] = decode_check(target, opts, device)
+    del target
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def markdown(report: dict) -> str:
+    """The tables for docs/BENCHMARKS.md."""
+    o = report["options"]
+    lines = [f"GPU check: `bash scripts/gpu_check.sh` on {report['device']}, {report['date']}; random-init targets "
+             f"({o['dtype']}), T={o['length']}, B={o['batch']}, n={o['n']}, L_s={o['ls']}, "
+             f"V_d={o['draft_vocab']}.", "",
+             "| target | layers | layout | checkpointing | tokens/s | step s | first step s | peak GiB | "
+             "estimate GiB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in report["archs"]:
+        for t in r["train"]:
+            lines.append(f"| {r['arch']} | {r['layers']} | {t['layout']} | {'yes' if t['checkpointing'] else 'no'} | "
+                         f"{t['tokens_per_s']:.0f} | {t['step_s']:.3f} | {t['first_step_s']:.1f} | "
+                         f"{'n/a' if t['peak_gib'] is None else format(t['peak_gib'], '.1f')} | "
+                         f"{t['estimate_gib']:.1f} |")
+    lines += ["", "| target | n | per-stage forward ms (one token) | PDM draft ms, L_s = 1, 2, 3, 4 | "
+              "greedy SPD == AR |",
+              "| --- | --- | --- | --- | --- |"]
+    for r in report["archs"]:
+        drafts = ", ".join(f"{r['draft_latency_ms'][k]:.2f}" for k in sorted(r["draft_latency_ms"]))
+        decode = r.get("decode")
+        same = ("skipped" if decode is None
+                else f"{'yes' if decode['identical'] else 'NO'} ({decode['new_tokens']} tokens)")
+        for n, ms in sorted(r["stage_latency_ms"].items()):
+            lines.append(f"| {r['arch']} | {n} | {', '.join(f'{x:.2f}' for x in ms)} | {drafts} | {same} |")
+    if report["skipped"]:
+        lines += ["", f"Skipped to stay within the time budget: {', '.join(report['skipped'])}."]
+    return "\n".join(lines) + "\n"
+
+
+def write(report: dict, out: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "gpu_check.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    with open(os.path.join(out, "gpu_check.md"), "w") as f:
+        f.write(markdown(report))
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="gpu_check", help="directory for gpu_check.json and gpu_check.md")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="tiny widths and lengths (the CPU smoke test)")
+    p.add_argument("--archs", nargs="+", default=list(ARCHS), choices=list(ARCHS))
+    p.add_argument("--layers", type=int, default=0, help="fewer target layers than the real model (0: all)")
+    p.add_argument("--length", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--ls", type=int, default=3)
+    p.add_argument("--draft-vocab", type=int, default=32000)
+    p.add_argument("--steps", type=int, default=3, help="training steps per row (the first one compiles)")
+    p.add_argument("--prompt", type=int, default=256, help="prompt length for the latency and decode checks")
+    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--budget-s", type=float, default=400, help="skip sections that would overrun this")
+    p.add_argument("--section-s", type=float, default=40, help="time one training row is assumed to need")
+    opts = p.parse_args(argv)
+    if opts.tiny:
+        opts.length, opts.draft_vocab, opts.steps, opts.prompt, opts.new_tokens, opts.repeats = 32, 64, 2, 16, 4, 2
+        opts.layers, opts.n = opts.layers or 8, 4
+    opts.dtype = "bfloat16" if opts.device.startswith("cuda") else "float32"
+    return opts
+
+
+def main(argv=None) -> int:
+    opts = parse(argv)
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # one line per section is enough
+    device = torch.device(opts.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("error: no CUDA device; run with --device cpu --tiny for the smoke test", file=sys.stderr)
+        return 2
+    budget = Budget(opts.budget_s)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or 'cpu'})"
+    report = {"device": name, "date": time.strftime("%Y-%m-%d", time.gmtime()), "torch": torch.__version__,
+              "options": {k: v for k, v in vars(opts).items()}, "archs": []}
+    if opts.layers:
+        print(f"note: targets cut to {opts.layers} layers (the real models have 32)", flush=True)
+    for arch in opts.archs:
+        report["archs"].append(check_arch(arch, opts, device, budget))
+        print(json.dumps(report["archs"][-1], default=str), flush=True)
+        report["skipped"], report["total_s"] = budget.skipped, time.perf_counter() - budget.start
+        write(report, opts.out)  # after every target: a run cut short still leaves its figures
+    print(markdown(report), flush=True)
+    ok = all(r.get("decode", {}).get("identical", True) for r in report["archs"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

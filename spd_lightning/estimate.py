@@ -1,0 +1,230 @@
+"""`python -m spd_lightning estimate --config CFG [--gpus G] [--gpu-mem GiB]`: per-GPU memory and FLOPs of `fit`.
+
+Reads a `fit` config the way `fit` does: the PDM shape from `model.*` (defaults from `SPDModule`), batch and
+length from `data.*`, precision and strategy from `trainer.*`, and the target's architecture from its HF config
+(a local directory or the hub cache; for the shipped configs' targets, `spd_lightning/archs/<name>.json` holds
+the real architecture, since the hub may be unreachable). Parameters are counted exactly by building both models
+on the meta device; activations are counted per saved tensor of one PDM layer (`_layer_saved_bytes`).
+
+Per GPU, at the peak of a step (the PDM's backward):
+  target weights + PDM training state (fp32 weights, grads, AdamW moments; sharded by G under FSDP)
+  + anchor states + the teacher over V_d + PDM activations (with or without checkpointing) + the loss tensors.
+The target's own no-grad forward peaks earlier (one layer's temporaries + full-vocabulary logits); the larger
+of the two phases counts. Checked against measured peaks in tests/test_estimate.py and docs/BENCHMARKS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+from typing import Optional, Sequence
+
+import torch
+import yaml
+
+from .errors import UserError
+from .geometry import Geometry
+
+ARCHS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "archs")
+GIB = 1024 ** 3
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+
+
+class EstimateError(UserError):
+    """A config the estimate cannot read; one line that says why."""
+
+
+def target_config(name_or_path: str, trust_remote_code: bool = False):
+    """The target's text config: a local directory or the hub cache as `fit` reads it, except that a shipped
+    architecture (`archs/<name>.json`) answers for a hub name without touching the network."""
+    from transformers import AutoConfig
+
+    from .target import load_hf_config, looks_local
+
+    arch = os.path.join(ARCHS_DIR, os.path.basename(name_or_path.rstrip("/")) + ".json")
+    if not (looks_local(name_or_path) or os.path.isdir(name_or_path)) and os.path.isfile(arch):
+        with open(arch) as f:
+            spec = json.load(f)
+        config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    else:
+        config = load_hf_config(name_or_path, trust_remote_code)
+    return getattr(config, "text_config", None) or config
+
+
+def count_params(module_fn) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in module_fn().parameters())
+
+
+@dataclass
+class Shape:
+    """What the memory depends on, read from a `fit` config (or given directly by tests)."""
+
+    batch: int
+    length: int
+    draft_vocab: int
+    precision: str  # "bf16-mixed" or "32"
+    strategy: str  # "ddp" or "fsdp"
+    target_dtype: str
+    checkpointing: bool
+    backend: str  # attention backend: "flex" (GPU) or "dense" (CPU)
+    module_args: dict
+
+
+def read_config(path: str) -> Shape:
+    from .module import SPDModule
+
+    try:
+        with open(path) as f:
+            cfg = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise EstimateError(f"cannot read config {path!r}: {e.strerror}; pass an existing YAML file") from e
+    defaults = {k: p.default for k, p in inspect.signature(SPDModule.__init__).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    model = {**defaults, **(cfg.get("model") or {})}
+    if "target" not in model:
+        raise EstimateError(f"config {path!r} has no model.target: name the target model")
+    data, trainer = cfg.get("data") or {}, cfg.get("trainer") or {}
+    strategy = trainer.get("strategy", "ddp")
+    strategy = strategy.get("class_path", "ddp") if isinstance(strategy, dict) else str(strategy)
+    backend = model.get("attention_backend", "auto")
+    return Shape(batch=int(data.get("batch_size", 1)), length=int(data.get("max_length", 2048)),
+                 draft_vocab=int(data.get("draft_vocab_size", 32000)), precision=str(trainer.get("precision", "32")),
+                 strategy="fsdp" if "fsdp" in strategy.lower() else "ddp", target_dtype=str(model["target_dtype"]),
+                 checkpointing=bool(model.get("activation_checkpointing")),
+                 backend="dense" if backend == "dense" else "flex", module_args=model)
+
+
+def pdm_config(shape: Shape, tcfg):
+    from .pdm import PDMConfig
+
+    m = shape.module_args
+    geometry = Geometry.build(tcfg.num_hidden_layers, m["n"], m["split"], m["anchors"], m["schedule"], m["features"])
+    heads = m.get("num_heads") or tcfg.num_attention_heads
+    cfg = PDMConfig(target_hidden_size=tcfg.hidden_size, num_types=geometry.num_types,
+                    draft_vocab_size=shape.draft_vocab, hidden_size=m.get("hidden_size") or tcfg.hidden_size,
+                    num_layers=m["num_layers"], num_heads=heads,
+                    num_kv_heads=m.get("num_kv_heads") or getattr(tcfg, "num_key_value_heads", None) or heads,
+                    head_dim=m.get("head_dim") or getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads,
+                    intermediate_size=m.get("intermediate_size") or tcfg.intermediate_size)
+    return cfg, geometry
+
+
+def _layer_saved_bytes(c, act: int, mixed: bool) -> float:
+    """Bytes autograd keeps per replicated token for one PDM layer (act = activation element size): the two
+    RMSNorms (fp32 input + normalized copy), the linears' inputs (autocast casts the input once per linear; in
+    fp32 the q/k/v and gate/up inputs ARE the norms' outputs),
+    q/k norm and RoPE (fp32), attention's q, k, v, out (GQA expanded) and log-sum-exp, SwiGLU's four."""
+    f, d, i = 4, c.hidden_size, c.intermediate_size
+    qk = (c.num_heads + c.num_kv_heads) * c.head_dim
+    hd = c.num_heads * c.head_dim
+    linear_inputs = act * d * (5 if mixed else 0) + act * hd + act * i
+    return (2 * (f + act) * d + linear_inputs + (f + act) * qk + 2 * f * qk + 4 * act * hd + f * c.num_heads
+            + 3 * act * i)
+
+
+def _flops_per_token(tcfg, c, target_params: int, pdm_params: int, copies: int, T: int, checkpointing: bool) -> float:
+    """Training FLOPs per token of the data: the target's no-grad forward (2 per weight, plus causal attention
+    over T/2 keys on its full-attention layers) and the PDM's forward + backward (6 per weight per replicated
+    copy, 8 with checkpointing's second forward; its attention sees about T/2 keys per query)."""
+    full_layers = sum(t == "full_attention" for t in getattr(tcfg, "layer_types", None) or
+                      ["full_attention"] * tcfg.num_hidden_layers)
+    target_attn = full_layers * 4 * tcfg.num_attention_heads * getattr(tcfg, "head_dim", 128) * T / 2
+    passes = 8 if checkpointing else 6
+    body = pdm_params - c.draft_vocab_size * c.hidden_size
+    pdm_attn = c.num_layers * 4 * c.num_heads * c.head_dim * T / 2 * passes / 2
+    return (2 * target_params + target_attn + copies * (passes * body + pdm_attn)
+            + 6 * c.draft_vocab_size * c.hidden_size)
+
+
+def estimate(shape: Shape, tcfg, gpus: int = 1) -> dict:
+    """Per-GPU bytes by component, and FLOPs per training token."""
+    from transformers import AutoModelForCausalLM
+
+    from .layouts import build_layout
+    from .pdm import PipelineDraftModule
+
+    c, geometry = pdm_config(shape, tcfg)
+    layout = build_layout(shape.module_args["layout"], geometry)
+    copies, B, T = len(layout.copy_types), shape.batch, shape.length
+    S, tokens = copies * T, B * T
+    mixed = shape.precision.startswith("bf16") or shape.precision.startswith("16")
+    act, tgt = (2 if mixed else 4), DTYPE_BYTES[shape.target_dtype]
+    target_params = count_params(lambda: AutoModelForCausalLM.from_config(tcfg))
+    pdm_params = count_params(lambda: PipelineDraftModule(c))
+    vocab, H = tcfg.vocab_size, tcfg.hidden_size
+    shard = gpus if shape.strategy == "fsdp" else 1
+    out = {"target_weights": target_params * tgt, "pdm_state": 16 * pdm_params / shard}
+    per_layer = B * S * _layer_saved_bytes(c, act, mixed)
+    types = sorted(set(layout.copy_types))
+    out["anchor_states"] = tokens * len(geometry.anchors) * H * tgt
+    out["fusion"] = tokens * sum((4 + 2 * act) * tau * H for tau in types) + B * S * c.hidden_size * act
+    out["activations_plain"] = c.num_layers * per_layer
+    out["activations_checkpointed"] = c.num_layers * B * S * c.hidden_size * act + per_layer
+    if shape.backend == "dense":  # the CPU path: a [B, S, S] bool mask (SDPA's CPU kernel is blockwise)
+        out["dense_attention"] = B * S * S
+    out["teacher_vd"] = tokens * shape.draft_vocab * (tgt + 3 * 4)  # kept in target dtype + fp32, log p, p
+    out["student_logits"] = tokens * shape.draft_vocab * (act + 3 * 4) + B * S * c.hidden_size * (4 + act)
+    out["teacher_full_fp32_before_fix"] = tokens * vocab * 4  # what restricting after `.float()` cost
+    out["target_forward"] = tokens * (vocab * tgt + 4 * max(tcfg.intermediate_size, 2 * H) * tgt)
+    pdm_phase = sum(out[k] for k in ("anchor_states", "fusion", "teacher_vd", "student_logits", "dense_attention")
+                    if k in out)
+    acts = out["activations_checkpointed" if shape.checkpointing else "activations_plain"]
+    persistent = out["target_weights"] + out["pdm_state"]
+    out["total"] = persistent + max(out["target_forward"] + out["anchor_states"], pdm_phase + acts)
+    out["total_plain"] = persistent + max(out["target_forward"] + out["anchor_states"],
+                                          pdm_phase + out["activations_plain"])
+    out["total_checkpointed"] = persistent + max(out["target_forward"] + out["anchor_states"],
+                                                 pdm_phase + out["activations_checkpointed"])
+    out["flops_per_token"] = _flops_per_token(tcfg, c, target_params, pdm_params, copies, T, shape.checkpointing)
+    out.update(target_params=target_params, pdm_params=pdm_params, gpus=gpus, replicated_length=S)
+    return out
+
+
+def report(path: str, shape: Shape, est: dict, gpu_mem: float) -> str:
+    gib = lambda x: f"{x / GIB:7.2f} GiB"  # noqa: E731
+    rows = [("target weights", est["target_weights"]),
+            (f"PDM state ({est['pdm_params'] / 1e9:.2f} B params, " +
+             (f"FSDP: 1/{est['gpus']} per GPU)" if shape.strategy == "fsdp" else "DDP: whole on every GPU)"),
+             est["pdm_state"]),
+            ("anchor states", est["anchor_states"]), ("teacher over V_d (+ fp32 loss copies)", est["teacher_vd"]),
+            ("PDM activations, plain", est["activations_plain"]),
+            ("PDM activations, checkpointed", est["activations_checkpointed"]),
+            ("target forward (no grad, full-vocab logits)", est["target_forward"])]
+    lines = [f"estimate for {path}: B={shape.batch}, T={shape.length}, S={est['replicated_length']}, "
+             f"precision {shape.precision}, target {est['target_params'] / 1e9:.2f} B params"]
+    lines += [f"  {name:<52} {gib(value)}" for name, value in rows]
+    lines += [f"  {'peak per GPU, plain':<52} {gib(est['total_plain'])}",
+              f"  {'peak per GPU, activation checkpointing':<52} {gib(est['total_checkpointed'])}",
+              f"  {'training FLOPs per token':<52} {est['flops_per_token'] / 1e9:7.1f} GFLOP"]
+    chosen = est["total"]
+    verdict = "fits" if chosen <= gpu_mem * GIB else "does NOT fit"
+    lines.append(f"  this config ({'checkpointed' if shape.checkpointing else 'plain'}): {gib(chosen).strip()} "
+                 f"{verdict} a {gpu_mem:g} GiB GPU")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m spd_lightning estimate", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="a `fit` config (YAML)")
+    parser.add_argument("--gpus", type=int, default=8, help="GPUs the run uses (FSDP shards the PDM state over them)")
+    parser.add_argument("--gpu-mem", type=float, default=80.0, help="memory of one GPU in GiB")
+    parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    opts = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        shape = read_config(opts.config)
+        est = estimate(shape, target_config(shape.module_args["target"], shape.module_args["trust_remote_code"]),
+                       opts.gpus)
+    except (UserError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"shape": {k: v for k, v in asdict(shape).items() if k != "module_args"}, **est}, indent=1)
+          if opts.json else report(opts.config, shape, est, opts.gpu_mem))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

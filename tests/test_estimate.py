@@ -1,0 +1,89 @@
+"""`spd_lightning.estimate`: the per-GPU memory estimate against the measured peak of CPU training steps, and the
+shipped configs by their estimate (the 9B config fits an 80 GB GPU)."""
+import dataclasses
+import json
+import os
+
+import lightning as L
+import pytest
+
+from conftest import REPO, make_tiny_model
+from spd_lightning.estimate import GIB, Shape, estimate, main, target_config
+from spd_lightning.memory_meter import PeakMemory
+from test_module import SyntheticChat, make_module, make_trainer
+
+BATCH, LENGTH = 2, 64
+
+
+class MeasurePeak(L.Callback):
+    """Peak live tensor bytes of the second training step (AdamW's moments exist by then), counting the target,
+    the PDM weights and the optimizer state as already allocated."""
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if batch_idx == 1:
+            state = [t for s in trainer.optimizers[0].state.values() for t in s.values()]
+            self.meter = PeakMemory("cpu", [*module.target.parameters(), *module.pdm.parameters(), *state])
+            self.meter.__enter__()
+            self.length = batch["input_ids"].shape[1]  # padded to the batch's longest sequence
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if batch_idx == 1:
+            self.meter.__exit__(None, None, None)
+            self.peak = self.meter.peak_bytes
+
+
+@pytest.fixture(scope="module")
+def wide_target(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("targets") / "wide_qwen35")
+    make_tiny_model("qwen3_5", hidden_size=128, vocab_size=2048).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_estimate_is_within_25_percent_of_measured_peak(wide_target, tmp_path, checkpointing):
+    overrides = dict(num_layers=2, attention_backend="dense", activation_checkpointing=checkpointing)
+    callback = MeasurePeak()
+    trainer = make_trainer(tmp_path, max_steps=2, limit_val_batches=0, callbacks=[callback])
+    module = make_module(wide_target, **overrides)
+    trainer.fit(module, SyntheticChat(batch_size=BATCH, max_length=LENGTH, num_samples=4))
+    args = {**module.hparams}
+    shape = Shape(batch=BATCH, length=LENGTH, draft_vocab=64, precision="32", strategy="ddp", target_dtype="float32",
+                  checkpointing=checkpointing, backend="dense", module_args=args)
+    predicted = estimate(dataclasses.replace(shape, length=callback.length), target_config(wide_target))
+    print(f"estimate {predicted['total'] / 1e6:.2f} MB, measured {callback.peak / 1e6:.2f} MB")
+    assert abs(predicted["total"] - callback.peak) <= 0.25 * callback.peak, (predicted["total"], callback.peak)
+
+
+def test_shipped_9b_config_fits_an_80gb_gpu(capsys):
+    config = os.path.join(REPO, "configs", "qwen35_9b.yaml")
+    assert main(["--config", config, "--gpus", "8", "--gpu-mem", "80", "--json"]) == 0
+    est = json.loads(capsys.readouterr().out)
+    assert est["target_params"] == pytest.approx(8.95e9, rel=0.01)
+    assert est["total"] < 80 * GIB and est["total_checkpointed"] < est["total_plain"]
+    assert main(["--config", config]) == 0
+    assert "fits a 80 GiB GPU" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["qwen35_4b", "qwen3_8b"])
+def test_other_shipped_configs_have_an_estimate(name, capsys):
+    assert main(["--config", os.path.join(REPO, "configs", f"{name}.yaml"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["total"] > 0
+
+
+def test_unreadable_config_is_a_user_error(tmp_path, capsys):
+    assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "missing.yaml" in capsys.readouterr().err
+
+
+def test_fsdp_shards_the_pdm_state(tmp_path, capsys):
+    shipped = open(os.path.join(REPO, "configs", "qwen35_9b.yaml")).read()
+    assert "strategy: ddp" in shipped
+    fsdp = tmp_path / "fsdp.yaml"
+    fsdp.write_text(shipped.replace("strategy: ddp", "strategy: fsdp"))
+    estimates = []
+    for config in (os.path.join(REPO, "configs", "qwen35_9b.yaml"), str(fsdp)):
+        assert main(["--config", config, "--gpus", "8", "--json"]) == 0
+        estimates.append(json.loads(capsys.readouterr().out))
+    ddp, sharded = estimates
+    assert sharded["pdm_state"] == pytest.approx(ddp["pdm_state"] / 8)
+    assert sharded["target_weights"] == ddp["target_weights"]  # every rank holds the whole frozen target
