@@ -33,6 +33,7 @@ from inference.ar import target_eos
 from inference.prompts import read_prompts, render
 from inference.simulator import Simulator
 from inference.verify import Sampling
+from spd_lightning.errors import ConfigError
 
 from .plots import alpha_curve_png, heatmap_png
 
@@ -50,7 +51,7 @@ class StaircaseEvaluation(L.Callback):
             log_table: log the per-prompt table to W&B.
         """
         if every_n_steps < 0 or num_prompts < 1 or max_new_tokens < 1 or num_batches < 0:
-            raise ValueError(f"StaircaseEvaluation: every_n_steps={every_n_steps} must be >= 0, num_prompts="
+            raise ConfigError(f"StaircaseEvaluation: every_n_steps={every_n_steps} must be >= 0, num_prompts="
                              f"{num_prompts} and max_new_tokens={max_new_tokens} >= 1, num_batches={num_batches} >= 0")
         self.every_n_steps, self.num_prompts, self.max_new_tokens = every_n_steps, num_prompts, max_new_tokens
         self.prompt_file, self.num_batches, self.log_table, self.seed = prompts, num_batches, log_table, seed
@@ -85,7 +86,7 @@ class StaircaseEvaluation(L.Callback):
             else:
                 self._prompt_ids = [list(p) for p in dm.heldout_prompts(self.num_prompts)]
             if not self._prompt_ids:
-                raise ValueError("staircase evaluation found no held-out prompt: give `prompts:` a jsonl file")
+                raise ConfigError("staircase evaluation found no held-out prompt: give `prompts:` a jsonl file")
         return self._prompt_ids
 
     @torch.no_grad()

@@ -21,6 +21,7 @@ from typing import Callable, Literal, Optional, Sequence
 import torch
 
 from .attention import Backend, MaskMod, TwoPartPlan, make_attend
+from .errors import ConfigError
 from .geometry import Geometry
 from .pdm import Attend
 
@@ -40,11 +41,11 @@ class FillDistribution:
         if self.probs is not None:
             p = torch.tensor([float(x) for x in self.probs], dtype=torch.float64)
             if p.numel() != n or (p < 0).any() or p.sum() <= 0:
-                raise ValueError(f"fill_probs={list(self.probs)} must be {n} non-negative weights for a = 1..n={n} "
+                raise ConfigError(f"fill_probs={list(self.probs)} must be {n} non-negative weights for a = 1..n={n} "
                                  f"with a positive sum")
             return p / p.sum()
         if not 0.0 <= self.full_prob <= 1.0:
-            raise ValueError(f"fill_full_prob={self.full_prob} must lie in [0, 1]")
+            raise ConfigError(f"fill_full_prob={self.full_prob} must lie in [0, 1]")
         if n == 1:
             return torch.ones(1, dtype=torch.float64)
         rest = (1.0 - self.full_prob) / (n - 1)
@@ -236,4 +237,4 @@ def build_layout(name: LayoutName, geometry: Geometry, fill: FillDistribution = 
         return DepthLayout(geometry, fill)
     if name == "type":
         return TypeLayout(geometry, fill)
-    raise ValueError(f"unknown layout {name!r}: use 'depth' (exact) or 'type' (the paper's)")
+    raise ConfigError(f"unknown layout {name!r}: use 'depth' (exact) or 'type' (the paper's)")

@@ -23,6 +23,7 @@ import torchmetrics
 from lightning.pytorch.utilities import rank_zero_info
 
 from .attention import Backend
+from .errors import ConfigError
 from .export import CKPT_KEY, DrafterSpec
 from .geometry import Features, Geometry, Schedule
 from .layouts import FillDistribution, LayoutName, build_layout
@@ -100,13 +101,13 @@ class SPDModule(L.LightningModule):
         self.save_hyperparameters()
         for name, value in (("teacher_temperature", teacher_temperature), ("lr", lr)):
             if value <= 0:
-                raise ValueError(f"{name}={value} must be positive")
+                raise ConfigError(f"{name}={value} must be positive")
         for name, value in (("aux_loss_weight", aux_loss_weight), ("weight_decay", weight_decay),
                             ("warmup_steps", warmup_steps)):
             if value < 0:
-                raise ValueError(f"{name}={value} must be >= 0")
+                raise ConfigError(f"{name}={value} must be >= 0")
         if not 0 <= min_lr_ratio <= 1:
-            raise ValueError(f"min_lr_ratio={min_lr_ratio} must lie in [0, 1] (the final lr as a fraction of lr)")
+            raise ConfigError(f"min_lr_ratio={min_lr_ratio} must lie in [0, 1] (the final lr as a fraction of lr)")
         config = load_hf_config(target, trust_remote_code)
         self.target_config = getattr(config, "text_config", None) or config
         self.geometry = Geometry.build(self.target_config.num_hidden_layers, n, split, anchors, schedule, features)
@@ -138,12 +139,12 @@ class SPDModule(L.LightningModule):
         self._pdm_config(draft_vocab_size=1, rope_theta=1.0)  # shape errors now, before any data is processed
         width = hp.hidden_size or cfg.hidden_size
         if hp.init_head and width != cfg.hidden_size:
-            raise ValueError(f"init_head needs the PDM width to equal the target's ({cfg.hidden_size}), got "
+            raise ConfigError(f"init_head needs the PDM width to equal the target's ({cfg.hidden_size}), got "
                              f"hidden_size={width}: drop hidden_size or set init_head: false")
         if hp.init_layers_from is not None:
             idx = list(hp.init_layers_from)
             if len(idx) != hp.num_layers or any(not 0 <= i < cfg.num_hidden_layers for i in idx):
-                raise ValueError(f"init_layers_from={idx} must name {hp.num_layers} target layer(s) (one per PDM "
+                raise ConfigError(f"init_layers_from={idx} must name {hp.num_layers} target layer(s) (one per PDM "
                                  f"layer) in 0..{cfg.num_hidden_layers - 1}")
 
     # -- the frozen target ---------------------------------------------------------------------
@@ -167,12 +168,12 @@ class SPDModule(L.LightningModule):
             return  # without a trainer (`load_from_checkpoint`), on_load_checkpoint builds the PDM
         d2t = getattr(self.trainer.datamodule, "d2t", None) if self.trainer.datamodule is not None else None
         if d2t is None:
-            raise ValueError("SPDModule needs a data module with a draft vocabulary `d2t` (ChatDataModule): "
+            raise ConfigError("SPDModule needs a data module with a draft vocabulary `d2t` (ChatDataModule): "
                              "train through `python -m spd_lightning fit` or pass datamodule=ChatDataModule(...)")
         d2t = torch.as_tensor(d2t, dtype=torch.long)
         vocab = self.target.vocab_size
         if d2t.ndim != 1 or d2t.numel() == 0 or int(d2t.max()) >= vocab or int(d2t.min()) < 0:
-            raise ValueError(f"the draft vocabulary ({d2t.numel()} ids, max {int(d2t.max()) if d2t.numel() else None}) "
+            raise ConfigError(f"the draft vocabulary ({d2t.numel()} ids, max {int(d2t.max()) if d2t.numel() else None}) "
                              f"does not fit the target vocabulary of {vocab}: use the target's own tokenizer")
         hp = self.hparams
         self.pdm = PipelineDraftModule(self._pdm_config(d2t.numel(), self._target_info.rope_theta), d2t)

@@ -2,7 +2,9 @@
 (ChatDataModule over embedded ShareGPT, a micro chat target) trains, validates, resumes and runs on 2-process
 CPU DDP."""
 import glob
+import inspect
 import os
+import re
 import subprocess
 import sys
 
@@ -11,6 +13,7 @@ import torch
 from conftest import fit_args
 
 from spd_lightning import cli
+from spd_lightning.errors import UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended")
@@ -60,9 +63,74 @@ def test_missing_target_path(tmp_path, capsys):
 
 
 def test_debug_flag_shows_the_traceback(tmp_path):
-    with pytest.raises(ValueError, match="does not exist"):
+    with pytest.raises(UserError, match="does not exist"):
         cli.main(["fit", *fit_args(str(tmp_path / "no_target"), tmp_path), "--debug"])
-    os.environ.pop("SPD_DEBUG", None)
+
+
+def test_a_bug_exits_1_with_one_line_and_debug_raises_it(monkeypatch, capsys):
+    def broken(args):
+        raise KeyError("internal")
+
+    monkeypatch.setattr(cli, "run_cli", broken)
+    code, err = run_main(["fit"], capsys)
+    assert code == 1 and err.count("error:") == 1 and "KeyError" in err and "Traceback" not in err
+    with pytest.raises(KeyError):
+        cli.main(["fit", "--debug"])
+    monkeypatch.setenv("SPD_DEBUG", "1")
+    with pytest.raises(KeyError):
+        cli.main(["fit"])
+
+
+def test_debug_is_taken_out_of_the_command_line_without_editing_sys_argv(monkeypatch):
+    seen = []
+    monkeypatch.setattr(cli, "run_cli", seen.append)
+    argv = ["python -m spd_lightning", "fit", "--config", "x.yaml", "--debug"]
+    monkeypatch.setattr(sys, "argv", list(argv))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main()
+    assert exit_info.value.code == 0 and seen == [["fit", "--config", "x.yaml"]] and sys.argv == argv
+
+
+def test_a_parser_error_is_a_user_error(capsys):
+    code, err = run_main(["fit", "--config", CONFIGS[0], "--model.no_such_option", "1"], capsys)
+    assert code == 2 and err.count("error:") == 1 and "no_such_option" in err and "Traceback" not in err
+
+
+def echo_subcommand(args) -> int:
+    print("echo", *args)
+    return 3
+
+
+def test_a_subcommand_is_one_table_entry_and_shows_in_the_help(monkeypatch, capsys):
+    monkeypatch.setitem(cli.EXTRA_COMMANDS, "echo", ("test_cli:echo_subcommand", "print the arguments"))
+    code, _ = run_main(["echo", "a", "b"], capsys)
+    assert code == 3
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--help"])
+    help_text = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    for name in ("fit", "validate", "export", "echo"):
+        assert re.search(rf"^ +{name} +\S", help_text, re.MULTILINE), name
+
+
+def test_fit_help_documents_every_model_and_data_option():
+    """jsonargparse reads each option's help from the class's Google-style `Args:` (via docstring-parser)."""
+    import docstring_parser
+
+    from spd_lightning.data import ChatDataModule
+    from spd_lightning.module import SPDModule
+
+    result = subprocess.run([sys.executable, "-m", "spd_lightning", "fit", "--help"], cwd=REPO, capture_output=True,
+                            text=True, env={**os.environ, "PYTHONPATH": REPO, "COLUMNS": "10000"}, timeout=120)
+    help_text = " ".join(result.stdout.split())
+    for prefix, cls in (("model", SPDModule), ("data", ChatDataModule)):
+        documented = {p.arg_name: " ".join(p.description.split()) for p in docstring_parser.parse(cls.__doc__).params}
+        parameters = [name for name in inspect.signature(cls.__init__).parameters if name != "self"]
+        assert sorted(documented) == sorted(parameters), cls.__name__
+        for name in parameters:
+            if f"{prefix}.{name}" == "data.tokenizer":
+                continue  # linked to model.target: not an option of its own
+            assert f"--{prefix}.{name} " in help_text and documented[name] in help_text, f"{prefix}.{name}"
 
 
 def test_wandb_runs_offline_without_a_key(monkeypatch, tmp_path):
