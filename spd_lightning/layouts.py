@@ -9,7 +9,7 @@ replicates the sequence so that ONE forward computes the last-position output of
 - `layout: type` (the paper's; exact for `L_s = 1`): one block per aggregation type that a view uses.
   Fill is drawn once per step.
 
-Each layout states its mask once, as per-row quantities (`_rows`) from which both the FlexAttention-style
+Each layout states its mask once, as per-row quantities (`DepthRows`, `TypeRows`) from which both the FlexAttention-style
 predicate and the two-part factorization are read (spd_lightning/attention.py). Every replicated token
 keeps RoPE position `i`.
 """
@@ -106,6 +106,40 @@ class Replication:
         return slice(c * self.length, (c + 1) * self.length)
 
 
+@dataclass
+class DepthRows:
+    """What the `depth` mask needs of each query row (tensors broadcast over the query indices).
+
+    `copy`: the row's copy; `time`: its drafting time `t = i + copy`; `active`: a view's token (not padding, and
+    `copy < a(t)` or the verified copy); `cutoff`: the last copy-n position it reads (-1: none); the row reads
+    copies `stair_lo..stair_hi-1` of the staircase at `(j, t - j)`.
+    """
+
+    copy: torch.Tensor
+    time: torch.Tensor
+    active: torch.Tensor
+    cutoff: torch.Tensor
+    stair_lo: torch.Tensor
+    stair_hi: torch.Tensor
+
+
+@dataclass
+class TypeRows:
+    """What the `type` mask needs of each query row (tensors broadcast over the query indices).
+
+    `time`: the row's position; `fill`: the step's fill level; `real`: not padding; `inflight_index`: the in-flight
+    index `jq` its block stands for; keys nearer than `stair_width` come from the staircase blocks, keys at distance
+    `>= stair_width` from the deepest block, up to position `cutoff` (-1: none).
+    """
+
+    time: torch.Tensor
+    fill: torch.Tensor
+    real: torch.Tensor
+    inflight_index: torch.Tensor
+    stair_width: torch.Tensor
+    cutoff: torch.Tensor
+
+
 class DepthLayout:
     """`n+1` copies; the structural mask of SPEC 4.4."""
 
@@ -126,9 +160,7 @@ class DepthLayout:
         fill = fill.to(device)
         B = lengths.shape[0]
 
-        def rows(b, q):
-            """Per query row: copy, position, drafting time, whether it is a view's token, the copy-n prefix
-            cutoff, and the staircase copies `lo..hi-1` it reads at `(j, t - j)`."""
+        def rows(b, q) -> DepthRows:
             copy, pos = q // T, q % T
             t = pos + copy
             a = fill[b, t]
@@ -136,24 +168,24 @@ class DepthLayout:
             active = real & ((copy == n) | (copy < a))
             cutoff = torch.where(active, torch.where(copy == n, pos, t - a), -1)
             hi = torch.where(active & (copy < n), a, copy)
-            return copy, pos, t, active, cutoff, copy, hi
+            return DepthRows(copy=copy, time=t, active=active, cutoff=cutoff, stair_lo=copy, stair_hi=hi)
 
         def mask_mod(b, h, q, kv):
-            copy, pos, t, active, cutoff, lo, hi = rows(b, q)
+            row = rows(b, q)
             kc, kp = kv // T, kv % T
-            prefix = (kc == n) & (kp <= cutoff)
-            stair = (kc >= lo) & (kc < hi) & (kp + kc == t)
-            return prefix | stair | (~active & (kv == q))
+            prefix = (kc == n) & (kp <= row.cutoff)
+            stair = (kc >= row.stair_lo) & (kc < row.stair_hi) & (kp + kc == row.time)
+            return prefix | stair | (~row.active & (kv == q))
 
         def plan() -> TwoPartPlan:
             b = torch.arange(B, device=device)[:, None]
             q = torch.arange((n + 1) * T, device=device)[None, :]
-            copy, pos, t, active, cutoff, lo, hi = rows(b, q)
-            j = lo[..., None] + torch.arange(max(n, 1), device=device)  # [B, S, W]
-            ok = (j < hi[..., None]) & (t[..., None] - j >= 0)
-            stair = torch.where(ok, j * T + t[..., None] - j, -1)
-            stair[..., 0] = torch.where(active, stair[..., 0], q.expand(B, -1))  # inactive and padding: self only
-            return TwoPartPlan(prefix_start=n * T, prefix_len=T, cutoff=cutoff.expand(B, -1), stair=stair)
+            row = rows(b, q)
+            j = row.stair_lo[..., None] + torch.arange(max(n, 1), device=device)  # [B, S, W]
+            t = row.time[..., None]
+            stair = torch.where((j < row.stair_hi[..., None]) & (t - j >= 0), j * T + t - j, -1)
+            stair[..., 0] = torch.where(row.active, stair[..., 0], q.expand(B, -1))  # inactive and padding: self only
+            return TwoPartPlan(prefix_start=n * T, prefix_len=T, cutoff=row.cutoff.expand(B, -1), stair=stair)
 
         i = torch.arange(T, device=device)
         real = i[None, :] < lengths[:, None]
@@ -195,35 +227,34 @@ class TypeLayout:
         block_of_j = torch.tensor(self.block_of_j, device=device)
         jq_of_block = torch.tensor(self.jq, device=device)
 
-        def rows(b, q):
-            """Per query row: block, position, fill, in-flight index, and `delta0`: keys at distance
-            `>= delta0` all come from the deepest block (a prefix), nearer ones from the staircase."""
+        def rows(b, q) -> TypeRows:
             blk, t = q // T, q % T
             a = fill[b]
             real = t < lengths[b]
             jq = jq_of_block[blk]
             delta0 = torch.minimum((self.first_deep_j - jq).clamp(min=0), a)
-            cutoff = torch.where(real, t - delta0, -1)
-            return blk, t, a, real, jq, delta0, cutoff
+            return TypeRows(time=t, fill=a, real=real, inflight_index=jq, stair_width=delta0,
+                            cutoff=torch.where(real, t - delta0, -1))
 
         def mask_mod(b, h, q, kv):
-            blk, t, a, real, jq, delta0, cutoff = rows(b, q)
+            row = rows(b, q)
             kb, kt = kv // T, kv % T
-            delta = t - kt
-            key_block = torch.where(delta < a, block_of_j[(jq + delta).clamp(0, n)], self.deepest)
-            return (real & (delta >= 0) & (kb == key_block)) | (~real & (kv == q))
+            delta = row.time - kt
+            key_block = torch.where(delta < row.fill, block_of_j[(row.inflight_index + delta).clamp(0, n)], self.deepest)
+            return (row.real & (delta >= 0) & (kb == key_block)) | (~row.real & (kv == q))
 
         def plan() -> TwoPartPlan:
             b = torch.arange(B, device=device)[:, None]
             q = torch.arange(m * T, device=device)[None, :]
-            blk, t, a, real, jq, delta0, cutoff = rows(b, q)
+            row = rows(b, q)
             delta = torch.arange(max(self.first_deep_j, 1), device=device)  # [W]
-            kt = t[..., None] - delta
-            ok = real[..., None] & (delta < delta0[..., None]) & (kt >= 0)
-            key_block = block_of_j[(jq[..., None] + delta).clamp(0, n)]
+            kt = row.time[..., None] - delta
+            ok = row.real[..., None] & (delta < row.stair_width[..., None]) & (kt >= 0)
+            key_block = block_of_j[(row.inflight_index[..., None] + delta).clamp(0, n)]
             stair = torch.where(ok, key_block * T + kt, -1)
-            stair[..., 0] = torch.where(real, stair[..., 0], q.expand(B, -1))  # padding: self only
-            return TwoPartPlan(prefix_start=self.deepest * T, prefix_len=T, cutoff=cutoff.expand(B, -1), stair=stair)
+            stair[..., 0] = torch.where(row.real, stair[..., 0], q.expand(B, -1))  # padding: self only
+            return TwoPartPlan(prefix_start=self.deepest * T, prefix_len=T, cutoff=row.cutoff.expand(B, -1),
+                               stair=stair)
 
         i = torch.arange(T, device=device)
         real = i[None, :] < lengths[:, None]
