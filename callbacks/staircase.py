@@ -30,10 +30,12 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 from inference.ar import target_eos
-from inference.prompts import read_prompts, render
+from inference.prompts import read_prompts
 from inference.simulator import Simulator
 from inference.verify import Sampling
+from spd_lightning.data.chat import render_prompt
 from spd_lightning.errors import ConfigError
+from spd_lightning.metrics import GroupedAgreement
 
 from .plots import alpha_curve_png, heatmap_png
 
@@ -82,7 +84,7 @@ class StaircaseEvaluation(L.Callback):
             dm = trainer.datamodule
             if self.prompt_file:
                 texts = read_prompts(None, self.prompt_file)[: self.num_prompts]
-                self._prompt_ids = [render(dm.tokenizer, t) for t in texts]
+                self._prompt_ids = [render_prompt(dm.tokenizer, t) for t in texts]
             else:
                 self._prompt_ids = [list(p) for p in dm.heldout_prompts(self.num_prompts)]
             if not self._prompt_ids:
@@ -95,15 +97,15 @@ class StaircaseEvaluation(L.Callback):
         pl_module.pdm.eval()
         try:
             decoded, rows = self._decode(trainer, pl_module)
-            grid = self._agreement(trainer, pl_module) if self.num_batches else None
+            agreement = self._agreement(trainer, pl_module) if self.num_batches else None
         finally:
             pl_module.pdm.train(was_training)
-        metrics = self._metrics(decoded, grid, pl_module.geometry.n)
+        metrics = self._metrics(decoded, agreement, pl_module.geometry.n)
         step = trainer.global_step
         self.history.append((step, metrics["staircase/alpha"]))
         trainer.callback_metrics.update({k: torch.tensor(v, dtype=torch.float64) for k, v in metrics.items()})
         # Trainer.log_dir is a collective (it broadcasts from rank 0): read it on every rank, log on rank 0.
-        self._log(trainer, os.path.join(trainer.log_dir or trainer.default_root_dir, "staircase"), metrics, rows, grid)
+        self._log(trainer, os.path.join(trainer.log_dir or trainer.default_root_dir, "staircase"), metrics, rows, agreement)
         return metrics
 
     def _decode(self, trainer, pl_module) -> tuple[torch.Tensor, list[list[Any]]]:
@@ -130,9 +132,9 @@ class StaircaseEvaluation(L.Callback):
         return self._sum(trainer, counts), self._gather(trainer, rows)
 
     def _agreement(self, trainer, pl_module) -> torch.Tensor:
-        """Teacher-forced top-1 agreement counts `[2, n+1 depths, n fills]` (correct, total), summed."""
+        """Teacher-forced top-1 agreement `[n+1 depths, n fills]` over every rank's batches (NaN: no output)."""
         n, world, rank = pl_module.geometry.n, trainer.world_size, trainer.global_rank
-        grid = torch.zeros(2, n + 1, n, dtype=torch.float64)
+        metric = GroupedAgreement((n + 1) * n).to(pl_module.device)  # group: depth * n + (fill - 1)
         loader = trainer.datamodule.val_dataloader()
         for i, batch in enumerate(loader):
             if i >= self.num_batches:
@@ -141,10 +143,11 @@ class StaircaseEvaluation(L.Callback):
                 continue
             batch = {k: v.to(pl_module.device) if torch.is_tensor(v) else v for k, v in batch.items()}
             agree, depth, fill = pl_module.staircase_agreement(batch, seed=self.seed + i)
-            flat = (depth * n + (fill - 1)).cpu()
-            grid[0] += torch.bincount(flat[agree.cpu()], minlength=(n + 1) * n).view(n + 1, n).double()
-            grid[1] += torch.bincount(flat, minlength=(n + 1) * n).view(n + 1, n).double()
-        return self._sum(trainer, grid)
+            metric.update(agree, depth * n + (fill - 1))
+        rate = torch.full(((n + 1) * n,), torch.nan, dtype=torch.float64)
+        for group, value in metric.compute().items():  # compute() sums the counts over the ranks
+            rate[group] = value
+        return rate.view(n + 1, n)
 
     @staticmethod
     def _sum(trainer, t: torch.Tensor) -> torch.Tensor:
@@ -161,7 +164,7 @@ class StaircaseEvaluation(L.Callback):
         return sorted(rows, key=lambda r: r[0])
 
     @staticmethod
-    def _metrics(counts: torch.Tensor, grid: Optional[torch.Tensor], n: int) -> dict[str, float]:
+    def _metrics(counts: torch.Tensor, agreement: Optional[torch.Tensor], n: int) -> dict[str, float]:
         N, K = counts[0].item(), counts[1].item()
         acc_fill, rej_fill = counts[2:2 + n], counts[2 + n:2 + 2 * n]
         acc_depth, rej_depth = counts[2 + 2 * n:3 + 3 * n], counts[3 + 3 * n:]
@@ -172,25 +175,23 @@ class StaircaseEvaluation(L.Callback):
             for j, (a, r) in enumerate(zip(acc.tolist(), rej.tolist())):
                 if a + r:
                     m[f"staircase/accept_{name}{j + first}"] = a / (a + r)
-        if grid is not None:
+        if agreement is not None:
             for k in range(n + 1):
                 for a in range(1, n + 1):
-                    if grid[1, k, a - 1] > 0:
-                        m[f"staircase/agree_d{k}_f{a}"] = (grid[0, k, a - 1] / grid[1, k, a - 1]).item()
+                    if not agreement[k, a - 1].isnan():
+                        m[f"staircase/agree_d{k}_f{a}"] = agreement[k, a - 1].item()
         return m
 
     @rank_zero_only
-    def _log(self, trainer, out: str, metrics: dict, rows: list, grid: Optional[torch.Tensor]) -> None:
+    def _log(self, trainer, out: str, metrics: dict, rows: list, agreement: Optional[torch.Tensor]) -> None:
         step = trainer.global_step
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
         os.makedirs(out, exist_ok=True)
         curve = alpha_curve_png(self.history, os.path.join(out, "alpha_vs_step.png"))
         heat = None
-        if grid is not None:
-            with torch.no_grad():
-                rate = torch.where(grid[1] > 0, grid[0] / grid[1].clamp(min=1), torch.nan)
-            heat = heatmap_png(rate, os.path.join(out, f"agreement_step{step}.png"), step)
+        if agreement is not None:
+            heat = heatmap_png(agreement, os.path.join(out, f"agreement_step{step}.png"), step)
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
                 import wandb
