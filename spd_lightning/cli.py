@@ -11,7 +11,8 @@ linked to the model's target, so a config names the target once. Defaults every 
 Errors: a `UserError` (a bad setting: geometry, target path, vocabulary, data, a flag) ends the run with one
 line on stderr and exit code 2; anything else is a bug: one line and exit code 1. `--debug` or `SPD_DEBUG=1`
 shows the traceback instead. SIGTERM ends `fit` after the current step with exit code 143 (128 + SIGTERM), its
-checkpoint saved. More subcommands: one line in `EXTRA_COMMANDS`.
+checkpoint saved. More subcommands: one line in `EXTRA_COMMANDS`. A config whose first line is `# base: FILE` is
+stacked on FILE (see `with_base_configs`).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import argparse
 import importlib
 import netrc
 import os
+import re
 import signal
 import sys
 import warnings
@@ -38,6 +40,7 @@ from .export import load_drafter, save_drafter
 from .module import SPDModule
 
 PROG = "python -m spd_lightning"
+BASE_LINE = re.compile(r"#\s*base:\s*(\S+)\s*$")
 WANDB_HOST = "api.wandb.ai"
 DEFAULT_LOGGER = {"class_path": "lightning.pytorch.loggers.WandbLogger",
                   "init_args": {"project": "spd-lightning", "save_dir": "runs"}}
@@ -110,7 +113,7 @@ def run_cli(args: Sequence[str]) -> SPDLightningCLI:
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
         try:
             return SPDLightningCLI(
-                SPDModule, ChatDataModule, args=list(args), seed_everything_default=0,
+                SPDModule, ChatDataModule, args=with_base_configs(args), seed_everything_default=0,
                 auto_configure_optimizers=False,  # SPDModule.configure_optimizers owns AdamW + the linear schedule
                 trainer_defaults={"logger": DEFAULT_LOGGER, "max_epochs": 1},
                 save_config_callback=LoggedConfigCallback, save_config_kwargs={"overwrite": True},
@@ -118,6 +121,37 @@ def run_cli(args: Sequence[str]) -> SPDLightningCLI:
             )
         except ArgumentError as e:  # a value the parser rejects (type, choice, unknown key, missing file)
             raise ConfigError(str(e)) from e
+
+
+def with_base_configs(args: Sequence[str]) -> list[str]:
+    """`--config FILE` whose first line is `# base: OTHER.yaml` (relative to FILE) becomes `--config OTHER --config
+    FILE`: LightningCLI deep-merges stacked configs, later values winning, so a per-target file holds only what
+    differs from the shared recipe and the user still names one file. A comment, not a key, because the parser
+    would reject an unknown key; a base may itself name a base."""
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        path = args[i + 1] if arg in ("-c", "--config") and i + 1 < len(args) else None
+        if arg.startswith("--config="):
+            path = arg.partition("=")[2]
+        for base in base_chain(path) if path else []:
+            out += ["--config", base]
+        out.append(arg)
+    return out
+
+
+def base_chain(path: str, seen: tuple[str, ...] = ()) -> list[str]:
+    """The bases `path` stacks on, the deepest first."""
+    try:
+        with open(path) as f:
+            match = BASE_LINE.match(f.readline())
+    except OSError:  # a missing file (the parser reports it) or a YAML string given as --config
+        return []
+    if match is None:
+        return []
+    base = os.path.join(os.path.dirname(path), match.group(1))
+    if os.path.abspath(base) in seen:
+        raise ConfigError(f"config {path!r}: its `# base:` line makes a cycle through {base!r}")
+    return base_chain(base, seen + (os.path.abspath(path),)) + [base]
 
 
 def parser_kwargs() -> dict:

@@ -43,6 +43,35 @@ def test_print_config_shows_the_linked_defaults(capsys):
     assert "tokenizer:" not in out  # linked to model.target, not a second setting
 
 
+@pytest.mark.parametrize("name, target", [("qwen35_9b", "Qwen/Qwen3.5-9B"), ("qwen35_4b", "Qwen/Qwen3.5-4B"),
+                                          ("qwen3_8b", "Qwen/Qwen3-8B")])
+def test_target_configs_are_the_shared_recipe_plus_their_own_values(name, target, tmp_path, monkeypatch, capsys):
+    """Each real-target config names its base in its first line; from any directory, in any `--config` form, it
+    resolves to the base's recipe with its own target and run directories on top."""
+    monkeypatch.chdir(tmp_path)
+    path = os.path.join(REPO, "configs", f"{name}.yaml")
+    with pytest.raises(SystemExit):
+        cli.main(["fit", f"--config={path}", "--print_config"])
+    import yaml
+
+    config = yaml.safe_load(capsys.readouterr().out)
+    trainer, model, data = config["trainer"], config["model"], config["data"]
+    assert (model["target"], model["n"], model["num_layers"], model["lr"]) == (target, 8, 3, 1.0e-4)
+    assert (trainer["strategy"], trainer["precision"], trainer["gradient_clip_val"]) == ("ddp", "bf16-mixed", 0.5)
+    assert trainer["logger"]["init_args"]["name"] == f"{name}_n8_ls3"
+    assert trainer["logger"]["init_args"]["project"] == "spd-lightning"  # from the base, merged with the target's
+    assert trainer["default_root_dir"] == f"runs/{name}" and config["checkpoint"]["dirpath"] == f"runs/{name}/checkpoints"
+    assert len(data["sources"]) == 4 and data["pad_to_multiple_of"] == 128
+    assert trainer["callbacks"][0]["init_args"]["every_n_steps"] == 2000
+
+
+def test_a_base_line_that_makes_a_cycle_is_a_user_error(tmp_path, capsys):
+    (tmp_path / "a.yaml").write_text("# base: b.yaml\nmodel: {n: 2}\n")
+    (tmp_path / "b.yaml").write_text("# base: a.yaml\nmodel: {n: 3}\n")
+    code, err = run_main(["fit", "--config", str(tmp_path / "a.yaml"), "--print_config"], capsys)
+    assert code == 2 and "cycle" in err
+
+
 @pytest.mark.parametrize("extra, expected", [
     (["--model.n", "9"], "n=9"),
     (["--model.anchors", "[0, 2, 9]"], "anchor 9 is out of range"),
