@@ -41,17 +41,24 @@ from .plots import alpha_curve_png, heatmap_png
 
 
 class StaircaseEvaluation(L.Callback):
+    """Decodes held-out prompts with the simulator and the PDM as it is now, and logs the staircase metrics.
+
+    Args:
+        every_n_steps: evaluate after every this many optimizer steps (0: only at the end of fit / validate).
+        num_prompts: prompts decoded per evaluation.
+        max_new_tokens: tokens generated per prompt.
+        prompts: an EAGLE-style jsonl of prompts; default: the data module's held-out conversations.
+        num_batches: validation batches for the teacher-forced depth x fill agreement (0 skips it).
+        temperature: sampling temperature (0: greedy).
+        top_k: sample from the k most likely tokens (0: all).
+        top_p: sample from the smallest set of tokens whose probability reaches p (1: all).
+        seed: seeds the sampling and the fill draws of the agreement batches.
+        log_table: log the per-prompt table to W&B.
+    """
+
     def __init__(self, every_n_steps: int = 200, num_prompts: int = 8, max_new_tokens: int = 64,
                  prompts: Optional[str] = None, num_batches: int = 2, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, log_table: bool = True):
-        """Args:
-            every_n_steps: evaluate after every this many optimizer steps (0: only at the end of fit / validate).
-            num_prompts, max_new_tokens: the decoding budget of one evaluation.
-            prompts: an EAGLE-style jsonl of prompts; default: the data module's held-out conversations.
-            num_batches: validation batches for the teacher-forced depth x fill agreement (0 skips it).
-            temperature, top_k, top_p, seed: decoding (greedy by default).
-            log_table: log the per-prompt table to W&B.
-        """
         if every_n_steps < 0 or num_prompts < 1 or max_new_tokens < 1 or num_batches < 0:
             raise ConfigError(f"StaircaseEvaluation: every_n_steps={every_n_steps} must be >= 0, num_prompts="
                              f"{num_prompts} and max_new_tokens={max_new_tokens} >= 1, num_batches={num_batches} >= 0")

@@ -1,23 +1,27 @@
 """Build the embedded default target: a tiny Qwen3.5-architecture chat model, entirely offline (SPEC 8).
 
-    python -m spd_lightning.tiny_target --out artifacts/tiny_target [--arch qwen3_5|qwen3] [--minutes 4] [--seed 0]
+    python -m spd_lightning.tiny_target --out artifacts/tiny_target [--arch qwen3_5|qwen3] [--max-steps 360]
+        [--minutes M] [--threads 2] [--seed 0]
 
 1. A byte-level BPE tokenizer (`tokenizers`, Qwen2-style pre-tokenizer, ~4k ids) is trained on ShareGPT
    text, with Qwen's chat special tokens and a Qwen3-style chat template that honours
    `enable_thinking=False` (the generation prompt then carries an empty `<think>` block).
 2. A tiny causal LM (`Qwen3_5ForCausalLM`: Gated DeltaNet + full attention, 3 linear layers per full one;
    or a dense `Qwen3ForCausalLM`) is pretrained on ShareGPT conversations rendered with that template,
-   packed into fixed-length blocks, for a wall-clock budget.
+   packed into fixed-length blocks, for a number of steps (or a wall-clock budget).
 3. The result is an ordinary Hugging Face directory: every code path loads it through the Auto classes
    exactly like Qwen3.5-9B. `tiny_target.json` next to the weights records the held-out loss, tokens
    seen, parameters, minutes, and the command that rebuilds it.
 
-Determinism: the data order and the initialization follow `--seed`. A wall-clock budget makes the step
-count depend on the machine; `--max-steps` schedules by steps instead and is exact (the budget stays a cap).
+Determinism: the data order and the initialization follow `--seed`, the budget is a step count (`--max-steps`,
+default 360), so the same seed and `--threads` give the same weights (CPUs with different vector units may
+still round differently). `--minutes` alone schedules by the clock instead: the step count then depends on the
+machine and its load (the benchmark target is built that way, docs/BENCHMARKS.md).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -31,13 +35,16 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .data.formats import DataError, normalize_conversation
+from .data.formats import normalize_conversation
 from .data.sharegpt import load_embedded_sharegpt
 from .errors import UserError
 
 ENDOFTEXT, IM_START, IM_END, THINK, END_THINK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"
 REPORT_FILE = "tiny_target.json"
 WARMUP_FRACTION = 0.05
+# The default budget: the demo's target. About 4 minutes on the 2-core dev box when idle (356 steps took 4.0 min
+# there, docs/BENCHMARKS.md); a step count, not minutes, so that every machine builds the same target.
+DEFAULT_STEPS = 360
 ARCHS = ("qwen3_5", "qwen3")
 
 
@@ -136,6 +143,19 @@ def tiny_model_config(arch: str, vocab_size: int, hidden_size: int, num_layers: 
                              linear_num_key_heads=2, linear_num_value_heads=4, layer_types=layer_types)
 
 
+def tiny_model(tokenizer, arch: str, hidden_size: int, num_layers: int, seed: int):
+    """A freshly initialized (from `seed`) causal LM for `tokenizer`, ending generation at `<|im_end|>`."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    eos_id, pad_id = tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(ENDOFTEXT)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_model_config(arch, len(tokenizer), hidden_size, num_layers, eos_id,
+                                                               pad_id))
+    model.config.eos_token_id, model.config.pad_token_id = eos_id, pad_id
+    model.generation_config = GenerationConfig(eos_token_id=[eos_id, pad_id], pad_token_id=pad_id, do_sample=False)
+    return model
+
+
 # -- data ------------------------------------------------------------------------------------------
 def sharegpt_conversations(max_conversations: int | None) -> list[list[dict[str, str]]]:
     records = load_embedded_sharegpt(max_conversations)
@@ -199,62 +219,46 @@ def save_target_dir(model, tokenizer, report: dict, out_dir: str) -> None:
 
 
 # -- the build -------------------------------------------------------------------------------------
-def build_tiny_target(out_dir: str, arch: str = "qwen3_5", minutes: float = 4.0, seed: int = 0,
-                      max_steps: int | None = None, hidden_size: int = 160, num_layers: int = 8,
-                      vocab_size: int = 4096, seq_len: int = 256, batch_size: int = 8, lr: float = 2e-3,
-                      max_conversations: int | None = None, tokenizer_conversations: int = 3000,
-                      heldout_conversations: int = 64, heldout_blocks: int = 32, num_threads: int | None = None) -> dict:
-    """Train the tokenizer and the model, save both to `out_dir`, return (and write) the build report.
-    `num_threads` sets torch's CPU threads (default: torch's choice); on a machine shared with other jobs,
-    fewer threads than cores avoids the oversubscription that makes every step several times slower."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    if minutes <= 0 or (max_steps is not None and max_steps < 1):
+def resolve_budget(minutes: float | None, max_steps: int | None) -> tuple[float | None, int | None]:
+    """(minutes, max_steps): a step count by default (the same target on every machine); a wall-clock budget only
+    when asked for, alone (the schedule then follows the clock) or as a cap on the steps."""
+    if (minutes is not None and minutes <= 0) or (max_steps is not None and max_steps < 1):
         raise TinyTargetError(f"minutes={minutes}, max_steps={max_steps}: the budget must be positive")
-    if num_threads is not None:
-        torch.set_num_threads(num_threads)
-    started = time.time()
-    conversations = sharegpt_conversations(max_conversations)
-    if len(conversations) < 2:
-        raise TinyTargetError(f"only {len(conversations)} usable ShareGPT conversations: raise max_conversations")
-    order = np.random.default_rng(seed).permutation(len(conversations))
-    heldout_count = min(heldout_conversations, len(conversations) // 5 or 1)
-    heldout = [conversations[i] for i in order[:heldout_count]]
-    train = [conversations[i] for i in order[heldout_count:]]
+    if minutes is None and max_steps is None:
+        max_steps = DEFAULT_STEPS
+    return minutes, max_steps
 
-    print(f"tiny_target: training a {vocab_size}-id BPE tokenizer on {min(tokenizer_conversations, len(train))} "
-          f"conversations", flush=True)
-    tokenizer = train_chat_tokenizer((m["content"] for c in train[:tokenizer_conversations] for m in c), vocab_size)
-    eos_id, pad_id = tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(ENDOFTEXT)
 
-    torch.manual_seed(seed)
-    config = tiny_model_config(arch, len(tokenizer), hidden_size, num_layers, eos_id, pad_id)
-    model = AutoModelForCausalLM.from_config(config)
-    params = sum(p.numel() for p in model.parameters())
-    print(f"tiny_target: {type(model).__name__}, {params / 1e6:.2f}M parameters, {num_layers} layers, width "
-          f"{hidden_size}; budget {minutes:g} min" + (f" / {max_steps} steps" if max_steps else ""), flush=True)
+@contextlib.contextmanager
+def torch_threads(count: int | None) -> Iterator[None]:
+    """torch's CPU threads set to `count` for the build, restored afterwards (None: torch's choice)."""
+    previous = torch.get_num_threads()
+    if count is not None:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
-    heldout_rows = list(token_blocks(tokenizer, heldout, seq_len))[:heldout_blocks]
-    if not heldout_rows:
-        raise TinyTargetError(f"the {heldout_count} held-out conversations give no {seq_len}-token block: lower seq_len")
-    heldout_tensor = torch.tensor(heldout_rows)
 
+def pretrain(model, batches: Iterator[torch.Tensor], lr: float, minutes: float | None,
+             max_steps: int | None) -> tuple[int, int, float]:
+    """AdamW with warmup over the first 5% of the budget, then cosine decay to 10% of `lr`; returns (steps, tokens
+    seen, minutes). The schedule follows budget fractions (steps when given, else the clock), because a wall-clock
+    budget fixes no step count."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    budget_s = minutes * 60.0
+    budget_s = minutes * 60.0 if minutes is not None else math.inf
     model.train()
-    step, tokens_seen, train_started = 0, 0, time.time()
+    step, tokens_seen, started = 0, 0, time.time()
     progress = tqdm(total=max_steps, desc="tiny_target", unit="step")
-    for batch in training_batches(tokenizer, train, seq_len, batch_size):
-        elapsed = time.time() - train_started
+    for batch in batches:
+        elapsed = time.time() - started
         done = step / max_steps if max_steps else elapsed / budget_s
         if done >= 1.0 or elapsed >= budget_s:
             break
-        # warmup over the first 5% of the budget (steps when given, else wall clock), then cosine decay to 10%;
-        # budget fractions, not step counts, because a wall-clock budget fixes no step count
         warm = min(1.0, max(done, 0.01) / WARMUP_FRACTION)
-        scale = warm * (0.1 + 0.45 * (1 + math.cos(math.pi * done)))
         for group in optimizer.param_groups:
-            group["lr"] = lr * scale
+            group["lr"] = lr * warm * (0.1 + 0.45 * (1 + math.cos(math.pi * done)))
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -263,28 +267,67 @@ def build_tiny_target(out_dir: str, arch: str = "qwen3_5", minutes: float = 4.0,
         step += 1
         tokens_seen += batch.numel()
         progress.update(1)
-        progress.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens_seen / (time.time() - train_started):.0f}")
+        progress.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens_seen / (time.time() - started):.0f}")
     progress.close()
-    train_minutes = (time.time() - train_started) / 60.0
     if max_steps and step < max_steps:
         print(f"tiny_target: the {minutes:g}-minute cap stopped training at step {step} of {max_steps}", flush=True)
+    return step, tokens_seen, (time.time() - started) / 60.0
 
-    loss = heldout_loss(model, heldout_tensor, batch_size)
-    model.config.eos_token_id, model.config.pad_token_id = eos_id, pad_id
-    model.generation_config = GenerationConfig(eos_token_id=[eos_id, pad_id], pad_token_id=pad_id, do_sample=False)
-    settings = {"arch": arch, "minutes": minutes, "seed": seed, "max_steps": max_steps, "hidden_size": hidden_size,
-                "num_layers": num_layers, "vocab_size": vocab_size, "seq_len": seq_len, "batch_size": batch_size,
-                "lr": lr, "max_conversations": max_conversations, "threads": num_threads}
-    report = {
-        **settings, "model_class": type(model).__name__, "params": params, "steps": step, "tokens_seen": tokens_seen,
-        "train_minutes": round(train_minutes, 3), "total_minutes": round((time.time() - started) / 60.0, 3),
-        "heldout_loss": round(loss, 4), "heldout_tokens": int(heldout_tensor.numel()),
-        "conversations": len(conversations), "torch_threads": torch.get_num_threads(),
-        "rebuild_command": "python -m spd_lightning.tiny_target --out " + shlex.quote(out_dir) + "".join(
-            f" --{k.replace('_', '-')} {v}" for k, v in settings.items() if v is not None),
-    }
+
+def split_conversations(max_conversations: int | None, heldout_conversations: int, seed: int):
+    """(train, held-out) ShareGPT conversations, shuffled by `seed`."""
+    conversations = sharegpt_conversations(max_conversations)
+    if len(conversations) < 2:
+        raise TinyTargetError(f"only {len(conversations)} usable ShareGPT conversations: raise max_conversations")
+    order = np.random.default_rng(seed).permutation(len(conversations))
+    heldout_count = min(heldout_conversations, len(conversations) // 5 or 1)
+    return [conversations[i] for i in order[heldout_count:]], [conversations[i] for i in order[:heldout_count]]
+
+
+def build_tiny_target(out_dir: str, arch: str = "qwen3_5", minutes: float | None = None, seed: int = 0,
+                      max_steps: int | None = None, hidden_size: int = 160, num_layers: int = 8,
+                      vocab_size: int = 4096, seq_len: int = 256, batch_size: int = 8, lr: float = 2e-3,
+                      max_conversations: int | None = None, tokenizer_conversations: int = 3000,
+                      heldout_conversations: int = 64, heldout_blocks: int = 32, num_threads: int | None = None) -> dict:
+    """Train the tokenizer and the model, save both to `out_dir`, return (and write) the build report. Budget: see
+    `resolve_budget`. `num_threads` sets torch's CPU threads for the build: the same seed, step count and thread
+    count give the same weights; on a machine shared with other jobs, fewer threads than cores avoids the
+    oversubscription that makes every step several times slower."""
+    minutes, max_steps = resolve_budget(minutes, max_steps)
+    with torch_threads(num_threads):
+        started = time.time()
+        train, heldout = split_conversations(max_conversations, heldout_conversations, seed)
+        print(f"tiny_target: training a {vocab_size}-id BPE tokenizer on {min(tokenizer_conversations, len(train))} "
+              f"conversations", flush=True)
+        tokenizer = train_chat_tokenizer((m["content"] for c in train[:tokenizer_conversations] for m in c), vocab_size)
+        heldout_rows = list(token_blocks(tokenizer, heldout, seq_len))[:heldout_blocks]
+        if not heldout_rows:
+            raise TinyTargetError(f"the {len(heldout)} held-out conversations give no {seq_len}-token block: lower "
+                                  f"seq_len")
+        model = tiny_model(tokenizer, arch, hidden_size, num_layers, seed)
+        params = sum(p.numel() for p in model.parameters())
+        budget = " / ".join(text for text in (f"{max_steps} steps" if max_steps else "",
+                                              f"{minutes:g} min" if minutes else "") if text)
+        print(f"tiny_target: {type(model).__name__}, {params / 1e6:.2f}M parameters, {num_layers} "
+              f"layers, width {hidden_size}; budget {budget}", flush=True)
+        steps, tokens_seen, train_minutes = pretrain(
+            model, training_batches(tokenizer, train, seq_len, batch_size), lr, minutes, max_steps)
+        heldout_tensor = torch.tensor(heldout_rows)
+        loss = heldout_loss(model, heldout_tensor, batch_size)
+        settings = {"arch": arch, "minutes": minutes, "seed": seed, "max_steps": max_steps, "hidden_size": hidden_size,
+                    "num_layers": num_layers, "vocab_size": vocab_size, "seq_len": seq_len, "batch_size": batch_size,
+                    "lr": lr, "max_conversations": max_conversations, "threads": num_threads}
+        report = {
+            **settings, "model_class": type(model).__name__, "params": params, "steps": steps,
+            "tokens_seen": tokens_seen, "train_minutes": round(train_minutes, 3),
+            "total_minutes": round((time.time() - started) / 60.0, 3), "heldout_loss": round(loss, 4),
+            "heldout_tokens": int(heldout_tensor.numel()), "conversations": len(train) + len(heldout),
+            "torch_threads": torch.get_num_threads(),
+            "rebuild_command": "python -m spd_lightning.tiny_target --out " + shlex.quote(out_dir) + "".join(
+                f" --{k.replace('_', '-')} {v}" for k, v in settings.items() if v is not None),
+        }
     save_target_dir(model, tokenizer, report, out_dir)
-    print(f"tiny_target: {step} steps, {tokens_seen:,} tokens in {train_minutes:.2f} min; held-out loss {loss:.4f} "
+    print(f"tiny_target: {steps} steps, {tokens_seen:,} tokens in {train_minutes:.2f} min; held-out loss {loss:.4f} "
           f"over {heldout_tensor.numel():,} tokens; saved to {out_dir}", flush=True)
     return report
 
@@ -293,9 +336,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m spd_lightning.tiny_target", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="output directory (a Hugging Face model directory)")
     parser.add_argument("--arch", choices=ARCHS, default="qwen3_5")
-    parser.add_argument("--minutes", type=float, default=4.0, help="wall-clock training budget")
+    parser.add_argument("--minutes", type=float, default=None,
+                        help="wall-clock budget: alone, the schedule follows the clock (the result depends on the "
+                             "machine); with --max-steps, a cap")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-steps", type=int, default=None, help="exact step count (deterministic); minutes stay a cap")
+    parser.add_argument("--max-steps", type=int, default=None,
+                        help=f"exact step count (default {DEFAULT_STEPS} when --minutes is not given): the same "
+                             f"target on every machine for the same seed and --threads")
     parser.add_argument("--hidden-size", type=int, default=160)
     parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--vocab-size", type=int, default=4096)
@@ -311,8 +358,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                                  vocab_size=args.vocab_size, seq_len=args.seq_len, batch_size=args.batch_size,
                                  lr=args.lr, max_conversations=args.max_conversations,
                                  num_threads=args.threads)
-    except (DataError, TinyTargetError) as e:
-        parser.exit(2, f"error: {e}\n")
+    except UserError as e:
+        parser.exit(e.exit_code, f"error: {e}\n")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ import json
 import pytest
 import torch
 
-from spd_lightning.tiny_target import REPORT_FILE, TinyTargetError, build_tiny_target, main, tiny_model_config
+from spd_lightning.tiny_target import (DEFAULT_STEPS, REPORT_FILE, TinyTargetError, build_tiny_target, main,
+                                       resolve_budget, tiny_model_config)
 
 TINY_BUILD = dict(minutes=2.0, max_steps=2, hidden_size=32, num_layers=4, vocab_size=512, seq_len=64, batch_size=2,
                   max_conversations=120, tokenizer_conversations=100, heldout_conversations=8, heldout_blocks=2)
@@ -67,15 +68,25 @@ def test_loads_through_auto_classes_and_generates(built_qwen35):
     assert target.num_layers == 4 and target.vocab_size == len(tokenizer)
 
 
-def test_max_steps_makes_the_build_deterministic(tmp_path):
-    first = build_tiny_target(str(tmp_path / "a"), arch="qwen3", seed=3, **TINY_BUILD)
-    again = build_tiny_target(str(tmp_path / "b"), arch="qwen3", seed=3, **TINY_BUILD)
+def test_same_seed_steps_and_threads_give_the_same_target(tmp_path):
+    threads = torch.get_num_threads()
+    first = build_tiny_target(str(tmp_path / "a"), arch="qwen3", seed=3, num_threads=1, **TINY_BUILD)
+    again = build_tiny_target(str(tmp_path / "b"), arch="qwen3", seed=3, num_threads=1, **TINY_BUILD)
+    assert torch.get_num_threads() == threads  # the build leaves the process's setting as it found it
     assert first["heldout_loss"] == again["heldout_loss"] and first["model_class"] == "Qwen3ForCausalLM"
     from safetensors.torch import load_file
     a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     with open(tmp_path / "a" / "tokenizer.json") as fa, open(tmp_path / "b" / "tokenizer.json") as fb:
         assert fa.read() == fb.read()
+
+
+def test_the_budget_is_a_step_count_unless_minutes_are_asked_for():
+    assert resolve_budget(None, None) == (None, DEFAULT_STEPS)  # the demo's target: the same on every machine
+    assert resolve_budget(18.0, None) == (18.0, None)  # the benchmark target: a wall-clock schedule
+    assert resolve_budget(2.0, 5) == (2.0, 5)  # steps, with a cap
+    with pytest.raises(TinyTargetError, match="budget must be positive"):
+        resolve_budget(None, 0)
 
 
 def test_bad_settings_fail_with_one_line(capsys):
