@@ -18,10 +18,11 @@ logs a per-prompt table and the depth x fill heatmap; PNGs of the heatmap and of
 written under the run's log directory for any logger. Under DDP each rank decodes a shard of the prompts
 and the counts are summed, so the numbers equal a one-process evaluation.
 """
+
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 import lightning as L
 import torch
@@ -56,17 +57,29 @@ class StaircaseEvaluation(L.Callback):
         log_table: log the per-prompt table to W&B.
     """
 
-    def __init__(self, every_n_steps: int = 200, num_prompts: int = 8, max_new_tokens: int = 64,
-                 prompts: Optional[str] = None, num_batches: int = 2, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0, log_table: bool = True):
+    def __init__(
+        self,
+        every_n_steps: int = 200,
+        num_prompts: int = 8,
+        max_new_tokens: int = 64,
+        prompts: str | None = None,
+        num_batches: int = 2,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        log_table: bool = True,
+    ):
         if every_n_steps < 0 or num_prompts < 1 or max_new_tokens < 1 or num_batches < 0:
-            raise ConfigError(f"StaircaseEvaluation: every_n_steps={every_n_steps} must be >= 0, num_prompts="
-                             f"{num_prompts} and max_new_tokens={max_new_tokens} >= 1, num_batches={num_batches} >= 0")
+            raise ConfigError(
+                f"StaircaseEvaluation: every_n_steps={every_n_steps} must be >= 0, num_prompts="
+                f"{num_prompts} and max_new_tokens={max_new_tokens} >= 1, num_batches={num_batches} >= 0"
+            )
         self.every_n_steps, self.num_prompts, self.max_new_tokens = every_n_steps, num_prompts, max_new_tokens
         self.prompt_file, self.num_batches, self.log_table, self.seed = prompts, num_batches, log_table, seed
         self.sampling = Sampling(temperature, top_k, top_p)
         self.history: list[tuple[int, float]] = []  # (global step, alpha): the alpha-vs-step curve
-        self._prompt_ids: Optional[list[list[int]]] = None
+        self._prompt_ids: list[list[int]] | None = None
 
     # -- when ------------------------------------------------------------------------------------
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -82,7 +95,7 @@ class StaircaseEvaluation(L.Callback):
         if trainer.state.fn == "validate":
             self.evaluate(trainer, pl_module)
 
-    def _last_step(self) -> Optional[int]:
+    def _last_step(self) -> int | None:
         return self.history[-1][0] if self.history else None
 
     # -- what ------------------------------------------------------------------------------------
@@ -112,7 +125,9 @@ class StaircaseEvaluation(L.Callback):
         self.history.append((step, metrics["staircase/alpha"]))
         trainer.callback_metrics.update({k: torch.tensor(v, dtype=torch.float64) for k, v in metrics.items()})
         # Trainer.log_dir is a collective (it broadcasts from rank 0): read it on every rank, log on rank 0.
-        self._log(trainer, os.path.join(trainer.log_dir or trainer.default_root_dir, "staircase"), metrics, rows, agreement)
+        self._log(
+            trainer, os.path.join(trainer.log_dir or trainer.default_root_dir, "staircase"), metrics, rows, agreement
+        )
         return metrics
 
     def _decode(self, trainer, pl_module) -> tuple[torch.Tensor, list[list[Any]]]:
@@ -133,8 +148,17 @@ class StaircaseEvaluation(L.Callback):
                 continue
             r = sim.decode(ids, self.max_new_tokens, eos, seed=self.seed + i)
             c = r.counters
-            counts += torch.tensor([r.N, r.K, *c["accepted_by_fill"], *c["rejected_by_fill"],
-                                    *c["accepted_by_depth"], *c["rejected_by_depth"]], dtype=torch.float64)
+            counts += torch.tensor(
+                [
+                    r.N,
+                    r.K,
+                    *c["accepted_by_fill"],
+                    *c["rejected_by_fill"],
+                    *c["accepted_by_depth"],
+                    *c["rejected_by_depth"],
+                ],
+                dtype=torch.float64,
+            )
             rows.append([i, text(ids), text(r.tokens), r.N, r.K, r.alpha])
         return self._sum(trainer, counts), self._gather(trainer, rows)
 
@@ -171,13 +195,18 @@ class StaircaseEvaluation(L.Callback):
         return sorted(rows, key=lambda r: r[0])
 
     @staticmethod
-    def _metrics(counts: torch.Tensor, agreement: Optional[torch.Tensor], n: int) -> dict[str, float]:
+    def _metrics(counts: torch.Tensor, agreement: torch.Tensor | None, n: int) -> dict[str, float]:
         N, K = counts[0].item(), counts[1].item()
-        acc_fill, rej_fill = counts[2:2 + n], counts[2 + n:2 + 2 * n]
-        acc_depth, rej_depth = counts[2 + 2 * n:3 + 3 * n], counts[3 + 3 * n:]
+        acc_fill, rej_fill = counts[2 : 2 + n], counts[2 + n : 2 + 2 * n]
+        acc_depth, rej_depth = counts[2 + 2 * n : 3 + 3 * n], counts[3 + 3 * n :]
         alpha = N / K if K else 0.0
-        m = {"staircase/alpha": alpha, "staircase/speedup": n * alpha, "staircase/N": N, "staircase/K": K,
-             "staircase/mean_accept_run": (acc_fill.sum() / (rej_fill.sum() + 1)).item()}
+        m = {
+            "staircase/alpha": alpha,
+            "staircase/speedup": n * alpha,
+            "staircase/N": N,
+            "staircase/K": K,
+            "staircase/mean_accept_run": (acc_fill.sum() / (rej_fill.sum() + 1)).item(),
+        }
         for name, acc, rej, first in (("fill", acc_fill, rej_fill, 1), ("depth", acc_depth, rej_depth, 0)):
             for j, (a, r) in enumerate(zip(acc.tolist(), rej.tolist())):
                 if a + r:
@@ -190,7 +219,7 @@ class StaircaseEvaluation(L.Callback):
         return m
 
     @rank_zero_only
-    def _log(self, trainer, out: str, metrics: dict, rows: list, agreement: Optional[torch.Tensor]) -> None:
+    def _log(self, trainer, out: str, metrics: dict, rows: list, agreement: torch.Tensor | None) -> None:
         step = trainer.global_step
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
@@ -207,16 +236,18 @@ class StaircaseEvaluation(L.Callback):
                 if heat:
                     payload["staircase/agreement_heatmap"] = wandb.Image(heat)
                 if self.log_table:
-                    payload["staircase/prompts"] = wandb.Table(columns=["index", "prompt", "output", "N", "K", "alpha"],
-                                                               data=rows)
+                    payload["staircase/prompts"] = wandb.Table(
+                        columns=["index", "prompt", "output", "N", "K", "alpha"], data=rows
+                    )
                 logger.experiment.log({**payload, "trainer/global_step": step})
 
     # -- checkpointed state ----------------------------------------------------------------------
     @property
     def state_key(self) -> str:
         # Two evaluations with different settings (say greedy and sampled) keep separate histories.
-        return self._generate_state_key(every_n_steps=self.every_n_steps, prompts=self.prompt_file,
-                                        sampling=str(self.sampling.to_dict()))
+        return self._generate_state_key(
+            every_n_steps=self.every_n_steps, prompts=self.prompt_file, sampling=str(self.sampling.to_dict())
+        )
 
     def state_dict(self) -> dict:
         return {"history": [list(h) for h in self.history]}

@@ -14,6 +14,7 @@ shows the traceback instead. SIGTERM ends `fit` after the current step with exit
 checkpoint saved. More subcommands: one line in `EXTRA_COMMANDS`. A config whose first line is `# base: FILE` is
 stacked on FILE (see `with_base_configs`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,10 +25,9 @@ import re
 import signal
 import sys
 import warnings
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from jsonargparse import ArgumentError, DefaultHelpFormatter
-
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
@@ -42,8 +42,10 @@ from .module import SPDModule
 PROG = "python -m spd_lightning"
 BASE_LINE = re.compile(r"#\s*base:\s*(\S+)\s*$")
 WANDB_HOST = "api.wandb.ai"
-DEFAULT_LOGGER = {"class_path": "lightning.pytorch.loggers.WandbLogger",
-                  "init_args": {"project": "spd-lightning", "save_dir": "runs"}}
+DEFAULT_LOGGER = {
+    "class_path": "lightning.pytorch.loggers.WandbLogger",
+    "init_args": {"project": "spd-lightning", "save_dir": "runs"},
+}
 
 
 class CheckpointOnSigterm(ModelCheckpoint):
@@ -113,10 +115,14 @@ def run_cli(args: Sequence[str]) -> SPDLightningCLI:
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
         try:
             return SPDLightningCLI(
-                SPDModule, ChatDataModule, args=with_base_configs(args), seed_everything_default=0,
+                SPDModule,
+                ChatDataModule,
+                args=with_base_configs(args),
+                seed_everything_default=0,
                 auto_configure_optimizers=False,  # SPDModule.configure_optimizers owns AdamW + the linear schedule
                 trainer_defaults={"logger": DEFAULT_LOGGER, "max_epochs": 1},
-                save_config_callback=LoggedConfigCallback, save_config_kwargs={"overwrite": True},
+                save_config_callback=LoggedConfigCallback,
+                save_config_kwargs={"overwrite": True},
                 parser_kwargs=parser_kwargs(),
             )
         except ArgumentError as e:  # a value the parser rejects (type, choice, unknown key, missing file)
@@ -158,9 +164,13 @@ def parser_kwargs() -> dict:
     """The top-level parser: a bad value raises (one line in main) instead of usage text + exit; the help lists the
     extra subcommands."""
     extra = "\n".join(f"    {name:<20}{summary}" for name, (_, summary) in EXTRA_COMMANDS.items())
-    return {"exit_on_error": False, "prog": PROG, "formatter_class": HelpWithRawEpilog,
-            "description": "Train (fit), evaluate (validate) and export the Pipeline Draft Module of SPD.",
-            "epilog": f"more subcommands (each with --help):\n{extra}"}
+    return {
+        "exit_on_error": False,
+        "prog": PROG,
+        "formatter_class": HelpWithRawEpilog,
+        "description": "Train (fit), evaluate (validate) and export the Pipeline Draft Module of SPD.",
+        "epilog": f"more subcommands (each with --help):\n{extra}",
+    }
 
 
 class HelpWithRawEpilog(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -175,8 +185,10 @@ def export(args: Sequence[str]) -> str:
     opts = parser.parse_args(list(args))
     pdm, spec = load_drafter(opts.ckpt)
     out = save_drafter(pdm, spec, opts.out)
-    print(f"exported the drafter of {opts.ckpt} to {out} (n={spec.geometry.n}, L_s={spec.pdm.num_layers}, "
-          f"V_d={spec.pdm.draft_vocab_size}, target {spec.target.name_or_path})")
+    print(
+        f"exported the drafter of {opts.ckpt} to {out} (n={spec.geometry.n}, L_s={spec.pdm.num_layers}, "
+        f"V_d={spec.pdm.draft_vocab_size}, target {spec.target.name_or_path})"
+    )
     return out
 
 
@@ -188,8 +200,10 @@ def export_main(args: Sequence[str]) -> int:
 # Subcommands beside LightningCLI's fit/validate: name -> ("module:function", one-line summary). The function takes
 # the arguments after the name and returns the exit code; it is imported only when its subcommand runs.
 EXTRA_COMMANDS: dict[str, tuple[str, str]] = {
-    "export": ("spd_lightning.cli:export_main", "write the drafter directory (config.json + model.safetensors) "
-                                                "that inference/ loads"),
+    "export": (
+        "spd_lightning.cli:export_main",
+        "write the drafter directory (config.json + model.safetensors) that inference/ loads",
+    ),
 }
 
 
@@ -201,7 +215,7 @@ def dispatch(args: Sequence[str]) -> int:
     return 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     """Runs a subcommand and exits: 0 done, 2 a `UserError` (one line), 1 a bug (one line; the traceback with
     `--debug` or SPD_DEBUG=1), 143 stopped by SIGTERM after a saved step. DDP starts each rank with this process's
     command line, so every rank takes `--debug` out the same way."""
@@ -211,8 +225,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     try:
         code = dispatch(args)
     except SIGTERMException:  # a SystemExit without a code: it would exit 0 as if the run had finished
-        fail("stopped by SIGTERM after a complete step, saved as last.ckpt: resume with `--ckpt_path last`",
-             128 + signal.SIGTERM)
+        fail(
+            "stopped by SIGTERM after a complete step, saved as last.ckpt: resume with `--ckpt_path last`",
+            128 + signal.SIGTERM,
+        )
     except UserError as e:
         if debug:
             raise
@@ -220,8 +236,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except Exception as e:  # noqa: BLE001 - the last line of defence: any other exception is a bug
         if debug:
             raise
-        fail(f"unexpected {type(e).__name__}: {one_line(e)} (a bug: rerun with --debug for the traceback and "
-             f"report it)", 1)
+        fail(
+            f"unexpected {type(e).__name__}: {one_line(e)} (a bug: rerun with --debug for the traceback and report it)",
+            1,
+        )
     sys.exit(code)
 
 

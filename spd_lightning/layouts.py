@@ -13,10 +13,12 @@ Each layout states its mask once, as per-row quantities (`DepthRows`, `TypeRows`
 predicate and the two-part factorization are read (spd_lightning/attention.py). Every replicated token
 keeps RoPE position `i`.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Optional, Sequence
+from typing import Literal
 
 import torch
 
@@ -35,14 +37,16 @@ class FillDistribution:
     over `1..n-1`; or explicit `probs` for `a = 1..n` (normalized), which overrides `full_prob`."""
 
     full_prob: float = 0.5
-    probs: Optional[Sequence[float]] = None
+    probs: Sequence[float] | None = None
 
     def probabilities(self, n: int) -> torch.Tensor:
         if self.probs is not None:
             p = torch.tensor([float(x) for x in self.probs], dtype=torch.float64)
             if p.numel() != n or (p < 0).any() or p.sum() <= 0:
-                raise ConfigError(f"fill_probs={list(self.probs)} must be {n} non-negative weights for a = 1..n={n} "
-                                 f"with a positive sum")
+                raise ConfigError(
+                    f"fill_probs={list(self.probs)} must be {n} non-negative weights for a = 1..n={n} "
+                    f"with a positive sum"
+                )
             return p / p.sum()
         if not 0.0 <= self.full_prob <= 1.0:
             raise ConfigError(f"fill_full_prob={self.full_prob} must lie in [0, 1]")
@@ -51,7 +55,7 @@ class FillDistribution:
         rest = (1.0 - self.full_prob) / (n - 1)
         return torch.tensor([rest] * (n - 1) + [self.full_prob], dtype=torch.float64)
 
-    def sample(self, n: int, shape: Sequence[int], generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    def sample(self, n: int, shape: Sequence[int], generator: torch.Generator | None = None) -> torch.Tensor:
         p = self.probabilities(n)
         draws = torch.multinomial(p, int(torch.Size(shape).numel()), replacement=True, generator=generator)
         return (draws + 1).view(*shape)
@@ -151,7 +155,7 @@ class DepthLayout:
         self.copy_depths = [geometry.inflight_depth(c) for c in range(n)] + [n]
         self.copy_types = [geometry.type_of(k) for k in self.copy_depths]
 
-    def draw_fill(self, batch: int, length: int, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    def draw_fill(self, batch: int, length: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """`a(t)` for every drafting time a copy token can stand for: `t = i + c <= T - 1 + n`."""
         return self.fill_dist.sample(self.geometry.n, (batch, length + self.geometry.n), generator)
 
@@ -216,7 +220,7 @@ class TypeLayout:
         self.deepest = len(self.copy_types) - 1
         self.first_deep_j = self.block_of_j.index(self.deepest)
 
-    def draw_fill(self, batch: int, length: int, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    def draw_fill(self, batch: int, length: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """One fill level for the whole step, repeated per sample."""
         return self.fill_dist.sample(self.geometry.n, (1,), generator).expand(batch).clone()
 
@@ -233,14 +237,22 @@ class TypeLayout:
             real = t < lengths[b]
             jq = jq_of_block[blk]
             delta0 = torch.minimum((self.first_deep_j - jq).clamp(min=0), a)
-            return TypeRows(time=t, fill=a, real=real, inflight_index=jq, stair_width=delta0,
-                            cutoff=torch.where(real, t - delta0, -1))
+            return TypeRows(
+                time=t,
+                fill=a,
+                real=real,
+                inflight_index=jq,
+                stair_width=delta0,
+                cutoff=torch.where(real, t - delta0, -1),
+            )
 
         def mask_mod(b, h, q, kv):
             row = rows(b, q)
             kb, kt = kv // T, kv % T
             delta = row.time - kt
-            key_block = torch.where(delta < row.fill, block_of_j[(row.inflight_index + delta).clamp(0, n)], self.deepest)
+            key_block = torch.where(
+                delta < row.fill, block_of_j[(row.inflight_index + delta).clamp(0, n)], self.deepest
+            )
             return (row.real & (delta >= 0) & (kb == key_block)) | (~row.real & (kv == q))
 
         def plan() -> TwoPartPlan:
@@ -253,14 +265,25 @@ class TypeLayout:
             key_block = block_of_j[(row.inflight_index[..., None] + delta).clamp(0, n)]
             stair = torch.where(ok, key_block * T + kt, -1)
             stair[..., 0] = torch.where(row.real, stair[..., 0], q.expand(B, -1))  # padding: self only
-            return TwoPartPlan(prefix_start=self.deepest * T, prefix_len=T, cutoff=row.cutoff.expand(B, -1),
-                               stair=stair)
+            return TwoPartPlan(
+                prefix_start=self.deepest * T, prefix_len=T, cutoff=row.cutoff.expand(B, -1), stair=stair
+            )
 
         i = torch.arange(T, device=device)
         real = i[None, :] < lengths[:, None]
         per_token_fill = fill[:, None].expand(B, T)
-        return Replication(B, T, self.copy_types, self.copy_depths, self.block_of_j[0], mask_mod, plan,
-                           [real] * m, [per_token_fill] * m, device)
+        return Replication(
+            B,
+            T,
+            self.copy_types,
+            self.copy_depths,
+            self.block_of_j[0],
+            mask_mod,
+            plan,
+            [real] * m,
+            [per_token_fill] * m,
+            device,
+        )
 
 
 def build_layout(name: LayoutName, geometry: Geometry, fill: FillDistribution = FillDistribution()):

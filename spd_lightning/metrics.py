@@ -2,6 +2,7 @@
 
 A torchmetrics `Metric` without Lightning, so `callbacks/` and `inference/` may import it cheaply.
 """
+
 from __future__ import annotations
 
 import torch

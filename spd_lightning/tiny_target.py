@@ -18,6 +18,7 @@ default 360), so the same seed and `--threads` give the same weights (CPUs with 
 still round differently). `--minutes` alone schedules by the clock instead: the step count then depends on the
 machine and its load (the benchmark target is built that way, docs/BENCHMARKS.md).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,7 +30,7 @@ import shlex
 import shutil
 import sys
 import time
-from typing import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -48,15 +49,16 @@ DEFAULT_STEPS = 360
 ARCHS = ("qwen3_5", "qwen3")
 
 
-
 class TinyTargetError(UserError):
     """Impossible tiny-target settings; the one-line message names the value and the fix."""
 
 
 # Qwen2's pre-tokenizer split: contractions, letter runs (with one leading symbol), single digits,
 # punctuation runs, newline runs, spaces.
-QWEN_SPLIT_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-                      r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+QWEN_SPLIT_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 
 # Qwen3's template without tool calls: replies after the last user query show their think block (empty
 # when there is no reasoning), earlier replies do not; `enable_thinking=False` pre-fills an empty block.
@@ -95,33 +97,59 @@ QWEN3_CHAT_TEMPLATE = """\
 # -- tokenizer -------------------------------------------------------------------------------------
 def train_chat_tokenizer(texts: Iterable[str], vocab_size: int = 4096, show_progress: bool = True):
     """A byte-level BPE chat tokenizer with Qwen's special tokens and template, as a `PreTrainedTokenizerFast`."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     special = [ENDOFTEXT, IM_START, IM_END]
     thinking = [THINK, END_THINK]
     if vocab_size < 256 + len(special) + len(thinking):
-        raise TinyTargetError(f"vocab_size={vocab_size}: a byte-level BPE needs at least 261 ids (256 bytes + 5 chat tokens)")
+        raise TinyTargetError(
+            f"vocab_size={vocab_size}: a byte-level BPE needs at least 261 ids (256 bytes + 5 chat tokens)"
+        )
     backend = Tokenizer(models.BPE())
     backend.normalizer = normalizers.NFC()
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN_SPLIT_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN_SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     backend.decoder = decoders.ByteLevel()
     backend.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(thinking), min_frequency=2, special_tokens=special,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=show_progress)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(thinking),
+        min_frequency=2,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=show_progress,
+    )
     backend.train_from_iterator(texts, trainer)
     # Like Qwen3, the think markers are single tokens but not special: decoding keeps them.
     backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in thinking])
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=IM_END, pad_token=ENDOFTEXT,
-                                   chat_template=QWEN3_CHAT_TEMPLATE, model_max_length=32768,
-                                   clean_up_tokenization_spaces=False)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        chat_template=QWEN3_CHAT_TEMPLATE,
+        model_max_length=32768,
+        clean_up_tokenization_spaces=False,
+    )
 
 
 # -- model -----------------------------------------------------------------------------------------
-def tiny_model_config(arch: str, vocab_size: int, hidden_size: int, num_layers: int, eos_token_id: int,
-                      pad_token_id: int):
+def tiny_model_config(
+    arch: str, vocab_size: int, hidden_size: int, num_layers: int, eos_token_id: int, pad_token_id: int
+):
     """A Qwen3.5 (hybrid: 3 Gated DeltaNet layers per full-attention layer) or dense Qwen3 config."""
     from transformers import Qwen3_5TextConfig, Qwen3Config
 
@@ -130,17 +158,33 @@ def tiny_model_config(arch: str, vocab_size: int, hidden_size: int, num_layers: 
     if hidden_size < 16 or hidden_size % 8:
         raise TinyTargetError(f"hidden_size={hidden_size}: use a multiple of 8, at least 16")
     head_dim = 32 if hidden_size >= 128 else 8
-    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=(hidden_size * 12 // 5) // 8 * 8,
-                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
-                  max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=eos_token_id,
-                  pad_token_id=pad_token_id, bos_token_id=None)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=(hidden_size * 12 // 5) // 8 * 8,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        bos_token_id=None,
+    )
     if arch == "qwen3":
         return Qwen3Config(**common)
     layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)]
     if "full_attention" not in layer_types:
         layer_types[-1] = "full_attention"  # a hybrid target must exercise both cache kinds
-    return Qwen3_5TextConfig(**common, linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
-                             linear_num_key_heads=2, linear_num_value_heads=4, layer_types=layer_types)
+    return Qwen3_5TextConfig(
+        **common,
+        linear_key_head_dim=head_dim,
+        linear_value_head_dim=head_dim,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        layer_types=layer_types,
+    )
 
 
 def tiny_model(tokenizer, arch: str, hidden_size: int, num_layers: int, seed: int):
@@ -149,8 +193,9 @@ def tiny_model(tokenizer, arch: str, hidden_size: int, num_layers: int, seed: in
 
     eos_id, pad_id = tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(ENDOFTEXT)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_model_config(arch, len(tokenizer), hidden_size, num_layers, eos_id,
-                                                               pad_id))
+    model = AutoModelForCausalLM.from_config(
+        tiny_model_config(arch, len(tokenizer), hidden_size, num_layers, eos_id, pad_id)
+    )
     model.config.eos_token_id, model.config.pad_token_id = eos_id, pad_id
     model.generation_config = GenerationConfig(eos_token_id=[eos_id, pad_id], pad_token_id=pad_id, do_sample=False)
     return model
@@ -159,8 +204,10 @@ def tiny_model(tokenizer, arch: str, hidden_size: int, num_layers: int, seed: in
 # -- data ------------------------------------------------------------------------------------------
 def sharegpt_conversations(max_conversations: int | None) -> list[list[dict[str, str]]]:
     records = load_embedded_sharegpt(max_conversations)
-    conversations = [normalize_conversation(r["conversations"], "conversations", f"ShareGPT record {i}")
-                     for i, r in enumerate(records)]
+    conversations = [
+        normalize_conversation(r["conversations"], "conversations", f"ShareGPT record {i}")
+        for i, r in enumerate(records)
+    ]
     return [c for c in conversations if c]
 
 
@@ -169,8 +216,10 @@ def token_blocks(tokenizer, conversations: Sequence[list[dict[str, str]]], block
     separator = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
     pending: list[int] = []
     for start in range(0, len(conversations), 64):
-        texts = [tokenizer.apply_chat_template(c, tokenize=False, enable_thinking=False)
-                 for c in conversations[start:start + 64]]
+        texts = [
+            tokenizer.apply_chat_template(c, tokenize=False, enable_thinking=False)
+            for c in conversations[start : start + 64]
+        ]
         for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
             pending.extend(ids)
             pending.append(separator)
@@ -191,8 +240,10 @@ def training_batches(tokenizer, conversations, block: int, batch_size: int) -> I
                 yield torch.tensor(rows)
                 rows = []
         if pieces == 0:
-            raise TinyTargetError(f"the training conversations hold fewer than seq_len={block} tokens: lower seq_len "
-                                  f"or read more conversations")
+            raise TinyTargetError(
+                f"the training conversations hold fewer than seq_len={block} tokens: lower seq_len "
+                f"or read more conversations"
+            )
 
 
 @torch.no_grad()
@@ -241,8 +292,9 @@ def torch_threads(count: int | None) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def pretrain(model, batches: Iterator[torch.Tensor], lr: float, minutes: float | None,
-             max_steps: int | None) -> tuple[int, int, float]:
+def pretrain(
+    model, batches: Iterator[torch.Tensor], lr: float, minutes: float | None, max_steps: int | None
+) -> tuple[int, int, float]:
     """AdamW with warmup over the first 5% of the budget, then cosine decay to 10% of `lr`; returns (steps, tokens
     seen, minutes). The schedule follows budget fractions (steps when given, else the clock), because a wall-clock
     budget fixes no step count."""
@@ -284,11 +336,24 @@ def split_conversations(max_conversations: int | None, heldout_conversations: in
     return [conversations[i] for i in order[heldout_count:]], [conversations[i] for i in order[:heldout_count]]
 
 
-def build_tiny_target(out_dir: str, arch: str = "qwen3_5", minutes: float | None = None, seed: int = 0,
-                      max_steps: int | None = None, hidden_size: int = 160, num_layers: int = 8,
-                      vocab_size: int = 4096, seq_len: int = 256, batch_size: int = 8, lr: float = 2e-3,
-                      max_conversations: int | None = None, tokenizer_conversations: int = 3000,
-                      heldout_conversations: int = 64, heldout_blocks: int = 32, num_threads: int | None = None) -> dict:
+def build_tiny_target(
+    out_dir: str,
+    arch: str = "qwen3_5",
+    minutes: float | None = None,
+    seed: int = 0,
+    max_steps: int | None = None,
+    hidden_size: int = 160,
+    num_layers: int = 8,
+    vocab_size: int = 4096,
+    seq_len: int = 256,
+    batch_size: int = 8,
+    lr: float = 2e-3,
+    max_conversations: int | None = None,
+    tokenizer_conversations: int = 3000,
+    heldout_conversations: int = 64,
+    heldout_blocks: int = 32,
+    num_threads: int | None = None,
+) -> dict:
     """Train the tokenizer and the model, save both to `out_dir`, return (and write) the build report. Budget: see
     `resolve_budget`. `num_threads` sets torch's CPU threads for the build: the same seed, step count and thread
     count give the same weights; on a machine shared with other jobs, fewer threads than cores avoids the
@@ -297,38 +362,68 @@ def build_tiny_target(out_dir: str, arch: str = "qwen3_5", minutes: float | None
     with torch_threads(num_threads):
         started = time.time()
         train, heldout = split_conversations(max_conversations, heldout_conversations, seed)
-        print(f"tiny_target: training a {vocab_size}-id BPE tokenizer on {min(tokenizer_conversations, len(train))} "
-              f"conversations", flush=True)
+        print(
+            f"tiny_target: training a {vocab_size}-id BPE tokenizer on {min(tokenizer_conversations, len(train))} "
+            f"conversations",
+            flush=True,
+        )
         tokenizer = train_chat_tokenizer((m["content"] for c in train[:tokenizer_conversations] for m in c), vocab_size)
         heldout_rows = list(token_blocks(tokenizer, heldout, seq_len))[:heldout_blocks]
         if not heldout_rows:
-            raise TinyTargetError(f"the {len(heldout)} held-out conversations give no {seq_len}-token block: lower "
-                                  f"seq_len")
+            raise TinyTargetError(
+                f"the {len(heldout)} held-out conversations give no {seq_len}-token block: lower seq_len"
+            )
         model = tiny_model(tokenizer, arch, hidden_size, num_layers, seed)
         params = sum(p.numel() for p in model.parameters())
-        budget = " / ".join(text for text in (f"{max_steps} steps" if max_steps else "",
-                                              f"{minutes:g} min" if minutes else "") if text)
-        print(f"tiny_target: {type(model).__name__}, {params / 1e6:.2f}M parameters, {num_layers} "
-              f"layers, width {hidden_size}; budget {budget}", flush=True)
+        budget = " / ".join(
+            text for text in (f"{max_steps} steps" if max_steps else "", f"{minutes:g} min" if minutes else "") if text
+        )
+        print(
+            f"tiny_target: {type(model).__name__}, {params / 1e6:.2f}M parameters, {num_layers} "
+            f"layers, width {hidden_size}; budget {budget}",
+            flush=True,
+        )
         steps, tokens_seen, train_minutes = pretrain(
-            model, training_batches(tokenizer, train, seq_len, batch_size), lr, minutes, max_steps)
+            model, training_batches(tokenizer, train, seq_len, batch_size), lr, minutes, max_steps
+        )
         heldout_tensor = torch.tensor(heldout_rows)
         loss = heldout_loss(model, heldout_tensor, batch_size)
-        settings = {"arch": arch, "minutes": minutes, "seed": seed, "max_steps": max_steps, "hidden_size": hidden_size,
-                    "num_layers": num_layers, "vocab_size": vocab_size, "seq_len": seq_len, "batch_size": batch_size,
-                    "lr": lr, "max_conversations": max_conversations, "threads": num_threads}
+        settings = {
+            "arch": arch,
+            "minutes": minutes,
+            "seed": seed,
+            "max_steps": max_steps,
+            "hidden_size": hidden_size,
+            "num_layers": num_layers,
+            "vocab_size": vocab_size,
+            "seq_len": seq_len,
+            "batch_size": batch_size,
+            "lr": lr,
+            "max_conversations": max_conversations,
+            "threads": num_threads,
+        }
         report = {
-            **settings, "model_class": type(model).__name__, "params": params, "steps": steps,
-            "tokens_seen": tokens_seen, "train_minutes": round(train_minutes, 3),
-            "total_minutes": round((time.time() - started) / 60.0, 3), "heldout_loss": round(loss, 4),
-            "heldout_tokens": int(heldout_tensor.numel()), "conversations": len(train) + len(heldout),
+            **settings,
+            "model_class": type(model).__name__,
+            "params": params,
+            "steps": steps,
+            "tokens_seen": tokens_seen,
+            "train_minutes": round(train_minutes, 3),
+            "total_minutes": round((time.time() - started) / 60.0, 3),
+            "heldout_loss": round(loss, 4),
+            "heldout_tokens": int(heldout_tensor.numel()),
+            "conversations": len(train) + len(heldout),
             "torch_threads": torch.get_num_threads(),
-            "rebuild_command": "python -m spd_lightning.tiny_target --out " + shlex.quote(out_dir) + "".join(
-                f" --{k.replace('_', '-')} {v}" for k, v in settings.items() if v is not None),
+            "rebuild_command": "python -m spd_lightning.tiny_target --out "
+            + shlex.quote(out_dir)
+            + "".join(f" --{k.replace('_', '-')} {v}" for k, v in settings.items() if v is not None),
         }
     save_target_dir(model, tokenizer, report, out_dir)
-    print(f"tiny_target: {steps} steps, {tokens_seen:,} tokens in {train_minutes:.2f} min; held-out loss {loss:.4f} "
-          f"over {heldout_tensor.numel():,} tokens; saved to {out_dir}", flush=True)
+    print(
+        f"tiny_target: {steps} steps, {tokens_seen:,} tokens in {train_minutes:.2f} min; held-out loss {loss:.4f} "
+        f"over {heldout_tensor.numel():,} tokens; saved to {out_dir}",
+        flush=True,
+    )
     return report
 
 
@@ -336,13 +431,21 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m spd_lightning.tiny_target", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="output directory (a Hugging Face model directory)")
     parser.add_argument("--arch", choices=ARCHS, default="qwen3_5")
-    parser.add_argument("--minutes", type=float, default=None,
-                        help="wall-clock budget: alone, the schedule follows the clock (the result depends on the "
-                             "machine); with --max-steps, a cap")
+    parser.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="wall-clock budget: alone, the schedule follows the clock (the result depends on the "
+        "machine); with --max-steps, a cap",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-steps", type=int, default=None,
-                        help=f"exact step count (default {DEFAULT_STEPS} when --minutes is not given): the same "
-                             f"target on every machine for the same seed and --threads")
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        help=f"exact step count (default {DEFAULT_STEPS} when --minutes is not given): the same "
+        f"target on every machine for the same seed and --threads",
+    )
     parser.add_argument("--hidden-size", type=int, default=160)
     parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--vocab-size", type=int, default=4096)
@@ -353,11 +456,21 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args(argv)
     try:
-        return build_tiny_target(args.out, arch=args.arch, minutes=args.minutes, seed=args.seed,
-                                 max_steps=args.max_steps, hidden_size=args.hidden_size, num_layers=args.num_layers,
-                                 vocab_size=args.vocab_size, seq_len=args.seq_len, batch_size=args.batch_size,
-                                 lr=args.lr, max_conversations=args.max_conversations,
-                                 num_threads=args.threads)
+        return build_tiny_target(
+            args.out,
+            arch=args.arch,
+            minutes=args.minutes,
+            seed=args.seed,
+            max_steps=args.max_steps,
+            hidden_size=args.hidden_size,
+            num_layers=args.num_layers,
+            vocab_size=args.vocab_size,
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            max_conversations=args.max_conversations,
+            num_threads=args.threads,
+        )
     except UserError as e:
         parser.exit(e.exit_code, f"error: {e}\n")
 

@@ -1,6 +1,7 @@
 """`python -m spd_lightning`: every shipped config parses, bad settings fail with one line, and a real fit
 (ChatDataModule over embedded ShareGPT, a micro chat target) trains, validates, resumes and runs on 2-process
 CPU DDP."""
+
 import glob
 import inspect
 import os
@@ -43,8 +44,9 @@ def test_print_config_shows_the_linked_defaults(capsys):
     assert "tokenizer:" not in out  # linked to model.target, not a second setting
 
 
-@pytest.mark.parametrize("name, target", [("qwen35_9b", "Qwen/Qwen3.5-9B"), ("qwen35_4b", "Qwen/Qwen3.5-4B"),
-                                          ("qwen3_8b", "Qwen/Qwen3-8B")])
+@pytest.mark.parametrize(
+    "name, target", [("qwen35_9b", "Qwen/Qwen3.5-9B"), ("qwen35_4b", "Qwen/Qwen3.5-4B"), ("qwen3_8b", "Qwen/Qwen3-8B")]
+)
 def test_target_configs_are_the_shared_recipe_plus_their_own_values(name, target, tmp_path, monkeypatch, capsys):
     """Each real-target config names its base in its first line; from any directory, in any `--config` form, it
     resolves to the base's recipe with its own target and run directories on top."""
@@ -60,7 +62,9 @@ def test_target_configs_are_the_shared_recipe_plus_their_own_values(name, target
     assert (trainer["strategy"], trainer["precision"], trainer["gradient_clip_val"]) == ("ddp", "bf16-mixed", 0.5)
     assert trainer["logger"]["init_args"]["name"] == f"{name}_n8_ls3"
     assert trainer["logger"]["init_args"]["project"] == "spd-lightning"  # from the base, merged with the target's
-    assert trainer["default_root_dir"] == f"runs/{name}" and config["checkpoint"]["dirpath"] == f"runs/{name}/checkpoints"
+    assert (
+        trainer["default_root_dir"] == f"runs/{name}" and config["checkpoint"]["dirpath"] == f"runs/{name}/checkpoints"
+    )
     assert len(data["sources"]) == 4 and data["pad_to_multiple_of"] == 128
     assert trainer["callbacks"][0]["init_args"]["every_n_steps"] == 2000
 
@@ -72,13 +76,16 @@ def test_a_base_line_that_makes_a_cycle_is_a_user_error(tmp_path, capsys):
     assert code == 2 and "cycle" in err
 
 
-@pytest.mark.parametrize("extra, expected", [
-    (["--model.n", "9"], "n=9"),
-    (["--model.anchors", "[0, 2, 9]"], "anchor 9 is out of range"),
-    (["--model.split", "[0, 3, 3, 4]", "--model.n", "3"], "stage split"),
-    (["--model.init_layers_from", "[5]"], "init_layers_from"),
-    (["--data.max_length", "8"], "max_length"),
-])
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["--model.n", "9"], "n=9"),
+        (["--model.anchors", "[0, 2, 9]"], "anchor 9 is out of range"),
+        (["--model.split", "[0, 3, 3, 4]", "--model.n", "3"], "stage split"),
+        (["--model.init_layers_from", "[5]"], "init_layers_from"),
+        (["--data.max_length", "8"], "max_length"),
+    ],
+)
 def test_bad_settings_print_one_line(micro_target, tmp_path, capsys, extra, expected):
     code, err = run_main(["fit", *fit_args(micro_target, tmp_path), *extra], capsys)
     lines = [line for line in err.splitlines() if line.startswith("error:")]
@@ -149,8 +156,14 @@ def test_fit_help_documents_every_model_and_data_option():
     from spd_lightning.data import ChatDataModule
     from spd_lightning.module import SPDModule
 
-    result = subprocess.run([sys.executable, "-m", "spd_lightning", "fit", "--help"], cwd=REPO, capture_output=True,
-                            text=True, env={**os.environ, "PYTHONPATH": REPO, "COLUMNS": "10000"}, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "spd_lightning", "fit", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": REPO, "COLUMNS": "10000"},
+        timeout=120,
+    )
     help_text = " ".join(result.stdout.split())
     for prefix, cls in (("model", SPDModule), ("data", ChatDataModule)):
         documented = {p.arg_name: " ".join(p.description.split()) for p in docstring_parser.parse(cls.__doc__).params}
@@ -178,14 +191,17 @@ def test_wandb_runs_offline_without_a_key(monkeypatch, tmp_path):
 
 def test_fit_validate_resume_and_export(micro_target, tmp_path):
     # a periodic last.ckpt, as an interrupted run leaves it (a run that reached max_steps has finished its epoch)
-    trained = cli.run_cli(["fit", *fit_args(micro_target, tmp_path, "--trainer.max_steps", "3",
-                                            "--checkpoint.every_n_train_steps", "1")])
+    trained = cli.run_cli(
+        ["fit", *fit_args(micro_target, tmp_path, "--trainer.max_steps", "3", "--checkpoint.every_n_train_steps", "1")]
+    )
     assert trained.trainer.global_step == 3
     last = tmp_path / "ckpt" / "last.ckpt"
     assert last.exists()
     assert {"val/loss", "val/agree", "val/agree_depth0", "val/agree_fill1"} <= set(trained.trainer.callback_metrics)
 
-    resumed = cli.run_cli(["fit", *fit_args(micro_target, tmp_path, "--trainer.max_steps", "5"), "--ckpt_path", str(last)])
+    resumed = cli.run_cli(
+        ["fit", *fit_args(micro_target, tmp_path, "--trainer.max_steps", "5"), "--ckpt_path", str(last)]
+    )
     assert resumed.trainer.global_step == 5
 
     validated = cli.run_cli(["validate", *fit_args(micro_target, tmp_path), "--ckpt_path", str(last)])
@@ -199,9 +215,24 @@ def test_fit_validate_resume_and_export(micro_target, tmp_path):
 def test_ddp_two_cpu_processes(micro_target, tmp_path):
     """Lightning's own DDP strategy (gloo on CPU), launched the way a user launches it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
-    cmd = [sys.executable, "-m", "spd_lightning", "fit",
-           *fit_args(micro_target, tmp_path, "--trainer.max_steps", "2", "--trainer.strategy", "ddp",
-                     "--trainer.devices", "2", "--trainer.accelerator", "cpu")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "spd_lightning",
+        "fit",
+        *fit_args(
+            micro_target,
+            tmp_path,
+            "--trainer.max_steps",
+            "2",
+            "--trainer.strategy",
+            "ddp",
+            "--trainer.devices",
+            "2",
+            "--trainer.accelerator",
+            "cpu",
+        ),
+    ]
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
     assert result.returncode == 0, result.stderr[-3000:]
     ckpt = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
