@@ -141,6 +141,8 @@ def test_a_subcommand_is_one_table_entry_and_shows_in_the_help(monkeypatch, caps
     monkeypatch.setitem(cli.EXTRA_COMMANDS, "echo", ("test_cli:echo_subcommand", "print the arguments"))
     code, _ = run_main(["echo", "a", "b"], capsys)
     assert code == 3
+    code, err = run_main([], capsys)
+    assert code == 2 and "fit, validate, export, echo" in err
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--help"])
     help_text = capsys.readouterr().out
