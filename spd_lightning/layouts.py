@@ -224,35 +224,32 @@ class TypeLayout:
         """One fill level for the whole step, repeated per sample."""
         return self.fill_dist.sample(self.geometry.n, (1,), generator).expand(batch).clone()
 
+    def _rows(self, lengths: torch.Tensor, T: int, fill: torch.Tensor) -> Callable[..., TypeRows]:
+        """The per-row quantities of the mask, as a function of (batch, query) index tensors."""
+        jq_of_block = torch.tensor(self.jq, device=lengths.device)
+
+        def rows(b, q) -> TypeRows:
+            t = q % T
+            a, real, jq = fill[b], t < lengths[b], jq_of_block[q // T]
+            delta0 = torch.minimum((self.first_deep_j - jq).clamp(min=0), a)
+            cutoff = torch.where(real, t - delta0, -1)
+            return TypeRows(time=t, fill=a, real=real, inflight_index=jq, stair_width=delta0, cutoff=cutoff)
+
+        return rows
+
     def replicate(self, lengths: torch.Tensor, length: int, fill: torch.Tensor) -> Replication:
         n, T, device = self.geometry.n, length, lengths.device
         fill = fill.to(device)
         B, m = lengths.shape[0], len(self.copy_types)
         block_of_j = torch.tensor(self.block_of_j, device=device)
-        jq_of_block = torch.tensor(self.jq, device=device)
-
-        def rows(b, q) -> TypeRows:
-            blk, t = q // T, q % T
-            a = fill[b]
-            real = t < lengths[b]
-            jq = jq_of_block[blk]
-            delta0 = torch.minimum((self.first_deep_j - jq).clamp(min=0), a)
-            return TypeRows(
-                time=t,
-                fill=a,
-                real=real,
-                inflight_index=jq,
-                stair_width=delta0,
-                cutoff=torch.where(real, t - delta0, -1),
-            )
+        rows = self._rows(lengths, T, fill)
 
         def mask_mod(b, h, q, kv):
             row = rows(b, q)
             kb, kt = kv // T, kv % T
             delta = row.time - kt
-            key_block = torch.where(
-                delta < row.fill, block_of_j[(row.inflight_index + delta).clamp(0, n)], self.deepest
-            )
+            staircase_block = block_of_j[(row.inflight_index + delta).clamp(0, n)]
+            key_block = torch.where(delta < row.fill, staircase_block, self.deepest)
             return (row.real & (delta >= 0) & (kb == key_block)) | (~row.real & (kv == q))
 
         def plan() -> TwoPartPlan:
@@ -271,18 +268,9 @@ class TypeLayout:
 
         i = torch.arange(T, device=device)
         real = i[None, :] < lengths[:, None]
-        per_token_fill = fill[:, None].expand(B, T)
+        fills, loss_block = [fill[:, None].expand(B, T)] * m, self.block_of_j[0]
         return Replication(
-            B,
-            T,
-            self.copy_types,
-            self.copy_depths,
-            self.block_of_j[0],
-            mask_mod,
-            plan,
-            [real] * m,
-            [per_token_fill] * m,
-            device,
+            B, T, self.copy_types, self.copy_depths, loss_block, mask_mod, plan, [real] * m, fills, device
         )
 
 
