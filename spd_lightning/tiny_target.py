@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import math
 import os
 import shlex
@@ -46,6 +47,10 @@ WARMUP_FRACTION = 0.05
 # The default budget: the demo's target. About 4 minutes on the 2-core dev box when idle (356 steps took 4.0 min
 # there, docs/BENCHMARKS.md); a step count, not minutes, so that every machine builds the same target.
 DEFAULT_STEPS = 360
+# What the build report records and `rebuild_command` repeats, in the order of `build_tiny_target`'s arguments.
+SETTINGS = ("arch", "minutes", "seed", "max_steps", "hidden_size", "num_layers", "vocab_size", "seq_len", "batch_size",
+            "lr", "max_conversations", "threads")  # fmt: skip
+log = logging.getLogger(__name__)
 ARCHS = ("qwen3_5", "qwen3")
 
 
@@ -322,7 +327,7 @@ def pretrain(
         progress.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens_seen / (time.time() - started):.0f}")
     progress.close()
     if max_steps and step < max_steps:
-        print(f"tiny_target: the {minutes:g}-minute cap stopped training at step {step} of {max_steps}", flush=True)
+        log.warning("the %g-minute cap stopped training at step %d of %d", minutes, step, max_steps)
     return step, tokens_seen, (time.time() - started) / 60.0
 
 
@@ -359,77 +364,57 @@ def build_tiny_target(
     count give the same weights; on a machine shared with other jobs, fewer threads than cores avoids the
     oversubscription that makes every step several times slower."""
     minutes, max_steps = resolve_budget(minutes, max_steps)
+    values = (arch, minutes, seed, max_steps, hidden_size, num_layers, vocab_size, seq_len, batch_size, lr)
+    settings = dict(zip(SETTINGS, (*values, max_conversations, num_threads)))
     with torch_threads(num_threads):
         started = time.time()
         train, heldout = split_conversations(max_conversations, heldout_conversations, seed)
-        print(
-            f"tiny_target: training a {vocab_size}-id BPE tokenizer on {min(tokenizer_conversations, len(train))} "
-            f"conversations",
-            flush=True,
-        )
         tokenizer = train_chat_tokenizer((m["content"] for c in train[:tokenizer_conversations] for m in c), vocab_size)
-        heldout_rows = list(token_blocks(tokenizer, heldout, seq_len))[:heldout_blocks]
-        if not heldout_rows:
-            raise TinyTargetError(
-                f"the {len(heldout)} held-out conversations give no {seq_len}-token block: lower seq_len"
-            )
+        heldout_tensor = heldout_blocks_of(tokenizer, heldout, seq_len, heldout_blocks)
         model = tiny_model(tokenizer, arch, hidden_size, num_layers, seed)
-        params = sum(p.numel() for p in model.parameters())
-        budget = " / ".join(
-            text for text in (f"{max_steps} steps" if max_steps else "", f"{minutes:g} min" if minutes else "") if text
-        )
-        print(
-            f"tiny_target: {type(model).__name__}, {params / 1e6:.2f}M parameters, {num_layers} "
-            f"layers, width {hidden_size}; budget {budget}",
-            flush=True,
-        )
-        steps, tokens_seen, train_minutes = pretrain(
-            model, training_batches(tokenizer, train, seq_len, batch_size), lr, minutes, max_steps
-        )
-        heldout_tensor = torch.tensor(heldout_rows)
-        loss = heldout_loss(model, heldout_tensor, batch_size)
-        settings = {
-            "arch": arch,
-            "minutes": minutes,
-            "seed": seed,
-            "max_steps": max_steps,
-            "hidden_size": hidden_size,
-            "num_layers": num_layers,
-            "vocab_size": vocab_size,
-            "seq_len": seq_len,
-            "batch_size": batch_size,
-            "lr": lr,
-            "max_conversations": max_conversations,
-            "threads": num_threads,
-        }
+        budget = budget_text(minutes, max_steps)
+        log.info(f"{type(model).__name__}, {model.num_parameters() / 1e6:.2f}M parameters; budget {budget}")
+        batches = training_batches(tokenizer, train, seq_len, batch_size)
+        steps, tokens_seen, train_minutes = pretrain(model, batches, lr, minutes, max_steps)
         report = {
-            **settings,
-            "model_class": type(model).__name__,
-            "params": params,
-            "steps": steps,
-            "tokens_seen": tokens_seen,
-            "train_minutes": round(train_minutes, 3),
+            **settings, "model_class": type(model).__name__, "params": model.num_parameters(), "steps": steps,
+            "tokens_seen": tokens_seen, "train_minutes": round(train_minutes, 3),
             "total_minutes": round((time.time() - started) / 60.0, 3),
-            "heldout_loss": round(loss, 4),
-            "heldout_tokens": int(heldout_tensor.numel()),
-            "conversations": len(train) + len(heldout),
-            "torch_threads": torch.get_num_threads(),
-            "rebuild_command": "python -m spd_lightning.tiny_target --out "
-            + shlex.quote(out_dir)
-            + "".join(f" --{k.replace('_', '-')} {v}" for k, v in settings.items() if v is not None),
-        }
+            "heldout_loss": round(heldout_loss(model, heldout_tensor, batch_size), 4),
+            "heldout_tokens": int(heldout_tensor.numel()), "conversations": len(train) + len(heldout),
+            "torch_threads": torch.get_num_threads(), "rebuild_command": rebuild_command(out_dir, settings),
+        }  # fmt: skip
     save_target_dir(model, tokenizer, report, out_dir)
-    print(
-        f"tiny_target: {steps} steps, {tokens_seen:,} tokens in {train_minutes:.2f} min; held-out loss {loss:.4f} "
-        f"over {heldout_tensor.numel():,} tokens; saved to {out_dir}",
-        flush=True,
+    log.info(
+        f"{steps} steps, {tokens_seen:,} tokens in {train_minutes:.2f} min; held-out loss "
+        f"{report['heldout_loss']:.4f} over {report['heldout_tokens']:,} tokens; saved to {out_dir}"
     )
     return report
 
 
+def heldout_blocks_of(tokenizer, heldout: list, seq_len: int, count: int) -> torch.Tensor:
+    """The first `count` `seq_len`-token blocks of the held-out conversations."""
+    rows = list(token_blocks(tokenizer, heldout, seq_len))[:count]
+    if not rows:
+        raise TinyTargetError(f"the {len(heldout)} held-out conversations give no {seq_len}-token block: lower seq_len")
+    return torch.tensor(rows)
+
+
+def budget_text(minutes: float | None, max_steps: int | None) -> str:
+    parts = [f"{max_steps} steps"] if max_steps else []
+    return " / ".join(parts + ([f"{minutes:g} min"] if minutes else []))
+
+
+def rebuild_command(out_dir: str, settings: dict) -> str:
+    flags = "".join(f" --{key.replace('_', '-')} {value}" for key, value in settings.items() if value is not None)
+    return f"python -m spd_lightning.tiny_target --out {shlex.quote(out_dir)}{flags}"
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m spd_lightning.tiny_target", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="output directory (a Hugging Face model directory)")
+    parser.add_argument(
+        "--out", dest="out_dir", required=True, help="output directory (a Hugging Face model directory)"
+    )
     parser.add_argument("--arch", choices=ARCHS, default="qwen3_5")
     parser.add_argument(
         "--minutes",
@@ -453,24 +438,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--max-conversations", type=int, default=None, help="read only the first N ShareGPT records")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument(
+        "--threads", dest="num_threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
+    )
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="tiny_target: %(message)s")
     try:
-        return build_tiny_target(
-            args.out,
-            arch=args.arch,
-            minutes=args.minutes,
-            seed=args.seed,
-            max_steps=args.max_steps,
-            hidden_size=args.hidden_size,
-            num_layers=args.num_layers,
-            vocab_size=args.vocab_size,
-            seq_len=args.seq_len,
-            batch_size=args.batch_size,
-            lr=args.lr,
-            max_conversations=args.max_conversations,
-            num_threads=args.threads,
-        )
+        return build_tiny_target(**vars(args))  # every option is a parameter of the same name
     except UserError as e:
         parser.exit(e.exit_code, f"error: {e}\n")
 
