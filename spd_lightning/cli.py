@@ -211,7 +211,7 @@ def dispatch(args: Sequence[str]) -> int:
     if not args:
         names = ", ".join(["fit", "validate", *EXTRA_COMMANDS])
         raise ConfigError(f"give a subcommand: one of {names} (`{PROG} --help` describes them)")
-    if args and args[0] in EXTRA_COMMANDS:
+    if args[0] in EXTRA_COMMANDS:
         module, _, function = EXTRA_COMMANDS[args[0]][0].partition(":")
         return getattr(importlib.import_module(module), function)(args[1:])
     run_cli(args)
