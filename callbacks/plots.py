@@ -1,4 +1,5 @@
 """The two pictures of the staircase dashboard, as PNG files (logged to W&B as images, kept on disk for any logger)."""
+
 from __future__ import annotations
 
 import matplotlib

@@ -18,10 +18,11 @@ logs a per-prompt table and the depth x fill heatmap; PNGs of the heatmap and of
 written under the run's log directory for any logger. Under DDP each rank decodes a shard of the prompts
 and the counts are summed, so the numbers equal a one-process evaluation.
 """
+
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 import lightning as L
 import torch
@@ -30,33 +31,55 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 from inference.ar import target_eos
-from inference.prompts import read_prompts, render
+from inference.prompts import read_prompts
 from inference.simulator import Simulator
 from inference.verify import Sampling
+from spd_lightning.data.chat import render_prompt
+from spd_lightning.errors import ConfigError
+from spd_lightning.metrics import GroupedAgreement
 
 from .plots import alpha_curve_png, heatmap_png
 
 
 class StaircaseEvaluation(L.Callback):
-    def __init__(self, every_n_steps: int = 200, num_prompts: int = 8, max_new_tokens: int = 64,
-                 prompts: Optional[str] = None, num_batches: int = 2, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0, log_table: bool = True):
-        """Args:
-            every_n_steps: evaluate after every this many optimizer steps (0: only at the end of fit / validate).
-            num_prompts, max_new_tokens: the decoding budget of one evaluation.
-            prompts: an EAGLE-style jsonl of prompts; default: the data module's held-out conversations.
-            num_batches: validation batches for the teacher-forced depth x fill agreement (0 skips it).
-            temperature, top_k, top_p, seed: decoding (greedy by default).
-            log_table: log the per-prompt table to W&B.
-        """
+    """Decodes held-out prompts with the simulator and the PDM as it is now, and logs the staircase metrics.
+
+    Args:
+        every_n_steps: evaluate after every this many optimizer steps (0: only at the end of fit / validate).
+        num_prompts: prompts decoded per evaluation.
+        max_new_tokens: tokens generated per prompt.
+        prompts: an EAGLE-style jsonl of prompts; default: the data module's held-out conversations.
+        num_batches: validation batches for the teacher-forced depth x fill agreement (0 skips it).
+        temperature: sampling temperature (0: greedy).
+        top_k: sample from the k most likely tokens (0: all).
+        top_p: sample from the smallest set of tokens whose probability reaches p (1: all).
+        seed: seeds the sampling and the fill draws of the agreement batches.
+        log_table: log the per-prompt table to W&B.
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 200,
+        num_prompts: int = 8,
+        max_new_tokens: int = 64,
+        prompts: str | None = None,
+        num_batches: int = 2,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        log_table: bool = True,
+    ):
         if every_n_steps < 0 or num_prompts < 1 or max_new_tokens < 1 or num_batches < 0:
-            raise ValueError(f"StaircaseEvaluation: every_n_steps={every_n_steps} must be >= 0, num_prompts="
-                             f"{num_prompts} and max_new_tokens={max_new_tokens} >= 1, num_batches={num_batches} >= 0")
+            raise ConfigError(
+                f"StaircaseEvaluation: every_n_steps={every_n_steps} must be >= 0, num_prompts="
+                f"{num_prompts} and max_new_tokens={max_new_tokens} >= 1, num_batches={num_batches} >= 0"
+            )
         self.every_n_steps, self.num_prompts, self.max_new_tokens = every_n_steps, num_prompts, max_new_tokens
         self.prompt_file, self.num_batches, self.log_table, self.seed = prompts, num_batches, log_table, seed
         self.sampling = Sampling(temperature, top_k, top_p)
         self.history: list[tuple[int, float]] = []  # (global step, alpha): the alpha-vs-step curve
-        self._prompt_ids: Optional[list[list[int]]] = None
+        self._prompt_ids: list[list[int]] | None = None
 
     # -- when ------------------------------------------------------------------------------------
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -72,7 +95,7 @@ class StaircaseEvaluation(L.Callback):
         if trainer.state.fn == "validate":
             self.evaluate(trainer, pl_module)
 
-    def _last_step(self) -> Optional[int]:
+    def _last_step(self) -> int | None:
         return self.history[-1][0] if self.history else None
 
     # -- what ------------------------------------------------------------------------------------
@@ -81,11 +104,11 @@ class StaircaseEvaluation(L.Callback):
             dm = trainer.datamodule
             if self.prompt_file:
                 texts = read_prompts(None, self.prompt_file)[: self.num_prompts]
-                self._prompt_ids = [render(dm.tokenizer, t) for t in texts]
+                self._prompt_ids = [render_prompt(dm.tokenizer, t) for t in texts]
             else:
                 self._prompt_ids = [list(p) for p in dm.heldout_prompts(self.num_prompts)]
             if not self._prompt_ids:
-                raise ValueError("staircase evaluation found no held-out prompt: give `prompts:` a jsonl file")
+                raise ConfigError("staircase evaluation found no held-out prompt: give `prompts:` a jsonl file")
         return self._prompt_ids
 
     @torch.no_grad()
@@ -94,15 +117,17 @@ class StaircaseEvaluation(L.Callback):
         pl_module.pdm.eval()
         try:
             decoded, rows = self._decode(trainer, pl_module)
-            grid = self._agreement(trainer, pl_module) if self.num_batches else None
+            agreement = self._agreement(trainer, pl_module) if self.num_batches else None
         finally:
             pl_module.pdm.train(was_training)
-        metrics = self._metrics(decoded, grid, pl_module.geometry.n)
+        metrics = self._metrics(decoded, agreement, pl_module.geometry.n)
         step = trainer.global_step
         self.history.append((step, metrics["staircase/alpha"]))
         trainer.callback_metrics.update({k: torch.tensor(v, dtype=torch.float64) for k, v in metrics.items()})
         # Trainer.log_dir is a collective (it broadcasts from rank 0): read it on every rank, log on rank 0.
-        self._log(trainer, os.path.join(trainer.log_dir or trainer.default_root_dir, "staircase"), metrics, rows, grid)
+        self._log(
+            trainer, os.path.join(trainer.log_dir or trainer.default_root_dir, "staircase"), metrics, rows, agreement
+        )
         return metrics
 
     def _decode(self, trainer, pl_module) -> tuple[torch.Tensor, list[list[Any]]]:
@@ -123,15 +148,24 @@ class StaircaseEvaluation(L.Callback):
                 continue
             r = sim.decode(ids, self.max_new_tokens, eos, seed=self.seed + i)
             c = r.counters
-            counts += torch.tensor([r.N, r.K, *c["accepted_by_fill"], *c["rejected_by_fill"],
-                                    *c["accepted_by_depth"], *c["rejected_by_depth"]], dtype=torch.float64)
+            counts += torch.tensor(
+                [
+                    r.N,
+                    r.K,
+                    *c["accepted_by_fill"],
+                    *c["rejected_by_fill"],
+                    *c["accepted_by_depth"],
+                    *c["rejected_by_depth"],
+                ],
+                dtype=torch.float64,
+            )
             rows.append([i, text(ids), text(r.tokens), r.N, r.K, r.alpha])
         return self._sum(trainer, counts), self._gather(trainer, rows)
 
     def _agreement(self, trainer, pl_module) -> torch.Tensor:
-        """Teacher-forced top-1 agreement counts `[2, n+1 depths, n fills]` (correct, total), summed."""
+        """Teacher-forced top-1 agreement `[n+1 depths, n fills]` over every rank's batches (NaN: no output)."""
         n, world, rank = pl_module.geometry.n, trainer.world_size, trainer.global_rank
-        grid = torch.zeros(2, n + 1, n, dtype=torch.float64)
+        metric = GroupedAgreement((n + 1) * n).to(pl_module.device)  # group: depth * n + (fill - 1)
         loader = trainer.datamodule.val_dataloader()
         for i, batch in enumerate(loader):
             if i >= self.num_batches:
@@ -140,10 +174,11 @@ class StaircaseEvaluation(L.Callback):
                 continue
             batch = {k: v.to(pl_module.device) if torch.is_tensor(v) else v for k, v in batch.items()}
             agree, depth, fill = pl_module.staircase_agreement(batch, seed=self.seed + i)
-            flat = (depth * n + (fill - 1)).cpu()
-            grid[0] += torch.bincount(flat[agree.cpu()], minlength=(n + 1) * n).view(n + 1, n).double()
-            grid[1] += torch.bincount(flat, minlength=(n + 1) * n).view(n + 1, n).double()
-        return self._sum(trainer, grid)
+            metric.update(agree, depth * n + (fill - 1))
+        rate = torch.full(((n + 1) * n,), torch.nan, dtype=torch.float64)
+        for group, value in metric.compute().items():  # compute() sums the counts over the ranks
+            rate[group] = value
+        return rate.view(n + 1, n)
 
     @staticmethod
     def _sum(trainer, t: torch.Tensor) -> torch.Tensor:
@@ -160,36 +195,39 @@ class StaircaseEvaluation(L.Callback):
         return sorted(rows, key=lambda r: r[0])
 
     @staticmethod
-    def _metrics(counts: torch.Tensor, grid: Optional[torch.Tensor], n: int) -> dict[str, float]:
+    def _metrics(counts: torch.Tensor, agreement: torch.Tensor | None, n: int) -> dict[str, float]:
         N, K = counts[0].item(), counts[1].item()
-        acc_fill, rej_fill = counts[2:2 + n], counts[2 + n:2 + 2 * n]
-        acc_depth, rej_depth = counts[2 + 2 * n:3 + 3 * n], counts[3 + 3 * n:]
+        acc_fill, rej_fill = counts[2 : 2 + n], counts[2 + n : 2 + 2 * n]
+        acc_depth, rej_depth = counts[2 + 2 * n : 3 + 3 * n], counts[3 + 3 * n :]
         alpha = N / K if K else 0.0
-        m = {"staircase/alpha": alpha, "staircase/speedup": n * alpha, "staircase/N": N, "staircase/K": K,
-             "staircase/mean_accept_run": (acc_fill.sum() / (rej_fill.sum() + 1)).item()}
+        m = {
+            "staircase/alpha": alpha,
+            "staircase/speedup": n * alpha,
+            "staircase/N": N,
+            "staircase/K": K,
+            "staircase/mean_accept_run": (acc_fill.sum() / (rej_fill.sum() + 1)).item(),
+        }
         for name, acc, rej, first in (("fill", acc_fill, rej_fill, 1), ("depth", acc_depth, rej_depth, 0)):
             for j, (a, r) in enumerate(zip(acc.tolist(), rej.tolist())):
                 if a + r:
                     m[f"staircase/accept_{name}{j + first}"] = a / (a + r)
-        if grid is not None:
+        if agreement is not None:
             for k in range(n + 1):
                 for a in range(1, n + 1):
-                    if grid[1, k, a - 1] > 0:
-                        m[f"staircase/agree_d{k}_f{a}"] = (grid[0, k, a - 1] / grid[1, k, a - 1]).item()
+                    if not agreement[k, a - 1].isnan():
+                        m[f"staircase/agree_d{k}_f{a}"] = agreement[k, a - 1].item()
         return m
 
     @rank_zero_only
-    def _log(self, trainer, out: str, metrics: dict, rows: list, grid: Optional[torch.Tensor]) -> None:
+    def _log(self, trainer, out: str, metrics: dict, rows: list, agreement: torch.Tensor | None) -> None:
         step = trainer.global_step
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
         os.makedirs(out, exist_ok=True)
         curve = alpha_curve_png(self.history, os.path.join(out, "alpha_vs_step.png"))
         heat = None
-        if grid is not None:
-            with torch.no_grad():
-                rate = torch.where(grid[1] > 0, grid[0] / grid[1].clamp(min=1), torch.nan)
-            heat = heatmap_png(rate, os.path.join(out, f"agreement_step{step}.png"), step)
+        if agreement is not None:
+            heat = heatmap_png(agreement, os.path.join(out, f"agreement_step{step}.png"), step)
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
                 import wandb
@@ -198,16 +236,18 @@ class StaircaseEvaluation(L.Callback):
                 if heat:
                     payload["staircase/agreement_heatmap"] = wandb.Image(heat)
                 if self.log_table:
-                    payload["staircase/prompts"] = wandb.Table(columns=["index", "prompt", "output", "N", "K", "alpha"],
-                                                               data=rows)
+                    payload["staircase/prompts"] = wandb.Table(
+                        columns=["index", "prompt", "output", "N", "K", "alpha"], data=rows
+                    )
                 logger.experiment.log({**payload, "trainer/global_step": step})
 
     # -- checkpointed state ----------------------------------------------------------------------
     @property
     def state_key(self) -> str:
         # Two evaluations with different settings (say greedy and sampled) keep separate histories.
-        return self._generate_state_key(every_n_steps=self.every_n_steps, prompts=self.prompt_file,
-                                        sampling=str(self.sampling.to_dict()))
+        return self._generate_state_key(
+            every_n_steps=self.every_n_steps, prompts=self.prompt_file, sampling=str(self.sampling.to_dict())
+        )
 
     def state_dict(self) -> dict:
         return {"history": [list(h) for h in self.history]}

@@ -5,14 +5,21 @@ with a `turns` list; the decoder uses the first turn. Anything that is not a fil
 `datasets.load_dataset` (a hub name when a hub is reachable, or a local dataset directory), written
 `NAME[:CONFIG][@SPLIT]` (split `test` by default, e.g. `openai/gsm8k:main@test`); the prompt is the first
 turn of its `turns` column, or its `prompt`, `question` or `instruction` column. Each prompt becomes one
-user message, rendered with the target tokenizer's chat template, `add_generation_prompt=True` and thinking disabled (SPEC 4.1
-renders training data the same way). A tokenizer without a chat template encodes the raw text.
+user message, rendered with the target tokenizer's chat template, `add_generation_prompt=True` and thinking
+disabled, by the renderer training uses (`spd_lightning/data/chat.py`). A tokenizer without a chat template
+encodes the raw text.
 """
 from __future__ import annotations
 
 import json
 import os
+
+from spd_lightning.data.chat import load_tokenizer, render_prompt
 from spd_lightning.errors import UserError
+
+render = render_prompt  # the decoder's name for it
+__all__ = ["PromptError", "dataset_spec", "load_tokenizer", "looks_like_hub_name", "read_dataset_prompts",
+           "read_prompts", "render"]
 
 DATASET_COLUMNS = ("turns", "prompt", "question", "instruction")
 
@@ -81,26 +88,3 @@ def read_dataset_prompts(spec: str) -> list[str]:
     if not prompts or not all(isinstance(t, str) and t.strip() for t in prompts):
         raise PromptError(f"prompts {spec!r}: column {column!r} is empty or holds a non-text prompt")
     return prompts
-
-
-def load_tokenizer(target_path: str):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(target_path)
-    except (OSError, ValueError) as e:
-        raise PromptError(f"cannot load a tokenizer from the target {target_path!r}: {str(e).splitlines()[0][:160]}") from e
-
-
-def render(tokenizer, prompt: str) -> list[int]:
-    """Token ids of one user turn, ready for the assistant's answer."""
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            enable_thinking=False, tokenize=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-    else:
-        ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
-    ids = [int(i) for i in ids]
-    if not ids:
-        raise PromptError(f"the prompt {prompt[:40]!r} encodes to no token")
-    return ids

@@ -8,19 +8,26 @@ linked to the model's target, so a config names the target once. Defaults every 
 - checkpoint files written atomically (`checkpoint_io.py`): a killed run never leaves a half-written one.
 `export --ckpt PATH --out DIR` writes the drafter directory that `inference/` loads.
 
-Bad settings (geometry, target path, vocabulary, data) end the run with one line on stderr and exit code 2;
-`--debug` or `SPD_DEBUG=1` shows the traceback instead. SIGTERM ends `fit` after the current step with exit
-code 143 (128 + SIGTERM), its checkpoint saved.
+Errors: a `UserError` (a bad setting: geometry, target path, vocabulary, data, a flag) ends the run with one
+line on stderr and exit code 2; anything else is a bug: one line and exit code 1. `--debug` or `SPD_DEBUG=1`
+shows the traceback instead. SIGTERM ends `fit` after the current step with exit code 143 (128 + SIGTERM), its
+checkpoint saved. More subcommands: one line in `EXTRA_COMMANDS`. A config whose first line is `# base: FILE` is
+stacked on FILE (see `with_base_configs`).
 """
+
 from __future__ import annotations
 
 import argparse
+import importlib
 import netrc
 import os
+import re
 import signal
 import sys
-from typing import Optional, Sequence
+import warnings
+from collections.abc import Sequence
 
+from jsonargparse import ArgumentError, DefaultHelpFormatter
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
@@ -28,12 +35,17 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from .checkpoint_io import AtomicCheckpointIO
 from .data import ChatDataModule
+from .errors import ConfigError, UserError
 from .export import load_drafter, save_drafter
 from .module import SPDModule
 
+PROG = "python -m spd_lightning"
+BASE_LINE = re.compile(r"#\s*base:\s*(\S+)\s*$")
 WANDB_HOST = "api.wandb.ai"
-DEFAULT_LOGGER = {"class_path": "lightning.pytorch.loggers.WandbLogger",
-                  "init_args": {"project": "spd-lightning", "save_dir": "runs"}}
+DEFAULT_LOGGER = {
+    "class_path": "lightning.pytorch.loggers.WandbLogger",
+    "init_args": {"project": "spd-lightning", "save_dir": "runs"},
+}
 
 
 class CheckpointOnSigterm(ModelCheckpoint):
@@ -94,51 +106,150 @@ def default_wandb_offline() -> None:
         os.environ["WANDB_MODE"] = "offline"
 
 
-def run_cli(args: Optional[Sequence[str]] = None) -> SPDLightningCLI:
-    """LightningCLI over `args`, or over `sys.argv` when None (DDP relaunches each rank with sys.argv)."""
+def run_cli(args: Sequence[str]) -> SPDLightningCLI:
+    """LightningCLI `fit` / `validate` over `args` (the command line without the program name)."""
     default_wandb_offline()
-    return SPDLightningCLI(
-        SPDModule, ChatDataModule, args=None if args is None else list(args), seed_everything_default=0,
-        auto_configure_optimizers=False,  # SPDModule.configure_optimizers owns AdamW + the linear schedule
-        trainer_defaults={"logger": DEFAULT_LOGGER, "max_epochs": 1},
-        save_config_callback=LoggedConfigCallback, save_config_kwargs={"overwrite": True},
-        parser_kwargs={"exit_on_error": False},  # a bad value raises (one line below), not usage text + exit
-    )
+    with warnings.catch_warnings():
+        # main() parses the command line itself (to take --debug out of it without editing sys.argv) and hands
+        # LightningCLI the rest; Lightning warns about `args` only to catch a script that also has a command line.
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+        try:
+            return SPDLightningCLI(
+                SPDModule,
+                ChatDataModule,
+                args=with_base_configs(args),
+                seed_everything_default=0,
+                auto_configure_optimizers=False,  # SPDModule.configure_optimizers owns AdamW + the linear schedule
+                trainer_defaults={"logger": DEFAULT_LOGGER, "max_epochs": 1},
+                save_config_callback=LoggedConfigCallback,
+                save_config_kwargs={"overwrite": True},
+                parser_kwargs=parser_kwargs(),
+            )
+        except ArgumentError as e:  # a value the parser rejects (type, choice, unknown key, missing file)
+            raise ConfigError(str(e)) from e
+
+
+def with_base_configs(args: Sequence[str]) -> list[str]:
+    """`--config FILE` whose first line is `# base: OTHER.yaml` (relative to FILE) becomes `--config OTHER --config
+    FILE`: LightningCLI deep-merges stacked configs, later values winning, so a per-target file holds only what
+    differs from the shared recipe and the user still names one file. A comment, not a key, because the parser
+    would reject an unknown key; a base may itself name a base."""
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        path = args[i + 1] if arg in ("-c", "--config") and i + 1 < len(args) else None
+        if arg.startswith("--config="):
+            path = arg.partition("=")[2]
+        for base in base_chain(path) if path else []:
+            out += ["--config", base]
+        out.append(arg)
+    return out
+
+
+def base_chain(path: str, seen: tuple[str, ...] = ()) -> list[str]:
+    """The bases `path` stacks on, the deepest first."""
+    try:
+        with open(path) as f:
+            match = BASE_LINE.match(f.readline())
+    except OSError:  # a missing file (the parser reports it) or a YAML string given as --config
+        return []
+    if match is None:
+        return []
+    base = os.path.join(os.path.dirname(path), match.group(1))
+    if os.path.abspath(base) in seen:
+        raise ConfigError(f"config {path!r}: its `# base:` line makes a cycle through {base!r}")
+    return base_chain(base, seen + (os.path.abspath(path),)) + [base]
+
+
+def parser_kwargs() -> dict:
+    """The top-level parser: a bad value raises (one line in main) instead of usage text + exit; the help lists the
+    extra subcommands."""
+    extra = "\n".join(f"    {name:<20}{summary}" for name, (_, summary) in EXTRA_COMMANDS.items())
+    return {
+        "exit_on_error": False,
+        "prog": PROG,
+        "formatter_class": HelpWithRawEpilog,
+        "description": "Train (fit), evaluate (validate) and export the Pipeline Draft Module of SPD.",
+        "epilog": f"more subcommands (each with --help):\n{extra}",
+    }
+
+
+class HelpWithRawEpilog(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """jsonargparse's help, with the epilog (the table of extra subcommands) printed as written."""
 
 
 def export(args: Sequence[str]) -> str:
-    parser = argparse.ArgumentParser(prog="python -m spd_lightning export",
-                                     description="Write a drafter directory (config.json + model.safetensors).")
+    """`export --ckpt PATH --out DIR`: writes the drafter directory that `inference/` loads; returns its path."""
+    parser = argparse.ArgumentParser(prog=f"{PROG} export", description=EXTRA_COMMANDS["export"][1])
     parser.add_argument("--ckpt", required=True, help="a Lightning .ckpt written by `fit` (or a drafter directory)")
     parser.add_argument("--out", required=True, help="output directory")
     opts = parser.parse_args(list(args))
     pdm, spec = load_drafter(opts.ckpt)
     out = save_drafter(pdm, spec, opts.out)
-    print(f"exported the drafter of {opts.ckpt} to {out} (n={spec.geometry.n}, L_s={spec.pdm.num_layers}, "
-          f"V_d={spec.pdm.draft_vocab_size}, target {spec.target.name_or_path})")
+    print(
+        f"exported the drafter of {opts.ckpt} to {out} (n={spec.geometry.n}, L_s={spec.pdm.num_layers}, "
+        f"V_d={spec.pdm.draft_vocab_size}, target {spec.target.name_or_path})"
+    )
     return out
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def export_main(args: Sequence[str]) -> int:
+    export(args)
+    return 0
+
+
+# Subcommands beside LightningCLI's fit/validate: name -> ("module:function", one-line summary). The function takes
+# the arguments after the name and returns the exit code; it is imported only when its subcommand runs.
+EXTRA_COMMANDS: dict[str, tuple[str, str]] = {
+    "export": (
+        "spd_lightning.cli:export_main",
+        "write the drafter directory (config.json + model.safetensors) that inference/ loads",
+    ),
+}
+
+
+def dispatch(args: Sequence[str]) -> int:
+    if not args:
+        names = ", ".join(["fit", "validate", *EXTRA_COMMANDS])
+        raise ConfigError(f"give a subcommand: one of {names} (`{PROG} --help` describes them)")
+    if args[0] in EXTRA_COMMANDS:
+        module, _, function = EXTRA_COMMANDS[args[0]][0].partition(":")
+        return getattr(importlib.import_module(module), function)(args[1:])
+    run_cli(args)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Runs a subcommand and exits: 0 done, 2 a `UserError` (one line), 1 a bug (one line; the traceback with
+    `--debug` or SPD_DEBUG=1), 143 stopped by SIGTERM after a saved step. DDP starts each rank with this process's
+    command line, so every rank takes `--debug` out the same way."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if "--debug" in args:
-        os.environ["SPD_DEBUG"] = "1"  # inherited by the processes a DDP launch starts
-        args = [a for a in args if a != "--debug"]
-        if argv is None:
-            sys.argv = sys.argv[:1] + args
-    debug = os.environ.get("SPD_DEBUG") == "1"
+    debug = "--debug" in args or os.environ.get("SPD_DEBUG") == "1"
+    args = [a for a in args if a != "--debug"]
     try:
-        if args and args[0] == "export":
-            export(args[1:])
-        else:
-            run_cli(None if argv is None else args)
+        code = dispatch(args)
     except SIGTERMException:  # a SystemExit without a code: it would exit 0 as if the run had finished
-        print("error: stopped by SIGTERM after a complete step, saved as last.ckpt: resume with `--ckpt_path last`",
-              file=sys.stderr)
-        sys.exit(128 + signal.SIGTERM)
-    except (ValueError, FileNotFoundError, argparse.ArgumentError) as e:  # project errors are ValueErrors
+        fail(
+            "stopped by SIGTERM after a complete step, saved as last.ckpt: resume with `--ckpt_path last`",
+            128 + signal.SIGTERM,
+        )
+    except UserError as e:
         if debug:
             raise
-        message = " ".join(str(e).split()) or type(e).__name__
-        print(f"error: {message} (rerun with --debug for the traceback)", file=sys.stderr)
-        sys.exit(2)
+        fail(f"{one_line(e)} (rerun with --debug for the traceback)", e.exit_code)
+    except Exception as e:  # noqa: BLE001 - the last line of defence: any other exception is a bug
+        if debug:
+            raise
+        fail(
+            f"unexpected {type(e).__name__}: {one_line(e)} (a bug: rerun with --debug for the traceback and report it)",
+            1,
+        )
+    sys.exit(code)
+
+
+def one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def fail(message: str, code: int) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(code)

@@ -12,3 +12,7 @@ class UserError(ValueError):
     """Bad input: the message says what is wrong and how to fix it, in one line."""
 
     exit_code = 2
+
+
+class ConfigError(UserError):
+    """A setting that cannot work (a config value, a command-line flag); the message names it and the fix."""

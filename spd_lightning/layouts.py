@@ -9,18 +9,21 @@ replicates the sequence so that ONE forward computes the last-position output of
 - `layout: type` (the paper's; exact for `L_s = 1`): one block per aggregation type that a view uses.
   Fill is drawn once per step.
 
-Each layout states its mask once, as per-row quantities (`_rows`) from which both the FlexAttention-style
+Each layout states its mask once, as per-row quantities (`DepthRows`, `TypeRows`) from which both the FlexAttention-style
 predicate and the two-part factorization are read (spd_lightning/attention.py). Every replicated token
 keeps RoPE position `i`.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Optional, Sequence
+from typing import Literal
 
 import torch
 
 from .attention import Backend, MaskMod, TwoPartPlan, make_attend
+from .errors import ConfigError
 from .geometry import Geometry
 from .pdm import Attend
 
@@ -34,23 +37,25 @@ class FillDistribution:
     over `1..n-1`; or explicit `probs` for `a = 1..n` (normalized), which overrides `full_prob`."""
 
     full_prob: float = 0.5
-    probs: Optional[Sequence[float]] = None
+    probs: Sequence[float] | None = None
 
     def probabilities(self, n: int) -> torch.Tensor:
         if self.probs is not None:
             p = torch.tensor([float(x) for x in self.probs], dtype=torch.float64)
             if p.numel() != n or (p < 0).any() or p.sum() <= 0:
-                raise ValueError(f"fill_probs={list(self.probs)} must be {n} non-negative weights for a = 1..n={n} "
-                                 f"with a positive sum")
+                raise ConfigError(
+                    f"fill_probs={list(self.probs)} must be {n} non-negative weights for a = 1..n={n} "
+                    f"with a positive sum"
+                )
             return p / p.sum()
         if not 0.0 <= self.full_prob <= 1.0:
-            raise ValueError(f"fill_full_prob={self.full_prob} must lie in [0, 1]")
+            raise ConfigError(f"fill_full_prob={self.full_prob} must lie in [0, 1]")
         if n == 1:
             return torch.ones(1, dtype=torch.float64)
         rest = (1.0 - self.full_prob) / (n - 1)
         return torch.tensor([rest] * (n - 1) + [self.full_prob], dtype=torch.float64)
 
-    def sample(self, n: int, shape: Sequence[int], generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    def sample(self, n: int, shape: Sequence[int], generator: torch.Generator | None = None) -> torch.Tensor:
         p = self.probabilities(n)
         draws = torch.multinomial(p, int(torch.Size(shape).numel()), replacement=True, generator=generator)
         return (draws + 1).view(*shape)
@@ -105,6 +110,40 @@ class Replication:
         return slice(c * self.length, (c + 1) * self.length)
 
 
+@dataclass
+class DepthRows:
+    """What the `depth` mask needs of each query row (tensors broadcast over the query indices).
+
+    `copy`: the row's copy; `time`: its drafting time `t = i + copy`; `active`: a view's token (not padding, and
+    `copy < a(t)` or the verified copy); `cutoff`: the last copy-n position it reads (-1: none); the row reads
+    copies `stair_lo..stair_hi-1` of the staircase at `(j, t - j)`.
+    """
+
+    copy: torch.Tensor
+    time: torch.Tensor
+    active: torch.Tensor
+    cutoff: torch.Tensor
+    stair_lo: torch.Tensor
+    stair_hi: torch.Tensor
+
+
+@dataclass
+class TypeRows:
+    """What the `type` mask needs of each query row (tensors broadcast over the query indices).
+
+    `time`: the row's position; `fill`: the step's fill level; `real`: not padding; `inflight_index`: the in-flight
+    index `jq` its block stands for; keys nearer than `stair_width` come from the staircase blocks, keys at distance
+    `>= stair_width` from the deepest block, up to position `cutoff` (-1: none).
+    """
+
+    time: torch.Tensor
+    fill: torch.Tensor
+    real: torch.Tensor
+    inflight_index: torch.Tensor
+    stair_width: torch.Tensor
+    cutoff: torch.Tensor
+
+
 class DepthLayout:
     """`n+1` copies; the structural mask of SPEC 4.4."""
 
@@ -116,7 +155,7 @@ class DepthLayout:
         self.copy_depths = [geometry.inflight_depth(c) for c in range(n)] + [n]
         self.copy_types = [geometry.type_of(k) for k in self.copy_depths]
 
-    def draw_fill(self, batch: int, length: int, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    def draw_fill(self, batch: int, length: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """`a(t)` for every drafting time a copy token can stand for: `t = i + c <= T - 1 + n`."""
         return self.fill_dist.sample(self.geometry.n, (batch, length + self.geometry.n), generator)
 
@@ -125,9 +164,7 @@ class DepthLayout:
         fill = fill.to(device)
         B = lengths.shape[0]
 
-        def rows(b, q):
-            """Per query row: copy, position, drafting time, whether it is a view's token, the copy-n prefix
-            cutoff, and the staircase copies `lo..hi-1` it reads at `(j, t - j)`."""
+        def rows(b, q) -> DepthRows:
             copy, pos = q // T, q % T
             t = pos + copy
             a = fill[b, t]
@@ -135,24 +172,24 @@ class DepthLayout:
             active = real & ((copy == n) | (copy < a))
             cutoff = torch.where(active, torch.where(copy == n, pos, t - a), -1)
             hi = torch.where(active & (copy < n), a, copy)
-            return copy, pos, t, active, cutoff, copy, hi
+            return DepthRows(copy=copy, time=t, active=active, cutoff=cutoff, stair_lo=copy, stair_hi=hi)
 
         def mask_mod(b, h, q, kv):
-            copy, pos, t, active, cutoff, lo, hi = rows(b, q)
+            row = rows(b, q)
             kc, kp = kv // T, kv % T
-            prefix = (kc == n) & (kp <= cutoff)
-            stair = (kc >= lo) & (kc < hi) & (kp + kc == t)
-            return prefix | stair | (~active & (kv == q))
+            prefix = (kc == n) & (kp <= row.cutoff)
+            stair = (kc >= row.stair_lo) & (kc < row.stair_hi) & (kp + kc == row.time)
+            return prefix | stair | (~row.active & (kv == q))
 
         def plan() -> TwoPartPlan:
             b = torch.arange(B, device=device)[:, None]
             q = torch.arange((n + 1) * T, device=device)[None, :]
-            copy, pos, t, active, cutoff, lo, hi = rows(b, q)
-            j = lo[..., None] + torch.arange(max(n, 1), device=device)  # [B, S, W]
-            ok = (j < hi[..., None]) & (t[..., None] - j >= 0)
-            stair = torch.where(ok, j * T + t[..., None] - j, -1)
-            stair[..., 0] = torch.where(active, stair[..., 0], q.expand(B, -1))  # inactive and padding: self only
-            return TwoPartPlan(prefix_start=n * T, prefix_len=T, cutoff=cutoff.expand(B, -1), stair=stair)
+            row = rows(b, q)
+            j = row.stair_lo[..., None] + torch.arange(max(n, 1), device=device)  # [B, S, W]
+            t = row.time[..., None]
+            stair = torch.where((j < row.stair_hi[..., None]) & (t - j >= 0), j * T + t - j, -1)
+            stair[..., 0] = torch.where(row.active, stair[..., 0], q.expand(B, -1))  # inactive and padding: self only
+            return TwoPartPlan(prefix_start=n * T, prefix_len=T, cutoff=row.cutoff.expand(B, -1), stair=stair)
 
         i = torch.arange(T, device=device)
         real = i[None, :] < lengths[:, None]
@@ -183,52 +220,58 @@ class TypeLayout:
         self.deepest = len(self.copy_types) - 1
         self.first_deep_j = self.block_of_j.index(self.deepest)
 
-    def draw_fill(self, batch: int, length: int, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    def draw_fill(self, batch: int, length: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """One fill level for the whole step, repeated per sample."""
         return self.fill_dist.sample(self.geometry.n, (1,), generator).expand(batch).clone()
+
+    def _rows(self, lengths: torch.Tensor, T: int, fill: torch.Tensor) -> Callable[..., TypeRows]:
+        """The per-row quantities of the mask, as a function of (batch, query) index tensors."""
+        jq_of_block = torch.tensor(self.jq, device=lengths.device)
+
+        def rows(b, q) -> TypeRows:
+            t = q % T
+            a, real, jq = fill[b], t < lengths[b], jq_of_block[q // T]
+            delta0 = torch.minimum((self.first_deep_j - jq).clamp(min=0), a)
+            cutoff = torch.where(real, t - delta0, -1)
+            return TypeRows(time=t, fill=a, real=real, inflight_index=jq, stair_width=delta0, cutoff=cutoff)
+
+        return rows
 
     def replicate(self, lengths: torch.Tensor, length: int, fill: torch.Tensor) -> Replication:
         n, T, device = self.geometry.n, length, lengths.device
         fill = fill.to(device)
         B, m = lengths.shape[0], len(self.copy_types)
         block_of_j = torch.tensor(self.block_of_j, device=device)
-        jq_of_block = torch.tensor(self.jq, device=device)
-
-        def rows(b, q):
-            """Per query row: block, position, fill, in-flight index, and `delta0`: keys at distance
-            `>= delta0` all come from the deepest block (a prefix), nearer ones from the staircase."""
-            blk, t = q // T, q % T
-            a = fill[b]
-            real = t < lengths[b]
-            jq = jq_of_block[blk]
-            delta0 = torch.minimum((self.first_deep_j - jq).clamp(min=0), a)
-            cutoff = torch.where(real, t - delta0, -1)
-            return blk, t, a, real, jq, delta0, cutoff
+        rows = self._rows(lengths, T, fill)
 
         def mask_mod(b, h, q, kv):
-            blk, t, a, real, jq, delta0, cutoff = rows(b, q)
+            row = rows(b, q)
             kb, kt = kv // T, kv % T
-            delta = t - kt
-            key_block = torch.where(delta < a, block_of_j[(jq + delta).clamp(0, n)], self.deepest)
-            return (real & (delta >= 0) & (kb == key_block)) | (~real & (kv == q))
+            delta = row.time - kt
+            staircase_block = block_of_j[(row.inflight_index + delta).clamp(0, n)]
+            key_block = torch.where(delta < row.fill, staircase_block, self.deepest)
+            return (row.real & (delta >= 0) & (kb == key_block)) | (~row.real & (kv == q))
 
         def plan() -> TwoPartPlan:
             b = torch.arange(B, device=device)[:, None]
             q = torch.arange(m * T, device=device)[None, :]
-            blk, t, a, real, jq, delta0, cutoff = rows(b, q)
+            row = rows(b, q)
             delta = torch.arange(max(self.first_deep_j, 1), device=device)  # [W]
-            kt = t[..., None] - delta
-            ok = real[..., None] & (delta < delta0[..., None]) & (kt >= 0)
-            key_block = block_of_j[(jq[..., None] + delta).clamp(0, n)]
+            kt = row.time[..., None] - delta
+            ok = row.real[..., None] & (delta < row.stair_width[..., None]) & (kt >= 0)
+            key_block = block_of_j[(row.inflight_index[..., None] + delta).clamp(0, n)]
             stair = torch.where(ok, key_block * T + kt, -1)
-            stair[..., 0] = torch.where(real, stair[..., 0], q.expand(B, -1))  # padding: self only
-            return TwoPartPlan(prefix_start=self.deepest * T, prefix_len=T, cutoff=cutoff.expand(B, -1), stair=stair)
+            stair[..., 0] = torch.where(row.real, stair[..., 0], q.expand(B, -1))  # padding: self only
+            return TwoPartPlan(
+                prefix_start=self.deepest * T, prefix_len=T, cutoff=row.cutoff.expand(B, -1), stair=stair
+            )
 
         i = torch.arange(T, device=device)
         real = i[None, :] < lengths[:, None]
-        per_token_fill = fill[:, None].expand(B, T)
-        return Replication(B, T, self.copy_types, self.copy_depths, self.block_of_j[0], mask_mod, plan,
-                           [real] * m, [per_token_fill] * m, device)
+        fills, loss_block = [fill[:, None].expand(B, T)] * m, self.block_of_j[0]
+        return Replication(
+            B, T, self.copy_types, self.copy_depths, loss_block, mask_mod, plan, [real] * m, fills, device
+        )
 
 
 def build_layout(name: LayoutName, geometry: Geometry, fill: FillDistribution = FillDistribution()):
@@ -236,4 +279,4 @@ def build_layout(name: LayoutName, geometry: Geometry, fill: FillDistribution = 
         return DepthLayout(geometry, fill)
     if name == "type":
         return TypeLayout(geometry, fill)
-    raise ValueError(f"unknown layout {name!r}: use 'depth' (exact) or 'type' (the paper's)")
+    raise ConfigError(f"unknown layout {name!r}: use 'depth' (exact) or 'type' (the paper's)")

@@ -23,32 +23,52 @@ import torchmetrics
 from lightning.pytorch.utilities import rank_zero_info
 
 from .attention import Backend
+from .errors import ConfigError
 from .export import CKPT_KEY, DrafterSpec
 from .geometry import Features, Geometry, Schedule
 from .layouts import FillDistribution, LayoutName, build_layout
+from .metrics import GroupedAgreement
 from .pdm import PDMConfig, PipelineDraftModule
 from .target import Target, TargetError, load_hf_config
 
 
-class GroupedAgreement(torchmetrics.Metric):
-    """Top-1 agreement per group (depth or fill level); the counts are summed across processes."""
-
-    full_state_update = False
-
-    def __init__(self, num_groups: int):
-        super().__init__()
-        self.add_state("correct", torch.zeros(num_groups, dtype=torch.long), dist_reduce_fx="sum")
-        self.add_state("total", torch.zeros(num_groups, dtype=torch.long), dist_reduce_fx="sum")
-
-    def update(self, agree: torch.Tensor, group: torch.Tensor) -> None:
-        self.correct += torch.bincount(group[agree], minlength=self.correct.numel())
-        self.total += torch.bincount(group, minlength=self.total.numel())
-
-    def compute(self) -> dict[int, float]:
-        return {g: c / t for g, (c, t) in enumerate(zip(self.correct.tolist(), self.total.tolist())) if t > 0}
-
-
 class SPDModule(L.LightningModule):
+    """Distills the PDM from a frozen target (`fit`), measures its agreement (`validate`).
+
+    Args:
+        target: HF name or local directory of the frozen target.
+        target_dtype: dtype the target runs in (bfloat16 on GPU; float32 for CPU runs).
+        trust_remote_code: let transformers run the target repository's own modelling code.
+        n: pipeline stages (the staircase geometry, spd_lightning/geometry.py).
+        split: stage boundaries `e_0..e_n`: `uniform` (`e_s = round(s*L/n)`) or a list of n+1 layer indices.
+        anchors: target hidden states the PDM reads: a preset (`quarters`, `n_scaled`) or a list of indices.
+        layout: sequence replication: `depth` (exact for any `num_layers`) or `type` (the paper's; exact for
+            `num_layers` 1).
+        schedule: `pre_step` drafts before the pipeline step; `post_step` after it (every in-flight token one
+            stage deeper).
+        features: `spd` (every stage's states) or `first_stage` (PPSD: only what the first stage computed).
+        num_layers: PDM decoder layers (`L_s`).
+        hidden_size: PDM width; null takes the target's.
+        num_heads: PDM attention heads; null takes the target's.
+        num_kv_heads: PDM key/value heads; null takes the target's.
+        head_dim: PDM head dimension; null takes the target's.
+        intermediate_size: PDM MLP width; null takes the target's.
+        init_layers_from: target layer index to seed each PDM layer from (one per PDM layer); null: random init.
+        init_head: seed the draft head with the target LM-head rows of the draft vocabulary.
+        fill_full_prob: probability of a full pipeline (fill n); other fill levels are uniform (SPEC 4.3).
+        fill_probs: explicit weights of fill levels 1..n; overrides `fill_full_prob`.
+        teacher_temperature: temperature of the teacher distribution in the KL.
+        aux_loss_weight: weight of the KL on the other active copies (depths > 0).
+        lr: AdamW peak learning rate.
+        weight_decay: AdamW weight decay (not on norms and biases).
+        warmup_steps: linear warmup steps, then linear decay over the trainer's estimated stepping batches.
+        min_lr_ratio: the final learning rate as a fraction of `lr`.
+        attention_backend: `auto` (flex on CUDA, dense or two-part on CPU), `flex`, `flex_compiled` (compiled
+            flex on any device, for a CPU rehearsal of the GPU path), `dense`, `two_part`.
+        activation_checkpointing: recompute each PDM layer in the backward pass instead of storing its activations.
+        seed: seeds the per-step fill draws (deterministic, and identical after a resume).
+    """
+
     def __init__(
         self,
         target: str,
@@ -80,34 +100,17 @@ class SPDModule(L.LightningModule):
         activation_checkpointing: bool = False,
         seed: int = 0,
     ):
-        """Args:
-            target: HF name or local directory of the frozen target.
-            target_dtype: dtype the target runs in (bfloat16 on GPU; float32 for CPU runs).
-            n, split, anchors, schedule, features: the staircase geometry (spd_lightning/geometry.py).
-            layout: `depth` (exact for any `num_layers`) or `type` (the paper's; exact for `num_layers` 1).
-            num_layers .. intermediate_size: PDM shape; `None` takes the target's value (width, heads, ...).
-            init_layers_from: target layer index to seed each PDM layer from (one per PDM layer).
-            init_head: seed the draft head with the target LM-head rows of the draft vocabulary.
-            fill_full_prob, fill_probs: fill-level distribution (SPEC 4.3).
-            teacher_temperature: temperature of the teacher distribution in the KL.
-            aux_loss_weight: weight of the KL on the other active copies (depths > 0).
-            lr, weight_decay, warmup_steps, min_lr_ratio: AdamW with linear warmup, then linear decay to
-                `min_lr_ratio * lr` over the trainer's estimated stepping batches.
-            attention_backend: `auto` (flex on CUDA, dense or two-part on CPU), `flex`, `dense`, `two_part`.
-            activation_checkpointing: recompute each PDM layer in the backward pass instead of storing its activations.
-            seed: seeds the per-step fill draws (deterministic, and identical after a resume).
-        """
         super().__init__()
         self.save_hyperparameters()
         for name, value in (("teacher_temperature", teacher_temperature), ("lr", lr)):
             if value <= 0:
-                raise ValueError(f"{name}={value} must be positive")
+                raise ConfigError(f"{name}={value} must be positive")
         for name, value in (("aux_loss_weight", aux_loss_weight), ("weight_decay", weight_decay),
                             ("warmup_steps", warmup_steps)):
             if value < 0:
-                raise ValueError(f"{name}={value} must be >= 0")
+                raise ConfigError(f"{name}={value} must be >= 0")
         if not 0 <= min_lr_ratio <= 1:
-            raise ValueError(f"min_lr_ratio={min_lr_ratio} must lie in [0, 1] (the final lr as a fraction of lr)")
+            raise ConfigError(f"min_lr_ratio={min_lr_ratio} must lie in [0, 1] (the final lr as a fraction of lr)")
         config = load_hf_config(target, trust_remote_code)
         self.target_config = getattr(config, "text_config", None) or config
         self.geometry = Geometry.build(self.target_config.num_hidden_layers, n, split, anchors, schedule, features)
@@ -139,12 +142,12 @@ class SPDModule(L.LightningModule):
         self._pdm_config(draft_vocab_size=1, rope_theta=1.0)  # shape errors now, before any data is processed
         width = hp.hidden_size or cfg.hidden_size
         if hp.init_head and width != cfg.hidden_size:
-            raise ValueError(f"init_head needs the PDM width to equal the target's ({cfg.hidden_size}), got "
+            raise ConfigError(f"init_head needs the PDM width to equal the target's ({cfg.hidden_size}), got "
                              f"hidden_size={width}: drop hidden_size or set init_head: false")
         if hp.init_layers_from is not None:
             idx = list(hp.init_layers_from)
             if len(idx) != hp.num_layers or any(not 0 <= i < cfg.num_hidden_layers for i in idx):
-                raise ValueError(f"init_layers_from={idx} must name {hp.num_layers} target layer(s) (one per PDM "
+                raise ConfigError(f"init_layers_from={idx} must name {hp.num_layers} target layer(s) (one per PDM "
                                  f"layer) in 0..{cfg.num_hidden_layers - 1}")
 
     # -- the frozen target ---------------------------------------------------------------------
@@ -175,12 +178,12 @@ class SPDModule(L.LightningModule):
             return  # without a trainer (`load_from_checkpoint`), on_load_checkpoint builds the PDM
         d2t = getattr(self.trainer.datamodule, "d2t", None) if self.trainer.datamodule is not None else None
         if d2t is None:
-            raise ValueError("SPDModule needs a data module with a draft vocabulary `d2t` (ChatDataModule): "
+            raise ConfigError("SPDModule needs a data module with a draft vocabulary `d2t` (ChatDataModule): "
                              "train through `python -m spd_lightning fit` or pass datamodule=ChatDataModule(...)")
         d2t = torch.as_tensor(d2t, dtype=torch.long)
         vocab = self.target.vocab_size
         if d2t.ndim != 1 or d2t.numel() == 0 or int(d2t.max()) >= vocab or int(d2t.min()) < 0:
-            raise ValueError(f"the draft vocabulary ({d2t.numel()} ids, max {int(d2t.max()) if d2t.numel() else None}) "
+            raise ConfigError(f"the draft vocabulary ({d2t.numel()} ids, max {int(d2t.max()) if d2t.numel() else None}) "
                              f"does not fit the target vocabulary of {vocab}: use the target's own tokenizer")
         hp = self.hparams
         self.pdm = PipelineDraftModule(self._pdm_config(d2t.numel(), self._target_info.rope_theta), d2t)

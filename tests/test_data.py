@@ -2,6 +2,9 @@
 import copy
 import io
 import json
+import os
+import subprocess
+import sys
 import warnings
 
 import datasets
@@ -16,6 +19,7 @@ from spd_lightning.tiny_target import sharegpt_conversations, train_chat_tokeniz
 
 END_OF_TURN = "<|im_end|>"
 GEN_PROMPT_NO_THINKING = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="session")
@@ -330,6 +334,32 @@ def test_datamodule_batches_and_heldout_prompts(tokenizer_dir, tmp_path):
         text = dm.tokenizer.decode(ids)
         assert text.startswith("<|im_start|>user\nquestion ") and text.endswith(GEN_PROMPT_NO_THINKING)
         assert "answer" not in text
+
+
+def test_decoder_and_callback_render_prompts_as_training_renders_heldout_prompts(tokenizer_dir, tmp_path):
+    """One renderer: a user turn rendered by `inference.prompts.render` (the decoder and the staircase callback's
+    prompt files) gives the ids of the same turn held out by the data module."""
+    import inference.prompts
+    from spd_lightning.data import chat
+
+    assert inference.prompts.render is chat.render_prompt and inference.prompts.load_tokenizer is chat.load_tokenizer
+    records = chat_records(8)
+    dm = make_datamodule(tokenizer_dir, tmp_path, [DataSource(path=write_jsonl(tmp_path / "a.jsonl", records))])
+    dm.setup("fit")
+    by_text = {r["conversations"][0]["value"]: r for r in records}
+    for ids in dm.heldout_prompts(2):
+        question = next(q for q in by_text if q + "<|im_end|>" in dm.tokenizer.decode(ids))
+        assert inference.prompts.render(dm.tokenizer, question) == ids
+    with pytest.raises(DataError, match="encodes to no token"):
+        chat.render_prompt(type("NoTemplate", (), {"__call__": lambda self, t, **k: {"input_ids": []}})(), "")
+
+
+def test_shared_pieces_import_neither_lightning_nor_datasets():
+    code = ("import sys, inference.prompts, spd_lightning.data.chat, spd_lightning.metrics; "
+            "print(sorted(m for m in ('lightning', 'pytorch_lightning', 'datasets') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                         cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}).stdout
+    assert out.strip() == "[]"
 
 
 def test_sources_parse_from_yaml_like_lightning_cli(tokenizer_dir, tmp_path):

@@ -5,6 +5,7 @@ forward must equal a separate plain PDM forward over the explicit staircase view
 (features of each (depth, position) pair, causal attention, true positions). Random anchor states stand in
 for a target: the property is about the mask and the feature placement, not about the target.
 """
+
 import pytest
 import torch
 
@@ -18,8 +19,17 @@ H_TARGET, VOCAB, TOL = 24, 50, 1e-5
 
 def make_pdm(geometry: Geometry, num_layers: int, seed: int = 0) -> PipelineDraftModule:
     torch.manual_seed(seed)
-    cfg = PDMConfig(target_hidden_size=H_TARGET, num_types=geometry.num_types, draft_vocab_size=VOCAB, hidden_size=32,
-                    num_layers=num_layers, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48)
+    cfg = PDMConfig(
+        target_hidden_size=H_TARGET,
+        num_types=geometry.num_types,
+        draft_vocab_size=VOCAB,
+        hidden_size=32,
+        num_layers=num_layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+    )
     return PipelineDraftModule(cfg).eval()
 
 
@@ -79,7 +89,9 @@ def test_type_layout_equals_explicit_staircase_for_one_layer(variant):
             fill = torch.tensor([a])
             logits, _ = replicated_logits(pdm, layout, states, torch.tensor([T]), fill)
             for t in range(T):
-                torch.testing.assert_close(logits[0, t], staircase_logits(pdm, geometry, states[0], t, a), atol=TOL, rtol=TOL)
+                torch.testing.assert_close(
+                    logits[0, t], staircase_logits(pdm, geometry, states[0], t, a), atol=TOL, rtol=TOL
+                )
 
 
 def test_type_layout_is_only_approximate_for_deeper_pdms():
@@ -107,8 +119,8 @@ def test_padded_batch_equals_sequences_one_by_one(layout_name):
         batched, _ = replicated_logits(pdm, layout, states, lengths, fill)
         assert torch.isfinite(batched).all()
         for b, n_b in enumerate(lengths.tolist()):
-            alone_fill = fill[b:b + 1, :n_b + geometry.n] if layout_name == "depth" else fill[b:b + 1]
-            alone, _ = replicated_logits(pdm, layout, states[b:b + 1, :n_b], lengths[b:b + 1], alone_fill)
+            alone_fill = fill[b : b + 1, : n_b + geometry.n] if layout_name == "depth" else fill[b : b + 1]
+            alone, _ = replicated_logits(pdm, layout, states[b : b + 1, :n_b], lengths[b : b + 1], alone_fill)
             torch.testing.assert_close(batched[b, :n_b], alone[0], atol=TOL, rtol=TOL)
 
 

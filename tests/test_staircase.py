@@ -1,5 +1,6 @@
 """The staircase-evaluation callback: keys and values with CSV and offline W&B loggers, equality with the
 decoder CLI, checkpointed state, and a 2-process DDP fit that logs once per evaluation."""
+
 import csv
 import glob
 import json
@@ -20,8 +21,14 @@ PROMPTS = os.path.join(REPO, "docs", "demo_prompts.jsonl")
 
 
 def callback_args(every: int = 2, **extra) -> list[str]:
-    init = {"every_n_steps": every, "num_prompts": 3, "max_new_tokens": 12, "prompts": PROMPTS, "num_batches": 1,
-            **extra}
+    init = {
+        "every_n_steps": every,
+        "num_prompts": 3,
+        "max_new_tokens": 12,
+        "prompts": PROMPTS,
+        "num_batches": 1,
+        **extra,
+    }
     # configs/tiny.yaml already has the callback: these override its settings.
     return [f"--trainer.callbacks.init_args.{k}={v}" for k, v in init.items()]
 
@@ -35,9 +42,16 @@ def csv_rows(root) -> list[dict]:
 @pytest.fixture(scope="module")
 def csv_run(micro_target, tmp_path_factory):
     root = tmp_path_factory.mktemp("csv_run")
-    args = fit_args(micro_target, root, "--trainer.max_steps", "4", "--trainer.logger",
-                    "lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.init_args.save_dir={root}",
-                    *callback_args())
+    args = fit_args(
+        micro_target,
+        root,
+        "--trainer.max_steps",
+        "4",
+        "--trainer.logger",
+        "lightning.pytorch.loggers.CSVLogger",
+        f"--trainer.logger.init_args.save_dir={root}",
+        *callback_args(),
+    )
     trained = cli.run_cli(["fit", *args])
     return root, trained
 
@@ -65,9 +79,28 @@ def test_alpha_equals_the_decoder_cli(csv_run, micro_target, tmp_path):
     ckpt = str(tmp_path / "now.ckpt")
     trained.trainer.save_checkpoint(ckpt)
     report = tmp_path / "decode.json"
-    subprocess.run([sys.executable, "-m", "inference.decode", "--ckpt", ckpt, "--target", micro_target, "--simulate",
-                    "--prompts", PROMPTS, "--max-new-tokens", "12", "--json", str(report)],
-                   check=True, cwd=REPO, timeout=240, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "inference.decode",
+            "--ckpt",
+            ckpt,
+            "--target",
+            micro_target,
+            "--simulate",
+            "--prompts",
+            PROMPTS,
+            "--max-new-tokens",
+            "12",
+            "--json",
+            str(report),
+        ],
+        check=True,
+        cwd=REPO,
+        timeout=240,
+        capture_output=True,
+    )
     with open(report) as f:
         totals = json.load(f)["totals"]
     # The callback evaluates 3 of the file's prompts; evaluate it now on all of them for the same set.
@@ -92,9 +125,17 @@ def test_state_round_trips_through_a_checkpoint(csv_run, tmp_path):
 def test_offline_wandb_run_gets_scalars_table_and_images(micro_target, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    args = fit_args(micro_target, tmp_path, "--trainer.max_steps", "2", "--trainer.logger",
-                    "lightning.pytorch.loggers.WandbLogger", f"--trainer.logger.init_args.save_dir={tmp_path}",
-                    "--trainer.logger.init_args.project=spd-test", *callback_args(every=0))
+    args = fit_args(
+        micro_target,
+        tmp_path,
+        "--trainer.max_steps",
+        "2",
+        "--trainer.logger",
+        "lightning.pytorch.loggers.WandbLogger",
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+        "--trainer.logger.init_args.project=spd-test",
+        *callback_args(every=0),
+    )
     trained = cli.run_cli(["fit", *args])
     trained.trainer.logger.experiment.finish()
     [run_dir] = glob.glob(os.path.join(str(tmp_path), "**", "offline-run-*"), recursive=True)
@@ -112,9 +153,21 @@ def test_offline_wandb_run_gets_scalars_table_and_images(micro_target, tmp_path,
 
 
 def test_model_checkpoint_can_keep_the_best_alpha(micro_target, tmp_path):
-    args = fit_args(micro_target, tmp_path, "--trainer.max_steps", "4", *callback_args(),
-                    "--checkpoint.monitor", "staircase/alpha", "--checkpoint.mode", "max",
-                    "--checkpoint.every_n_train_steps", "2", "--checkpoint.save_top_k", "1")
+    args = fit_args(
+        micro_target,
+        tmp_path,
+        "--trainer.max_steps",
+        "4",
+        *callback_args(),
+        "--checkpoint.monitor",
+        "staircase/alpha",
+        "--checkpoint.mode",
+        "max",
+        "--checkpoint.every_n_train_steps",
+        "2",
+        "--checkpoint.save_top_k",
+        "1",
+    )
     trained = cli.run_cli(["fit", *args])
     best = trained.trainer.checkpoint_callback
     assert best.best_model_path and best.best_model_score is not None
@@ -128,13 +181,31 @@ def test_bad_callback_settings_fail_with_one_line():
 
 @pytest.mark.timeout(240)
 def test_ddp_fit_with_the_callback_logs_once_per_evaluation(micro_target, tmp_path):
-    args = fit_args(micro_target, tmp_path, "--trainer.max_steps", "2", "--trainer.strategy", "ddp",
-                    "--trainer.devices", "2", "--trainer.accelerator", "cpu", "--trainer.logger",
-                    "lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.init_args.save_dir={tmp_path}",
-                    *callback_args(every=0))
+    args = fit_args(
+        micro_target,
+        tmp_path,
+        "--trainer.max_steps",
+        "2",
+        "--trainer.strategy",
+        "ddp",
+        "--trainer.devices",
+        "2",
+        "--trainer.accelerator",
+        "cpu",
+        "--trainer.logger",
+        "lightning.pytorch.loggers.CSVLogger",
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+        *callback_args(every=0),
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PL_DISABLE_FORK": "1"}
-    proc = subprocess.run([sys.executable, "-m", "spd_lightning", "fit", *args], cwd=REPO, env=env, timeout=220,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "spd_lightning", "fit", *args],
+        cwd=REPO,
+        env=env,
+        timeout=220,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [r for r in csv_rows(tmp_path) if r.get("staircase/alpha")]
     assert len(rows) == 1 and int(rows[0]["step"]) == 2
@@ -144,9 +215,20 @@ def test_ddp_fit_with_the_callback_logs_once_per_evaluation(micro_target, tmp_pa
 def test_resume_restores_the_history_and_repeats_the_numbers(micro_target, tmp_path):
     """Resuming from a mid-epoch checkpoint keeps the callback's history, and the evaluation after the
     resume reports what the uninterrupted run reported (exact resume of weights, data order and decoding)."""
+
     def run(root, *extra):
-        args = fit_args(micro_target, root, "--trainer.max_steps", "4", "--checkpoint.every_n_train_steps", "2",
-                        "--checkpoint.save_top_k", "-1", *callback_args(), *extra)
+        args = fit_args(
+            micro_target,
+            root,
+            "--trainer.max_steps",
+            "4",
+            "--checkpoint.every_n_train_steps",
+            "2",
+            "--checkpoint.save_top_k",
+            "-1",
+            *callback_args(),
+            *extra,
+        )
         trainer = cli.run_cli(["fit", *args]).trainer
         return [c for c in trainer.callbacks if isinstance(c, StaircaseEvaluation)][0].history
 

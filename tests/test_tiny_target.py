@@ -1,13 +1,33 @@
 """The embedded tiny target: tokenizer + chat template, a short pretraining run, an ordinary HF directory."""
+
 import json
 
 import pytest
 import torch
 
-from spd_lightning.tiny_target import REPORT_FILE, TinyTargetError, build_tiny_target, main, tiny_model_config
+from spd_lightning.tiny_target import (
+    DEFAULT_STEPS,
+    REPORT_FILE,
+    TinyTargetError,
+    build_tiny_target,
+    main,
+    resolve_budget,
+    tiny_model_config,
+)
 
-TINY_BUILD = dict(minutes=2.0, max_steps=2, hidden_size=32, num_layers=4, vocab_size=512, seq_len=64, batch_size=2,
-                  max_conversations=120, tokenizer_conversations=100, heldout_conversations=8, heldout_blocks=2)
+TINY_BUILD = dict(
+    minutes=2.0,
+    max_steps=2,
+    hidden_size=32,
+    num_layers=4,
+    vocab_size=512,
+    seq_len=64,
+    batch_size=2,
+    max_conversations=120,
+    tokenizer_conversations=100,
+    heldout_conversations=8,
+    heldout_blocks=2,
+)
 
 
 @pytest.fixture(scope="module")
@@ -33,13 +53,20 @@ def test_tokenizer_and_template_round_trip(built_qwen35):
     assert (tokenizer.eos_token, tokenizer.pad_token) == ("<|im_end|>", "<|endoftext|>")
     for token in ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>"):
         assert len(tokenizer(token, add_special_tokens=False)["input_ids"]) == 1, token
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Ünïcode, 数字 42 and  spaces?"},
-                {"role": "assistant", "content": "Yes: 数字 works.\n\n- fine"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Ünïcode, 数字 42 and  spaces?"},
+        {"role": "assistant", "content": "Yes: 数字 works.\n\n- fine"},
+    ]
     text = tokenizer.apply_chat_template(messages, tokenize=False, enable_thinking=False)
-    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nÜnïcode, 数字 42 and  spaces?<|im_end|>\n"
-                    "<|im_start|>assistant\n<think>\n\n</think>\n\nYes: 数字 works.\n\n- fine<|im_end|>\n")
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nÜnïcode, 数字 42 and  spaces?<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n\n</think>\n\nYes: 数字 works.\n\n- fine<|im_end|>\n"
+    )
     assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text
-    prompt = tokenizer.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    prompt = tokenizer.apply_chat_template(
+        messages[:2], tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
     assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     thinking = tokenizer.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True)
     assert thinking.endswith("<|im_start|>assistant\n")
@@ -59,23 +86,39 @@ def test_loads_through_auto_classes_and_generates(built_qwen35):
     assert type(model).__name__ == "Qwen3_5ForCausalLM"
     assert set(model.config.layer_types) == {"linear_attention", "full_attention"}
     assert model.config.eos_token_id == tokenizer.eos_token_id and model.config.pad_token_id == tokenizer.pad_token_id
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True,
-                                           enable_thinking=False, return_tensors="pt", return_dict=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hello"}],
+        add_generation_prompt=True,
+        enable_thinking=False,
+        return_tensors="pt",
+        return_dict=True,
+    )
     generated = model.generate(**prompt, max_new_tokens=6, do_sample=False)
     assert generated.shape[1] > prompt["input_ids"].shape[1]
     target = Target.load(out)
     assert target.num_layers == 4 and target.vocab_size == len(tokenizer)
 
 
-def test_max_steps_makes_the_build_deterministic(tmp_path):
-    first = build_tiny_target(str(tmp_path / "a"), arch="qwen3", seed=3, **TINY_BUILD)
-    again = build_tiny_target(str(tmp_path / "b"), arch="qwen3", seed=3, **TINY_BUILD)
+def test_same_seed_steps_and_threads_give_the_same_target(tmp_path):
+    threads = torch.get_num_threads()
+    first = build_tiny_target(str(tmp_path / "a"), arch="qwen3", seed=3, num_threads=1, **TINY_BUILD)
+    again = build_tiny_target(str(tmp_path / "b"), arch="qwen3", seed=3, num_threads=1, **TINY_BUILD)
+    assert torch.get_num_threads() == threads  # the build leaves the process's setting as it found it
     assert first["heldout_loss"] == again["heldout_loss"] and first["model_class"] == "Qwen3ForCausalLM"
     from safetensors.torch import load_file
+
     a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     with open(tmp_path / "a" / "tokenizer.json") as fa, open(tmp_path / "b" / "tokenizer.json") as fb:
         assert fa.read() == fb.read()
+
+
+def test_the_budget_is_a_step_count_unless_minutes_are_asked_for():
+    assert resolve_budget(None, None) == (None, DEFAULT_STEPS)  # the demo's target: the same on every machine
+    assert resolve_budget(18.0, None) == (18.0, None)  # the benchmark target: a wall-clock schedule
+    assert resolve_budget(2.0, 5) == (2.0, 5)  # steps, with a cap
+    with pytest.raises(TinyTargetError, match="budget must be positive"):
+        resolve_budget(None, 0)
 
 
 def test_bad_settings_fail_with_one_line(capsys):

@@ -6,9 +6,10 @@ through `formats` and `sharegpt`) do not pay for importing Lightning.
 from importlib import import_module
 
 _EXPORTS = {
-    "chat": ("ChatRenderer", "RenderedChat", "assistant_char_spans", "mark_assistant_tokens"),
+    "chat": ("ChatRenderer", "RenderedChat", "assistant_char_spans", "load_tokenizer", "mark_assistant_tokens",
+             "render_chat", "render_prompt"),
     "collate": ("ChatCollator",),
-    "datamodule": ("ChatDataModule", "load_tokenizer"),
+    "datamodule": ("ChatDataModule",),
     "formats": ("DataError", "first_user_turn", "normalize_conversation"),
     "mixing": ("allocate", "plan_mixture"),
     "resumable": ("ResumableDataLoader", "ResumableSampler"),

@@ -13,9 +13,14 @@ and the other messages, so the real rendering is matched against it piece by pie
 span is known exactly, whatever it contains (a reply "a" is not mistaken for the "a" of "assistant").
 Rendering whole conversations (rather than concatenating per-turn prefixes) matters for Qwen3-style
 templates, which show the empty think block only on the last reply.
+
+`load_tokenizer`, `render_chat` and `render_prompt` are the one copy of tokenizer loading and chat rendering
+that training, the staircase callback and the decoder (`inference/prompts.py`) share; this module imports neither
+Lightning nor `datasets`.
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -37,6 +42,43 @@ class RenderedChat:
     input_ids: list[int]
     loss_mask: list[bool]
     status: str
+
+
+def load_tokenizer(name_or_path: str) -> Any:
+    """`AutoTokenizer` for a local directory or hub name, with one-line errors (training also checks it with
+    `check_chat_tokenizer`; the decoder encodes raw text when a target has no chat template)."""
+    from transformers import AutoTokenizer
+
+    from ..target import looks_local
+
+    path = os.path.expanduser(name_or_path)
+    if looks_local(name_or_path) and not os.path.isdir(path):
+        raise DataError(f"tokenizer path {name_or_path!r} does not exist: pass the target's directory (build the tiny "
+                        f"one with `python -m spd_lightning.tiny_target --out {name_or_path}`) or a hub name")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise DataError(f"cannot load tokenizer {name_or_path!r} ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
+                        f"pass an existing directory or a reachable hub name") from e
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+    """A conversation as the target sees it: its chat template, thinking disabled (SPEC 4.1)."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         enable_thinking=False)
+
+
+def render_prompt(tokenizer: Any, prompt: str) -> list[int]:
+    """Token ids of one user turn, ready for the assistant's answer; a tokenizer without a chat template encodes the
+    raw text (with its special tokens)."""
+    if getattr(tokenizer, "chat_template", None):
+        text = render_chat(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    if not ids:
+        raise DataError(f"the prompt {prompt[:40]!r} encodes to no token")
+    return [int(i) for i in ids]
 
 
 def check_chat_tokenizer(tokenizer: Any, name: str) -> None:
@@ -123,8 +165,7 @@ class ChatRenderer:
         self.special_ids = special_token_ids(tokenizer)
 
     def render_text(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                  enable_thinking=False)
+        return render_chat(self.tokenizer, messages, add_generation_prompt)
 
     def _render_or_none(self, messages: list[dict[str, str]]) -> str | None:
         """None for an empty conversation, or one the template refuses (`raise_exception(...)` on role order)."""

@@ -30,8 +30,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
-from ..target import looks_local
-from .chat import check_chat_tokenizer
+from .chat import check_chat_tokenizer, load_tokenizer
 from .collate import ChatCollator
 from .formats import DataError
 from .mixing import check_val_size, plan_mixture
@@ -41,23 +40,6 @@ from .tokenized import SourceStats, TokenizedSource, processed_root, tokenize_so
 from .vocab import check_draft_vocab_size, load_or_build_d2t
 
 DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "spd_lightning", "data")
-
-
-def load_tokenizer(name_or_path: str):
-    """`AutoTokenizer` for a local directory or hub name, with one-line errors and a chat-template check."""
-    from transformers import AutoTokenizer
-
-    path = os.path.expanduser(name_or_path)
-    if looks_local(name_or_path) and not os.path.isdir(path):
-        raise DataError(f"tokenizer path {name_or_path!r} does not exist: pass the target's directory (build the tiny "
-                        f"one with `python -m spd_lightning.tiny_target --out {name_or_path}`) or a hub name")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise DataError(f"cannot load tokenizer {name_or_path!r} ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
-                        f"pass an existing directory or a reachable hub name") from e
-    check_chat_tokenizer(tokenizer, name_or_path)
-    return tokenizer
 
 
 class ChatDataModule(LightningDataModule):
@@ -88,6 +70,7 @@ class ChatDataModule(LightningDataModule):
         check_val_size(val_size)
         self.tokenizer_name = tokenizer
         self.tokenizer = load_tokenizer(tokenizer)
+        check_chat_tokenizer(self.tokenizer, tokenizer)
         self.sources = [s if isinstance(s, DataSource) else DataSource(**s) for s in (sources or [DataSource()])]
         self.max_length = max_length
         self.batch_size = batch_size
