@@ -204,6 +204,7 @@ EXTRA_COMMANDS: dict[str, tuple[str, str]] = {
         "spd_lightning.cli:export_main",
         "write the drafter directory (config.json + model.safetensors) that inference/ loads",
     ),
+    "estimate": ("spd_lightning.estimate:main", "per-GPU memory and FLOPs per token of a `fit` config"),
 }
 
 

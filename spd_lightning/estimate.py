@@ -74,14 +74,26 @@ class Shape:
     module_args: dict
 
 
+def deep_merge(base: dict, over: dict) -> dict:
+    """`over` on top of `base`, section by section (how LightningCLI merges stacked configs)."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 def read_config(path: str) -> Shape:
     from .module import SPDModule
 
-    try:
-        with open(path) as f:
-            cfg = yaml.safe_load(f) or {}
-    except OSError as e:
-        raise EstimateError(f"cannot read config {path!r}: {e.strerror}; pass an existing YAML file") from e
+    from .cli import base_chain
+
+    cfg: dict = {}
+    for file in [*base_chain(path), path]:  # `# base:` stacking, as `fit` does it
+        try:
+            with open(file) as f:
+                cfg = deep_merge(cfg, yaml.safe_load(f) or {})
+        except OSError as e:
+            raise EstimateError(f"cannot read config {file!r}: {e.strerror}; pass an existing YAML file") from e
     defaults = {k: p.default for k, p in inspect.signature(SPDModule.__init__).parameters.items()
                 if p.default is not inspect.Parameter.empty}
     model = {**defaults, **(cfg.get("model") or {})}
@@ -218,7 +230,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         shape = read_config(opts.config)
         est = estimate(shape, target_config(shape.module_args["target"], shape.module_args["trust_remote_code"]),
                        opts.gpus)
-    except (UserError, ValueError) as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps({"shape": {k: v for k, v in asdict(shape).items() if k != "module_args"}, **est}, indent=1)
