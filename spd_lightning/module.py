@@ -157,6 +157,8 @@ class SPDModule(L.LightningModule):
             device = self.trainer.strategy.root_device
             target = Target.load(self.hparams.target, self.hparams.target_dtype, device, self.hparams.trust_remote_code)
             self.geometry.check_target(target.num_layers)
+            if target.linear_attention_path is not None:
+                rank_zero_info(f"target {self.hparams.target}: Gated DeltaNet layers run the {target.linear_attention_path}")
             # object.__setattr__ keeps the target out of nn.Module registration (params, state_dict, .to()).
             object.__setattr__(self, "_target", target)
             self._target_info = target.info
