@@ -80,6 +80,15 @@ def processed_root(cache_dir: str, tokenizer: Any, max_length: int) -> str:
     return os.path.join(cache_dir, f"{tokenizer_fingerprint(tokenizer)}-len{max_length}")
 
 
+def source_cache_dir(source: DataSource, tokenizer: Any, max_length: int, cache_dir: str) -> str:
+    """The directory of one source's tokenized rows; complete once its `meta.json` exists."""
+    return os.path.join(processed_root(cache_dir, tokenizer, max_length), source.fingerprint())
+
+
+def is_tokenized(source: DataSource, tokenizer: Any, max_length: int, cache_dir: str) -> bool:
+    return os.path.isfile(os.path.join(source_cache_dir(source, tokenizer, max_length, cache_dir), "meta.json"))
+
+
 def _build(source: DataSource, tokenizer: Any, max_length: int, cache_dir: str, directory: str,
            num_proc: int | None) -> None:
     raw = load_source(source, os.path.join(cache_dir, "raw"))
@@ -121,7 +130,7 @@ def tokenize_source(source: DataSource, tokenizer: Any, tokenizer_name: str, max
                     num_proc: int | None = None) -> TokenizedSource:
     """Tokenize `source` once, then read it from the cache; logs the drop counts and fails when nothing is usable."""
     check_chat_tokenizer(tokenizer, tokenizer_name)
-    directory = os.path.join(processed_root(cache_dir, tokenizer, max_length), source.fingerprint())
+    directory = source_cache_dir(source, tokenizer, max_length, cache_dir)
     meta_path = os.path.join(directory, "meta.json")
     if not os.path.isfile(meta_path):
         os.makedirs(os.path.dirname(directory), exist_ok=True)

@@ -1,0 +1,72 @@
+"""`python -m spd_lightning prepare --config CFG`: build the data caches once, ahead of the multi-GPU job.
+
+Tokenizing a large mixture (chat rendering, assistant loss masks, length filter) and counting the draft
+vocabulary `d2t` takes a while; inside `fit` it runs on local rank 0 while every GPU of the node waits. This
+command does it beforehand, on the CPUs (`--data.num_proc N` tokenizes in N processes), into exactly the cache
+that `fit --config CFG` then reads: it parses the same config file with the same LightningCLI parser (links,
+defaults and command-line overrides included) and builds the same `ChatDataModule`; the target's weights are
+never loaded (only its tokenizer).
+
+- Progress: a bar per tokenized source and one for the token counts; one summary line per source.
+- Idempotent: when every cache already exists it says so and does nothing.
+- Concurrent runs on one cache are safe: each source is built under a file lock (the others wait, then read
+  it), and `d2t` is written to a private file and renamed into place.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional, Sequence
+
+from .cli import SPDLightningCLI
+from .data import ChatDataModule
+from .data.tokenized import processed_root
+from .module import SPDModule
+
+
+class _DataOnlyCLI(SPDLightningCLI):
+    """`fit`'s parser (same config file, links and overrides) that instantiates only the data module."""
+
+    def instantiate_classes(self) -> None:
+        self.datamodule = ChatDataModule(**self.config.data.as_dict())
+
+
+def data_module(args: Sequence[str]) -> ChatDataModule:
+    """The `ChatDataModule` that `fit` would build from the same arguments (`--config CFG`, overrides)."""
+    cli = _DataOnlyCLI(SPDModule, ChatDataModule, args=list(args), run=False, seed_everything_default=0,
+                       auto_configure_optimizers=False, save_config_callback=None,
+                       parser_kwargs={"exit_on_error": False,
+                                      "description": "Tokenize the data of a `fit` config and count its d2t."})
+    return cli.datamodule
+
+
+def prepare(args: Sequence[str]) -> str:
+    """Build the caches `fit` reads; returns what was done, in one line."""
+    data = data_module(args)
+    where = processed_root(data.cache_dir, data.tokenizer, data.max_length)
+    missing = data.missing_caches()
+    if not missing:
+        return f"already prepared, nothing to do: every source and d2t is cached in {where}"
+    print(f"preparing {', '.join(missing)} in {where}", flush=True)
+    data.prepare_data()
+    return (f"prepared {len(data.train_dataset):,} training and {len(data.val_dataset):,} validation samples, "
+            f"V_d={len(data.d2t):,}, in {where}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`prepare` with fit's arguments (`--config CFG [--data.num_proc N] ...`); 0 on success, 2 on bad input."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        print(prepare(args))
+    except (ValueError, FileNotFoundError, argparse.ArgumentError) as e:  # UserError is a ValueError
+        if os.environ.get("SPD_DEBUG") == "1":
+            raise
+        print(f"error: {' '.join(str(e).split()) or type(e).__name__} (rerun with SPD_DEBUG=1 for the traceback)",
+              file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
