@@ -312,6 +312,17 @@ class SPDModule(L.LightningModule):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Under FSDP the gradients are sharded and Lightning's norm clipping refuses to run: FSDP's own
+        `clip_grad_norm_` takes the norm over all shards, so `gradient_clip_val` works under DDP and FSDP alike."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        model = self.trainer.strategy.model
+        if gradient_clip_val and gradient_clip_algorithm in (None, "norm") and isinstance(model, FullyShardedDataParallel):
+            model.clip_grad_norm_(gradient_clip_val)
+        else:
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
     # -- checkpoints -----------------------------------------------------------------------------
     def drafter_spec(self) -> DrafterSpec:
         if self.pdm is None or self._target_info is None:
