@@ -29,7 +29,9 @@ def test_fsdp_resolves_from_a_shipped_config(capsys):
 
 @pytest.mark.timeout(300)
 def test_fsdp_two_cpu_processes_shard_the_pdm_and_leave_the_target_alone(micro_target, tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")])}
+    launched = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")  # from an earlier run
+    env = {**{k: v for k, v in os.environ.items() if k not in launched}, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")])}
     probe = f"[{{class_path: fsdp_probe.FSDPProbe, init_args: {{out: {tmp_path}}}}}]"
     cmd = [sys.executable, "-m", "spd_lightning", "fit",
            *fit_args(micro_target, tmp_path, "--trainer.max_steps", "2", "--trainer.devices", "2",

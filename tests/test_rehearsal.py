@@ -48,13 +48,19 @@ def short_chats(tmp_path_factory):
 
 
 @pytest.fixture
-def one_thread(monkeypatch):
+def one_thread():
     """Real head counts make many small kernels: on a shared 2-core machine, extra threads only contend (10x slower).
-    Lightning's DDP sets the thread count from OMP_NUM_THREADS when that is set."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    threads = torch.get_num_threads()
+    Lightning's DDP sets the thread count from OMP_NUM_THREADS when that is set. The shipped `strategy: ddp` runs a
+    one-process group in this process: it is closed afterwards, and the variables it exported (MASTER_PORT, ...)
+    are restored, so later tests that start processes do not inherit a port that is still taken."""
+    environment, threads = dict(os.environ), torch.get_num_threads()
+    os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environment)
     torch.set_num_threads(threads)
 
 
