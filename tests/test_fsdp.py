@@ -2,9 +2,9 @@
 
 Lightning allows its FSDP strategy only on GPUs, and torch's FSDP refuses CPU modules unless told the CPU device
 explicitly; `fsdp_probe.CPUFSDPStrategy` lifts exactly those two refusals so two real gloo processes run
-Lightning's and torch's FSDP code here (docs/DESIGN.md, "FSDP"). Checkpoint saving under FSDP on CPU crashes
-inside torch's optimizer-state gathering (a segfault in gloo's all_gather_object), so this run saves none; that
-the target never enters a checkpoint is structural (it is not a submodule) and tested in test_rehearsal.py.
+Lightning's and torch's FSDP code here (docs/DESIGN.md, "FSDP"). Saving a checkpoint under FSDP on CPU kills
+the run (rank 0 segfaults while the ranks gather the optimizer state), so this run saves none; that the target
+never enters a checkpoint is structural (it is not a submodule) and tested in test_rehearsal.py.
 """
 import json
 import os
