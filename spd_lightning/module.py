@@ -158,7 +158,8 @@ class SPDModule(L.LightningModule):
             target = Target.load(self.hparams.target, self.hparams.target_dtype, device, self.hparams.trust_remote_code)
             self.geometry.check_target(target.num_layers)
             if target.linear_attention_path is not None:
-                rank_zero_info(f"target {self.hparams.target}: Gated DeltaNet layers run the {target.linear_attention_path}")
+                rank_zero_info(f"target {self.hparams.target}: Gated DeltaNet layers run the "
+                               f"{target.linear_attention_path}")
             # object.__setattr__ keeps the target out of nn.Module registration (params, state_dict, .to()).
             object.__setattr__(self, "_target", target)
             self._target_info = target.info
@@ -318,7 +319,8 @@ class SPDModule(L.LightningModule):
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         model = self.trainer.strategy.model
-        if gradient_clip_val and gradient_clip_algorithm in (None, "norm") and isinstance(model, FullyShardedDataParallel):
+        fsdp_norm = gradient_clip_algorithm in (None, "norm") and isinstance(model, FullyShardedDataParallel)
+        if gradient_clip_val and fsdp_norm:
             model.clip_grad_norm_(gradient_clip_val)
         else:
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)

@@ -34,7 +34,8 @@ def prepare_args(tokenizer_dir, tmp_path, records=200):
     if not data.exists():
         data.write_text("".join(json.dumps(r) + "\n" for r in chats(records)))
     return ["--config", os.path.join(REPO, "configs", "qwen35_9b.yaml"), "--model.target", tokenizer_dir,
-            "--data.sources", f"[{{path: {data}}}]", "--data.val_size", "4", "--data.cache_dir", str(tmp_path / "cache")]
+            "--data.sources", f"[{{path: {data}}}]", "--data.val_size", "4",
+            "--data.cache_dir", str(tmp_path / "cache")]
 
 
 def test_prepare_builds_the_cache_fit_reads_and_a_second_run_does_nothing(tokenizer_dir, tmp_path, capsys, monkeypatch):

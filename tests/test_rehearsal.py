@@ -6,8 +6,9 @@ directory with a small chat tokenizer. Everything the config sets about the draf
 n, L_s, V_d, layout, schedule, lr schedule, checkpointing, callbacks); only what a CPU cannot afford is
 overridden on the command line: the accelerator, precision and device count, the data (a few short local
 chats, padded to 16 instead of 128 tokens: T = 32), batch size, loader workers, logger, and the step /
-validation / checkpoint intervals and the staircase callback's sizes (2 steps, one 4-token decode). Two training steps, a validation, `export`, and a simulator
-decode of the exported drafter that must equal autoregressive decoding. A config that cannot run fails here.
+validation / checkpoint intervals and the staircase callback's sizes (2 steps, one 4-token decode). Two
+training steps, a validation, `export`, and a simulator decode of the exported drafter that must equal
+autoregressive decoding. A config that cannot run fails here.
 
 The 9B config (hybrid Gated DeltaNet target) runs in the default suite; the 4B and 8B ones, ~30 s and ~15 s on
 the shared 2-core machine, under `-m slow`.
