@@ -43,7 +43,7 @@ from spd_lightning.module import SPDModule  # noqa: E402
 from spd_lightning.pdm import PDMConfig, PipelineDraftModule  # noqa: E402
 from spd_lightning.target import Target  # noqa: E402
 
-ARCHS = {"qwen35_9b": "Qwen3.5-9B", "qwen35_4b": "Qwen3.5-4B"}  # the 9B first: its memory is the question
+ARCHS = {"qwen35_9b": "Qwen/Qwen3.5-9B", "qwen35_4b": "Qwen/Qwen3.5-4B"}  # the 9B first: its memory is the question
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
             vocab_size=512)

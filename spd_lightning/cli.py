@@ -27,6 +27,8 @@ import sys
 import warnings
 from collections.abc import Sequence
 
+import yaml
+
 from jsonargparse import ArgumentError, DefaultHelpFormatter
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
@@ -160,6 +162,26 @@ def base_chain(path: str, seen: tuple[str, ...] = ()) -> list[str]:
     return base_chain(base, seen + (os.path.abspath(path),)) + [base]
 
 
+def stacked_config(path: str) -> dict:
+    """The YAML of `path` merged onto its bases, section by section, later values winning (what `fit` parses,
+    before defaults and command-line overrides)."""
+
+    def merge(base: dict, over: dict) -> dict:
+        out = dict(base)
+        for key, value in over.items():
+            out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        return out
+
+    cfg: dict = {}
+    for file in [*base_chain(path), path]:
+        try:
+            with open(file) as f:
+                cfg = merge(cfg, yaml.safe_load(f) or {})
+        except OSError as e:
+            raise ConfigError(f"cannot read config {file!r}: {e.strerror}; pass an existing YAML file") from e
+    return cfg
+
+
 def parser_kwargs() -> dict:
     """The top-level parser: a bad value raises (one line in main) instead of usage text + exit; the help lists the
     extra subcommands."""
@@ -204,6 +226,7 @@ EXTRA_COMMANDS: dict[str, tuple[str, str]] = {
         "spd_lightning.cli:export_main",
         "write the drafter directory (config.json + model.safetensors) that inference/ loads",
     ),
+    "prepare": ("spd_lightning.prepare:main", "tokenize a `fit` config's data and count its d2t, ahead of the job"),
     "estimate": ("spd_lightning.estimate:main", "per-GPU memory and FLOPs per token of a `fit` config"),
 }
 

@@ -23,12 +23,10 @@ from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
 
 import torch
-import yaml
 
 from .errors import UserError
 from .geometry import Geometry
 
-ARCHS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "archs")
 GIB = 1024 ** 3
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 
@@ -40,17 +38,11 @@ class EstimateError(UserError):
 def target_config(name_or_path: str, trust_remote_code: bool = False):
     """The target's text config: a local directory or the hub cache as `fit` reads it, except that a shipped
     architecture (`archs/<name>.json`) answers for a hub name without touching the network."""
-    from transformers import AutoConfig
-
+    from .archs import arch_config, arch_for_hub_id
     from .target import load_hf_config, looks_local
 
-    arch = os.path.join(ARCHS_DIR, os.path.basename(name_or_path.rstrip("/")) + ".json")
-    if not (looks_local(name_or_path) or os.path.isdir(name_or_path)) and os.path.isfile(arch):
-        with open(arch) as f:
-            spec = json.load(f)
-        config = AutoConfig.for_model(spec.pop("model_type"), **spec)
-    else:
-        config = load_hf_config(name_or_path, trust_remote_code)
+    arch = None if looks_local(name_or_path) or os.path.isdir(name_or_path) else arch_for_hub_id(name_or_path)
+    config = arch_config(arch) if arch else load_hf_config(name_or_path, trust_remote_code)
     return getattr(config, "text_config", None) or config
 
 
@@ -74,26 +66,12 @@ class Shape:
     module_args: dict
 
 
-def deep_merge(base: dict, over: dict) -> dict:
-    """`over` on top of `base`, section by section (how LightningCLI merges stacked configs)."""
-    out = dict(base)
-    for key, value in over.items():
-        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
 def read_config(path: str) -> Shape:
     from .module import SPDModule
 
-    from .cli import base_chain
+    from .cli import stacked_config
 
-    cfg: dict = {}
-    for file in [*base_chain(path), path]:  # `# base:` stacking, as `fit` does it
-        try:
-            with open(file) as f:
-                cfg = deep_merge(cfg, yaml.safe_load(f) or {})
-        except OSError as e:
-            raise EstimateError(f"cannot read config {file!r}: {e.strerror}; pass an existing YAML file") from e
+    cfg = stacked_config(path)
     defaults = {k: p.default for k, p in inspect.signature(SPDModule.__init__).parameters.items()
                 if p.default is not inspect.Parameter.empty}
     model = {**defaults, **(cfg.get("model") or {})}
@@ -219,24 +197,23 @@ def report(path: str, shape: Shape, est: dict, gpu_mem: float) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str]) -> int:
+    """`estimate --config CFG [--gpus G] [--gpu-mem GiB] [--json]`; bad input raises a `UserError` (exit 2 through
+    `python -m spd_lightning`)."""
     parser = argparse.ArgumentParser(prog="python -m spd_lightning estimate", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="a `fit` config (YAML)")
     parser.add_argument("--gpus", type=int, default=8, help="GPUs the run uses (FSDP shards the PDM state over them)")
     parser.add_argument("--gpu-mem", type=float, default=80.0, help="memory of one GPU in GiB")
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
-    opts = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        shape = read_config(opts.config)
-        est = estimate(shape, target_config(shape.module_args["target"], shape.module_args["trust_remote_code"]),
-                       opts.gpus)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    opts = parser.parse_args(list(argv))
+    shape = read_config(opts.config)
+    est = estimate(shape, target_config(shape.module_args["target"], shape.module_args["trust_remote_code"]), opts.gpus)
     print(json.dumps({"shape": {k: v for k, v in asdict(shape).items() if k != "module_args"}, **est}, indent=1)
           if opts.json else report(opts.config, shape, est, opts.gpu_mem))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .cli import main as cli_main
+
+    cli_main(["estimate", *sys.argv[1:]])

@@ -162,6 +162,9 @@ class SPDModule(L.LightningModule):
             device = self.trainer.strategy.root_device
             target = Target.load(self.hparams.target, self.hparams.target_dtype, device, self.hparams.trust_remote_code)
             self.geometry.check_target(target.num_layers)
+            if target.linear_attention_path is not None:
+                rank_zero_info(f"target {self.hparams.target}: Gated DeltaNet layers run the "
+                               f"{target.linear_attention_path}")
             # object.__setattr__ keeps the target out of nn.Module registration (params, state_dict, .to()).
             object.__setattr__(self, "_target", target)
             self._target_info = target.info
@@ -330,6 +333,18 @@ class SPDModule(L.LightningModule):
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Under FSDP the gradients are sharded and Lightning's norm clipping refuses to run: FSDP's own
+        `clip_grad_norm_` takes the norm over all shards, so `gradient_clip_val` works under DDP and FSDP alike."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        model = self.trainer.strategy.model
+        fsdp_norm = gradient_clip_algorithm in (None, "norm") and isinstance(model, FullyShardedDataParallel)
+        if gradient_clip_val and fsdp_norm:
+            model.clip_grad_norm_(gradient_clip_val)
+        else:
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     # -- checkpoints -----------------------------------------------------------------------------
     def drafter_spec(self) -> DrafterSpec:

@@ -5,16 +5,31 @@ Llama, ...) and exposes the pieces the rest of the project needs without caring 
 the embedding, the decoder layers, the final norm, the LM head and the rotary embedding. Anchor
 states are captured with forward hooks at the requested hidden-state indices only, so a 32-layer
 target never holds 33 copies of its residual stream.
+
+Loading goes straight onto the rank's device (transformers' `device_map`, which reads each checkpoint tensor onto
+that device): the 8 ranks of a node never hold 8 CPU copies of an 18 GB target. Hybrid targets (Qwen3.5's
+Gated DeltaNet layers) run transformers' fast kernels when `flash-linear-attention` and `causal-conv1d` are
+installed (`pip install .[gpu]`), its slow torch fallback otherwise (`Target.linear_attention_path` says which).
 """
 from __future__ import annotations
 
+import importlib.util
+import logging
 import os
+import sys
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from torch import nn
 from .errors import UserError
+
+
+log = logging.getLogger(__name__)
+
+# Gated DeltaNet functions of transformers 5's modeling_qwen3_5 -> (package with the fast kernel, its pip name)
+DELTANET_KERNELS = {"torch_chunk_gated_delta_rule": ("fla", "flash-linear-attention"),
+                    "causal_conv1d_fn": ("causal_conv1d", "causal-conv1d")}
 
 
 class TargetError(UserError):
@@ -61,14 +76,46 @@ def load_hf_config(name_or_path: str, trust_remote_code: bool = False):
 def load_hf_causal_lm(name_or_path: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
                       trust_remote_code: bool = False) -> nn.Module:
     """`AutoModelForCausalLM` with the checks a user needs: a missing local path or a hub name that cannot
-    be reached fails with one line; remote code runs only when the caller passes `trust_remote_code`."""
+    be reached fails with one line; remote code runs only when the caller passes `trust_remote_code`.
+    The weights are created on `device` directly (no full copy in CPU memory first)."""
     from transformers import AutoModelForCausalLM
 
     config = load_hf_config(name_or_path, trust_remote_code)
     path = os.path.expanduser(name_or_path)
-    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=resolve_dtype(dtype),
-                                                 trust_remote_code=trust_remote_code)
-    return model.to(device)
+    device = torch.device(device)
+    if importlib.util.find_spec("accelerate") is None:  # transformers needs it for `device_map`
+        if device.type != "cpu":
+            log.warning(f"loading the target through CPU memory before moving it to {device}: install `accelerate` "
+                        f"(a dependency of this package) to load it straight onto the device")
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=resolve_dtype(dtype),
+                                                     trust_remote_code=trust_remote_code)
+        return model.to(device)
+    return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=resolve_dtype(dtype),
+                                                device_map={"": str(device)}, trust_remote_code=trust_remote_code)
+
+
+def _bound_fast_kernel(function, package: str) -> bool:
+    """Whether transformers bound the package's kernel behind `function` (its hub-kernel wrapper records the
+    choice it made at import in the closure variable `is_new_implementation`); else whether it is importable."""
+    code, closure = getattr(function, "__code__", None), getattr(function, "__closure__", None) or ()
+    cells = dict(zip(code.co_freevars, closure)) if code is not None else {}
+    if "is_new_implementation" in cells:
+        return bool(cells["is_new_implementation"].cell_contents)
+    return importlib.util.find_spec(package) is not None
+
+
+def linear_attention_path(model: nn.Module) -> str | None:
+    """Which implementation the target's Gated DeltaNet layers run: the fast kernels, or transformers' torch
+    fallback (naming what to install); None for targets without linear-attention layers."""
+    layer = next((m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")), None)
+    if layer is None:
+        return None
+    modeling = sys.modules[type(layer).__module__]
+    missing = [pip_name for function, (package, pip_name) in DELTANET_KERNELS.items()
+               if not _bound_fast_kernel(getattr(modeling, function, None), package)]
+    if not missing:
+        return "fast kernels (flash-linear-attention, causal-conv1d)"
+    return f"torch fallback (slow on GPU; missing {', '.join(missing)}: `pip install .[gpu]`)"
 
 
 @dataclass(frozen=True)
@@ -127,6 +174,10 @@ class Target(nn.Module):
     @property
     def lm_head(self) -> nn.Module:
         return self.model.get_output_embeddings()
+
+    @property
+    def linear_attention_path(self) -> str | None:
+        return linear_attention_path(self.model)
 
     @property
     def num_layers(self) -> int:

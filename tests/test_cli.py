@@ -142,12 +142,12 @@ def test_a_subcommand_is_one_table_entry_and_shows_in_the_help(monkeypatch, caps
     code, _ = run_main(["echo", "a", "b"], capsys)
     assert code == 3
     code, err = run_main([], capsys)
-    assert code == 2 and "fit, validate, export, echo" in err
+    assert code == 2 and "fit, validate, export, prepare, estimate, echo" in err
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--help"])
     help_text = capsys.readouterr().out
     assert exit_info.value.code == 0
-    for name in ("fit", "validate", "export", "echo"):
+    for name in ("fit", "validate", "export", "prepare", "estimate", "echo"):
         assert re.search(rf"^ +{name} +\S", help_text, re.MULTILINE), name
 
 

@@ -207,6 +207,46 @@ def test_runs_sharing_a_cache_build_it_once(tokenizer_dir, tmp_path):
     assert log.read_text() == "build\n"  # exactly one of them tokenized
 
 
+def test_qwen_reply_that_begins_with_a_newline_keeps_its_loss_mask(tokenizer):
+    """The Qwen template renders the last reply as `content.lstrip('\\n')`: a reply that opens with a newline and
+    then indentation (code, a list) must still be found in the rendering, not dropped as `reply_not_found`."""
+    renderer = ChatRenderer(tokenizer, max_length=512, column="messages", source_name="test")
+    reply = "\n    def f():\n        return 1"
+    messages = [{"role": "user", "content": "write f"}, {"role": "assistant", "content": reply}]
+    assert GEN_PROMPT_NO_THINKING + reply.lstrip("\n") in renderer.render_text(messages)
+    rendered = renderer.encode_messages(messages)
+    assert rendered.status == "ok"
+    assert masked_runs(tokenizer, rendered.input_ids, rendered.loss_mask) == [reply.lstrip("\n") + END_OF_TURN]
+
+
+def test_unreadable_records_are_counted_dropped_and_summarized_in_one_line(tokenizer, tokenizer_dir, tmp_path, caplog):
+    """Tool calls and other unknown roles, malformed turns: the record is dropped and counted per reason; the map
+    goes on, and the source's summary reports them in its one line."""
+    bad = [messages_record(("user", "q"), ("tool", "{}"), ("assistant", "a")),
+           messages_record(("user", "q"), ("function", "{}"), ("assistant", "a")),
+           messages_record(("user", "q"), ("tool", "[]"), ("assistant", "b")),
+           {"messages": [{"role": "user"}, {"role": "assistant", "content": "a"}]}]
+    records = chat_records(2, fmt="messages") + bad + chat_records(2, tag="x", fmt="messages")
+    source = DataSource(path=write_jsonl(tmp_path / "tools.jsonl", records))
+    with caplog.at_level("INFO"):
+        part = tokenize_source(source, tokenizer, tokenizer_dir, max_length=256, cache_dir=str(tmp_path / "cache"))
+    assert (part.stats.records, part.stats.kept) == (8, 4)
+    assert part.stats.bad_records == {"unknown role 'tool'": 2, "unknown role 'function'": 1, "malformed turn": 1}
+    assert part.usable.tolist() == [0, 1, 6, 7]
+    lines = [r.getMessage() for r in caplog.records if "unreadable" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0]
+    assert "4 unreadable records (malformed turn: 1, unknown role 'function': 1, unknown role 'tool': 2)" in lines[0]
+
+
+def test_num_proc_tokenizes_in_several_processes_with_identical_rows(tokenizer, tokenizer_dir, tmp_path):
+    source = DataSource(path=write_jsonl(tmp_path / "a.jsonl", chat_records(40)))
+    one = tokenize_source(source, tokenizer, tokenizer_dir, 256, str(tmp_path / "one"))
+    two = tokenize_source(source, tokenizer, tokenizer_dir, 256, str(tmp_path / "two"), num_proc=2)
+    assert len(two.rows.cache_files) == 2  # one shard per worker process
+    assert two.rows["input_ids"] == one.rows["input_ids"] and two.rows["loss_mask"] == one.rows["loss_mask"]
+    assert two.stats == one.stats
+
+
 # -- sources -------------------------------------------------------------------------------------------
 def test_embedded_sharegpt_reads_only_what_is_asked():
     records = load_embedded_sharegpt(max_samples=5)

@@ -71,15 +71,18 @@ def test_other_shipped_configs_have_an_estimate(name, capsys):
 
 
 def test_unreadable_config_is_a_user_error(tmp_path, capsys):
-    assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
+    from spd_lightning import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["estimate", "--config", str(tmp_path / "missing.yaml")])
+    assert exit_.value.code == 2
     assert "missing.yaml" in capsys.readouterr().err
 
 
 def test_fsdp_shards_the_pdm_state(tmp_path, capsys):
-    shipped = open(os.path.join(REPO, "configs", "qwen35_9b.yaml")).read()
-    assert "strategy: ddp" in shipped
-    fsdp = tmp_path / "fsdp.yaml"
-    fsdp.write_text(shipped.replace("strategy: ddp", "strategy: fsdp"))
+    shipped = os.path.join(REPO, "configs", "qwen35_9b.yaml")
+    fsdp = tmp_path / "fsdp.yaml"  # the shipped config (stacked on its base) with the strategy switched
+    fsdp.write_text(f"# base: {shipped}\ntrainer:\n  strategy: fsdp\n")
     estimates = []
     for config in (os.path.join(REPO, "configs", "qwen35_9b.yaml"), str(fsdp)):
         assert main(["--config", config, "--gpus", "8", "--json"]) == 0

@@ -27,11 +27,12 @@ from typing import Any, Callable, Sequence
 
 from jinja2 import TemplateError
 
-from .formats import ASSISTANT, DataError, first_user_turn, normalize_conversation
+from .formats import ASSISTANT, BadRecord, DataError, first_user_turn, normalize_conversation
 
 OK, TOO_LONG, NO_ASSISTANT = "ok", "too_long", "no_assistant"
 # the template transformed a reply beyond whitespace trimming, or refused the conversation (role order)
 REPLY_NOT_FOUND, TEMPLATE_REJECTED = "reply_not_found", "template_rejected"
+BAD_RECORD = "bad_record: "  # + the reason (an unknown role, a malformed turn): the record could not be read
 
 _PLACEHOLDER = "\ue000{}\ue001"  # private-use characters: never produced by a chat template
 _PLACEHOLDER_PATTERN = re.compile("\ue000(\\d+)\ue001")
@@ -101,7 +102,7 @@ def special_token_ids(tokenizer: Any) -> frozenset[int]:
 def _rendered_forms(content: str) -> list[str]:
     """What a template may have made of a reply: verbatim, or with whitespace trimmed (Jinja `trim`, Qwen's
     `lstrip('\\n')`, ...)."""
-    forms = [content, content.strip(), content.lstrip(), content.rstrip(), content.strip("\\n"), content.lstrip("\\n")]
+    forms = [content, content.strip(), content.lstrip(), content.rstrip(), content.strip("\n"), content.lstrip("\n")]
     return list(dict.fromkeys(forms))
 
 
@@ -201,9 +202,15 @@ class ChatRenderer:
         encoding = self.tokenizer(text or "", add_special_tokens=False, return_offsets_mapping=True)
         return self.encode(messages, text, encoding["input_ids"], encoding["offset_mapping"])
 
+    def _normalize(self, turns: Any, index: int) -> list[dict[str, str]] | BadRecord:
+        try:
+            return normalize_conversation(turns, self.column, f"{self.source_name} record {index}")
+        except BadRecord as bad:  # one unreadable record must not abort the whole map: counted and dropped
+            return bad
+
     def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
-        conversations = [normalize_conversation(turns, self.column, f"{self.source_name} record {index}")
-                         for turns, index in zip(batch[self.column], indices)]
+        normalized = [self._normalize(turns, index) for turns, index in zip(batch[self.column], indices)]
+        conversations = [[] if isinstance(n, BadRecord) else n for n in normalized]
         texts = [self._render_or_none(messages) for messages in conversations]
         # One tokenizer call per batch lets the Rust tokenizer use every core.
         encodings = self.tokenizer([text or "" for text in texts], add_special_tokens=False,
@@ -211,6 +218,8 @@ class ChatRenderer:
         out: dict[str, list] = {"input_ids": [], "loss_mask": [], "status": [], "prompt": []}
         for i, (messages, text) in enumerate(zip(conversations, texts)):
             rendered = self.encode(messages, text, encodings["input_ids"][i], encodings["offset_mapping"][i])
+            if isinstance(normalized[i], BadRecord):
+                rendered.status = BAD_RECORD + normalized[i].reason
             out["input_ids"].append(rendered.input_ids)
             out["loss_mask"].append(rendered.loss_mask)
             out["status"].append(rendered.status)

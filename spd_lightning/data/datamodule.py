@@ -36,7 +36,7 @@ from .formats import DataError
 from .mixing import check_val_size, plan_mixture
 from .resumable import ResumableDataLoader, ResumableSampler
 from .sources import DataSource
-from .tokenized import SourceStats, TokenizedSource, processed_root, tokenize_source
+from .tokenized import SourceStats, TokenizedSource, is_tokenized, processed_root, tokenize_source
 from .vocab import check_draft_vocab_size, load_or_build_d2t
 
 DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "spd_lightning", "data")
@@ -128,6 +128,13 @@ class ChatDataModule(LightningDataModule):
         # indices stay in memory: a mixture must not write files into the shared sample cache
         train = rows.select(gather(plan.train), keep_in_memory=True).remove_columns("prompt")
         return train, rows.select(gather(plan.val), keep_in_memory=True)
+
+    def missing_caches(self) -> list[str]:
+        """What `prepare_data` would still build (source paths, `d2t`); empty when a previous run built it all."""
+        missing = [s.path for s in self.sources if not is_tokenized(s, self.tokenizer, self.max_length, self.cache_dir)]
+        if missing or not os.path.isfile(self._d2t_path()):
+            missing.append("d2t")
+        return missing
 
     def prepare_data(self) -> None:
         """Build the caches (Lightning runs this on one process per node before `setup` anywhere). The state it

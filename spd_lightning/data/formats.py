@@ -12,6 +12,9 @@ kept message is something the target could have said in that position:
 - the conversation is cut at the first empty assistant reply (nothing to learn there, and the turns
   after it answer a reply that was lost);
 - trailing non-assistant messages are dropped: nothing after them carries loss.
+
+A record that cannot be read (an unknown role such as `tool` or `function`, a malformed turn) raises
+`BadRecord`; the tokenizing map drops such records and counts them per reason (see `tokenized.py`).
 """
 from __future__ import annotations
 
@@ -33,6 +36,15 @@ class DataError(UserError):
     """Unusable data or data settings; the one-line message names the value and the fix."""
 
 
+class BadRecord(DataError):
+    """One record that cannot be read (an unknown role such as `tool`, a malformed turn): the pipeline drops such
+    records and counts them by `reason` instead of aborting on the first one."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
 def conversation_column(column_names: Iterable[str], where: str) -> str:
     """The column that holds the conversation, or a one-line error naming what was found instead."""
     names = list(column_names)
@@ -45,17 +57,18 @@ def conversation_column(column_names: Iterable[str], where: str) -> str:
 
 def _message(turn: Any, role_key: str, text_key: str, where: str) -> dict[str, str]:
     if not isinstance(turn, dict) or role_key not in turn or text_key not in turn:
-        raise DataError(f"{where}: turn {turn!r:.80} is not a {{{role_key!r}, {text_key!r}}} object; "
-                        f"fix the record or the column layout")
+        raise BadRecord(f"{where}: turn {turn!r:.80} is not a {{{role_key!r}, {text_key!r}}} object; "
+                        f"fix the record or the column layout", "malformed turn")
     role = ROLE_ALIASES.get(str(turn[role_key]).lower())
     if role is None:
-        raise DataError(f"{where}: unknown role {turn[role_key]!r}; supported roles are {sorted(ROLE_ALIASES)}: "
-                        f"rename it or drop such records")
+        raise BadRecord(f"{where}: unknown role {turn[role_key]!r}; supported roles are {sorted(ROLE_ALIASES)}: "
+                        f"rename it or drop such records", f"unknown role {turn[role_key]!r}")
     content = turn[text_key]
     if content is None:
         content = ""
     if not isinstance(content, str):
-        raise DataError(f"{where}: message content {content!r:.80} is not text; only plain-text chats are supported")
+        raise BadRecord(f"{where}: message content {content!r:.80} is not text; only plain-text chats are supported",
+                        "non-text content")
     return {"role": role, "content": content}
 
 
@@ -64,7 +77,8 @@ def normalize_conversation(turns: Any, column: str, where: str) -> list[dict[str
     if turns is None:
         return []
     if not isinstance(turns, list):
-        raise DataError(f"{where}: `{column}` is {type(turns).__name__}, expected a list of turns")
+        raise BadRecord(f"{where}: `{column}` is {type(turns).__name__}, expected a list of turns",
+                        f"`{column}` not a list")
     role_key, text_key = CONVERSATION_COLUMNS[column]
     messages = [_message(turn, role_key, text_key, where) for turn in turns]
 

@@ -19,19 +19,20 @@ import json
 import os
 import shutil
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import datasets
 import numpy as np
 from lightning.pytorch.utilities import rank_zero_info
 
-from .chat import NO_ASSISTANT, OK, REPLY_NOT_FOUND, TEMPLATE_REJECTED, TOO_LONG, ChatRenderer, check_chat_tokenizer
+from .chat import (BAD_RECORD, NO_ASSISTANT, OK, REPLY_NOT_FOUND, TEMPLATE_REJECTED, TOO_LONG, ChatRenderer,
+                   check_chat_tokenizer)
 from .formats import DataError, conversation_column
 from .sources import DataSource, load_source
 
 # Bump when rendering or masking changes, so old caches are not reused.
-PIPELINE_VERSION = 1
+PIPELINE_VERSION = 2
 FEATURES = datasets.Features({
     "input_ids": datasets.Sequence(datasets.Value("int32")),
     "loss_mask": datasets.Sequence(datasets.Value("bool")),
@@ -49,6 +50,7 @@ class SourceStats:
     no_assistant: int
     reply_not_found: int
     template_rejected: int
+    bad_records: dict[str, int] = field(default_factory=dict)  # reason -> count (unknown role 'tool', ...)
 
     def summary(self, max_length: int) -> str:
         line = (f"{self.source}: {self.records:,} records -> {self.kept:,} samples; dropped {self.too_long:,} over "
@@ -57,6 +59,9 @@ class SourceStats:
             line += f", {self.reply_not_found:,} whose reply the chat template rewrote"
         if self.template_rejected:
             line += f", {self.template_rejected:,} the chat template refused"
+        if self.bad_records:
+            reasons = ", ".join(f"{reason}: {count:,}" for reason, count in sorted(self.bad_records.items()))
+            line += f", {sum(self.bad_records.values()):,} unreadable records ({reasons})"
         return line
 
 
@@ -75,6 +80,15 @@ def processed_root(cache_dir: str, tokenizer: Any, max_length: int) -> str:
     return os.path.join(cache_dir, f"{tokenizer_fingerprint(tokenizer)}-len{max_length}")
 
 
+def source_cache_dir(source: DataSource, tokenizer: Any, max_length: int, cache_dir: str) -> str:
+    """The directory of one source's tokenized rows; complete once its `meta.json` exists."""
+    return os.path.join(processed_root(cache_dir, tokenizer, max_length), source.fingerprint())
+
+
+def is_tokenized(source: DataSource, tokenizer: Any, max_length: int, cache_dir: str) -> bool:
+    return os.path.isfile(os.path.join(source_cache_dir(source, tokenizer, max_length, cache_dir), "meta.json"))
+
+
 def _build(source: DataSource, tokenizer: Any, max_length: int, cache_dir: str, directory: str,
            num_proc: int | None) -> None:
     raw = load_source(source, os.path.join(cache_dir, "raw"))
@@ -91,7 +105,9 @@ def _build(source: DataSource, tokenizer: Any, max_length: int, cache_dir: str, 
         new_fingerprint=os.path.basename(directory), desc=f"Tokenizing {source.path}")
     statuses = Counter(rendered["status"])
     stats = SourceStats(source.path, len(rendered), statuses[OK], statuses[TOO_LONG], statuses[NO_ASSISTANT],
-                        statuses[REPLY_NOT_FOUND], statuses[TEMPLATE_REJECTED])
+                        statuses[REPLY_NOT_FOUND], statuses[TEMPLATE_REJECTED],
+                        {status[len(BAD_RECORD):]: count for status, count in statuses.items()
+                         if status.startswith(BAD_RECORD)})
     files = [os.path.basename(f["filename"]) for f in rendered.cache_files]
     del rendered  # release the memory map before the directory moves
     with open(os.path.join(staging, "meta.json"), "w") as f:
@@ -114,7 +130,7 @@ def tokenize_source(source: DataSource, tokenizer: Any, tokenizer_name: str, max
                     num_proc: int | None = None) -> TokenizedSource:
     """Tokenize `source` once, then read it from the cache; logs the drop counts and fails when nothing is usable."""
     check_chat_tokenizer(tokenizer, tokenizer_name)
-    directory = os.path.join(processed_root(cache_dir, tokenizer, max_length), source.fingerprint())
+    directory = source_cache_dir(source, tokenizer, max_length, cache_dir)
     meta_path = os.path.join(directory, "meta.json")
     if not os.path.isfile(meta_path):
         os.makedirs(os.path.dirname(directory), exist_ok=True)

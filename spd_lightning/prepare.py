@@ -1,0 +1,71 @@
+"""`python -m spd_lightning prepare --config CFG`: build the data caches once, ahead of the multi-GPU job.
+
+Tokenizing a large mixture (chat rendering, assistant loss masks, length filter) and counting the draft
+vocabulary `d2t` takes a while; inside `fit` it runs on local rank 0 while every GPU of the node waits. This
+command does it beforehand, on the CPUs (`--data.num_proc N` tokenizes in N processes), into exactly the cache
+that `fit --config CFG` then reads: it parses the same config file with the same LightningCLI parser (links,
+defaults and command-line overrides included) and builds the same `ChatDataModule`; the target's weights are
+never loaded (only its tokenizer).
+
+- Progress: a bar per tokenized source and one for the token counts; one summary line per source.
+- Idempotent: when every cache already exists it says so and does nothing.
+- Concurrent runs on one cache are safe: each source is built under a file lock (the others wait, then read
+  it), and `d2t` is written to a private file and renamed into place.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+from jsonargparse import ArgumentError
+
+from .cli import SPDLightningCLI, with_base_configs
+from .data import ChatDataModule
+from .data.tokenized import processed_root
+from .errors import ConfigError
+from .module import SPDModule
+
+
+class _DataOnlyCLI(SPDLightningCLI):
+    """`fit`'s parser (same config file, links and overrides) that instantiates only the data module."""
+
+    def instantiate_classes(self) -> None:
+        self.datamodule = ChatDataModule(**self.config.data.as_dict())
+
+
+def data_module(args: Sequence[str]) -> ChatDataModule:
+    """The `ChatDataModule` that `fit` would build from the same arguments (`--config CFG`, overrides)."""
+    try:
+        cli = _DataOnlyCLI(SPDModule, ChatDataModule, args=with_base_configs(args), run=False,
+                           seed_everything_default=0, auto_configure_optimizers=False, save_config_callback=None,
+                           parser_kwargs={"exit_on_error": False,
+                                          "description": "Tokenize the data of a `fit` config and count its d2t."})
+    except ArgumentError as e:  # a value the parser rejects, as in `fit`
+        raise ConfigError(str(e)) from e
+    return cli.datamodule
+
+
+def prepare(args: Sequence[str]) -> str:
+    """Build the caches `fit` reads; returns what was done, in one line."""
+    data = data_module(args)
+    where = processed_root(data.cache_dir, data.tokenizer, data.max_length)
+    missing = data.missing_caches()
+    if not missing:
+        return f"already prepared, nothing to do: every source and d2t is cached in {where}"
+    print(f"preparing {', '.join(missing)} in {where}", flush=True)
+    data.prepare_data()
+    return (f"prepared {len(data.train_dataset):,} training and {len(data.val_dataset):,} validation samples, "
+            f"V_d={len(data.d2t):,}, in {where}")
+
+
+def main(args: Sequence[str]) -> int:
+    """`prepare` with fit's arguments (`--config CFG [--data.num_proc N] ...`); bad input raises a `UserError`,
+    which `python -m spd_lightning` prints as one line with exit code 2."""
+    print(prepare(args))
+    return 0
+
+
+if __name__ == "__main__":
+    from .cli import main as cli_main
+
+    cli_main(["prepare", *sys.argv[1:]])

@@ -1,0 +1,56 @@
+"""Helpers the FSDP test runs inside Lightning's ranks (importable there through PYTHONPATH)."""
+import json
+import os
+
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import FSDPStrategy
+
+
+class CPUFSDPStrategy(FSDPStrategy):
+    """Lightning's FSDPStrategy on CPU, for tests only. Two things stand in the way there: Lightning refuses the
+    `fsdp` strategy unless the accelerator is a GPU (it checks `type(strategy) is FSDPStrategy`, which a subclass
+    passes), and torch's FSDP refuses a CPU module unless `device_id` names the CPU explicitly, which Lightning
+    never does (it passes `root_device.index`, None on CPU). Everything else is Lightning's and torch's own code."""
+
+    def _setup_model(self, model):
+        import torch
+        from torch.distributed import fsdp
+
+        original = fsdp.FullyShardedDataParallel
+
+        class OnCPU(original):
+            def __init__(self, *args, device_id=None, **kwargs):
+                super().__init__(*args, device_id=torch.device("cpu"), **kwargs)
+
+        fsdp.FullyShardedDataParallel = OnCPU
+        try:
+            return super()._setup_model(model)
+        finally:
+            fsdp.FullyShardedDataParallel = original
+
+
+class FSDPProbe(Callback):
+    """Writes, per rank, what FSDP wrapped: the PDM's parameters (sharded) and never the frozen target's."""
+
+    def __init__(self, out: str):
+        self.out = out
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        wrapped = trainer.strategy.model
+        managed = {id(p) for p in wrapped.parameters()}
+        target_params = list(pl_module.target.model.parameters())
+        report = {
+            "strategy": type(trainer.strategy).__name__,
+            "root_is_fsdp": isinstance(wrapped, FullyShardedDataParallel),
+            "fsdp_units": sum(isinstance(m, FullyShardedDataParallel) for m in wrapped.modules()),
+            "target_in_fsdp": any(id(p) in managed for p in target_params),
+            "target_has_fsdp": any(isinstance(m, FullyShardedDataParallel) for m in pl_module.target.model.modules()),
+            "target_full": all(p.numel() > 0 for p in target_params),
+            "target_requires_grad": any(p.requires_grad for p in target_params),
+            "sharding": sorted({f"{h._sharding_strategy.name} over {h.world_size}" for h in
+                                (unit._handle for unit in FullyShardedDataParallel.fsdp_modules(wrapped)) if h}),
+        }
+        with open(os.path.join(self.out, f"rank{trainer.global_rank}.json"), "w") as f:
+            json.dump(report, f)
