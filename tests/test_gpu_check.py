@@ -46,7 +46,7 @@ def test_gpu_check_smoke_on_cpu_without_optional_packages(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "gpu_check.json").read_text())
     (arch,) = report["archs"]
-    assert arch["arch"] == "Qwen3.5-4B" and arch["layers"] == 8 and "cut to 8 layers" in proc.stdout
+    assert arch["arch"] == "Qwen/Qwen3.5-4B" and arch["layers"] == 8 and "cut to 8 layers" in proc.stdout
     assert {(r["layout"], r["checkpointing"]) for r in arch["train"]} == {
         ("depth", False), ("depth", True), ("type", False), ("type", True)}
     assert all(r["tokens_per_s"] > 0 and r["estimate_gib"] > 0 for r in arch["train"])
