@@ -54,4 +54,4 @@ def test_gpu_check_smoke_on_cpu_without_optional_packages(tmp_path):
     assert sorted(arch["draft_latency_ms"]) == ["1", "2", "3", "4"]
     assert arch["decode"]["identical"] and arch["decode"]["new_tokens"] == 4
     table = (out / "gpu_check.md").read_text()
-    assert "| Qwen3.5-4B | 8 | type | yes |" in table and "greedy SPD == AR" in table
+    assert "| Qwen/Qwen3.5-4B | 8 | type | yes |" in table and "greedy SPD == AR" in table
