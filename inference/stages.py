@@ -26,6 +26,8 @@ from .cache import StageCache
 
 # Checkpoint key prefixes of the text model: causal-LM checkpoints use `model.`, the Qwen3.5
 # conditional-generation checkpoints `model.language_model.`.
+RECOMPILE_LIMIT = 64  # entries per compiled code object: stages x cache capacities, fill levels
+
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
 
 
@@ -255,6 +257,10 @@ class Stage(nn.Module):
 
 def compile_step(step, device: torch.device):
     """`torch.compile` of a fixed-shape decode step: CUDA graphs through "reduce-overhead" on a GPU, inductor's
-    default elsewhere. Dynamic shapes off: a new shape (a regrown cache) is a recompile, not a slower graph."""
+    default elsewhere; one graph, no break (a break would mean a host read inside the step). Dynamic shapes
+    off: a new shape (a regrown cache) is a recompile, not a slower graph."""
+    # Every stage (and every drafter fill level) is one more compiled entry of the same code object; the
+    # default limit of 8 would silently send stages past it back to eager.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     mode = "reduce-overhead" if device.type == "cuda" else None
-    return torch.compile(step, mode=mode, dynamic=False, fullgraph=False)
+    return torch.compile(step, mode=mode, dynamic=False, fullgraph=True)
