@@ -22,7 +22,7 @@ from spd_lightning.export import DrafterLoadError
 from spd_lightning.geometry import Geometry
 from spd_lightning.pdm import PipelineDraftModule
 
-from .stages import compile_step
+from .capture import CompiledStep
 from .verify import Sampling, warp
 
 
@@ -104,7 +104,7 @@ class PDMDrafter:
         self.device, self.dtype, self.state_dtype = p.device, p.dtype, state_dtype
         self.capacity = 0
         self.compiled = compile
-        self._in_flight = compile_step(self._in_flight_logits, self.device) if compile else self._in_flight_logits
+        self._in_flight = CompiledStep(self._in_flight_logits, self.device) if compile else self._in_flight_logits
         self._types: dict[tuple[int, ...], torch.Tensor] = {}  # depth pattern of a view -> its type ids, built once
         self._slots = {b: i for i, b in enumerate(geometry.anchors)}
         self._stage_slots = {s: [self._slots[b] for b in geometry.anchors_of_stage(s) if b > 0]
@@ -157,8 +157,6 @@ class PDMDrafter:
         if types is None:
             types = self._types[depths] = torch.tensor([[geometry.type_of(d) for d in depths]], device=self.device)
         self.cache.offset.fill_(self.cache.length)
-        if self.compiled and self.device.type == "cuda":  # the previous replay's outputs are consumed
-            torch.compiler.cudagraph_mark_step_begin()
         g = pdm.fuse(self.states[first:last + 1].to(self.dtype)[None], types)  # eager: it reads the types on the host
         logits = self._in_flight(g, self.positions[:, first:last + 1])
         if self.sampling.greedy:

@@ -23,11 +23,10 @@ from spd_lightning.geometry import Geometry
 from spd_lightning.target import Target, TargetError, resolve_dtype
 
 from .cache import StageCache
+from .capture import CompiledStep
 
 # Checkpoint key prefixes of the text model: causal-LM checkpoints use `model.`, the Qwen3.5
 # conditional-generation checkpoints `model.language_model.`.
-RECOMPILE_LIMIT = 64  # entries per compiled code object: stages x cache capacities, fill levels
-
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
 
 
@@ -194,7 +193,7 @@ class Stage(nn.Module):
     def use_compiled_decode(self, enabled: bool) -> None:
         """Run the one-token decode step through `torch.compile` (CUDA graphs on a GPU, inductor on the
         CPU) or eagerly; prefill is always eager."""
-        self._decode_step = compile_step(self._step, self.device) if enabled else self._step
+        self._decode_step = CompiledStep(self._step, self.device) if enabled else self._step
         self._compiled = enabled
 
     @torch.no_grad()
@@ -215,8 +214,6 @@ class Stage(nn.Module):
             if self._position.device != inputs.device:
                 self._position = self._position.to(inputs.device)
             self._position.fill_(start)  # a device tensor: the step's shapes and code do not depend on it
-            if self._compiled and inputs.device.type == "cuda":
-                torch.compiler.cudagraph_mark_step_begin()
             hidden, anchors, logits = self._decode_step(inputs, self._position)
             if self._compiled:  # the captured graph owns its outputs and rewrites them on the next replay
                 hidden, anchors = hidden.clone(), anchors.clone()
@@ -253,14 +250,3 @@ class Stage(nn.Module):
         keys = torch.arange(self.cache.capacity, device=positions.device)
         allowed = keys[None, None, None, :] <= positions[:, None, :, None]
         return torch.zeros(allowed.shape, dtype=dtype, device=positions.device).masked_fill(~allowed, torch.finfo(dtype).min)
-
-
-def compile_step(step, device: torch.device):
-    """`torch.compile` of a fixed-shape decode step: CUDA graphs through "reduce-overhead" on a GPU, inductor's
-    default elsewhere; one graph, no break (a break would mean a host read inside the step). Dynamic shapes
-    off: a new shape (a regrown cache) is a recompile, not a slower graph."""
-    # Every stage (and every drafter fill level) is one more compiled entry of the same code object; the
-    # default limit of 8 would silently send stages past it back to eager.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    mode = "reduce-overhead" if device.type == "cuda" else None
-    return torch.compile(step, mode=mode, dynamic=False, fullgraph=True)

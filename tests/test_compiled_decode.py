@@ -68,3 +68,16 @@ def test_the_compile_flag_is_a_decoder_argument():
     add_decoder_arguments(p, max_new_tokens=8, with_ar=True)
     assert p.parse_args([]).compile is False
     assert p.parse_args(["--compile"]).compile is True and p.parse_args(["--no-compile"]).compile is False
+
+
+def test_a_step_that_cannot_be_captured_runs_eagerly(caplog):
+    from inference.capture import CompiledStep
+
+    def host_read(x):  # a host read inside the step: no single graph
+        return x * len([v for v in x.tolist() if v > 0])
+
+    step = CompiledStep(host_read, torch.device("cpu"))
+    x = torch.tensor([1.0, -2.0, 3.0])
+    with caplog.at_level("WARNING", logger="inference"):
+        assert torch.equal(step(x), x * 2) and torch.equal(step(x), x * 2)
+    assert step._run is host_read and "runs eagerly" in caplog.text
