@@ -147,7 +147,7 @@ class PDMDrafter:
             raise RuntimeError(f"position {verified} is in flight but the PDM cache already holds it as verified")
         if verified > self.cache.length:  # newly verified positions: depth n, cached for good
             start = self.cache.length
-            self.cache.offset.fill_(start)  # read by the static attention only
+            self._write_offset(start)
             g = pdm.fuse(self.states[start:verified].to(self.dtype)[None], geometry.type_of(geometry.n))
             pdm.body(g, self.positions[:, start:verified], self.cache)
             self.cache.commit(verified - start)
@@ -156,7 +156,9 @@ class PDMDrafter:
         types = self._types.get(depths)
         if types is None:
             types = self._types[depths] = torch.tensor([[geometry.type_of(d) for d in depths]], device=self.device)
-        self.cache.offset.fill_(self.cache.length)
+        if last >= self.capacity:
+            raise RuntimeError(f"PDM cache holds {self.capacity} positions; position {last} does not fit")
+        self._write_offset(self.cache.length)
         g = pdm.fuse(self.states[first:last + 1].to(self.dtype)[None], types)  # eager: it reads the types on the host
         logits = self._in_flight(g, self.positions[:, first:last + 1])
         if self.sampling.greedy:
@@ -167,6 +169,9 @@ class PDMDrafter:
         self.states[last + 1, 0] = self.embed_tokens(token)[0]  # H^0 of the new token, no host sync
         return token, q
 
+    def _write_offset(self, offset: int) -> None:
+        if self.cache.static:  # the compiled attention reads where to write from the device
+            self.cache.offset.fill_(offset)
 
     def _in_flight_logits(self, g: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Draft logits after the in-flight positions (fused inputs `g[1, a, d]`, `positions[1, a]`)."""
