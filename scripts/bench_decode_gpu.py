@@ -2,7 +2,10 @@
 captured (`torch.compile`: CUDA graphs on a GPU), and the planner's predicted multi-GPU speedup from them.
 
     python scripts/bench_decode_gpu.py --json runs/decode_gpu.json --md runs/decode_gpu.md
-    python scripts/bench_decode_gpu.py --models 4b --n 8 --draft-layers 3        # a quicker subset
+    python scripts/bench_decode_gpu.py --models 4b --n 8 --draft-layers 1 3     # a quicker subset
+
+Every (model, n) compiles two stage graphs and every (model, L_s) one draft graph (tens of seconds each
+on a GPU): size the subset to the time at hand.
     python scripts/bench_decode_gpu.py --tiny --device cpu --no-compile          # the smoke run (seconds)
 
 Random-init Qwen3.5 targets with the 4B / 9B text shapes (`SHAPES`, bf16 on cuda): for each n only the
@@ -10,7 +13,7 @@ layers two stages need are built (`2 L/n`: stage 1 = embedding + `L/n` layers, s
 final norm + LM head, the slowest stage), prefilled with `--context` tokens, then timed on one decoded
 token per call followed by the rollback of it (what a rejected cycle costs; a stage's per-cycle work). The
 PDM (`L_s` layers of the target's width, the geometry's anchor types, `--draft-vocab` ids) is timed on a
-full pipeline's draft (fill n), and the simulator (one layer per stage, eager, timing on) gives the time
+full pipeline's draft at the largest n (fill n; the planner's draft cost does not depend on n), and the simulator (one layer per stage, eager, timing on) gives the time
 per cycle that is neither a stage nor the draft. Device times are CUDA events (medians); on the CPU
 `perf_counter`. `weights_ms` is a stage's weight bytes / `--hbm-tbps`: a batch-1 decode step cannot beat
 it. The planner (`inference.plan.CostModel`) turns the numbers into predicted speedups for `--alpha`
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import os
 import platform
 import sys
@@ -42,6 +46,8 @@ from inference.simulator import Simulator  # noqa: E402
 from inference.stages import Stage  # noqa: E402
 from inference.tables import fmt, markdown_table  # noqa: E402
 from inference.verify import Sampling  # noqa: E402
+
+log = logging.getLogger("bench_decode_gpu")
 
 # Qwen3.5 text shapes (hybrid: 3 Gated DeltaNet layers, then one full-attention layer).
 COMMON = dict(num_attention_heads=16, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
@@ -143,6 +149,7 @@ def bench_stages(shape: dict, n: int, args, device: torch.device) -> list[dict]:
 
             ms = median_ms(one_token, args.iters, args.warmup, device)
             bandwidth_ms = weight_bytes(stage) / (args.hbm_tbps * 1e12) * 1e3
+            log.info("stage n=%d %s captured=%s: %.3f ms", n, role, compiled, ms)
             rows.append({"n": n, "stage": role, "layers": k, "captured": compiled, "ms": ms,
                          "weights_ms": bandwidth_ms, "vs_weights": ms / bandwidth_ms})
     del target, stages
@@ -169,6 +176,7 @@ def bench_draft(shape: dict, n: int, L_s: int, args, device: torch.device) -> li
         drafter.states.normal_()
         drafter.draft(view, None)  # appends the prompt: later calls draft the in-flight positions only
         ms = median_ms(lambda: drafter.draft(view, None), args.iters, args.warmup, device)
+        log.info("draft L_s=%d fill=%d captured=%s: %.3f ms", L_s, n, compiled, ms)
         rows.append({"n": n, "L_s": L_s, "fill": n, "captured": compiled, "ms": ms})
     return rows
 
@@ -198,7 +206,7 @@ def predict(model: str, shape: dict, stage_rows, draft_rows, sim_rows, alphas, c
     out = []
     for n in sorted({r["n"] for r in stage_rows}):
         pick = {r["stage"]: r["ms"] for r in stage_rows if r["n"] == n and r["captured"] == captured}
-        drafts = sorted((r["L_s"], r["ms"]) for r in draft_rows if r["n"] == n and r["captured"] == captured)
+        drafts = sorted((r["L_s"], r["ms"]) for r in draft_rows if r["captured"] == captured)
         if not pick or not drafts:
             continue
         t_full = n * pick["first"] + (pick["last"] - pick["first"])
@@ -209,7 +217,10 @@ def predict(model: str, shape: dict, stage_rows, draft_rows, sim_rows, alphas, c
         overhead = next((r["overhead_ms"] for r in sim_rows if r["n"] == n), 0.0)
         cost = CostModel(t_full, max(float(slope), 1e-9), max(float(fixed), 0.0), max(overhead, 0.0),
                          stage_fixed=max(0.0, pick["last"] - t_full / n), unit="ms", num_layers=shape["num_hidden_layers"])
-        rows, _ = plan(cost, {key: a for key, a in alphas.items() if key[0] == n} or {(n, drafts[-1][0]): 0.5})
+        chosen = {key: a for key, a in alphas.items() if key[0] == n}
+        if not chosen:  # no alpha for this n: nothing to predict
+            continue
+        rows, _ = plan(cost, chosen)
         out += [{"model": model, "captured": captured, "t_full_ms": t_full, **row} for row in rows]
     return out
 
@@ -224,13 +235,20 @@ def run(args) -> dict:
     for model in args.models:
         shape = SHAPES[model]
         stage_rows = [r for n in args.n for r in bench_stages(shape, n, args, device)]
-        draft_rows = [r for n in args.n for L_s in args.draft_layers for r in bench_draft(shape, n, L_s, args, device)]
+        draft_rows = [r for L_s in args.draft_layers for r in bench_draft(shape, max(args.n), L_s, args, device)]
         sim_rows = [bench_simulator(shape, n, args, device) for n in args.n]
         plans = [p for captured in ([False, True] if args.compile else [False])
                  for p in predict(model, shape, stage_rows, draft_rows, sim_rows, alphas, captured)]
         report["models"][model] = {"shape": shape, "stages": stage_rows, "drafts": draft_rows, "simulator": sim_rows,
                                    "plan": plans}
+        write_json(report, args.json)  # after each model: a run cut short by a time limit keeps what it measured
     return report
+
+
+def write_json(report: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1, default=str)
 
 
 def table(head, rows) -> str:
@@ -260,13 +278,11 @@ def markdown(report: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     with torch.no_grad():
         report = run(args)
     table = markdown(report)
     print(table)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1, default=str)
     if args.md:
         with open(args.md, "w") as f:
             f.write(table + "\n")
