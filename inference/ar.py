@@ -49,7 +49,7 @@ def ar_decode_stages(stages: Sequence[Stage], prompt_ids: Sequence[int], max_new
 
     t0 = time.perf_counter()
     for stage in stages:
-        stage.cache.reset()
+        stage.cache.reset(len(prompt_ids) + max_new_tokens)
     prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
     tokens = [sample_token(forward(prompt, 0), sampling, generator)]
     prefill_s = time.perf_counter() - t0

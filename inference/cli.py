@@ -58,6 +58,9 @@ def add_decoder_arguments(p: argparse.ArgumentParser, max_new_tokens: int, with_
     p.add_argument("--device", default="cpu", help="cpu or cuda (the distributed decoder uses cuda:0..n)")
     p.add_argument("--dtype", default="auto",
                    help="target/PDM dtype: float32, bfloat16, float16; auto = bf16 on cuda, fp32 on cpu")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                   help="run the one-token stage steps and the PDM draft through torch.compile (CUDA graphs on a "
+                        "GPU; a long first compile on the CPU); prefill stays eager")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds any rank may wait on a peer before the run fails (no --simulate)")
     add_debug_argument(p)

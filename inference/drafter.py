@@ -22,6 +22,7 @@ from spd_lightning.export import DrafterLoadError
 from spd_lightning.geometry import Geometry
 from spd_lightning.pdm import PipelineDraftModule
 
+from .capture import CompiledStep
 from .verify import Sampling, warp
 
 
@@ -42,14 +43,24 @@ class DraftKVCache:
 
     Each call writes the new keys/values at `[length, length + S)` and attends causally over
     `[0, length + S)`; `commit` makes them part of the cache (verified positions), otherwise the next
-    call overwrites them (in-flight positions)."""
+    call overwrites them (in-flight positions). `static` (the compiled draft): the offset is the device
+    tensor `offset` (the caller writes `length` into it) and attention runs over the whole storage with the
+    unwritten tail masked, so a call's shapes depend on `S` only."""
 
-    def __init__(self, num_layers: int, heads: int, head_dim: int, max_len: int, dtype: torch.dtype, device):
+    def __init__(self, num_layers: int, heads: int, head_dim: int, max_len: int, dtype: torch.dtype, device,
+                 static: bool = False):
         self.keys = torch.zeros(num_layers, 1, heads, max_len, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
         self.length = 0
+        self.static = static
+        self.offset = torch.zeros(1, dtype=torch.long, device=device)
+        self.slots = torch.arange(max_len, device=device)
+        for tensor in (self.keys, self.values, self.offset, self.slots):  # fixed addresses for a CUDA graph
+            torch._dynamo.mark_static_address(tensor)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.static:
+            return self._static_attend(layer, q, k, v)
         S, end = q.shape[-2], self.length + q.shape[-2]
         if end > self.keys.shape[-2]:
             raise RuntimeError(f"PDM cache holds {self.keys.shape[-2]} positions; position {end - 1} does not fit")
@@ -61,13 +72,23 @@ class DraftKVCache:
         mask = torch.arange(end, device=q.device)[None, :] <= (self.length + torch.arange(S, device=q.device))[:, None]
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
 
+    def _static_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        written = self.offset + torch.arange(q.shape[-2], device=q.device)
+        self.keys[layer].index_copy_(2, written, k)
+        self.values[layer].index_copy_(2, written, v)
+        mask = self.slots[None, :] <= written[:, None]
+        return F.scaled_dot_product_attention(q, self.keys[layer], self.values[layer], attn_mask=mask)
+
     def commit(self, count: int) -> None:
         self.length += count
 
 
 class PDMDrafter:
     def __init__(self, pdm: PipelineDraftModule, geometry: Geometry, embed_tokens: nn.Module, sampling: Sampling,
-                 state_dtype: torch.dtype):
+                 state_dtype: torch.dtype, compile: bool = False):
+        """`compile`: the in-flight draft's body and head through `torch.compile`, one graph per fill level
+        (the fusion, which reads the depth types on the host, and the verified positions' append, whose length
+        varies, stay eager)."""
         cfg = pdm.cfg
         if cfg.num_types != geometry.num_types:
             raise DrafterLoadError(f"the PDM fuses {cfg.num_types} aggregation types but the geometry has "
@@ -82,6 +103,8 @@ class PDMDrafter:
         p = next(pdm.parameters())
         self.device, self.dtype, self.state_dtype = p.device, p.dtype, state_dtype
         self.capacity = 0
+        self.compiled = compile
+        self._in_flight = CompiledStep(self._in_flight_logits, self.device) if compile else self._in_flight_logits
         self._types: dict[tuple[int, ...], torch.Tensor] = {}  # depth pattern of a view -> its type ids, built once
         self._slots = {b: i for i, b in enumerate(geometry.anchors)}
         self._stage_slots = {s: [self._slots[b] for b in geometry.anchors_of_stage(s) if b > 0]
@@ -96,7 +119,8 @@ class PDMDrafter:
             cfg = self.pdm.cfg
             self.states = torch.zeros(capacity, self.geometry.num_types, cfg.target_hidden_size,
                                       dtype=self.state_dtype, device=self.device)
-            self.cache = DraftKVCache(cfg.num_layers, cfg.num_heads, cfg.head_dim, capacity, self.dtype, self.device)
+            self.cache = DraftKVCache(cfg.num_layers, cfg.num_heads, cfg.head_dim, capacity, self.dtype, self.device,
+                                      static=self.compiled)
             self.positions = torch.arange(capacity, device=self.device)[None]  # sliced per draft, never rebuilt
             self.capacity = capacity
         self.cache.length = 0
@@ -123,6 +147,7 @@ class PDMDrafter:
             raise RuntimeError(f"position {verified} is in flight but the PDM cache already holds it as verified")
         if verified > self.cache.length:  # newly verified positions: depth n, cached for good
             start = self.cache.length
+            self._write_offset(start)
             g = pdm.fuse(self.states[start:verified].to(self.dtype)[None], geometry.type_of(geometry.n))
             pdm.body(g, self.positions[:, start:verified], self.cache)
             self.cache.commit(verified - start)
@@ -131,9 +156,11 @@ class PDMDrafter:
         types = self._types.get(depths)
         if types is None:
             types = self._types[depths] = torch.tensor([[geometry.type_of(d) for d in depths]], device=self.device)
-        g = pdm.fuse(self.states[first:last + 1].to(self.dtype)[None], types)
-        hidden = pdm.body(g, self.positions[:, first:last + 1], self.cache)
-        logits = pdm.lm_head(hidden[0, -1])
+        if last >= self.capacity:
+            raise RuntimeError(f"PDM cache holds {self.capacity} positions; position {last} does not fit")
+        self._write_offset(self.cache.length)
+        g = pdm.fuse(self.states[first:last + 1].to(self.dtype)[None], types)  # eager: it reads the types on the host
+        logits = self._in_flight(g, self.positions[:, first:last + 1])
         if self.sampling.greedy:
             token, q = pdm.d2t[logits.argmax(-1, keepdim=True)], None
         else:
@@ -141,6 +168,14 @@ class PDMDrafter:
             token = pdm.d2t[torch.multinomial(q, 1, generator=generator)]
         self.states[last + 1, 0] = self.embed_tokens(token)[0]  # H^0 of the new token, no host sync
         return token, q
+
+    def _write_offset(self, offset: int) -> None:
+        if self.cache.static:  # the compiled attention reads where to write from the device
+            self.cache.offset.fill_(offset)
+
+    def _in_flight_logits(self, g: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Draft logits after the in-flight positions (fused inputs `g[1, a, d]`, `positions[1, a]`)."""
+        return self.pdm.lm_head(self.pdm.body(g, positions, self.cache)[0, -1])
 
 
 class ReplayDrafter:

@@ -132,7 +132,9 @@ class Decoders:
         from .simulator import Simulator
 
         args, eos = self.args, self.setup.eos
-        self.simulator = Simulator(self.target, self.pdm, self.setup.geometry, sampling, profile=True) if args.simulate else None
+        self.simulator = (Simulator(self.target, self.pdm, self.setup.geometry, sampling, profile=True,
+                                    compile=getattr(args, "compile", False))
+                          if args.simulate else None)
         if self.simulator is not None:
             self.simulator.decode(prompt, min(4, args.max_new_tokens), eos, args.seed)
         ar_decode(self.target, prompt, min(4, args.max_new_tokens), sampling, eos, args.seed)

@@ -196,7 +196,7 @@ class PipelineRunner:
         self.draft_generator.manual_seed(draft_seed)
         if self.drafter is not None:  # room for every position a draft can reach
             self.drafter.start(prompt, capacity)
-        self._prefill(prompt)
+        self._prefill(prompt, capacity)
         verdict, token = self._take_verdict(self._others, self._judged if self.hosts_verifier else None)
         if verdict != Verdict.FIRST:
             raise RuntimeError(f"protocol error: the first message after prefill is {Verdict(verdict).name}, not FIRST")
@@ -234,7 +234,7 @@ class PipelineRunner:
             return {}
         return summarize_timing(torch.from_numpy(self.clock.rows[:, 1:]), K, self.n)
 
-    def _prefill(self, prompt: torch.Tensor) -> None:
+    def _prefill(self, prompt: torch.Tensor, capacity: int) -> None:
         """The prompt through every stage in order; each stage fills its own cache and sends its anchors;
         the verifier samples the first token and sends it to every rank."""
         if self.on_step is not None:
@@ -244,7 +244,7 @@ class PipelineRunner:
         for s in range(1, n + 1):
             stage = self.stages.get(s)
             if stage is not None:
-                stage.cache.reset()
+                stage.cache.reset(capacity)
                 with self.clock.span(s - 1, COMPUTE, device_work=True):
                     out = stage(prompt if s == 1 else hidden, 0)
                 self.outbox[s - 1, "act_prefill"] = out.hidden

@@ -30,17 +30,21 @@ class Simulator:
     """Stages, drafter and verifier of one pipeline, built once and reused across prompts."""
 
     def __init__(self, target: Target, drafter: PipelineDraftModule | Drafter, geometry: Geometry,
-                 sampling: Sampling = Sampling(), replay_wasted_work: bool = False, profile: bool = False):
+                 sampling: Sampling = Sampling(), replay_wasted_work: bool = False, profile: bool = False,
+                 compile: bool = False):
         """`replay_wasted_work`: the stages also run the optimistic steps that a rejection wastes, as the
         distributed stage ranks do (they learn of it only afterwards), instead of skipping them.
-        `profile`: per-cycle timing in each result's `timing` (empty otherwise)."""
+        `profile`: per-cycle timing in each result's `timing` (empty otherwise).
+        `compile`: the one-token stage steps and the PDM draft through `torch.compile` (prefill stays eager)."""
         geometry.check_target(target.num_layers)
         self.geometry, self.sampling = geometry, sampling
         stages = {s: Stage.from_target(target, geometry, s) for s in range(1, geometry.n + 1)}
         device = stages[1].device
+        for stage in stages.values():
+            stage.use_compiled_decode(compile)
         if isinstance(drafter, PipelineDraftModule):
             d2t, draft_vocab = drafter.d2t, drafter.cfg.draft_vocab_size
-            drafter = PDMDrafter(drafter, geometry, target.embed_tokens, sampling, stages[1].dtype)
+            drafter = PDMDrafter(drafter, geometry, target.embed_tokens, sampling, stages[1].dtype, compile=compile)
         else:
             if isinstance(drafter, ReplayDrafter) and not sampling.greedy:
                 raise ValueError("a replay drafter has no draft distribution: use it with greedy decoding only")

@@ -23,6 +23,7 @@ from spd_lightning.geometry import Geometry
 from spd_lightning.target import Target, TargetError, resolve_dtype
 
 from .cache import StageCache
+from .capture import CompiledStep
 
 # Checkpoint key prefixes of the text model: causal-LM checkpoints use `model.`, the Qwen3.5
 # conditional-generation checkpoints `model.language_model.`.
@@ -163,7 +164,9 @@ class Stage(nn.Module):
         # n + 1 snapshots: a rejection discards at most n positions on stage 1 (n - 1 in flight plus the
         # draft it ran optimistically before the verdict arrived).
         self.cache = StageCache(pieces.config, self.layer_range, window=geometry.n + 1)
-        self._positions = torch.arange(0)  # 0, 1, 2, ... sliced per forward; regrown (doubled) when too short
+        self._positions = torch.arange(0)  # 0, 1, 2, ... sliced per prefill; regrown when too short
+        self._position = torch.zeros(1, 1, dtype=torch.long)  # the decoded token's position, written per token
+        self.use_compiled_decode(False)
 
     @classmethod
     def from_target(cls, target: Target, geometry: Geometry, index: int) -> "Stage":
@@ -187,26 +190,51 @@ class Stage(nn.Module):
     def device(self) -> torch.device:
         return next(self.layers.parameters()).device
 
+    def use_compiled_decode(self, enabled: bool) -> None:
+        """Run the one-token decode step through `torch.compile` (CUDA graphs on a GPU, inductor on the
+        CPU) or eagerly; prefill is always eager."""
+        self._decode_step = CompiledStep(self._step, self.device) if enabled else self._step
+        self._compiled = enabled
+
     @torch.no_grad()
     def forward(self, inputs: torch.Tensor, start: int) -> StageOutput:
         """Run `inputs` (token ids [1, S] on stage 1, hidden states [1, S, H] otherwise) at positions
-        `start..start+S-1`, appending to the cache. S > 1 is a prefill of an empty cache."""
+        `start..start+S-1`, appending to the cache. Position 0 starts a prefill of an empty cache (any S);
+        after it, one token at a time."""
         S = inputs.shape[1]
-        if S == 1:
+        if start == 0:
+            if self.cache.length != 0:
+                raise RuntimeError(f"stage {self.index}: a prefill needs an empty cache (reset it first)")
+            self.cache.reserve(S)
+            if len(self._positions) < S or self._positions.device != inputs.device:
+                self._positions = torch.arange(max(S, 1024), device=inputs.device)
+            hidden, anchors, logits = self._step(inputs, self._positions[None, :S])
+        elif S == 1:
             self.cache.before_token(start)
-        elif self.cache.length != 0 or start != 0:
-            raise RuntimeError(f"stage {self.index}: a multi-token forward must be the prefill of an empty cache")
+            if self._position.device != inputs.device:
+                self._position = self._position.to(inputs.device)
+            self._position.fill_(start)  # a device tensor: the step's shapes and code do not depend on it
+            hidden, anchors, logits = self._decode_step(inputs, self._position)
+            if self._compiled:  # the captured graph owns its outputs and rewrites them on the next replay
+                hidden, anchors = hidden.clone(), anchors.clone()
+                logits = logits.clone() if logits is not None else None
+        else:
+            raise RuntimeError(f"stage {self.index}: {S} tokens at position {start}: only a prefill runs several tokens")
+        self.cache.advance(S)
+        return StageOutput(hidden, anchors, logits)
+
+    def _step(self, inputs: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The stage on `positions` ([1, S], consecutive, the first one == the cache length): no host reads."""
         x = self.embed_tokens(inputs) if self.first else inputs
-        if start + S > len(self._positions) or self._positions.device != x.device:
-            self._positions = torch.arange(max(2 * (start + S), 1024), device=x.device)
-        positions = self._positions[None, start:start + S]
         position_embeddings = self.rotary_emb(x, positions)
+        mask = self._attention_mask(positions, x.dtype) if self.cache.attention_layers else None
         L = self.geometry.num_layers
         captured = []
         for offset, layer in enumerate(self.layers):
-            x = layer(x, position_embeddings=position_embeddings, attention_mask=None, position_ids=positions,
-                      cache=self.cache.hf, use_cache=True)
-            if self.layer_range.start + offset + 1 in self.anchor_layers and self.layer_range.start + offset + 1 < L:
+            index = self.layer_range.start + offset
+            x = layer(x, position_embeddings=position_embeddings, position_ids=positions, cache=self.cache.hf,
+                      attention_mask=mask if index in self.cache.attention_layers else None, use_cache=True)
+            if index + 1 in self.anchor_layers and index + 1 < L:
                 captured.append(x)
         logits = None
         if self.last:
@@ -214,6 +242,11 @@ class Stage(nn.Module):
             if L in self.anchor_layers:
                 captured.append(normed)
             logits = self.lm_head(normed[:, -1])[0]
-        self.cache.advance(S)
-        anchors = torch.stack(captured, dim=2)[0] if captured else x.new_zeros(S, 0, x.shape[-1])
-        return StageOutput(x, anchors, logits)
+        anchors = torch.stack(captured, dim=2)[0] if captured else x.new_zeros(x.shape[1], 0, x.shape[-1])
+        return x, anchors, logits
+
+    def _attention_mask(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Additive [1, 1, S, capacity] mask over the static key storage: causal, and the unwritten tail hidden."""
+        keys = torch.arange(self.cache.capacity, device=positions.device)
+        allowed = keys[None, None, None, :] <= positions[:, None, :, None]
+        return torch.zeros(allowed.shape, dtype=dtype, device=positions.device).masked_fill(~allowed, torch.finfo(dtype).min)

@@ -45,8 +45,8 @@ def cache_snapshot(stage):
     """Every tensor a stage's cache holds, by name (keys/values of attention, conv/recurrent of linear layers)."""
     out = {}
     for i in stage.cache.attention_layers:
-        layer = stage.cache.hf.layers[i]
-        out[f"k{i}"], out[f"v{i}"] = layer.keys.clone(), layer.values.clone()
+        keys, values = stage.cache.keys_values(i)  # the positions held (the static tail is stale storage)
+        out[f"k{i}"], out[f"v{i}"] = keys.clone(), values.clone()
     for i in stage.cache.linear_layers:
         layer = stage.cache.hf.layers[i]
         out[f"conv{i}"], out[f"rec{i}"] = layer.conv_states[0].clone(), layer.recurrent_states[0].clone()

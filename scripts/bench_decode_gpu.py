@@ -1,0 +1,293 @@
+"""Decoder latencies on one device: stage forward, PDM draft and the simulator's non-stage time, eager vs
+captured (`torch.compile`: CUDA graphs on a GPU), and the planner's predicted multi-GPU speedup from them.
+
+    python scripts/bench_decode_gpu.py --json runs/decode_gpu.json --md runs/decode_gpu.md
+    python scripts/bench_decode_gpu.py --models 4b --n 8 --draft-layers 1 3     # a quicker subset
+
+Every (model, n) compiles two stage graphs and every (model, L_s) one draft graph (tens of seconds each
+on a GPU): size the subset to the time at hand.
+    python scripts/bench_decode_gpu.py --tiny --device cpu --no-compile          # the smoke run (seconds)
+
+Random-init Qwen3.5 targets with the 4B / 9B text shapes (`SHAPES`, bf16 on cuda): for each n only the
+layers two stages need are built (`2 L/n`: stage 1 = embedding + `L/n` layers, stage 2 = `L/n` layers +
+final norm + LM head, the slowest stage), prefilled with `--context` tokens, then timed on one decoded
+token per call followed by the rollback of it (what a rejected cycle costs; a stage's per-cycle work). The
+PDM (`L_s` layers of the target's width, the geometry's anchor types, `--draft-vocab` ids) is timed on a
+full pipeline's draft at the largest n (fill n; the planner's draft cost does not depend on n), and the simulator (one layer per stage, eager, timing on) gives the time
+per cycle that is neither a stage nor the draft. Device times are CUDA events (medians); on the CPU
+`perf_counter`. `weights_ms` is a stage's weight bytes / `--hbm-tbps`: a batch-1 decode step cannot beat
+it. The planner (`inference.plan.CostModel`) turns the numbers into predicted speedups for `--alpha`
+(default: the paper's 4B alphas, SPEC 9).
+
+Output: one JSON (`--json`) and a markdown table (stdout, and `--md`).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from spd_lightning.geometry import Geometry  # noqa: E402
+from spd_lightning.pdm import PDMConfig, PipelineDraftModule  # noqa: E402
+from spd_lightning.target import Target  # noqa: E402
+from inference.drafter import PDMDrafter  # noqa: E402
+from inference.plan import CostModel, parse_alpha, plan  # noqa: E402
+from inference.simulator import Simulator  # noqa: E402
+from inference.stages import Stage  # noqa: E402
+from inference.tables import fmt, markdown_table  # noqa: E402
+from inference.verify import Sampling  # noqa: E402
+
+log = logging.getLogger("bench_decode_gpu")
+
+# Qwen3.5 text shapes (hybrid: 3 Gated DeltaNet layers, then one full-attention layer).
+COMMON = dict(num_attention_heads=16, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+              linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320,
+              num_hidden_layers=32, full_attention_interval=4)
+SHAPES = {
+    "4b": dict(COMMON, hidden_size=2560, intermediate_size=9216),
+    "9b": dict(COMMON, hidden_size=4096, intermediate_size=12288),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                 vocab_size=512, num_hidden_layers=8, full_attention_interval=2),
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["4b", "9b"], choices=["4b", "9b"])
+    p.add_argument("--tiny", action="store_true", help="the tiny shape only (a smoke run)")
+    p.add_argument("--n", nargs="+", type=int, default=[4, 8])
+    p.add_argument("--draft-layers", nargs="+", type=int, default=[1, 2, 3, 4], help="L_s values")
+    p.add_argument("--draft-vocab", type=int, default=32000)
+    p.add_argument("--context", type=int, default=512, help="prompt tokens before the timed decode")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--sim-tokens", type=int, default=32, help="tokens the simulator decodes per n")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the captured (torch.compile) steps")
+    p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth for weights_ms (H200: 4.8)")
+    p.add_argument("--alpha", action="append", default=None, help="N:L_S:ALPHA for the planner (repeatable)")
+    p.add_argument("--json", help="write every number here")
+    p.add_argument("--md", help="write the markdown table here")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.models, args.n = ["tiny"], [n for n in args.n if n <= 4] or [2]
+        args.context, args.draft_vocab = min(args.context, 16), min(args.draft_vocab, 64)
+        args.iters, args.warmup, args.sim_tokens = min(args.iters, 3), min(args.warmup, 1), min(args.sim_tokens, 8)
+    args.dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
+    args.alpha = args.alpha or ["8:3:0.42", "4:4:0.66"]
+    return args
+
+
+def median_ms(call, iters: int, warmup: int, device: torch.device) -> float:
+    """Median milliseconds of `call()`: CUDA events per call, read after the loop (one synchronize)."""
+    for _ in range(warmup):
+        call()
+    if device.type != "cuda":
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            call()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return float(np.median(times))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for start, end in events:
+        start.record()
+        call()
+        end.record()
+    torch.cuda.synchronize()
+    return float(np.median([s.elapsed_time(e) for s, e in events]))
+
+
+def make_target(shape: dict, layers: int, device: torch.device, dtype: torch.dtype) -> Target:
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(**{**shape, "num_hidden_layers": layers}, max_position_embeddings=32768)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3_5ForCausalLM(config).to(dtype).eval()
+    return Target(model, f"random-qwen3.5-{layers}l")
+
+
+def weight_bytes(stage: Stage) -> int:
+    return sum(p.numel() * p.element_size() for p in stage.parameters())
+
+
+def bench_stages(shape: dict, n: int, args, device: torch.device) -> list[dict]:
+    """Stage 1 (embedding + L/n layers) and the last stage (L/n layers + head), eager and captured."""
+    k = shape["num_hidden_layers"] // n
+    target = make_target(shape, 2 * k, device, args.dtype)
+    geometry = Geometry.build(2 * k, 2)
+    stages = [Stage.from_target(target, geometry, s) for s in (1, 2)]
+    P = args.context
+    for stage in stages:
+        stage.cache.reset(P + 8)
+    prompt = torch.randint(0, shape["vocab_size"], (1, P), device=device)
+    hidden = stages[0](prompt, 0).hidden
+    stages[1](hidden, 0)
+    inputs = [torch.randint(0, shape["vocab_size"], (1, 1), device=device), hidden[:, -1:].clone()]
+    rows = []
+    for compiled in [False, True] if args.compile else [False]:
+        for stage, x, role in zip(stages, inputs, ("first", "last")):
+            stage.use_compiled_decode(compiled)
+
+            def one_token(stage=stage, x=x):
+                stage(x, P)
+                stage.cache.rollback(P)
+
+            ms = median_ms(one_token, args.iters, args.warmup, device)
+            bandwidth_ms = weight_bytes(stage) / (args.hbm_tbps * 1e12) * 1e3
+            log.info("stage n=%d %s captured=%s: %.3f ms", n, role, compiled, ms)
+            rows.append({"n": n, "stage": role, "layers": k, "captured": compiled, "ms": ms,
+                         "weights_ms": bandwidth_ms, "vs_weights": ms / bandwidth_ms})
+    del target, stages
+    return rows
+
+
+def bench_draft(shape: dict, n: int, L_s: int, args, device: torch.device) -> list[dict]:
+    """One full pipeline's draft (fill n) of an `L_s`-layer PDM, eager and captured."""
+    H, L = shape["hidden_size"], shape["num_hidden_layers"]
+    geometry = Geometry.build(L, n)
+    cfg = PDMConfig(H, geometry.num_types, args.draft_vocab, hidden_size=H, num_layers=L_s,
+                    num_heads=shape["num_attention_heads"], num_kv_heads=shape["num_key_value_heads"],
+                    head_dim=128 if H >= 1024 else 16, intermediate_size=shape["intermediate_size"])
+    torch.manual_seed(0)
+    with torch.device(device):
+        pdm = PipelineDraftModule(cfg).to(args.dtype).eval()
+        embed = torch.nn.Embedding(shape["vocab_size"], H).to(args.dtype)
+    P = args.context
+    view = [(depth, P + i) for i, depth in enumerate(range(n - 1, -1, -1))]  # pre-step: the newest at depth 0
+    rows = []
+    for compiled in [False, True] if args.compile else [False]:
+        drafter = PDMDrafter(pdm, geometry, embed, Sampling(), args.dtype, compile=compiled)
+        drafter.start(torch.randint(0, shape["vocab_size"], (1, P), device=device), P + n + 2)
+        drafter.states.normal_()
+        drafter.draft(view, None)  # appends the prompt: later calls draft the in-flight positions only
+        ms = median_ms(lambda: drafter.draft(view, None), args.iters, args.warmup, device)
+        log.info("draft L_s=%d fill=%d captured=%s: %.3f ms", L_s, n, compiled, ms)
+        rows.append({"n": n, "L_s": L_s, "fill": n, "captured": compiled, "ms": ms})
+    return rows
+
+
+def bench_simulator(shape: dict, n: int, args, device: torch.device) -> dict:
+    """Per cycle of an eager simulator decode (one layer per stage): wall, stages, draft, and the rest."""
+    target = make_target(shape, n, device, args.dtype)
+    geometry = Geometry.build(n, n)
+    cfg = PDMConfig(shape["hidden_size"], geometry.num_types, args.draft_vocab, hidden_size=shape["hidden_size"],
+                    num_layers=1, num_heads=shape["num_attention_heads"], num_kv_heads=shape["num_key_value_heads"],
+                    head_dim=128 if shape["hidden_size"] >= 1024 else 16, intermediate_size=shape["intermediate_size"])
+    with torch.device(device):
+        pdm = PipelineDraftModule(cfg).to(args.dtype).eval()
+    simulator = Simulator(target, pdm, geometry, profile=True)
+    prompt = torch.randint(0, shape["vocab_size"], (args.context,)).tolist()
+    simulator.decode(prompt, max(2, args.sim_tokens // 4))  # warm-up
+    result = simulator.decode(prompt, args.sim_tokens)
+    t, K = result.timing["totals"], result.K
+    wall, stages, draft = t["wall_s"] / K, sum(t["stage_compute_s"]) / K, t["draft_s"] / K
+    return {"n": n, "K": K, "wall_ms": wall * 1e3, "stages_ms": stages * 1e3, "draft_ms": draft * 1e3,
+            "non_stage_ms": (wall - stages) * 1e3, "overhead_ms": (wall - stages - draft) * 1e3}
+
+
+def predict(model: str, shape: dict, stage_rows, draft_rows, sim_rows, alphas, captured: bool) -> list[dict]:
+    """The planner's rows from this run's times: T_full = n stage-1 times + the head's extra, the draft line
+    fitted over L_s, the overhead the simulator's."""
+    out = []
+    for n in sorted({r["n"] for r in stage_rows}):
+        pick = {r["stage"]: r["ms"] for r in stage_rows if r["n"] == n and r["captured"] == captured}
+        drafts = sorted((r["L_s"], r["ms"]) for r in draft_rows if r["captured"] == captured)
+        if not pick or not drafts:
+            continue
+        t_full = n * pick["first"] + (pick["last"] - pick["first"])
+        if len(drafts) > 1:
+            slope, fixed = np.polyfit([d[0] for d in drafts], [d[1] for d in drafts], 1)
+        else:
+            slope, fixed = drafts[0][1] / drafts[0][0], 0.0
+        overhead = next((r["overhead_ms"] for r in sim_rows if r["n"] == n), 0.0)
+        cost = CostModel(t_full, max(float(slope), 1e-9), max(float(fixed), 0.0), max(overhead, 0.0),
+                         stage_fixed=max(0.0, pick["last"] - t_full / n), unit="ms", num_layers=shape["num_hidden_layers"])
+        chosen = {key: a for key, a in alphas.items() if key[0] == n}
+        if not chosen:  # no alpha for this n: nothing to predict
+            continue
+        rows, _ = plan(cost, chosen)
+        out += [{"model": model, "captured": captured, "t_full_ms": t_full, **row} for row in rows]
+    return out
+
+
+def run(args) -> dict:
+    device = torch.device(args.device)
+    alphas = dict(parse_alpha(a) for a in args.alpha)
+    report = {"date": datetime.date.today().isoformat(), "machine": platform.node(), "device": str(device),
+              "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+              "dtype": str(args.dtype).replace("torch.", ""), "torch": torch.__version__, "args": vars(args) | {"dtype": str(args.dtype)},
+              "models": {}}
+    for model in args.models:
+        shape = SHAPES[model]
+        stage_rows = [r for n in args.n for r in bench_stages(shape, n, args, device)]
+        draft_rows = [r for L_s in args.draft_layers for r in bench_draft(shape, max(args.n), L_s, args, device)]
+        sim_rows = [bench_simulator(shape, n, args, device) for n in args.n]
+        plans = [p for captured in ([False, True] if args.compile else [False])
+                 for p in predict(model, shape, stage_rows, draft_rows, sim_rows, alphas, captured)]
+        report["models"][model] = {"shape": shape, "stages": stage_rows, "drafts": draft_rows, "simulator": sim_rows,
+                                   "plan": plans}
+        write_json(report, args.json)  # after each model: a run cut short by a time limit keeps what it measured
+    return report
+
+
+def write_json(report: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+
+
+def table(head, rows) -> str:
+    return "\n".join(markdown_table(head, [[fmt(cell) for cell in row] for row in rows]))
+
+
+def markdown(report: dict) -> str:
+    lines = [f"Decoder latencies, {report['device']} ({report['gpu']}), {report['dtype']}, {report['date']}", ""]
+    for model, r in report["models"].items():
+        lines.append(f"### {model}: stage forward (one token + its rollback), ms")
+        lines.append(table(["n", "stage", "layers", "captured", "ms", "weights_ms", "vs_weights"],
+                                    [[x["n"], x["stage"], x["layers"], x["captured"], x["ms"], x["weights_ms"], x["vs_weights"]]
+                                     for x in r["stages"]]))
+        lines.append(f"\n### {model}: PDM draft (fill n), ms")
+        lines.append(table(["n", "L_s", "captured", "ms"], [[x["n"], x["L_s"], x["captured"], x["ms"]] for x in r["drafts"]]))
+        lines.append(f"\n### {model}: simulator per cycle (eager), ms")
+        lines.append(table(["n", "K", "wall", "stages", "draft", "non-stage", "overhead"],
+                                    [[x["n"], x["K"], x["wall_ms"], x["stages_ms"], x["draft_ms"], x["non_stage_ms"], x["overhead_ms"]]
+                                     for x in r["simulator"]]))
+        lines.append(f"\n### {model}: planner, predicted speedup over 1-GPU AR")
+        lines.append(table(["captured", "n", "L_s", "alpha", "stage", "draft", "overhead", "cycle", "speedup"],
+                                    [[p["captured"], p["n"], p["L_s"], p["alpha"], p["stage"], p["draft"], p["overhead"],
+                                      p["cycle"], p["speedup"]] for p in r["plan"]]))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    with torch.no_grad():
+        report = run(args)
+    table = markdown(report)
+    print(table)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

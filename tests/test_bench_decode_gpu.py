@@ -1,0 +1,36 @@
+"""scripts/bench_decode_gpu.py in its smoke mode (tiny shapes, CPU, eager): every section, numbers that
+add up, and the planner fed from them."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_tiny_cpu_smoke_run_writes_consistent_json_and_markdown(tmp_path):
+    out, md = tmp_path / "decode.json", tmp_path / "decode.md"
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench_decode_gpu.py"), "--tiny", "--device",
+                           "cpu", "--no-compile", "--json", str(out), "--md", str(md), "--alpha", "4:2:0.5"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())["models"]["tiny"]
+    stages = {r["stage"]: r for r in report["stages"]}
+    assert set(stages) == {"first", "last"} and all(r["ms"] > 0 and not r["captured"] for r in report["stages"])
+    assert sorted(r["L_s"] for r in report["drafts"]) == [1, 2, 3, 4]
+    [sim] = report["simulator"]
+    assert sim["n"] == 4 and sim["K"] >= 1
+    assert sim["non_stage_ms"] == pytest.approx(sim["wall_ms"] - sim["stages_ms"])
+    assert sim["overhead_ms"] == pytest.approx(sim["non_stage_ms"] - sim["draft_ms"])
+    [row] = report["plan"]
+    t_full = 4 * stages["first"]["ms"] + stages["last"]["ms"] - stages["first"]["ms"]
+    assert (row["n"], row["L_s"], row["alpha"]) == (4, 2, 0.5) and row["t_full_ms"] == pytest.approx(t_full)
+    assert row["overhead"] == pytest.approx(max(sim["overhead_ms"], 0.0))
+    assert row["speedup"] == pytest.approx(0.5 * t_full / row["cycle"])
+    text = md.read_text()
+    for section in ("stage forward", "PDM draft", "simulator per cycle", "planner"):
+        assert f"tiny: {section}" in text
+    assert text.strip() in done.stdout

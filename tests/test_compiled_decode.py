@@ -1,0 +1,83 @@
+"""The compiled decode (`--compile`; inductor on the CPU, CUDA graphs on a GPU): the same greedy tokens, N
+and K as eager, and no device synchronization on the untimed path. Compiling is slow on the CPU: small
+targets (one layer per stage), few shapes, the Qwen3 and gloo variants marked slow."""
+import pytest
+import torch
+
+from conftest import make_tiny_model
+from spd_lightning.geometry import Geometry
+from spd_lightning.target import Target
+from inference.simulator import Simulator
+from test_inference_support import one_thread, random_pdm  # noqa: F401 - one_thread is an autouse fixture
+
+PROMPTS = [[3, 14, 15, 92, 65, 35], [7]]
+
+
+def forbid_device_sync(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the untimed decode touched torch.cuda.synchronize / Event")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", refuse)
+    monkeypatch.setattr(torch.cuda, "Event", refuse)
+
+
+def record_drafts(simulator) -> list[int]:
+    """The drafter's proposals, in order (a random PDM is rarely accepted: N and K alone would hide a bad draft)."""
+    drafter, proposals = simulator.runner.drafter, []
+    draft = drafter.draft
+
+    def recording(view, generator):
+        token, q = draft(view, generator)
+        proposals.append(int(token))
+        return token, q
+
+    drafter.draft = recording
+    return proposals
+
+
+def compare_compiled_with_eager(arch, monkeypatch):
+    target = Target(make_tiny_model(arch, num_layers=2), arch)
+    geometry = Geometry.build(2, 2)
+    pdm = random_pdm(target, geometry, num_layers=1)
+    eager = Simulator(target, pdm, geometry)
+    compiled = Simulator(target, pdm, geometry, compile=True)
+    want_drafts, got_drafts = record_drafts(eager), record_drafts(compiled)
+    forbid_device_sync(monkeypatch)
+    for prompt in PROMPTS:
+        want, got = eager.decode(prompt, 16), compiled.decode(prompt, 16)
+        assert (got.tokens, got.N, got.K, got.counters) == (want.tokens, want.N, want.K, want.counters)
+        assert got_drafts == want_drafts and len(set(got_drafts)) > 1
+        assert 2 <= got.K and got.counters["rejected_by_fill"] != [0, 0]  # rollbacks were exercised
+    stage = compiled.runner.stages[1]
+    assert stage._compiled and stage._decode_step is not stage._step and compiled.runner.drafter.cache.static
+
+
+def test_compiled_qwen35_decode_equals_eager_without_device_sync(monkeypatch):
+    compare_compiled_with_eager("qwen3_5", monkeypatch)
+
+
+@pytest.mark.slow
+def test_compiled_qwen3_decode_equals_eager(monkeypatch):
+    compare_compiled_with_eager("qwen3", monkeypatch)
+
+
+def test_the_compile_flag_is_a_decoder_argument():
+    from inference.cli import add_decoder_arguments, parser
+
+    p = parser("x", "")
+    add_decoder_arguments(p, max_new_tokens=8, with_ar=True)
+    assert p.parse_args([]).compile is False
+    assert p.parse_args(["--compile"]).compile is True and p.parse_args(["--no-compile"]).compile is False
+
+
+def test_a_step_that_cannot_be_captured_runs_eagerly(caplog):
+    from inference.capture import CompiledStep
+
+    def host_read(x):  # a host read inside the step: no single graph
+        return x * len([v for v in x.tolist() if v > 0])
+
+    step = CompiledStep(host_read, torch.device("cpu"))
+    x = torch.tensor([1.0, -2.0, 3.0])
+    with caplog.at_level("WARNING", logger="inference"):
+        assert torch.equal(step(x), x * 2) and torch.equal(step(x), x * 2)
+    assert step._run is host_read and "runs eagerly" in caplog.text

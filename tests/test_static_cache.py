@@ -1,0 +1,83 @@
+"""Static stage caches: a one-token prompt, storage written in place (no allocation per cycle, rollback or
+prompt), and a regrow past the budget that keeps what the cache holds."""
+import pytest
+import torch
+
+import inference.cache
+from spd_lightning.geometry import Geometry
+from inference.ar import ar_decode
+from inference.simulator import Simulator
+from inference.stages import Stage
+from test_inference_support import one_thread, random_pdm  # noqa: F401 - one_thread is an autouse fixture
+
+
+def run_through(stages, ids, start):
+    x = torch.tensor([ids])
+    for stage in stages:
+        x = stage(x, start).hidden if stage is not stages[-1] else x
+    return stages[-1](x, start).logits
+
+
+@pytest.mark.parametrize("arch_fixture", ["tiny_qwen3", "tiny_qwen35"])
+def test_a_one_token_prompt_decodes(arch_fixture, request):
+    target = request.getfixturevalue(arch_fixture)
+    geometry = Geometry.build(target.num_layers, 2)
+    reference = ar_decode(target, [7], 12, geometry=geometry)
+    assert len(reference.tokens) == 12
+    result = Simulator(target, random_pdm(target, geometry), geometry).decode([7], 12)
+    assert result.tokens == reference.tokens
+
+
+def storage(stages):
+    """data_ptr of every tensor the stage caches hold, snapshot rings included."""
+    ptrs = {}
+    for s, stage in enumerate(stages):
+        for i in stage.cache.attention_layers:
+            layer = stage.cache.hf.layers[i]
+            ptrs[s, i, "k"], ptrs[s, i, "v"] = layer.keys.data_ptr(), layer.values.data_ptr()
+            ptrs[s, i, "len"] = layer.cumulative_length.data_ptr()
+        for i in stage.cache.linear_layers:
+            conv, recurrent = stage.cache.states(i)
+            ptrs[s, i, "conv"], ptrs[s, i, "rec"] = conv.data_ptr(), recurrent.data_ptr()
+            ring = stage.cache._ring[i]
+            ptrs[s, i, "ring"] = (ring[0].data_ptr(), ring[1].data_ptr())
+    return ptrs
+
+
+def test_decode_rollback_and_a_new_prompt_allocate_no_cache_storage(tiny_qwen35):
+    geometry = Geometry.build(tiny_qwen35.num_layers, 2)
+    stages = [Stage.from_target(tiny_qwen35, geometry, s) for s in (1, 2)]
+    for stage in stages:
+        stage.cache.reset(64)
+    run_through(stages, [3, 9, 27], 0)
+    run_through(stages, [5], 3)
+    before = storage(stages)
+    assert any(k[2] == "ring" for k in before) and any(k[2] == "k" for k in before)
+    for position, token in enumerate([11, 12, 13], start=4):
+        run_through(stages, [token], position)
+    for stage in stages:
+        stage.cache.rollback(5)
+    run_through(stages, [40], 5)
+    assert storage(stages) == before
+    for stage in stages:  # a new prompt within the budget reuses everything
+        stage.cache.reset(32)
+    run_through(stages, [1, 2], 0)
+    run_through(stages, [4], 2)
+    assert storage(stages) == before
+
+
+@pytest.mark.parametrize("arch_fixture", ["tiny_qwen3", "tiny_qwen35"])
+def test_a_forward_past_the_budget_regrows_and_keeps_the_cache(arch_fixture, request, monkeypatch):
+    target = request.getfixturevalue(arch_fixture)
+    geometry = Geometry.build(target.num_layers, 2)
+    ids = [5, 17, 3, 44, 9, 81, 2, 60, 61, 62, 63]
+    big = [Stage.from_target(target, geometry, s) for s in (1, 2)]
+    monkeypatch.setattr(inference.cache, "CAPACITY_STEP", 4)
+    small = [Stage.from_target(target, geometry, s) for s in (1, 2)]
+    for stage in small:
+        stage.cache.reset(4)
+    for stages in (big, small):
+        run_through(stages, ids[:3], 0)
+    for i in range(3, len(ids)):
+        assert torch.allclose(run_through(small, ids[i:i + 1], i), run_through(big, ids[i:i + 1], i), atol=1e-5)
+    assert small[0].cache.capacity >= len(ids) and small[0].cache.capacity < big[0].cache.capacity
