@@ -37,6 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from spd_lightning.archs import load_arch  # noqa: E402
 from spd_lightning.geometry import Geometry  # noqa: E402
 from spd_lightning.pdm import PDMConfig, PipelineDraftModule  # noqa: E402
 from spd_lightning.target import Target  # noqa: E402
@@ -49,13 +50,20 @@ from inference.verify import Sampling  # noqa: E402
 
 log = logging.getLogger("bench_decode_gpu")
 
-# Qwen3.5 text shapes (hybrid: 3 Gated DeltaNet layers, then one full-attention layer).
-COMMON = dict(num_attention_heads=16, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
-              linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320,
-              num_hidden_layers=32, full_attention_interval=4)
+# The real Qwen3.5 text shapes (spd_lightning/archs: hybrid, 3 Gated DeltaNet layers then one full attention).
+SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "full_attention_interval",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "linear_num_key_heads",
+              "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+
+
+def arch_shape(name: str) -> dict:
+    config = load_arch(name)["config"]
+    return {key: config[key] for key in SHAPE_KEYS}
+
+
 SHAPES = {
-    "4b": dict(COMMON, hidden_size=2560, intermediate_size=9216),
-    "9b": dict(COMMON, hidden_size=4096, intermediate_size=12288),
+    "4b": arch_shape("qwen3.5-4b"),
+    "9b": arch_shape("qwen3.5-9b"),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
                  vocab_size=512, num_hidden_layers=8, full_attention_interval=2),
