@@ -187,6 +187,7 @@ def test_sampled_output_follows_the_target_fast():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(4 * 3600)  # 14-38 minutes per case on the 2-core machine (module docstring)
 @pytest.mark.parametrize("schedule", ["pre_step", "post_step"])
 @pytest.mark.parametrize("n", [2, 4])
 def test_sampled_output_follows_the_target_full_power(n, schedule):
