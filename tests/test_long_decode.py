@@ -51,7 +51,8 @@ class Footprint:
         (isinstance over every object triggers lazy attributes and warning registries)."""
         gc.collect()
         objects = gc.get_objects()
-        tensors = [o for o in objects if isinstance(o, torch.Tensor)]
+        # Plain tensors only: tracing elsewhere in the session can leave fake tensors that have no storage.
+        tensors = [o for o in objects if type(o) in (torch.Tensor, torch.nn.Parameter)]
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
         return cls(len(objects), len(tensors), sum(storages.values()), rss_bytes())
 
