@@ -182,7 +182,9 @@ class ReplayDrafter:
     """Proposes a known continuation: the i-th `start` replays `references[i]`, the continuation of the
     i-th prompt. `oracle` proposes `reference[position - prompt_len]`, `adversary` a token that is surely
     not it, and a pattern of `R` (right) and `W` (wrong) letters, read cyclically by that index, chooses
-    per position; greedy only. Past the end of the reference it proposes token 0 (never judged then)."""
+    per position; greedy only. Past the end of the reference it proposes token 0 (never judged then).
+    Its tokens live on the device of the prompt it was started with (the runner's), like a PDM's drafts: the
+    distributed decoder sends them as they are (NCCL cannot send a CPU tensor)."""
 
     def __init__(self, references: Sequence[Sequence[int]], policy: str, vocab_size: int):
         pattern = {"oracle": "R", "adversary": "W"}.get(policy, policy)
@@ -190,11 +192,13 @@ class ReplayDrafter:
             raise ValueError(f"unknown replay policy {policy!r}: use 'oracle', 'adversary' or a pattern of R and W")
         self.references, self.pattern, self.vocab_size = [list(r) for r in references], pattern, vocab_size
         self._next, self.reference, self.prompt_len = 0, [], 0
+        self.device = torch.device("cpu")
 
     def start(self, prompt_ids: torch.Tensor, capacity: int) -> None:
         if self._next >= len(self.references):
             raise ValueError(f"the replay drafter has {len(self.references)} references and no more prompts to replay")
         self.reference, self.prompt_len = self.references[self._next], prompt_ids.shape[-1]
+        self.device = prompt_ids.device
         self._next += 1
 
     def set_token(self, position: int, token: int) -> None:
@@ -207,4 +211,4 @@ class ReplayDrafter:
         index = view[-1][1] + 1 - self.prompt_len
         right = self.reference[index] if index < len(self.reference) else 0
         wrong = self.pattern[index % len(self.pattern)] == "W"
-        return torch.tensor([(right + 1) % self.vocab_size if wrong else right]), None
+        return torch.tensor([(right + 1) % self.vocab_size if wrong else right], device=self.device), None

@@ -13,6 +13,7 @@ and is zero outside it; `d2t` maps it into the target vocabulary.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -32,8 +33,8 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if not self.temperature >= 0.0:
-            raise SamplingError(f"temperature={self.temperature} must be >= 0 (0 is greedy)")
+        if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
+            raise SamplingError(f"temperature={self.temperature} must be a finite number >= 0 (0 is greedy)")
         if not 0.0 < self.top_p <= 1.0:
             raise SamplingError(f"top_p={self.top_p} must be in (0, 1]")
         if self.top_k < 0:
@@ -50,11 +51,13 @@ class Sampling:
 def warp(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """The sampling distribution over the last dimension: temperature, then top-k, then top-p (float32).
 
-    Greedy returns the one-hot of the argmax, so verification and sampling share one code path."""
+    Greedy returns the one-hot of the argmax, so verification and sampling share one code path. The logits
+    are shifted so their maximum is 0 BEFORE dividing by the temperature: as T -> 0 the others go to -inf
+    and the maximum stays 0, so a tiny T is the argmax limit instead of inf - inf = NaN."""
     logits = logits.float()
     if sampling.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    logits = logits / sampling.temperature
+    logits = (logits - logits.amax(-1, keepdim=True)) / sampling.temperature
     if 0 < sampling.top_k < logits.shape[-1]:
         kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

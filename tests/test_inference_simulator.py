@@ -1,5 +1,7 @@
 """The one-process simulator: lossless greedy decoding, closed forms, the PDM's cached staircase, EOS, and
 optimistic execution under exact accept/reject patterns."""
+import json
+
 import pytest
 import torch
 
@@ -7,6 +9,7 @@ from spd_lightning.geometry import Geometry
 from spd_lightning.pdm import PDMConfig, PipelineDraftModule
 from inference.ar import ar_decode
 from inference.drafter import PDMDrafter, ReplayDrafter
+from inference.result import DecodeResult
 from inference.schedule import PipelineSchedule, Verdict
 from inference.simulator import Simulator, simulate_decode
 from inference.verify import Sampling
@@ -55,7 +58,6 @@ def test_closed_forms_with_a_real_target(tiny_qwen35, n):
             result = simulator.decode(prompt, 16)
             assert result.tokens == reference
             assert result.K == expected_K(result.N)
-            assert result.theoretical_speedup == pytest.approx(n * result.N / result.K)
 
 
 def test_pdm_cache_computes_the_explicit_staircase(tiny_qwen35):
@@ -110,7 +112,10 @@ def test_timing_breakdown_has_one_row_per_cycle(tiny_qwen3):
     per_cycle = result.timing["per_cycle"]
     assert len(per_cycle["wall_s"]) == len(per_cycle["draft_s"]) == len(per_cycle["stage_compute_s"]) == result.K
     assert all(len(row) == 2 for row in per_cycle["stage_compute_s"])
-    assert result.timing["totals"]["draft_s"] > 0 and result.to_dict()["alpha"] == result.N / result.K
+    assert result.timing["totals"]["draft_s"] > 0
+    restored = DecodeResult.from_dict(json.loads(json.dumps(result.to_dict())))  # what the JSON report carries
+    assert (restored.tokens, restored.K, restored.counters, restored.alpha) == (result.tokens, result.K, result.counters,
+                                                                                result.alpha)
 
 
 def test_mismatched_pdm_is_refused(tiny_qwen3):
