@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 TARGET ?= artifacts/tiny_target
 # The embedded ShareGPT (demo data, tests), the test tools and the linter.
-EXTRAS ?= sharegpt,test,lint
+EXTRAS ?= sharegpt,serve,test,lint
 
 .PHONY: env demo test test-slow lint
 
