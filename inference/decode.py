@@ -88,7 +88,7 @@ def _decode(setup: cli.Setup, args, prompts: list[list[int]], sampling: Sampling
     if setup.mode == "ar":
         return _ar(setup, args, prompts, sampling)
     if args.simulate:
-        target = Target.load(setup.target_path, setup.dtype, args.device)
+        target = Target.load(setup.target_path, setup.dtype, args.device, setup.trust_remote_code)
         pdm, _ = load_drafter(setup.ckpt, map_location=args.device)
         simulator = Simulator(target, pdm.to(target.model.dtype), setup.geometry, sampling, profile=args.profile)
         return [simulator.decode(ids, args.max_new_tokens, setup.eos, args.seed + i) for i, ids in enumerate(prompts)]
@@ -96,7 +96,7 @@ def _decode(setup: cli.Setup, args, prompts: list[list[int]], sampling: Sampling
 
 
 def _ar(setup: cli.Setup, args, prompts: list[list[int]], sampling: Sampling) -> list[DecodeResult]:
-    target = Target.load(setup.target_path, setup.dtype, args.device)
+    target = Target.load(setup.target_path, setup.dtype, args.device, setup.trust_remote_code)
     stages = [Stage.from_target(target, setup.geometry, s) for s in range(1, setup.geometry.n + 1)]
     return [ar_decode_stages(stages, ids, args.max_new_tokens, sampling, setup.eos, args.seed + i)
             for i, ids in enumerate(prompts)]

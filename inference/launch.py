@@ -102,6 +102,7 @@ class DecodeJob:
     debug: bool = False
     profile: bool = False  # per-cycle timing in each result (`profiler.Profiler`)
     fault: str | None = None  # test-only, see `faults.Fault`
+    trust_remote_code: bool = False
 
     def __post_init__(self):
         if self.replay is not None:
@@ -126,12 +127,13 @@ def build_runner(job: DecodeJob, rank: int, device: torch.device) -> PipelineRun
     d2t, draft_vocab = (None, 1) if job.replay is not None else _draft_vocabulary(job.drafter_path)
     stages, drafter = {}, None
     if rank < n:
-        stages[rank + 1] = Stage.load(job.target_path, geometry, rank + 1, dtype, device)
+        stages[rank + 1] = Stage.load(job.target_path, geometry, rank + 1, dtype, device, job.trust_remote_code)
     elif job.replay is not None:
         drafter = ReplayDrafter(job.replay.references, job.replay.policy, job.vocab_size)
     else:
         pdm, _ = load_drafter(job.drafter_path, map_location=device)
-        embed = load_pieces(job.target_path, range(0), embed=True, head=False, dtype=dtype, device=device).embed_tokens
+        embed = load_pieces(job.target_path, range(0), embed=True, head=False, dtype=dtype, device=device,
+                            trust_remote_code=job.trust_remote_code).embed_tokens
         drafter = PDMDrafter(pdm.to(dtype), geometry, embed, sampling, dtype)
     config = RunnerConfig(sampling, job.vocab_size, draft_vocab, job.hidden_size, dtype, device, d2t,
                           on_step=step_hook(job.fault, rank), profile=job.profile)
@@ -322,7 +324,7 @@ def _start_method(job: DecodeJob) -> str:
     life of this process, so later launches are fast too. Elsewhere `spawn`."""
     if "forkserver" not in mp.get_all_start_methods():
         return "spawn"
-    modeling = type(meta_target(job.target_path).model).__module__
+    modeling = type(meta_target(job.target_path, trust_remote_code=job.trust_remote_code).model).__module__
     mp.get_context("forkserver").set_forkserver_preload(["torch", "transformers", "inference.launch", modeling])
     return "forkserver"
 
