@@ -103,6 +103,7 @@ class DecodeJob:
     profile: bool = False  # per-cycle timing in each result (`profiler.Profiler`)
     fault: str | None = None  # test-only, see `faults.Fault`
     trust_remote_code: bool = False
+    stream: bool = False  # the verifier's rank reports each cycle's verified tokens (`launch(on_tokens=...)`)
 
     def __post_init__(self):
         if self.replay is not None:
@@ -146,9 +147,10 @@ def _draft_vocabulary(drafter_path: str) -> tuple[torch.Tensor, int]:
     return d2t, spec.pdm.draft_vocab_size
 
 
-def run_rank(job: DecodeJob, rank: int, local_rank: int, report: Callable[[int, DecodeResult], None]) -> None:
+def run_rank(job: DecodeJob, rank: int, local_rank: int, report: Callable[[int, DecodeResult], None],
+             stream: Callable[[int, list[int]], None] | None = None) -> None:
     """One rank's whole life: join (the `torchrun`/elastic environment), load, decode every prompt, leave.
-    The last stage reports the results."""
+    The last stage reports the results, and with `stream` the tokens each cycle verified."""
     device = rank_device(job, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -158,7 +160,8 @@ def run_rank(job: DecodeJob, rank: int, local_rank: int, report: Callable[[int, 
     runner = build_runner(job, rank, device)
     n, reporter = runner.n, runner.verifier_rank
     for i, prompt in enumerate(job.prompts):
-        result = runner.decode(prompt, job.max_new_tokens, frozenset(job.eos_token_ids), job.seed + i)
+        on_tokens = (lambda tokens, i=i: stream(i, tokens)) if stream is not None and rank == reporter else None
+        result = runner.decode(prompt, job.max_new_tokens, frozenset(job.eos_token_ids), job.seed + i, on_tokens)
         if job.profile:  # every rank's timing rows to the reporter
             rows = runner.transport.gather(torch.from_numpy(runner.clock.rows[rank]).to(device), dst=reporter)
             if rank == reporter:
@@ -183,6 +186,11 @@ class Finished(NamedTuple):
     result: dict  # DecodeResult.to_dict()
 
 
+class Streamed(NamedTuple):
+    index: int  # the prompt
+    tokens: list[int]  # verified in one cycle
+
+
 class Failed(NamedTuple):
     rank: int
     message: str  # "Type: first line"
@@ -199,7 +207,8 @@ def _rank_main(job: DecodeJob, messages, launcher_pid: int) -> None:
     if not job.debug:
         _quiet_transformers()
     try:
-        run_rank(job, rank, local_rank, lambda i, r: messages.put(Finished(rank, i, r.to_dict())))
+        stream = (lambda i, tokens: messages.put(Streamed(i, list(tokens)))) if job.stream else None
+        run_rank(job, rank, local_rank, lambda i, r: messages.put(Finished(rank, i, r.to_dict())), stream)
     except BaseException as e:  # noqa: BLE001 - whatever it was, the launcher must hear about it
         first = str(e).splitlines()[0] if str(e) else ""
         messages.put(Failed(rank, f"{type(e).__name__}: {first}", traceback.format_exc(), getattr(e, "peer", None),
@@ -238,8 +247,9 @@ class Inbox:
     """The launcher's side of the queue, drained by a thread while the agent watches the processes."""
 
     def __init__(self, messages, on_result: Callable[[int, DecodeResult], None] | None,
-                 on_start: Callable[[int, int], None] | None):
-        self.messages, self.on_result, self.on_start = messages, on_result, on_start
+                 on_start: Callable[[int, int], None] | None,
+                 on_tokens: Callable[[int, list[int]], None] | None = None):
+        self.messages, self.on_result, self.on_start, self.on_tokens = messages, on_result, on_start, on_tokens
         self.pids: dict[int, int] = {}
         self.results: dict[int, DecodeResult] = {}
         self.failures: dict[int, Failed] = {}
@@ -252,6 +262,9 @@ class Inbox:
                 self.pids[message.rank] = message.pid
                 if self.on_start is not None:
                     self.on_start(message.rank, message.pid)
+            elif isinstance(message, Streamed):
+                if self.on_tokens is not None:
+                    self.on_tokens(message.index, message.tokens)
             elif isinstance(message, Finished):
                 self.results[message.index] = result = DecodeResult.from_dict(message.result)
                 if self.on_result is not None:
@@ -271,16 +284,18 @@ class Inbox:
 
 # -- the launcher -----------------------------------------------------------------------------
 def launch(job: DecodeJob, on_result: Callable[[int, DecodeResult], None] | None = None,
-           on_start: Callable[[int, int], None] | None = None) -> list[DecodeResult]:
+           on_start: Callable[[int, int], None] | None = None,
+           on_tokens: Callable[[int, list[int]], None] | None = None) -> list[DecodeResult]:
     """Run `job` on `n + 1` local processes; results in prompt order. `on_result(prompt index, result)` as
-    each prompt is done, `on_start(rank, pid)` as each rank starts (both on a helper thread). Raises
+    each prompt is done, `on_start(rank, pid)` as each rank starts, with `job.stream` `on_tokens(prompt
+    index, tokens)` as each cycle verifies tokens (all on a helper thread). Raises
     `LaunchError` naming the rank that caused a failure, after every rank has ended."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
     _check_devices(job)
     start_method = _start_method(job)
-    inbox = Inbox(mp.get_context(start_method).Queue(), on_result, on_start)
+    inbox = Inbox(mp.get_context(start_method).Queue(), on_result, on_start, on_tokens)
     try:
         with tempfile.TemporaryDirectory(prefix="spd_launch_") as logs, _quiet_agent(job.debug):
             elastic_launch(_agent_config(job, start_method, logs), _rank_main)(job, inbox.messages, os.getpid())
