@@ -119,23 +119,42 @@ def rank_device(job: DecodeJob, local_rank: int) -> torch.device:
     return torch.device(f"cuda:{local_rank}") if job.device.startswith("cuda") else torch.device("cpu")
 
 
-def build_runner(job: DecodeJob, rank: int, device: torch.device) -> PipelineRunner:
-    """The roles of `rank`: a stage (the last one also verifies) or the drafter."""
+@dataclass
+class Loaded:
+    """The weights of one rank's role, loaded once: its stage, or the PDM and the target's embedding."""
+
+    stages: dict[int, Stage]
+    pdm: torch.nn.Module | None = None
+    embed: torch.nn.Module | None = None
+
+
+def load_role(job: DecodeJob, rank: int, device: torch.device) -> Loaded:
+    geometry, dtype = Geometry.from_dict(job.geometry), resolve_dtype(job.dtype)
+    if rank < geometry.n:
+        return Loaded({rank + 1: Stage.load(job.target_path, geometry, rank + 1, dtype, device, job.trust_remote_code)})
+    if job.replay is not None:
+        return Loaded({})
+    pdm, _ = load_drafter(job.drafter_path, map_location=device)
+    embed = load_pieces(job.target_path, range(0), embed=True, head=False, dtype=dtype, device=device,
+                        trust_remote_code=job.trust_remote_code).embed_tokens
+    return Loaded({}, pdm.to(dtype), embed)
+
+
+def build_runner(job: DecodeJob, rank: int, device: torch.device, loaded: Loaded | None = None,
+                 sampling: Sampling | None = None) -> PipelineRunner:
+    """The roles of `rank`: a stage (the last one also verifies) or the drafter; over `loaded` weights
+    (loaded here when None), sampling with `sampling` (default: the job's)."""
     geometry = Geometry.from_dict(job.geometry)
-    n, sampling, dtype = geometry.n, Sampling(**job.sampling), resolve_dtype(job.dtype)
+    n, dtype = geometry.n, resolve_dtype(job.dtype)
+    sampling = sampling or Sampling(**job.sampling)
     if job.replay is not None and not sampling.greedy:
         raise ValueError("a replay drafter has no draft distribution: use it with greedy decoding only")
     d2t, draft_vocab = (None, 1) if job.replay is not None else _draft_vocabulary(job.drafter_path)
-    stages, drafter = {}, None
-    if rank < n:
-        stages[rank + 1] = Stage.load(job.target_path, geometry, rank + 1, dtype, device, job.trust_remote_code)
-    elif job.replay is not None:
-        drafter = ReplayDrafter(job.replay.references, job.replay.policy, job.vocab_size)
-    else:
-        pdm, _ = load_drafter(job.drafter_path, map_location=device)
-        embed = load_pieces(job.target_path, range(0), embed=True, head=False, dtype=dtype, device=device,
-                            trust_remote_code=job.trust_remote_code).embed_tokens
-        drafter = PDMDrafter(pdm.to(dtype), geometry, embed, sampling, dtype)
+    loaded = loaded or load_role(job, rank, device)
+    stages, drafter = loaded.stages, None
+    if rank == n:
+        drafter = (ReplayDrafter(job.replay.references, job.replay.policy, job.vocab_size) if job.replay is not None
+                   else PDMDrafter(loaded.pdm, geometry, loaded.embed, sampling, dtype))
     config = RunnerConfig(sampling, job.vocab_size, draft_vocab, job.hidden_size, dtype, device, d2t,
                           on_step=step_hook(job.fault, rank), profile=job.profile)
     return PipelineRunner(geometry, DistributedTransport([role_name(r, n) for r in range(n + 1)]), stages, drafter,
@@ -148,15 +167,22 @@ def _draft_vocabulary(drafter_path: str) -> tuple[torch.Tensor, int]:
 
 
 def run_rank(job: DecodeJob, rank: int, local_rank: int, report: Callable[[int, DecodeResult], None],
-             stream: Callable[[int, list[int]], None] | None = None) -> None:
+             stream: Callable[[int, list[int]], None] | None = None, requests=None) -> None:
     """One rank's whole life: join (the `torchrun`/elastic environment), load, decode every prompt, leave.
-    The last stage reports the results, and with `stream` the tokens each cycle verified."""
+    The last stage reports the results, and with `stream` the tokens each cycle verified. With `requests`
+    (a queue rank 0 reads), the ranks serve the requests from it instead of `job.prompts` (`server_ranks`)."""
     device = rank_device(job, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:  # ranks share the CPU: oversubscribed threads make every rank slower
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.world_size))
     init_distributed("nccl" if device.type == "cuda" else "gloo", rank, job.world_size, job.timeout_s)
+    if requests is not None:
+        from .server_ranks import serve_requests
+
+        serve_requests(job, rank, device, requests, report, stream)
+        close_distributed()
+        return
     runner = build_runner(job, rank, device)
     n, reporter = runner.n, runner.verifier_rank
     for i, prompt in enumerate(job.prompts):
@@ -199,7 +225,7 @@ class Failed(NamedTuple):
     user_error: bool
 
 
-def _rank_main(job: DecodeJob, messages, launcher_pid: int) -> None:
+def _rank_main(job: DecodeJob, messages, launcher_pid: int, requests=None) -> None:
     """A rank process under the elastic agent: any failure becomes one report and a non-zero exit."""
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     _exit_with(launcher_pid, rank)
@@ -208,7 +234,7 @@ def _rank_main(job: DecodeJob, messages, launcher_pid: int) -> None:
         _quiet_transformers()
     try:
         stream = (lambda i, tokens: messages.put(Streamed(i, list(tokens)))) if job.stream else None
-        run_rank(job, rank, local_rank, lambda i, r: messages.put(Finished(rank, i, r.to_dict())), stream)
+        run_rank(job, rank, local_rank, lambda i, r: messages.put(Finished(rank, i, r.to_dict())), stream, requests)
     except BaseException as e:  # noqa: BLE001 - whatever it was, the launcher must hear about it
         first = str(e).splitlines()[0] if str(e) else ""
         messages.put(Failed(rank, f"{type(e).__name__}: {first}", traceback.format_exc(), getattr(e, "peer", None),
@@ -285,20 +311,22 @@ class Inbox:
 # -- the launcher -----------------------------------------------------------------------------
 def launch(job: DecodeJob, on_result: Callable[[int, DecodeResult], None] | None = None,
            on_start: Callable[[int, int], None] | None = None,
-           on_tokens: Callable[[int, list[int]], None] | None = None) -> list[DecodeResult]:
+           on_tokens: Callable[[int, list[int]], None] | None = None, requests=None) -> list[DecodeResult]:
     """Run `job` on `n + 1` local processes; results in prompt order. `on_result(prompt index, result)` as
     each prompt is done, `on_start(rank, pid)` as each rank starts, with `job.stream` `on_tokens(prompt
-    index, tokens)` as each cycle verifies tokens (all on a helper thread). Raises
+    index, tokens)` as each cycle verifies tokens (all on a helper thread). With `requests` (a queue of this
+    launcher's start method) the ranks serve what it brings until it brings None (`server_ranks`). Raises
     `LaunchError` naming the rank that caused a failure, after every rank has ended."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
     _check_devices(job)
-    start_method = _start_method(job)
-    inbox = Inbox(mp.get_context(start_method).Queue(), on_result, on_start, on_tokens)
+    method = start_method(job)
+    inbox = Inbox(mp.get_context(method).Queue(), on_result, on_start, on_tokens)
     try:
         with tempfile.TemporaryDirectory(prefix="spd_launch_") as logs, _quiet_agent(job.debug):
-            elastic_launch(_agent_config(job, start_method, logs), _rank_main)(job, inbox.messages, os.getpid())
+            elastic_launch(_agent_config(job, method, logs), _rank_main)(job, inbox.messages, os.getpid(),
+                                                                              requests)
     except ChildFailedError as e:
         inbox.close()
         failed = {rank: f.exitcode for rank, f in e.failures.items()}
@@ -307,6 +335,8 @@ def launch(job: DecodeJob, on_result: Callable[[int, DecodeResult], None] | None
         raise cls(failure_message(job, failed, inbox.failures), inbox.pid_list(), failed) from None
     finally:
         inbox.close()
+    if requests is not None:
+        return []
     missing = [i for i in range(len(job.prompts)) if i not in inbox.results]
     if missing:
         raise LaunchError(f"every rank exited cleanly but prompts {missing} produced no result", inbox.pid_list())
@@ -331,7 +361,7 @@ def _agent_config(job: DecodeJob, start_method: str, log_dir: str):
                         start_method=start_method, logs_specs=DefaultLogsSpecs(log_dir=log_dir), shutdown_timeout=5)
 
 
-def _start_method(job: DecodeJob) -> str:
+def start_method(job: DecodeJob) -> str:
     """Fresh interpreters for the ranks (never `fork`: torch's thread pools and CUDA do not survive it).
 
     On Linux a fork server that has already imported torch, transformers, the decoder and the target's

@@ -4,7 +4,8 @@
     python -m inference.serve --ckpt drafter/ --target Qwen/Qwen3.5-9B --api-key "$KEY" --device cuda
     python -m inference.serve --ckpt none --target DIR --mode ar --simulate   # the plain target, same API
 
-The weights are loaded once, at start; requests are decoded one at a time (SPD is a batch-1 latency
+The weights are loaded once, at start: n + 1 rank processes that stay up between requests (in this
+process with `--simulate`; `--mode ar` runs the stages in sequence in this process). Requests are decoded one at a time (SPD is a batch-1 latency
 method) and wait in a FIFO of `--queue-size` (HTTP 429 beyond it). Endpoints: `POST /v1/chat/completions`,
 `POST /v1/completions` (`stream: true` for server-sent events as tokens are verified; `temperature`,
 `top_p`, `top_k`, `max_tokens`, `seed`, `stop`), `GET /v1/models`, `/health`, `/metrics` (Prometheus).
@@ -19,6 +20,7 @@ import sys
 
 from . import cli
 from .server_engine import Engine, InProcessBackend
+from .verify import Sampling
 
 DEFAULT_CAP = 1024
 
@@ -43,8 +45,6 @@ def check_args(args: argparse.Namespace) -> None:
         raise cli.UsageError(f"--port {args.port} must be in 1..65535")
     if args.queue_size < 1 or args.max_tokens_cap < 1:
         raise cli.UsageError("--queue-size and --max-tokens-cap must be >= 1")
-    if not args.simulate and args.mode != "ar":
-        raise cli.UsageError("the server runs the in-process decoder for now: pass --simulate (or --mode ar)")
 
 
 def build(args: argparse.Namespace):
@@ -54,10 +54,22 @@ def build(args: argparse.Namespace):
     check_args(args)
     setup = cli.prepare(args)
     name = args.model_name or os.path.basename(os.path.normpath(setup.ckpt or setup.target_path))
-    engine = Engine(lambda: InProcessBackend(setup, args.device), setup.tokenizer, setup.mode, args.queue_size)
+    engine = Engine(lambda: make_backend(setup, args), setup.tokenizer, setup.mode, args.queue_size)
     config = ServerConfig(name, args.max_tokens_cap, min(args.max_new_tokens, args.max_tokens_cap),
                           setup.info.max_position_embeddings or 0, args.api_key)
     return build_app(engine, config), engine
+
+
+def make_backend(setup: cli.Setup, args: argparse.Namespace):
+    """n + 1 persistent ranks; in this process with --simulate, and for --mode ar (the stages in sequence)."""
+    if args.simulate or setup.mode == "ar":
+        return InProcessBackend(setup, args.device)
+    from .server_ranks import RankBackend
+
+    job = cli.decode_job(setup, args, [], Sampling(), profile=False)
+    job.stream = True
+    job.fault = os.environ.get("SPD_FAULT")  # test-only: see `faults.Fault`
+    return RankBackend(job)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ import json
 import os
 import secrets
 import time
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import AsyncIterator, Literal
 
@@ -76,7 +77,12 @@ class ServerConfig:
 
 
 def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
-    app = FastAPI(title="SPD-Lightning", docs_url=None, redoc_url=None)
+    @asynccontextmanager
+    async def lifespan(_):
+        yield
+        await asyncio.to_thread(engine.close)  # on SIGTERM too: the ranks leave cleanly before the process exits
+
+    app = FastAPI(title="SPD-Lightning", docs_url=None, redoc_url=None, lifespan=lifespan)
     tokenizer = engine.tokenizer
 
     @app.exception_handler(ApiError)

@@ -170,8 +170,11 @@ class Engine:
             raise QueueFull from None
 
     def close(self) -> None:
+        """After the request in progress; a second call does nothing."""
+        if not self._worker.is_alive():
+            return
         self._queue.put(None)
-        self._worker.join(10)
+        self._worker.join(30)
         if self.backend is not None:
             self.backend.close()
 

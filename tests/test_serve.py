@@ -187,3 +187,42 @@ def _parent(pid: str) -> int | None:
             return int(f.read().rsplit(")", 1)[1].split()[1])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def test_ranks_serve_many_requests_and_a_killed_rank_is_a_503_then_a_restart(files):
+    """Persistent ranks (no --simulate): stage 2 kills itself at its 60th decode step (`faults.Fault`)."""
+    env_fault = os.environ.get("SPD_FAULT")
+    os.environ["SPD_FAULT"] = "1:step:60:kill"
+    try:
+        server = Server("--ckpt", files["drafter"], "--model-name", "spd", "--timeout", "30").ready()
+    finally:
+        os.environ.pop("SPD_FAULT") if env_fault is None else os.environ.__setitem__("SPD_FAULT", env_fault)
+    try:
+        first = _chat(server, PROMPT, 6, stream=False)  # a few steps each: the fault's count is not reached
+        assert _chat(server, PROMPT, 6, stream=True) == first
+        reply = server.post("/v1/chat/completions", {"model": "spd", "max_tokens": 40, "temperature": 0,
+                                                     "messages": [{"role": "user", "content": PROMPT}]}, key=None)
+        assert reply.status_code == 503
+        assert "rank 1 (stage 2) was killed by signal 9" in reply.json()["error"]["message"]
+        assert _chat(server, PROMPT, 6, stream=False) == first  # a fresh pipeline
+        ranks = _descendants(server.process.pid)
+        assert len(ranks) >= 3  # the fork server and the 3 ranks
+    finally:
+        assert server.stop() in (0, -signal.SIGTERM)
+    deadline = time.monotonic() + 15
+    while [p for p in ranks if _alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in ranks if _alive(p)]
+
+
+def _descendants(pid: int) -> list[int]:
+    children = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(p) == pid]
+    return children + [d for c in children for d in _descendants(c)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
