@@ -18,6 +18,8 @@ import argparse
 import os
 import sys
 
+import torch
+
 from . import cli
 from .server_engine import Engine, InProcessBackend
 from .verify import Sampling
@@ -34,6 +36,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model-name", help="the model id clients use (default: the drafter's or target's directory name)")
     p.add_argument("--queue-size", type=int, default=16, help="requests that may wait; beyond it HTTP 429")
     p.add_argument("--max-tokens-cap", type=int, default=DEFAULT_CAP, help="the largest max_tokens a request may ask")
+    p.add_argument("--threads", type=int, help="torch CPU threads of the in-process decoder (--simulate, --mode ar); "
+                   "default: torch's. Tiny models decode fastest with 1")
     cli.add_decoder_arguments(p, max_new_tokens=256, with_ar=True)
     args = p.parse_args(argv)
     return args
@@ -43,6 +47,8 @@ def check_args(args: argparse.Namespace) -> None:
     cli.check_decoder_args(args)
     if not 0 < args.port < 65536:
         raise cli.UsageError(f"--port {args.port} must be in 1..65535")
+    if args.threads is not None and args.threads < 1:
+        raise cli.UsageError(f"--threads {args.threads} must be >= 1")
     if args.queue_size < 1 or args.max_tokens_cap < 1:
         raise cli.UsageError("--queue-size and --max-tokens-cap must be >= 1")
 
@@ -63,6 +69,8 @@ def build(args: argparse.Namespace):
 def make_backend(setup: cli.Setup, args: argparse.Namespace):
     """n + 1 persistent ranks; in this process with --simulate, and for --mode ar (the stages in sequence)."""
     if args.simulate or setup.mode == "ar":
+        if args.threads:
+            torch.set_num_threads(args.threads)
         return InProcessBackend(setup, args.device)
     from .server_ranks import RankBackend
 
