@@ -2,7 +2,7 @@
 
     python -m inference.decode --ckpt last.ckpt --prompt "Explain RoPE." --max-new-tokens 256
     python -m inference.decode --ckpt drafter/ --prompts mt_bench.jsonl --json out.json --check-lossless
-    python -m inference.decode --ckpt none --target Qwen3.5-dir --mode ar --prompt "Hi"
+    python -m inference.decode --ckpt none --target Qwen/Qwen3.5-9B --mode ar --prompt "Hi" --stream
     torchrun --nproc-per-node 5 -m inference.decode --ckpt drafter/ --device cuda --prompt "Hi"   # n=4
 
 Modes: `spd` (pre-step drafting, the default for an SPD drafter), `post_step`, `ppsd` (needs a drafter

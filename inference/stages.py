@@ -55,8 +55,8 @@ def resolve_target(name_or_path: str) -> str:
         return name_or_path
     repo_id, _, revision = name_or_path.partition("@")
     if repo_id.count("/") != 1 or repo_id.startswith((".", "/", "~")) or not all(repo_id.split("/")):
-        raise TargetError(f"target {name_or_path!r} is neither a directory nor a hub id (org/name): pass --target "
-                          f"DIR or --target ORG/NAME")
+        raise TargetError(f"target {name_or_path!r} is not a local directory nor a hub id (ORG/NAME): pass "
+                          f"--target DIR (a Hugging Face checkpoint directory) or --target ORG/NAME")
     from huggingface_hub import snapshot_download
 
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py", "*.tiktoken"]

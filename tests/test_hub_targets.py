@@ -69,5 +69,5 @@ def test_an_uncached_hub_id_offline_is_one_line_naming_it(cached, capsys):
 
 
 def test_neither_a_directory_nor_a_hub_id(tmp_path):
-    with pytest.raises(TargetError, match="neither a directory nor a hub id"):
+    with pytest.raises(TargetError, match="not a local directory nor a hub id"):
         resolve_target(str(tmp_path / "missing"))
