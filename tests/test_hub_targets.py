@@ -1,5 +1,4 @@
 """Targets by hub id: resolved through the Hugging Face cache, offline when cached, one line when not."""
-import os
 
 import pytest
 
