@@ -189,8 +189,10 @@ def _parent(pid: str) -> int | None:
         return None
 
 
-def test_ranks_serve_many_requests_and_a_killed_rank_is_a_503_then_a_restart(files):
+def test_ranks_serve_many_requests_and_a_killed_rank_is_a_503_then_a_restart(files, capsys):
     """Persistent ranks (no --simulate): stage 2 kills itself at its 60th decode step (`faults.Fault`)."""
+    assert decode_main(["--ckpt", files["drafter"], "--prompt", PROMPT, "--max-new-tokens", "6", "--simulate"]) == 0
+    decoded = capsys.readouterr().out.split(f"### prompt 1: {PROMPT}\n", 1)[1].split("\n(N=", 1)[0]
     env_fault = os.environ.get("SPD_FAULT")
     os.environ["SPD_FAULT"] = "1:step:60:kill"
     try:
@@ -199,7 +201,7 @@ def test_ranks_serve_many_requests_and_a_killed_rank_is_a_503_then_a_restart(fil
         os.environ.pop("SPD_FAULT") if env_fault is None else os.environ.__setitem__("SPD_FAULT", env_fault)
     try:
         first = _chat(server, PROMPT, 6, stream=False)  # a few steps each: the fault's count is not reached
-        assert _chat(server, PROMPT, 6, stream=True) == first
+        assert _chat(server, PROMPT, 6, stream=True) == first == decoded
         reply = server.post("/v1/chat/completions", {"model": "spd", "max_tokens": 40, "temperature": 0,
                                                      "messages": [{"role": "user", "content": PROMPT}]}, key=None)
         assert reply.status_code == 503
