@@ -57,6 +57,9 @@ def add_decoder_arguments(p: argparse.ArgumentParser, max_new_tokens: int, with_
     p.add_argument("--mode", choices=[*MODES, "ar"] if with_ar else list(MODES),
                    help="default: the drafter's own mode" + (", 'ar' without a drafter" if with_ar else ""))
     p.add_argument("--simulate", action="store_true", help="run every rank in this process (stages in sequence)")
+    p.add_argument("--pdm-placement", choices=["separate", "shared"], default="separate",
+                   help="separate: the PDM is rank n on its own GPU (n + 1 GPUs); shared: the PDM runs in stage "
+                        "1's process, on its GPU (n GPUs)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (the distributed decoder uses cuda:0..n)")
     p.add_argument("--dtype", default="auto",
                    help="target/PDM dtype: float32, bfloat16, float16; auto = bf16 on cuda, fp32 on cpu")
@@ -76,6 +79,8 @@ def check_decoder_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--timeout={args.timeout} must be > 0 seconds")
     if args.device != "cpu" and not args.device.startswith("cuda"):
         raise UsageError(f"--device {args.device!r}: use cpu or cuda")
+    if getattr(args, "pdm_placement", "separate") == "shared" and getattr(args, "profile", False):
+        raise UsageError("--profile times each rank in its own process: use it with --pdm-placement separate")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"--device {args.device} but CUDA is not available here: use --device cpu")
 
@@ -152,7 +157,8 @@ def decode_job(setup: Setup, args: argparse.Namespace, prompts: list[list[int]],
     return DecodeJob(setup.target_path, setup.geometry.to_dict(), prompts, args.max_new_tokens, setup.eos,
                      info.vocab_size, info.hidden_size, sampling.to_dict(), drafter_path=setup.ckpt, seed=args.seed,
                      dtype=setup.dtype, device=args.device, timeout_s=args.timeout, debug=debugging(args),
-                     profile=profile, trust_remote_code=setup.trust_remote_code)
+                     profile=profile, trust_remote_code=setup.trust_remote_code,
+                     pdm_placement=getattr(args, "pdm_placement", "separate"))
 
 
 def decode_rate(results: Sequence[DecodeResult]) -> float | None:

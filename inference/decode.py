@@ -123,11 +123,12 @@ def _distributed(job: DecodeJob, stream: Callable[[int, list[int]], None] | None
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         if int(os.environ["WORLD_SIZE"]) != job.world_size:
             raise cli.UsageError(f"torchrun started {os.environ['WORLD_SIZE']} processes; this drafter has "
-                                 f"n={job.world_size - 1} stages and needs n+1 = {job.world_size}")
+                                 f"n={job.n} stages and needs {job.world_size} with --pdm-placement "
+                                 f"{job.pdm_placement}")
         collected: list[DecodeResult] = []
         rank = int(os.environ["RANK"])
         run_rank(job, rank, int(os.environ.get("LOCAL_RANK", rank)), lambda i, r: collected.append(r), stream)
-        return collected if rank == job.world_size - 2 else None
+        return collected if rank == job.n - 1 else None
     return launch(job, on_result=lambda i, r: print(f"prompt {i + 1}: {_counters(r)}", file=sys.stderr, flush=True),
                   on_tokens=stream)
 

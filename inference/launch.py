@@ -47,6 +47,7 @@ from .faults import step_hook
 from .pipeline import PipelineRunner, RunnerConfig, role_name
 from .result import DecodeResult, summarize_timing
 from .stages import Stage, load_pieces, meta_target
+from .shared_transport import SharedTransport
 from .transport import DistributedTransport, PeerError, close_distributed, init_distributed
 from .verify import Sampling
 
@@ -104,14 +105,20 @@ class DecodeJob:
     fault: str | None = None  # test-only, see `faults.Fault`
     trust_remote_code: bool = False
     stream: bool = False  # the verifier's rank reports each cycle's verified tokens (`launch(on_tokens=...)`)
+    pdm_placement: str = "separate"  # or "shared": the PDM in stage 1's process (`shared_transport`)
 
     def __post_init__(self):
         if self.replay is not None:
             self.replay = Replay(*self.replay)
 
     @property
+    def n(self) -> int:
+        return self.geometry["n"]
+
+    @property
     def world_size(self) -> int:
-        return self.geometry["n"] + 1
+        """Processes: n stages, plus the PDM's unless it shares stage 1's."""
+        return self.n + (self.pdm_placement != "shared")
 
 
 # -- the ranks ------------------------------------------------------------------------------------
@@ -129,15 +136,18 @@ class Loaded:
 
 
 def load_role(job: DecodeJob, rank: int, device: torch.device) -> Loaded:
+    """What process `rank` loads: its stage, or the PDM's pieces, or both for process 0 of a shared placement."""
     geometry, dtype = Geometry.from_dict(job.geometry), resolve_dtype(job.dtype)
+    stages = {}
     if rank < geometry.n:
-        return Loaded({rank + 1: Stage.load(job.target_path, geometry, rank + 1, dtype, device, job.trust_remote_code)})
-    if job.replay is not None:
-        return Loaded({})
+        stages[rank + 1] = Stage.load(job.target_path, geometry, rank + 1, dtype, device, job.trust_remote_code)
+    hosts_pdm = rank == geometry.n or (rank == 0 and job.pdm_placement == "shared")
+    if not hosts_pdm or job.replay is not None:
+        return Loaded(stages)
     pdm, _ = load_drafter(job.drafter_path, map_location=device)
     embed = load_pieces(job.target_path, range(0), embed=True, head=False, dtype=dtype, device=device,
                         trust_remote_code=job.trust_remote_code).embed_tokens
-    return Loaded({}, pdm.to(dtype), embed)
+    return Loaded(stages, pdm.to(dtype), embed)
 
 
 def build_runner(job: DecodeJob, rank: int, device: torch.device, loaded: Loaded | None = None,
@@ -152,13 +162,15 @@ def build_runner(job: DecodeJob, rank: int, device: torch.device, loaded: Loaded
     d2t, draft_vocab = (None, 1) if job.replay is not None else _draft_vocabulary(job.drafter_path)
     loaded = loaded or load_role(job, rank, device)
     stages, drafter = loaded.stages, None
-    if rank == n:
+    shared = job.pdm_placement == "shared"
+    if rank == n or (shared and rank == 0):
         drafter = (ReplayDrafter(job.replay.references, job.replay.policy, job.vocab_size) if job.replay is not None
                    else PDMDrafter(loaded.pdm, geometry, loaded.embed, sampling, dtype))
     config = RunnerConfig(sampling, job.vocab_size, draft_vocab, job.hidden_size, dtype, device, d2t,
                           on_step=step_hook(job.fault, rank), profile=job.profile)
-    return PipelineRunner(geometry, DistributedTransport([role_name(r, n) for r in range(n + 1)]), stages, drafter,
-                          config)
+    names = [role_name(r, n) for r in range(n + 1)]
+    transport = SharedTransport(n, names) if shared else DistributedTransport(names)
+    return PipelineRunner(geometry, transport, stages, drafter, config)
 
 
 def _draft_vocabulary(drafter_path: str) -> tuple[torch.Tensor, int]:
@@ -347,8 +359,9 @@ def _check_devices(job: DecodeJob) -> None:
     if job.device.startswith("cuda"):
         available = torch.cuda.device_count()
         if available < job.world_size:
-            raise TooFewDevices(f"n={job.world_size - 1} stages + 1 PDM rank need {job.world_size} GPUs, {available} "
-                                f"are visible: lower n, or run the one-process simulator with --simulate")
+            pdm = "the PDM on stage 1's GPU" if job.pdm_placement == "shared" else "1 PDM rank"
+            raise TooFewDevices(f"n={job.n} stages + {pdm} need {job.world_size} GPUs, {available} are visible: "
+                                f"lower n, use --pdm-placement shared, or run the one-process simulator with --simulate")
 
 
 def _agent_config(job: DecodeJob, start_method: str, log_dir: str):
@@ -406,7 +419,7 @@ def failure_message(job: DecodeJob, failed: dict[int, int], reports: dict[int, F
     exited without a report (it died abruptly); else one that reported an error of its own; else, when every
     report is a lost peer (`PeerError`), the rank at the end of the chain of blamed peers: the one that
     went silent (e.g. stalled) while the others, directly or through blocked peers, waited on it."""
-    n = job.world_size - 1
+    n = job.n
     rank, code = min(failed.items())
     report = _blamed_report(failed, reports)
     if code < 0:

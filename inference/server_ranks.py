@@ -113,3 +113,5 @@ class RankBackend:
         if self._launcher.is_alive():
             self.requests.put(None)
             self._launcher.join(30)
+        self.requests.close()
+        self.requests.join_thread()
