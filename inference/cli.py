@@ -79,8 +79,6 @@ def check_decoder_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--timeout={args.timeout} must be > 0 seconds")
     if args.device != "cpu" and not args.device.startswith("cuda"):
         raise UsageError(f"--device {args.device!r}: use cpu or cuda")
-    if getattr(args, "pdm_placement", "separate") == "shared" and getattr(args, "profile", False):
-        raise UsageError("--profile times each rank in its own process: use it with --pdm-placement separate")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"--device {args.device} but CUDA is not available here: use --device cpu")
 

@@ -200,10 +200,10 @@ def run_rank(job: DecodeJob, rank: int, local_rank: int, report: Callable[[int, 
     for i, prompt in enumerate(job.prompts):
         on_tokens = (lambda tokens, i=i: stream(i, tokens)) if stream is not None and rank == reporter else None
         result = runner.decode(prompt, job.max_new_tokens, frozenset(job.eos_token_ids), job.seed + i, on_tokens)
-        if job.profile:  # every rank's timing rows to the reporter
-            rows = runner.transport.gather(torch.from_numpy(runner.clock.rows[rank]).to(device), dst=reporter)
+        if job.profile:  # every process's rows (those of the ranks it hosts, zeros elsewhere) to the reporter
+            rows = runner.transport.gather(torch.from_numpy(runner.clock.rows).to(device), dst=reporter)
             if rank == reporter:
-                result.timing = summarize_timing(torch.stack(rows).cpu()[:, 1:], result.K, n,
+                result.timing = summarize_timing(torch.stack(rows).sum(0).cpu()[:, 1:], result.K, n,
                                                  has_drafter=job.replay is None)
         if rank == reporter:
             report(i, result)

@@ -24,7 +24,8 @@ def test_shared_placement_decodes_what_the_separate_one_and_the_simulator_do(tmp
 
     def job(placement: str) -> DecodeJob:
         return DecodeJob(path, geometry.to_dict(), PROMPTS, 16, [], target.vocab_size, target.hidden_size,
-                         sampling.to_dict(), drafter_path=drafter, seed=5, timeout_s=60, pdm_placement=placement)
+                         sampling.to_dict(), drafter_path=drafter, seed=5, timeout_s=60, pdm_placement=placement,
+                         profile=True)
 
     shared_job = job("shared")
     assert shared_job.world_size == n and job("separate").world_size == n + 1
@@ -34,3 +35,7 @@ def test_shared_placement_decodes_what_the_separate_one_and_the_simulator_do(tmp
         simulated = simulator.decode(PROMPTS[i], 16, seed=5 + i)
         assert (a.tokens, a.N, a.K, a.counters) == (b.tokens, b.N, b.K, b.counters)
         assert (a.tokens, a.K) == (simulated.tokens, simulated.K)
+        for result in (a, b):  # the cycle profile: every stage's compute and the PDM's draft, per cycle
+            per_cycle = result.timing["per_cycle"]
+            assert len(per_cycle["wall_s"]) == result.K and all(len(r) == n for r in per_cycle["stage_compute_s"])
+            assert result.timing["totals"]["draft_s"] > 0 and result.timing["totals"]["comm_s"] > 0
