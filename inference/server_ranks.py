@@ -23,7 +23,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .launch import DecodeJob, Loaded, build_runner, launch, load_role, start_method
+from .launch import DecodeJob, launch, start_method
+from .roles import Loaded, build_runner, load_role
 from .result import DecodeResult
 from .server_engine import BackendFailure
 from .verify import Sampling
