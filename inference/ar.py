@@ -8,7 +8,7 @@ uses the same generator stream as the pipeline's verifier, so the two agree on i
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -31,7 +31,8 @@ def target_eos(target_config, generation_config=None) -> int | list[int] | None:
 @torch.no_grad()
 def ar_decode_stages(stages: Sequence[Stage], prompt_ids: Sequence[int], max_new_tokens: int,
                      sampling: Sampling = Sampling(), eos_token_id: int | Sequence[int] | None = None,
-                     seed: int = 0) -> DecodeResult:
+                     seed: int = 0, on_tokens: Callable[[list[int]], None] | None = None) -> DecodeResult:
+    """`on_tokens([token])` after each token (streaming; an exception it raises ends the decode)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     if not prompt_ids:
@@ -53,10 +54,14 @@ def ar_decode_stages(stages: Sequence[Stage], prompt_ids: Sequence[int], max_new
     prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
     tokens = [sample_token(forward(prompt, 0), sampling, generator)]
     prefill_s = time.perf_counter() - t0
+    if on_tokens is not None:
+        on_tokens(tokens[-1:])
     t_start = time.perf_counter()
     while tokens[-1] not in eos and len(tokens) < max_new_tokens:
         logits = forward(torch.tensor([[tokens[-1]]], device=device), prompt.shape[1] + len(tokens) - 1)
         tokens.append(sample_token(logits, sampling, generator))
+        if on_tokens is not None:
+            on_tokens(tokens[-1:])
     stop = "eos" if tokens[-1] in eos else "max_new_tokens"
     # wall-clock of the whole decode (tokens/s); sample_token's host sync makes it real on a GPU too
     return DecodeResult("ar", len(stages), prompt.shape[1], tokens, len(tokens) - 1, stop, {}, prefill_s,

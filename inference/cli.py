@@ -49,12 +49,17 @@ def add_decoder_arguments(p: argparse.ArgumentParser, max_new_tokens: int, with_
     """The options of every CLI that decodes: drafter, target, mode, where and how long to decode."""
     p.add_argument("--ckpt", required=not with_ar, help="Lightning .ckpt or exported drafter directory"
                    + ("; 'none' (or absent) for --mode ar" if with_ar else ""))
-    p.add_argument("--target", help="target checkpoint directory (default: the one the drafter was trained on)")
+    p.add_argument("--target", help="target checkpoint directory or hub id ORG/NAME[@REV], read from the Hugging Face "
+                   "cache when cached (default: the target the drafter was trained on)")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="verified tokens to generate per prompt")
     p.add_argument("--seed", type=int, default=0, help="prompt i uses seed + i")
     p.add_argument("--mode", choices=[*MODES, "ar"] if with_ar else list(MODES),
                    help="default: the drafter's own mode" + (", 'ar' without a drafter" if with_ar else ""))
     p.add_argument("--simulate", action="store_true", help="run every rank in this process (stages in sequence)")
+    p.add_argument("--pdm-placement", choices=["separate", "shared"], default="separate",
+                   help="separate: the PDM is rank n on its own GPU (n + 1 GPUs); shared: the PDM runs in stage "
+                        "1's process, on its GPU (n GPUs)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (the distributed decoder uses cuda:0..n)")
     p.add_argument("--dtype", default="auto",
                    help="target/PDM dtype: float32, bfloat16, float16; auto = bf16 on cuda, fp32 on cpu")
@@ -95,6 +100,7 @@ class Setup:
     dtype: str
     tokenizer: PreTrainedTokenizerBase
     eos: list[int]
+    trust_remote_code: bool = False
 
 
 def prepare(args: argparse.Namespace) -> Setup:
@@ -107,7 +113,9 @@ def prepare(args: argparse.Namespace) -> Setup:
     target_path = args.target or (spec.target.name_or_path if spec else None)
     if not target_path:
         raise UsageError("no target: pass --target DIR (required without --ckpt)")
-    skeleton = meta_target(target_path)
+    trust = bool(getattr(args, "trust_remote_code", False))
+    skeleton = meta_target(target_path, trust_remote_code=trust)
+    target_path = skeleton.name_or_path  # a hub id resolved to its directory in the cache
     info = skeleton.info
     if spec is not None:
         spec.check_target(info)
@@ -117,7 +125,8 @@ def prepare(args: argparse.Namespace) -> Setup:
         geometry = spec.geometry if mode == "ar" else spec.geometry.with_mode(mode)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device.startswith("cuda") else "float32")
     eos = sorted(eos_set(target_eos(skeleton.config, _generation_config(target_path))))
-    return Setup(ckpt, spec, mode, target_path, info, skeleton, geometry, dtype, load_tokenizer(target_path), eos)
+    return Setup(ckpt, spec, mode, target_path, info, skeleton, geometry, dtype, load_tokenizer(target_path), eos,
+                 trust)
 
 
 def _generation_config(path: str):
@@ -149,7 +158,8 @@ def decode_job(setup: Setup, args: argparse.Namespace, prompts: list[list[int]],
     return DecodeJob(setup.target_path, setup.geometry.to_dict(), prompts, args.max_new_tokens, setup.eos,
                      info.vocab_size, info.hidden_size, sampling.to_dict(), drafter_path=setup.ckpt, seed=args.seed,
                      dtype=setup.dtype, device=args.device, timeout_s=args.timeout, debug=debugging(args),
-                     profile=profile)
+                     profile=profile, trust_remote_code=setup.trust_remote_code,
+                     pdm_placement=getattr(args, "pdm_placement", "separate"))
 
 
 def decode_rate(results: Sequence[DecodeResult]) -> float | None:

@@ -2,7 +2,7 @@
 
     python -m inference.decode --ckpt last.ckpt --prompt "Explain RoPE." --max-new-tokens 256
     python -m inference.decode --ckpt drafter/ --prompts mt_bench.jsonl --json out.json --check-lossless
-    python -m inference.decode --ckpt none --target Qwen3.5-dir --mode ar --prompt "Hi"
+    python -m inference.decode --ckpt none --target Qwen/Qwen3.5-9B --mode ar --prompt "Hi" --stream
     torchrun --nproc-per-node 5 -m inference.decode --ckpt drafter/ --device cuda --prompt "Hi"   # n=4
 
 Modes: `spd` (pre-step drafting, the default for an SPD drafter), `post_step`, `ppsd` (needs a drafter
@@ -11,7 +11,8 @@ Without `--simulate` the pipeline runs as n+1 processes; with it, in this proces
 
 Output (stdout): for each prompt a `### prompt I: TEXT` line, the generated text, and one line of counters
 (N, K, alpha, n*alpha, the share of repeated 4-grams of the output, why it stopped); then one line of
-totals. `--json` writes everything, token ids included (`--profile` adds per-cycle timing). Exit status:
+totals. With `--stream` each prompt's text is printed as its tokens are verified (the counters follow).
+`--json` writes everything, token ids included (`--profile` adds per-cycle timing). Exit status:
 0 done, 2 bad input, a rank's included (one line on stderr; `--debug` or SPD_DEBUG=1 shows tracebacks),
 1 anything else (e.g. a rank that died), 3 `--check-lossless` found a difference.
 """
@@ -21,6 +22,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Callable
 
 from spd_lightning.export import load_drafter
 from spd_lightning.target import Target
@@ -34,6 +36,7 @@ from .result import DecodeResult
 from .simulator import Simulator
 from .stages import Stage
 from .tables import fmt
+from .textstream import StreamPrinter
 from .verify import Sampling
 
 
@@ -45,6 +48,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=0, help="0 = off; applied to both the target and the draft")
     p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; applied to both the target and the draft")
     p.add_argument("--json", dest="json_out", help="write the full report here")
+    p.add_argument("--stream", action="store_true", help="print each prompt's text as its tokens are verified")
     p.add_argument("--check-lossless", action="store_true", help="greedy only: also decode with AR and compare tokens")
     p.add_argument("--profile", action="store_true",
                    help="per-cycle timing (stage compute, draft, verify, messages) in the --json report; off, the "
@@ -69,8 +73,11 @@ def run(args: argparse.Namespace) -> dict:
     report = {"mode": setup.mode, "n": setup.geometry.n, "geometry": setup.geometry.to_dict(),
               "target": setup.target_path, "drafter": setup.ckpt, "sampling": sampling.to_dict(),
               "max_new_tokens": args.max_new_tokens, "seed": args.seed, "device": args.device, "dtype": setup.dtype,
-              "simulate": args.simulate, "eos_token_ids": setup.eos}
-    results = _decode(setup, args, prompts, sampling)
+              "simulate": args.simulate, "eos_token_ids": setup.eos, "streamed": args.stream}
+    printer = StreamPrinter(setup.tokenizer, texts) if args.stream else None
+    results = _decode(setup, args, prompts, sampling, printer)
+    if printer is not None:
+        printer.end()
     if results is None:  # a torchrun rank that does not report
         return {}
     for result in results:
@@ -84,34 +91,46 @@ def run(args: argparse.Namespace) -> dict:
     return report
 
 
-def _decode(setup: cli.Setup, args, prompts: list[list[int]], sampling: Sampling) -> list[DecodeResult] | None:
+def _decode(setup: cli.Setup, args, prompts: list[list[int]], sampling: Sampling,
+            stream: Callable[[int, list[int]], None] | None = None) -> list[DecodeResult] | None:
+    """Every prompt's result; `stream(prompt index, tokens)` as tokens are verified."""
     if setup.mode == "ar":
-        return _ar(setup, args, prompts, sampling)
+        return _ar(setup, args, prompts, sampling, stream)
     if args.simulate:
-        target = Target.load(setup.target_path, setup.dtype, args.device)
+        target = Target.load(setup.target_path, setup.dtype, args.device, setup.trust_remote_code)
         pdm, _ = load_drafter(setup.ckpt, map_location=args.device)
         simulator = Simulator(target, pdm.to(target.model.dtype), setup.geometry, sampling, profile=args.profile)
-        return [simulator.decode(ids, args.max_new_tokens, setup.eos, args.seed + i) for i, ids in enumerate(prompts)]
-    return _distributed(cli.decode_job(setup, args, prompts, sampling, profile=args.profile))
+        return [simulator.decode(ids, args.max_new_tokens, setup.eos, args.seed + i, _for_prompt(stream, i))
+                for i, ids in enumerate(prompts)]
+    job = cli.decode_job(setup, args, prompts, sampling, profile=args.profile)
+    job.stream = stream is not None
+    return _distributed(job, stream)
 
 
-def _ar(setup: cli.Setup, args, prompts: list[list[int]], sampling: Sampling) -> list[DecodeResult]:
-    target = Target.load(setup.target_path, setup.dtype, args.device)
+def _for_prompt(stream: Callable[[int, list[int]], None] | None, i: int) -> Callable[[list[int]], None] | None:
+    return None if stream is None else (lambda tokens: stream(i, tokens))
+
+
+def _ar(setup: cli.Setup, args, prompts: list[list[int]], sampling: Sampling,
+        stream: Callable[[int, list[int]], None] | None = None) -> list[DecodeResult]:
+    target = Target.load(setup.target_path, setup.dtype, args.device, setup.trust_remote_code)
     stages = [Stage.from_target(target, setup.geometry, s) for s in range(1, setup.geometry.n + 1)]
-    return [ar_decode_stages(stages, ids, args.max_new_tokens, sampling, setup.eos, args.seed + i)
-            for i, ids in enumerate(prompts)]
+    return [ar_decode_stages(stages, ids, args.max_new_tokens, sampling, setup.eos, args.seed + i,
+                             _for_prompt(stream, i)) for i, ids in enumerate(prompts)]
 
 
-def _distributed(job: DecodeJob) -> list[DecodeResult] | None:
+def _distributed(job: DecodeJob, stream: Callable[[int, list[int]], None] | None = None) -> list[DecodeResult] | None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         if int(os.environ["WORLD_SIZE"]) != job.world_size:
             raise cli.UsageError(f"torchrun started {os.environ['WORLD_SIZE']} processes; this drafter has "
-                                 f"n={job.world_size - 1} stages and needs n+1 = {job.world_size}")
+                                 f"n={job.n} stages and needs {job.world_size} with --pdm-placement "
+                                 f"{job.pdm_placement}")
         collected: list[DecodeResult] = []
         rank = int(os.environ["RANK"])
-        run_rank(job, rank, int(os.environ.get("LOCAL_RANK", rank)), lambda i, r: collected.append(r))
-        return collected if rank == job.world_size - 2 else None
-    return launch(job, on_result=lambda i, r: print(f"prompt {i + 1}: {_counters(r)}", file=sys.stderr, flush=True))
+        run_rank(job, rank, int(os.environ.get("LOCAL_RANK", rank)), lambda i, r: collected.append(r), stream)
+        return collected if rank == job.n - 1 else None
+    return launch(job, on_result=lambda i, r: print(f"prompt {i + 1}: {_counters(r)}", file=sys.stderr, flush=True),
+                  on_tokens=stream)
 
 
 def _counters(r: DecodeResult) -> str:
@@ -132,8 +151,9 @@ def _prompt_entry(text: str, r: DecodeResult, reference: DecodeResult | None) ->
 def print_report(report: dict) -> None:
     """Each prompt's generated text and counters, then the totals."""
     for i, p in enumerate(report["prompts"]):
-        print(f"### prompt {i + 1}: {p['prompt']}")
-        print(p["text"])
+        if not report.get("streamed"):  # else the text is already out
+            print(f"### prompt {i + 1}: {p['prompt']}")
+            print(p["text"])
         print(f"({_counters(DecodeResult.from_dict(p))})\n")
     t = report["totals"]
     parts = [f"mode={report['mode']} n={report['n']} prompts={len(report['prompts'])} N={t['N']}"]

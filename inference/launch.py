@@ -17,8 +17,8 @@ adds to the agent:
   exits when it is gone, however it died, so a launcher that dies takes its ranks with it (and then its
   fork server, which lives as long as a rank holds its end of the server's pipe).
 
-Each rank loads only what its role needs: a stage rank its layer range (plus the embedding or the head
-at the ends), the PDM rank the drafter and the target's embedding table.
+Each rank loads only what its role needs (`roles`): a stage rank its layer range (plus the embedding or
+the head at the ends), the PDM rank the drafter and the target's embedding table.
 """
 from __future__ import annotations
 
@@ -38,17 +38,12 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 
 from spd_lightning.errors import UserError
-from spd_lightning.export import load_drafter, read_drafter_spec
-from spd_lightning.geometry import Geometry
-from spd_lightning.target import resolve_dtype
 
-from .drafter import PDMDrafter, ReplayDrafter
-from .faults import step_hook
-from .pipeline import PipelineRunner, RunnerConfig, role_name
+from .pipeline import role_name
 from .result import DecodeResult, summarize_timing
-from .stages import Stage, load_pieces, meta_target
-from .transport import DistributedTransport, PeerError, close_distributed, init_distributed
-from .verify import Sampling
+from .roles import build_runner, rank_device
+from .stages import meta_target
+from .transport import PeerError, close_distributed, init_distributed
 
 log = logging.getLogger(__name__)
 PEER_REPORT_GRACE_S = 1.0
@@ -102,65 +97,51 @@ class DecodeJob:
     debug: bool = False
     profile: bool = False  # per-cycle timing in each result (`profiler.Profiler`)
     fault: str | None = None  # test-only, see `faults.Fault`
+    trust_remote_code: bool = False
+    stream: bool = False  # the verifier's rank reports each cycle's verified tokens (`launch(on_tokens=...)`)
+    pdm_placement: str = "separate"  # or "shared": the PDM in stage 1's process (`shared_transport`)
 
     def __post_init__(self):
         if self.replay is not None:
             self.replay = Replay(*self.replay)
 
     @property
+    def n(self) -> int:
+        return self.geometry["n"]
+
+    @property
     def world_size(self) -> int:
-        return self.geometry["n"] + 1
+        """Processes: n stages, plus the PDM's unless it shares stage 1's."""
+        return self.n + (self.pdm_placement != "shared")
 
 
 # -- the ranks ------------------------------------------------------------------------------------
-def rank_device(job: DecodeJob, local_rank: int) -> torch.device:
-    return torch.device(f"cuda:{local_rank}") if job.device.startswith("cuda") else torch.device("cpu")
-
-
-def build_runner(job: DecodeJob, rank: int, device: torch.device) -> PipelineRunner:
-    """The roles of `rank`: a stage (the last one also verifies) or the drafter."""
-    geometry = Geometry.from_dict(job.geometry)
-    n, sampling, dtype = geometry.n, Sampling(**job.sampling), resolve_dtype(job.dtype)
-    if job.replay is not None and not sampling.greedy:
-        raise ValueError("a replay drafter has no draft distribution: use it with greedy decoding only")
-    d2t, draft_vocab = (None, 1) if job.replay is not None else _draft_vocabulary(job.drafter_path)
-    stages, drafter = {}, None
-    if rank < n:
-        stages[rank + 1] = Stage.load(job.target_path, geometry, rank + 1, dtype, device)
-    elif job.replay is not None:
-        drafter = ReplayDrafter(job.replay.references, job.replay.policy, job.vocab_size)
-    else:
-        pdm, _ = load_drafter(job.drafter_path, map_location=device)
-        embed = load_pieces(job.target_path, range(0), embed=True, head=False, dtype=dtype, device=device).embed_tokens
-        drafter = PDMDrafter(pdm.to(dtype), geometry, embed, sampling, dtype)
-    config = RunnerConfig(sampling, job.vocab_size, draft_vocab, job.hidden_size, dtype, device, d2t,
-                          on_step=step_hook(job.fault, rank), profile=job.profile)
-    return PipelineRunner(geometry, DistributedTransport([role_name(r, n) for r in range(n + 1)]), stages, drafter,
-                          config)
-
-
-def _draft_vocabulary(drafter_path: str) -> tuple[torch.Tensor, int]:
-    spec, d2t = read_drafter_spec(drafter_path)
-    return d2t, spec.pdm.draft_vocab_size
-
-
-def run_rank(job: DecodeJob, rank: int, local_rank: int, report: Callable[[int, DecodeResult], None]) -> None:
+def run_rank(job: DecodeJob, rank: int, local_rank: int, report: Callable[[int, DecodeResult], None],
+             stream: Callable[[int, list[int]], None] | None = None, requests=None) -> None:
     """One rank's whole life: join (the `torchrun`/elastic environment), load, decode every prompt, leave.
-    The last stage reports the results."""
+    The last stage reports the results, and with `stream` the tokens each cycle verified. With `requests`
+    (a queue rank 0 reads), the ranks serve the requests from it instead of `job.prompts` (`server_ranks`)."""
     device = rank_device(job, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:  # ranks share the CPU: oversubscribed threads make every rank slower
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.world_size))
     init_distributed("nccl" if device.type == "cuda" else "gloo", rank, job.world_size, job.timeout_s)
+    if requests is not None:
+        from .server_ranks import serve_requests
+
+        serve_requests(job, rank, device, requests, report, stream)
+        close_distributed()
+        return
     runner = build_runner(job, rank, device)
     n, reporter = runner.n, runner.verifier_rank
     for i, prompt in enumerate(job.prompts):
-        result = runner.decode(prompt, job.max_new_tokens, frozenset(job.eos_token_ids), job.seed + i)
-        if job.profile:  # every rank's timing rows to the reporter
-            rows = runner.transport.gather(torch.from_numpy(runner.clock.rows[rank]).to(device), dst=reporter)
+        on_tokens = (lambda tokens, i=i: stream(i, tokens)) if stream is not None and rank == reporter else None
+        result = runner.decode(prompt, job.max_new_tokens, frozenset(job.eos_token_ids), job.seed + i, on_tokens)
+        if job.profile:  # every process's rows (those of the ranks it hosts, zeros elsewhere) to the reporter
+            rows = runner.transport.gather(torch.from_numpy(runner.clock.rows).to(device), dst=reporter)
             if rank == reporter:
-                result.timing = summarize_timing(torch.stack(rows).cpu()[:, 1:], result.K, n,
+                result.timing = summarize_timing(torch.stack(rows).sum(0).cpu()[:, 1:], result.K, n,
                                                  has_drafter=job.replay is None)
         if rank == reporter:
             report(i, result)
@@ -181,6 +162,11 @@ class Finished(NamedTuple):
     result: dict  # DecodeResult.to_dict()
 
 
+class Streamed(NamedTuple):
+    index: int  # the prompt
+    tokens: list[int]  # verified in one cycle
+
+
 class Failed(NamedTuple):
     rank: int
     message: str  # "Type: first line"
@@ -189,7 +175,7 @@ class Failed(NamedTuple):
     user_error: bool
 
 
-def _rank_main(job: DecodeJob, messages, launcher_pid: int) -> None:
+def _rank_main(job: DecodeJob, messages, launcher_pid: int, requests=None) -> None:
     """A rank process under the elastic agent: any failure becomes one report and a non-zero exit."""
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     _exit_with(launcher_pid, rank)
@@ -197,7 +183,8 @@ def _rank_main(job: DecodeJob, messages, launcher_pid: int) -> None:
     if not job.debug:
         _quiet_transformers()
     try:
-        run_rank(job, rank, local_rank, lambda i, r: messages.put(Finished(rank, i, r.to_dict())))
+        stream = (lambda i, tokens: messages.put(Streamed(i, list(tokens)))) if job.stream else None
+        run_rank(job, rank, local_rank, lambda i, r: messages.put(Finished(rank, i, r.to_dict())), stream, requests)
     except BaseException as e:  # noqa: BLE001 - whatever it was, the launcher must hear about it
         first = str(e).splitlines()[0] if str(e) else ""
         messages.put(Failed(rank, f"{type(e).__name__}: {first}", traceback.format_exc(), getattr(e, "peer", None),
@@ -236,8 +223,9 @@ class Inbox:
     """The launcher's side of the queue, drained by a thread while the agent watches the processes."""
 
     def __init__(self, messages, on_result: Callable[[int, DecodeResult], None] | None,
-                 on_start: Callable[[int, int], None] | None):
-        self.messages, self.on_result, self.on_start = messages, on_result, on_start
+                 on_start: Callable[[int, int], None] | None,
+                 on_tokens: Callable[[int, list[int]], None] | None = None):
+        self.messages, self.on_result, self.on_start, self.on_tokens = messages, on_result, on_start, on_tokens
         self.pids: dict[int, int] = {}
         self.results: dict[int, DecodeResult] = {}
         self.failures: dict[int, Failed] = {}
@@ -250,6 +238,9 @@ class Inbox:
                 self.pids[message.rank] = message.pid
                 if self.on_start is not None:
                     self.on_start(message.rank, message.pid)
+            elif isinstance(message, Streamed):
+                if self.on_tokens is not None:
+                    self.on_tokens(message.index, message.tokens)
             elif isinstance(message, Finished):
                 self.results[message.index] = result = DecodeResult.from_dict(message.result)
                 if self.on_result is not None:
@@ -269,19 +260,23 @@ class Inbox:
 
 # -- the launcher -----------------------------------------------------------------------------
 def launch(job: DecodeJob, on_result: Callable[[int, DecodeResult], None] | None = None,
-           on_start: Callable[[int, int], None] | None = None) -> list[DecodeResult]:
+           on_start: Callable[[int, int], None] | None = None,
+           on_tokens: Callable[[int, list[int]], None] | None = None, requests=None) -> list[DecodeResult]:
     """Run `job` on `n + 1` local processes; results in prompt order. `on_result(prompt index, result)` as
-    each prompt is done, `on_start(rank, pid)` as each rank starts (both on a helper thread). Raises
+    each prompt is done, `on_start(rank, pid)` as each rank starts, with `job.stream` `on_tokens(prompt
+    index, tokens)` as each cycle verifies tokens (all on a helper thread). With `requests` (a queue of this
+    launcher's start method) the ranks serve what it brings until it brings None (`server_ranks`). Raises
     `LaunchError` naming the rank that caused a failure, after every rank has ended."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
     _check_devices(job)
-    start_method = _start_method(job)
-    inbox = Inbox(mp.get_context(start_method).Queue(), on_result, on_start)
+    method = start_method(job)
+    inbox = Inbox(mp.get_context(method).Queue(), on_result, on_start, on_tokens)
     try:
         with tempfile.TemporaryDirectory(prefix="spd_launch_") as logs, _quiet_agent(job.debug):
-            elastic_launch(_agent_config(job, start_method, logs), _rank_main)(job, inbox.messages, os.getpid())
+            elastic_launch(_agent_config(job, method, logs), _rank_main)(job, inbox.messages, os.getpid(),
+                                                                              requests)
     except ChildFailedError as e:
         inbox.close()
         failed = {rank: f.exitcode for rank, f in e.failures.items()}
@@ -290,6 +285,8 @@ def launch(job: DecodeJob, on_result: Callable[[int, DecodeResult], None] | None
         raise cls(failure_message(job, failed, inbox.failures), inbox.pid_list(), failed) from None
     finally:
         inbox.close()
+    if requests is not None:
+        return []
     missing = [i for i in range(len(job.prompts)) if i not in inbox.results]
     if missing:
         raise LaunchError(f"every rank exited cleanly but prompts {missing} produced no result", inbox.pid_list())
@@ -300,8 +297,9 @@ def _check_devices(job: DecodeJob) -> None:
     if job.device.startswith("cuda"):
         available = torch.cuda.device_count()
         if available < job.world_size:
-            raise TooFewDevices(f"n={job.world_size - 1} stages + 1 PDM rank need {job.world_size} GPUs, {available} "
-                                f"are visible: lower n, or run the one-process simulator with --simulate")
+            pdm = "the PDM on stage 1's GPU" if job.pdm_placement == "shared" else "1 PDM rank"
+            raise TooFewDevices(f"n={job.n} stages + {pdm} need {job.world_size} GPUs, {available} are visible: "
+                                f"lower n, use --pdm-placement shared, or run the one-process simulator with --simulate")
 
 
 def _agent_config(job: DecodeJob, start_method: str, log_dir: str):
@@ -314,7 +312,7 @@ def _agent_config(job: DecodeJob, start_method: str, log_dir: str):
                         start_method=start_method, logs_specs=DefaultLogsSpecs(log_dir=log_dir), shutdown_timeout=5)
 
 
-def _start_method(job: DecodeJob) -> str:
+def start_method(job: DecodeJob) -> str:
     """Fresh interpreters for the ranks (never `fork`: torch's thread pools and CUDA do not survive it).
 
     On Linux a fork server that has already imported torch, transformers, the decoder and the target's
@@ -322,7 +320,7 @@ def _start_method(job: DecodeJob) -> str:
     life of this process, so later launches are fast too. Elsewhere `spawn`."""
     if "forkserver" not in mp.get_all_start_methods():
         return "spawn"
-    modeling = type(meta_target(job.target_path).model).__module__
+    modeling = type(meta_target(job.target_path, trust_remote_code=job.trust_remote_code).model).__module__
     mp.get_context("forkserver").set_forkserver_preload(["torch", "transformers", "inference.launch", modeling])
     return "forkserver"
 
@@ -359,7 +357,7 @@ def failure_message(job: DecodeJob, failed: dict[int, int], reports: dict[int, F
     exited without a report (it died abruptly); else one that reported an error of its own; else, when every
     report is a lost peer (`PeerError`), the rank at the end of the chain of blamed peers: the one that
     went silent (e.g. stalled) while the others, directly or through blocked peers, waited on it."""
-    n = job.world_size - 1
+    n = job.n
     rank, code = min(failed.items())
     report = _blamed_report(failed, reports)
     if code < 0:

@@ -170,8 +170,12 @@ class PipelineRunner:
 
     # -- one prompt -------------------------------------------------------------------------------
     @torch.no_grad()
-    def decode(self, prompt_ids: Sequence[int], max_new_tokens: int, eos_token_ids: frozenset[int], seed: int = 0) -> DecodeResult:
-        """Decode one prompt; every hosted rank returns the same result (timing rows of remote ranks are zero)."""
+    def decode(self, prompt_ids: Sequence[int], max_new_tokens: int, eos_token_ids: frozenset[int], seed: int = 0,
+               on_tokens: Callable[[list[int]], None] | None = None) -> DecodeResult:
+        """Decode one prompt; every hosted rank returns the same result (timing rows of remote ranks are zero).
+        `on_tokens(new)` is called with the newly verified tokens after each cycle that verified some (for
+        streaming); an exception it raises ends the decode, leaving this runner's messages half-delivered:
+        a simulator must then be rebuilt."""
         n = self.n
         prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.device)
         schedule = PipelineSchedule(self.geometry, max_new_tokens, eos_token_ids)
@@ -181,7 +185,13 @@ class PipelineRunner:
         step = self._start(prompt, prompt.shape[1] + max_new_tokens + n + 1, seed)
         prefill_s = time.perf_counter() - t0
         t_start = time.perf_counter()
-        while step is not None:
+        emitted = 0
+        while True:
+            if on_tokens is not None and len(schedule.tokens) > emitted:
+                on_tokens(schedule.tokens[emitted:])
+                emitted = len(schedule.tokens)
+            if step is None:
+                break
             step = self._cycle(step)
         self.transport.flush()
         decode_s = time.perf_counter() - t_start

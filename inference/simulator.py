@@ -9,7 +9,7 @@ staircase-evaluation callback and the benchmarks need:
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -54,11 +54,13 @@ class Simulator:
         self.runner = PipelineRunner(geometry, LocalTransport(geometry.n + 1), stages, drafter, config)
 
     def decode(self, prompt_ids: Sequence[int], max_new_tokens: int,
-               eos_token_id: int | Sequence[int] | None = None, seed: int = 0) -> DecodeResult:
-        """Decode one prompt; `eos_token_id=None` never stops early (see `ar.target_eos` for the target's)."""
+               eos_token_id: int | Sequence[int] | None = None, seed: int = 0,
+               on_tokens: Callable[[list[int]], None] | None = None) -> DecodeResult:
+        """Decode one prompt; `eos_token_id=None` never stops early (see `ar.target_eos` for the target's).
+        `on_tokens`: see `PipelineRunner.decode`."""
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
-        result = self.runner.decode(prompt_ids, max_new_tokens, eos_set(eos_token_id), seed)
+        result = self.runner.decode(prompt_ids, max_new_tokens, eos_set(eos_token_id), seed, on_tokens)
         result.timing = self.runner.timing(result.K)
         return result
 

@@ -47,19 +47,44 @@ class TargetPieces:
                    target.embed_tokens if embed else None, target.norm if head else None, target.lm_head if head else None)
 
 
-def meta_target(path: str, dtype: torch.dtype = torch.float32) -> Target:
-    """The target's module tree on the meta device: shapes and names, no weights, no memory."""
+def resolve_target(name_or_path: str) -> str:
+    """The local directory of a target given as a directory or a Hugging Face hub id (`org/name[@revision]`).
+
+    A hub id is looked up in the local Hugging Face cache first (`HF_HUB_CACHE`), so a cached target works
+    offline; otherwise it is downloaded when the hub is reachable. Neither: a `TargetError` naming the id."""
+    if os.path.isdir(name_or_path):
+        return name_or_path
+    repo_id, _, revision = name_or_path.partition("@")
+    if repo_id.count("/") != 1 or repo_id.startswith((".", "/", "~")) or not all(repo_id.split("/")):
+        raise TargetError(f"target {name_or_path!r} is not a local directory nor a hub id (ORG/NAME): pass "
+                          f"--target DIR (a Hugging Face checkpoint directory) or --target ORG/NAME")
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py", "*.tiktoken"]
+    try:
+        return snapshot_download(repo_id, revision=revision or None, local_files_only=True, allow_patterns=patterns)
+    except Exception:  # noqa: BLE001 - not in the cache (any reason): try the hub below
+        pass
+    try:
+        return snapshot_download(repo_id, revision=revision or None, allow_patterns=patterns)
+    except Exception as e:  # noqa: BLE001 - offline, unknown repo, gated: all mean "cannot get it"
+        raise TargetError(f"target {name_or_path!r} is not in the Hugging Face cache and cannot be downloaded "
+                          f"({type(e).__name__}); download it where the hub is reachable "
+                          f"(`hf download {repo_id}`) or pass --target DIR") from e
+
+
+def meta_target(path: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False) -> Target:
+    """The target's module tree on the meta device: shapes and names, no weights, no memory. `path` is a
+    directory or a hub id (`resolve_target`); the Target's name is the resolved directory."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if not os.path.isdir(path):
-        raise TargetError(f"target {path!r} is not a local directory: the pipeline decoder loads stages from a "
-                          f"Hugging Face checkpoint directory (pass --target DIR)")
+    path = resolve_target(path)
     try:
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise TargetError(f"cannot read the target config in {path!r}: {str(e).splitlines()[0][:160]}") from e
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     return Target(model, path)
 
 
@@ -91,12 +116,13 @@ def _normalize(key: str) -> str:
 
 
 def load_pieces(path: str, layers: range, embed: bool, head: bool, dtype: str | torch.dtype = "float32",
-                device: str | torch.device = "cpu") -> TargetPieces:
+                device: str | torch.device = "cpu", trust_remote_code: bool = False) -> TargetPieces:
     """Materialize only the requested pieces of the checkpoint at `path` on `device`."""
     from safetensors import safe_open
 
     dtype = resolve_dtype(dtype)
-    skeleton = meta_target(path, dtype)
+    path = resolve_target(path)
+    skeleton = meta_target(path, dtype, trust_remote_code)
     wanted: dict[str, nn.Module] = {f"layers.{i}": skeleton.layers[i] for i in layers}
     if embed:
         wanted["embed_tokens"] = skeleton.embed_tokens
@@ -174,8 +200,10 @@ class Stage(nn.Module):
         return cls(geometry, index, TargetPieces.from_target(target, stage_layers(geometry, index), index == 1, index == geometry.n))
 
     @classmethod
-    def load(cls, path: str, geometry: Geometry, index: int, dtype="float32", device="cpu") -> "Stage":
-        pieces = load_pieces(path, stage_layers(geometry, index), index == 1, index == geometry.n, dtype, device)
+    def load(cls, path: str, geometry: Geometry, index: int, dtype="float32", device="cpu",
+             trust_remote_code: bool = False) -> "Stage":
+        pieces = load_pieces(path, stage_layers(geometry, index), index == 1, index == geometry.n, dtype, device,
+                             trust_remote_code)
         return cls(geometry, index, pieces)
 
     @property

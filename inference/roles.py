@@ -1,0 +1,84 @@
+"""What one rank process of the distributed decoder loads and runs: its role's weights and its runner.
+
+A stage rank loads only its layer range (plus the embedding or the head at the ends), the PDM rank the
+drafter and the target's embedding table; with the shared PDM placement process 0 loads both stage 1 and
+the PDM (`shared_transport`). The weights are loaded once (`load_role`); a runner over them is cheap to
+build, so the server builds one per sampling setting (`build_runner`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from spd_lightning.export import load_drafter, read_drafter_spec
+from spd_lightning.geometry import Geometry
+from spd_lightning.target import resolve_dtype
+
+from .drafter import PDMDrafter, ReplayDrafter
+from .faults import step_hook
+from .pipeline import PipelineRunner, RunnerConfig, role_name
+from .shared_transport import SharedTransport
+from .stages import Stage, load_pieces
+from .transport import DistributedTransport
+from .verify import Sampling
+
+if TYPE_CHECKING:
+    from .launch import DecodeJob
+
+
+def rank_device(job: DecodeJob, local_rank: int) -> torch.device:
+    return torch.device(f"cuda:{local_rank}") if job.device.startswith("cuda") else torch.device("cpu")
+
+
+@dataclass
+class Loaded:
+    """The weights of one rank's role, loaded once: its stage, or the PDM and the target's embedding."""
+
+    stages: dict[int, Stage]
+    pdm: torch.nn.Module | None = None
+    embed: torch.nn.Module | None = None
+
+
+def load_role(job: DecodeJob, rank: int, device: torch.device) -> Loaded:
+    """What process `rank` loads: its stage, or the PDM's pieces, or both for process 0 of a shared placement."""
+    geometry, dtype = Geometry.from_dict(job.geometry), resolve_dtype(job.dtype)
+    stages = {}
+    if rank < geometry.n:
+        stages[rank + 1] = Stage.load(job.target_path, geometry, rank + 1, dtype, device, job.trust_remote_code)
+    hosts_pdm = rank == geometry.n or (rank == 0 and job.pdm_placement == "shared")
+    if not hosts_pdm or job.replay is not None:
+        return Loaded(stages)
+    pdm, _ = load_drafter(job.drafter_path, map_location=device)
+    embed = load_pieces(job.target_path, range(0), embed=True, head=False, dtype=dtype, device=device,
+                        trust_remote_code=job.trust_remote_code).embed_tokens
+    return Loaded(stages, pdm.to(dtype), embed)
+
+
+def build_runner(job: DecodeJob, rank: int, device: torch.device, loaded: Loaded | None = None,
+                 sampling: Sampling | None = None) -> PipelineRunner:
+    """The roles of `rank`: a stage (the last one also verifies) or the drafter; over `loaded` weights
+    (loaded here when None), sampling with `sampling` (default: the job's)."""
+    geometry = Geometry.from_dict(job.geometry)
+    n, dtype = geometry.n, resolve_dtype(job.dtype)
+    sampling = sampling or Sampling(**job.sampling)
+    if job.replay is not None and not sampling.greedy:
+        raise ValueError("a replay drafter has no draft distribution: use it with greedy decoding only")
+    d2t, draft_vocab = (None, 1) if job.replay is not None else _draft_vocabulary(job.drafter_path)
+    loaded = loaded or load_role(job, rank, device)
+    stages, drafter = loaded.stages, None
+    shared = job.pdm_placement == "shared"
+    if rank == n or (shared and rank == 0):
+        drafter = (ReplayDrafter(job.replay.references, job.replay.policy, job.vocab_size) if job.replay is not None
+                   else PDMDrafter(loaded.pdm, geometry, loaded.embed, sampling, dtype))
+    config = RunnerConfig(sampling, job.vocab_size, draft_vocab, job.hidden_size, dtype, device, d2t,
+                          on_step=step_hook(job.fault, rank), profile=job.profile)
+    names = [role_name(r, n) for r in range(n + 1)]
+    transport = SharedTransport(n, names) if shared else DistributedTransport(names)
+    return PipelineRunner(geometry, transport, stages, drafter, config)
+
+
+def _draft_vocabulary(drafter_path: str) -> tuple[torch.Tensor, int]:
+    spec, d2t = read_drafter_spec(drafter_path)
+    return d2t, spec.pdm.draft_vocab_size

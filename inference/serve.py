@@ -1,0 +1,100 @@
+"""`python -m inference.serve`: an OpenAI-compatible, streaming server for an SPD drafter and its target.
+
+    python -m inference.serve --ckpt drafter/ --port 8000 --simulate
+    python -m inference.serve --ckpt drafter/ --target Qwen/Qwen3.5-9B --api-key "$KEY" --device cuda
+    python -m inference.serve --ckpt none --target DIR --mode ar --simulate   # the plain target, same API
+
+The weights are loaded once, at start: n + 1 rank processes that stay up between requests (in this
+process with `--simulate`; `--mode ar` runs the stages in sequence in this process). Requests are decoded one at a time (SPD is a batch-1 latency
+method) and wait in a FIFO of `--queue-size` (HTTP 429 beyond it). Endpoints: `POST /v1/chat/completions`,
+`POST /v1/completions` (`stream: true` for server-sent events as tokens are verified; `temperature`,
+`top_p`, `top_k`, `max_tokens`, `seed`, `stop`), `GET /v1/models`, `/health`, `/metrics` (Prometheus).
+The model name is the drafter's directory name (or the target's for `--mode ar`), or `--model-name`.
+SIGTERM or Ctrl-C stops the server after the request in progress.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from . import cli
+from .server_engine import Engine, InProcessBackend
+from .verify import Sampling
+
+DEFAULT_CAP = 1024
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = cli.parser("python -m inference.serve", __doc__)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("SPD_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: $SPD_API_KEY; none: open)")
+    p.add_argument("--model-name", help="the model id clients use (default: the drafter's or target's directory name)")
+    p.add_argument("--queue-size", type=int, default=16, help="requests that may wait; beyond it HTTP 429")
+    p.add_argument("--max-tokens-cap", type=int, default=DEFAULT_CAP, help="the largest max_tokens a request may ask")
+    p.add_argument("--threads", type=int, help="torch CPU threads of the in-process decoder (--simulate, --mode ar); "
+                   "default: torch's. Tiny models decode fastest with 1")
+    cli.add_decoder_arguments(p, max_new_tokens=256, with_ar=True)
+    args = p.parse_args(argv)
+    return args
+
+
+def check_args(args: argparse.Namespace) -> None:
+    cli.check_decoder_args(args)
+    if not 0 < args.port < 65536:
+        raise cli.UsageError(f"--port {args.port} must be in 1..65535")
+    if args.threads is not None and args.threads < 1:
+        raise cli.UsageError(f"--threads {args.threads} must be >= 1")
+    if args.queue_size < 1 or args.max_tokens_cap < 1:
+        raise cli.UsageError("--queue-size and --max-tokens-cap must be >= 1")
+
+
+def build(args: argparse.Namespace):
+    """The app and its engine (weights loaded) for these arguments."""
+    from .server_app import ServerConfig, build_app
+
+    check_args(args)
+    setup = cli.prepare(args)
+    name = args.model_name or os.path.basename(os.path.normpath(setup.ckpt or setup.target_path))
+    engine = Engine(lambda: make_backend(setup, args), setup.tokenizer, setup.mode, args.queue_size)
+    config = ServerConfig(name, args.max_tokens_cap, min(args.max_new_tokens, args.max_tokens_cap),
+                          setup.info.max_position_embeddings or 0, args.api_key)
+    return build_app(engine, config), engine
+
+
+def make_backend(setup: cli.Setup, args: argparse.Namespace):
+    """n + 1 persistent ranks; in this process with --simulate, and for --mode ar (the stages in sequence)."""
+    if args.simulate or setup.mode == "ar":
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        return InProcessBackend(setup, args.device)
+    from .server_ranks import RankBackend
+
+    job = cli.decode_job(setup, args, [], Sampling(), profile=False)
+    job.stream = True
+    job.fault = os.environ.get("SPD_FAULT")  # test-only: see `faults.Fault`
+    return RankBackend(job)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    app, engine = build(args)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="debug" if cli.debugging(args) else "warning",
+                    timeout_graceful_shutdown=5)
+    finally:
+        engine.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.main(argv, parse_args, run, lambda args, code: code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""The server's persistent pipeline: n + 1 ranks that load their weights once and serve request after request.
+
+`RankBackend` launches the ranks once (`launch.launch` with a request queue, on a launcher thread) and
+feeds them one request at a time; `serve_requests` is each rank's loop. Rank 0 takes the next request
+from the queue and broadcasts it over the process group, so every rank decodes the same prompt with the
+same sampling and seed; while no request comes it broadcasts a keep-alive every `IDLE_TICK_S`, so an idle
+pipeline never reaches the process-group timeout. The verifier's rank streams each cycle's tokens and the
+result back through the launcher's report queue. When a rank dies the launcher stops the others and
+names the rank; the request in flight fails with that message (HTTP 503) and the engine starts a fresh
+pipeline.
+
+A request whose client disconnects is not cut short inside the ranks (they would have to agree on the
+cycle to stop at): its decode runs to its end and its tokens are dropped.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import queue
+import threading
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .launch import DecodeJob, launch, start_method
+from .roles import Loaded, build_runner, load_role
+from .result import DecodeResult
+from .server_engine import BackendFailure
+from .verify import Sampling
+
+log = logging.getLogger(__name__)
+IDLE_TICK_S = 1.0
+STOP = "stop"
+
+
+def serve_requests(job: DecodeJob, rank: int, device: torch.device, requests, report: Callable, stream: Callable) -> None:
+    """One rank's serving loop: load once, then decode each broadcast request until rank 0 reads None."""
+    loaded: Loaded = load_role(job, rank, device)
+    runners: dict[Sampling, object] = {}
+    while (item := _next_request(rank, requests)) != STOP:
+        if item is None:  # keep-alive
+            continue
+        request_id, prompt, max_new_tokens, sampling, seed = item
+        sampling = Sampling(**sampling)
+        if sampling not in runners:
+            runners[sampling] = build_runner(job, rank, device, loaded, sampling)
+        runner = runners[sampling]
+        reporting = rank == runner.verifier_rank
+        on_tokens = (lambda tokens: stream(request_id, tokens)) if reporting else None
+        result = runner.decode(prompt, max_new_tokens, frozenset(job.eos_token_ids), seed, on_tokens)
+        if reporting:
+            report(request_id, result)
+
+
+def _next_request(rank: int, requests):
+    box = [None]
+    if rank == 0:
+        try:
+            item = requests.get(timeout=IDLE_TICK_S)
+            box[0] = STOP if item is None else item
+        except queue.Empty:
+            pass
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class RankBackend:
+    """The engine's backend over a persistent pipeline of n + 1 processes (see the module docstring)."""
+
+    def __init__(self, job: DecodeJob):
+        self.job = job
+        self.requests = mp.get_context(start_method(job)).Queue()
+        self._events: queue.Queue = queue.Queue()
+        self._next_id = 0
+        self.pids: dict[int, int] = {}
+        self.failure = "the pipeline is not running"
+        self._launcher = threading.Thread(target=self._launch, name="spd-serve-launcher", daemon=True)
+        self._launcher.start()
+
+    def _launch(self) -> None:
+        try:
+            launch(self.job, on_result=lambda i, r: self._events.put(("result", i, r)),
+                   on_start=lambda rank, pid: self.pids.__setitem__(rank, pid),
+                   on_tokens=lambda i, tokens: self._events.put(("tokens", i, tokens)), requests=self.requests)
+            self.failure = "the pipeline stopped"
+        except Exception as e:  # noqa: BLE001 - LaunchError names the rank; anything else is reported as is
+            self.failure = str(e).splitlines()[0] if str(e) else type(e).__name__
+        self._events.put(("ended", None, self.failure))
+
+    def generate(self, prompt_ids, max_new_tokens, sampling: Sampling, seed, on_tokens) -> DecodeResult:
+        if not self._launcher.is_alive():
+            raise BackendFailure(self.failure)
+        request_id, self._next_id = self._next_id, self._next_id + 1
+        self.requests.put((request_id, list(prompt_ids), max_new_tokens, sampling.to_dict(), seed))
+        cancelled = None
+        while True:
+            kind, index, value = self._events.get()
+            if kind == "ended":
+                raise BackendFailure(value)
+            if index != request_id:
+                continue  # a cancelled request's late events
+            if kind == "result":
+                if cancelled is not None:
+                    raise cancelled
+                return value
+            if cancelled is None:
+                try:
+                    on_tokens(value)
+                except Exception as e:  # noqa: BLE001 - Cancelled / StopString: end after the ranks finish
+                    cancelled = e
+
+    def close(self) -> None:
+        if self._launcher.is_alive():
+            self.requests.put(None)
+            self._launcher.join(30)
+        self.requests.close()
+        self.requests.join_thread()

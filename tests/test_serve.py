@@ -1,0 +1,230 @@
+"""`python -m inference.serve` with real clients (the `openai` package, httpx), all on 127.0.0.1.
+
+Two server processes per module (SPD on the simulator, and `--mode ar`), started once; the same tiny
+target and random drafter as the decoder's tests.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from conftest import REPO, make_tiny_model
+from spd_lightning.export import DrafterSpec, save_drafter
+from spd_lightning.geometry import Geometry
+from inference.decode import main as decode_main
+from test_inference_support import one_thread, random_pdm, target_dir  # noqa: F401 - autouse fixture
+
+pytestmark = pytest.mark.timeout(180)
+KEY = "sk-test"
+PROMPT = "hello world"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *args: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+        self.process = subprocess.Popen([sys.executable, "-m", "inference.serve", "--port", str(self.port), *args],
+                                        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def ready(self) -> "Server":
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited: {self.process.stderr.read()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                time.sleep(0.3)
+        self.stop()
+        raise RuntimeError("the server did not come up in 90 s")
+
+    def client(self, key: str = KEY):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, timeout=60, max_retries=0)
+
+    def post(self, path: str, body, key: str | None = KEY, **kw) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+        return httpx.post(f"{self.url}{path}", content=content, headers=headers, timeout=60, **kw)
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(20)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    path, target = target_dir(tmp_path_factory, "qwen3_5", make_tiny_model)
+    geometry = Geometry.build(target.num_layers, 2)
+    pdm = random_pdm(target, geometry)
+    drafter = save_drafter(pdm, DrafterSpec(pdm.cfg, geometry, target.info), str(tmp_path_factory.mktemp("s") / "spd"))
+    return {"target": path, "drafter": drafter}
+
+
+@pytest.fixture(scope="module")
+def servers(files):
+    """SPD on the simulator and AR, started together (each takes seconds to import and load)."""
+    spd = Server("--ckpt", files["drafter"], "--simulate", "--api-key", KEY, "--queue-size", "32",
+                 "--max-tokens-cap", "64")
+    ar = Server("--ckpt", files["drafter"], "--mode", "ar", "--model-name", "spd", "--api-key", KEY)
+    try:
+        yield spd.ready(), ar.ready()
+    finally:
+        spd.stop(), ar.stop()
+
+
+@pytest.fixture(scope="module")
+def spd(servers):
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def ar(servers):
+    return servers[1]
+
+
+def _chat(server: Server, prompt: str, max_tokens: int, stream: bool, model: str = "spd") -> str:
+    client = server.client()
+    messages = [{"role": "user", "content": prompt}]
+    if not stream:
+        reply = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=max_tokens)
+        return reply.choices[0].message.content
+    chunks = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=max_tokens,
+                                            stream=True)
+    return "".join(c.choices[0].delta.content or "" for c in chunks)
+
+
+def test_openai_client_greedy_matches_decode_and_ar(files, spd, ar, capsys):
+    assert decode_main(["--ckpt", files["drafter"], "--prompt", PROMPT, "--max-new-tokens", "12", "--simulate"]) == 0
+    decoded = capsys.readouterr().out.split(f"### prompt 1: {PROMPT}\n", 1)[1].split("\n(N=", 1)[0]
+    whole, streamed = _chat(spd, PROMPT, 12, stream=False), _chat(spd, PROMPT, 12, stream=True)
+    assert whole == streamed == decoded and decoded.strip()
+    assert _chat(ar, PROMPT, 12, stream=False) == _chat(ar, PROMPT, 12, stream=True) == decoded
+    completion = spd.client().completions.create(model="spd", prompt="the cat sat", temperature=0, max_tokens=8)
+    assert completion.choices[0].finish_reason == "length" and completion.usage.completion_tokens == 8
+
+
+def test_twenty_concurrent_clients_each_get_their_own_answer(spd):
+    prompts = [f"w{i + 10} w{2 * i + 30} cat" for i in range(20)]
+    expected = {p: _chat(spd, p, 8, stream=False) for p in prompts[:3]}  # sequential references
+    answers: dict[str, str] = {}
+
+    def ask(prompt: str, stream: bool) -> None:
+        answers[prompt] = _chat(spd, prompt, 8, stream)
+
+    threads = [threading.Thread(target=ask, args=(p, i % 2 == 0)) for i, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(answers) == sorted(prompts)
+    for prompt, text in expected.items():
+        assert answers[prompt] == text
+    references = {p: _chat(spd, p, 8, stream=False) for p in prompts[3:]}
+    assert all(answers[p] == references[p] for p in references)
+    assert len(set(answers.values())) > 1  # different prompts, different answers: none mixed up
+
+
+@pytest.mark.parametrize("body, key, status, code", [
+    ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, KEY, 404, "model_not_found"),
+    ({"model": "spd", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, KEY, 400, None),
+    ({"model": "spd", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 65}, KEY, 400, None),
+    ({"model": "spd", "messages": [{"role": "user", "content": "cat " * 600}]}, KEY, 400, "context_length_exceeded"),
+    ('{"model": "spd", "messages": [', KEY, 400, "invalid_json"),
+    ({"model": "spd", "messages": []}, KEY, 400, "invalid_request"),
+    ({"model": "spd", "messages": [{"role": "user", "content": "hi"}]}, "wrong", 401, "invalid_api_key"),
+    ({"model": "spd", "messages": [{"role": "user", "content": "hi"}]}, None, 401, "invalid_api_key"),
+], ids=["unknown-model", "max-tokens-0", "max-tokens-over-cap", "too-long", "malformed-json", "no-messages",
+        "wrong-key", "missing-key"])
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(spd, body, key, status, code):
+    reply = spd.post("/v1/chat/completions", body, key)
+    assert reply.status_code == status
+    error = reply.json()["error"]
+    assert set(error) >= {"message", "type", "code"} and error["message"]
+    if code is not None:
+        assert error["code"] == code
+    assert _chat(spd, PROMPT, 4, stream=False)
+
+
+def test_models_health_and_metrics(spd):
+    assert httpx.get(f"{spd.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"][0]["id"] == "spd"
+    assert httpx.get(f"{spd.url}/health").json()["status"] == "ok"
+    metrics = httpx.get(f"{spd.url}/metrics").text
+    for name in ("spd_requests_total", "spd_generated_tokens_total", "spd_alpha", "spd_cycle_seconds",
+                 "spd_queue_depth", "spd_time_to_first_token_seconds"):
+        assert name in metrics
+
+
+def test_sigterm_stops_the_server_and_leaves_no_process(ar):
+    server = ar  # the last test of the module: the server is done with
+    assert server.post("/v1/completions", {"model": "spd", "prompt": "the cat", "max_tokens": 4}).status_code == 200
+    children = [p for p in os.listdir("/proc") if p.isdigit() and _parent(p) == server.process.pid]
+    assert server.stop() in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down
+    assert "Traceback" not in server.process.stderr.read()
+    assert not [p for p in children if os.path.exists(f"/proc/{p}")]
+
+
+def _parent(pid: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def test_ranks_serve_many_requests_and_a_killed_rank_is_a_503_then_a_restart(files, capsys):
+    """Persistent ranks (no --simulate): stage 2 kills itself at its 60th decode step (`faults.Fault`)."""
+    assert decode_main(["--ckpt", files["drafter"], "--prompt", PROMPT, "--max-new-tokens", "6", "--simulate"]) == 0
+    decoded = capsys.readouterr().out.split(f"### prompt 1: {PROMPT}\n", 1)[1].split("\n(N=", 1)[0]
+    env_fault = os.environ.get("SPD_FAULT")
+    os.environ["SPD_FAULT"] = "1:step:60:kill"
+    try:
+        server = Server("--ckpt", files["drafter"], "--model-name", "spd", "--timeout", "30").ready()
+    finally:
+        os.environ.pop("SPD_FAULT") if env_fault is None else os.environ.__setitem__("SPD_FAULT", env_fault)
+    try:
+        first = _chat(server, PROMPT, 6, stream=False)  # a few steps each: the fault's count is not reached
+        assert _chat(server, PROMPT, 6, stream=True) == first == decoded
+        reply = server.post("/v1/chat/completions", {"model": "spd", "max_tokens": 40, "temperature": 0,
+                                                     "messages": [{"role": "user", "content": PROMPT}]}, key=None)
+        assert reply.status_code == 503
+        assert "rank 1 (stage 2) was killed by signal 9" in reply.json()["error"]["message"]
+        assert _chat(server, PROMPT, 6, stream=False) == first  # a fresh pipeline
+        ranks = _descendants(server.process.pid)
+        assert len(ranks) >= 3  # the fork server and the 3 ranks
+    finally:
+        assert server.stop() in (0, -signal.SIGTERM)
+    deadline = time.monotonic() + 15
+    while [p for p in ranks if _alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in ranks if _alive(p)]
+
+
+def _descendants(pid: int) -> list[int]:
+    children = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(p) == pid]
+    return children + [d for c in children for d in _descendants(c)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
