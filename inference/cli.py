@@ -159,7 +159,7 @@ def decode_job(setup: Setup, args: argparse.Namespace, prompts: list[list[int]],
                      info.vocab_size, info.hidden_size, sampling.to_dict(), drafter_path=setup.ckpt, seed=args.seed,
                      dtype=setup.dtype, device=args.device, timeout_s=args.timeout, debug=debugging(args),
                      profile=profile, trust_remote_code=setup.trust_remote_code,
-                     pdm_placement=getattr(args, "pdm_placement", "separate"))
+                     pdm_placement=getattr(args, "pdm_placement", "separate"), compile=getattr(args, "compile", False))
 
 
 def decode_rate(results: Sequence[DecodeResult]) -> float | None:

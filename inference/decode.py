@@ -99,7 +99,8 @@ def _decode(setup: cli.Setup, args, prompts: list[list[int]], sampling: Sampling
     if args.simulate:
         target = Target.load(setup.target_path, setup.dtype, args.device, setup.trust_remote_code)
         pdm, _ = load_drafter(setup.ckpt, map_location=args.device)
-        simulator = Simulator(target, pdm.to(target.model.dtype), setup.geometry, sampling, profile=args.profile)
+        simulator = Simulator(target, pdm.to(target.model.dtype), setup.geometry, sampling, profile=args.profile,
+                              compile=args.compile)
         return [simulator.decode(ids, args.max_new_tokens, setup.eos, args.seed + i, _for_prompt(stream, i))
                 for i, ids in enumerate(prompts)]
     job = cli.decode_job(setup, args, prompts, sampling, profile=args.profile)

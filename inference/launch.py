@@ -100,6 +100,7 @@ class DecodeJob:
     trust_remote_code: bool = False
     stream: bool = False  # the verifier's rank reports each cycle's verified tokens (`launch(on_tokens=...)`)
     pdm_placement: str = "separate"  # or "shared": the PDM in stage 1's process (`shared_transport`)
+    compile: bool = False  # one-token stage steps and PDM drafts through torch.compile (`capture.CompiledStep`)
 
     def __post_init__(self):
         if self.replay is not None:

@@ -47,6 +47,7 @@ def load_role(job: DecodeJob, rank: int, device: torch.device) -> Loaded:
     stages = {}
     if rank < geometry.n:
         stages[rank + 1] = Stage.load(job.target_path, geometry, rank + 1, dtype, device, job.trust_remote_code)
+        stages[rank + 1].use_compiled_decode(job.compile)
     hosts_pdm = rank == geometry.n or (rank == 0 and job.pdm_placement == "shared")
     if not hosts_pdm or job.replay is not None:
         return Loaded(stages)
@@ -71,7 +72,7 @@ def build_runner(job: DecodeJob, rank: int, device: torch.device, loaded: Loaded
     shared = job.pdm_placement == "shared"
     if rank == n or (shared and rank == 0):
         drafter = (ReplayDrafter(job.replay.references, job.replay.policy, job.vocab_size) if job.replay is not None
-                   else PDMDrafter(loaded.pdm, geometry, loaded.embed, sampling, dtype))
+                   else PDMDrafter(loaded.pdm, geometry, loaded.embed, sampling, dtype, compile=job.compile))
     config = RunnerConfig(sampling, job.vocab_size, draft_vocab, job.hidden_size, dtype, device, d2t,
                           on_step=step_hook(job.fault, rank), profile=job.profile)
     names = [role_name(r, n) for r in range(n + 1)]

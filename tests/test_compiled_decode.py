@@ -81,3 +81,32 @@ def test_a_step_that_cannot_be_captured_runs_eagerly(caplog):
     with caplog.at_level("WARNING", logger="inference"):
         assert torch.equal(step(x), x * 2) and torch.equal(step(x), x * 2)
     assert step._run is host_read and "runs eagerly" in caplog.text
+
+
+
+@pytest.mark.parametrize("placement", ["separate", "shared"])
+def test_the_ranks_compile_what_the_job_asks_for(tmp_path, monkeypatch, placement):
+    """`DecodeJob.compile` (from `--compile`) reaches every stage's one-token step and the PDM drafter in the rank
+    processes. Building a role compiles nothing yet: graphs are captured at the first decode step."""
+    from inference import roles
+    from inference.capture import CompiledStep
+    from inference.launch import DecodeJob
+    from test_inference_support import save_random_drafter, save_target
+
+    drafter_compile = []
+    monkeypatch.setattr(roles, "PDMDrafter", lambda *a, compile=False, **kw: drafter_compile.append(compile))
+    monkeypatch.setattr(roles, "PipelineRunner", lambda *a, **kw: None)  # no process group in this test
+    monkeypatch.setattr(roles, "DistributedTransport", lambda names: None)
+    monkeypatch.setattr(roles, "SharedTransport", lambda n, names: None)
+    target = Target(make_tiny_model("qwen3_5", num_layers=2), "tiny")
+    geometry = Geometry.build(2, 2)
+    target_path = save_target(target.model, str(tmp_path / "target"))
+    drafter = save_random_drafter(target, geometry, str(tmp_path / "drafter"))
+    drafter_rank = 0 if placement == "shared" else geometry.n
+    for compile_ in (False, True):
+        job = DecodeJob(target_path, geometry.to_dict(), [[3, 4]], 4, [], target.vocab_size, target.hidden_size,
+                        {}, drafter_path=drafter, pdm_placement=placement, compile=compile_)
+        loaded = roles.load_role(job, 0, torch.device("cpu"))
+        assert isinstance(loaded.stages[1]._decode_step, CompiledStep) is compile_
+        roles.build_runner(job, drafter_rank, torch.device("cpu"))
+        assert drafter_compile[-1] is compile_
