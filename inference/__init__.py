@@ -6,6 +6,7 @@ Python entry points:
     ar_decode / ar_decode_stages  plain autoregressive decoding through the same stages (the reference)
 Command line: `python -m inference.decode --help`.
 """
+
 from .ar import ar_decode, ar_decode_stages, target_eos
 from .drafter import PDMDrafter, ReplayDrafter
 from .launch import DecodeJob, LaunchError, Replay, launch
@@ -13,5 +14,18 @@ from .result import DecodeResult
 from .simulator import Simulator, simulate_decode
 from .verify import Sampling
 
-__all__ = ["ar_decode", "ar_decode_stages", "target_eos", "PDMDrafter", "ReplayDrafter", "DecodeJob", "LaunchError", "Replay",
-           "launch", "DecodeResult", "Simulator", "simulate_decode", "Sampling"]
+__all__ = [
+    "ar_decode",
+    "ar_decode_stages",
+    "target_eos",
+    "PDMDrafter",
+    "ReplayDrafter",
+    "DecodeJob",
+    "LaunchError",
+    "Replay",
+    "launch",
+    "DecodeResult",
+    "Simulator",
+    "simulate_decode",
+    "Sampling",
+]

@@ -5,10 +5,11 @@ prefill, with exactly the cache path of the pipeline (same `Stage.forward`, same
 must reproduce these tokens exactly; under sampling it must match their distribution. Its first token
 uses the same generator stream as the pipeline's verifier, so the two agree on it for a given seed.
 """
+
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -29,9 +30,15 @@ def target_eos(target_config, generation_config=None) -> int | list[int] | None:
 
 
 @torch.no_grad()
-def ar_decode_stages(stages: Sequence[Stage], prompt_ids: Sequence[int], max_new_tokens: int,
-                     sampling: Sampling = Sampling(), eos_token_id: int | Sequence[int] | None = None,
-                     seed: int = 0, on_tokens: Callable[[list[int]], None] | None = None) -> DecodeResult:
+def ar_decode_stages(
+    stages: Sequence[Stage],
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    eos_token_id: int | Sequence[int] | None = None,
+    seed: int = 0,
+    on_tokens: Callable[[list[int]], None] | None = None,
+) -> DecodeResult:
     """`on_tokens([token])` after each token (streaming; an exception it raises ends the decode)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
@@ -64,12 +71,20 @@ def ar_decode_stages(stages: Sequence[Stage], prompt_ids: Sequence[int], max_new
             on_tokens(tokens[-1:])
     stop = "eos" if tokens[-1] in eos else "max_new_tokens"
     # wall-clock of the whole decode (tokens/s); sample_token's host sync makes it real on a GPU too
-    return DecodeResult("ar", len(stages), prompt.shape[1], tokens, len(tokens) - 1, stop, {}, prefill_s,
-                        time.perf_counter() - t_start)
+    return DecodeResult(
+        "ar", len(stages), prompt.shape[1], tokens, len(tokens) - 1, stop, {}, prefill_s, time.perf_counter() - t_start
+    )
 
 
-def ar_decode(target: Target, prompt_ids: Sequence[int], max_new_tokens: int, sampling: Sampling = Sampling(),
-              eos_token_id: int | Sequence[int] | None = None, seed: int = 0, geometry: Geometry | None = None) -> DecodeResult:
+def ar_decode(
+    target: Target,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    eos_token_id: int | Sequence[int] | None = None,
+    seed: int = 0,
+    geometry: Geometry | None = None,
+) -> DecodeResult:
     """AR decoding of an in-memory target, split like `geometry` (one stage when omitted: same math)."""
     geometry = geometry or Geometry.build(target.num_layers, 1)
     stages = [Stage.from_target(target, geometry, s) for s in range(1, geometry.n + 1)]

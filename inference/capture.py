@@ -6,10 +6,11 @@ step. Dynamic shapes off: a new shape (a regrown cache, another fill level) is o
 slower one. A step that cannot be compiled (a layer dynamo cannot trace, a backend that fails) runs
 eagerly from then on, with one warning: the decode is the same, only slower.
 """
+
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -25,8 +26,9 @@ class CompiledStep:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self.eager = step
         self.cuda_graphs = device.type == "cuda"
-        self._run = torch.compile(step, mode="reduce-overhead" if self.cuda_graphs else None, dynamic=False,
-                                  fullgraph=True)
+        self._run = torch.compile(
+            step, mode="reduce-overhead" if self.cuda_graphs else None, dynamic=False, fullgraph=True
+        )
 
     def __call__(self, *args):
         if self.cuda_graphs:  # the previous replay's outputs are consumed (cloned) by now
@@ -35,7 +37,10 @@ class CompiledStep:
             return self._run(*args)
         except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.BackendCompilerFailed) as e:
             # raised while tracing or compiling, before the step ran: nothing was written yet
-            log.warning("cannot compile %s (%s); it runs eagerly", getattr(self.eager, "__qualname__", self.eager),
-                        str(e).splitlines()[0][:200])
+            log.warning(
+                "cannot compile %s (%s); it runs eagerly",
+                getattr(self.eager, "__qualname__", self.eager),
+                str(e).splitlines()[0][:200],
+            )
             self._run = self.eager
             return self._run(*args)

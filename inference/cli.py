@@ -5,15 +5,17 @@ prints. The error policy is `spd_lightning.errors`: a `UserError` (bad input) en
 stderr and exit 2; any other exception is a bug: one line and exit 1, with the traceback under `--debug`
 (or `SPD_DEBUG=1`).
 """
+
 from __future__ import annotations
 
 import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -47,27 +49,50 @@ def parser(prog: str, doc: str) -> argparse.ArgumentParser:
 
 def add_decoder_arguments(p: argparse.ArgumentParser, max_new_tokens: int, with_ar: bool) -> None:
     """The options of every CLI that decodes: drafter, target, mode, where and how long to decode."""
-    p.add_argument("--ckpt", required=not with_ar, help="Lightning .ckpt or exported drafter directory"
-                   + ("; 'none' (or absent) for --mode ar" if with_ar else ""))
-    p.add_argument("--target", help="target checkpoint directory or hub id ORG/NAME[@REV], read from the Hugging Face "
-                   "cache when cached (default: the target the drafter was trained on)")
+    p.add_argument(
+        "--ckpt",
+        required=not with_ar,
+        help="Lightning .ckpt or exported drafter directory"
+        + ("; 'none' (or absent) for --mode ar" if with_ar else ""),
+    )
+    p.add_argument(
+        "--target",
+        help="target checkpoint directory or hub id ORG/NAME[@REV], read from the Hugging Face "
+        "cache when cached (default: the target the drafter was trained on)",
+    )
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="verified tokens to generate per prompt")
     p.add_argument("--seed", type=int, default=0, help="prompt i uses seed + i")
-    p.add_argument("--mode", choices=[*MODES, "ar"] if with_ar else list(MODES),
-                   help="default: the drafter's own mode" + (", 'ar' without a drafter" if with_ar else ""))
+    p.add_argument(
+        "--mode",
+        choices=[*MODES, "ar"] if with_ar else list(MODES),
+        help="default: the drafter's own mode" + (", 'ar' without a drafter" if with_ar else ""),
+    )
     p.add_argument("--simulate", action="store_true", help="run every rank in this process (stages in sequence)")
-    p.add_argument("--pdm-placement", choices=["separate", "shared"], default="separate",
-                   help="separate: the PDM is rank n on its own GPU (n + 1 GPUs); shared: the PDM runs in stage "
-                        "1's process, on its GPU (n GPUs)")
+    p.add_argument(
+        "--pdm-placement",
+        choices=["separate", "shared"],
+        default="separate",
+        help="separate: the PDM is rank n on its own GPU (n + 1 GPUs); shared: the PDM runs in stage "
+        "1's process, on its GPU (n GPUs)",
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda (the distributed decoder uses cuda:0..n)")
-    p.add_argument("--dtype", default="auto",
-                   help="target/PDM dtype: float32, bfloat16, float16; auto = bf16 on cuda, fp32 on cpu")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
-                   help="run the one-token stage steps and the PDM draft through torch.compile (CUDA graphs on a "
-                        "GPU; a long first compile on the CPU); prefill stays eager")
-    p.add_argument("--timeout", type=float, default=300.0,
-                   help="seconds any rank may wait on a peer before the run fails (no --simulate)")
+    p.add_argument(
+        "--dtype", default="auto", help="target/PDM dtype: float32, bfloat16, float16; auto = bf16 on cuda, fp32 on cpu"
+    )
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="run the one-token stage steps and the PDM draft through torch.compile (CUDA graphs on a "
+        "GPU; a long first compile on the CPU); prefill stays eager",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds any rank may wait on a peer before the run fails (no --simulate)",
+    )
     add_debug_argument(p)
 
 
@@ -125,8 +150,9 @@ def prepare(args: argparse.Namespace) -> Setup:
         geometry = spec.geometry if mode == "ar" else spec.geometry.with_mode(mode)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device.startswith("cuda") else "float32")
     eos = sorted(eos_set(target_eos(skeleton.config, _generation_config(target_path))))
-    return Setup(ckpt, spec, mode, target_path, info, skeleton, geometry, dtype, load_tokenizer(target_path), eos,
-                 trust)
+    return Setup(
+        ckpt, spec, mode, target_path, info, skeleton, geometry, dtype, load_tokenizer(target_path), eos, trust
+    )
 
 
 def _generation_config(path: str):
@@ -146,20 +172,37 @@ def encode_prompts(setup: Setup, texts: list[str], max_new_tokens: int) -> list[
         if context and len(ids) >= context:
             raise PromptError(f"the prompt {text[:40]!r} has {len(ids)} tokens; the target's context is {context}")
         if context and len(ids) + max_new_tokens > context:
-            log.warning("%d prompt tokens + %d new tokens exceed the target's context of %d", len(ids), max_new_tokens,
-                        context)
+            log.warning(
+                "%d prompt tokens + %d new tokens exceed the target's context of %d", len(ids), max_new_tokens, context
+            )
     return prompts
 
 
-def decode_job(setup: Setup, args: argparse.Namespace, prompts: list[list[int]], sampling: Sampling,
-               profile: bool) -> DecodeJob:
+def decode_job(
+    setup: Setup, args: argparse.Namespace, prompts: list[list[int]], sampling: Sampling, profile: bool
+) -> DecodeJob:
     """The distributed decoder's job for these prompts (`profile`: with per-cycle timing)."""
     info = setup.info
-    return DecodeJob(setup.target_path, setup.geometry.to_dict(), prompts, args.max_new_tokens, setup.eos,
-                     info.vocab_size, info.hidden_size, sampling.to_dict(), drafter_path=setup.ckpt, seed=args.seed,
-                     dtype=setup.dtype, device=args.device, timeout_s=args.timeout, debug=debugging(args),
-                     profile=profile, trust_remote_code=setup.trust_remote_code,
-                     pdm_placement=getattr(args, "pdm_placement", "separate"), compile=getattr(args, "compile", False))
+    return DecodeJob(
+        setup.target_path,
+        setup.geometry.to_dict(),
+        prompts,
+        args.max_new_tokens,
+        setup.eos,
+        info.vocab_size,
+        info.hidden_size,
+        sampling.to_dict(),
+        drafter_path=setup.ckpt,
+        seed=args.seed,
+        dtype=setup.dtype,
+        device=args.device,
+        timeout_s=args.timeout,
+        debug=debugging(args),
+        profile=profile,
+        trust_remote_code=setup.trust_remote_code,
+        pdm_placement=getattr(args, "pdm_placement", "separate"),
+        compile=getattr(args, "compile", False),
+    )
 
 
 def decode_rate(results: Sequence[DecodeResult]) -> float | None:
@@ -173,8 +216,14 @@ def totals(results: list[DecodeResult], references: list[DecodeResult] | None, n
     whether every output is identical to its reference and the wall-clock speedup."""
     N, K = sum(r.N for r in results), sum(r.K for r in results)
     alpha = N / K if K and results[0].mode != "ar" else None
-    out = {"N": N, "K": K, "alpha": alpha, "theoretical_speedup": n * alpha if alpha is not None else None,
-           "decode_tokens_per_s": decode_rate(results), "repeated_4gram_share": repeated_share([r.tokens for r in results])}
+    out = {
+        "N": N,
+        "K": K,
+        "alpha": alpha,
+        "theoretical_speedup": n * alpha if alpha is not None else None,
+        "decode_tokens_per_s": decode_rate(results),
+        "repeated_4gram_share": repeated_share([r.tokens for r in results]),
+    }
     if references is not None:
         out["lossless"] = all(a.tokens == b.tokens for a, b in zip(results, references))
         out["ar_decode_tokens_per_s"] = decode_rate(references)
@@ -227,8 +276,12 @@ def configure_logging(debug: bool) -> None:
         transformers.utils.logging.disable_progress_bar()
 
 
-def main(argv: list[str] | None, parse: Callable[[list[str] | None], argparse.Namespace],
-         run: Callable[[argparse.Namespace], object], finish: Callable[[argparse.Namespace, object], int]) -> int:
+def main(
+    argv: list[str] | None,
+    parse: Callable[[list[str] | None], argparse.Namespace],
+    run: Callable[[argparse.Namespace], object],
+    finish: Callable[[argparse.Namespace, object], int],
+) -> int:
     """A CLI's `main`: parse, run under the error policy, then `finish(args, result)` prints and says the exit code."""
     args = parse(argv)
     code, result = run_guarded(run, args)

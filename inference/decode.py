@@ -16,13 +16,14 @@ totals. With `--stream` each prompt's text is printed as its tokens are verified
 0 done, 2 bad input, a rank's included (one line on stderr; `--debug` or SPD_DEBUG=1 shows tracebacks),
 1 anything else (e.g. a rank that died), 3 `--check-lossless` found a difference.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from spd_lightning.export import load_drafter
 from spd_lightning.target import Target
@@ -43,16 +44,19 @@ from .verify import Sampling
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = cli.parser("python -m inference.decode", __doc__)
     p.add_argument("--prompt", help="one prompt text")
-    p.add_argument("--prompts", help="EAGLE-style jsonl: one {\"turns\": [...]} per line, first turn used")
+    p.add_argument("--prompts", help='EAGLE-style jsonl: one {"turns": [...]} per line, first turn used')
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off; applied to both the target and the draft")
     p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; applied to both the target and the draft")
     p.add_argument("--json", dest="json_out", help="write the full report here")
     p.add_argument("--stream", action="store_true", help="print each prompt's text as its tokens are verified")
     p.add_argument("--check-lossless", action="store_true", help="greedy only: also decode with AR and compare tokens")
-    p.add_argument("--profile", action="store_true",
-                   help="per-cycle timing (stage compute, draft, verify, messages) in the --json report; off, the "
-                        "decoder runs no timer and no device synchronization")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="per-cycle timing (stage compute, draft, verify, messages) in the --json report; off, the "
+        "decoder runs no timer and no device synchronization",
+    )
     cli.add_decoder_arguments(p, max_new_tokens=128, with_ar=True)
     return p.parse_args(argv)
 
@@ -70,10 +74,21 @@ def run(args: argparse.Namespace) -> dict:
     setup = cli.prepare(args)
     texts = read_prompts(args.prompt, args.prompts)
     prompts = cli.encode_prompts(setup, texts, args.max_new_tokens)
-    report = {"mode": setup.mode, "n": setup.geometry.n, "geometry": setup.geometry.to_dict(),
-              "target": setup.target_path, "drafter": setup.ckpt, "sampling": sampling.to_dict(),
-              "max_new_tokens": args.max_new_tokens, "seed": args.seed, "device": args.device, "dtype": setup.dtype,
-              "simulate": args.simulate, "eos_token_ids": setup.eos, "streamed": args.stream}
+    report = {
+        "mode": setup.mode,
+        "n": setup.geometry.n,
+        "geometry": setup.geometry.to_dict(),
+        "target": setup.target_path,
+        "drafter": setup.ckpt,
+        "sampling": sampling.to_dict(),
+        "max_new_tokens": args.max_new_tokens,
+        "seed": args.seed,
+        "device": args.device,
+        "dtype": setup.dtype,
+        "simulate": args.simulate,
+        "eos_token_ids": setup.eos,
+        "streamed": args.stream,
+    }
     printer = StreamPrinter(setup.tokenizer, texts) if args.stream else None
     results = _decode(setup, args, prompts, sampling, printer)
     if printer is not None:
@@ -85,24 +100,33 @@ def run(args: argparse.Namespace) -> dict:
     references = None
     if args.check_lossless and setup.mode != "ar":
         references = _ar(setup, args, prompts, sampling)
-    report["prompts"] = [_prompt_entry(text, r, references[i] if references else None)
-                         for i, (text, r) in enumerate(zip(texts, results))]
+    report["prompts"] = [
+        _prompt_entry(text, r, references[i] if references else None) for i, (text, r) in enumerate(zip(texts, results))
+    ]
     report["totals"] = cli.totals(results, references, setup.geometry.n)
     return report
 
 
-def _decode(setup: cli.Setup, args, prompts: list[list[int]], sampling: Sampling,
-            stream: Callable[[int, list[int]], None] | None = None) -> list[DecodeResult] | None:
+def _decode(
+    setup: cli.Setup,
+    args,
+    prompts: list[list[int]],
+    sampling: Sampling,
+    stream: Callable[[int, list[int]], None] | None = None,
+) -> list[DecodeResult] | None:
     """Every prompt's result; `stream(prompt index, tokens)` as tokens are verified."""
     if setup.mode == "ar":
         return _ar(setup, args, prompts, sampling, stream)
     if args.simulate:
         target = Target.load(setup.target_path, setup.dtype, args.device, setup.trust_remote_code)
         pdm, _ = load_drafter(setup.ckpt, map_location=args.device)
-        simulator = Simulator(target, pdm.to(target.model.dtype), setup.geometry, sampling, profile=args.profile,
-                              compile=args.compile)
-        return [simulator.decode(ids, args.max_new_tokens, setup.eos, args.seed + i, _for_prompt(stream, i))
-                for i, ids in enumerate(prompts)]
+        simulator = Simulator(
+            target, pdm.to(target.model.dtype), setup.geometry, sampling, profile=args.profile, compile=args.compile
+        )
+        return [
+            simulator.decode(ids, args.max_new_tokens, setup.eos, args.seed + i, _for_prompt(stream, i))
+            for i, ids in enumerate(prompts)
+        ]
     job = cli.decode_job(setup, args, prompts, sampling, profile=args.profile)
     job.stream = stream is not None
     return _distributed(job, stream)
@@ -112,26 +136,38 @@ def _for_prompt(stream: Callable[[int, list[int]], None] | None, i: int) -> Call
     return None if stream is None else (lambda tokens: stream(i, tokens))
 
 
-def _ar(setup: cli.Setup, args, prompts: list[list[int]], sampling: Sampling,
-        stream: Callable[[int, list[int]], None] | None = None) -> list[DecodeResult]:
+def _ar(
+    setup: cli.Setup,
+    args,
+    prompts: list[list[int]],
+    sampling: Sampling,
+    stream: Callable[[int, list[int]], None] | None = None,
+) -> list[DecodeResult]:
     target = Target.load(setup.target_path, setup.dtype, args.device, setup.trust_remote_code)
     stages = [Stage.from_target(target, setup.geometry, s) for s in range(1, setup.geometry.n + 1)]
-    return [ar_decode_stages(stages, ids, args.max_new_tokens, sampling, setup.eos, args.seed + i,
-                             _for_prompt(stream, i)) for i, ids in enumerate(prompts)]
+    return [
+        ar_decode_stages(stages, ids, args.max_new_tokens, sampling, setup.eos, args.seed + i, _for_prompt(stream, i))
+        for i, ids in enumerate(prompts)
+    ]
 
 
 def _distributed(job: DecodeJob, stream: Callable[[int, list[int]], None] | None = None) -> list[DecodeResult] | None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         if int(os.environ["WORLD_SIZE"]) != job.world_size:
-            raise cli.UsageError(f"torchrun started {os.environ['WORLD_SIZE']} processes; this drafter has "
-                                 f"n={job.n} stages and needs {job.world_size} with --pdm-placement "
-                                 f"{job.pdm_placement}")
+            raise cli.UsageError(
+                f"torchrun started {os.environ['WORLD_SIZE']} processes; this drafter has "
+                f"n={job.n} stages and needs {job.world_size} with --pdm-placement "
+                f"{job.pdm_placement}"
+            )
         collected: list[DecodeResult] = []
         rank = int(os.environ["RANK"])
         run_rank(job, rank, int(os.environ.get("LOCAL_RANK", rank)), lambda i, r: collected.append(r), stream)
         return collected if rank == job.n - 1 else None
-    return launch(job, on_result=lambda i, r: print(f"prompt {i + 1}: {_counters(r)}", file=sys.stderr, flush=True),
-                  on_tokens=stream)
+    return launch(
+        job,
+        on_result=lambda i, r: print(f"prompt {i + 1}: {_counters(r)}", file=sys.stderr, flush=True),
+        on_tokens=stream,
+    )
 
 
 def _counters(r: DecodeResult) -> str:

@@ -10,13 +10,15 @@ in-flight positions, at the depths the schedule gives, on top of it.
 exact pattern): it measures the pipeline without a model (the closed forms of SPEC 5.1, oracle timing) and
 drives it through chosen accept/reject sequences.
 """
+
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from spd_lightning.export import DrafterLoadError
 from spd_lightning.geometry import Geometry
@@ -34,8 +36,9 @@ class Drafter(Protocol):
     def start(self, prompt_ids: torch.Tensor, capacity: int) -> None: ...
     def set_token(self, position: int, token: int) -> None: ...
     def store_anchors(self, stage: int, start: int, states: torch.Tensor) -> None: ...
-    def draft(self, view: Sequence[tuple[int, int]],
-              generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+    def draft(
+        self, view: Sequence[tuple[int, int]], generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
 
 class DraftKVCache:
@@ -47,8 +50,9 @@ class DraftKVCache:
     tensor `offset` (the caller writes `length` into it) and attention runs over the whole storage with the
     unwritten tail masked, so a call's shapes depend on `S` only."""
 
-    def __init__(self, num_layers: int, heads: int, head_dim: int, max_len: int, dtype: torch.dtype, device,
-                 static: bool = False):
+    def __init__(
+        self, num_layers: int, heads: int, head_dim: int, max_len: int, dtype: torch.dtype, device, static: bool = False
+    ):
         self.keys = torch.zeros(num_layers, 1, heads, max_len, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
         self.length = 0
@@ -64,8 +68,8 @@ class DraftKVCache:
         S, end = q.shape[-2], self.length + q.shape[-2]
         if end > self.keys.shape[-2]:
             raise RuntimeError(f"PDM cache holds {self.keys.shape[-2]} positions; position {end - 1} does not fit")
-        self.keys[layer, :, :, self.length:end] = k
-        self.values[layer, :, :, self.length:end] = v
+        self.keys[layer, :, :, self.length : end] = k
+        self.values[layer, :, :, self.length : end] = v
         keys, values = self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
         if S == 1:
             return F.scaled_dot_product_attention(q, keys, values)
@@ -84,21 +88,34 @@ class DraftKVCache:
 
 
 class PDMDrafter:
-    def __init__(self, pdm: PipelineDraftModule, geometry: Geometry, embed_tokens: nn.Module, sampling: Sampling,
-                 state_dtype: torch.dtype, compile: bool = False):
+    def __init__(
+        self,
+        pdm: PipelineDraftModule,
+        geometry: Geometry,
+        embed_tokens: nn.Module,
+        sampling: Sampling,
+        state_dtype: torch.dtype,
+        compile: bool = False,
+    ):
         """`compile`: the in-flight draft's body and head through `torch.compile`, one graph per fill level
         (the fusion, which reads the depth types on the host, and the verified positions' append, whose length
         varies, stay eager)."""
         cfg = pdm.cfg
         if cfg.num_types != geometry.num_types:
-            raise DrafterLoadError(f"the PDM fuses {cfg.num_types} aggregation types but the geometry has "
-                                   f"{geometry.num_types} anchors {list(geometry.anchors)}: use the drafter's own geometry")
+            raise DrafterLoadError(
+                f"the PDM fuses {cfg.num_types} aggregation types but the geometry has "
+                f"{geometry.num_types} anchors {list(geometry.anchors)}: use the drafter's own geometry"
+            )
         if cfg.target_hidden_size != embed_tokens.weight.shape[1]:
-            raise DrafterLoadError(f"the PDM reads target states of width {cfg.target_hidden_size} but the target "
-                                   f"embedding has width {embed_tokens.weight.shape[1]}")
+            raise DrafterLoadError(
+                f"the PDM reads target states of width {cfg.target_hidden_size} but the target "
+                f"embedding has width {embed_tokens.weight.shape[1]}"
+            )
         if int(pdm.d2t.max()) >= embed_tokens.weight.shape[0]:
-            raise DrafterLoadError(f"the draft vocabulary maps to target id {int(pdm.d2t.max())}, beyond the target "
-                                   f"vocabulary of {embed_tokens.weight.shape[0]}")
+            raise DrafterLoadError(
+                f"the draft vocabulary maps to target id {int(pdm.d2t.max())}, beyond the target "
+                f"vocabulary of {embed_tokens.weight.shape[0]}"
+            )
         self.pdm, self.geometry, self.embed_tokens, self.sampling = pdm, geometry, embed_tokens, sampling
         p = next(pdm.parameters())
         self.device, self.dtype, self.state_dtype = p.device, p.dtype, state_dtype
@@ -107,8 +124,9 @@ class PDMDrafter:
         self._in_flight = CompiledStep(self._in_flight_logits, self.device) if compile else self._in_flight_logits
         self._types: dict[tuple[int, ...], torch.Tensor] = {}  # depth pattern of a view -> its type ids, built once
         self._slots = {b: i for i, b in enumerate(geometry.anchors)}
-        self._stage_slots = {s: [self._slots[b] for b in geometry.anchors_of_stage(s) if b > 0]
-                             for s in range(1, geometry.n + 1)}
+        self._stage_slots = {
+            s: [self._slots[b] for b in geometry.anchors_of_stage(s) if b > 0] for s in range(1, geometry.n + 1)
+        }
 
     @torch.no_grad()
     def start(self, prompt_ids: torch.Tensor, capacity: int) -> None:
@@ -117,10 +135,12 @@ class PDMDrafter:
         P = prompt_ids.shape[-1]
         if capacity > self.capacity:
             cfg = self.pdm.cfg
-            self.states = torch.zeros(capacity, self.geometry.num_types, cfg.target_hidden_size,
-                                      dtype=self.state_dtype, device=self.device)
-            self.cache = DraftKVCache(cfg.num_layers, cfg.num_heads, cfg.head_dim, capacity, self.dtype, self.device,
-                                      static=self.compiled)
+            self.states = torch.zeros(
+                capacity, self.geometry.num_types, cfg.target_hidden_size, dtype=self.state_dtype, device=self.device
+            )
+            self.cache = DraftKVCache(
+                cfg.num_layers, cfg.num_heads, cfg.head_dim, capacity, self.dtype, self.device, static=self.compiled
+            )
             self.positions = torch.arange(capacity, device=self.device)[None]  # sliced per draft, never rebuilt
             self.capacity = capacity
         self.cache.length = 0
@@ -135,11 +155,12 @@ class PDMDrafter:
         """`states[S, A, H]`: the anchors stage `stage` produced for positions `start..start+S-1`."""
         slots = self._stage_slots[stage]
         if slots:
-            self.states[start:start + states.shape[0], slots[0]:slots[-1] + 1] = states
+            self.states[start : start + states.shape[0], slots[0] : slots[-1] + 1] = states
 
     @torch.no_grad()
-    def draft(self, view: Sequence[tuple[int, int]],
-              generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def draft(
+        self, view: Sequence[tuple[int, int]], generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft the token after `view[-1]`; `view` lists (depth, position) of the in-flight tokens."""
         geometry, pdm = self.geometry, self.pdm
         verified = view[0][1]
@@ -159,8 +180,8 @@ class PDMDrafter:
         if last >= self.capacity:
             raise RuntimeError(f"PDM cache holds {self.capacity} positions; position {last} does not fit")
         self._write_offset(self.cache.length)
-        g = pdm.fuse(self.states[first:last + 1].to(self.dtype)[None], types)  # eager: it reads the types on the host
-        logits = self._in_flight(g, self.positions[:, first:last + 1])
+        g = pdm.fuse(self.states[first : last + 1].to(self.dtype)[None], types)  # eager: it reads the types on the host
+        logits = self._in_flight(g, self.positions[:, first : last + 1])
         if self.sampling.greedy:
             token, q = pdm.d2t[logits.argmax(-1, keepdim=True)], None
         else:

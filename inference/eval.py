@@ -20,6 +20,7 @@ Writes DIR/eval.json (every number, plus what `inference.plan` reads), DIR/eval.
 and DIR/eval.png. Exit status: 0 done, 2 bad input (one line on stderr; `--debug` shows tracebacks),
 1 an unexpected error.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,12 @@ from .verify import Sampling
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = cli.parser("python -m inference.eval", doc=__doc__)
-    p.add_argument("--prompts", nargs="+", required=True,
-                   help="EAGLE-style jsonl sets (first turn of each line), or datasets NAME[:CONFIG][@SPLIT] (hub or local)")
+    p.add_argument(
+        "--prompts",
+        nargs="+",
+        required=True,
+        help="EAGLE-style jsonl sets (first turn of each line), or datasets NAME[:CONFIG][@SPLIT] (hub or local)",
+    )
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="0 = greedy")
     p.add_argument("--top-k", type=int, default=50, help="for T > 0 (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="for T > 0, in (0, 1]")
@@ -75,10 +80,22 @@ def summarize(n: int, spd: list[DecodeResult], ar: list[DecodeResult]) -> dict:
     stages_sum = sum(sum(r.timing.get("totals", {}).get("stage_compute_s", [])) for r in spd) / K if K else None
     r_ratio = t_draft / t_full if t_draft is not None and t_full else None
     spd_tps = cli.decode_rate(spd)
-    out = {"prompts": len(spd), "N": N, "K": K, "alpha": alpha, "r": r_ratio, "T_full_s": t_full, "T_draft_s": t_draft,
-           "mean_cycle_s": cycle_s, "mean_slowest_stage_s": slowest, "mean_stage_sum_s": stages_sum,
-           **speedups(n, alpha, r_ratio), "decode_tokens_per_s": spd_tps, "ar_decode_tokens_per_s": ar_tps,
-           "wall_clock_speedup": spd_tps / ar_tps if spd_tps and ar_tps else None}
+    out = {
+        "prompts": len(spd),
+        "N": N,
+        "K": K,
+        "alpha": alpha,
+        "r": r_ratio,
+        "T_full_s": t_full,
+        "T_draft_s": t_draft,
+        "mean_cycle_s": cycle_s,
+        "mean_slowest_stage_s": slowest,
+        "mean_stage_sum_s": stages_sum,
+        **speedups(n, alpha, r_ratio),
+        "decode_tokens_per_s": spd_tps,
+        "ar_decode_tokens_per_s": ar_tps,
+        "wall_clock_speedup": spd_tps / ar_tps if spd_tps and ar_tps else None,
+    }
     return out
 
 
@@ -109,9 +126,14 @@ def set_name(path: str, taken: set[str]) -> str:
 
 def read_sets(args: argparse.Namespace, setup: cli.Setup) -> list[PromptSet]:
     taken: set[str] = set()
-    return [PromptSet(set_name(path, taken), path,
-                      cli.encode_prompts(setup, read_prompts(None, path)[: args.limit], args.max_new_tokens))
-            for path in args.prompts]
+    return [
+        PromptSet(
+            set_name(path, taken),
+            path,
+            cli.encode_prompts(setup, read_prompts(None, path)[: args.limit], args.max_new_tokens),
+        )
+        for path in args.prompts
+    ]
 
 
 class Decoders:
@@ -123,8 +145,9 @@ class Decoders:
 
         self.args, self.setup = args, setup
         self.target = Target.load(setup.target_path, setup.dtype, args.device)
-        self.pdm = (load_drafter(setup.ckpt, map_location=args.device)[0].to(self.target.model.dtype)
-                    if args.simulate else None)
+        self.pdm = (
+            load_drafter(setup.ckpt, map_location=args.device)[0].to(self.target.model.dtype) if args.simulate else None
+        )
         self.simulator = None
 
     def warm_up(self, sampling: Sampling, prompt: list[int]) -> None:
@@ -132,9 +155,18 @@ class Decoders:
         from .simulator import Simulator
 
         args, eos = self.args, self.setup.eos
-        self.simulator = (Simulator(self.target, self.pdm, self.setup.geometry, sampling, profile=True,
-                                    compile=getattr(args, "compile", False))
-                          if args.simulate else None)
+        self.simulator = (
+            Simulator(
+                self.target,
+                self.pdm,
+                self.setup.geometry,
+                sampling,
+                profile=True,
+                compile=getattr(args, "compile", False),
+            )
+            if args.simulate
+            else None
+        )
         if self.simulator is not None:
             self.simulator.decode(prompt, min(4, args.max_new_tokens), eos, args.seed)
         ar_decode(self.target, prompt, min(4, args.max_new_tokens), sampling, eos, args.seed)
@@ -144,7 +176,9 @@ class Decoders:
         if self.simulator is None:
             from .launch import launch
 
-            return launch(cli.decode_job(self.setup, args, prompts, sampling, profile=True), on_result=lambda i, r: progress(1))
+            return launch(
+                cli.decode_job(self.setup, args, prompts, sampling, profile=True), on_result=lambda i, r: progress(1)
+            )
         results = []
         for i, ids in enumerate(prompts):
             results.append(self.simulator.decode(ids, args.max_new_tokens, eos, args.seed + i))
@@ -153,8 +187,10 @@ class Decoders:
 
     def ar(self, sampling: Sampling, prompts: list[list[int]]) -> list[DecodeResult]:
         args = self.args
-        return [ar_decode(self.target, ids, args.max_new_tokens, sampling, self.setup.eos, args.seed + i)
-                for i, ids in enumerate(prompts)]
+        return [
+            ar_decode(self.target, ids, args.max_new_tokens, sampling, self.setup.eos, args.seed + i)
+            for i, ids in enumerate(prompts)
+        ]
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -179,10 +215,23 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _report_head(args: argparse.Namespace, setup: cli.Setup) -> dict:
-    return {"target": setup.target_path, "drafter": setup.ckpt, "mode": setup.mode, "n": setup.geometry.n,
-            "L": setup.info.num_layers, "L_s": setup.spec.pdm.num_layers, "hidden_size": setup.info.hidden_size,
-            "geometry": setup.geometry.to_dict(), "max_new_tokens": args.max_new_tokens, "limit": args.limit,
-            "simulate": args.simulate, "device": args.device, "dtype": setup.dtype, "seed": args.seed, "results": []}
+    return {
+        "target": setup.target_path,
+        "drafter": setup.ckpt,
+        "mode": setup.mode,
+        "n": setup.geometry.n,
+        "L": setup.info.num_layers,
+        "L_s": setup.spec.pdm.num_layers,
+        "hidden_size": setup.info.hidden_size,
+        "geometry": setup.geometry.to_dict(),
+        "max_new_tokens": args.max_new_tokens,
+        "limit": args.limit,
+        "simulate": args.simulate,
+        "device": args.device,
+        "dtype": setup.dtype,
+        "seed": args.seed,
+        "results": [],
+    }
 
 
 def _evaluate(decoders: Decoders, sampling: Sampling, sets: list[PromptSet], bar) -> list[dict]:
@@ -216,20 +265,62 @@ def _plan_inputs(report: dict) -> None:
     overhead = None
     if row["mean_cycle_s"] is not None and row["T_draft_s"] is not None:
         # the simulator runs stages and drafter in sequence; the pipeline overlaps them
-        busy = (row["mean_stage_sum_s"] + row["T_draft_s"]) if report["simulate"] else max(row["mean_slowest_stage_s"], row["T_draft_s"])
+        busy = (
+            (row["mean_stage_sum_s"] + row["T_draft_s"])
+            if report["simulate"]
+            else max(row["mean_slowest_stage_s"], row["T_draft_s"])
+        )
         overhead = max(0.0, row["mean_cycle_s"] - busy)
-    report["plan_inputs"] = {"T_full_s": row["T_full_s"], "T_draft_s": row["T_draft_s"], "L_s": report["L_s"],
-                             "overhead_s": overhead, "n": report["n"], "alpha": row["alpha"], "L": report["L"],
-                             "slowest_stage_s": row["mean_slowest_stage_s"]}
+    report["plan_inputs"] = {
+        "T_full_s": row["T_full_s"],
+        "T_draft_s": row["T_draft_s"],
+        "L_s": report["L_s"],
+        "overhead_s": overhead,
+        "n": report["n"],
+        "alpha": row["alpha"],
+        "L": report["L"],
+        "slowest_stage_s": row["mean_slowest_stage_s"],
+    }
 
 
 def markdown(report: dict) -> str:
-    head = ["set", "T", "prompts", "N", "K", "alpha", "S0 = n*alpha", "r", "S_spd", "S_post/ppsd", "tok/s", "AR tok/s", "wall-clock"]
-    rows = [[r["set"], f"{r['temperature']:g}", str(r["prompts"]), str(r["N"]), str(r["K"]), fmt(r["alpha"]),
-             fmt(r["S0"], 2), fmt(r["r"]), fmt(r["S_spd"], 2), fmt(r["S_post"], 2), fmt(r["decode_tokens_per_s"], 1),
-             fmt(r["ar_decode_tokens_per_s"], 1), fmt(r["wall_clock_speedup"], 2)] for r in report["results"]]
-    title = (f"SPD eval: mode={report['mode']} n={report['n']} L_s={report['L_s']} target={report['target']} "
-             f"max_new_tokens={report['max_new_tokens']}{' (simulator: wall-clock is sequential)' if report['simulate'] else ''}")
+    head = [
+        "set",
+        "T",
+        "prompts",
+        "N",
+        "K",
+        "alpha",
+        "S0 = n*alpha",
+        "r",
+        "S_spd",
+        "S_post/ppsd",
+        "tok/s",
+        "AR tok/s",
+        "wall-clock",
+    ]
+    rows = [
+        [
+            r["set"],
+            f"{r['temperature']:g}",
+            str(r["prompts"]),
+            str(r["N"]),
+            str(r["K"]),
+            fmt(r["alpha"]),
+            fmt(r["S0"], 2),
+            fmt(r["r"]),
+            fmt(r["S_spd"], 2),
+            fmt(r["S_post"], 2),
+            fmt(r["decode_tokens_per_s"], 1),
+            fmt(r["ar_decode_tokens_per_s"], 1),
+            fmt(r["wall_clock_speedup"], 2),
+        ]
+        for r in report["results"]
+    ]
+    title = (
+        f"SPD eval: mode={report['mode']} n={report['n']} L_s={report['L_s']} target={report['target']} "
+        f"max_new_tokens={report['max_new_tokens']}{' (simulator: wall-clock is sequential)' if report['simulate'] else ''}"
+    )
     return "\n".join([title, "", *markdown_table(head, rows)]) + "\n"
 
 

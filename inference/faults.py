@@ -1,12 +1,13 @@
 """Test-only fault injection into the distributed decoder (tests/test_faults.py)."""
+
 from __future__ import annotations
 
 import os
 import signal
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class Fault:
     action: str
 
     @classmethod
-    def parse(cls, spec: str) -> "Fault":
+    def parse(cls, spec: str) -> Fault:
         rank, point, count, action = spec.split(":")
         if point not in ("prefill", "step", "redo") or action not in ("exit", "kill", "raise", "stall"):
             raise ValueError(f"bad fault {spec!r}: want RANK:prefill|step|redo:COUNT:exit|kill|raise|stall")
@@ -37,6 +38,7 @@ class Fault:
                 seen["step"] += 1
             if (point == self.point or (point, self.point) == ("redo", "step")) and seen[self.point] == self.count:
                 self.fire()
+
         return on_step
 
     def fire(self) -> None:

@@ -20,6 +20,7 @@ adds to the agent:
 Each rank loads only what its role needs (`roles`): a stage rank its layer range (plus the embedding or
 the head at the ends), the PDM rank the drafter and the target's embedding table.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,8 +33,9 @@ import threading
 import time
 import traceback
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -117,8 +119,14 @@ class DecodeJob:
 
 
 # -- the ranks ------------------------------------------------------------------------------------
-def run_rank(job: DecodeJob, rank: int, local_rank: int, report: Callable[[int, DecodeResult], None],
-             stream: Callable[[int, list[int]], None] | None = None, requests=None) -> None:
+def run_rank(
+    job: DecodeJob,
+    rank: int,
+    local_rank: int,
+    report: Callable[[int, DecodeResult], None],
+    stream: Callable[[int, list[int]], None] | None = None,
+    requests=None,
+) -> None:
     """One rank's whole life: join (the `torchrun`/elastic environment), load, decode every prompt, leave.
     The last stage reports the results, and with `stream` the tokens each cycle verified. With `requests`
     (a queue rank 0 reads), the ranks serve the requests from it instead of `job.prompts` (`server_ranks`)."""
@@ -142,8 +150,9 @@ def run_rank(job: DecodeJob, rank: int, local_rank: int, report: Callable[[int, 
         if job.profile:  # every process's rows (those of the ranks it hosts, zeros elsewhere) to the reporter
             rows = runner.transport.gather(torch.from_numpy(runner.clock.rows).to(device), dst=reporter)
             if rank == reporter:
-                result.timing = summarize_timing(torch.stack(rows).sum(0).cpu()[:, 1:], result.K, n,
-                                                 has_drafter=job.replay is None)
+                result.timing = summarize_timing(
+                    torch.stack(rows).sum(0).cpu()[:, 1:], result.K, n, has_drafter=job.replay is None
+                )
         if rank == reporter:
             report(i, result)
     # Only a clean finish leaves the group here. After a failure the connections close when the process
@@ -188,8 +197,15 @@ def _rank_main(job: DecodeJob, messages, launcher_pid: int, requests=None) -> No
         run_rank(job, rank, local_rank, lambda i, r: messages.put(Finished(rank, i, r.to_dict())), stream, requests)
     except BaseException as e:  # noqa: BLE001 - whatever it was, the launcher must hear about it
         first = str(e).splitlines()[0] if str(e) else ""
-        messages.put(Failed(rank, f"{type(e).__name__}: {first}", traceback.format_exc(), getattr(e, "peer", None),
-                            isinstance(e, UserError)))
+        messages.put(
+            Failed(
+                rank,
+                f"{type(e).__name__}: {first}",
+                traceback.format_exc(),
+                getattr(e, "peer", None),
+                isinstance(e, UserError),
+            )
+        )
         messages.close()
         messages.join_thread()  # the report is in the pipe before this process (and its sockets) goes away
         if isinstance(e, PeerError):
@@ -223,9 +239,13 @@ def _quiet_transformers() -> None:
 class Inbox:
     """The launcher's side of the queue, drained by a thread while the agent watches the processes."""
 
-    def __init__(self, messages, on_result: Callable[[int, DecodeResult], None] | None,
-                 on_start: Callable[[int, int], None] | None,
-                 on_tokens: Callable[[int, list[int]], None] | None = None):
+    def __init__(
+        self,
+        messages,
+        on_result: Callable[[int, DecodeResult], None] | None,
+        on_start: Callable[[int, int], None] | None,
+        on_tokens: Callable[[int, list[int]], None] | None = None,
+    ):
         self.messages, self.on_result, self.on_start, self.on_tokens = messages, on_result, on_start, on_tokens
         self.pids: dict[int, int] = {}
         self.results: dict[int, DecodeResult] = {}
@@ -260,9 +280,13 @@ class Inbox:
 
 
 # -- the launcher -----------------------------------------------------------------------------
-def launch(job: DecodeJob, on_result: Callable[[int, DecodeResult], None] | None = None,
-           on_start: Callable[[int, int], None] | None = None,
-           on_tokens: Callable[[int, list[int]], None] | None = None, requests=None) -> list[DecodeResult]:
+def launch(
+    job: DecodeJob,
+    on_result: Callable[[int, DecodeResult], None] | None = None,
+    on_start: Callable[[int, int], None] | None = None,
+    on_tokens: Callable[[int, list[int]], None] | None = None,
+    requests=None,
+) -> list[DecodeResult]:
     """Run `job` on `n + 1` local processes; results in prompt order. `on_result(prompt index, result)` as
     each prompt is done, `on_start(rank, pid)` as each rank starts, with `job.stream` `on_tokens(prompt
     index, tokens)` as each cycle verifies tokens (all on a helper thread). With `requests` (a queue of this
@@ -276,8 +300,7 @@ def launch(job: DecodeJob, on_result: Callable[[int, DecodeResult], None] | None
     inbox = Inbox(mp.get_context(method).Queue(), on_result, on_start, on_tokens)
     try:
         with tempfile.TemporaryDirectory(prefix="spd_launch_") as logs, _quiet_agent(job.debug):
-            elastic_launch(_agent_config(job, method, logs), _rank_main)(job, inbox.messages, os.getpid(),
-                                                                              requests)
+            elastic_launch(_agent_config(job, method, logs), _rank_main)(job, inbox.messages, os.getpid(), requests)
     except ChildFailedError as e:
         inbox.close()
         failed = {rank: f.exitcode for rank, f in e.failures.items()}
@@ -299,8 +322,10 @@ def _check_devices(job: DecodeJob) -> None:
         available = torch.cuda.device_count()
         if available < job.world_size:
             pdm = "the PDM on stage 1's GPU" if job.pdm_placement == "shared" else "1 PDM rank"
-            raise TooFewDevices(f"n={job.n} stages + {pdm} need {job.world_size} GPUs, {available} are visible: "
-                                f"lower n, use --pdm-placement shared, or run the one-process simulator with --simulate")
+            raise TooFewDevices(
+                f"n={job.n} stages + {pdm} need {job.world_size} GPUs, {available} are visible: "
+                f"lower n, use --pdm-placement shared, or run the one-process simulator with --simulate"
+            )
 
 
 def _agent_config(job: DecodeJob, start_method: str, log_dir: str):
@@ -308,9 +333,19 @@ def _agent_config(job: DecodeJob, start_method: str, log_dir: str):
     from torch.distributed.launcher.api import LaunchConfig
 
     # One node, no restarts: what `torchrun --standalone --nproc-per-node n+1` does (c10d on a free port).
-    return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=job.world_size, run_id=f"spd-{uuid.uuid4().hex}",
-                        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.05,
-                        start_method=start_method, logs_specs=DefaultLogsSpecs(log_dir=log_dir), shutdown_timeout=5)
+    return LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=job.world_size,
+        run_id=f"spd-{uuid.uuid4().hex}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=0.05,
+        start_method=start_method,
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+        shutdown_timeout=5,
+    )
 
 
 def start_method(job: DecodeJob) -> str:

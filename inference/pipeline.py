@@ -31,11 +31,12 @@ the PDM skip a step they know is wasted; in the simulator the verdict is always 
 Skipping or running a wasted step changes no output: its work is never sent on and is rolled back.
 Timing goes through one `Profiler`, off unless `RunnerConfig.profile`.
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
@@ -76,9 +77,21 @@ class RunnerConfig:
 
 
 class PipelineRunner:
-    def __init__(self, geometry: Geometry, transport: Transport, stages: dict[int, Stage], drafter: Drafter | None,
-                 config: RunnerConfig):
-        self.geometry, self.transport, self.stages, self.drafter, self.config = geometry, transport, stages, drafter, config
+    def __init__(
+        self,
+        geometry: Geometry,
+        transport: Transport,
+        stages: dict[int, Stage],
+        drafter: Drafter | None,
+        config: RunnerConfig,
+    ):
+        self.geometry, self.transport, self.stages, self.drafter, self.config = (
+            geometry,
+            transport,
+            stages,
+            drafter,
+            config,
+        )
         self.n = n = geometry.n
         self.sampling, self.device = config.sampling, torch.device(config.device)
         self.drafter_rank, self.verifier_rank = n, n - 1
@@ -86,8 +99,11 @@ class PipelineRunner:
         self.hosted = [r for r in range(n + 1) if transport.hosts(r)]
         self.hosts_verifier = transport.hosts(self.verifier_rank)
         self.on_step = config.on_step
-        self.verifier = (Verifier(self.sampling, n + 1, config.vocab_size, config.d2t, config.draft_vocab_size,
-                                  self.device) if n in stages else None)
+        self.verifier = (
+            Verifier(self.sampling, n + 1, config.vocab_size, config.d2t, config.draft_vocab_size, self.device)
+            if n in stages
+            else None
+        )
         self.draft_generator = torch.Generator(device=self.device)
         self.clock = Profiler(config.profile, self.device)
         self.anchor_counts = {s: len([b for b in geometry.anchors_of_stage(s) if b > 0]) for s in range(1, n + 1)}
@@ -170,8 +186,14 @@ class PipelineRunner:
 
     # -- one prompt -------------------------------------------------------------------------------
     @torch.no_grad()
-    def decode(self, prompt_ids: Sequence[int], max_new_tokens: int, eos_token_ids: frozenset[int], seed: int = 0,
-               on_tokens: Callable[[list[int]], None] | None = None) -> DecodeResult:
+    def decode(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        eos_token_ids: frozenset[int],
+        seed: int = 0,
+        on_tokens: Callable[[list[int]], None] | None = None,
+    ) -> DecodeResult:
         """Decode one prompt; every hosted rank returns the same result (timing rows of remote ranks are zero).
         `on_tokens(new)` is called with the newly verified tokens after each cycle that verified some (for
         streaming); an exception it raises ends the decode, leaving this runner's messages half-delivered:
@@ -195,8 +217,17 @@ class PipelineRunner:
             step = self._cycle(step)
         self.transport.flush()
         decode_s = time.perf_counter() - t_start
-        return DecodeResult(self.geometry.mode, n, prompt.shape[1], list(schedule.tokens), schedule.K,
-                            schedule.stop_reason, schedule.counters.to_dict(), prefill_s, decode_s)
+        return DecodeResult(
+            self.geometry.mode,
+            n,
+            prompt.shape[1],
+            list(schedule.tokens),
+            schedule.K,
+            schedule.stop_reason,
+            schedule.counters.to_dict(),
+            prefill_s,
+            decode_s,
+        )
 
     def _start(self, prompt: torch.Tensor, capacity: int, seed: int) -> Step | None:
         """Seed the generators, prefill, and read the first token: the first step."""

@@ -37,6 +37,7 @@ those with an alpha (n must be <= L). Writes a markdown table to stdout and a pl
 plan.png); `--json` writes every row. Exit status 0, 2 on bad input (one line on stderr),
 1 on anything else (`--debug` shows the traceback).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -79,10 +80,21 @@ class CostModel:
 
     def predict(self, n: int, L_s: int, alpha: float) -> dict:
         cycle = self.cycle(n, L_s)
-        return {"n": n, "L_s": L_s, "alpha": alpha, "S0": n * alpha, "stage": self.stage(n), "draft": self.draft(L_s),
-                "overhead": self.overhead, "cycle": cycle, "r": self.draft(L_s) / self.t_full,
-                "draft_bound": self.draft(L_s) > self.stage(n), "spd_tokens_per_unit": alpha / cycle,
-                "ar_tokens_per_unit": 1.0 / self.t_full, "speedup": alpha * self.t_full / cycle}
+        return {
+            "n": n,
+            "L_s": L_s,
+            "alpha": alpha,
+            "S0": n * alpha,
+            "stage": self.stage(n),
+            "draft": self.draft(L_s),
+            "overhead": self.overhead,
+            "cycle": cycle,
+            "r": self.draft(L_s) / self.t_full,
+            "draft_bound": self.draft(L_s) > self.stage(n),
+            "spd_tokens_per_unit": alpha / cycle,
+            "ar_tokens_per_unit": 1.0 / self.t_full,
+            "speedup": alpha * self.t_full / cycle,
+        }
 
 
 def plan(model: CostModel, alphas: dict[tuple[int, int], float]) -> tuple[list[dict], dict]:
@@ -143,7 +155,9 @@ def read_alphas(path: str) -> dict[tuple[int, int], float]:
     except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, PlanError):
             raise
-        raise PlanError(f"{path}: expected {{\"n,L_s\": alpha}} or [{{\"n\", \"L_s\", \"alpha\"}}] ({type(e).__name__}: {e})") from e
+        raise PlanError(
+            f'{path}: expected {{"n,L_s": alpha}} or [{{"n", "L_s", "alpha"}}] ({type(e).__name__}: {e})'
+        ) from e
     return out
 
 
@@ -196,20 +210,34 @@ def cost_model(args: argparse.Namespace) -> CostModel:
         draft_layers = args.draft_layers if args.draft_layers is not None else measured.get("L_s")
         overhead = args.overhead if args.overhead is not None else (measured.get("overhead_s") or 0.0)
         if t_draft is None or draft_layers is None:
-            raise PlanError("measured times need the draft time too: --t-draft SECONDS --draft-layers L_S (or --times eval.json)")
+            raise PlanError(
+                "measured times need the draft time too: --t-draft SECONDS --draft-layers L_S (or --times eval.json)"
+            )
         if t_draft <= draft_fixed:
             raise PlanError(f"--draft-fixed={draft_fixed} must be below the measured draft time {t_draft}")
         _positive("T_full", t_full)
         stage_fixed = args.stage_fixed if args.stage_fixed is not None else _stage_fixed(measured, t_full)
-        return CostModel(t_full, (t_draft - draft_fixed) / draft_layers, draft_fixed, overhead, args.schedule, stage_fixed,
-                         "s", layers)
+        return CostModel(
+            t_full,
+            (t_draft - draft_fixed) / draft_layers,
+            draft_fixed,
+            overhead,
+            args.schedule,
+            stage_fixed,
+            "s",
+            layers,
+        )
     if args.t_draft is not None or args.overhead is not None or args.stage_fixed is not None:
         raise PlanError("--t-draft/--overhead/--stage-fixed are seconds and need --t-full (or --times eval.json)")
     if layers is None:
-        raise PlanError("no target shape or times: pass --target DIR|NAME, --layers L [--hidden-size H], "
-                        "--times eval.json, or --t-full/--t-draft/--draft-layers")
+        raise PlanError(
+            "no target shape or times: pass --target DIR|NAME, --layers L [--hidden-size H], "
+            "--times eval.json, or --t-full/--t-draft/--draft-layers"
+        )
     per_layer = (args.pdm_hidden / hidden) ** 2 if args.pdm_hidden and hidden else 1.0
-    return CostModel(float(layers), per_layer, draft_fixed, args.overhead_layers, args.schedule, 0.0, "target layers", layers)
+    return CostModel(
+        float(layers), per_layer, draft_fixed, args.overhead_layers, args.schedule, 0.0, "target layers", layers
+    )
 
 
 def _stage_fixed(measured: dict, t_full: float) -> float:
@@ -220,13 +248,32 @@ def _stage_fixed(measured: dict, t_full: float) -> float:
 
 def markdown(model: CostModel, rows: list[dict], best: dict) -> str:
     head = ["n", "L_s", "alpha", "S0 = n*alpha", "stage", "draft", "cycle", "r", "bound", "predicted speedup"]
-    cells = [[str(r["n"]), str(r["L_s"]), f"{r['alpha']:.3f}", f"{r['S0']:.2f}", f"{r['stage']:.4g}", f"{r['draft']:.4g}",
-              f"{r['cycle']:.4g}", f"{r['r']:.3f}", "draft" if r["draft_bound"] else "stage",
-              f"{r['speedup']:.2f}" + (" **(recommended)**" if r is best else "")] for r in rows]
-    title = (f"SPD plan ({model.schedule}; times in {model.unit}; T_full={model.t_full:.4g}, stage fixed={model.stage_fixed:.4g}, "
-             f"draft/layer={model.t_draft_layer:.4g}, draft fixed={model.draft_fixed:.4g}, overhead={model.overhead:.4g})")
-    lines = [title, "", *markdown_table(head, cells), "",
-             f"recommended: n={best['n']} L_s={best['L_s']} (predicted {best['speedup']:.2f}x over AR, S0 {best['S0']:.2f})"]
+    cells = [
+        [
+            str(r["n"]),
+            str(r["L_s"]),
+            f"{r['alpha']:.3f}",
+            f"{r['S0']:.2f}",
+            f"{r['stage']:.4g}",
+            f"{r['draft']:.4g}",
+            f"{r['cycle']:.4g}",
+            f"{r['r']:.3f}",
+            "draft" if r["draft_bound"] else "stage",
+            f"{r['speedup']:.2f}" + (" **(recommended)**" if r is best else ""),
+        ]
+        for r in rows
+    ]
+    title = (
+        f"SPD plan ({model.schedule}; times in {model.unit}; T_full={model.t_full:.4g}, stage fixed={model.stage_fixed:.4g}, "
+        f"draft/layer={model.t_draft_layer:.4g}, draft fixed={model.draft_fixed:.4g}, overhead={model.overhead:.4g})"
+    )
+    lines = [
+        title,
+        "",
+        *markdown_table(head, cells),
+        "",
+        f"recommended: n={best['n']} L_s={best['L_s']} (predicted {best['speedup']:.2f}x over AR, S0 {best['S0']:.2f})",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -234,7 +281,7 @@ def plot(rows: list[dict], best: dict, path: str) -> None:
     fig, ax = pyplot().subplots(figsize=(6, 4))
     for L_s in sorted({r["L_s"] for r in rows}):
         pts = sorted((r["n"], r["speedup"], r["S0"]) for r in rows if r["L_s"] == L_s)
-        line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"L_s={L_s} predicted")
+        (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"L_s={L_s} predicted")
         ax.plot([p[0] for p in pts], [p[2] for p in pts], ls=":", color=line.get_color(), label=f"L_s={L_s} S0")
     ax.scatter([best["n"]], [best["speedup"]], s=160, facecolors="none", edgecolors="red", label="recommended")
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
@@ -250,17 +297,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, help="L (overrides the target's)")
     p.add_argument("--hidden-size", type=int, help="the target's hidden size (overrides the target's)")
     p.add_argument("--pdm-hidden", type=float, help="the PDM's hidden size (config-only model; default: the target's)")
-    p.add_argument("--overhead-layers", type=float, default=1.0, help="config-only model: per-cycle overhead in target layers")
+    p.add_argument(
+        "--overhead-layers", type=float, default=1.0, help="config-only model: per-cycle overhead in target layers"
+    )
     p.add_argument("--times", help="eval.json from inference.eval: measured T_full, draft time, overhead")
     p.add_argument("--t-full", type=float, help="seconds per full target forward (AR per-token decode)")
     p.add_argument("--t-draft", type=float, help="seconds per cycle of drafting, measured at --draft-layers")
     p.add_argument("--draft-layers", type=int, help="the L_s at which --t-draft was measured")
     p.add_argument("--draft-fixed", type=float, help="part of the draft time that does not grow with L_s (default 0)")
     p.add_argument("--overhead", type=float, help="seconds per cycle nothing overlaps (verify, communication, control)")
-    p.add_argument("--stage-fixed", type=float, help="seconds a stage costs per step beyond T_full / n (default: "
-                                                     "from --times, else 0)")
+    p.add_argument(
+        "--stage-fixed",
+        type=float,
+        help="seconds a stage costs per step beyond T_full / n (default: from --times, else 0)",
+    )
     p.add_argument("--alpha", action="append", default=[], help="N:L_S:ALPHA, repeatable")
-    p.add_argument("--alphas", help="JSON: {\"n,L_s\": alpha}, [{n, L_s, alpha}], or an eval.json")
+    p.add_argument("--alphas", help='JSON: {"n,L_s": alpha}, [{n, L_s, alpha}], or an eval.json')
     p.add_argument("--schedule", choices=["pre_step", "post_step"], default="pre_step")
     p.add_argument("--plot", default="plan.png", help="plot path ('' for none)")
     p.add_argument("--json", dest="json_out", help="write the rows and the recommendation here")
@@ -278,8 +330,12 @@ def run(args: argparse.Namespace) -> dict:
     if args.plot:
         with cli.writing(args.plot):
             plot(rows, best, args.plot)
-    result = {"model": asdict(model), "rows": rows, "recommended": {"n": best["n"], "L_s": best["L_s"],
-                                                                   "speedup": best["speedup"]}, "markdown": text}
+    result = {
+        "model": asdict(model),
+        "rows": rows,
+        "recommended": {"n": best["n"], "L_s": best["L_s"], "speedup": best["speedup"]},
+        "markdown": text,
+    }
     if args.json_out:
         with cli.writing(args.json_out), open(args.json_out, "w") as f:
             json.dump(result, f, indent=1)

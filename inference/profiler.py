@@ -7,11 +7,12 @@ events, read once the prompt is done (`rows`), so timing adds no synchronization
 on the CPU device work is host work. Row 0 collects prefill, row `k` cycle `k` (see `result.py` for what
 each field means and `summarize_timing` for the report).
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from typing import Iterator, Sequence
 
 import numpy as np
 import torch

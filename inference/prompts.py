@@ -9,6 +9,7 @@ user message, rendered with the target tokenizer's chat template, `add_generatio
 disabled, by the renderer training uses (`spd_lightning/data/chat.py`). A tokenizer without a chat template
 encodes the raw text.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,15 @@ from spd_lightning.data.chat import load_tokenizer, render_prompt
 from spd_lightning.errors import UserError
 
 render = render_prompt  # the decoder's name for it
-__all__ = ["PromptError", "dataset_spec", "load_tokenizer", "looks_like_hub_name", "read_dataset_prompts",
-           "read_prompts", "render"]
+__all__ = [
+    "PromptError",
+    "dataset_spec",
+    "load_tokenizer",
+    "looks_like_hub_name",
+    "read_dataset_prompts",
+    "read_prompts",
+    "render",
+]
 
 DATASET_COLUMNS = ("turns", "prompt", "question", "instruction")
 
@@ -48,7 +56,9 @@ def read_prompts(text: str | None, path: str | None) -> list[str]:
                 record = json.loads(line)
                 turn = record["turns"][0]
             except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
-                raise PromptError(f"{path}:{number}: expected a JSON object with a non-empty 'turns' list ({type(e).__name__})") from e
+                raise PromptError(
+                    f"{path}:{number}: expected a JSON object with a non-empty 'turns' list ({type(e).__name__})"
+                ) from e
             if not isinstance(turn, str) or not turn.strip():
                 raise PromptError(f"{path}:{number}: the first turn is empty or not text")
             prompts.append(turn)
@@ -67,8 +77,12 @@ def dataset_spec(spec: str) -> tuple[str, str | None, str]:
 def looks_like_hub_name(spec: str) -> bool:
     """`owner/name[:config][@split]`: relative, one slash, no file extension (a missing file is not a hub name)."""
     name = dataset_spec(spec)[0]
-    return (name.count("/") == 1 and not name.startswith((".", "/", "~"))
-            and not os.path.splitext(name)[1] and all(name.split("/")))
+    return (
+        name.count("/") == 1
+        and not name.startswith((".", "/", "~"))
+        and not os.path.splitext(name)[1]
+        and all(name.split("/"))
+    )
 
 
 def read_dataset_prompts(spec: str) -> list[str]:
@@ -79,11 +93,15 @@ def read_dataset_prompts(spec: str) -> list[str]:
         name, config, split = dataset_spec(spec)
         data = datasets.load_dataset(name, config, split=split)
     except Exception as e:  # hub, network and builder errors have many types; all mean "cannot read it"
-        raise PromptError(f"prompts {spec!r}: cannot load the dataset ({type(e).__name__}: "
-                          f"{' '.join(str(e).split())[:160]}); pass a local jsonl file when no hub is reachable") from e
+        raise PromptError(
+            f"prompts {spec!r}: cannot load the dataset ({type(e).__name__}: "
+            f"{' '.join(str(e).split())[:160]}); pass a local jsonl file when no hub is reachable"
+        ) from e
     column = next((c for c in DATASET_COLUMNS if c in data.column_names), None)
     if column is None:
-        raise PromptError(f"prompts {spec!r}: no prompt column; expected one of {DATASET_COLUMNS}, found {data.column_names}")
+        raise PromptError(
+            f"prompts {spec!r}: no prompt column; expected one of {DATASET_COLUMNS}, found {data.column_names}"
+        )
     prompts = [row[0] if isinstance(row, list) and row else row for row in data[column]]
     if not prompts or not all(isinstance(t, str) and t.strip() for t in prompts):
         raise PromptError(f"prompts {spec!r}: column {column!r} is empty or holds a non-text prompt")

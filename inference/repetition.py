@@ -3,16 +3,17 @@
 A target trained for a few CPU minutes repeats itself, and repetition flatters every drafter (SPEC 8):
 `decode` prints this share beside alpha, and `scripts/bench_paper.py repetition` measures it per prompt set.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def repeated_kgrams(tokens: Sequence[int], k: int = 4) -> tuple[int, int]:
     """(generated tokens that complete a k-gram already seen earlier in the same output, tokens that end a k-gram)."""
     seen, repeats = set(), 0
     for i in range(k - 1, len(tokens)):
-        gram = tuple(tokens[i - k + 1:i + 1])
+        gram = tuple(tokens[i - k + 1 : i + 1])
         repeats += gram in seen
         seen.add(gram)
     return repeats, max(len(tokens) - k + 1, 0)

@@ -7,6 +7,7 @@ before the cycle is redone; both steps are charged to that cycle, so the rows ad
 In the simulator every rank's row is filled by the one process, sequentially; in the distributed decoder
 each rank fills its own and the reporting rank gathers them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -30,14 +31,24 @@ def summarize_timing(rows: torch.Tensor, K: int, n: int, has_drafter: bool = Tru
     verify = rows[n - 1, :, VERIFY]
     comm = rows[:, :, COMM].max(dim=0).values
     wall = rows[n - 1, :, WALL]
-    per_cycle = {"stage_compute_s": stage.tolist(), "draft_s": draft.tolist(), "verify_s": verify.tolist(),
-                 "comm_s": comm.tolist(), "wall_s": wall.tolist()}
+    per_cycle = {
+        "stage_compute_s": stage.tolist(),
+        "draft_s": draft.tolist(),
+        "verify_s": verify.tolist(),
+        "comm_s": comm.tolist(),
+        "wall_s": wall.tolist(),
+    }
     slowest = stage.max(dim=1).values if K else torch.zeros(0, dtype=torch.float64)
-    totals = {"stage_compute_s": stage.sum(0).tolist(), "draft_s": float(draft.sum()), "verify_s": float(verify.sum()),
-              "comm_s": float(comm.sum()), "wall_s": float(wall.sum()),
-              "mean_cycle_s": float(wall.mean()) if K else 0.0,
-              "mean_slowest_stage_s": float(slowest.mean()) if K else 0.0,
-              "mean_draft_s": float(draft.mean()) if K else 0.0}
+    totals = {
+        "stage_compute_s": stage.sum(0).tolist(),
+        "draft_s": float(draft.sum()),
+        "verify_s": float(verify.sum()),
+        "comm_s": float(comm.sum()),
+        "wall_s": float(wall.sum()),
+        "mean_cycle_s": float(wall.mean()) if K else 0.0,
+        "mean_slowest_stage_s": float(slowest.mean()) if K else 0.0,
+        "mean_draft_s": float(draft.mean()) if K else 0.0,
+    }
     return {"per_cycle": per_cycle, "totals": totals}
 
 
@@ -75,13 +86,41 @@ class DecodeResult:
         return (self.N - 1) / self.decode_s if self.decode_s > 0 and self.N > 1 else None
 
     def to_dict(self) -> dict:
-        return {"mode": self.mode, "n": self.n, "prompt_len": self.prompt_len, "tokens": self.tokens, "text": self.text,
-                "N": self.N, "K": self.K, "alpha": self.alpha, "theoretical_speedup": self.theoretical_speedup,
-                "stop_reason": self.stop_reason, **self.counters, "prefill_s": self.prefill_s,
-                "decode_s": self.decode_s, "decode_tokens_per_s": self.decode_tokens_per_s, "timing": self.timing}
+        return {
+            "mode": self.mode,
+            "n": self.n,
+            "prompt_len": self.prompt_len,
+            "tokens": self.tokens,
+            "text": self.text,
+            "N": self.N,
+            "K": self.K,
+            "alpha": self.alpha,
+            "theoretical_speedup": self.theoretical_speedup,
+            "stop_reason": self.stop_reason,
+            **self.counters,
+            "prefill_s": self.prefill_s,
+            "decode_s": self.decode_s,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+            "timing": self.timing,
+        }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "DecodeResult":
-        counters = {k: d[k] for k in ("accepted_by_fill", "rejected_by_fill", "accepted_by_depth", "rejected_by_depth") if k in d}
-        return cls(d["mode"], d["n"], d["prompt_len"], list(d["tokens"]), d["K"], d["stop_reason"], counters,
-                   d.get("prefill_s", 0.0), d.get("decode_s", 0.0), d.get("timing", {}), d.get("text"))
+    def from_dict(cls, d: dict) -> DecodeResult:
+        counters = {
+            k: d[k]
+            for k in ("accepted_by_fill", "rejected_by_fill", "accepted_by_depth", "rejected_by_depth")
+            if k in d
+        }
+        return cls(
+            d["mode"],
+            d["n"],
+            d["prompt_len"],
+            list(d["tokens"]),
+            d["K"],
+            d["stop_reason"],
+            counters,
+            d.get("prefill_s", 0.0),
+            d.get("decode_s", 0.0),
+            d.get("timing", {}),
+            d.get("text"),
+        )

@@ -5,6 +5,7 @@ drafter and the target's embedding table; with the shared PDM placement process 
 the PDM (`shared_transport`). The weights are loaded once (`load_role`); a runner over them is cheap to
 build, so the server builds one per sampling setting (`build_runner`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -52,13 +53,21 @@ def load_role(job: DecodeJob, rank: int, device: torch.device) -> Loaded:
     if not hosts_pdm or job.replay is not None:
         return Loaded(stages)
     pdm, _ = load_drafter(job.drafter_path, map_location=device)
-    embed = load_pieces(job.target_path, range(0), embed=True, head=False, dtype=dtype, device=device,
-                        trust_remote_code=job.trust_remote_code).embed_tokens
+    embed = load_pieces(
+        job.target_path,
+        range(0),
+        embed=True,
+        head=False,
+        dtype=dtype,
+        device=device,
+        trust_remote_code=job.trust_remote_code,
+    ).embed_tokens
     return Loaded(stages, pdm.to(dtype), embed)
 
 
-def build_runner(job: DecodeJob, rank: int, device: torch.device, loaded: Loaded | None = None,
-                 sampling: Sampling | None = None) -> PipelineRunner:
+def build_runner(
+    job: DecodeJob, rank: int, device: torch.device, loaded: Loaded | None = None, sampling: Sampling | None = None
+) -> PipelineRunner:
     """The roles of `rank`: a stage (the last one also verifies) or the drafter; over `loaded` weights
     (loaded here when None), sampling with `sampling` (default: the job's)."""
     geometry = Geometry.from_dict(job.geometry)
@@ -71,10 +80,22 @@ def build_runner(job: DecodeJob, rank: int, device: torch.device, loaded: Loaded
     stages, drafter = loaded.stages, None
     shared = job.pdm_placement == "shared"
     if rank == n or (shared and rank == 0):
-        drafter = (ReplayDrafter(job.replay.references, job.replay.policy, job.vocab_size) if job.replay is not None
-                   else PDMDrafter(loaded.pdm, geometry, loaded.embed, sampling, dtype, compile=job.compile))
-    config = RunnerConfig(sampling, job.vocab_size, draft_vocab, job.hidden_size, dtype, device, d2t,
-                          on_step=step_hook(job.fault, rank), profile=job.profile)
+        drafter = (
+            ReplayDrafter(job.replay.references, job.replay.policy, job.vocab_size)
+            if job.replay is not None
+            else PDMDrafter(loaded.pdm, geometry, loaded.embed, sampling, dtype, compile=job.compile)
+        )
+    config = RunnerConfig(
+        sampling,
+        job.vocab_size,
+        draft_vocab,
+        job.hidden_size,
+        dtype,
+        device,
+        d2t,
+        on_step=step_hook(job.fault, rank),
+        profile=job.profile,
+    )
     names = [role_name(r, n) for r in range(n + 1)]
     transport = SharedTransport(n, names) if shared else DistributedTransport(names)
     return PipelineRunner(geometry, transport, stages, drafter, config)

@@ -20,11 +20,13 @@ are discarded, and the correction reseeds stage 1 (fill 1). No token completed: 
 counters are its own. `Steps` lays the physical steps of optimistic execution (SPEC 11) over it: after a
 judged cycle every rank already runs the cycle that an ACCEPT would give, before the verdict arrives.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 from spd_lightning.geometry import Geometry
 
@@ -82,7 +84,7 @@ class Counters:
     rejected_by_depth: list[int]
 
     @classmethod
-    def zeros(cls, n: int) -> "Counters":
+    def zeros(cls, n: int) -> Counters:
         return cls([0] * n, [0] * n, [0] * (n + 1), [0] * (n + 1))
 
     def to_dict(self) -> dict:
@@ -143,7 +145,9 @@ class PipelineSchedule:
             fresh = Slot(self._inflight[-1].position + 1, 0, self._fresh_fill)  # n >= 2: someone is still in flight
             if verdict == Verdict.NONE:
                 if completed is not None:
-                    raise RuntimeError(f"cycle {self.K}: a token completed stage n but the verifier reported no verdict")
+                    raise RuntimeError(
+                        f"cycle {self.K}: a token completed stage n but the verifier reported no verdict"
+                    )
                 self._inflight.append(fresh)
             else:
                 judged = self._inflight[0] if completed is not None and self._inflight else None
@@ -194,7 +198,9 @@ class PipelineSchedule:
         (c.accepted_by_fill if accepted else c.rejected_by_fill)[fill - 1] += 1
         (c.accepted_by_depth if accepted else c.rejected_by_depth)[depth] += 1
 
-    def _plan(self, inflight: list[Slot], cycle: int, token: int, rollback_to: int, completed: Slot | None) -> CyclePlan:
+    def _plan(
+        self, inflight: list[Slot], cycle: int, token: int, rollback_to: int, completed: Slot | None
+    ) -> CyclePlan:
         """The plan of cycle `cycle` with `inflight` at the start of it; no side effects."""
         n = self.n
         stage_positions = [-1] * n
@@ -237,7 +243,9 @@ class Step:
     plan: CyclePlan
     awaits: bool = False  # runs before the previous cycle's verdict is known; that verdict arrives during the step
     redo: bool = False  # repeats a cycle whose optimistic run was wasted: its inputs came with that run, none travel
-    final: bool = False  # the decode ends with this cycle's verdict whatever it is: delivered at once, nothing anticipated
+    final: bool = (
+        False  # the decode ends with this cycle's verdict whatever it is: delivered at once, nothing anticipated
+    )
 
 
 class Steps:
@@ -289,7 +297,9 @@ class Steps:
 
     def _real(self, plan: CyclePlan | None) -> Step | None:
         schedule = self.schedule
-        return None if plan is None else Step(plan, final=schedule.judging and schedule.N + 1 >= schedule.max_new_tokens)
+        return (
+            None if plan is None else Step(plan, final=schedule.judging and schedule.N + 1 >= schedule.max_new_tokens)
+        )
 
 
 def eos_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:

@@ -12,6 +12,7 @@ method) and wait in a FIFO of `--queue-size` (HTTP 429 beyond it). Endpoints: `P
 The model name is the drafter's directory name (or the target's for `--mode ar`), or `--model-name`.
 SIGTERM or Ctrl-C stops the server after the request in progress.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,13 +32,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = cli.parser("python -m inference.serve", __doc__)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("SPD_API_KEY"),
-                   help="require `Authorization: Bearer KEY` on /v1/* (default: $SPD_API_KEY; none: open)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("SPD_API_KEY"),
+        help="require `Authorization: Bearer KEY` on /v1/* (default: $SPD_API_KEY; none: open)",
+    )
     p.add_argument("--model-name", help="the model id clients use (default: the drafter's or target's directory name)")
     p.add_argument("--queue-size", type=int, default=16, help="requests that may wait; beyond it HTTP 429")
     p.add_argument("--max-tokens-cap", type=int, default=DEFAULT_CAP, help="the largest max_tokens a request may ask")
-    p.add_argument("--threads", type=int, help="torch CPU threads of the in-process decoder (--simulate, --mode ar); "
-                   "default: torch's. Tiny models decode fastest with 1")
+    p.add_argument(
+        "--threads",
+        type=int,
+        help="torch CPU threads of the in-process decoder (--simulate, --mode ar); "
+        "default: torch's. Tiny models decode fastest with 1",
+    )
     cli.add_decoder_arguments(p, max_new_tokens=256, with_ar=True)
     args = p.parse_args(argv)
     return args
@@ -61,8 +69,13 @@ def build(args: argparse.Namespace):
     setup = cli.prepare(args)
     name = args.model_name or os.path.basename(os.path.normpath(setup.ckpt or setup.target_path))
     engine = Engine(lambda: make_backend(setup, args), setup.tokenizer, setup.mode, args.queue_size)
-    config = ServerConfig(name, args.max_tokens_cap, min(args.max_new_tokens, args.max_tokens_cap),
-                          setup.info.max_position_embeddings or 0, args.api_key)
+    config = ServerConfig(
+        name,
+        args.max_tokens_cap,
+        min(args.max_new_tokens, args.max_tokens_cap),
+        setup.info.max_position_embeddings or 0,
+        args.api_key,
+    )
     return build_app(engine, config), engine
 
 
@@ -85,8 +98,13 @@ def run(args: argparse.Namespace) -> int:
 
     app, engine = build(args)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="debug" if cli.debugging(args) else "warning",
-                    timeout_graceful_shutdown=5)
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="debug" if cli.debugging(args) else "warning",
+            timeout_graceful_shutdown=5,
+        )
     finally:
         engine.close()
     return 0

@@ -5,6 +5,7 @@ piece of text, then `data: [DONE]`) or not; `GET /v1/models`, `/health`, `/metri
 body in OpenAI's shape, `{"error": {"message", "type", "code"}}`, with a 4xx status for the client's
 mistakes (401 key, 400 request, 404 model, 429 queue full) and 503 when the decoder failed.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -12,11 +13,13 @@ import json
 import os
 import secrets
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator, Literal
+from typing import Literal
 
-from fastapi import FastAPI, Request as HttpRequest
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -27,8 +30,14 @@ DISCONNECT_POLL_S = 0.25
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
 
@@ -94,15 +103,20 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         if config.api_key and request.url.path.startswith("/v1/"):
             given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
             if not secrets.compare_digest(given, config.api_key):
-                return error_response(401, "missing or wrong API key: send `Authorization: Bearer KEY`",
-                                      "invalid_request_error", "invalid_api_key")
+                return error_response(
+                    401,
+                    "missing or wrong API key: send `Authorization: Bearer KEY`",
+                    "invalid_request_error",
+                    "invalid_api_key",
+                )
         return await call_next(request)
 
     @app.get("/health")
     async def health():
         ok = engine.backend is not None
-        return JSONResponse({"status": "ok" if ok else "restarting", "queue_depth": engine.queue_depth},
-                            status_code=200 if ok else 503)
+        return JSONResponse(
+            {"status": "ok" if ok else "restarting", "queue_depth": engine.queue_depth}, status_code=200 if ok else 503
+        )
 
     @app.get("/metrics")
     async def metrics():
@@ -110,8 +124,10 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": config.model, "object": "model", "created": 0,
-                                            "owned_by": "spd-lightning"}]}
+        return {
+            "object": "list",
+            "data": [{"id": config.model, "object": "model", "created": 0, "owned_by": "spd-lightning"}],
+        }
 
     @app.post("/v1/chat/completions")
     async def chat(http: HttpRequest):
@@ -152,25 +168,35 @@ def _render_chat(tokenizer, messages: list[dict]) -> list[int]:
 
 def _check(config: ServerConfig, body: _Sampled, ids: list[int]) -> tuple[int, Sampling]:
     if body.model != config.model:
-        raise ApiError(404, f"model {body.model!r} does not exist: this server serves {config.model!r}",
-                       code="model_not_found", param="model")
-    max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
-                      config.default_max_tokens)
+        raise ApiError(
+            404,
+            f"model {body.model!r} does not exist: this server serves {config.model!r}",
+            code="model_not_found",
+            param="model",
+        )
+    max_tokens = next(
+        (m for m in (body.max_completion_tokens, body.max_tokens) if m is not None), config.default_max_tokens
+    )
     if not 1 <= max_tokens <= config.max_tokens_cap:
         raise ApiError(400, f"max_tokens={max_tokens} must be in [1, {config.max_tokens_cap}]", param="max_tokens")
     if not ids:
         raise ApiError(400, "the prompt is empty", param="prompt")
     if config.context and len(ids) >= config.context:
-        raise ApiError(400, f"the prompt has {len(ids)} tokens; the target's context is {config.context}",
-                       code="context_length_exceeded", param="messages")
+        raise ApiError(
+            400,
+            f"the prompt has {len(ids)} tokens; the target's context is {config.context}",
+            code="context_length_exceeded",
+            param="messages",
+        )
     try:
         return max_tokens, Sampling(body.temperature, body.top_k, body.top_p)
     except SamplingError as e:
         raise ApiError(400, str(e)) from None
 
 
-async def _complete(engine: Engine, config: ServerConfig, body: _Sampled, ids: list[int], http: HttpRequest,
-                    chat: bool):
+async def _complete(
+    engine: Engine, config: ServerConfig, body: _Sampled, ids: list[int], http: HttpRequest, chat: bool
+):
     max_tokens, sampling = _check(config, body, ids)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     seed = body.seed if body.seed is not None else int.from_bytes(os.urandom(4), "little")
@@ -178,10 +204,14 @@ async def _complete(engine: Engine, config: ServerConfig, body: _Sampled, ids: l
     try:
         engine.submit(request)
     except QueueFull:
-        raise ApiError(429, "the server is busy: every place in its queue is taken, retry later",
-                       "rate_limit_error", "queue_full") from None
-    head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}", "created": int(time.time()),
-            "model": config.model}
+        raise ApiError(
+            429, "the server is busy: every place in its queue is taken, retry later", "rate_limit_error", "queue_full"
+        ) from None
+    head = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
+        "created": int(time.time()),
+        "model": config.model,
+    }
     if body.stream:
         return StreamingResponse(_sse(request, head, chat, http), media_type="text/event-stream")
     return await _whole(request, head, chat, http)
@@ -212,11 +242,16 @@ async def _whole(request: Request, head: dict, chat: bool, http: HttpRequest):
         elif event[0] == "error":
             raise ApiError(event[1], event[2], "server_error", "decoder_failed")
         else:
-            finish, usage = event[1], {"prompt_tokens": event[2], "completion_tokens": event[3],
-                                       "total_tokens": event[2] + event[3]}
+            finish, usage = (
+                event[1],
+                {"prompt_tokens": event[2], "completion_tokens": event[3], "total_tokens": event[2] + event[3]},
+            )
     content = "".join(text)
-    choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish}
-              if chat else {"index": 0, "text": content, "finish_reason": finish, "logprobs": None})
+    choice = (
+        {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish}
+        if chat
+        else {"index": 0, "text": content, "finish_reason": finish, "logprobs": None}
+    )
     return {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice], "usage": usage}
 
 

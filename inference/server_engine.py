@@ -9,6 +9,7 @@ the next cycle: the hook raises `Cancelled`, which ends that decode.
 Backends (the decoder behind the engine): `InProcessBackend` runs the simulator (SPD modes) or AR through
 the same stages, in this process, with the target and the PDM loaded once.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -16,8 +17,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 from spd_lightning.export import load_drafter
 from spd_lightning.target import Target
@@ -51,8 +53,14 @@ class BackendFailure(Exception):
 
 
 class Backend(Protocol):
-    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: Sampling, seed: int,
-                 on_tokens: Callable[[list[int]], None]) -> DecodeResult: ...
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        sampling: Sampling,
+        seed: int,
+        on_tokens: Callable[[list[int]], None],
+    ) -> DecodeResult: ...
 
     def close(self) -> None: ...
 
@@ -138,10 +146,13 @@ class Metrics:
         alpha = self.verified / self.drafts if self.drafts else 0.0
         cycle = self.decode_seconds / self.cycles if self.cycles else 0.0
         ttft = self.first_token_seconds / self.first_tokens if self.first_tokens else 0.0
-        for name, kind, value in (("spd_generated_tokens_total", "counter", self.tokens),
-                                  ("spd_alpha", "gauge", alpha), ("spd_cycle_seconds", "gauge", cycle),
-                                  ("spd_time_to_first_token_seconds", "gauge", ttft),
-                                  ("spd_queue_depth", "gauge", queue_depth)):
+        for name, kind, value in (
+            ("spd_generated_tokens_total", "counter", self.tokens),
+            ("spd_alpha", "gauge", alpha),
+            ("spd_cycle_seconds", "gauge", cycle),
+            ("spd_time_to_first_token_seconds", "gauge", ttft),
+            ("spd_queue_depth", "gauge", queue_depth),
+        ):
             lines += [f"# TYPE {name} {kind}", f'{name}{{mode="{mode}"}} {value}']
         return "\n".join(lines) + "\n"
 
@@ -205,8 +216,9 @@ class Engine:
                 raise StopString
 
         try:
-            result = self.backend.generate(request.prompt_ids, request.max_new_tokens, request.sampling,
-                                           request.seed, on_tokens)
+            result = self.backend.generate(
+                request.prompt_ids, request.max_new_tokens, request.sampling, request.seed, on_tokens
+            )
             finish = "stop" if result.stop_reason == "eos" else "length"
         except StopString:
             result, finish = None, "stop"

@@ -12,20 +12,21 @@ pipeline.
 A request whose client disconnects is not cut short inside the ranks (they would have to agree on the
 cycle to stop at): its decode runs to its end and its tokens are dropped.
 """
+
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
 import queue
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from .launch import DecodeJob, launch, start_method
-from .roles import Loaded, build_runner, load_role
 from .result import DecodeResult
+from .roles import Loaded, build_runner, load_role
 from .server_engine import BackendFailure
 from .verify import Sampling
 
@@ -34,7 +35,9 @@ IDLE_TICK_S = 1.0
 STOP = "stop"
 
 
-def serve_requests(job: DecodeJob, rank: int, device: torch.device, requests, report: Callable, stream: Callable) -> None:
+def serve_requests(
+    job: DecodeJob, rank: int, device: torch.device, requests, report: Callable, stream: Callable
+) -> None:
     """One rank's serving loop: load once, then decode each broadcast request until rank 0 reads None."""
     loaded: Loaded = load_role(job, rank, device)
     runners: dict[Sampling, object] = {}
@@ -47,7 +50,7 @@ def serve_requests(job: DecodeJob, rank: int, device: torch.device, requests, re
             runners[sampling] = build_runner(job, rank, device, loaded, sampling)
         runner = runners[sampling]
         reporting = rank == runner.verifier_rank
-        on_tokens = (lambda tokens: stream(request_id, tokens)) if reporting else None
+        on_tokens = (lambda tokens: stream(request_id, tokens)) if reporting else None  # noqa: B023 - used in this iteration
         result = runner.decode(prompt, max_new_tokens, frozenset(job.eos_token_ids), seed, on_tokens)
         if reporting:
             report(request_id, result)
@@ -80,9 +83,13 @@ class RankBackend:
 
     def _launch(self) -> None:
         try:
-            launch(self.job, on_result=lambda i, r: self._events.put(("result", i, r)),
-                   on_start=lambda rank, pid: self.pids.__setitem__(rank, pid),
-                   on_tokens=lambda i, tokens: self._events.put(("tokens", i, tokens)), requests=self.requests)
+            launch(
+                self.job,
+                on_result=lambda i, r: self._events.put(("result", i, r)),
+                on_start=lambda rank, pid: self.pids.__setitem__(rank, pid),
+                on_tokens=lambda i, tokens: self._events.put(("tokens", i, tokens)),
+                requests=self.requests,
+            )
             self.failure = "the pipeline stopped"
         except Exception as e:  # noqa: BLE001 - LaunchError names the rank; anything else is reported as is
             self.failure = str(e).splitlines()[0] if str(e) else type(e).__name__

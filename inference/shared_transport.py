@@ -8,6 +8,7 @@ runs their phases in its usual order, so the tokens, N and K are those of the se
 sharing costs: process 0 runs the PDM's draft and stage 1's token one after the other, and stage 1 waits
 for the PDM's inputs (the verdict, the anchor states) before it computes.
 """
+
 from __future__ import annotations
 
 from .transport import Arrival, DistributedTransport, LocalTransport

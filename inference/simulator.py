@@ -7,9 +7,10 @@ staircase-evaluation callback and the benchmarks need:
     result = simulate_decode(target, pdm, geometry, prompt_ids, max_new_tokens=128)
     result.alpha, result.theoretical_speedup, result.counters
 """
+
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -29,9 +30,16 @@ from .verify import Sampling
 class Simulator:
     """Stages, drafter and verifier of one pipeline, built once and reused across prompts."""
 
-    def __init__(self, target: Target, drafter: PipelineDraftModule | Drafter, geometry: Geometry,
-                 sampling: Sampling = Sampling(), replay_wasted_work: bool = False, profile: bool = False,
-                 compile: bool = False):
+    def __init__(
+        self,
+        target: Target,
+        drafter: PipelineDraftModule | Drafter,
+        geometry: Geometry,
+        sampling: Sampling = Sampling(),
+        replay_wasted_work: bool = False,
+        profile: bool = False,
+        compile: bool = False,
+    ):
         """`replay_wasted_work`: the stages also run the optimistic steps that a rejection wastes, as the
         distributed stage ranks do (they learn of it only afterwards), instead of skipping them.
         `profile`: per-cycle timing in each result's `timing` (empty otherwise).
@@ -49,13 +57,27 @@ class Simulator:
             if isinstance(drafter, ReplayDrafter) and not sampling.greedy:
                 raise ValueError("a replay drafter has no draft distribution: use it with greedy decoding only")
             d2t, draft_vocab = None, 1
-        config = RunnerConfig(sampling, target.vocab_size, draft_vocab, target.hidden_size, stages[1].dtype, device, d2t,
-                              replay_wasted_work=replay_wasted_work, profile=profile)
+        config = RunnerConfig(
+            sampling,
+            target.vocab_size,
+            draft_vocab,
+            target.hidden_size,
+            stages[1].dtype,
+            device,
+            d2t,
+            replay_wasted_work=replay_wasted_work,
+            profile=profile,
+        )
         self.runner = PipelineRunner(geometry, LocalTransport(geometry.n + 1), stages, drafter, config)
 
-    def decode(self, prompt_ids: Sequence[int], max_new_tokens: int,
-               eos_token_id: int | Sequence[int] | None = None, seed: int = 0,
-               on_tokens: Callable[[list[int]], None] | None = None) -> DecodeResult:
+    def decode(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        eos_token_id: int | Sequence[int] | None = None,
+        seed: int = 0,
+        on_tokens: Callable[[list[int]], None] | None = None,
+    ) -> DecodeResult:
         """Decode one prompt; `eos_token_id=None` never stops early (see `ar.target_eos` for the target's).
         `on_tokens`: see `PipelineRunner.decode`."""
         if not prompt_ids:
@@ -66,8 +88,16 @@ class Simulator:
 
 
 @torch.no_grad()
-def simulate_decode(target: Target, drafter: PipelineDraftModule | Drafter, geometry: Geometry,
-                    prompt_ids: Sequence[int], max_new_tokens: int = 64, sampling: Sampling = Sampling(),
-                    eos_token_id: int | Sequence[int] | None = None, seed: int = 0, profile: bool = False) -> DecodeResult:
+def simulate_decode(
+    target: Target,
+    drafter: PipelineDraftModule | Drafter,
+    geometry: Geometry,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int = 64,
+    sampling: Sampling = Sampling(),
+    eos_token_id: int | Sequence[int] | None = None,
+    seed: int = 0,
+    profile: bool = False,
+) -> DecodeResult:
     simulator = Simulator(target, drafter, geometry, sampling, profile=profile)
     return simulator.decode(prompt_ids, max_new_tokens, eos_token_id, seed)

@@ -10,6 +10,7 @@ checkpoint directory, loading ONLY the tensors of the requested pieces (a distri
 another rank's layers): the model is built on the meta device, the pieces are materialized, and their
 tensors are read one by one from the safetensors files.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,9 +43,15 @@ class TargetPieces:
     lm_head: nn.Module | None = None
 
     @classmethod
-    def from_target(cls, target: Target, layers: range, embed: bool, head: bool) -> "TargetPieces":
-        return cls(target.config, {i: target.layers[i] for i in layers}, target.rotary_emb,
-                   target.embed_tokens if embed else None, target.norm if head else None, target.lm_head if head else None)
+    def from_target(cls, target: Target, layers: range, embed: bool, head: bool) -> TargetPieces:
+        return cls(
+            target.config,
+            {i: target.layers[i] for i in layers},
+            target.rotary_emb,
+            target.embed_tokens if embed else None,
+            target.norm if head else None,
+            target.lm_head if head else None,
+        )
 
 
 def resolve_target(name_or_path: str) -> str:
@@ -56,8 +63,10 @@ def resolve_target(name_or_path: str) -> str:
         return name_or_path
     repo_id, _, revision = name_or_path.partition("@")
     if repo_id.count("/") != 1 or repo_id.startswith((".", "/", "~")) or not all(repo_id.split("/")):
-        raise TargetError(f"target {name_or_path!r} is not a local directory nor a hub id (ORG/NAME): pass "
-                          f"--target DIR (a Hugging Face checkpoint directory) or --target ORG/NAME")
+        raise TargetError(
+            f"target {name_or_path!r} is not a local directory nor a hub id (ORG/NAME): pass "
+            f"--target DIR (a Hugging Face checkpoint directory) or --target ORG/NAME"
+        )
     from huggingface_hub import snapshot_download
 
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py", "*.tiktoken"]
@@ -68,9 +77,11 @@ def resolve_target(name_or_path: str) -> str:
     try:
         return snapshot_download(repo_id, revision=revision or None, allow_patterns=patterns)
     except Exception as e:  # noqa: BLE001 - offline, unknown repo, gated: all mean "cannot get it"
-        raise TargetError(f"target {name_or_path!r} is not in the Hugging Face cache and cannot be downloaded "
-                          f"({type(e).__name__}); download it where the hub is reachable "
-                          f"(`hf download {repo_id}`) or pass --target DIR") from e
+        raise TargetError(
+            f"target {name_or_path!r} is not in the Hugging Face cache and cannot be downloaded "
+            f"({type(e).__name__}); download it where the hub is reachable "
+            f"(`hf download {repo_id}`) or pass --target DIR"
+        ) from e
 
 
 def meta_target(path: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False) -> Target:
@@ -99,7 +110,9 @@ def _checkpoint_index(path: str) -> dict[str, tuple[str, str]]:
     elif os.path.isfile(os.path.join(path, "model.safetensors")):
         files = ["model.safetensors"]
     else:
-        raise TargetError(f"{path!r} has no model.safetensors (or index): the pipeline decoder loads safetensors checkpoints only")
+        raise TargetError(
+            f"{path!r} has no model.safetensors (or index): the pipeline decoder loads safetensors checkpoints only"
+        )
     index = {}
     for name in files:
         with safe_open(os.path.join(path, name), framework="pt") as f:
@@ -111,12 +124,19 @@ def _checkpoint_index(path: str) -> dict[str, tuple[str, str]]:
 def _normalize(key: str) -> str:
     for prefix in TEXT_PREFIXES:
         if key.startswith(prefix):
-            return key[len(prefix):]
+            return key[len(prefix) :]
     return key
 
 
-def load_pieces(path: str, layers: range, embed: bool, head: bool, dtype: str | torch.dtype = "float32",
-                device: str | torch.device = "cpu", trust_remote_code: bool = False) -> TargetPieces:
+def load_pieces(
+    path: str,
+    layers: range,
+    embed: bool,
+    head: bool,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+) -> TargetPieces:
     """Materialize only the requested pieces of the checkpoint at `path` on `device`."""
     from safetensors import safe_open
 
@@ -139,7 +159,9 @@ def load_pieces(path: str, layers: range, embed: bool, head: bool, dtype: str | 
             if key not in index and key == "lm_head.weight" and tied:
                 key = "embed_tokens.weight"
             if key not in index:
-                raise TargetError(f"checkpoint {path!r} has no tensor for {prefix}.{name}: it is incomplete or not this architecture")
+                raise TargetError(
+                    f"checkpoint {path!r} has no tensor for {prefix}.{name}: it is incomplete or not this architecture"
+                )
             file, stored = index[key]
             by_file.setdefault(file, []).append((stored, name, module))
     with torch.no_grad():
@@ -151,9 +173,14 @@ def load_pieces(path: str, layers: range, embed: bool, head: bool, dtype: str | 
                     getattr(owner, leaf).copy_(f.get_tensor(stored))
     config = skeleton.config
     rotary = type(skeleton.rotary_emb)(config=config).to(device)  # non-persistent buffers: rebuilt, not loaded
-    return TargetPieces(config, {i: skeleton.layers[i].eval() for i in layers}, rotary,
-                        skeleton.embed_tokens.eval() if embed else None, skeleton.norm.eval() if head else None,
-                        skeleton.lm_head.eval() if head else None)
+    return TargetPieces(
+        config,
+        {i: skeleton.layers[i].eval() for i in layers},
+        rotary,
+        skeleton.embed_tokens.eval() if embed else None,
+        skeleton.norm.eval() if head else None,
+        skeleton.lm_head.eval() if head else None,
+    )
 
 
 def stage_layers(geometry: Geometry, stage: int) -> range:
@@ -195,15 +222,21 @@ class Stage(nn.Module):
         self.use_compiled_decode(False)
 
     @classmethod
-    def from_target(cls, target: Target, geometry: Geometry, index: int) -> "Stage":
+    def from_target(cls, target: Target, geometry: Geometry, index: int) -> Stage:
         geometry.check_target(target.num_layers)
-        return cls(geometry, index, TargetPieces.from_target(target, stage_layers(geometry, index), index == 1, index == geometry.n))
+        return cls(
+            geometry,
+            index,
+            TargetPieces.from_target(target, stage_layers(geometry, index), index == 1, index == geometry.n),
+        )
 
     @classmethod
-    def load(cls, path: str, geometry: Geometry, index: int, dtype="float32", device="cpu",
-             trust_remote_code: bool = False) -> "Stage":
-        pieces = load_pieces(path, stage_layers(geometry, index), index == 1, index == geometry.n, dtype, device,
-                             trust_remote_code)
+    def load(
+        cls, path: str, geometry: Geometry, index: int, dtype="float32", device="cpu", trust_remote_code: bool = False
+    ) -> Stage:
+        pieces = load_pieces(
+            path, stage_layers(geometry, index), index == 1, index == geometry.n, dtype, device, trust_remote_code
+        )
         return cls(geometry, index, pieces)
 
     @property
@@ -247,11 +280,15 @@ class Stage(nn.Module):
                 hidden, anchors = hidden.clone(), anchors.clone()
                 logits = logits.clone() if logits is not None else None
         else:
-            raise RuntimeError(f"stage {self.index}: {S} tokens at position {start}: only a prefill runs several tokens")
+            raise RuntimeError(
+                f"stage {self.index}: {S} tokens at position {start}: only a prefill runs several tokens"
+            )
         self.cache.advance(S)
         return StageOutput(hidden, anchors, logits)
 
-    def _step(self, inputs: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _step(
+        self, inputs: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The stage on `positions` ([1, S], consecutive, the first one == the cache length): no host reads."""
         x = self.embed_tokens(inputs) if self.first else inputs
         position_embeddings = self.rotary_emb(x, positions)
@@ -260,8 +297,14 @@ class Stage(nn.Module):
         captured = []
         for offset, layer in enumerate(self.layers):
             index = self.layer_range.start + offset
-            x = layer(x, position_embeddings=position_embeddings, position_ids=positions, cache=self.cache.hf,
-                      attention_mask=mask if index in self.cache.attention_layers else None, use_cache=True)
+            x = layer(
+                x,
+                position_embeddings=position_embeddings,
+                position_ids=positions,
+                cache=self.cache.hf,
+                attention_mask=mask if index in self.cache.attention_layers else None,
+                use_cache=True,
+            )
             if index + 1 in self.anchor_layers and index + 1 < L:
                 captured.append(x)
         logits = None
@@ -277,4 +320,6 @@ class Stage(nn.Module):
         """Additive [1, 1, S, capacity] mask over the static key storage: causal, and the unwritten tail hidden."""
         keys = torch.arange(self.cache.capacity, device=positions.device)
         allowed = keys[None, None, None, :] <= positions[:, None, :, None]
-        return torch.zeros(allowed.shape, dtype=dtype, device=positions.device).masked_fill(~allowed, torch.finfo(dtype).min)
+        return torch.zeros(allowed.shape, dtype=dtype, device=positions.device).masked_fill(
+            ~allowed, torch.finfo(dtype).min
+        )

@@ -3,10 +3,11 @@
 `inference.eval`, `inference.plan` and `scripts/bench_paper.py` write their tables and plots with these,
 so a missing number reads `-` everywhere and every plot is drawn off-screen the same way.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def fmt(x, digits: int = 3) -> str:

@@ -4,10 +4,12 @@ A token may end inside a multi-byte character (byte-level BPE), so each step dec
 far and emits only what is new and complete: a trailing replacement character waits for the next token.
 Stop strings are cut here too, so that no part of a stop string is ever emitted.
 """
+
 from __future__ import annotations
 
 import sys
-from typing import Sequence, TextIO
+from collections.abc import Sequence
+from typing import TextIO
 
 
 class TextStream:
@@ -28,10 +30,10 @@ class TextStream:
         elif full.endswith("\ufffd"):
             full = full[:-1]
         else:  # hold back a tail that may be the start of a stop string
-            full = full[:len(full) - self._held_back(full)]
+            full = full[: len(full) - self._held_back(full)]
         if not full.startswith(self.text):  # a later token changed earlier text: emit nothing older again
             return ""
-        delta, self.text = full[len(self.text):], full
+        delta, self.text = full[len(self.text) :], full
         return delta
 
     def finish(self) -> str:
@@ -39,7 +41,7 @@ class TextStream:
         if self.stopped:
             return ""
         full = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        delta = full[len(self.text):] if full.startswith(self.text) else ""
+        delta = full[len(self.text) :] if full.startswith(self.text) else ""
         self.text += delta
         return delta
 

@@ -14,6 +14,7 @@ sends is either a fresh output of its compute or a buffer it does not touch agai
 completed (`settle`). Every blocking call is bounded by the process-group timeout, and a failed message
 raises `PeerError` naming the peer.
 """
+
 from __future__ import annotations
 
 import queue
@@ -48,7 +49,7 @@ class Transport:
         """Receive into `tensor`, blocking until the message is there."""
         raise NotImplementedError
 
-    def post(self, src: int, dst: int, tensor: torch.Tensor, kind: str) -> "Arrival":
+    def post(self, src: int, dst: int, tensor: torch.Tensor, kind: str) -> Arrival:
         """Start receiving into `tensor` without blocking; the `Arrival` tells when it is in."""
         raise NotImplementedError
 
@@ -92,7 +93,9 @@ class LocalTransport(Transport):
             raise RuntimeError(f"protocol error: rank {dst} receives {kind!r} from rank {src}, which sent nothing")
         sent_kind, payload = queue.popleft()
         if sent_kind != kind:
-            raise RuntimeError(f"protocol error: rank {dst} expects {kind!r} from rank {src} but the next message is {sent_kind!r}")
+            raise RuntimeError(
+                f"protocol error: rank {dst} expects {kind!r} from rank {src} but the next message is {sent_kind!r}"
+            )
         tensor.copy_(payload)
 
     def post(self, src, dst, tensor, kind) -> Arrival:
@@ -214,7 +217,9 @@ def _peer_error(what: str, peer: int, cause: Exception) -> PeerError:
     return PeerError(f"{what}: {reason[:240]}", peer)
 
 
-def init_distributed(backend: str, rank: int, world_size: int, timeout_s: float, init_method: str | None = None) -> None:
+def init_distributed(
+    backend: str, rank: int, world_size: int, timeout_s: float, init_method: str | None = None
+) -> None:
     """Join the process group; every later blocking call fails after `timeout_s` instead of hanging."""
     kwargs = dict(backend=backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
     if init_method is not None:

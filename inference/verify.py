@@ -11,6 +11,7 @@ Greedy (temperature 0) is the limit where both distributions are one-hot: accept
 target's argmax, otherwise the argmax is the correction. `q` lives on the reduced draft vocabulary `V_d`
 and is zero outside it; `d2t` maps it into the target vocabulary.
 """
+
 from __future__ import annotations
 
 import math
@@ -18,8 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .schedule import Verdict
 from spd_lightning.errors import UserError
+
+from .schedule import Verdict
 
 
 class SamplingError(UserError):
@@ -121,7 +123,7 @@ def judge(p: torch.Tensor, token: int, q: torch.Tensor | None, generator: torch.
         target = int(p.argmax())
         return Judgement(token == target, target)
     u = torch.rand((), generator=generator, device=p.device)
-    if bool(u < acceptance_probability(p[token:token + 1], q[token:token + 1])[0]):
+    if bool(u < acceptance_probability(p[token : token + 1], q[token : token + 1])[0]):
         return Judgement(True, token)
     return Judgement(False, sample(residual(p, q), generator))
 
@@ -130,8 +132,15 @@ class Verifier:
     """The verifier on the last stage's rank: remembers each draft (token and `q`) by position until the
     token before it completes, then judges it; also samples the first token after prefill."""
 
-    def __init__(self, sampling: Sampling, window: int, vocab_size: int, d2t: torch.Tensor | None,
-                 draft_vocab_size: int, device: torch.device):
+    def __init__(
+        self,
+        sampling: Sampling,
+        window: int,
+        vocab_size: int,
+        d2t: torch.Tensor | None,
+        draft_vocab_size: int,
+        device: torch.device,
+    ):
         self.sampling, self.window, self.vocab_size = sampling, window, vocab_size
         self.d2t = None if d2t is None else d2t.to(device)
         self.tokens = torch.full((window,), -1, dtype=torch.long, device=device)

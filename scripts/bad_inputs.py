@@ -9,6 +9,7 @@ traceback appeared. The contract every case should meet: non-zero exit, exactly 
 
 tests/test_bad_inputs.py imports CASES, build_files and run_case from here.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,20 +28,36 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-for _k, _v in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-               "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}.items():
+for _k, _v in {
+    "WANDB_MODE": "offline",
+    "WANDB_SILENT": "true",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "OMP_NUM_THREADS": "1",
+}.items():
     os.environ.setdefault(_k, _v)
 
-TINY = dict(max_steps=1, hidden_size=32, vocab_size=512, seq_len=64, batch_size=2, max_conversations=200,
-            tokenizer_conversations=200, heldout_conversations=4, heldout_blocks=2)
+TINY = dict(
+    max_steps=1,
+    hidden_size=32,
+    vocab_size=512,
+    seq_len=64,
+    batch_size=2,
+    max_conversations=200,
+    tokenizer_conversations=200,
+    heldout_conversations=4,
+    heldout_blocks=2,
+)
 
 
 @dataclass(frozen=True)
 class Case:
-    name: str        # what is wrong
-    cli: str         # decode | eval | plan | fit | export | tiny_target
-    argv: tuple      # '{key}' placeholders are filled from build_files()
-    expect: str      # a fragment the error line must contain
+    name: str  # what is wrong
+    cli: str  # decode | eval | plan | fit | export | tiny_target
+    argv: tuple  # '{key}' placeholders are filled from build_files()
+    expect: str  # a fragment the error line must contain
     xfail: str = ""  # non-empty: a known bug (the reason)
 
 
@@ -63,13 +80,23 @@ class Result:
 
     @property
     def clean(self) -> bool:
-        return (self.exit not in (0, None) and len(self.error_lines) == 1 and not self.traceback and not self.uncaught
-                and self.case.expect in self.error_lines[0])
+        return (
+            self.exit not in (0, None)
+            and len(self.error_lines) == 1
+            and not self.traceback
+            and not self.uncaught
+            and self.case.expect in self.error_lines[0]
+        )
 
 
-PROG = {"decode": "python -m inference.decode", "eval": "python -m inference.eval", "plan": "python -m inference.plan",
-        "fit": "python -m spd_lightning fit", "export": "python -m spd_lightning export",
-        "tiny_target": "python -m spd_lightning.tiny_target"}
+PROG = {
+    "decode": "python -m inference.decode",
+    "eval": "python -m inference.eval",
+    "plan": "python -m inference.plan",
+    "fit": "python -m spd_lightning fit",
+    "export": "python -m spd_lightning export",
+    "tiny_target": "python -m spd_lightning.tiny_target",
+}
 
 DEC = ("--ckpt", "{drafter}", "--simulate")
 FIT = ("@fit",)  # replaced by the shrunk configs/tiny.yaml arguments (tests/conftest.py fit_args)
@@ -88,43 +115,103 @@ CASES = [
     Case("top-k -1", "decode", DEC + ("--prompt", "hi", "--top-k", "-1"), "top_k"),
     Case("max-new-tokens 0", "decode", DEC + ("--prompt", "hi", "--max-new-tokens", "0"), "max-new-tokens"),
     Case("max-new-tokens not an int", "decode", DEC + ("--prompt", "hi", "--max-new-tokens", "ten"), "invalid int"),
-    Case("corrupt checkpoint (random bytes .ckpt)", "decode",
-         ("--ckpt", "{corrupt}", "--simulate", "--prompt", "hi"), "corrupt"),
-    Case("missing checkpoint file", "decode", ("--ckpt", "{root}/nope.ckpt", "--simulate", "--prompt", "hi"),
-         "does not exist"),
-    Case("missing drafter dir", "decode", ("--ckpt", "{root}/no_drafter", "--simulate", "--prompt", "hi"),
-         "does not exist"),
-    Case("drafter dir without config.json", "decode", ("--ckpt", "{no_config}", "--simulate", "--prompt", "hi"),
-         "config.json"),
+    Case(
+        "corrupt checkpoint (random bytes .ckpt)",
+        "decode",
+        ("--ckpt", "{corrupt}", "--simulate", "--prompt", "hi"),
+        "corrupt",
+    ),
+    Case(
+        "missing checkpoint file",
+        "decode",
+        ("--ckpt", "{root}/nope.ckpt", "--simulate", "--prompt", "hi"),
+        "does not exist",
+    ),
+    Case(
+        "missing drafter dir",
+        "decode",
+        ("--ckpt", "{root}/no_drafter", "--simulate", "--prompt", "hi"),
+        "does not exist",
+    ),
+    Case(
+        "drafter dir without config.json",
+        "decode",
+        ("--ckpt", "{no_config}", "--simulate", "--prompt", "hi"),
+        "config.json",
+    ),
     Case("truncated drafter weights", "decode", ("--ckpt", "{truncated}", "--simulate", "--prompt", "hi"), "corrupt"),
-    Case("drafter of another target (different L)", "decode", DEC + ("--prompt", "hi", "--target", "{other_L}"),
-         "mismatch"),
-    Case("drafter of another target (different vocab)", "decode",
-         DEC + ("--prompt", "hi", "--target", "{other_vocab}"), "mismatch"),
-    Case("drafter with an older format_version", "decode", ("--ckpt", "{old_format}", "--simulate", "--prompt", "hi"),
-         "re-export"),
+    Case(
+        "drafter of another target (different L)",
+        "decode",
+        DEC + ("--prompt", "hi", "--target", "{other_L}"),
+        "mismatch",
+    ),
+    Case(
+        "drafter of another target (different vocab)",
+        "decode",
+        DEC + ("--prompt", "hi", "--target", "{other_vocab}"),
+        "mismatch",
+    ),
+    Case(
+        "drafter with an older format_version",
+        "decode",
+        ("--ckpt", "{old_format}", "--simulate", "--prompt", "hi"),
+        "re-export",
+    ),
     Case("prompt longer than the target context", "decode", DEC + ("--prompts", "{long}"), "context"),
-    Case("missing --target directory", "decode", DEC + ("--prompt", "hi", "--target", "{root}/no_target"),
-         "not a local directory"),
-    Case("spd mode without a drafter", "decode",
-         ("--ckpt", "none", "--target", "{target}", "--mode", "spd", "--prompt", "hi"), "needs a drafter"),
+    Case(
+        "missing --target directory",
+        "decode",
+        DEC + ("--prompt", "hi", "--target", "{root}/no_target"),
+        "not a local directory",
+    ),
+    Case(
+        "spd mode without a drafter",
+        "decode",
+        ("--ckpt", "none", "--target", "{target}", "--mode", "spd", "--prompt", "hi"),
+        "needs a drafter",
+    ),
     Case("unknown dtype", "decode", DEC + ("--prompt", "hi", "--dtype", "float13"), "float13"),
-    Case("lossless check while sampling", "decode", DEC + ("--prompt", "hi", "--temperature", "1", "--check-lossless"),
-         "greedy"),
+    Case(
+        "lossless check while sampling",
+        "decode",
+        DEC + ("--prompt", "hi", "--temperature", "1", "--check-lossless"),
+        "greedy",
+    ),
     # inference.eval
-    Case("eval: missing prompts file", "eval",
-         ("--ckpt", "{drafter}", "--simulate", "--prompts", "{root}/none.jsonl", "--out", "{root}/eval_out"),
-         "does not exist"),
-    Case("eval: negative temperature", "eval",
-         ("--ckpt", "{drafter}", "--simulate", "--prompts", "{prompts}", "--temperatures", "-1", "--out",
-          "{root}/eval_out"), "temperature"),
+    Case(
+        "eval: missing prompts file",
+        "eval",
+        ("--ckpt", "{drafter}", "--simulate", "--prompts", "{root}/none.jsonl", "--out", "{root}/eval_out"),
+        "does not exist",
+    ),
+    Case(
+        "eval: negative temperature",
+        "eval",
+        (
+            "--ckpt",
+            "{drafter}",
+            "--simulate",
+            "--prompts",
+            "{prompts}",
+            "--temperatures",
+            "-1",
+            "--out",
+            "{root}/eval_out",
+        ),
+        "temperature",
+    ),
     # inference.plan
     Case("plan: alpha spec without ALPHA", "plan", ("--layers", "4", "--alpha", "2:1", "--plot", ""), "N:L_S:ALPHA"),
     Case("plan: alpha spec not numbers", "plan", ("--layers", "4", "--alpha", "a:b:c", "--plot", ""), "N:L_S:ALPHA"),
     Case("plan: alpha above 1", "plan", ("--layers", "4", "--alpha", "2:1:1.5", "--plot", ""), "alpha=1.5"),
     Case("plan: n above L", "plan", ("--layers", "4", "--alpha", "8:1:0.5", "--plot", ""), "exceed"),
-    Case("plan: missing alphas file", "plan", ("--layers", "4", "--alphas", "{root}/none.json", "--plot", ""),
-         "does not exist"),
+    Case(
+        "plan: missing alphas file",
+        "plan",
+        ("--layers", "4", "--alphas", "{root}/none.json", "--plot", ""),
+        "does not exist",
+    ),
     Case("plan: no alpha", "plan", ("--layers", "4", "--plot", ""), "no alpha"),
     # spd_lightning fit
     Case("fit: n > L", "fit", FIT + ("--model.n", "5"), "n=5"),
@@ -134,14 +221,19 @@ CASES = [
     Case("fit: anchors not starting at 0", "fit", FIT + ("--model.anchors", "[1, 2]"), "must start with 0"),
     Case("fit: unknown layout", "fit", FIT + ("--model.layout", "diagonal"), "diagonal"),
     Case("fit: n not an int", "fit", FIT + ("--model.n", "two"), "two"),
-    Case("fit: split with an empty stage", "fit", FIT + ("--model.n", "3", "--model.split", "[0, 3, 3, 4]"),
-         "stage split"),
+    Case(
+        "fit: split with an empty stage",
+        "fit",
+        FIT + ("--model.n", "3", "--model.split", "[0, 3, 3, 4]"),
+        "stage split",
+    ),
     Case("fit: missing target path", "fit", FIT + ("--model.target", "{root}/no_target"), "does not exist"),
     Case("fit: max_length below any sample", "fit", FIT + ("--data.max_length", "8"), "max_length"),
     Case("fit: negative lr", "fit", FIT + ("--model.lr=-1e-3",), "lr="),
     # spd_lightning export
-    Case("export: missing ckpt", "export", ("--ckpt", "{root}/nope.ckpt", "--out", "{root}/exported"),
-         "does not exist"),
+    Case(
+        "export: missing ckpt", "export", ("--ckpt", "{root}/nope.ckpt", "--out", "{root}/exported"), "does not exist"
+    ),
     Case("export: corrupt ckpt", "export", ("--ckpt", "{corrupt}", "--out", "{root}/exported"), "corrupt"),
     # spd_lightning.tiny_target
     Case("tiny_target: zero budget", "tiny_target", ("--out", "{root}/tt", "--minutes", "0"), "budget"),
@@ -150,12 +242,36 @@ CASES = [
 
 def fit_argv(target: str, root: str) -> list[str]:
     """configs/tiny.yaml shrunk to seconds (the same as tests/conftest.py fit_args)."""
-    return ["--config", os.path.join(REPO, "configs", "tiny.yaml"), "--model.target", target, "--model.n", "2",
-            "--data.sources", "[{path: sharegpt, max_samples: 100}]", "--data.max_length", "1024",
-            "--data.draft_vocab_size", "256", "--data.batch_size", "2", "--data.val_size", "4",
-            "--data.cache_dir", os.path.join(root, "cache"), "--trainer.logger", "false",
-            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-            "--trainer.default_root_dir", root, "--checkpoint.dirpath", os.path.join(root, "ckpt")]
+    return [
+        "--config",
+        os.path.join(REPO, "configs", "tiny.yaml"),
+        "--model.target",
+        target,
+        "--model.n",
+        "2",
+        "--data.sources",
+        "[{path: sharegpt, max_samples: 100}]",
+        "--data.max_length",
+        "1024",
+        "--data.draft_vocab_size",
+        "256",
+        "--data.batch_size",
+        "2",
+        "--data.val_size",
+        "4",
+        "--data.cache_dir",
+        os.path.join(root, "cache"),
+        "--trainer.logger",
+        "false",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.enable_model_summary",
+        "false",
+        "--trainer.default_root_dir",
+        root,
+        "--checkpoint.dirpath",
+        os.path.join(root, "ckpt"),
+    ]
 
 
 def build_files(root: str) -> dict:
@@ -182,8 +298,17 @@ def build_files(root: str) -> dict:
     g = torch.Generator().manual_seed(0)
     d2t = torch.randperm(target.vocab_size, generator=g)[:48].sort().values
     torch.manual_seed(0)
-    cfg = PDMConfig(target.hidden_size, geometry.num_types, 48, hidden_size=32, num_layers=1, num_heads=4,
-                    num_kv_heads=2, head_dim=8, intermediate_size=64)
+    cfg = PDMConfig(
+        target.hidden_size,
+        geometry.num_types,
+        48,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+    )
     pdm = PipelineDraftModule(cfg, d2t).eval()
     spec = DrafterSpec(pdm.cfg, geometry, target.info)
     files["drafter"] = save_drafter(pdm, spec, os.path.join(root, "drafter"))
@@ -284,17 +409,36 @@ def short_command(case: Case) -> str:
 
 
 def markdown(results: list[Result], command: str) -> str:
-    lines = ["# Bad inputs", "",
-             f"Generated by `{command}` on {datetime.date.today().isoformat()}.", "",
-             "Every CLI run in-process on a tiny target (4 layers, 512 ids) and a random 2-stage drafter. "
-             "The contract: non-zero exit, exactly one `error:` line on stderr, no traceback "
-             "(`--debug` shows it). `<name>` stands for a file the script builds in a temp dir.", "",
-             "| case | command | exit | message | one line, no traceback |", "|---|---|---|---|---|"]
+    lines = [
+        "# Bad inputs",
+        "",
+        f"Generated by `{command}` on {datetime.date.today().isoformat()}.",
+        "",
+        "Every CLI run in-process on a tiny target (4 layers, 512 ids) and a random 2-stage drafter. "
+        "The contract: non-zero exit, exactly one `error:` line on stderr, no traceback "
+        "(`--debug` shows it). `<name>` stands for a file the script builds in a temp dir.",
+        "",
+        "| case | command | exit | message | one line, no traceback |",
+        "|---|---|---|---|---|",
+    ]
     for r in results:
-        note = "yes" if r.clean else "**NO**: " + ", ".join(filter(None, [
-            "exit 0" if r.exit in (0, None) else "", f"{len(r.error_lines)} error lines" if len(r.error_lines) != 1 else "",
-            "traceback" if r.traceback else "", r.uncaught and "uncaught exception",
-            "" if r.case.expect in r.message else f"expected {r.case.expect!r}"]))
+        note = (
+            "yes"
+            if r.clean
+            else "**NO**: "
+            + ", ".join(
+                filter(
+                    None,
+                    [
+                        "exit 0" if r.exit in (0, None) else "",
+                        f"{len(r.error_lines)} error lines" if len(r.error_lines) != 1 else "",
+                        "traceback" if r.traceback else "",
+                        r.uncaught and "uncaught exception",
+                        "" if r.case.expect in r.message else f"expected {r.case.expect!r}",
+                    ],
+                )
+            )
+        )
         if r.case.xfail:
             note += f" (known bug: {r.case.xfail})"
         if "usage:" in r.stderr:
@@ -306,8 +450,11 @@ def markdown(results: list[Result], command: str) -> str:
     if bad:
         lines += ["", "Cases that do not:", ""]
         for r in bad:
-            rest = [l.strip() for l in r.stderr.splitlines() if l.startswith((" ", "\t")) and l.strip()
-                    and not l.strip().startswith("[")]
+            rest = [
+                line.strip()
+                for line in r.stderr.splitlines()
+                if line.startswith((" ", "\t")) and line.strip() and not line.strip().startswith("[")
+            ]
             lines.append(f"- {r.case.name}: `{r.message}`" + (f" followed by `{rest[-1]}`" if rest else ""))
     return "\n".join(lines) + "\n"
 

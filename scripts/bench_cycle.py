@@ -20,6 +20,7 @@ random-init PDM with the tiny config's shape (`L_s = max(1, L/n - 1)`), which is
 `--replay oracle` (or an R/W pattern such as `RRRW`) replays the target's own greedy continuation
 instead, at zero draft cost, for the accept-heavy regime.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,17 +36,20 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from spd_lightning.export import DrafterSpec, save_drafter  # noqa: E402
-from spd_lightning.geometry import Geometry  # noqa: E402
-from spd_lightning.pdm import PDMConfig, PipelineDraftModule  # noqa: E402
-from spd_lightning.target import Target  # noqa: E402
 from inference.ar import ar_decode, target_eos  # noqa: E402
-from spd_lightning.export import read_drafter_spec  # noqa: E402
 from inference.launch import DecodeJob, Replay, launch  # noqa: E402
 from inference.prompts import load_tokenizer, read_prompts, render  # noqa: E402
 from inference.schedule import eos_set  # noqa: E402
 from inference.tables import fmt, markdown_table, pyplot, save  # noqa: E402
 from inference.verify import Sampling  # noqa: E402
+from spd_lightning.export import (  # noqa: E402
+    DrafterSpec,
+    read_drafter_spec,  # noqa: E402
+    save_drafter,
+)
+from spd_lightning.geometry import Geometry  # noqa: E402
+from spd_lightning.pdm import PDMConfig, PipelineDraftModule  # noqa: E402
+from spd_lightning.target import Target  # noqa: E402
 
 TRAINED = "artifacts/tiny_run/drafter"
 
@@ -55,11 +59,18 @@ def random_drafter(target: Target, n: int, out_dir: str, draft_vocab: int = 2048
     geometry = Geometry.build(target.num_layers, n)
     cfg = target.config
     torch.manual_seed(seed)
-    d2t = torch.randperm(target.vocab_size)[:min(draft_vocab, target.vocab_size)].sort().values
-    pdm_cfg = PDMConfig(target.hidden_size, geometry.num_types, len(d2t), hidden_size=target.hidden_size,
-                        num_layers=max(1, target.num_layers // n - 1), num_heads=cfg.num_attention_heads,
-                        num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                        intermediate_size=cfg.intermediate_size)
+    d2t = torch.randperm(target.vocab_size)[: min(draft_vocab, target.vocab_size)].sort().values
+    pdm_cfg = PDMConfig(
+        target.hidden_size,
+        geometry.num_types,
+        len(d2t),
+        hidden_size=target.hidden_size,
+        num_layers=max(1, target.num_layers // n - 1),
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        intermediate_size=cfg.intermediate_size,
+    )
     pdm = PipelineDraftModule(pdm_cfg, d2t).eval()
     return save_drafter(pdm, DrafterSpec(pdm_cfg, geometry, target.info), out_dir)
 
@@ -77,9 +88,16 @@ def profile(results) -> dict:
     overhead = [w - max(s, d) for w, s, d in zip(wall, slowest, draft)]
     N = sum(r.N for r in results)
     decode_s = sum(r.decode_s for r in results)
-    return {"K": K, "N": N, "alpha": N / K, "wall_ms": 1e3 * mean(wall), "slowest_stage_ms": 1e3 * mean(slowest),
-            "draft_ms": 1e3 * mean(draft), "overhead_ms": 1e3 * mean(overhead),
-            "decode_tok_s": sum(r.N - 1 for r in results) / decode_s}
+    return {
+        "K": K,
+        "N": N,
+        "alpha": N / K,
+        "wall_ms": 1e3 * mean(wall),
+        "slowest_stage_ms": 1e3 * mean(slowest),
+        "draft_ms": 1e3 * mean(draft),
+        "overhead_ms": 1e3 * mean(overhead),
+        "decode_tok_s": sum(r.N - 1 for r in results) / decode_s,
+    }
 
 
 def median_profile(profiles: list[dict]) -> dict:
@@ -87,11 +105,34 @@ def median_profile(profiles: list[dict]) -> dict:
 
 
 def table(rows: dict[tuple[str, str], dict]) -> str:
-    head = ["drafter", "run", "n", "K", "alpha", "cycle wall (ms)", "slowest stage (ms)", "PDM draft (ms)", "overhead (ms)",
-            "decode tok/s"]
-    cells = [[drafter, label, n, str(p["K"]), fmt(p["alpha"]), fmt(p["wall_ms"], 2), fmt(p["slowest_stage_ms"], 2),
-              fmt(p["draft_ms"], 2), fmt(p["overhead_ms"], 2), fmt(p["decode_tok_s"], 1)]
-             for (drafter, label), by_n in rows.items() for n, p in sorted(by_n.items(), key=lambda kv: int(kv[0]))]
+    head = [
+        "drafter",
+        "run",
+        "n",
+        "K",
+        "alpha",
+        "cycle wall (ms)",
+        "slowest stage (ms)",
+        "PDM draft (ms)",
+        "overhead (ms)",
+        "decode tok/s",
+    ]
+    cells = [
+        [
+            drafter,
+            label,
+            n,
+            str(p["K"]),
+            fmt(p["alpha"]),
+            fmt(p["wall_ms"], 2),
+            fmt(p["slowest_stage_ms"], 2),
+            fmt(p["draft_ms"], 2),
+            fmt(p["overhead_ms"], 2),
+            fmt(p["decode_tok_s"], 1),
+        ]
+        for (drafter, label), by_n in rows.items()
+        for n, p in sorted(by_n.items(), key=lambda kv: int(kv[0]))
+    ]
     return "\n".join(markdown_table(head, cells))
 
 
@@ -133,7 +174,9 @@ def measure(args) -> dict:
     replay = None
     if args.replay:
         drafter = f"replay {args.replay}"
-        replay = Replay(args.replay, [ar_decode(target, ids, args.max_new_tokens, eos_token_id=eos).tokens for ids in prompts])
+        replay = Replay(
+            args.replay, [ar_decode(target, ids, args.max_new_tokens, eos_token_id=eos).tokens for ids in prompts]
+        )
     profiles = {}
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.n:
@@ -144,23 +187,49 @@ def measure(args) -> dict:
                     geometry = trained
                 else:  # a trained drafter serves only its own n
                     path = random_drafter(target, n, os.path.join(tmp, f"pdm_n{n}"))
-            job = DecodeJob(args.target, geometry.to_dict(), prompts, args.max_new_tokens, eos, target.vocab_size,
-                            target.hidden_size, Sampling().to_dict(), drafter_path=path, replay=replay, profile=True)
-            warm = dataclasses.replace(job, prompts=prompts[:1], max_new_tokens=8,
-                                       replay=None if replay is None else replay._replace(references=replay.references[:1]))
+            job = DecodeJob(
+                args.target,
+                geometry.to_dict(),
+                prompts,
+                args.max_new_tokens,
+                eos,
+                target.vocab_size,
+                target.hidden_size,
+                Sampling().to_dict(),
+                drafter_path=path,
+                replay=replay,
+                profile=True,
+            )
+            warm = dataclasses.replace(
+                job,
+                prompts=prompts[:1],
+                max_new_tokens=8,
+                replay=None if replay is None else replay._replace(references=replay.references[:1]),
+            )
             launch(warm)  # the fork server, imports and first-touch allocations
             profiles[str(n)] = median_profile([profile(launch(job)) for _ in range(args.repeat)])
-    meta = {"label": args.label, "date": datetime.date.today().isoformat(), "machine": f"{os.cpu_count()}-core CPU, gloo",
-            "load_average": os.getloadavg()[0], "python": platform.python_version(), "torch": torch.__version__,
-            "target": args.target, "drafter": drafter or "random-init PDM", "prompts": len(prompts),
-            "max_new_tokens": args.max_new_tokens, "repeat": args.repeat}
+    meta = {
+        "label": args.label,
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{os.cpu_count()}-core CPU, gloo",
+        "load_average": os.getloadavg()[0],
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "target": args.target,
+        "drafter": drafter or "random-init PDM",
+        "prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "repeat": args.repeat,
+    }
     return {"meta": meta, "profiles": profiles}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="artifacts/tiny_target")
-    p.add_argument("--drafter", default=None, help=f"exported drafter (default: {TRAINED} if present, else random-init)")
+    p.add_argument(
+        "--drafter", default=None, help=f"exported drafter (default: {TRAINED} if present, else random-init)"
+    )
     p.add_argument("--prompts", default="docs/demo_prompts.jsonl")
     p.add_argument("--n", type=int, nargs="+", default=[2, 4])
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -188,12 +257,16 @@ def main(argv: list[str] | None = None) -> int:
         key = (run["meta"]["drafter"], run["meta"]["label"])
         for n, prof in run["profiles"].items():
             grouped.setdefault(key, {}).setdefault(n, []).append(prof)
-    rows = {key: {n: median_profile(ps) for n, ps in by_n.items()}
-            for key, by_n in sorted(grouped.items(), key=lambda kv: kv[0][0])}  # by drafter, runs as given
+    rows = {
+        key: {n: median_profile(ps) for n, ps in by_n.items()}
+        for key, by_n in sorted(grouped.items(), key=lambda kv: kv[0][0])
+    }  # by drafter, runs as given
     meta = runs[0]["meta"]
     count = max(len(ps) for by_n in grouped.values() for ps in by_n.values())
-    print(f"{meta['date']}, {meta['machine']}, torch {meta['torch']}, {meta['prompts']} prompts "
-          f"x {meta['max_new_tokens']} new tokens (greedy), median of {count} run(s) per row\n")
+    print(
+        f"{meta['date']}, {meta['machine']}, torch {meta['torch']}, {meta['prompts']} prompts "
+        f"x {meta['max_new_tokens']} new tokens (greedy), median of {count} run(s) per row\n"
+    )
     print(table(rows))
     if args.png:
         plot(rows, args.png)

@@ -21,6 +21,7 @@ it. The planner (`inference.plan.CostModel`) turns the numbers into predicted sp
 
 Output: one JSON (`--json`) and a markdown table (stdout, and `--md`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,23 +38,34 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from spd_lightning.archs import load_arch  # noqa: E402
-from spd_lightning.geometry import Geometry  # noqa: E402
-from spd_lightning.pdm import PDMConfig, PipelineDraftModule  # noqa: E402
-from spd_lightning.target import Target  # noqa: E402
 from inference.drafter import PDMDrafter  # noqa: E402
 from inference.plan import CostModel, parse_alpha, plan  # noqa: E402
 from inference.simulator import Simulator  # noqa: E402
 from inference.stages import Stage  # noqa: E402
 from inference.tables import fmt, markdown_table  # noqa: E402
 from inference.verify import Sampling  # noqa: E402
+from spd_lightning.archs import load_arch  # noqa: E402
+from spd_lightning.geometry import Geometry  # noqa: E402
+from spd_lightning.pdm import PDMConfig, PipelineDraftModule  # noqa: E402
+from spd_lightning.target import Target  # noqa: E402
 
 log = logging.getLogger("bench_decode_gpu")
 
 # The real Qwen3.5 text shapes (spd_lightning/archs: hybrid, 3 Gated DeltaNet layers then one full attention).
-SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "full_attention_interval",
-              "num_attention_heads", "num_key_value_heads", "head_dim", "linear_num_key_heads",
-              "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+SHAPE_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "full_attention_interval",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+)
 
 
 def arch_shape(name: str) -> dict:
@@ -64,9 +76,20 @@ def arch_shape(name: str) -> dict:
 SHAPES = {
     "4b": arch_shape("qwen3.5-4b"),
     "9b": arch_shape("qwen3.5-9b"),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                 vocab_size=512, num_hidden_layers=8, full_attention_interval=2),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        vocab_size=512,
+        num_hidden_layers=8,
+        full_attention_interval=2,
+    ),
 }
 
 
@@ -83,8 +106,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sim-tokens", type=int, default=32, help="tokens the simulator decodes per n")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                   help="also time the captured (torch.compile) steps")
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time the captured (torch.compile) steps",
+    )
     p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth for weights_ms (H200: 4.8)")
     p.add_argument("--alpha", action="append", default=None, help="N:L_S:ALPHA for the planner (repeatable)")
     p.add_argument("--json", help="write every number here")
@@ -158,8 +185,17 @@ def bench_stages(shape: dict, n: int, args, device: torch.device) -> list[dict]:
             ms = median_ms(one_token, args.iters, args.warmup, device)
             bandwidth_ms = weight_bytes(stage) / (args.hbm_tbps * 1e12) * 1e3
             log.info("stage n=%d %s captured=%s: %.3f ms", n, role, compiled, ms)
-            rows.append({"n": n, "stage": role, "layers": k, "captured": compiled, "ms": ms,
-                         "weights_ms": bandwidth_ms, "vs_weights": ms / bandwidth_ms})
+            rows.append(
+                {
+                    "n": n,
+                    "stage": role,
+                    "layers": k,
+                    "captured": compiled,
+                    "ms": ms,
+                    "weights_ms": bandwidth_ms,
+                    "vs_weights": ms / bandwidth_ms,
+                }
+            )
     del target, stages
     return rows
 
@@ -168,9 +204,17 @@ def bench_draft(shape: dict, n: int, L_s: int, args, device: torch.device) -> li
     """One full pipeline's draft (fill n) of an `L_s`-layer PDM, eager and captured."""
     H, L = shape["hidden_size"], shape["num_hidden_layers"]
     geometry = Geometry.build(L, n)
-    cfg = PDMConfig(H, geometry.num_types, args.draft_vocab, hidden_size=H, num_layers=L_s,
-                    num_heads=shape["num_attention_heads"], num_kv_heads=shape["num_key_value_heads"],
-                    head_dim=128 if H >= 1024 else 16, intermediate_size=shape["intermediate_size"])
+    cfg = PDMConfig(
+        H,
+        geometry.num_types,
+        args.draft_vocab,
+        hidden_size=H,
+        num_layers=L_s,
+        num_heads=shape["num_attention_heads"],
+        num_kv_heads=shape["num_key_value_heads"],
+        head_dim=128 if H >= 1024 else 16,
+        intermediate_size=shape["intermediate_size"],
+    )
     torch.manual_seed(0)
     with torch.device(device):
         pdm = PipelineDraftModule(cfg).to(args.dtype).eval()
@@ -183,7 +227,7 @@ def bench_draft(shape: dict, n: int, L_s: int, args, device: torch.device) -> li
         drafter.start(torch.randint(0, shape["vocab_size"], (1, P), device=device), P + n + 2)
         drafter.states.normal_()
         drafter.draft(view, None)  # appends the prompt: later calls draft the in-flight positions only
-        ms = median_ms(lambda: drafter.draft(view, None), args.iters, args.warmup, device)
+        ms = median_ms(lambda: drafter.draft(view, None), args.iters, args.warmup, device)  # noqa: B023 - timed here
         log.info("draft L_s=%d fill=%d captured=%s: %.3f ms", L_s, n, compiled, ms)
         rows.append({"n": n, "L_s": L_s, "fill": n, "captured": compiled, "ms": ms})
     return rows
@@ -193,9 +237,17 @@ def bench_simulator(shape: dict, n: int, args, device: torch.device) -> dict:
     """Per cycle of an eager simulator decode (one layer per stage): wall, stages, draft, and the rest."""
     target = make_target(shape, n, device, args.dtype)
     geometry = Geometry.build(n, n)
-    cfg = PDMConfig(shape["hidden_size"], geometry.num_types, args.draft_vocab, hidden_size=shape["hidden_size"],
-                    num_layers=1, num_heads=shape["num_attention_heads"], num_kv_heads=shape["num_key_value_heads"],
-                    head_dim=128 if shape["hidden_size"] >= 1024 else 16, intermediate_size=shape["intermediate_size"])
+    cfg = PDMConfig(
+        shape["hidden_size"],
+        geometry.num_types,
+        args.draft_vocab,
+        hidden_size=shape["hidden_size"],
+        num_layers=1,
+        num_heads=shape["num_attention_heads"],
+        num_kv_heads=shape["num_key_value_heads"],
+        head_dim=128 if shape["hidden_size"] >= 1024 else 16,
+        intermediate_size=shape["intermediate_size"],
+    )
     with torch.device(device):
         pdm = PipelineDraftModule(cfg).to(args.dtype).eval()
     simulator = Simulator(target, pdm, geometry, profile=True)
@@ -204,8 +256,15 @@ def bench_simulator(shape: dict, n: int, args, device: torch.device) -> dict:
     result = simulator.decode(prompt, args.sim_tokens)
     t, K = result.timing["totals"], result.K
     wall, stages, draft = t["wall_s"] / K, sum(t["stage_compute_s"]) / K, t["draft_s"] / K
-    return {"n": n, "K": K, "wall_ms": wall * 1e3, "stages_ms": stages * 1e3, "draft_ms": draft * 1e3,
-            "non_stage_ms": (wall - stages) * 1e3, "overhead_ms": (wall - stages - draft) * 1e3}
+    return {
+        "n": n,
+        "K": K,
+        "wall_ms": wall * 1e3,
+        "stages_ms": stages * 1e3,
+        "draft_ms": draft * 1e3,
+        "non_stage_ms": (wall - stages) * 1e3,
+        "overhead_ms": (wall - stages - draft) * 1e3,
+    }
 
 
 def predict(model: str, shape: dict, stage_rows, draft_rows, sim_rows, alphas, captured: bool) -> list[dict]:
@@ -223,8 +282,15 @@ def predict(model: str, shape: dict, stage_rows, draft_rows, sim_rows, alphas, c
         else:
             slope, fixed = drafts[0][1] / drafts[0][0], 0.0
         overhead = next((r["overhead_ms"] for r in sim_rows if r["n"] == n), 0.0)
-        cost = CostModel(t_full, max(float(slope), 1e-9), max(float(fixed), 0.0), max(overhead, 0.0),
-                         stage_fixed=max(0.0, pick["last"] - t_full / n), unit="ms", num_layers=shape["num_hidden_layers"])
+        cost = CostModel(
+            t_full,
+            max(float(slope), 1e-9),
+            max(float(fixed), 0.0),
+            max(overhead, 0.0),
+            stage_fixed=max(0.0, pick["last"] - t_full / n),
+            unit="ms",
+            num_layers=shape["num_hidden_layers"],
+        )
         chosen = {key: a for key, a in alphas.items() if key[0] == n}
         if not chosen:  # no alpha for this n: nothing to predict
             continue
@@ -236,19 +302,33 @@ def predict(model: str, shape: dict, stage_rows, draft_rows, sim_rows, alphas, c
 def run(args) -> dict:
     device = torch.device(args.device)
     alphas = dict(parse_alpha(a) for a in args.alpha)
-    report = {"date": datetime.date.today().isoformat(), "machine": platform.node(), "device": str(device),
-              "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-              "dtype": str(args.dtype).replace("torch.", ""), "torch": torch.__version__, "args": vars(args) | {"dtype": str(args.dtype)},
-              "models": {}}
+    report = {
+        "date": datetime.date.today().isoformat(),
+        "machine": platform.node(),
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "dtype": str(args.dtype).replace("torch.", ""),
+        "torch": torch.__version__,
+        "args": vars(args) | {"dtype": str(args.dtype)},
+        "models": {},
+    }
     for model in args.models:
         shape = SHAPES[model]
         stage_rows = [r for n in args.n for r in bench_stages(shape, n, args, device)]
         draft_rows = [r for L_s in args.draft_layers for r in bench_draft(shape, max(args.n), L_s, args, device)]
         sim_rows = [bench_simulator(shape, n, args, device) for n in args.n]
-        plans = [p for captured in ([False, True] if args.compile else [False])
-                 for p in predict(model, shape, stage_rows, draft_rows, sim_rows, alphas, captured)]
-        report["models"][model] = {"shape": shape, "stages": stage_rows, "drafts": draft_rows, "simulator": sim_rows,
-                                   "plan": plans}
+        plans = [
+            p
+            for captured in ([False, True] if args.compile else [False])
+            for p in predict(model, shape, stage_rows, draft_rows, sim_rows, alphas, captured)
+        ]
+        report["models"][model] = {
+            "shape": shape,
+            "stages": stage_rows,
+            "drafts": draft_rows,
+            "simulator": sim_rows,
+            "plan": plans,
+        }
         write_json(report, args.json)  # after each model: a run cut short by a time limit keeps what it measured
     return report
 
@@ -267,19 +347,49 @@ def markdown(report: dict) -> str:
     lines = [f"Decoder latencies, {report['device']} ({report['gpu']}), {report['dtype']}, {report['date']}", ""]
     for model, r in report["models"].items():
         lines.append(f"### {model}: stage forward (one token + its rollback), ms")
-        lines.append(table(["n", "stage", "layers", "captured", "ms", "weights_ms", "vs_weights"],
-                                    [[x["n"], x["stage"], x["layers"], x["captured"], x["ms"], x["weights_ms"], x["vs_weights"]]
-                                     for x in r["stages"]]))
+        lines.append(
+            table(
+                ["n", "stage", "layers", "captured", "ms", "weights_ms", "vs_weights"],
+                [
+                    [x["n"], x["stage"], x["layers"], x["captured"], x["ms"], x["weights_ms"], x["vs_weights"]]
+                    for x in r["stages"]
+                ],
+            )
+        )
         lines.append(f"\n### {model}: PDM draft (fill n), ms")
-        lines.append(table(["n", "L_s", "captured", "ms"], [[x["n"], x["L_s"], x["captured"], x["ms"]] for x in r["drafts"]]))
+        lines.append(
+            table(["n", "L_s", "captured", "ms"], [[x["n"], x["L_s"], x["captured"], x["ms"]] for x in r["drafts"]])
+        )
         lines.append(f"\n### {model}: simulator per cycle (eager), ms")
-        lines.append(table(["n", "K", "wall", "stages", "draft", "non-stage", "overhead"],
-                                    [[x["n"], x["K"], x["wall_ms"], x["stages_ms"], x["draft_ms"], x["non_stage_ms"], x["overhead_ms"]]
-                                     for x in r["simulator"]]))
+        lines.append(
+            table(
+                ["n", "K", "wall", "stages", "draft", "non-stage", "overhead"],
+                [
+                    [x["n"], x["K"], x["wall_ms"], x["stages_ms"], x["draft_ms"], x["non_stage_ms"], x["overhead_ms"]]
+                    for x in r["simulator"]
+                ],
+            )
+        )
         lines.append(f"\n### {model}: planner, predicted speedup over 1-GPU AR")
-        lines.append(table(["captured", "n", "L_s", "alpha", "stage", "draft", "overhead", "cycle", "speedup"],
-                                    [[p["captured"], p["n"], p["L_s"], p["alpha"], p["stage"], p["draft"], p["overhead"],
-                                      p["cycle"], p["speedup"]] for p in r["plan"]]))
+        lines.append(
+            table(
+                ["captured", "n", "L_s", "alpha", "stage", "draft", "overhead", "cycle", "speedup"],
+                [
+                    [
+                        p["captured"],
+                        p["n"],
+                        p["L_s"],
+                        p["alpha"],
+                        p["stage"],
+                        p["draft"],
+                        p["overhead"],
+                        p["cycle"],
+                        p["speedup"],
+                    ]
+                    for p in r["plan"]
+                ],
+            )
+        )
         lines.append("")
     return "\n".join(lines)
 

@@ -13,6 +13,7 @@ only names the runs, prints each command before running it (so the docs can quot
 under `ROOT/NAME/` (`--root`, default `runs/bench`): `checkpoints/last.ckpt`, `logs/` (CSV metrics),
 `train.json` (the command, wall time, final validation agreement) and `eval/eval.json`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,15 +31,17 @@ from typing import NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from spd_lightning.errors import UserError  # noqa: E402
-from spd_lightning.geometry import MODES  # noqa: E402
 from inference.cli import run_guarded  # noqa: E402
 from inference.repetition import repeated_kgrams  # noqa: E402
 from inference.tables import fmt, grouped_bars, markdown_table, pyplot, save  # noqa: E402
+from spd_lightning.errors import UserError  # noqa: E402
+from spd_lightning.geometry import MODES  # noqa: E402
 
-SETS = {"gsm8k": "../shared/data/gsm8k_question.jsonl", "humaneval": "../shared/data/humaneval_question.jsonl",
-        "sharegpt": "runs/bench/sharegpt.jsonl"}
-
+SETS = {
+    "gsm8k": "../shared/data/gsm8k_question.jsonl",
+    "humaneval": "../shared/data/humaneval_question.jsonl",
+    "sharegpt": "runs/bench/sharegpt.jsonl",
+}
 
 
 class BenchError(UserError):
@@ -69,8 +72,14 @@ RUNS = {
     "quarters_n4_L1": Run(4, 1, "spd", anchors="quarters"),
 }
 TABLES = {
-    "Table 2 shape: SPD vs PPSD across n (L_s = max(1, L/n - 1) with L = 8)":
-        ["spd_n2_L3", "spd_n4_L1", "spd_n8_L1", "ppsd_n2_L3", "ppsd_n4_L1", "ppsd_n8_L1"],
+    "Table 2 shape: SPD vs PPSD across n (L_s = max(1, L/n - 1) with L = 8)": [
+        "spd_n2_L3",
+        "spd_n4_L1",
+        "spd_n8_L1",
+        "ppsd_n2_L3",
+        "ppsd_n4_L1",
+        "ppsd_n8_L1",
+    ],
     "Table 3 shape: PDM depth L_s at n = 4": ["spd_n4_L1", "spd_n4_L2", "spd_n4_L3", "spd_n4_L4"],
     "Table 4 shape: pre-step vs post-step drafting at n = 4, L_s = 1": ["spd_n4_L1", "post_n4_L1"],
     "Training layout: depth vs type at n = 4, L_s = 1, equal steps": ["spd_n4_L1", "type_n4_L1"],
@@ -82,18 +91,58 @@ def train_command(name: str, args: argparse.Namespace) -> list[str]:
     run = RUNS[name]
     schedule, features = MODES[run.mode]
     out = f"{args.root}/{name}"
-    return ["python", "-m", "spd_lightning", "fit", "--config", args.config, "--model.n", str(run.n), "--model.num_layers",
-            str(run.L_s), "--model.schedule", schedule, "--model.features", features, "--model.layout", run.layout,
-            "--model.anchors", run.anchors, "--trainer.default_root_dir", out, "--trainer.logger.init_args.save_dir", out,
-            "--checkpoint.dirpath", f"{out}/checkpoints", *shlex.split(args.extra)]
+    return [
+        "python",
+        "-m",
+        "spd_lightning",
+        "fit",
+        "--config",
+        args.config,
+        "--model.n",
+        str(run.n),
+        "--model.num_layers",
+        str(run.L_s),
+        "--model.schedule",
+        schedule,
+        "--model.features",
+        features,
+        "--model.layout",
+        run.layout,
+        "--model.anchors",
+        run.anchors,
+        "--trainer.default_root_dir",
+        out,
+        "--trainer.logger.init_args.save_dir",
+        out,
+        "--checkpoint.dirpath",
+        f"{out}/checkpoints",
+        *shlex.split(args.extra),
+    ]
 
 
 def eval_command(name: str, args: argparse.Namespace, pipeline: bool = False) -> list[str]:
     """The simulator at T = 0 and 1 into NAME/eval, or (`pipeline`) the n+1 gloo processes, greedy, into pipeline/NAME."""
-    out, mode = (f"{args.root}/pipeline/{name}", ["0"]) if pipeline else (f"{args.root}/{name}/eval", ["0", "1", "--simulate"])
-    return ["python", "-m", "inference.eval", "--ckpt", f"{args.root}/{name}/checkpoints/last.ckpt", "--prompts",
-            *args.sets.values(), "--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens),
-            "--temperatures", *mode, "--no-progress", "--out", out]
+    out, mode = (
+        (f"{args.root}/pipeline/{name}", ["0"]) if pipeline else (f"{args.root}/{name}/eval", ["0", "1", "--simulate"])
+    )
+    return [
+        "python",
+        "-m",
+        "inference.eval",
+        "--ckpt",
+        f"{args.root}/{name}/checkpoints/last.ckpt",
+        "--prompts",
+        *args.sets.values(),
+        "--limit",
+        str(args.limit),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--temperatures",
+        *mode,
+        "--no-progress",
+        "--out",
+        out,
+    ]
 
 
 def _run(name: str, command: list[str], threads: int, log: str) -> tuple[int, float]:
@@ -111,9 +160,16 @@ def _run(name: str, command: list[str], threads: int, log: str) -> tuple[int, fl
 def train(name: str, args: argparse.Namespace) -> int:
     command = train_command(name, args)
     code, minutes = _run(name, command, args.threads, f"{args.root}/{name}/train.log")
-    record = {"name": name, "command": shlex.join(command), "exit": code, "minutes": round(minutes, 2),
-              "threads": args.threads, "jobs": args.jobs, "date": datetime.date.today().isoformat(),
-              **final_metrics(f"{args.root}/{name}")}
+    record = {
+        "name": name,
+        "command": shlex.join(command),
+        "exit": code,
+        "minutes": round(minutes, 2),
+        "threads": args.threads,
+        "jobs": args.jobs,
+        "date": datetime.date.today().isoformat(),
+        **final_metrics(f"{args.root}/{name}"),
+    }
     with open(f"{args.root}/{name}/train.json", "w") as f:
         json.dump(record, f, indent=1)
     return code
@@ -163,17 +219,48 @@ def adjusted(report: dict, row: dict) -> float | None:
 
 def table(runs: dict[str, tuple[dict, dict]], names: list[str]) -> str:
     sets = _sets(runs[names[0]][1])
-    head = ["run", "mode", "n", "L_s", "layout", "anchors", "steps", "val agree", *(f"alpha {s}" for s in sets),
-            "alpha T=0", "n*alpha", "r", "S adj. T=0", "alpha T=1", "S adj. T=1", "train min"]
+    head = [
+        "run",
+        "mode",
+        "n",
+        "L_s",
+        "layout",
+        "anchors",
+        "steps",
+        "val agree",
+        *(f"alpha {s}" for s in sets),
+        "alpha T=0",
+        "n*alpha",
+        "r",
+        "S adj. T=0",
+        "alpha T=1",
+        "S adj. T=1",
+        "train min",
+    ]
     rows = []
     for name in names:
         trained, report = runs[name]
         greedy, sampled = _result(report, "overall", 0.0), _result(report, "overall", 1.0)
-        rows.append([name, report["mode"], str(report["n"]), str(report["L_s"]), RUNS[name].layout, RUNS[name].anchors,
-                     str(trained.get("steps", "-")), fmt(trained.get("val/agree")),
-                     *(fmt(_result(report, s, 0.0)["alpha"]) for s in sets), fmt(greedy["alpha"]), fmt(greedy["S0"], 2),
-                     fmt(greedy["r"]), fmt(adjusted(report, greedy), 2), fmt(sampled["alpha"]),
-                     fmt(adjusted(report, sampled), 2), fmt(trained["minutes"], 1)])
+        rows.append(
+            [
+                name,
+                report["mode"],
+                str(report["n"]),
+                str(report["L_s"]),
+                RUNS[name].layout,
+                RUNS[name].anchors,
+                str(trained.get("steps", "-")),
+                fmt(trained.get("val/agree")),
+                *(fmt(_result(report, s, 0.0)["alpha"]) for s in sets),
+                fmt(greedy["alpha"]),
+                fmt(greedy["S0"], 2),
+                fmt(greedy["r"]),
+                fmt(adjusted(report, greedy), 2),
+                fmt(sampled["alpha"]),
+                fmt(adjusted(report, sampled), 2),
+                fmt(trained["minutes"], 1),
+            ]
+        )
     return "\n".join(markdown_table(head, rows))
 
 
@@ -182,8 +269,10 @@ def ar_line(runs: dict[str, tuple[dict, dict]]) -> str:
     greedy = [_result(report, "overall", 0.0) for _, report in runs.values()]
     rates = [r["ar_decode_tokens_per_s"] for r in greedy]
     t_full = [r["T_full_s"] * 1e3 for r in greedy]
-    return (f"AR baseline (speedup 1 by definition): {min(rates):.1f}-{max(rates):.1f} decode tok/s greedy, "
-            f"T_full {min(t_full):.2f}-{max(t_full):.2f} ms per token, across the {len(runs)} evaluations.")
+    return (
+        f"AR baseline (speedup 1 by definition): {min(rates):.1f}-{max(rates):.1f} decode tok/s greedy, "
+        f"T_full {min(t_full):.2f}-{max(t_full):.2f} ms per token, across the {len(runs)} evaluations."
+    )
 
 
 def write_tables(args: argparse.Namespace) -> None:
@@ -216,7 +305,7 @@ def write_region(path: str, text: str) -> None:
         with open(path) as f:
             old = f.read()
         if BEGIN in old and END in old:
-            body = old[: old.index(BEGIN)] + body + old[old.index(END) + len(END):]
+            body = old[: old.index(BEGIN)] + body + old[old.index(END) + len(END) :]
     with open(path, "w") as f:
         f.write(body)
 
@@ -232,8 +321,14 @@ def plot(runs: dict[str, tuple[dict, dict]], path: str) -> None:
     for temperature, marker in ((0.0, "o"), (1.0, "s")):
         rows = [_result(r, "overall", temperature) for r in reports]
         ax2.plot(x, [row["S0"] or 0.0 for row in rows], marker, ls="none", label=f"n*alpha, T={temperature:g}")
-        ax2.plot(x, [adjusted(r, row) or 0.0 for r, row in zip(reports, rows)], marker, ls="none", mfc="none",
-                 label=f"draft-cost adjusted, T={temperature:g}")
+        ax2.plot(
+            x,
+            [adjusted(r, row) or 0.0 for r, row in zip(reports, rows)],
+            marker,
+            ls="none",
+            mfc="none",
+            label=f"draft-cost adjusted, T={temperature:g}",
+        )
     ax2.axhline(1.0, color="gray", lw=0.8, ls="--")
     ax2.set_xticks(x, names, rotation=45, ha="right", fontsize=8)
     ax2.set_title("speedup over AR (SPEC 6)")
@@ -244,8 +339,11 @@ def plot(runs: dict[str, tuple[dict, dict]], path: str) -> None:
 def write_alphas(args: argparse.Namespace) -> None:
     """Greedy overall alpha of the pre-step SPD runs as `{"n,L_s": alpha}`, for `inference.plan --alphas`."""
     runs = load_runs(args.root)
-    alphas = {f"{r['n']},{r['L_s']}": _result(r, "overall", 0.0)["alpha"]
-              for name, (_, r) in runs.items() if RUNS[name][2:] == ("spd", "depth", "n_scaled")}
+    alphas = {
+        f"{r['n']},{r['L_s']}": _result(r, "overall", 0.0)["alpha"]
+        for name, (_, r) in runs.items()
+        if RUNS[name][2:] == ("spd", "depth", "n_scaled")
+    }
     with open(args.out, "w") as f:
         json.dump(alphas, f, indent=1)
     print(f"wrote {args.out}: {alphas}")
@@ -270,25 +368,42 @@ def plan_check(args: argparse.Namespace) -> None:
     other = next((n for n in args.checks if reports[n]["L_s"] != l1), None)
     per_layer = (greedy[other]["T_draft_s"] - d1) / (reports[other]["L_s"] - l1) if other else d1 / l1
     draft_fixed = min(max(0.0, d1 - per_layer * l1), 0.99 * d1)
-    command = ["python", "-m", "inference.plan", "--times", f"{args.root}/pipeline/{calibration_name}/eval.json",
-               "--draft-fixed", f"{draft_fixed:.6f}", "--json", f"{args.root}/pipeline/plan.json",
-               "--plot", f"{args.root}/pipeline/plan.png"]
-    command += [a for n in names for a in ("--alpha", f"{reports[n]['n']}:{reports[n]['L_s']}:{greedy[n]['alpha']:.6f}")]
+    command = [
+        "python",
+        "-m",
+        "inference.plan",
+        "--times",
+        f"{args.root}/pipeline/{calibration_name}/eval.json",
+        "--draft-fixed",
+        f"{draft_fixed:.6f}",
+        "--json",
+        f"{args.root}/pipeline/plan.json",
+        "--plot",
+        f"{args.root}/pipeline/plan.png",
+    ]
+    command += [
+        a for n in names for a in ("--alpha", f"{reports[n]['n']}:{reports[n]['L_s']}:{greedy[n]['alpha']:.6f}")
+    ]
     if _run("plan", command, args.threads, f"{args.root}/pipeline/plan.log")[0] != 0:
         raise BenchError(f"inference.plan failed (see {args.root}/pipeline/plan.log)")
     with open(f"{args.root}/pipeline/plan.json") as f:
         predicted = {(r["n"], r["L_s"]): r for r in json.load(f)["rows"]}
-    lines = [f"Calibration: {calibration_name} (T_full {greedy[calibration_name]['T_full_s'] * 1e3:.2f} ms, slowest stage "
-             f"{greedy[calibration_name]['mean_slowest_stage_s'] * 1e3:.2f} ms, overhead "
-             f"{calibration['plan_inputs']['overhead_s'] * 1e3:.2f} ms); draft {draft_fixed * 1e3:.2f} ms + "
-             f"{per_layer * 1e3:.2f} ms per PDM layer.", "",
-             "| run | n | L_s | alpha | predicted cycle (ms) | measured cycle (ms) | predicted speedup | measured speedup |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Calibration: {calibration_name} (T_full {greedy[calibration_name]['T_full_s'] * 1e3:.2f} ms, slowest stage "
+        f"{greedy[calibration_name]['mean_slowest_stage_s'] * 1e3:.2f} ms, overhead "
+        f"{calibration['plan_inputs']['overhead_s'] * 1e3:.2f} ms); draft {draft_fixed * 1e3:.2f} ms + "
+        f"{per_layer * 1e3:.2f} ms per PDM layer.",
+        "",
+        "| run | n | L_s | alpha | predicted cycle (ms) | measured cycle (ms) | predicted speedup | measured speedup |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name in names:
         row, r = predicted[(reports[name]["n"], reports[name]["L_s"])], greedy[name]
-        lines.append(f"| {name}{' (calibration)' if name == calibration_name else ''} | {row['n']} | {row['L_s']} | "
-                     f"{row['alpha']:.3f} | {row['cycle'] * 1e3:.2f} | {r['mean_cycle_s'] * 1e3:.2f} | "
-                     f"{row['speedup']:.2f} | {r['wall_clock_speedup']:.2f} |")
+        lines.append(
+            f"| {name}{' (calibration)' if name == calibration_name else ''} | {row['n']} | {row['L_s']} | "
+            f"{row['alpha']:.3f} | {row['cycle'] * 1e3:.2f} | {r['mean_cycle_s'] * 1e3:.2f} | "
+            f"{row['speedup']:.2f} | {r['wall_clock_speedup']:.2f} |"
+        )
     text = "\n".join(lines) + "\n"
     with open(f"{args.root}/pipeline/plan_check.md", "w") as f:
         f.write(text)
@@ -306,14 +421,29 @@ def repetition(args: argparse.Namespace) -> None:
         with open(path) as f, open(subset, "w") as g:
             g.writelines([line for line in f if line.strip()][: args.limit])
         out = subset + ".ar.json"
-        command = ["python", "-m", "inference.decode", "--target", target, "--mode", "ar", "--prompts", subset,
-                   "--max-new-tokens", str(args.max_new_tokens), "--json", out]
+        command = [
+            "python",
+            "-m",
+            "inference.decode",
+            "--target",
+            target,
+            "--mode",
+            "ar",
+            "--prompts",
+            subset,
+            "--max-new-tokens",
+            str(args.max_new_tokens),
+            "--json",
+            out,
+        ]
         if _run("repetition", command, args.threads, out + ".log")[0] != 0:
             raise BenchError(f"AR decoding failed (see {out}.log)")
         with open(out) as f:
             outputs = [p["tokens"] for p in json.load(f)["prompts"]]
         repeats, ends = (sum(x) for x in zip(*(repeated_kgrams(t) for t in outputs)))
-        lines.append(f"| {os.path.basename(path)} | {len(outputs)} | {sum(len(t) for t in outputs)} | {repeats / max(ends, 1):.2f} |")
+        lines.append(
+            f"| {os.path.basename(path)} | {len(outputs)} | {sum(len(t) for t in outputs)} | {repeats / max(ends, 1):.2f} |"
+        )
     print("\n".join(lines))
 
 
@@ -329,12 +459,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads per run")
     p.add_argument("--limit", type=int, default=10, help="eval: prompts per set")
     p.add_argument("--max-new-tokens", type=int, default=64, help="eval: tokens per prompt")
-    p.add_argument("--out", help="table: markdown file; its text between the paper-tables markers is replaced when it "
-                                 "has them (default docs/BENCHMARKS.md); alphas: json (default ROOT/alphas.json)")
+    p.add_argument(
+        "--out",
+        help="table: markdown file; its text between the paper-tables markers is replaced when it "
+        "has them (default docs/BENCHMARKS.md); alphas: json (default ROOT/alphas.json)",
+    )
     p.add_argument("--png", default="docs/paper_tables.png", help="table: plot output ('' for none)")
     p.add_argument("--target", default="artifacts/bench_target", help="repetition: the target to decode with")
-    p.add_argument("--calibration", default="spd_n4_L1", help="plancheck: the run whose measured times calibrate the planner")
-    p.add_argument("--checks", nargs="+", default=["spd_n4_L3", "spd_n2_L3"], help="plancheck: runs predicted and measured")
+    p.add_argument(
+        "--calibration", default="spd_n4_L1", help="plancheck: the run whose measured times calibrate the planner"
+    )
+    p.add_argument(
+        "--checks", nargs="+", default=["spd_n4_L3", "spd_n2_L3"], help="plancheck: runs predicted and measured"
+    )
     p.add_argument("--debug", action="store_true", help="show tracebacks (also SPD_DEBUG=1)")
     args = p.parse_args(argv)
     args.sets = dict(enumerate(args.sets)) if args.sets else SETS

@@ -9,6 +9,7 @@
 2. The teacher over V_d: extra peak bytes of turning bf16 target logits `[B, T, V]` into the fp32 restricted
    teacher of the loss positions, restricted after the upcast (before the fix) and before it (now).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,9 @@ class Chats(L.LightningDataModule):
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, self.vocab, (2, self.batch, self.length), generator=gen)
         loss = (torch.arange(self.length) >= self.length // 2).expand(self.batch, -1).clone()
-        return torch.utils.data.DataLoader([{"input_ids": x, "attention_mask": torch.ones_like(x), "loss_mask": loss}
-                                            for x in ids], batch_size=None)
+        return torch.utils.data.DataLoader(
+            [{"input_ids": x, "attention_mask": torch.ones_like(x), "loss_mask": loss} for x in ids], batch_size=None
+        )
 
 
 class MeasureSecondStep(L.Callback):
@@ -56,22 +58,44 @@ class MeasureSecondStep(L.Callback):
 
 
 def estimate_rows(target_dir: str, length: int, batch: int, precision: str) -> list[str]:
-    rows = ["| precision | layout | checkpointing | B x T | estimate MB | measured MB | error |",
-            "| --- | --- | --- | --- | --- | --- | --- |"]
+    rows = [
+        "| precision | layout | checkpointing | B x T | estimate MB | measured MB | error |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for layout in ("depth", "type"):
         for checkpointing in (False, True):
-            module = SPDModule(target=target_dir, target_dtype="float32", n=2, num_layers=2, layout=layout,
-                               attention_backend="dense", activation_checkpointing=checkpointing, lr=1e-4)
+            module = SPDModule(
+                target=target_dir,
+                target_dtype="float32",
+                n=2,
+                num_layers=2,
+                layout=layout,
+                attention_backend="dense",
+                activation_checkpointing=checkpointing,
+                lr=1e-4,
+            )
             callback = MeasureSecondStep()
-            trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
-                                enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                                num_sanity_val_steps=0, callbacks=[callback], precision=precision)
+            trainer = L.Trainer(
+                accelerator="cpu",
+                devices=1,
+                max_steps=2,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                limit_val_batches=0,
+                num_sanity_val_steps=0,
+                callbacks=[callback],
+                precision=precision,
+            )
             trainer.fit(module, Chats(2048, length, batch, 64))
             shape = Shape(batch, length, 64, precision, "ddp", "float32", checkpointing, "dense", dict(module.hparams))
             predicted = estimate(shape, target_config(target_dir))["total"]
-            rows.append(f"| {precision} | {layout} | {'yes' if checkpointing else 'no'} | {batch} x {length} | "
-                        f"{predicted / MB:.2f} | {callback.peak / MB:.2f} | "
-                        f"{100 * (predicted - callback.peak) / callback.peak:+.0f}% |")
+            rows.append(
+                f"| {precision} | {layout} | {'yes' if checkpointing else 'no'} | {batch} x {length} | "
+                f"{predicted / MB:.2f} | {callback.peak / MB:.2f} | "
+                f"{100 * (predicted - callback.peak) / callback.peak:+.0f}% |"
+            )
     return rows
 
 
@@ -79,11 +103,15 @@ def teacher_rows(batch: int, length: int, vocab: int, draft_vocab: int) -> list[
     logits = torch.randn(batch, length, vocab).to(torch.bfloat16)
     d2t = torch.randperm(vocab)[:draft_vocab].sort().values
     sel = torch.zeros(batch, length, dtype=torch.bool)
-    sel[:, length // 2:] = True  # the loss positions
-    paths = {"restrict after the fp32 upcast (before)": lambda: logits[sel].float()[:, d2t],
-             "restrict before any upcast (now)": lambda: logits.index_select(-1, d2t)[sel].float()}
-    rows = [f"| path (B={batch}, T={length}, V={vocab}, V_d={draft_vocab}, bf16 logits) | extra peak MB |",
-            "| --- | --- |"]
+    sel[:, length // 2 :] = True  # the loss positions
+    paths = {
+        "restrict after the fp32 upcast (before)": lambda: logits[sel].float()[:, d2t],
+        "restrict before any upcast (now)": lambda: logits.index_select(-1, d2t)[sel].float(),
+    }
+    rows = [
+        f"| path (B={batch}, T={length}, V={vocab}, V_d={draft_vocab}, bf16 logits) | extra peak MB |",
+        "| --- | --- |",
+    ]
     for name, fn in paths.items():
         with LiveTensorBytes([logits, d2t, sel]) as meter:
             base = meter.current
@@ -104,10 +132,21 @@ def main(argv=None) -> int:
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     torch.manual_seed(0)
-    config = Qwen3_5TextConfig(vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_key_head_dim=16,
-                               linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-                               full_attention_interval=2, max_position_embeddings=4096)
+    config = Qwen3_5TextConfig(
+        vocab_size=2048,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        full_attention_interval=2,
+        max_position_embeddings=4096,
+    )
     target_dir = os.path.join(tempfile.mkdtemp(prefix="bench_train_memory_"), "target")
     Qwen3_5ForCausalLM(config).save_pretrained(target_dir)
     for precision in opts.precision:

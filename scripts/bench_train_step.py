@@ -11,6 +11,7 @@ inside the step; "PDM" is the rest of the step. Memory: the process's peak RSS (
 growth over the RSS just before the first step. CPU only: the attention backend is the CPU one `auto`
 picks (dense below 4,096 replicated positions, two-part above).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,9 +46,14 @@ def measure(target: str, layout: str, seq_len: int, batch_size: int, steps: int,
         def __init__(self, vocab: int):
             super().__init__()
             self.d2t = torch.arange(min(2048, vocab))
-            self.batches = [{"input_ids": torch.randint(0, vocab, (batch_size, seq_len)),
-                             "attention_mask": torch.ones(batch_size, seq_len, dtype=torch.long),
-                             "loss_mask": torch.ones(batch_size, seq_len, dtype=torch.bool)} for _ in range(steps)]
+            self.batches = [
+                {
+                    "input_ids": torch.randint(0, vocab, (batch_size, seq_len)),
+                    "attention_mask": torch.ones(batch_size, seq_len, dtype=torch.long),
+                    "loss_mask": torch.ones(batch_size, seq_len, dtype=torch.bool),
+                }
+                for _ in range(steps)
+            ]
 
         def train_dataloader(self):
             return torch.utils.data.DataLoader(self.batches, batch_size=None)
@@ -84,30 +90,76 @@ def measure(target: str, layout: str, seq_len: int, batch_size: int, steps: int,
 
     module = SPDModule(target, target_dtype="float32", n=N_STAGES, layout=layout, num_layers=PDM_LAYERS, lr=1e-4)
     timer = StepTimer()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+    )
     trainer.fit(module, datamodule=RandomBatches(module.target_config.vocab_size))
     step = sum(timer.step_s[1:]) / (len(timer.step_s) - 1)
     fwd = sum(timer.target_s[1:]) / (len(timer.target_s) - 1)
     tokens = batch_size * seq_len
-    return {"layout": layout, "T": seq_len, "batch_size": batch_size, "n": N_STAGES, "L_s": PDM_LAYERS, "threads": threads,
-            "replicated_len": timer.replicated_len,
-            "backend": resolve_backend("auto", torch.device("cpu"), timer.replicated_len),
-            "step_s": step, "target_forward_s": fwd, "pdm_s": step - fwd, "tokens_per_s": tokens / step,
-            "pdm_tokens_per_s": tokens / (step - fwd),
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "rss_before_step_mb": timer.rss_before}
+    return {
+        "layout": layout,
+        "T": seq_len,
+        "batch_size": batch_size,
+        "n": N_STAGES,
+        "L_s": PDM_LAYERS,
+        "threads": threads,
+        "replicated_len": timer.replicated_len,
+        "backend": resolve_backend("auto", torch.device("cpu"), timer.replicated_len),
+        "step_s": step,
+        "target_forward_s": fwd,
+        "pdm_s": step - fwd,
+        "tokens_per_s": tokens / step,
+        "pdm_tokens_per_s": tokens / (step - fwd),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "rss_before_step_mb": timer.rss_before,
+    }
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ["layout", "T", "batch", "replicated len", "attention", "step (s)", "target fwd (s)", "PDM fwd+bwd+opt (s)",
-            "tokens/s (step)", "tokens/s (PDM only)", "peak RSS (MB)", "growth in step (MB)"]
+    head = [
+        "layout",
+        "T",
+        "batch",
+        "replicated len",
+        "attention",
+        "step (s)",
+        "target fwd (s)",
+        "PDM fwd+bwd+opt (s)",
+        "tokens/s (step)",
+        "tokens/s (PDM only)",
+        "peak RSS (MB)",
+        "growth in step (MB)",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        lines.append("| " + " | ".join([r["layout"], str(r["T"]), str(r["batch_size"]), str(r["replicated_len"]),
-                                        str(r["backend"]), f"{r['step_s']:.2f}", f"{r['target_forward_s']:.2f}",
-                                        f"{r['pdm_s']:.2f}", f"{r['tokens_per_s']:.0f}", f"{r['pdm_tokens_per_s']:.0f}",
-                                        f"{r['peak_rss_mb']:.0f}", f"{r['peak_rss_mb'] - r['rss_before_step_mb']:.0f}"]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["layout"],
+                    str(r["T"]),
+                    str(r["batch_size"]),
+                    str(r["replicated_len"]),
+                    str(r["backend"]),
+                    f"{r['step_s']:.2f}",
+                    f"{r['target_forward_s']:.2f}",
+                    f"{r['pdm_s']:.2f}",
+                    f"{r['tokens_per_s']:.0f}",
+                    f"{r['pdm_tokens_per_s']:.0f}",
+                    f"{r['peak_rss_mb']:.0f}",
+                    f"{r['peak_rss_mb'] - r['rss_before_step_mb']:.0f}",
+                ]
+            )
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -126,19 +178,39 @@ def main(argv: list[str] | None = None) -> None:
     if args.steps < 2:
         sys.exit("error: --steps must be >= 2 (the first step is warm-up)")
     if args.one:
-        print(json.dumps(measure(args.target, args.one[0], int(args.one[1]), args.batch_size, args.steps, args.threads)))
+        print(
+            json.dumps(measure(args.target, args.one[0], int(args.one[1]), args.batch_size, args.steps, args.threads))
+        )
         return
     rows = []
     for layout in args.layouts:
         for T in args.seq_lens:
-            child = [sys.executable, __file__, "--one", layout, str(T), "--target", args.target, "--batch-size",
-                     str(args.batch_size), "--steps", str(args.steps), "--threads", str(args.threads)]
+            child = [
+                sys.executable,
+                __file__,
+                "--one",
+                layout,
+                str(T),
+                "--target",
+                args.target,
+                "--batch-size",
+                str(args.batch_size),
+                "--steps",
+                str(args.steps),
+                "--threads",
+                str(args.threads),
+            ]
             done = subprocess.run(child, capture_output=True, text=True)
             if done.returncode != 0:
-                sys.exit(f"error: {layout} T={T} failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+                sys.exit(
+                    f"error: {layout} T={T} failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}"
+                )
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-            print(f"{layout} T={T}: {rows[-1]['tokens_per_s']:.0f} tokens/s, step {rows[-1]['step_s']:.2f} s "
-                  f"(target {rows[-1]['target_forward_s']:.2f} s), peak RSS {rows[-1]['peak_rss_mb']:.0f} MB", flush=True)
+            print(
+                f"{layout} T={T}: {rows[-1]['tokens_per_s']:.0f} tokens/s, step {rows[-1]['step_s']:.2f} s "
+                f"(target {rows[-1]['target_forward_s']:.2f} s), peak RSS {rows[-1]['peak_rss_mb']:.0f} MB",
+                flush=True,
+            )
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

@@ -14,6 +14,7 @@ Random-init Qwen3.5-4B and -9B targets of their real shapes (spd_lightning/archs
 Sections that would overrun the time budget are skipped and listed as skipped. Only torch, transformers,
 lightning, torchmetrics, safetensors and numpy are imported (no datasets, wandb, jsonargparse, ShareGPT).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,9 +45,18 @@ from spd_lightning.pdm import PDMConfig, PipelineDraftModule  # noqa: E402
 from spd_lightning.target import Target  # noqa: E402
 
 ARCHS = {"qwen35_9b": "Qwen/Qwen3.5-9B", "qwen35_4b": "Qwen/Qwen3.5-4B"}  # the 9B first: its memory is the question
-TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-            vocab_size=512)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    vocab_size=512,
+)
 
 
 class Budget:
@@ -75,7 +85,7 @@ def build_target(arch: str, opts, device: torch.device, dtype: torch.dtype) -> t
             setattr(config, key, value)
     if opts.layers:  # fewer layers, keeping the hybrid pattern (said so in the output)
         config.num_hidden_layers = opts.layers
-        config.layer_types = config.layer_types[:opts.layers]
+        config.layer_types = config.layer_types[: opts.layers]
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -117,29 +127,61 @@ class StepTimer(L.Callback):
 
 def train_row(target: Target, config_dir: str, layout: str, checkpointing: bool, opts, device) -> dict:
     on_gpu = device.type == "cuda"
-    module = SPDModule(target=config_dir, target_dtype=opts.dtype, n=opts.n, num_layers=opts.ls, layout=layout,
-                       activation_checkpointing=checkpointing, init_head=True)
+    module = SPDModule(
+        target=config_dir,
+        target_dtype=opts.dtype,
+        n=opts.n,
+        num_layers=opts.ls,
+        layout=layout,
+        activation_checkpointing=checkpointing,
+        init_head=True,
+    )
     module.use_target(target)
     data = RandomChats(target.vocab_size, opts.length, opts.batch, opts.steps, opts.draft_vocab)
     timer = StepTimer(device)
-    trainer = L.Trainer(accelerator="gpu" if on_gpu else "cpu", devices=1, precision="bf16-mixed" if on_gpu else "32",
-                        max_steps=opts.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[timer])
+    trainer = L.Trainer(
+        accelerator="gpu" if on_gpu else "cpu",
+        devices=1,
+        precision="bf16-mixed" if on_gpu else "32",
+        max_steps=opts.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[timer],
+    )
     if on_gpu:
         torch.cuda.reset_peak_memory_stats(device)
     trainer.fit(module, data)
-    peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if on_gpu else None  # CPU: tests/test_estimate.py
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else None  # CPU: tests/test_estimate.py
     step_s = statistics.median(timer.times[1:] or timer.times)  # the first step compiles
-    shape = Shape(opts.batch, opts.length, opts.draft_vocab, "bf16-mixed" if on_gpu else "32", "ddp", opts.dtype,
-                  checkpointing, "flex" if on_gpu else "dense", dict(module.hparams))
+    shape = Shape(
+        opts.batch,
+        opts.length,
+        opts.draft_vocab,
+        "bf16-mixed" if on_gpu else "32",
+        "ddp",
+        opts.dtype,
+        checkpointing,
+        "flex" if on_gpu else "dense",
+        dict(module.hparams),
+    )
     predicted = estimate(shape, target.config)["total"]
     del module, trainer
     gc.collect()
     if on_gpu:
         torch.cuda.empty_cache()
-    return {"layout": layout, "checkpointing": checkpointing, "step_s": step_s, "first_step_s": timer.times[0],
-            "tokens_per_s": opts.batch * opts.length / step_s, "peak_gib": peak,
-            "estimate_gib": predicted / 2 ** 30}
+    return {
+        "layout": layout,
+        "checkpointing": checkpointing,
+        "step_s": step_s,
+        "first_step_s": timer.times[0],
+        "tokens_per_s": opts.batch * opts.length / step_s,
+        "peak_gib": peak,
+        "estimate_gib": predicted / 2**30,
+    }
 
 
 def median_time(fn, device, repeats: int) -> float:
@@ -175,6 +217,7 @@ def one_token_steps(stage: Stage, token: torch.Tensor, start: int):
     def step():
         stage(token, position[0])
         position[0] += 1
+
     return step
 
 
@@ -183,9 +226,17 @@ def draft_latency(target: Target, num_layers: int, opts, prompt: torch.Tensor, d
     n = opts.n
     geometry = Geometry.build(target.num_layers, n)
     c = target.config
-    cfg = PDMConfig(target_hidden_size=c.hidden_size, num_types=geometry.num_types, draft_vocab_size=opts.draft_vocab,
-                    hidden_size=c.hidden_size, num_layers=num_layers, num_heads=c.num_attention_heads,
-                    num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, intermediate_size=c.intermediate_size)
+    cfg = PDMConfig(
+        target_hidden_size=c.hidden_size,
+        num_types=geometry.num_types,
+        draft_vocab_size=opts.draft_vocab,
+        hidden_size=c.hidden_size,
+        num_layers=num_layers,
+        num_heads=c.num_attention_heads,
+        num_kv_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        intermediate_size=c.intermediate_size,
+    )
     pdm = PipelineDraftModule(cfg).to(device=device, dtype=target.lm_head.weight.dtype).eval()
     drafter = PDMDrafter(pdm, geometry, target.embed_tokens, Sampling(), target.lm_head.weight.dtype)
     P = prompt.shape[1]
@@ -198,25 +249,44 @@ def draft_latency(target: Target, num_layers: int, opts, prompt: torch.Tensor, d
 def decode_check(target: Target, opts, device) -> dict:
     geometry = Geometry.build(target.num_layers, opts.n)
     c = target.config
-    cfg = PDMConfig(target_hidden_size=c.hidden_size, num_types=geometry.num_types, draft_vocab_size=opts.draft_vocab,
-                    hidden_size=c.hidden_size, num_layers=opts.ls, num_heads=c.num_attention_heads,
-                    num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, intermediate_size=c.intermediate_size)
+    cfg = PDMConfig(
+        target_hidden_size=c.hidden_size,
+        num_types=geometry.num_types,
+        draft_vocab_size=opts.draft_vocab,
+        hidden_size=c.hidden_size,
+        num_layers=opts.ls,
+        num_heads=c.num_attention_heads,
+        num_kv_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        intermediate_size=c.intermediate_size,
+    )
     torch.manual_seed(1)
     pdm = PipelineDraftModule(cfg).to(device=device, dtype=target.lm_head.weight.dtype).eval()
     prompt = torch.randint(0, target.vocab_size, (opts.prompt,), generator=torch.Generator().manual_seed(2)).tolist()
     spd = simulate_decode(target, pdm, geometry, prompt, opts.new_tokens)
     ar = ar_decode(target, prompt, opts.new_tokens)
-    return {"identical": spd.tokens == ar.tokens, "new_tokens": spd.N, "spd_cycles": spd.K,
-            "spd_decode_s": spd.decode_s, "ar_decode_s": ar.decode_s}
+    return {
+        "identical": spd.tokens == ar.tokens,
+        "new_tokens": spd.N,
+        "spd_cycles": spd.K,
+        "spd_decode_s": spd.decode_s,
+        "ar_decode_s": ar.decode_s,
+    }
 
 
 def check_arch(arch: str, opts, device, budget: Budget) -> dict:
     dtype = torch.bfloat16 if opts.dtype == "bfloat16" else torch.float32
     t0 = time.perf_counter()
     target, config_dir = build_target(arch, opts, device, dtype)
-    result = {"arch": ARCHS[arch], "layers": target.num_layers,
-              "params_b": sum(p.numel() for p in target.parameters()) / 1e9, "build_s": time.perf_counter() - t0,
-              "train": [], "stage_latency_ms": {}, "draft_latency_ms": {}}
+    result = {
+        "arch": ARCHS[arch],
+        "layers": target.num_layers,
+        "params_b": sum(p.numel() for p in target.parameters()) / 1e9,
+        "build_s": time.perf_counter() - t0,
+        "train": [],
+        "stage_latency_ms": {},
+        "draft_latency_ms": {},
+    }
     for layout in ("depth", "type"):
         for checkpointing in (False, True):
             if budget.allows(f"{arch} train {layout} ckpt={checkpointing}", opts.section_s):
@@ -240,26 +310,33 @@ def check_arch(arch: str, opts, device, budget: Budget) -> dict:
 def markdown(report: dict) -> str:
     """The tables for docs/BENCHMARKS.md."""
     o = report["options"]
-    lines = [f"GPU check: `bash scripts/gpu_check.sh` on {report['device']}, {report['date']}; random-init targets "
-             f"({o['dtype']}), T={o['length']}, B={o['batch']}, n={o['n']}, L_s={o['ls']}, "
-             f"V_d={o['draft_vocab']}.", "",
-             "| target | layers | layout | checkpointing | tokens/s | step s | first step s | peak GiB | "
-             "estimate GiB |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"GPU check: `bash scripts/gpu_check.sh` on {report['device']}, {report['date']}; random-init targets "
+        f"({o['dtype']}), T={o['length']}, B={o['batch']}, n={o['n']}, L_s={o['ls']}, "
+        f"V_d={o['draft_vocab']}.",
+        "",
+        "| target | layers | layout | checkpointing | tokens/s | step s | first step s | peak GiB | estimate GiB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in report["archs"]:
         for t in r["train"]:
-            lines.append(f"| {r['arch']} | {r['layers']} | {t['layout']} | {'yes' if t['checkpointing'] else 'no'} | "
-                         f"{t['tokens_per_s']:.0f} | {t['step_s']:.3f} | {t['first_step_s']:.1f} | "
-                         f"{'n/a' if t['peak_gib'] is None else format(t['peak_gib'], '.1f')} | "
-                         f"{t['estimate_gib']:.1f} |")
-    lines += ["", "| target | n | per-stage forward ms (one token) | PDM draft ms, L_s = 1, 2, 3, 4 | "
-              "greedy SPD == AR |",
-              "| --- | --- | --- | --- | --- |"]
+            lines.append(
+                f"| {r['arch']} | {r['layers']} | {t['layout']} | {'yes' if t['checkpointing'] else 'no'} | "
+                f"{t['tokens_per_s']:.0f} | {t['step_s']:.3f} | {t['first_step_s']:.1f} | "
+                f"{'n/a' if t['peak_gib'] is None else format(t['peak_gib'], '.1f')} | "
+                f"{t['estimate_gib']:.1f} |"
+            )
+    lines += [
+        "",
+        "| target | n | per-stage forward ms (one token) | PDM draft ms, L_s = 1, 2, 3, 4 | greedy SPD == AR |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for r in report["archs"]:
         drafts = ", ".join(f"{r['draft_latency_ms'][k]:.2f}" for k in sorted(r["draft_latency_ms"]))
         decode = r.get("decode")
-        same = ("skipped" if decode is None
-                else f"{'yes' if decode['identical'] else 'NO'} ({decode['new_tokens']} tokens)")
+        same = (
+            "skipped" if decode is None else f"{'yes' if decode['identical'] else 'NO'} ({decode['new_tokens']} tokens)"
+        )
         for n, ms in sorted(r["stage_latency_ms"].items()):
             lines.append(f"| {r['arch']} | {n} | {', '.join(f'{x:.2f}' for x in ms)} | {drafts} | {same} |")
     if report["skipped"]:
@@ -310,8 +387,13 @@ def main(argv=None) -> int:
         return 2
     budget = Budget(opts.budget_s)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or 'cpu'})"
-    report = {"device": name, "date": time.strftime("%Y-%m-%d", time.gmtime()), "torch": torch.__version__,
-              "options": {k: v for k, v in vars(opts).items()}, "archs": []}
+    report = {
+        "device": name,
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "torch": torch.__version__,
+        "options": {k: v for k, v in vars(opts).items()},
+        "archs": [],
+    }
     if opts.layers:
         print(f"note: targets cut to {opts.layers} layers (the real models have 32)", flush=True)
     for arch in opts.archs:

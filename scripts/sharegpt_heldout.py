@@ -7,6 +7,7 @@ so records at or past `--skip M` are conversations no drafter trained on. Each o
 `{"question_id", "category": "sharegpt", "turns": [first user message]}`; first messages longer than
 `--max-chars` are skipped so the set's prompts are as short as GSM8K's and HumanEval's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,10 @@ def heldout_prompts(skip: int, count: int, max_chars: int) -> list[str]:
             prompts.append(first)
         if len(prompts) == count:
             return prompts
-    raise SystemExit(f"error: only {len(prompts)} usable prompts in records {skip}..{skip + len(records) - 1}: "
-                     f"lower --count or raise --max-chars")
+    raise SystemExit(
+        f"error: only {len(prompts)} usable prompts in records {skip}..{skip + len(records) - 1}: "
+        f"lower --count or raise --max-chars"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,11 +15,13 @@ over the replicated sequence of length `S`. The same predicate drives three back
   per-row quantities as its predicate); attention then costs `S * (T + W)` instead of `S^2`, with one
   joint softmax over both parts. Tests check that all three agree.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal, Optional
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +85,7 @@ def dense_attend(mask: torch.Tensor) -> Attend:
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+
     return attend
 
 
@@ -90,7 +93,7 @@ def two_part_attend(plan: TwoPartPlan) -> Attend:
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         B, heads, S, hd = q.shape
         start, T = plan.prefix_start, plan.prefix_len
-        k_pre, v_pre = k[:, :, start:start + T], v[:, :, start:start + T]
+        k_pre, v_pre = k[:, :, start : start + T], v[:, :, start : start + T]
         W = plan.stair.shape[-1]
         chunk = max(1, _TWO_PART_SCORE_BUDGET // max(1, B * heads * (T + W)))
         key_pos = torch.arange(T, device=q.device)
@@ -110,6 +113,7 @@ def two_part_attend(plan: TwoPartPlan) -> Attend:
             out = torch.matmul(probs[..., :T], v_pre) + (probs[..., T:, None] * v_st).sum(-2)
             outs.append(out)
         return torch.cat(outs, dim=2)
+
     return attend
 
 
@@ -128,8 +132,9 @@ def compiled_flex() -> tuple[Callable, Callable]:
     return _COMPILED["mask"], _COMPILED["flex"]
 
 
-def flex_attend(mask_mod: MaskMod, batch: int, seq_len: int, device: torch.device,
-                compiled: Optional[bool] = None) -> Attend:
+def flex_attend(
+    mask_mod: MaskMod, batch: int, seq_len: int, device: torch.device, compiled: bool | None = None
+) -> Attend:
     """FlexAttention with a block mask built once per step and shared by every layer. Compiled (default: on
     CUDA), neither the mask construction nor the kernel materializes the `S x S` grid; eager flex (CPU
     tests of the predicate) does."""
@@ -142,11 +147,13 @@ def flex_attend(mask_mod: MaskMod, batch: int, seq_len: int, device: torch.devic
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return kernel(q, k, v, block_mask=block_mask)
+
     return attend
 
 
-def make_attend(backend: Backend, mask_mod: MaskMod, plan: Callable[[], TwoPartPlan], batch: int, seq_len: int,
-                device: torch.device) -> Attend:
+def make_attend(
+    backend: Backend, mask_mod: MaskMod, plan: Callable[[], TwoPartPlan], batch: int, seq_len: int, device: torch.device
+) -> Attend:
     """The attend callable for the PDM body; `plan` is only called when the two-part path is used."""
     chosen = resolve_backend(backend, device, seq_len)
     if chosen in ("flex", "flex_compiled"):

@@ -11,12 +11,13 @@ small `/tmp` may not hold.
 renames it over the destination and fsyncs the directory. Remote paths (s3://, gs://, ...) keep Lightning's
 write. The temporary name ends in `.tmp`, so Lightning's `ckpt_path="last"` never picks one a kill left behind.
 """
+
 from __future__ import annotations
 
 import contextlib
 import os
 import uuid
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from fsspec.implementations.local import LocalFileSystem
@@ -25,7 +26,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         if storage_options is not None or not isinstance(get_filesystem(path), LocalFileSystem):
             return super().save_checkpoint(checkpoint, path, storage_options)
         path = os.path.abspath(os.fspath(path))

@@ -28,7 +28,6 @@ import warnings
 from collections.abc import Sequence
 
 import yaml
-
 from jsonargparse import ArgumentError, DefaultHelpFormatter
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback

@@ -17,11 +17,12 @@ The token embedding is the target's own table, frozen and NOT part of this modul
 embedded tokens, so the drafter never stores a copy of a (V x H) table. Attention, MLP, RMSNorm and RoPE
 are the PDM's (spd_lightning/pdm.py); only the attention input width differs (2H), see `FusedInputAttention`.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
-from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -44,18 +45,22 @@ def eagle_feature_layers(num_layers: int) -> list[int]:
         return [2, L // 2, L - 3]
     if L >= 4:
         return [1, L // 2, L - 1]
-    raise Eagle3ConfigError(f"the EAGLE-3 default feature layers need a target with L >= 4 layers, this one has "
-                            f"L={L}: pass three hidden-state indices in 0..{L} explicitly (feature_layers)")
+    raise Eagle3ConfigError(
+        f"the EAGLE-3 default feature layers need a target with L >= 4 layers, this one has "
+        f"L={L}: pass three hidden-state indices in 0..{L} explicitly (feature_layers)"
+    )
 
 
 def check_feature_layers(layers: Sequence[int], num_layers: int) -> list[int]:
     layers = [int(b) for b in layers]
     if len(layers) != NUM_FEATURES:
-        raise Eagle3ConfigError(f"feature_layers={layers}: EAGLE-3 fuses exactly {NUM_FEATURES} target states "
-                                f"(low, middle, high)")
+        raise Eagle3ConfigError(
+            f"feature_layers={layers}: EAGLE-3 fuses exactly {NUM_FEATURES} target states (low, middle, high)"
+        )
     if any(not 0 <= b <= num_layers for b in layers):
-        raise Eagle3ConfigError(f"feature_layers={layers} are out of range: hidden-state indices go from 0 to "
-                                f"L={num_layers}")
+        raise Eagle3ConfigError(
+            f"feature_layers={layers} are out of range: hidden-state indices go from 0 to L={num_layers}"
+        )
     return layers
 
 
@@ -74,15 +79,25 @@ class Eagle3Config:
     def __post_init__(self):
         self.feature_layers = tuple(int(b) for b in self.feature_layers)
         if len(self.feature_layers) != NUM_FEATURES:
-            raise Eagle3ConfigError(f"feature_layers={list(self.feature_layers)}: EAGLE-3 fuses exactly 3 target states")
+            raise Eagle3ConfigError(
+                f"feature_layers={list(self.feature_layers)}: EAGLE-3 fuses exactly 3 target states"
+            )
         self.block_config()  # shape errors (heads, sizes) now, with the PDM's messages
 
-    def block_config(self, width: Optional[int] = None) -> PDMConfig:
+    def block_config(self, width: int | None = None) -> PDMConfig:
         """The PDM config whose attention / MLP pieces this drafter reuses, at input `width` (default H)."""
-        return PDMConfig(target_hidden_size=self.hidden_size, num_types=1, draft_vocab_size=self.draft_vocab_size,
-                         hidden_size=width or self.hidden_size, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                         head_dim=self.head_dim, intermediate_size=self.intermediate_size,
-                         rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta)
+        return PDMConfig(
+            target_hidden_size=self.hidden_size,
+            num_types=1,
+            draft_vocab_size=self.draft_vocab_size,
+            hidden_size=width or self.hidden_size,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            intermediate_size=self.intermediate_size,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+        )
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -90,7 +105,7 @@ class Eagle3Config:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Eagle3Config":
+    def from_dict(cls, d: dict) -> Eagle3Config:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
@@ -116,14 +131,16 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.block_config())
 
-    def forward(self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
         hidden = hidden + self.self_attn(x, positions, 0, attend)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
 class Eagle3Drafter(nn.Module):
-    def __init__(self, cfg: Eagle3Config, d2t: Optional[torch.Tensor] = None):
+    def __init__(self, cfg: Eagle3Config, d2t: torch.Tensor | None = None):
         super().__init__()
         self.cfg = cfg
         H = cfg.hidden_size
@@ -148,8 +165,9 @@ class Eagle3Drafter(nn.Module):
         normed = [norm(features[..., j, :]) for j, norm in enumerate(self.feature_norms)]
         return self.fc(torch.cat(normed, dim=-1))
 
-    def step(self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
-             attend: Attend = causal_attend) -> torch.Tensor:
+    def step(
+        self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, attend: Attend = causal_attend
+    ) -> torch.Tensor:
         """One pass of the layer over rows `[B, S]`: `hidden` is `fc(features)` (TTT step 0) or the previous
         step's output, `embeds` the embedded next tokens; returns the layer output `o` (pre-norm)."""
         return self.midlayer(hidden, embeds, positions, attend)
@@ -158,8 +176,9 @@ class Eagle3Drafter(nn.Module):
         """Draft logits over `V_d` from layer outputs."""
         return self.lm_head(self.norm(out))
 
-    def forward(self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
-                attend: Attend = causal_attend) -> torch.Tensor:
+    def forward(
+        self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, attend: Attend = causal_attend
+    ) -> torch.Tensor:
         """Teacher-forced step 0 (plain causal attention by default): draft logits at every row."""
         return self.logits(self.step(self.fuse(features), embeds, positions, attend))
 
@@ -167,6 +186,8 @@ class Eagle3Drafter(nn.Module):
     def init_head_from_target(self, target_lm_head: torch.Tensor) -> None:
         """Seed the head with the target LM-head rows of the draft vocabulary."""
         if target_lm_head.shape[1] != self.cfg.hidden_size:
-            raise Eagle3ConfigError(f"cannot seed the draft head: target LM head width {target_lm_head.shape[1]} != "
-                                    f"drafter hidden_size {self.cfg.hidden_size}")
+            raise Eagle3ConfigError(
+                f"cannot seed the draft head: target LM head width {target_lm_head.shape[1]} != "
+                f"drafter hidden_size {self.cfg.hidden_size}"
+            )
         self.lm_head.weight.copy_(target_lm_head[self.d2t.to(target_lm_head.device)].to(self.lm_head.weight))

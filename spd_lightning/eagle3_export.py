@@ -8,6 +8,7 @@ A checkpoint of `Eagle3Module` carries the same description under `ckpt["spd_dra
 `kind` field tells the two apart) and the weights under `state_dict["drafter.*"]`. Nothing here imports
 Lightning, so `inference/` can load either. The PDM's format (spd_lightning/export.py) has no `kind`.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,32 +34,46 @@ class Eagle3Spec:
     target: TargetInfo
 
     def to_dict(self) -> dict:
-        return {"format_version": FORMAT_VERSION, "kind": KIND, "eagle3": self.drafter.to_dict(),
-                "target": self.target.to_dict()}
+        return {
+            "format_version": FORMAT_VERSION,
+            "kind": KIND,
+            "eagle3": self.drafter.to_dict(),
+            "target": self.target.to_dict(),
+        }
 
     @classmethod
-    def from_dict(cls, d: dict, where: str) -> "Eagle3Spec":
+    def from_dict(cls, d: dict, where: str) -> Eagle3Spec:
         if d.get("kind") != KIND:
-            raise DrafterLoadError(f"{where} holds a {d.get('kind', 'pdm')!r} drafter, not an EAGLE-3 one: pass it "
-                                   f"to the matching decoding mode")
+            raise DrafterLoadError(
+                f"{where} holds a {d.get('kind', 'pdm')!r} drafter, not an EAGLE-3 one: pass it "
+                f"to the matching decoding mode"
+            )
         if d.get("format_version") != FORMAT_VERSION:
-            raise DrafterLoadError(f"{where} has EAGLE-3 format version {d.get('format_version')!r}, this build reads "
-                                   f"version {FORMAT_VERSION}: re-export it")
+            raise DrafterLoadError(
+                f"{where} has EAGLE-3 format version {d.get('format_version')!r}, this build reads "
+                f"version {FORMAT_VERSION}: re-export it"
+            )
         try:
             return cls(Eagle3Config.from_dict(d["eagle3"]), TargetInfo(**d["target"]))
         except (KeyError, TypeError) as e:
-            raise DrafterLoadError(f"{where} has an incomplete EAGLE-3 description ({e!r}): re-export the drafter") from e
+            raise DrafterLoadError(
+                f"{where} has an incomplete EAGLE-3 description ({e!r}): re-export the drafter"
+            ) from e
 
     def check_target(self, target: TargetInfo) -> None:
         """One line when the loaded target is not the one the drafter was trained against."""
         mine = self.target
-        for what, want, got in (("number of layers L", mine.num_layers, target.num_layers),
-                                ("hidden size", mine.hidden_size, target.hidden_size),
-                                ("vocabulary size", mine.vocab_size, target.vocab_size)):
+        for what, want, got in (
+            ("number of layers L", mine.num_layers, target.num_layers),
+            ("hidden size", mine.hidden_size, target.hidden_size),
+            ("vocabulary size", mine.vocab_size, target.vocab_size),
+        ):
             if want != got:
-                raise DrafterLoadError(f"drafter/target mismatch: the EAGLE-3 drafter was trained on "
-                                       f"{mine.name_or_path!r} with {what} {want}, the loaded target "
-                                       f"{target.name_or_path!r} has {got}; pass the matching --target")
+                raise DrafterLoadError(
+                    f"drafter/target mismatch: the EAGLE-3 drafter was trained on "
+                    f"{mine.name_or_path!r} with {what} {want}, the loaded target "
+                    f"{target.name_or_path!r} has {got}; pass the matching --target"
+                )
 
 
 def save_eagle3(drafter: Eagle3Drafter, spec: Eagle3Spec, out_dir: str) -> str:
@@ -77,8 +92,10 @@ def _build(spec: Eagle3Spec, state: dict, where: str) -> Eagle3Drafter:
     try:
         drafter.load_state_dict(state, strict=True)
     except RuntimeError as e:
-        raise DrafterLoadError(f"{where}: weights do not match the EAGLE-3 config ({str(e).splitlines()[0]}); the "
-                               f"file is corrupt or from another build") from e
+        raise DrafterLoadError(
+            f"{where}: weights do not match the EAGLE-3 config ({str(e).splitlines()[0]}); the "
+            f"file is corrupt or from another build"
+        ) from e
     return drafter.eval()
 
 
@@ -91,19 +108,23 @@ def _read_dir(path: str, map_location) -> tuple[Eagle3Spec, dict]:
             spec = Eagle3Spec.from_dict(json.load(f), cfg_path)
         return spec, load_file(weights, device=str(map_location))
     except (json.JSONDecodeError, SafetensorError, OSError) as e:
-        raise DrafterLoadError(f"{path!r} is corrupt ({type(e).__name__}: {str(e).splitlines()[0][:120]}); re-export it") from e
+        raise DrafterLoadError(
+            f"{path!r} is corrupt ({type(e).__name__}: {str(e).splitlines()[0][:120]}); re-export it"
+        ) from e
 
 
 def _read_ckpt(path: str, map_location) -> tuple[Eagle3Spec, dict]:
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch raises many types for a bad file; all mean the same to a user
-        raise DrafterLoadError(f"cannot read checkpoint {path!r} ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
-                               f"it is corrupt, truncated, or not a checkpoint") from e
+        raise DrafterLoadError(
+            f"cannot read checkpoint {path!r} ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+            f"it is corrupt, truncated, or not a checkpoint"
+        ) from e
     if not isinstance(ckpt, dict) or CKPT_KEY not in ckpt:
         raise DrafterLoadError(f"{path!r} is not an SPD-Lightning checkpoint (no {CKPT_KEY!r} entry)")
     spec = Eagle3Spec.from_dict(ckpt[CKPT_KEY], path)
-    state = {k[len(STATE_PREFIX):]: v for k, v in ckpt.get("state_dict", {}).items() if k.startswith(STATE_PREFIX)}
+    state = {k[len(STATE_PREFIX) :]: v for k, v in ckpt.get("state_dict", {}).items() if k.startswith(STATE_PREFIX)}
     return spec, state
 
 

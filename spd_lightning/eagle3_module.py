@@ -8,9 +8,10 @@ the three feature states and its logits; `ttt_steps` steps of TTT (spd_lightning
 KL per step. Validation logs the loss and the top-1 agreement of every TTT step (`val/agree_step{j}`:
 step j drafts the (j+1)-th token of a chain, so its agreement bounds the acceptance of that draft).
 """
+
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Literal
 
 import lightning as L
 import torch
@@ -24,11 +25,14 @@ from .export import CKPT_KEY
 from .target import Target, TargetError, load_hf_config
 
 
-def adamw_linear_schedule(params: list[nn.Parameter], lr: float, weight_decay: float, warmup_steps: int,
-                          min_lr_ratio: float, total_steps: int) -> dict:
+def adamw_linear_schedule(
+    params: list[nn.Parameter], lr: float, weight_decay: float, warmup_steps: int, min_lr_ratio: float, total_steps: int
+) -> dict:
     """AdamW (no decay on norms / 1-d tensors), linear warmup, then linear decay to `min_lr_ratio * lr`."""
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
     optimizer = torch.optim.AdamW(groups, lr=lr)
     total = max(1, total_steps)
 
@@ -47,13 +51,13 @@ class Eagle3Module(L.LightningModule):
         target: str,
         target_dtype: str = "bfloat16",
         trust_remote_code: bool = False,
-        feature_layers: Union[Literal["eagle"], list[int]] = "eagle",
+        feature_layers: Literal["eagle"] | list[int] = "eagle",
         ttt_steps: int = 7,
         step_weight: float = 0.8,
-        num_heads: Optional[int] = None,
-        num_kv_heads: Optional[int] = None,
-        head_dim: Optional[int] = None,
-        intermediate_size: Optional[int] = None,
+        num_heads: int | None = None,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        intermediate_size: int | None = None,
         init_head: bool = True,
         teacher_temperature: float = 1.0,
         lr: float = 1e-4,
@@ -63,15 +67,15 @@ class Eagle3Module(L.LightningModule):
         dense_attention: bool = False,
     ):
         """Args:
-            target, target_dtype, trust_remote_code: the frozen target, as for SPDModule.
-            feature_layers: `eagle` (`hidden_states[2, L//2, L-3]`) or three HF hidden-state indices.
-            ttt_steps: training-time test length k (EAGLE-3 uses 7).
-            step_weight: step j's KL is weighted `step_weight ** j`.
-            num_heads .. intermediate_size: the layer's shape; `None` takes the target's.
-            init_head: seed the draft head with the target LM-head rows of the draft vocabulary.
-            teacher_temperature: temperature of the teacher distribution in the KL.
-            lr, weight_decay, warmup_steps, min_lr_ratio: AdamW with linear warmup, then linear decay.
-            dense_attention: evaluate the TTT mask densely (small CPU runs) instead of the two-part path.
+        target, target_dtype, trust_remote_code: the frozen target, as for SPDModule.
+        feature_layers: `eagle` (`hidden_states[2, L//2, L-3]`) or three HF hidden-state indices.
+        ttt_steps: training-time test length k (EAGLE-3 uses 7).
+        step_weight: step j's KL is weighted `step_weight ** j`.
+        num_heads .. intermediate_size: the layer's shape; `None` takes the target's.
+        init_head: seed the draft head with the target LM-head rows of the draft vocabulary.
+        teacher_temperature: temperature of the teacher distribution in the KL.
+        lr, weight_decay, warmup_steps, min_lr_ratio: AdamW with linear warmup, then linear decay.
+        dense_attention: evaluate the TTT mask densely (small CPU runs) instead of the two-part path.
         """
         super().__init__()
         self.save_hyperparameters()
@@ -83,9 +87,11 @@ class Eagle3Module(L.LightningModule):
         config = load_hf_config(target, trust_remote_code)
         self.target_config = getattr(config, "text_config", None) or config
         L_ = self.target_config.num_hidden_layers
-        self.feature_layers = eagle_feature_layers(L_) if feature_layers == "eagle" else check_feature_layers(feature_layers, L_)
-        self.drafter: Optional[Eagle3Drafter] = None
-        self._target: Optional[Target] = None
+        self.feature_layers = (
+            eagle_feature_layers(L_) if feature_layers == "eagle" else check_feature_layers(feature_layers, L_)
+        )
+        self.drafter: Eagle3Drafter | None = None
+        self._target: Target | None = None
         self._target_info = None
         self.train_agree = torchmetrics.MeanMetric()
         self.val_loss = torchmetrics.MeanMetric()
@@ -96,11 +102,16 @@ class Eagle3Module(L.LightningModule):
         hp, cfg = self.hparams, self.target_config
         heads = hp.num_heads or cfg.num_attention_heads
         return Eagle3Config(
-            hidden_size=cfg.hidden_size, draft_vocab_size=draft_vocab_size, feature_layers=tuple(self.feature_layers),
-            num_heads=heads, num_kv_heads=hp.num_kv_heads or getattr(cfg, "num_key_value_heads", None) or heads,
+            hidden_size=cfg.hidden_size,
+            draft_vocab_size=draft_vocab_size,
+            feature_layers=tuple(self.feature_layers),
+            num_heads=heads,
+            num_kv_heads=hp.num_kv_heads or getattr(cfg, "num_key_value_heads", None) or heads,
             head_dim=hp.head_dim or getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
             intermediate_size=hp.intermediate_size or cfg.intermediate_size,
-            rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6), rope_theta=rope_theta)
+            rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+        )
 
     # -- the frozen target and the drafter -------------------------------------------------------
     @property
@@ -124,8 +135,10 @@ class Eagle3Module(L.LightningModule):
             raise ValueError("Eagle3Module needs a data module with a draft vocabulary `d2t` (ChatDataModule)")
         d2t = torch.as_tensor(d2t, dtype=torch.long)
         if d2t.ndim != 1 or d2t.numel() == 0 or int(d2t.max()) >= self.target.vocab_size or int(d2t.min()) < 0:
-            raise ValueError(f"the draft vocabulary ({d2t.numel()} ids) does not fit the target vocabulary of "
-                             f"{self.target.vocab_size}: use the target's own tokenizer")
+            raise ValueError(
+                f"the draft vocabulary ({d2t.numel()} ids) does not fit the target vocabulary of "
+                f"{self.target.vocab_size}: use the target's own tokenizer"
+            )
         self.drafter = Eagle3Drafter(self.drafter_config(d2t.numel(), self._target_info.rope_theta), d2t)
         if self.hparams.init_head:
             self.drafter.init_head_from_target(self.target.lm_head.weight)
@@ -135,8 +148,14 @@ class Eagle3Module(L.LightningModule):
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
         features, teacher = self.target.anchor_states(input_ids, attention_mask, self.feature_layers)
         dtype = self.drafter.lm_head.weight.dtype
-        outs = ttt_outputs(self.drafter, features.to(dtype), input_ids, self.target.embed_tokens,
-                           self.hparams.ttt_steps, self.hparams.dense_attention)
+        outs = ttt_outputs(
+            self.drafter,
+            features.to(dtype),
+            input_ids,
+            self.target.embed_tokens,
+            self.hparams.ttt_steps,
+            self.hparams.dense_attention,
+        )
         loss_mask = batch["loss_mask"].bool() & attention_mask.bool()
         return ttt_step_losses(self.drafter, outs, teacher, loss_mask, self.hparams.teacher_temperature)
 
@@ -173,8 +192,14 @@ class Eagle3Module(L.LightningModule):
     def configure_optimizers(self):
         hp = self.hparams
         params = [p for p in self.drafter.parameters() if p.requires_grad]
-        return adamw_linear_schedule(params, hp.lr, hp.weight_decay, hp.warmup_steps, hp.min_lr_ratio,
-                                     int(self.trainer.estimated_stepping_batches))
+        return adamw_linear_schedule(
+            params,
+            hp.lr,
+            hp.weight_decay,
+            hp.warmup_steps,
+            hp.min_lr_ratio,
+            int(self.trainer.estimated_stepping_batches),
+        )
 
     # -- checkpoints -----------------------------------------------------------------------------
     def drafter_spec(self) -> Eagle3Spec:

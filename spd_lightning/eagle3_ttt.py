@@ -18,10 +18,11 @@ spd_lightning/attention.py (a causal prefix plus `j` explicit keys per row).
 Loss: forward KL from the target restricted to `V_d` and renormalized (SPEC 4.5), per step; the total
 weights step `j` by `step_weight ** j` (EAGLE-3 uses 0.8).
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -69,8 +70,14 @@ def shift_left(x: torch.Tensor, by: int, fill: int = 0) -> torch.Tensor:
     return F.pad(x[:, by:], (0, min(by, x.shape[1])), value=fill)
 
 
-def ttt_outputs(drafter: Eagle3Drafter, features: torch.Tensor, input_ids: torch.Tensor,
-                embed: Callable[[torch.Tensor], torch.Tensor], steps: int, dense: bool = False) -> list[torch.Tensor]:
+def ttt_outputs(
+    drafter: Eagle3Drafter,
+    features: torch.Tensor,
+    input_ids: torch.Tensor,
+    embed: Callable[[torch.Tensor], torch.Tensor],
+    steps: int,
+    dense: bool = False,
+) -> list[torch.Tensor]:
     """The layer outputs `o_j[B, T, H]` of TTT steps `j = 0..steps-1`; `features[B, T, 3, H]`, `embed` is the
     target's frozen embedding (called without grad)."""
     if steps < 1:
@@ -87,8 +94,9 @@ def ttt_outputs(drafter: Eagle3Drafter, features: torch.Tensor, input_ids: torch
     return outs
 
 
-def restricted_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor, d2t: torch.Tensor,
-                  temperature: float = 1.0) -> torch.Tensor:
+def restricted_kl(
+    teacher_logits: torch.Tensor, student_logits: torch.Tensor, d2t: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
     """`KL(P || q)` per row: `P` = softmax of the teacher's target-vocabulary logits restricted to `V_d`
     (renormalized, at `temperature`), `q` = softmax of the student's draft-vocabulary logits."""
     log_p = F.log_softmax(teacher_logits.float()[..., d2t] / temperature, dim=-1)
@@ -108,8 +116,13 @@ def step_targets(loss_mask: torch.Tensor, step: int) -> tuple[torch.Tensor, torc
     return b, i, i + step + 1
 
 
-def ttt_step_losses(drafter: Eagle3Drafter, outs: list[torch.Tensor], teacher_logits: torch.Tensor,
-                    loss_mask: torch.Tensor, temperature: float = 1.0) -> list[StepLoss]:
+def ttt_step_losses(
+    drafter: Eagle3Drafter,
+    outs: list[torch.Tensor],
+    teacher_logits: torch.Tensor,
+    loss_mask: torch.Tensor,
+    temperature: float = 1.0,
+) -> list[StepLoss]:
     """Per step: KL and top-1 agreement (vs the restricted teacher's argmax) on the counted rows."""
     losses = []
     for j, out in enumerate(outs):
@@ -126,6 +139,6 @@ def ttt_total(losses: list[StepLoss], step_weight: float) -> torch.Tensor:
     """`sum_j step_weight**j * mean(KL_j)`; a step without counted rows adds 0 (with a graph)."""
     total = None
     for j, step in enumerate(losses):
-        term = (step_weight ** j) * step.kl.sum() / max(step.kl.numel(), 1)
+        term = (step_weight**j) * step.kl.sum() / max(step.kl.numel(), 1)
         total = term if total is None else total + term
     return total

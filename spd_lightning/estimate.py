@@ -12,6 +12,7 @@ Per GPU, at the peak of a step (the PDM's backward):
 The target's own no-grad forward peaks earlier (one layer's temporaries + full-vocabulary logits); the larger
 of the two phases counts. Checked against measured peaks in tests/test_estimate.py and docs/BENCHMARKS.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,15 +20,15 @@ import inspect
 import json
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Optional, Sequence
 
 import torch
 
 from .errors import UserError
 from .geometry import Geometry
 
-GIB = 1024 ** 3
+GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 
 
@@ -67,13 +68,15 @@ class Shape:
 
 
 def read_config(path: str) -> Shape:
+    from .cli import stacked_config
     from .module import SPDModule
 
-    from .cli import stacked_config
-
     cfg = stacked_config(path)
-    defaults = {k: p.default for k, p in inspect.signature(SPDModule.__init__).parameters.items()
-                if p.default is not inspect.Parameter.empty}
+    defaults = {
+        k: p.default
+        for k, p in inspect.signature(SPDModule.__init__).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
     model = {**defaults, **(cfg.get("model") or {})}
     if "target" not in model:
         raise EstimateError(f"config {path!r} has no model.target: name the target model")
@@ -81,11 +84,17 @@ def read_config(path: str) -> Shape:
     strategy = trainer.get("strategy", "ddp")
     strategy = strategy.get("class_path", "ddp") if isinstance(strategy, dict) else str(strategy)
     backend = model.get("attention_backend", "auto")
-    return Shape(batch=int(data.get("batch_size", 1)), length=int(data.get("max_length", 2048)),
-                 draft_vocab=int(data.get("draft_vocab_size", 32000)), precision=str(trainer.get("precision", "32")),
-                 strategy="fsdp" if "fsdp" in strategy.lower() else "ddp", target_dtype=str(model["target_dtype"]),
-                 checkpointing=bool(model.get("activation_checkpointing")),
-                 backend="dense" if backend == "dense" else "flex", module_args=model)
+    return Shape(
+        batch=int(data.get("batch_size", 1)),
+        length=int(data.get("max_length", 2048)),
+        draft_vocab=int(data.get("draft_vocab_size", 32000)),
+        precision=str(trainer.get("precision", "32")),
+        strategy="fsdp" if "fsdp" in strategy.lower() else "ddp",
+        target_dtype=str(model["target_dtype"]),
+        checkpointing=bool(model.get("activation_checkpointing")),
+        backend="dense" if backend == "dense" else "flex",
+        module_args=model,
+    )
 
 
 def pdm_config(shape: Shape, tcfg):
@@ -94,12 +103,17 @@ def pdm_config(shape: Shape, tcfg):
     m = shape.module_args
     geometry = Geometry.build(tcfg.num_hidden_layers, m["n"], m["split"], m["anchors"], m["schedule"], m["features"])
     heads = m.get("num_heads") or tcfg.num_attention_heads
-    cfg = PDMConfig(target_hidden_size=tcfg.hidden_size, num_types=geometry.num_types,
-                    draft_vocab_size=shape.draft_vocab, hidden_size=m.get("hidden_size") or tcfg.hidden_size,
-                    num_layers=m["num_layers"], num_heads=heads,
-                    num_kv_heads=m.get("num_kv_heads") or getattr(tcfg, "num_key_value_heads", None) or heads,
-                    head_dim=m.get("head_dim") or getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads,
-                    intermediate_size=m.get("intermediate_size") or tcfg.intermediate_size)
+    cfg = PDMConfig(
+        target_hidden_size=tcfg.hidden_size,
+        num_types=geometry.num_types,
+        draft_vocab_size=shape.draft_vocab,
+        hidden_size=m.get("hidden_size") or tcfg.hidden_size,
+        num_layers=m["num_layers"],
+        num_heads=heads,
+        num_kv_heads=m.get("num_kv_heads") or getattr(tcfg, "num_key_value_heads", None) or heads,
+        head_dim=m.get("head_dim") or getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads,
+        intermediate_size=m.get("intermediate_size") or tcfg.intermediate_size,
+    )
     return cfg, geometry
 
 
@@ -112,22 +126,25 @@ def _layer_saved_bytes(c, act: int, mixed: bool) -> float:
     qk = (c.num_heads + c.num_kv_heads) * c.head_dim
     hd = c.num_heads * c.head_dim
     linear_inputs = act * d * (5 if mixed else 0) + act * hd + act * i
-    return (2 * (f + act) * d + linear_inputs + (f + act) * qk + 2 * f * qk + 4 * act * hd + f * c.num_heads
-            + 3 * act * i)
+    return (
+        2 * (f + act) * d + linear_inputs + (f + act) * qk + 2 * f * qk + 4 * act * hd + f * c.num_heads + 3 * act * i
+    )
 
 
 def _flops_per_token(tcfg, c, target_params: int, pdm_params: int, copies: int, T: int, checkpointing: bool) -> float:
     """Training FLOPs per token of the data: the target's no-grad forward (2 per weight, plus causal attention
     over T/2 keys on its full-attention layers) and the PDM's forward + backward (6 per weight per replicated
     copy, 8 with checkpointing's second forward; its attention sees about T/2 keys per query)."""
-    full_layers = sum(t == "full_attention" for t in getattr(tcfg, "layer_types", None) or
-                      ["full_attention"] * tcfg.num_hidden_layers)
+    full_layers = sum(
+        t == "full_attention" for t in getattr(tcfg, "layer_types", None) or ["full_attention"] * tcfg.num_hidden_layers
+    )
     target_attn = full_layers * 4 * tcfg.num_attention_heads * getattr(tcfg, "head_dim", 128) * T / 2
     passes = 8 if checkpointing else 6
     body = pdm_params - c.draft_vocab_size * c.hidden_size
     pdm_attn = c.num_layers * 4 * c.num_heads * c.head_dim * T / 2 * passes / 2
-    return (2 * target_params + target_attn + copies * (passes * body + pdm_attn)
-            + 6 * c.draft_vocab_size * c.hidden_size)
+    return (
+        2 * target_params + target_attn + copies * (passes * body + pdm_attn) + 6 * c.draft_vocab_size * c.hidden_size
+    )
 
 
 def estimate(shape: Shape, tcfg, gpus: int = 1) -> dict:
@@ -160,15 +177,18 @@ def estimate(shape: Shape, tcfg, gpus: int = 1) -> dict:
     out["student_logits"] = tokens * shape.draft_vocab * (act + 3 * 4) + B * S * c.hidden_size * (4 + act)
     out["teacher_full_fp32_before_fix"] = tokens * vocab * 4  # what restricting after `.float()` cost
     out["target_forward"] = tokens * (vocab * tgt + 4 * max(tcfg.intermediate_size, 2 * H) * tgt)
-    pdm_phase = sum(out[k] for k in ("anchor_states", "fusion", "teacher_vd", "student_logits", "dense_attention")
-                    if k in out)
+    pdm_phase = sum(
+        out[k] for k in ("anchor_states", "fusion", "teacher_vd", "student_logits", "dense_attention") if k in out
+    )
     acts = out["activations_checkpointed" if shape.checkpointing else "activations_plain"]
     persistent = out["target_weights"] + out["pdm_state"]
     out["total"] = persistent + max(out["target_forward"] + out["anchor_states"], pdm_phase + acts)
-    out["total_plain"] = persistent + max(out["target_forward"] + out["anchor_states"],
-                                          pdm_phase + out["activations_plain"])
-    out["total_checkpointed"] = persistent + max(out["target_forward"] + out["anchor_states"],
-                                                 pdm_phase + out["activations_checkpointed"])
+    out["total_plain"] = persistent + max(
+        out["target_forward"] + out["anchor_states"], pdm_phase + out["activations_plain"]
+    )
+    out["total_checkpointed"] = persistent + max(
+        out["target_forward"] + out["anchor_states"], pdm_phase + out["activations_checkpointed"]
+    )
     out["flops_per_token"] = _flops_per_token(tcfg, c, target_params, pdm_params, copies, T, shape.checkpointing)
     out.update(target_params=target_params, pdm_params=pdm_params, gpus=gpus, replicated_length=S)
     return out
@@ -176,24 +196,35 @@ def estimate(shape: Shape, tcfg, gpus: int = 1) -> dict:
 
 def report(path: str, shape: Shape, est: dict, gpu_mem: float) -> str:
     gib = lambda x: f"{x / GIB:7.2f} GiB"  # noqa: E731
-    rows = [("target weights", est["target_weights"]),
-            (f"PDM state ({est['pdm_params'] / 1e9:.2f} B params, " +
-             (f"FSDP: 1/{est['gpus']} per GPU)" if shape.strategy == "fsdp" else "DDP: whole on every GPU)"),
-             est["pdm_state"]),
-            ("anchor states", est["anchor_states"]), ("teacher over V_d (+ fp32 loss copies)", est["teacher_vd"]),
-            ("PDM activations, plain", est["activations_plain"]),
-            ("PDM activations, checkpointed", est["activations_checkpointed"]),
-            ("target forward (no grad, full-vocab logits)", est["target_forward"])]
-    lines = [f"estimate for {path}: B={shape.batch}, T={shape.length}, S={est['replicated_length']}, "
-             f"precision {shape.precision}, target {est['target_params'] / 1e9:.2f} B params"]
+    rows = [
+        ("target weights", est["target_weights"]),
+        (
+            f"PDM state ({est['pdm_params'] / 1e9:.2f} B params, "
+            + (f"FSDP: 1/{est['gpus']} per GPU)" if shape.strategy == "fsdp" else "DDP: whole on every GPU)"),
+            est["pdm_state"],
+        ),
+        ("anchor states", est["anchor_states"]),
+        ("teacher over V_d (+ fp32 loss copies)", est["teacher_vd"]),
+        ("PDM activations, plain", est["activations_plain"]),
+        ("PDM activations, checkpointed", est["activations_checkpointed"]),
+        ("target forward (no grad, full-vocab logits)", est["target_forward"]),
+    ]
+    lines = [
+        f"estimate for {path}: B={shape.batch}, T={shape.length}, S={est['replicated_length']}, "
+        f"precision {shape.precision}, target {est['target_params'] / 1e9:.2f} B params"
+    ]
     lines += [f"  {name:<52} {gib(value)}" for name, value in rows]
-    lines += [f"  {'peak per GPU, plain':<52} {gib(est['total_plain'])}",
-              f"  {'peak per GPU, activation checkpointing':<52} {gib(est['total_checkpointed'])}",
-              f"  {'training FLOPs per token':<52} {est['flops_per_token'] / 1e9:7.1f} GFLOP"]
+    lines += [
+        f"  {'peak per GPU, plain':<52} {gib(est['total_plain'])}",
+        f"  {'peak per GPU, activation checkpointing':<52} {gib(est['total_checkpointed'])}",
+        f"  {'training FLOPs per token':<52} {est['flops_per_token'] / 1e9:7.1f} GFLOP",
+    ]
     chosen = est["total"]
     verdict = "fits" if chosen <= gpu_mem * GIB else "does NOT fit"
-    lines.append(f"  this config ({'checkpointed' if shape.checkpointing else 'plain'}): {gib(chosen).strip()} "
-                 f"{verdict} a {gpu_mem:g} GiB GPU")
+    lines.append(
+        f"  this config ({'checkpointed' if shape.checkpointing else 'plain'}): {gib(chosen).strip()} "
+        f"{verdict} a {gpu_mem:g} GiB GPU"
+    )
     return "\n".join(lines)
 
 
@@ -208,8 +239,11 @@ def main(argv: Sequence[str]) -> int:
     opts = parser.parse_args(list(argv))
     shape = read_config(opts.config)
     est = estimate(shape, target_config(shape.module_args["target"], shape.module_args["trust_remote_code"]), opts.gpus)
-    print(json.dumps({"shape": {k: v for k, v in asdict(shape).items() if k != "module_args"}, **est}, indent=1)
-          if opts.json else report(opts.config, shape, est, opts.gpu_mem))
+    print(
+        json.dumps({"shape": {k: v for k, v in asdict(shape).items() if k != "module_args"}, **est}, indent=1)
+        if opts.json
+        else report(opts.config, shape, est, opts.gpu_mem)
+    )
     return 0
 
 

@@ -7,6 +7,7 @@ A Lightning checkpoint carries the same description under `ckpt["spd_drafter"]` 
 `state_dict["pdm.*"]`, so `inference/` loads either without importing Lightning. Checkpoints are read
 with `torch.load(weights_only=True)`: loading a drafter never runs pickled code.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,10 +18,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .errors import UserError
 from .geometry import Geometry
 from .pdm import PDMConfig, PipelineDraftModule
 from .target import TargetInfo
-from .errors import UserError
 
 FORMAT_VERSION = 1
 CKPT_KEY = "spd_drafter"
@@ -38,30 +39,42 @@ class DrafterSpec:
     target: TargetInfo
 
     def to_dict(self) -> dict:
-        return {"format_version": FORMAT_VERSION, "pdm": self.pdm.to_dict(), "geometry": self.geometry.to_dict(),
-                "target": self.target.to_dict()}
+        return {
+            "format_version": FORMAT_VERSION,
+            "pdm": self.pdm.to_dict(),
+            "geometry": self.geometry.to_dict(),
+            "target": self.target.to_dict(),
+        }
 
     @classmethod
-    def from_dict(cls, d: dict, where: str) -> "DrafterSpec":
+    def from_dict(cls, d: dict, where: str) -> DrafterSpec:
         version = d.get("format_version")
         if version != FORMAT_VERSION:
-            raise DrafterLoadError(f"{where} has drafter format version {version!r}, this build reads version "
-                                   f"{FORMAT_VERSION}: re-export it with this version (`python -m spd_lightning export`)")
+            raise DrafterLoadError(
+                f"{where} has drafter format version {version!r}, this build reads version "
+                f"{FORMAT_VERSION}: re-export it with this version (`python -m spd_lightning export`)"
+            )
         try:
             return cls(PDMConfig.from_dict(d["pdm"]), Geometry.from_dict(d["geometry"]), TargetInfo(**d["target"]))
         except (KeyError, TypeError) as e:
-            raise DrafterLoadError(f"{where} has an incomplete drafter description ({e!r}): re-export the drafter") from e
+            raise DrafterLoadError(
+                f"{where} has an incomplete drafter description ({e!r}): re-export the drafter"
+            ) from e
 
     def check_target(self, target: TargetInfo) -> None:
         """Fail with one line when the loaded target is not the one this drafter was trained against."""
         mine = self.target
-        for field, want, got in (("number of layers L", mine.num_layers, target.num_layers),
-                                 ("hidden size", mine.hidden_size, target.hidden_size),
-                                 ("vocabulary size", mine.vocab_size, target.vocab_size)):
+        for field, want, got in (
+            ("number of layers L", mine.num_layers, target.num_layers),
+            ("hidden size", mine.hidden_size, target.hidden_size),
+            ("vocabulary size", mine.vocab_size, target.vocab_size),
+        ):
             if want != got:
-                raise DrafterLoadError(f"drafter/target mismatch: the drafter was trained on {mine.name_or_path!r} with "
-                                       f"{field} {want}, the loaded target {target.name_or_path!r} has {got}; "
-                                       f"pass the matching --target or retrain the drafter")
+                raise DrafterLoadError(
+                    f"drafter/target mismatch: the drafter was trained on {mine.name_or_path!r} with "
+                    f"{field} {want}, the loaded target {target.name_or_path!r} has {got}; "
+                    f"pass the matching --target or retrain the drafter"
+                )
         self.geometry.check_target(target.num_layers)
 
 
@@ -81,21 +94,27 @@ def _build(spec: DrafterSpec, state: dict, where: str) -> PipelineDraftModule:
     try:
         pdm.load_state_dict(state, strict=True)
     except RuntimeError as e:
-        raise DrafterLoadError(f"{where}: weights do not match the drafter config "
-                               f"({str(e).splitlines()[0]}); the file is corrupt or from another build") from e
+        raise DrafterLoadError(
+            f"{where}: weights do not match the drafter config "
+            f"({str(e).splitlines()[0]}); the file is corrupt or from another build"
+        ) from e
     return pdm.eval()
 
 
 def _check_exists(path: str) -> None:
     """One message per missing piece: the path itself, or a file of a drafter directory."""
     if not os.path.exists(path):
-        raise DrafterLoadError(f"drafter {path!r} does not exist: pass a Lightning .ckpt or a directory written by "
-                               f"`python -m spd_lightning export`")
+        raise DrafterLoadError(
+            f"drafter {path!r} does not exist: pass a Lightning .ckpt or a directory written by "
+            f"`python -m spd_lightning export`"
+        )
     if os.path.isdir(path):
         for name in (CONFIG_FILE, WEIGHTS_FILE):
             if not os.path.isfile(os.path.join(path, name)):
-                raise DrafterLoadError(f"{path!r} is not a drafter directory: it has no {name} (an exported drafter "
-                                       f"holds {CONFIG_FILE} and {WEIGHTS_FILE})")
+                raise DrafterLoadError(
+                    f"{path!r} is not a drafter directory: it has no {name} (an exported drafter "
+                    f"holds {CONFIG_FILE} and {WEIGHTS_FILE})"
+                )
 
 
 def _read_directory(path: str, map_location: str, keys: tuple[str, ...] | None) -> tuple[DrafterSpec, dict]:
@@ -111,12 +130,13 @@ def _read_checkpoint(path: str, map_location: str, keys: tuple[str, ...] | None)
     if not isinstance(ckpt, dict) or CKPT_KEY not in ckpt:
         raise DrafterLoadError(f"{path!r} is not an SPD-Lightning checkpoint (no {CKPT_KEY!r} entry)")
     spec = DrafterSpec.from_dict(ckpt[CKPT_KEY], path)
-    state = {k[len("pdm."):]: v for k, v in ckpt.get("state_dict", {}).items() if k.startswith("pdm.")}
+    state = {k[len("pdm.") :]: v for k, v in ckpt.get("state_dict", {}).items() if k.startswith("pdm.")}
     return spec, state if keys is None else {k: state[k] for k in keys}
 
 
-def read_drafter(path: str, map_location: str | torch.device = "cpu",
-                 keys: tuple[str, ...] | None = None) -> tuple[DrafterSpec, dict[str, torch.Tensor]]:
+def read_drafter(
+    path: str, map_location: str | torch.device = "cpu", keys: tuple[str, ...] | None = None
+) -> tuple[DrafterSpec, dict[str, torch.Tensor]]:
     """The drafter's description and its PDM weights (only `keys` of them when given) from an exported
     directory or a Lightning `.ckpt`; the one reader of both formats, with one message per failure."""
     _check_exists(path)
@@ -126,8 +146,10 @@ def read_drafter(path: str, map_location: str | torch.device = "cpu",
     except DrafterLoadError:
         raise
     except Exception as e:  # noqa: BLE001 - torch and safetensors raise many types for a bad file; all mean one thing
-        raise DrafterLoadError(f"drafter {path!r} is corrupt, truncated or incomplete ({type(e).__name__}: "
-                               f"{str(e).splitlines()[0][:120] if str(e) else ''}); re-export it") from e
+        raise DrafterLoadError(
+            f"drafter {path!r} is corrupt, truncated or incomplete ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:120] if str(e) else ''}); re-export it"
+        ) from e
 
 
 def read_drafter_spec(path: str) -> tuple[DrafterSpec, torch.Tensor]:

@@ -5,18 +5,24 @@ Everything that depends on *which target states a token has reached* lives here:
 in-flight token under each drafting schedule, and the view of a drafting time. Both training layouts
 and the decoder import this module; nothing else re-derives these rules.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Literal
+
 from .errors import UserError
 
 Schedule = Literal["pre_step", "post_step"]
 Features = Literal["spd", "first_stage"]
 ANCHOR_PRESETS = ("quarters", "n_scaled")
 # The decoding modes of SPEC 5.4 that use a drafter: mode -> (schedule, features). `ar` needs none.
-MODES: dict[str, tuple[Schedule, Features]] = {"spd": ("pre_step", "spd"), "post_step": ("post_step", "spd"),
-                                               "ppsd": ("post_step", "first_stage")}
+MODES: dict[str, tuple[Schedule, Features]] = {
+    "spd": ("pre_step", "spd"),
+    "post_step": ("post_step", "spd"),
+    "ppsd": ("post_step", "first_stage"),
+}
 
 
 class GeometryError(UserError):
@@ -35,12 +41,16 @@ def uniform_split(num_layers: int, n: int) -> list[int]:
 def check_split(split: Sequence[int], num_layers: int, n: int) -> list[int]:
     split = [int(e) for e in split]
     if len(split) != n + 1:
-        raise GeometryError(f"stage split {split} has {len(split)} entries; n={n} stages need n+1 = {n + 1} (e_0=0 .. e_n=L)")
+        raise GeometryError(
+            f"stage split {split} has {len(split)} entries; n={n} stages need n+1 = {n + 1} (e_0=0 .. e_n=L)"
+        )
     if split[0] != 0 or split[-1] != num_layers:
         raise GeometryError(f"stage split {split} must start at 0 and end at L={num_layers}")
     for s in range(n):
         if split[s + 1] <= split[s]:
-            raise GeometryError(f"stage split {split}: stage {s + 1} has no layer (e_{s}={split[s]} >= e_{s + 1}={split[s + 1]}); make it strictly increasing")
+            raise GeometryError(
+                f"stage split {split}: stage {s + 1} has no layer (e_{s}={split[s]} >= e_{s + 1}={split[s + 1]}); make it strictly increasing"
+            )
     return split
 
 
@@ -52,7 +62,9 @@ def anchor_preset(name: str, num_layers: int, n: int) -> list[int]:
     elif name == "n_scaled":  # the authors' release: [0, L/n, 3L/n, 6L/n, L-1]
         raw = [0, L // n, (3 * L) // n, (6 * L) // n, L - 1]
     else:
-        raise GeometryError(f"unknown anchor preset {name!r}: use one of {ANCHOR_PRESETS} or an explicit list of layer indices")
+        raise GeometryError(
+            f"unknown anchor preset {name!r}: use one of {ANCHOR_PRESETS} or an explicit list of layer indices"
+        )
     return sorted({min(max(b, 0), L) for b in raw})
 
 
@@ -85,9 +97,15 @@ class Geometry:
     _types: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     @classmethod
-    def build(cls, num_layers: int, n: int, split: Sequence[int] | str | None = "uniform",
-              anchors: Sequence[int] | str = "n_scaled", schedule: Schedule = "pre_step",
-              features: Features = "spd") -> "Geometry":
+    def build(
+        cls,
+        num_layers: int,
+        n: int,
+        split: Sequence[int] | str | None = "uniform",
+        anchors: Sequence[int] | str = "n_scaled",
+        schedule: Schedule = "pre_step",
+        features: Features = "spd",
+    ) -> Geometry:
         if num_layers < 1:
             raise GeometryError(f"num_layers={num_layers}: the target must have at least one layer")
         e = uniform_split(num_layers, n) if split in (None, "uniform") else check_split(split, num_layers, n)
@@ -114,14 +132,16 @@ class Geometry:
             return "ppsd"
         return "post_step" if self.schedule == "post_step" else "spd"
 
-    def with_mode(self, mode: str) -> "Geometry":
+    def with_mode(self, mode: str) -> Geometry:
         """This geometry decoded in `mode`: the mode's schedule; its features must be the ones trained on."""
         if mode not in MODES:
             raise GeometryError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
         schedule, features = MODES[mode]
         if features != self.features:
-            raise GeometryError(f"--mode {mode} reads {features!r} features but this drafter was trained with "
-                                f"features={self.features!r}: use --mode {self.mode} or a matching drafter")
+            raise GeometryError(
+                f"--mode {mode} reads {features!r} features but this drafter was trained with "
+                f"features={self.features!r}: use --mode {self.mode} or a matching drafter"
+            )
         return Geometry.build(self.num_layers, self.n, list(self.split), list(self.anchors), schedule, features)
 
     # -- depth -> anchors -> type ---------------------------------------------------------------
@@ -190,12 +210,22 @@ class Geometry:
 
     def check_target(self, num_layers: int) -> None:
         if num_layers != self.num_layers:
-            raise GeometryError(f"the drafter was built for a target with L={self.num_layers} layers but the loaded target has L={num_layers}: load the matching target (--target) or retrain")
+            raise GeometryError(
+                f"the drafter was built for a target with L={self.num_layers} layers but the loaded target has L={num_layers}: load the matching target (--target) or retrain"
+            )
 
     def to_dict(self) -> dict:
-        return {"num_layers": self.num_layers, "n": self.n, "split": list(self.split), "anchors": list(self.anchors),
-                "schedule": self.schedule, "features": self.features}
+        return {
+            "num_layers": self.num_layers,
+            "n": self.n,
+            "split": list(self.split),
+            "anchors": list(self.anchors),
+            "schedule": self.schedule,
+            "features": self.features,
+        }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Geometry":
-        return cls.build(d["num_layers"], d["n"], d["split"], d["anchors"], d.get("schedule", "pre_step"), d.get("features", "spd"))
+    def from_dict(cls, d: dict) -> Geometry:
+        return cls.build(
+            d["num_layers"], d["n"], d["split"], d["anchors"], d.get("schedule", "pre_step"), d.get("features", "spd")
+        )

@@ -6,10 +6,11 @@ same interface on CUDA. The CPU count covers every tensor an op creates inside t
 autograd's saved tensors, backward, optimizer state) plus the storages given as `baseline`; it ignores
 allocator fragmentation and caching, which the CUDA numbers include.
 """
+
 from __future__ import annotations
 
 import weakref
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -65,10 +66,10 @@ class PeakMemory:
     def __init__(self, device: torch.device | str, baseline: Iterable[torch.Tensor] = ()):
         self.device = torch.device(device)
         self._baseline = list(baseline)
-        self._meter: Optional[LiveTensorBytes] = None
+        self._meter: LiveTensorBytes | None = None
         self.peak_bytes = 0
 
-    def __enter__(self) -> "PeakMemory":
+    def __enter__(self) -> PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)

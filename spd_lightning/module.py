@@ -12,9 +12,10 @@ draft vocabulary `d2t`, or from a checkpoint's drafter description when loaded w
 Positions whose teacher argmax falls outside `V_d` are KEPT: the restricted, renormalized teacher is still a
 valid target over what the drafter can propose; their share is logged as `*/teacher_top1_outside_vd`.
 """
+
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Literal
 
 import lightning as L
 import torch
@@ -75,21 +76,21 @@ class SPDModule(L.LightningModule):
         target_dtype: str = "bfloat16",
         trust_remote_code: bool = False,
         n: int = 8,
-        split: Union[Literal["uniform"], list[int]] = "uniform",
-        anchors: Union[Literal["quarters", "n_scaled"], list[int]] = "n_scaled",
+        split: Literal["uniform"] | list[int] = "uniform",
+        anchors: Literal["quarters", "n_scaled"] | list[int] = "n_scaled",
         layout: LayoutName = "depth",
         schedule: Schedule = "pre_step",
         features: Features = "spd",
         num_layers: int = 1,
-        hidden_size: Optional[int] = None,
-        num_heads: Optional[int] = None,
-        num_kv_heads: Optional[int] = None,
-        head_dim: Optional[int] = None,
-        intermediate_size: Optional[int] = None,
-        init_layers_from: Optional[list[int]] = None,
+        hidden_size: int | None = None,
+        num_heads: int | None = None,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        intermediate_size: int | None = None,
+        init_layers_from: list[int] | None = None,
         init_head: bool = True,
         fill_full_prob: float = 0.5,
-        fill_probs: Optional[list[float]] = None,
+        fill_probs: list[float] | None = None,
         teacher_temperature: float = 1.0,
         aux_loss_weight: float = 0.0,
         lr: float = 1e-4,
@@ -105,8 +106,11 @@ class SPDModule(L.LightningModule):
         for name, value in (("teacher_temperature", teacher_temperature), ("lr", lr)):
             if value <= 0:
                 raise ConfigError(f"{name}={value} must be positive")
-        for name, value in (("aux_loss_weight", aux_loss_weight), ("weight_decay", weight_decay),
-                            ("warmup_steps", warmup_steps)):
+        for name, value in (
+            ("aux_loss_weight", aux_loss_weight),
+            ("weight_decay", weight_decay),
+            ("warmup_steps", warmup_steps),
+        ):
             if value < 0:
                 raise ConfigError(f"{name}={value} must be >= 0")
         if not 0 <= min_lr_ratio <= 1:
@@ -117,8 +121,8 @@ class SPDModule(L.LightningModule):
         self.layout = build_layout(layout, self.geometry, FillDistribution(fill_full_prob, fill_probs))
         self.layout.fill_dist.probabilities(n)  # validates the fill settings now, not at the first step
         self._check_init_args()
-        self.pdm: Optional[PipelineDraftModule] = None
-        self._target: Optional[Target] = None
+        self.pdm: PipelineDraftModule | None = None
+        self._target: Target | None = None
         self._target_info = None
         n_groups = n + 1
         self.train_agree, self.val_agree = torchmetrics.MeanMetric(), torchmetrics.MeanMetric()
@@ -130,25 +134,35 @@ class SPDModule(L.LightningModule):
         hp, cfg = self.hparams, self.target_config
         heads = hp.num_heads or cfg.num_attention_heads
         return PDMConfig(
-            target_hidden_size=cfg.hidden_size, num_types=self.geometry.num_types, draft_vocab_size=draft_vocab_size,
-            hidden_size=hp.hidden_size or cfg.hidden_size, num_layers=hp.num_layers, num_heads=heads,
+            target_hidden_size=cfg.hidden_size,
+            num_types=self.geometry.num_types,
+            draft_vocab_size=draft_vocab_size,
+            hidden_size=hp.hidden_size or cfg.hidden_size,
+            num_layers=hp.num_layers,
+            num_heads=heads,
             num_kv_heads=hp.num_kv_heads or getattr(cfg, "num_key_value_heads", None) or heads,
             head_dim=hp.head_dim or getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
             intermediate_size=hp.intermediate_size or cfg.intermediate_size,
-            rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6), rope_theta=rope_theta)
+            rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+        )
 
     def _check_init_args(self) -> None:
         hp, cfg = self.hparams, self.target_config
         self._pdm_config(draft_vocab_size=1, rope_theta=1.0)  # shape errors now, before any data is processed
         width = hp.hidden_size or cfg.hidden_size
         if hp.init_head and width != cfg.hidden_size:
-            raise ConfigError(f"init_head needs the PDM width to equal the target's ({cfg.hidden_size}), got "
-                             f"hidden_size={width}: drop hidden_size or set init_head: false")
+            raise ConfigError(
+                f"init_head needs the PDM width to equal the target's ({cfg.hidden_size}), got "
+                f"hidden_size={width}: drop hidden_size or set init_head: false"
+            )
         if hp.init_layers_from is not None:
             idx = list(hp.init_layers_from)
             if len(idx) != hp.num_layers or any(not 0 <= i < cfg.num_hidden_layers for i in idx):
-                raise ConfigError(f"init_layers_from={idx} must name {hp.num_layers} target layer(s) (one per PDM "
-                                 f"layer) in 0..{cfg.num_hidden_layers - 1}")
+                raise ConfigError(
+                    f"init_layers_from={idx} must name {hp.num_layers} target layer(s) (one per PDM "
+                    f"layer) in 0..{cfg.num_hidden_layers - 1}"
+                )
 
     # -- the frozen target ---------------------------------------------------------------------
     @property
@@ -163,8 +177,9 @@ class SPDModule(L.LightningModule):
             target = Target.load(self.hparams.target, self.hparams.target_dtype, device, self.hparams.trust_remote_code)
             self.geometry.check_target(target.num_layers)
             if target.linear_attention_path is not None:
-                rank_zero_info(f"target {self.hparams.target}: Gated DeltaNet layers run the "
-                               f"{target.linear_attention_path}")
+                rank_zero_info(
+                    f"target {self.hparams.target}: Gated DeltaNet layers run the {target.linear_attention_path}"
+                )
             # object.__setattr__ keeps the target out of nn.Module registration (params, state_dict, .to()).
             object.__setattr__(self, "_target", target)
             self._target_info = target.info
@@ -181,13 +196,17 @@ class SPDModule(L.LightningModule):
             return  # without a trainer (`load_from_checkpoint`), on_load_checkpoint builds the PDM
         d2t = getattr(self.trainer.datamodule, "d2t", None) if self.trainer.datamodule is not None else None
         if d2t is None:
-            raise ConfigError("SPDModule needs a data module with a draft vocabulary `d2t` (ChatDataModule): "
-                             "train through `python -m spd_lightning fit` or pass datamodule=ChatDataModule(...)")
+            raise ConfigError(
+                "SPDModule needs a data module with a draft vocabulary `d2t` (ChatDataModule): "
+                "train through `python -m spd_lightning fit` or pass datamodule=ChatDataModule(...)"
+            )
         d2t = torch.as_tensor(d2t, dtype=torch.long)
         vocab = self.target.vocab_size
         if d2t.ndim != 1 or d2t.numel() == 0 or int(d2t.max()) >= vocab or int(d2t.min()) < 0:
-            raise ConfigError(f"the draft vocabulary ({d2t.numel()} ids, max {int(d2t.max()) if d2t.numel() else None}) "
-                             f"does not fit the target vocabulary of {vocab}: use the target's own tokenizer")
+            raise ConfigError(
+                f"the draft vocabulary ({d2t.numel()} ids, max {int(d2t.max()) if d2t.numel() else None}) "
+                f"does not fit the target vocabulary of {vocab}: use the target's own tokenizer"
+            )
         hp = self.hparams
         self.pdm = PipelineDraftModule(self._pdm_config(d2t.numel(), self._target_info.rope_theta), d2t)
         self._freeze_unused_types()
@@ -195,7 +214,9 @@ class SPDModule(L.LightningModule):
             self.pdm.init_head_from_target(self.target.lm_head.weight)
         for i, layer in enumerate(hp.init_layers_from or []):
             copied = self.pdm.init_layer_from_target(i, self.target.layers[layer])
-            rank_zero_info(f"PDM layer {i} seeded from target layer {layer}: {len(copied)} tensors ({', '.join(copied)})")
+            rank_zero_info(
+                f"PDM layer {i} seeded from target layer {layer}: {len(copied)} tensors ({', '.join(copied)})"
+            )
 
     def _freeze_unused_types(self) -> None:
         """Fusion projections of aggregation types that no view uses would never receive a gradient (and
@@ -209,21 +230,27 @@ class SPDModule(L.LightningModule):
         """Fill draws are a function of (seed, phase, batch counter, rank): reproducible, and a resumed run
         draws what the uninterrupted run would have drawn (the training counter is restored on resume)."""
         key = (self.hparams.seed, phase, index, self.global_rank)
-        return torch.Generator().manual_seed(hash(key) % (2 ** 63))
+        return torch.Generator().manual_seed(hash(key) % (2**63))
 
     def _forward(self, batch: dict, generator: torch.Generator):
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
         if not bool((attention_mask[:, :-1] >= attention_mask[:, 1:]).all()):
-            raise ValueError("batches must be right-padded (attention_mask 1...1 0...0): the layouts read each "
-                             "sequence's length as attention_mask.sum(1)")
+            raise ValueError(
+                "batches must be right-padded (attention_mask 1...1 0...0): the layouts read each "
+                "sequence's length as attention_mask.sum(1)"
+            )
         states, logits = self.target.anchor_states(input_ids, attention_mask, self.geometry.anchors)
         teacher = self._restrict_teacher(logits)
         del logits  # the full-vocabulary logits are freed before the PDM's activations are allocated
         B, T = input_ids.shape
         rep = self.layout.replicate(attention_mask.sum(1), T, self.layout.draw_fill(B, T, generator))
         g = rep.features(self.pdm.fuse, states.to(self.pdm.lm_head.weight.dtype))
-        hidden = self.pdm.body(g, rep.positions(), rep.attend(self.hparams.attention_backend),
-                               checkpointing=self.hparams.activation_checkpointing)
+        hidden = self.pdm.body(
+            g,
+            rep.positions(),
+            rep.attend(self.hparams.attention_backend),
+            checkpointing=self.hparams.activation_checkpointing,
+        )
         # Output i of every copy drafts x_{i+1}: a loss position iff x_{i+1} is an assistant token.
         predicts_loss_token = F.pad(batch["loss_mask"][:, 1:].bool(), (0, 1), value=False)
         return rep, hidden, teacher, predicts_loss_token
@@ -258,7 +285,9 @@ class SPDModule(L.LightningModule):
         kl, student, target, _, outside = self._distill(rep, hidden, teacher, valid, rep.loss_copy)
         loss = self._mean(kl)
         if self.hparams.aux_loss_weight > 0:
-            aux = [self._distill(rep, hidden, teacher, valid, c)[0] for c in range(rep.num_copies) if c != rep.loss_copy]
+            aux = [
+                self._distill(rep, hidden, teacher, valid, c)[0] for c in range(rep.num_copies) if c != rep.loss_copy
+            ]
             loss = loss + self.hparams.aux_loss_weight * self._mean(torch.cat(aux))
         B = batch["input_ids"].shape[0]
         self.log("train/loss", loss, prog_bar=True, batch_size=B)
@@ -272,7 +301,9 @@ class SPDModule(L.LightningModule):
         return loss
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        rep, hidden, teacher, valid = self._forward(batch, self._fill_generator(1, batch_idx))  # same draws at every validation
+        rep, hidden, teacher, valid = self._forward(
+            batch, self._fill_generator(1, batch_idx)
+        )  # same draws at every validation
         for c in range(rep.num_copies):
             kl, student, target, fill, outside = self._distill(rep, hidden, teacher, valid, c)
             if not kl.numel():
@@ -302,14 +333,19 @@ class SPDModule(L.LightningModule):
         # compute() synchronizes across ranks, so every rank holds the same values and the same keys; the
         # sync_dist mean of identical values is a no-op that keeps Lightning's distributed bookkeeping happy.
         values = {}
-        for name, metric in (("loss", self.val_loss), ("agree", self.val_agree),
-                             ("teacher_top1_outside_vd", self.val_outside)):
+        for name, metric in (
+            ("loss", self.val_loss),
+            ("agree", self.val_agree),
+            ("teacher_top1_outside_vd", self.val_outside),
+        ):
             value = metric.compute()  # NaN (identically on every rank) when no loss token was seen
             if torch.isfinite(value):
                 values[f"val/{name}"] = value
         for prefix, metric in (("depth", self.val_agree_depth), ("fill", self.val_agree_fill)):
             values.update({f"val/agree_{prefix}{group}": value for group, value in metric.compute().items()})
-        self.log_dict({k: v for k, v in values.items() if k in ("val/loss", "val/agree")}, prog_bar=True, sync_dist=True)
+        self.log_dict(
+            {k: v for k, v in values.items() if k in ("val/loss", "val/agree")}, prog_bar=True, sync_dist=True
+        )
         self.log_dict({k: v for k, v in values.items() if k not in ("val/loss", "val/agree")}, sync_dist=True)
         # `validate` runs under inference mode; states reset there would be inference tensors that the
         # no-grad validation inside a later `fit` may not update in place.
@@ -320,8 +356,10 @@ class SPDModule(L.LightningModule):
     # -- optimizer -------------------------------------------------------------------------------
     def configure_optimizers(self):
         params = [p for p in self.pdm.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": self.hparams.weight_decay},
-                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]  # no decay on norms
+        groups = [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": self.hparams.weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ]  # no decay on norms
         optimizer = torch.optim.AdamW(groups, lr=self.hparams.lr)
         total = max(1, int(self.trainer.estimated_stepping_batches))
         warmup, floor = self.hparams.warmup_steps, self.hparams.min_lr_ratio

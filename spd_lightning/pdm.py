@@ -8,11 +8,12 @@ attention layer computes q, k, v (q/k RMSNorm, RoPE at the true positions, GQA e
 to an `attend(layer, q, k, v)` callable. The default is plain causal attention, which is exactly the
 explicit staircase view; layouts and the decoder's KV cache pass their own. The math stays here, once.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
-from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -37,8 +38,16 @@ class PDMConfig:
     rope_theta: float = 1_000_000.0
 
     def __post_init__(self):
-        for f in ("target_hidden_size", "num_types", "draft_vocab_size", "hidden_size", "num_heads", "num_kv_heads",
-                  "head_dim", "intermediate_size"):
+        for f in (
+            "target_hidden_size",
+            "num_types",
+            "draft_vocab_size",
+            "hidden_size",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+        ):
             if getattr(self, f) < 1:
                 raise ValueError(f"PDM {f}={getattr(self, f)} must be a positive integer")
         if self.num_layers < 1:
@@ -50,7 +59,7 @@ class PDMConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "PDMConfig":
+    def from_dict(cls, d: dict) -> PDMConfig:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
@@ -144,8 +153,9 @@ class Fusion(nn.Module):
     def __init__(self, cfg: PDMConfig):
         super().__init__()
         self.norms = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(cfg.num_types))
-        self.proj = nn.ModuleList(nn.Linear(tau * cfg.target_hidden_size, cfg.hidden_size, bias=False)
-                                  for tau in range(1, cfg.num_types + 1))
+        self.proj = nn.ModuleList(
+            nn.Linear(tau * cfg.target_hidden_size, cfg.hidden_size, bias=False) for tau in range(1, cfg.num_types + 1)
+        )
 
     def forward(self, states: torch.Tensor, types: int | torch.Tensor) -> torch.Tensor:
         """`states[..., m, H]` holds a token's anchor states in anchor order (entries past its type are
@@ -164,7 +174,7 @@ class Fusion(nn.Module):
 
 
 class PipelineDraftModule(nn.Module):
-    def __init__(self, cfg: PDMConfig, d2t: Optional[torch.Tensor] = None):
+    def __init__(self, cfg: PDMConfig, d2t: torch.Tensor | None = None):
         super().__init__()
         self.cfg = cfg
         self.fusion = Fusion(cfg)
@@ -185,8 +195,9 @@ class PipelineDraftModule(nn.Module):
     def fuse(self, states: torch.Tensor, types: int | torch.Tensor) -> torch.Tensor:
         return self.fusion(states, types)
 
-    def body(self, g: torch.Tensor, positions: torch.Tensor, attend: Attend = causal_attend,
-             checkpointing: bool = False) -> torch.Tensor:
+    def body(
+        self, g: torch.Tensor, positions: torch.Tensor, attend: Attend = causal_attend, checkpointing: bool = False
+    ) -> torch.Tensor:
         """Run the `L_s` layers over features `g[B, S, d]` at `positions[B, S]`; returns normed hidden.
 
         With `checkpointing` (and grad enabled) each layer keeps only its input and recomputes its inside in
@@ -200,8 +211,9 @@ class PipelineDraftModule(nn.Module):
                 x = layer(x, positions, i, attend)
         return self.norm(x)
 
-    def forward(self, states: torch.Tensor, types: int | torch.Tensor, positions: torch.Tensor,
-                attend: Attend = causal_attend) -> torch.Tensor:
+    def forward(
+        self, states: torch.Tensor, types: int | torch.Tensor, positions: torch.Tensor, attend: Attend = causal_attend
+    ) -> torch.Tensor:
         """Draft logits over `V_d` at every position (the decoder reads the last one)."""
         return self.lm_head(self.body(self.fuse(states, types), positions, attend))
 
@@ -209,7 +221,9 @@ class PipelineDraftModule(nn.Module):
     def init_head_from_target(self, target_lm_head: torch.Tensor) -> None:
         """Seed the head with the target LM-head rows of the draft vocabulary (needs d == target width)."""
         if target_lm_head.shape[1] != self.cfg.hidden_size:
-            raise ValueError(f"cannot seed the draft head: target LM head width {target_lm_head.shape[1]} != PDM hidden_size {self.cfg.hidden_size}; set hidden_size to the target width or disable init_head_from_target")
+            raise ValueError(
+                f"cannot seed the draft head: target LM head width {target_lm_head.shape[1]} != PDM hidden_size {self.cfg.hidden_size}; set hidden_size to the target width or disable init_head_from_target"
+            )
         self.lm_head.weight.copy_(target_lm_head[self.d2t.to(target_lm_head.device)].to(self.lm_head.weight))
 
     @torch.no_grad()
@@ -229,7 +243,11 @@ class PipelineDraftModule(nn.Module):
                     scale = module(probe)[0].float() * math.sqrt(1.0 + eps)
                     mine.weight.copy_(scale.to(mine.weight))
                     copied.append(name + ".weight")
-            elif isinstance(mine, nn.Linear) and isinstance(module, nn.Linear) and module.weight.shape == mine.weight.shape:
+            elif (
+                isinstance(mine, nn.Linear)
+                and isinstance(module, nn.Linear)
+                and module.weight.shape == mine.weight.shape
+            ):
                 mine.weight.copy_(module.weight.to(mine.weight))
                 copied.append(name + ".weight")
         return copied

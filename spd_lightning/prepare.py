@@ -12,10 +12,11 @@ never loaded (only its tokenizer).
 - Concurrent runs on one cache are safe: each source is built under a file lock (the others wait, then read
   it), and `d2t` is written to a private file and renamed into place.
 """
+
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from jsonargparse import ArgumentError
 
@@ -36,10 +37,19 @@ class _DataOnlyCLI(SPDLightningCLI):
 def data_module(args: Sequence[str]) -> ChatDataModule:
     """The `ChatDataModule` that `fit` would build from the same arguments (`--config CFG`, overrides)."""
     try:
-        cli = _DataOnlyCLI(SPDModule, ChatDataModule, args=with_base_configs(args), run=False,
-                           seed_everything_default=0, auto_configure_optimizers=False, save_config_callback=None,
-                           parser_kwargs={"exit_on_error": False,
-                                          "description": "Tokenize the data of a `fit` config and count its d2t."})
+        cli = _DataOnlyCLI(
+            SPDModule,
+            ChatDataModule,
+            args=with_base_configs(args),
+            run=False,
+            seed_everything_default=0,
+            auto_configure_optimizers=False,
+            save_config_callback=None,
+            parser_kwargs={
+                "exit_on_error": False,
+                "description": "Tokenize the data of a `fit` config and count its d2t.",
+            },
+        )
     except ArgumentError as e:  # a value the parser rejects, as in `fit`
         raise ConfigError(str(e)) from e
     return cli.datamodule
@@ -54,8 +64,10 @@ def prepare(args: Sequence[str]) -> str:
         return f"already prepared, nothing to do: every source and d2t is cached in {where}"
     print(f"preparing {', '.join(missing)} in {where}", flush=True)
     data.prepare_data()
-    return (f"prepared {len(data.train_dataset):,} training and {len(data.val_dataset):,} validation samples, "
-            f"V_d={len(data.d2t):,}, in {where}")
+    return (
+        f"prepared {len(data.train_dataset):,} training and {len(data.val_dataset):,} validation samples, "
+        f"V_d={len(data.d2t):,}, in {where}"
+    )
 
 
 def main(args: Sequence[str]) -> int:

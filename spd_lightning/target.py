@@ -11,33 +11,42 @@ that device): the 8 ranks of a node never hold 8 CPU copies of an 18 GB target. 
 Gated DeltaNet layers) run transformers' fast kernels when `flash-linear-attention` and `causal-conv1d` are
 installed (`pip install .[gpu]`), its slow torch fallback otherwise (`Target.linear_attention_path` says which).
 """
+
 from __future__ import annotations
 
 import importlib.util
 import logging
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch import nn
-from .errors import UserError
 
+from .errors import UserError
 
 log = logging.getLogger(__name__)
 
 # Gated DeltaNet functions of transformers 5's modeling_qwen3_5 -> (package with the fast kernel, its pip name)
-DELTANET_KERNELS = {"torch_chunk_gated_delta_rule": ("fla", "flash-linear-attention"),
-                    "causal_conv1d_fn": ("causal_conv1d", "causal-conv1d")}
+DELTANET_KERNELS = {
+    "torch_chunk_gated_delta_rule": ("fla", "flash-linear-attention"),
+    "causal_conv1d_fn": ("causal_conv1d", "causal-conv1d"),
+}
 
 
 class TargetError(UserError):
     """A target that cannot be loaded or does not fit the request; one line that says why."""
 
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -59,22 +68,32 @@ def load_hf_config(name_or_path: str, trust_remote_code: bool = False):
 
     path = os.path.expanduser(name_or_path)
     if looks_local(name_or_path) and not os.path.isdir(path):
-        raise TargetError(f"target path {name_or_path!r} does not exist: build the tiny target with "
-                          f"`python -m spd_lightning.tiny_target --out {name_or_path}` or pass a hub name")
+        raise TargetError(
+            f"target path {name_or_path!r} does not exist: build the tiny target with "
+            f"`python -m spd_lightning.tiny_target --out {name_or_path}` or pass a hub name"
+        )
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except OSError as e:
-        raise TargetError(f"cannot load target {name_or_path!r}: no such local directory and the hub could not "
-                          f"provide it ({str(e).splitlines()[0][:120]}); pass an existing directory, or build the tiny "
-                          f"target with `python -m spd_lightning.tiny_target --out DIR`") from e
+        raise TargetError(
+            f"cannot load target {name_or_path!r}: no such local directory and the hub could not "
+            f"provide it ({str(e).splitlines()[0][:120]}); pass an existing directory, or build the tiny "
+            f"target with `python -m spd_lightning.tiny_target --out DIR`"
+        ) from e
     except ValueError as e:
-        raise TargetError(f"cannot load target {name_or_path!r}: {str(e).splitlines()[0]} "
-                          f"(pass --trust_remote_code only if you trust that repository)") from e
+        raise TargetError(
+            f"cannot load target {name_or_path!r}: {str(e).splitlines()[0]} "
+            f"(pass --trust_remote_code only if you trust that repository)"
+        ) from e
     return config
 
 
-def load_hf_causal_lm(name_or_path: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
-                      trust_remote_code: bool = False) -> nn.Module:
+def load_hf_causal_lm(
+    name_or_path: str,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+) -> nn.Module:
     """`AutoModelForCausalLM` with the checks a user needs: a missing local path or a hub name that cannot
     be reached fails with one line; remote code runs only when the caller passes `trust_remote_code`.
     The weights are created on `device` directly (no full copy in CPU memory first)."""
@@ -85,13 +104,21 @@ def load_hf_causal_lm(name_or_path: str, dtype: str | torch.dtype = "float32", d
     device = torch.device(device)
     if importlib.util.find_spec("accelerate") is None:  # transformers needs it for `device_map`
         if device.type != "cpu":
-            log.warning(f"loading the target through CPU memory before moving it to {device}: install `accelerate` "
-                        f"(a dependency of this package) to load it straight onto the device")
-        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=resolve_dtype(dtype),
-                                                     trust_remote_code=trust_remote_code)
+            log.warning(
+                f"loading the target through CPU memory before moving it to {device}: install `accelerate` "
+                f"(a dependency of this package) to load it straight onto the device"
+            )
+        model = AutoModelForCausalLM.from_pretrained(
+            path, config=config, dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code
+        )
         return model.to(device)
-    return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=resolve_dtype(dtype),
-                                                device_map={"": str(device)}, trust_remote_code=trust_remote_code)
+    return AutoModelForCausalLM.from_pretrained(
+        path,
+        config=config,
+        dtype=resolve_dtype(dtype),
+        device_map={"": str(device)},
+        trust_remote_code=trust_remote_code,
+    )
 
 
 def _bound_fast_kernel(function, package: str) -> bool:
@@ -111,8 +138,11 @@ def linear_attention_path(model: nn.Module) -> str | None:
     if layer is None:
         return None
     modeling = sys.modules[type(layer).__module__]
-    missing = [pip_name for function, (package, pip_name) in DELTANET_KERNELS.items()
-               if not _bound_fast_kernel(getattr(modeling, function, None), package)]
+    missing = [
+        pip_name
+        for function, (package, pip_name) in DELTANET_KERNELS.items()
+        if not _bound_fast_kernel(getattr(modeling, function, None), package)
+    ]
     if not missing:
         return "fast kernels (flash-linear-attention, causal-conv1d)"
     return f"torch fallback (slow on GPU; missing {', '.join(missing)}: `pip install .[gpu]`)"
@@ -144,14 +174,21 @@ class Target(nn.Module):
         inner = getattr(inner, "language_model", inner)  # conditional-generation wrappers
         for attr in ("embed_tokens", "layers", "norm"):
             if not hasattr(inner, attr):
-                raise TargetError(f"target {type(model).__name__} has no `{attr}`: only decoder-only LMs laid out as "
-                                  f"embed_tokens / layers / norm (Qwen3, Qwen3.5, Llama, ...) are supported")
+                raise TargetError(
+                    f"target {type(model).__name__} has no `{attr}`: only decoder-only LMs laid out as "
+                    f"embed_tokens / layers / norm (Qwen3, Qwen3.5, Llama, ...) are supported"
+                )
         self.text_model = inner
         self.config = getattr(model.config, "text_config", None) or model.config
 
     @classmethod
-    def load(cls, name_or_path: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
-             trust_remote_code: bool = False) -> "Target":
+    def load(
+        cls,
+        name_or_path: str,
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device = "cpu",
+        trust_remote_code: bool = False,
+    ) -> Target:
         return cls(load_hf_causal_lm(name_or_path, dtype, device, trust_remote_code), name_or_path)
 
     # -- the pieces -----------------------------------------------------------------------------
@@ -195,8 +232,14 @@ class Target(nn.Module):
     def info(self) -> TargetInfo:
         rope = getattr(self.config, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(self.config, "rope_theta", 10000.0))
-        return TargetInfo(self.name_or_path, self.num_layers, self.hidden_size, self.vocab_size, float(theta),
-                          int(getattr(self.config, "max_position_embeddings", 0) or 0))
+        return TargetInfo(
+            self.name_or_path,
+            self.num_layers,
+            self.hidden_size,
+            self.vocab_size,
+            float(theta),
+            int(getattr(self.config, "max_position_embeddings", 0) or 0),
+        )
 
     def check_layers(self, layers: Sequence[int]) -> list[int]:
         layers = [int(b) for b in layers]
@@ -207,8 +250,9 @@ class Target(nn.Module):
 
     # -- one call: anchor states + logits -------------------------------------------------------
     @torch.no_grad()
-    def anchor_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                      layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def anchor_states(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layers: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states `H^l` at `layers` (HF `hidden_states` indices, 0 = embedding output, L = final
         norm output) as `[B, T, len(layers), H]`, and the final logits `[B, T, V]`, for a right-padded batch."""
         layers = self.check_layers(layers)
@@ -218,6 +262,7 @@ class Target(nn.Module):
         def keep(index):
             def hook(_module, _inputs, output):
                 captured[index] = output[0] if isinstance(output, tuple) else output
+
             return hook
 
         sources = {0: self.embed_tokens, L: self.norm}

@@ -1,4 +1,5 @@
 """Helpers the FSDP test runs inside Lightning's ranks (importable there through PYTHONPATH)."""
+
 import json
 import os
 
@@ -49,8 +50,13 @@ class FSDPProbe(Callback):
             "target_has_fsdp": any(isinstance(m, FullyShardedDataParallel) for m in pl_module.target.model.modules()),
             "target_full": all(p.numel() > 0 for p in target_params),
             "target_requires_grad": any(p.requires_grad for p in target_params),
-            "sharding": sorted({f"{h._sharding_strategy.name} over {h.world_size}" for h in
-                                (unit._handle for unit in FullyShardedDataParallel.fsdp_modules(wrapped)) if h}),
+            "sharding": sorted(
+                {
+                    f"{h._sharding_strategy.name} over {h.world_size}"
+                    for h in (unit._handle for unit in FullyShardedDataParallel.fsdp_modules(wrapped))
+                    if h
+                }
+            ),
         }
         with open(os.path.join(self.out, f"rank{trainer.global_rank}.json"), "w") as f:
             json.dump(report, f)

@@ -3,6 +3,7 @@
 With `dynamic=False`, each new replicated length recompiles; past dynamo's recompile limit (8) torch silently
 runs the unfused flex path that builds the whole `S x S` score matrix (43 GB per layer call at T=2048, n=8).
 """
+
 import pytest
 import torch
 from torch._dynamo.utils import counters

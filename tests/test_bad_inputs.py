@@ -1,5 +1,6 @@
 """Every CLI on the bad-input table of scripts/bad_inputs.py: one `error:` line, no traceback, non-zero exit.
 Plus safe loading: no unguarded `torch.load`, no remote code from a target's `auto_map` without trust."""
+
 import ast
 import json
 import os
@@ -11,11 +12,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 import bad_inputs  # noqa: E402
-from spd_lightning.target import Target, TargetError  # noqa: E402
 from test_inference_support import one_thread  # noqa: E402,F401 - one_thread is an autouse fixture
 
-pytestmark = [pytest.mark.timeout(300),
-              pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended")]
+from spd_lightning.target import Target, TargetError  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended")]
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,12 @@ def _torch_load_calls(path):
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
             f = node.func
-            if isinstance(f, ast.Attribute) and f.attr == "load" and isinstance(f.value, ast.Name) and f.value.id == "torch":
+            if (
+                isinstance(f, ast.Attribute)
+                and f.attr == "load"
+                and isinstance(f.value, ast.Name)
+                and f.value.id == "torch"
+            ):
                 yield node
             if isinstance(f, ast.Name) and f.id == "load":  # `from torch import load`
                 src = open(path).read()
@@ -67,8 +73,10 @@ def test_every_torch_load_uses_weights_only():
                 path = os.path.join(dirpath, name)
                 for call in _torch_load_calls(path):
                     seen += 1
-                    ok = any(k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is True
-                             for k in call.keywords)
+                    ok = any(
+                        k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is True
+                        for k in call.keywords
+                    )
                     if not ok:
                         unsafe.append(f"{os.path.relpath(path, REPO)}:{call.lineno}")
     assert seen >= 1  # the scan finds the loaders it guards
@@ -80,13 +88,21 @@ def test_auto_map_code_is_not_run_without_trust_remote_code(tmp_path):
     target.mkdir()
     marker = tmp_path / "EXECUTED"
     code = f"open({str(marker)!r}, 'w').write('remote code ran')\n"
-    code += ("from transformers import PretrainedConfig, PreTrainedModel\n"
-             "class EvilConfig(PretrainedConfig):\n    model_type = 'evil_spd'\n"
-             "class EvilModel(PreTrainedModel):\n    config_class = EvilConfig\n")
+    code += (
+        "from transformers import PretrainedConfig, PreTrainedModel\n"
+        "class EvilConfig(PretrainedConfig):\n    model_type = 'evil_spd'\n"
+        "class EvilModel(PreTrainedModel):\n    config_class = EvilConfig\n"
+    )
     (target / "evil.py").write_text(code)
-    (target / "config.json").write_text(json.dumps({
-        "model_type": "evil_spd", "architectures": ["EvilModel"],
-        "auto_map": {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"}}))
+    (target / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "evil_spd",
+                "architectures": ["EvilModel"],
+                "auto_map": {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"},
+            }
+        )
+    )
     with pytest.raises(TargetError) as info:
         Target.load(str(target))
     message = str(info.value)

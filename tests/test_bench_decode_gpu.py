@@ -1,5 +1,6 @@
 """scripts/bench_decode_gpu.py in its smoke mode (tiny shapes, CPU, eager): every section, numbers that
 add up, and the planner fed from them."""
+
 import json
 import os
 import subprocess
@@ -13,9 +14,26 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_tiny_cpu_smoke_run_writes_consistent_json_and_markdown(tmp_path):
     out, md = tmp_path / "decode.json", tmp_path / "decode.md"
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench_decode_gpu.py"), "--tiny", "--device",
-                           "cpu", "--no-compile", "--json", str(out), "--md", str(md), "--alpha", "4:2:0.5"],
-                          env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "scripts", "bench_decode_gpu.py"),
+            "--tiny",
+            "--device",
+            "cpu",
+            "--no-compile",
+            "--json",
+            str(out),
+            "--md",
+            str(md),
+            "--alpha",
+            "4:2:0.5",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(out.read_text())["models"]["tiny"]
     stages = {r["stage"]: r for r in report["stages"]}

@@ -4,6 +4,7 @@ The benchmarks themselves never run here (docs/BENCHMARKS.md has their commands)
 commands work: `scripts/bench_paper.py` trains, evaluates and tabulates a real run, `scripts/bench_train_step.py`
 times a real training step, `scripts/sharegpt_heldout.py` writes prompts no training run reads.
 """
+
 import json
 import os
 import shlex
@@ -11,7 +12,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
 
 pytestmark = pytest.mark.timeout(480)
@@ -19,19 +19,46 @@ pytestmark = pytest.mark.timeout(480)
 
 def _script(name: str, *args: str, cwd: str = REPO) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, os.path.join(REPO, "scripts", name), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=220)
+    return subprocess.run(
+        [sys.executable, os.path.join(REPO, "scripts", name), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=220,
+    )
 
 
 def test_bench_paper_trains_evaluates_and_tabulates(micro_target, tmp_path):
     prompts = tmp_path / "set_question.jsonl"
     prompts.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in ("hello world", "the cat sat")))
     root = tmp_path / "bench"
-    extra = shlex.join(["--model.target", micro_target, "--data.sources", "[{path: sharegpt, max_samples: 100}]",
-                        "--data.max_length", "1024", "--data.draft_vocab_size", "256", "--data.batch_size", "2",
-                        "--data.val_size", "4", "--data.cache_dir", str(tmp_path / "cache"), "--trainer.max_steps", "2",
-                        "--trainer.val_check_interval", "2", "--trainer.log_every_n_steps", "1",
-                        "--trainer.enable_progress_bar", "false"])
+    extra = shlex.join(
+        [
+            "--model.target",
+            micro_target,
+            "--data.sources",
+            "[{path: sharegpt, max_samples: 100}]",
+            "--data.max_length",
+            "1024",
+            "--data.draft_vocab_size",
+            "256",
+            "--data.batch_size",
+            "2",
+            "--data.val_size",
+            "4",
+            "--data.cache_dir",
+            str(tmp_path / "cache"),
+            "--trainer.max_steps",
+            "2",
+            "--trainer.val_check_interval",
+            "2",
+            "--trainer.log_every_n_steps",
+            "1",
+            "--trainer.enable_progress_bar",
+            "false",
+        ]
+    )
     common = ["--root", str(root), "--config", os.path.join(REPO, "configs", "bench_tiny.yaml")]
     done = _script("bench_paper.py", "train", "spd_n2_L3", "spd_n4_L1", *common, "--extra", extra)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
@@ -40,8 +67,9 @@ def test_bench_paper_trains_evaluates_and_tabulates(micro_target, tmp_path):
     assert trained["exit"] == 0 and trained["steps"] == 2 and 0 <= trained["val/agree"] <= 1
     assert "--model.n 2 --model.num_layers 3" in trained["command"]
 
-    done = _script("bench_paper.py", "eval", "spd_n2_L3", *common, "--sets", str(prompts), "--limit", "2",
-                   "--max-new-tokens", "6")
+    done = _script(
+        "bench_paper.py", "eval", "spd_n2_L3", *common, "--sets", str(prompts), "--limit", "2", "--max-new-tokens", "6"
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     report = json.loads((root / "spd_n2_L3" / "eval" / "eval.json").read_text())
     assert (report["n"], report["L_s"], report["mode"]) == (2, 3, "spd")
@@ -61,11 +89,28 @@ def test_bench_paper_trains_evaluates_and_tabulates(micro_target, tmp_path):
     assert done.returncode == 0 and json.loads((tmp_path / "alphas.json").read_text()) == {"2,3": greedy["alpha"]}
 
     # the planner, calibrated on one real multi-process run, predicts another (n and L_s both differ)
-    done = _script("bench_paper.py", "plancheck", "--root", str(root), "--calibration", "spd_n4_L1", "--checks",
-                   "spd_n2_L3", "--sets", str(prompts), "--limit", "1", "--max-new-tokens", "6")
+    done = _script(
+        "bench_paper.py",
+        "plancheck",
+        "--root",
+        str(root),
+        "--calibration",
+        "spd_n4_L1",
+        "--checks",
+        "spd_n2_L3",
+        "--sets",
+        str(prompts),
+        "--limit",
+        "1",
+        "--max-new-tokens",
+        "6",
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in
-            (root / "pipeline" / "plan_check.md").read_text().splitlines() if line.startswith("| spd_")}
+    rows = {
+        line.split(" | ")[0].strip("| "): line.split(" | ")
+        for line in (root / "pipeline" / "plan_check.md").read_text().splitlines()
+        if line.startswith("| spd_")
+    }
     assert set(rows) == {"spd_n4_L1 (calibration)", "spd_n2_L3"}
     predicted, measured = float(rows["spd_n4_L1 (calibration)"][4]), float(rows["spd_n4_L1 (calibration)"][5])
     assert predicted >= measured * 0.99  # the calibration reproduces its own cycle (more only if overhead clips at 0)
@@ -81,8 +126,25 @@ def test_bench_paper_rejects_an_unknown_run(tmp_path):
 
 def test_bench_train_step_times_a_real_step(micro_target, tmp_path):
     out = tmp_path / "steps.json"
-    done = _script("bench_train_step.py", "--target", micro_target, "--layouts", "depth", "type", "--seq-lens", "32",
-                   "--batch-size", "1", "--steps", "2", "--threads", "1", "--json", str(out), "--markdown")
+    done = _script(
+        "bench_train_step.py",
+        "--target",
+        micro_target,
+        "--layouts",
+        "depth",
+        "type",
+        "--seq-lens",
+        "32",
+        "--batch-size",
+        "1",
+        "--steps",
+        "2",
+        "--threads",
+        "1",
+        "--json",
+        str(out),
+        "--markdown",
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(out.read_text())
     assert [(r["layout"], r["T"]) for r in rows] == [("depth", 32), ("type", 32)]
@@ -118,8 +180,20 @@ def test_repetition_counts_repeated_4grams(micro_target, tmp_path):
     assert repeated_kgrams([1, 2, 3, 4, 5, 6]) == (0, 3) and repeated_kgrams([1, 2]) == (0, 0)
     prompts = tmp_path / "set.jsonl"
     prompts.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in ("hello world", "the cat sat", "unused")))
-    done = _script("bench_paper.py", "repetition", "--root", str(tmp_path / "bench"), "--target", micro_target,
-                   "--sets", str(prompts), "--limit", "2", "--max-new-tokens", "8")
+    done = _script(
+        "bench_paper.py",
+        "repetition",
+        "--root",
+        str(tmp_path / "bench"),
+        "--target",
+        micro_target,
+        "--sets",
+        str(prompts),
+        "--limit",
+        "2",
+        "--max-new-tokens",
+        "8",
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     row = next(line for line in done.stdout.splitlines() if line.startswith("| set.jsonl"))
     cells = [c.strip() for c in row.strip("|").split("|")]
@@ -130,8 +204,21 @@ def test_bench_cycle_profiles_the_real_pipeline(micro_target, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"turns": ["hello world"]}) + "\n")
     out = tmp_path / "profile.json"
-    done = _script("bench_cycle.py", "--target", micro_target, "--prompts", str(prompts), "--n", "2",
-                   "--max-new-tokens", "6", "--label", "smoke", "--json", str(out))
+    done = _script(
+        "bench_cycle.py",
+        "--target",
+        micro_target,
+        "--prompts",
+        str(prompts),
+        "--n",
+        "2",
+        "--max-new-tokens",
+        "6",
+        "--label",
+        "smoke",
+        "--json",
+        str(out),
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     done = _script("bench_cycle.py", "--table", str(out), "--png", str(tmp_path / "profile.png"))
     assert done.returncode == 0, done.stderr[-2000:]

@@ -1,14 +1,15 @@
 """Training-memory fixes: per-layer activation checkpointing, one q/k/v dtype under bf16-mixed on the compiled
 flex path, and the teacher restricted to V_d before any fp32 upcast."""
+
 import lightning as L
 import pytest
 import torch
+from conftest import make_tiny_model
+from test_module import SyntheticChat, make_module, make_trainer
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import spd_lightning.layouts as layouts
 from spd_lightning.pdm import PDMConfig, PipelineDraftModule
-from conftest import make_tiny_model
-from test_module import SyntheticChat, make_module, make_trainer
 
 
 @pytest.fixture(scope="module")
@@ -47,14 +48,16 @@ def saved_bytes(pdm: PipelineDraftModule, checkpointing: bool) -> int:
     def pack(t):
         total[0] += t.untyped_storage().nbytes()
         return t
+
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         pdm.body(g, positions, checkpointing=checkpointing).sum().backward()
     return total[0]
 
 
 def test_checkpointing_saves_only_layer_inputs():
-    cfg = PDMConfig(target_hidden_size=64, num_types=1, draft_vocab_size=16, hidden_size=64, num_layers=3,
-                    intermediate_size=256)
+    cfg = PDMConfig(
+        target_hidden_size=64, num_types=1, draft_vocab_size=16, hidden_size=64, num_layers=3, intermediate_size=256
+    )
     pdm = PipelineDraftModule(cfg)
     plain, ckpt = saved_bytes(pdm, False), saved_bytes(pdm, True)
     assert ckpt < plain / 4, (ckpt, plain)
@@ -73,7 +76,9 @@ class DtypeRecorder:
             def recording(layer, q, k, v):
                 self.calls.append((backend, q.dtype, k.dtype, v.dtype))
                 return attend(layer, q, k, v)
+
             return recording
+
         monkeypatch.setattr(layouts, "make_attend", wrapped)
 
 
@@ -83,8 +88,9 @@ def test_bf16_mixed_step_and_compiled_flex_forward(tiny_target_dir, tmp_path, mo
     recorder = DtypeRecorder(monkeypatch)
     trainer = make_trainer(tmp_path, max_steps=1, limit_val_batches=1, precision="bf16-mixed")
     # Two heads: torch 2.13's CPU flex template fails to compile (C++ error) at 4 heads with dynamic shapes.
-    module = make_module(tiny_target_dir, attention_backend="dense", activation_checkpointing=True, num_heads=2,
-                         num_kv_heads=2)
+    module = make_module(
+        tiny_target_dir, attention_backend="dense", activation_checkpointing=True, num_heads=2, num_kv_heads=2
+    )
     data = SyntheticChat(batch_size=2, max_length=24)
     trainer.fit(module, data)
     assert torch.isfinite(trainer.callback_metrics["train/loss"])

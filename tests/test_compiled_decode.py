@@ -1,14 +1,15 @@
 """The compiled decode (`--compile`; inductor on the CPU, CUDA graphs on a GPU): the same greedy tokens, N
 and K as eager, and no device synchronization on the untimed path. Compiling is slow on the CPU: small
 targets (one layer per stage), few shapes, the Qwen3 and gloo variants marked slow."""
+
 import pytest
 import torch
-
 from conftest import make_tiny_model
+from test_inference_support import one_thread, random_pdm  # noqa: F401 - one_thread is an autouse fixture
+
+from inference.simulator import Simulator
 from spd_lightning.geometry import Geometry
 from spd_lightning.target import Target
-from inference.simulator import Simulator
-from test_inference_support import one_thread, random_pdm  # noqa: F401 - one_thread is an autouse fixture
 
 PROMPTS = [[3, 14, 15, 92, 65, 35], [7]]
 
@@ -83,15 +84,15 @@ def test_a_step_that_cannot_be_captured_runs_eagerly(caplog):
     assert step._run is host_read and "runs eagerly" in caplog.text
 
 
-
 @pytest.mark.parametrize("placement", ["separate", "shared"])
 def test_the_ranks_compile_what_the_job_asks_for(tmp_path, monkeypatch, placement):
     """`DecodeJob.compile` (from `--compile`) reaches every stage's one-token step and the PDM drafter in the rank
     processes. Building a role compiles nothing yet: graphs are captured at the first decode step."""
+    from test_inference_support import save_random_drafter, save_target
+
     from inference import roles
     from inference.capture import CompiledStep
     from inference.launch import DecodeJob
-    from test_inference_support import save_random_drafter, save_target
 
     drafter_compile = []
     monkeypatch.setattr(roles, "PDMDrafter", lambda *a, compile=False, **kw: drafter_compile.append(compile))
@@ -104,8 +105,19 @@ def test_the_ranks_compile_what_the_job_asks_for(tmp_path, monkeypatch, placemen
     drafter = save_random_drafter(target, geometry, str(tmp_path / "drafter"))
     drafter_rank = 0 if placement == "shared" else geometry.n
     for compile_ in (False, True):
-        job = DecodeJob(target_path, geometry.to_dict(), [[3, 4]], 4, [], target.vocab_size, target.hidden_size,
-                        {}, drafter_path=drafter, pdm_placement=placement, compile=compile_)
+        job = DecodeJob(
+            target_path,
+            geometry.to_dict(),
+            [[3, 4]],
+            4,
+            [],
+            target.vocab_size,
+            target.hidden_size,
+            {},
+            drafter_path=drafter,
+            pdm_placement=placement,
+            compile=compile_,
+        )
         loaded = roles.load_role(job, 0, torch.device("cpu"))
         assert isinstance(loaded.stages[1]._decode_step, CompiledStep) is compile_
         roles.build_runner(job, drafter_rank, torch.device("cpu"))

@@ -1,4 +1,5 @@
 """The chat data pipeline: formats, loss mask on tokens, filters, mixing, split, draft vocabulary, batches."""
+
 import copy
 import io
 import json
@@ -12,9 +13,21 @@ import numpy as np
 import pytest
 import torch
 
-from spd_lightning.data import (ChatCollator, ChatDataModule, ChatRenderer, DataError, DataSource, allocate,
-                                count_assistant_tokens, iter_json_array_records, load_embedded_sharegpt,
-                                normalize_conversation, plan_mixture, select_draft_vocab, tokenize_source)
+from spd_lightning.data import (
+    ChatCollator,
+    ChatDataModule,
+    ChatRenderer,
+    DataError,
+    DataSource,
+    allocate,
+    count_assistant_tokens,
+    iter_json_array_records,
+    load_embedded_sharegpt,
+    normalize_conversation,
+    plan_mixture,
+    select_draft_vocab,
+    tokenize_source,
+)
 from spd_lightning.tiny_target import sharegpt_conversations, train_chat_tokenizer
 
 END_OF_TURN = "<|im_end|>"
@@ -35,6 +48,7 @@ def tokenizer_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tokenizer(tokenizer_dir):
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
@@ -54,9 +68,15 @@ def messages_record(*turns):
 def chat_records(count, tag="", fmt="sharegpt"):
     make = sharegpt_record if fmt == "sharegpt" else messages_record
     user, assistant = ("human", "gpt") if fmt == "sharegpt" else ("user", "assistant")
-    return [make((user, f"{tag}question {i} about apples"), (assistant, f"{tag}answer {i}: apples are red."),
-                 (user, "why?"), (assistant, f"{tag}because {i} of them said so."))
-            for i in range(count)]
+    return [
+        make(
+            (user, f"{tag}question {i} about apples"),
+            (assistant, f"{tag}answer {i}: apples are red."),
+            (user, "why?"),
+            (assistant, f"{tag}because {i} of them said so."),
+        )
+        for i in range(count)
+    ]
 
 
 def masked_runs(tokenizer, ids, mask):
@@ -80,14 +100,26 @@ def make_datamodule(tokenizer_dir, tmp_path, sources, **kwargs):
 
 # -- formats and the loss mask ------------------------------------------------------------------------
 def test_normalize_cleans_conversations():
-    turns = [{"from": "gpt", "value": "orphan reply"}, {"from": "system", "value": "sys"},
-             {"from": "human", "value": "q1"}, {"from": "chatgpt", "value": "a1"}, {"from": "human", "value": "q2"},
-             {"from": "gpt", "value": "  "}, {"from": "human", "value": "q3"}, {"from": "gpt", "value": "a3"}]
+    turns = [
+        {"from": "gpt", "value": "orphan reply"},
+        {"from": "system", "value": "sys"},
+        {"from": "human", "value": "q1"},
+        {"from": "chatgpt", "value": "a1"},
+        {"from": "human", "value": "q2"},
+        {"from": "gpt", "value": "  "},
+        {"from": "human", "value": "q3"},
+        {"from": "gpt", "value": "a3"},
+    ]
     assert normalize_conversation(turns, "conversations", "t") == [
-        {"role": "system", "content": "sys"}, {"role": "user", "content": "q1"},
-        {"role": "assistant", "content": "a1"}]
-    trailing_user = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
-                     {"role": "user", "content": "unanswered"}]
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1"},
+    ]
+    trailing_user = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "unanswered"},
+    ]
     assert [m["content"] for m in normalize_conversation(trailing_user, "messages", "t")] == ["q", "a"]
 
 
@@ -96,8 +128,15 @@ def test_loss_mask_covers_exactly_the_assistant_replies(tokenizer, fmt):
     make = sharegpt_record if fmt == "sharegpt" else messages_record
     user, assistant, system = ("human", "gpt", "system") if fmt == "sharegpt" else ("user", "assistant", "system")
     replies = ["Hello! How can I help you today?", "Sure:\n1. apples\n2. pears", "It is 4 (four)."]
-    record = make((system, "You are terse."), (user, "hi"), (assistant, replies[0]), (user, "list fruit"),
-                  (assistant, replies[1]), (user, "2+2? say Hello! How can I help you today?"), (assistant, replies[2]))
+    record = make(
+        (system, "You are terse."),
+        (user, "hi"),
+        (assistant, replies[0]),
+        (user, "list fruit"),
+        (assistant, replies[1]),
+        (user, "2+2? say Hello! How can I help you today?"),
+        (assistant, replies[2]),
+    )
     column = "conversations" if fmt == "sharegpt" else "messages"
     renderer = ChatRenderer(tokenizer, max_length=4096, column=column, source_name="test")
     messages = normalize_conversation(record[column], column, "test")
@@ -116,11 +155,17 @@ def test_loss_mask_covers_exactly_the_assistant_replies(tokenizer, fmt):
 def test_loss_mask_is_exact_for_other_templates(tokenizer):
     """A trimming template, and replies that also occur in the template's scaffolding ("a" of "assistant")."""
     trimming = copy.deepcopy(tokenizer)
-    trimming.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n\\n' + m.content | trim + "
-                              "'<|im_end|>' }}{% endfor %}{% if add_generation_prompt %}"
-                              "{{ '<|im_start|>assistant\\n\\n' }}{% endif %}")
-    messages = [{"role": "user", "content": "assistant"}, {"role": "assistant", "content": "  padded reply \n"},
-                {"role": "user", "content": "say a"}, {"role": "assistant", "content": "a"}]
+    trimming.chat_template = (
+        "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n\\n' + m.content | trim + "
+        "'<|im_end|>' }}{% endfor %}{% if add_generation_prompt %}"
+        "{{ '<|im_start|>assistant\\n\\n' }}{% endif %}"
+    )
+    messages = [
+        {"role": "user", "content": "assistant"},
+        {"role": "assistant", "content": "  padded reply \n"},
+        {"role": "user", "content": "say a"},
+        {"role": "assistant", "content": "a"},
+    ]
     for renderer_tokenizer, expected in ((trimming, ["padded reply", "a"]), (tokenizer, ["  padded reply \n", "a"])):
         renderer = ChatRenderer(renderer_tokenizer, max_length=512, column="messages", source_name="test")
         rendered = renderer.encode_messages(messages)
@@ -133,10 +178,16 @@ def test_rewritten_and_refused_conversations_are_counted(tokenizer):
     rewritten = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>hm</think>answer"}]
     assert renderer.encode_messages(rewritten).status == "reply_not_found"
     strict = copy.deepcopy(tokenizer)
-    strict.chat_template = ("{% if messages[0].role != 'user' %}{{ raise_exception('must start with user') }}{% endif %}"
-                            "{% for m in messages %}{{ m.role + ': ' + m.content + '<|im_end|>' }}{% endfor %}")
+    strict.chat_template = (
+        "{% if messages[0].role != 'user' %}{{ raise_exception('must start with user') }}{% endif %}"
+        "{% for m in messages %}{{ m.role + ': ' + m.content + '<|im_end|>' }}{% endfor %}"
+    )
     strict_renderer = ChatRenderer(strict, max_length=512, column="messages", source_name="test")
-    refused = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    refused = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a"},
+    ]
     assert strict_renderer.encode_messages(refused).status == "template_rejected"
     assert strict_renderer.encode_messages(refused[1:]).status == "ok"
 
@@ -167,6 +218,7 @@ def test_tokenized_source_is_cached(tokenizer, tokenizer_dir, tmp_path, monkeypa
 
     def no_reading(*_args):
         raise AssertionError("the raw source was read again despite a complete cache")
+
     monkeypatch.setattr("spd_lightning.data.tokenized.load_source", no_reading)
     again = tokenize_source(source, tokenizer, tokenizer_dir, 256, str(tmp_path / "cache"))
     assert again.rows["input_ids"] == first.rows["input_ids"] and again.stats == first.stats
@@ -198,8 +250,15 @@ def test_runs_sharing_a_cache_build_it_once(tokenizer_dir, tmp_path):
 
     source = write_jsonl(tmp_path / "a.jsonl", chat_records(400))
     log = tmp_path / "builds.log"
-    jobs = [subprocess.Popen([sys.executable, "-c", CONCURRENT_BUILD, tokenizer_dir, source, str(tmp_path / "cache"),
-                              str(log)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    jobs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CONCURRENT_BUILD, tokenizer_dir, source, str(tmp_path / "cache"), str(log)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     outs = [job.communicate(timeout=120) for job in jobs]
     assert [job.returncode for job in jobs] == [0, 0], [err[-800:] for _, err in outs]
     results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
@@ -222,10 +281,12 @@ def test_qwen_reply_that_begins_with_a_newline_keeps_its_loss_mask(tokenizer):
 def test_unreadable_records_are_counted_dropped_and_summarized_in_one_line(tokenizer, tokenizer_dir, tmp_path, caplog):
     """Tool calls and other unknown roles, malformed turns: the record is dropped and counted per reason; the map
     goes on, and the source's summary reports them in its one line."""
-    bad = [messages_record(("user", "q"), ("tool", "{}"), ("assistant", "a")),
-           messages_record(("user", "q"), ("function", "{}"), ("assistant", "a")),
-           messages_record(("user", "q"), ("tool", "[]"), ("assistant", "b")),
-           {"messages": [{"role": "user"}, {"role": "assistant", "content": "a"}]}]
+    bad = [
+        messages_record(("user", "q"), ("tool", "{}"), ("assistant", "a")),
+        messages_record(("user", "q"), ("function", "{}"), ("assistant", "a")),
+        messages_record(("user", "q"), ("tool", "[]"), ("assistant", "b")),
+        {"messages": [{"role": "user"}, {"role": "assistant", "content": "a"}]},
+    ]
     records = chat_records(2, fmt="messages") + bad + chat_records(2, tag="x", fmt="messages")
     source = DataSource(path=write_jsonl(tmp_path / "tools.jsonl", records))
     with caplog.at_level("INFO"):
@@ -258,7 +319,7 @@ def test_embedded_sharegpt_reads_only_what_is_asked():
 def test_cut_json_array_keeps_complete_records_and_warns():
     complete = [sharegpt_record(("human", f"q{i}"), ("gpt", f"a{i}")) for i in range(3)]
     text = json.dumps(complete, indent=2)
-    cut = text[:text.rindex('"a2"') + 2]
+    cut = text[: text.rindex('"a2"') + 2]
     with pytest.warns(UserWarning, match="cut off .* kept the 2 complete records"):
         assert list(iter_json_array_records(io.StringIO(cut), "test file")) == complete[:2]
     with warnings.catch_warnings():
@@ -294,8 +355,10 @@ def test_mixture_proportions_and_no_leakage():
 
 
 def test_datamodule_mixes_sources_by_weight(tokenizer_dir, tmp_path):
-    sources = [DataSource(path=write_jsonl(tmp_path / "a.jsonl", chat_records(30, "A")), weight=1.0),
-               DataSource(path=write_jsonl(tmp_path / "b.jsonl", chat_records(10, "B", fmt="messages")), weight=1.0)]
+    sources = [
+        DataSource(path=write_jsonl(tmp_path / "a.jsonl", chat_records(30, "A")), weight=1.0),
+        DataSource(path=write_jsonl(tmp_path / "b.jsonl", chat_records(10, "B", fmt="messages")), weight=1.0),
+    ]
     dm = make_datamodule(tokenizer_dir, tmp_path, sources, val_size=0)
     dm.setup()
     texts = [dm.tokenizer.decode(ids) for ids in dm.train_dataset["input_ids"]]
@@ -318,10 +381,12 @@ def test_split_is_deterministic(tokenizer_dir, tmp_path):
 
 # -- draft vocabulary ----------------------------------------------------------------------------------
 def test_d2t_on_a_hand_made_corpus():
-    samples = datasets.Dataset.from_dict({
-        "input_ids": [[5, 7, 7, 9, 3], [7, 9, 2, 7, 4]],
-        "loss_mask": [[False, True, True, True, True], [False, True, False, True, True]],
-    })
+    samples = datasets.Dataset.from_dict(
+        {
+            "input_ids": [[5, 7, 7, 9, 3], [7, 9, 2, 7, 4]],
+            "loss_mask": [[False, True, True, True, True], [False, True, False, True, True]],
+        }
+    )
     counts = count_assistant_tokens(samples, vocab_size=10)
     assert counts.tolist() == [0, 0, 0, 1, 1, 0, 0, 3, 0, 2]  # unmasked tokens (5, 2, the first 7) do not count
     assert select_draft_vocab(counts, 3).tolist() == [7, 9, 3]  # by count, then the smaller id among equals
@@ -344,14 +409,20 @@ def test_datamodule_d2t_counts_training_assistant_tokens(tokenizer_dir, tmp_path
 
 # -- batches and prompts -------------------------------------------------------------------------------
 def test_collate_pads_right():
-    batch = ChatCollator(pad_token_id=0)([{"input_ids": [4, 5, 6], "loss_mask": [False, True, True]},
-                                          {"input_ids": [7], "loss_mask": [True]}])
+    batch = ChatCollator(pad_token_id=0)(
+        [{"input_ids": [4, 5, 6], "loss_mask": [False, True, True]}, {"input_ids": [7], "loss_mask": [True]}]
+    )
     assert batch["input_ids"].tolist() == [[4, 5, 6], [7, 0, 0]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert batch["loss_mask"].tolist() == [[False, True, True], [True, False, False]]
     assert (batch["input_ids"].dtype, batch["attention_mask"].dtype, batch["loss_mask"].dtype) == (
-        torch.long, torch.long, torch.bool)
-    rounded = ChatCollator(pad_token_id=9, pad_to_multiple_of=4)([{"input_ids": [1, 2, 3, 4, 5], "loss_mask": [True] * 5}])
+        torch.long,
+        torch.long,
+        torch.bool,
+    )
+    rounded = ChatCollator(pad_token_id=9, pad_to_multiple_of=4)(
+        [{"input_ids": [1, 2, 3, 4, 5], "loss_mask": [True] * 5}]
+    )
     assert rounded["input_ids"].tolist() == [[1, 2, 3, 4, 5, 9, 9, 9]]
 
 
@@ -395,10 +466,19 @@ def test_decoder_and_callback_render_prompts_as_training_renders_heldout_prompts
 
 
 def test_shared_pieces_import_neither_lightning_nor_datasets():
-    code = ("import sys, inference.prompts, spd_lightning.data.chat, spd_lightning.metrics; "
-            "print(sorted(m for m in ('lightning', 'pytorch_lightning', 'datasets') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
-                         cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}).stdout
+    code = (
+        "import sys, inference.prompts, spd_lightning.data.chat, spd_lightning.metrics; "
+        "print(sorted(m for m in ('lightning', 'pytorch_lightning', 'datasets') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO},
+    ).stdout
     assert out.strip() == "[]"
 
 
@@ -442,7 +522,9 @@ def test_bad_input_raises_one_line_errors(tokenizer_dir, tmp_path):
     one_line_error(make_datamodule(tokenizer_dir, tmp_path, missing).setup, "does not exist")
     wrong_schema = [DataSource(path=write_jsonl(tmp_path / "text.jsonl", [{"text": "hello"}]))]
     one_line_error(make_datamodule(tokenizer_dir, tmp_path, wrong_schema).setup, "needs `conversations`")
-    bad_role = [DataSource(path=write_jsonl(tmp_path / "role.jsonl", [sharegpt_record(("human", "q"), ("robot", "a"))]))]
+    bad_role = [
+        DataSource(path=write_jsonl(tmp_path / "role.jsonl", [sharegpt_record(("human", "q"), ("robot", "a"))]))
+    ]
     one_line_error(make_datamodule(tokenizer_dir, tmp_path, bad_role).setup, "unknown role 'robot'")
     one_line_error(make_datamodule(tokenizer_dir, tmp_path, good, val_size=10).setup, "only 4 usable samples")
     offline_hub = [DataSource(path="HuggingFaceH4/ultrachat_200k", split="train_sft")]  # HF_HUB_OFFLINE=1 here

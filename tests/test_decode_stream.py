@@ -1,12 +1,13 @@
 """`decode --stream` and the per-cycle token hook: the streamed text is the final text, in every backend."""
-import pytest
 
+import pytest
 from conftest import make_tiny_model
-from spd_lightning.export import DrafterSpec, save_drafter
-from spd_lightning.geometry import Geometry
+from test_inference_support import one_thread, random_pdm, target_dir  # noqa: F401 - autouse fixture
+
 from inference.decode import main
 from inference.textstream import TextStream
-from test_inference_support import one_thread, random_pdm, target_dir  # noqa: F401 - autouse fixture
+from spd_lightning.export import DrafterSpec, save_drafter
+from spd_lightning.geometry import Geometry
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -1,28 +1,35 @@
 """The EAGLE-3 drafter and its training-time test: mask and shifts by hand, the two attention paths, the
 module trains and checkpoints without the target, export round trip, feature-layer choice."""
+
 import json
 
 import pytest
 import torch
-
 from conftest import TINY_VOCAB, make_tiny_model
-from spd_lightning.eagle3 import (Eagle3Config, Eagle3ConfigError, Eagle3Drafter, check_feature_layers,
-                                  eagle_feature_layers)
+from test_inference_support import one_thread  # noqa: F401 - one_thread is an autouse fixture
+from test_resume import chat_target, make_data  # noqa: F401 - chat_target is a fixture
+
+from spd_lightning.eagle3 import (
+    Eagle3Config,
+    Eagle3ConfigError,
+    Eagle3Drafter,
+    check_feature_layers,
+    eagle_feature_layers,
+)
 from spd_lightning.eagle3_export import Eagle3Spec, load_eagle3, save_eagle3
 from spd_lightning.eagle3_ttt import shift_left, step_targets, ttt_mask, ttt_outputs
 from spd_lightning.export import DrafterLoadError
 from spd_lightning.pdm import causal_attend
 from spd_lightning.target import Target
-from test_inference_support import one_thread  # noqa: F401 - one_thread is an autouse fixture
-from test_resume import chat_target, make_data  # noqa: F401 - chat_target is a fixture
 
 H = 32
 
 
 def small_drafter(d2t=None, seed=0, layers=(1, 2, 3)) -> Eagle3Drafter:
     torch.manual_seed(seed)
-    cfg = Eagle3Config(H, 20 if d2t is None else len(d2t), layers, num_heads=4, num_kv_heads=2, head_dim=8,
-                       intermediate_size=64)
+    cfg = Eagle3Config(
+        H, 20 if d2t is None else len(d2t), layers, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64
+    )
     return Eagle3Drafter(cfg, d2t)
 
 
@@ -33,9 +40,9 @@ def random_inputs(B=2, T=9, seed=1):
 
 def test_ttt_mask_by_hand():
     # 3 rows, step 2: keys are [step0 rows 0..2 | step1 rows 0..2 | step2 rows 0..2].
-    expected = torch.tensor([[1, 0, 0, 1, 0, 0, 1, 0, 0],
-                             [1, 1, 0, 0, 1, 0, 0, 1, 0],
-                             [1, 1, 1, 0, 0, 1, 0, 0, 1]], dtype=torch.bool)
+    expected = torch.tensor(
+        [[1, 0, 0, 1, 0, 0, 1, 0, 0], [1, 1, 0, 0, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 1, 0, 0, 1]], dtype=torch.bool
+    )
     assert torch.equal(ttt_mask(3, 2), expected)
     assert torch.equal(ttt_mask(3, 0), torch.tril(torch.ones(3, 3, dtype=torch.bool)))
 
@@ -78,11 +85,11 @@ def test_a_row_never_sees_later_rows_at_any_step():
     p = 4
     before = ttt_outputs(drafter, features, ids, embed, 4)
     changed = features.clone()
-    changed[:, p + 1:] += 1.0
+    changed[:, p + 1 :] += 1.0
     after = ttt_outputs(drafter, changed, ids, embed, 4)
     for a, b in zip(before, after):
-        torch.testing.assert_close(a[:, :p + 1], b[:, :p + 1], atol=1e-6, rtol=1e-6)
-        assert not torch.allclose(a[:, p + 1:], b[:, p + 1:])
+        torch.testing.assert_close(a[:, : p + 1], b[:, : p + 1], atol=1e-6, rtol=1e-6)
+        assert not torch.allclose(a[:, p + 1 :], b[:, p + 1 :])
 
 
 def test_feature_layers():
@@ -105,8 +112,9 @@ def target_dir(tmp_path_factory) -> str:
 
 
 def fit_module(target_dir, root, steps: int):
-    from spd_lightning.eagle3_module import Eagle3Module
     from test_module import SyntheticChat, make_trainer
+
+    from spd_lightning.eagle3_module import Eagle3Module
 
     module = Eagle3Module(target=target_dir, target_dtype="float32", ttt_steps=3, lr=3e-3, dense_attention=True)
     data = SyntheticChat(repeat_one=True)
@@ -156,8 +164,9 @@ def test_export_round_trip(tmp_path):
 
 def test_module_trains_on_chat_data_module_batches(chat_target, tmp_path):
     """The batches ChatDataModule produces (rendered chats, assistant loss mask, its d2t) train the drafter."""
-    from spd_lightning.eagle3_module import Eagle3Module
     from test_module import make_trainer
+
+    from spd_lightning.eagle3_module import Eagle3Module
 
     module = Eagle3Module(target=chat_target["target"], target_dtype="float32", ttt_steps=2, lr=3e-3)
     data = make_data(chat_target, val_size=4)

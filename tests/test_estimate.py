@@ -1,16 +1,17 @@
 """`spd_lightning.estimate`: the per-GPU memory estimate against the measured peak of CPU training steps, and the
 shipped configs by their estimate (the 9B config fits an 80 GB GPU)."""
+
 import dataclasses
 import json
 import os
 
 import lightning as L
 import pytest
-
 from conftest import REPO, make_tiny_model
+from test_module import SyntheticChat, make_module, make_trainer
+
 from spd_lightning.estimate import GIB, Shape, estimate, main, target_config
 from spd_lightning.memory_meter import PeakMemory
-from test_module import SyntheticChat, make_module, make_trainer
 
 BATCH, LENGTH = 2, 64
 
@@ -47,8 +48,17 @@ def test_estimate_is_within_25_percent_of_measured_peak(wide_target, tmp_path, c
     module = make_module(wide_target, **overrides)
     trainer.fit(module, SyntheticChat(batch_size=BATCH, max_length=LENGTH, num_samples=4))
     args = {**module.hparams}
-    shape = Shape(batch=BATCH, length=LENGTH, draft_vocab=64, precision="32", strategy="ddp", target_dtype="float32",
-                  checkpointing=checkpointing, backend="dense", module_args=args)
+    shape = Shape(
+        batch=BATCH,
+        length=LENGTH,
+        draft_vocab=64,
+        precision="32",
+        strategy="ddp",
+        target_dtype="float32",
+        checkpointing=checkpointing,
+        backend="dense",
+        module_args=args,
+    )
     predicted = estimate(dataclasses.replace(shape, length=callback.length), target_config(wide_target))
     print(f"estimate {predicted['total'] / 1e6:.2f} MB, measured {callback.peak / 1e6:.2f} MB")
     assert abs(predicted["total"] - callback.peak) <= 0.25 * callback.peak, (predicted["total"], callback.peak)

@@ -1,14 +1,15 @@
 """`python -m inference.eval` (a tiny simulated benchmark) and `python -m inference.plan` (the cost model)."""
+
 import json
 import math
 
 import pytest
-
 from conftest import make_tiny_model
-from spd_lightning.geometry import Geometry
+from test_inference_support import one_thread, save_random_drafter, target_dir  # noqa: F401 - autouse fixture
+
 from inference import eval as spd_eval
 from inference import plan as spd_plan
-from test_inference_support import one_thread, save_random_drafter, target_dir  # noqa: F401 - autouse fixture
+from spd_lightning.geometry import Geometry
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -19,8 +20,10 @@ def files(tmp_path_factory):
     path, target = target_dir(tmp_path_factory, "qwen3_5", make_tiny_model)
     drafter = save_random_drafter(target, Geometry.build(target.num_layers, 2), str(root / "drafter"))
     sets = []
-    for name, turns in (("gsm8k_question", ["hello world", "the cat sat on the mat", "unused"]),
-                        ("humaneval_question", ["a cat", "world hello"])):
+    for name, turns in (
+        ("gsm8k_question", ["hello world", "the cat sat on the mat", "unused"]),
+        ("humaneval_question", ["a cat", "world hello"]),
+    ):
         p = root / f"{name}.jsonl"
         p.write_text("".join(json.dumps({"question_id": i, "turns": [t]}) + "\n" for i, t in enumerate(turns)))
         sets.append(str(p))
@@ -32,8 +35,25 @@ def files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def evaluated(files):
     out = files["root"] / "out"
-    rc = spd_eval.main(["--ckpt", files["drafter"], "--prompts", *files["sets"], "--max-new-tokens", "8", "--limit", "2",
-                        "--temperatures", "0", "1", "--out", str(out), "--simulate", "--no-progress"])
+    rc = spd_eval.main(
+        [
+            "--ckpt",
+            files["drafter"],
+            "--prompts",
+            *files["sets"],
+            "--max-new-tokens",
+            "8",
+            "--limit",
+            "2",
+            "--temperatures",
+            "0",
+            "1",
+            "--out",
+            str(out),
+            "--simulate",
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     return out
 
@@ -43,12 +63,23 @@ def test_eval_writes_json_markdown_and_plot(evaluated):
     assert report["n"] == 2 and report["mode"] == "spd"
     rows = report["results"]
     assert [(r["set"], r["temperature"]) for r in rows] == [
-        (s, t) for t in (0.0, 1.0) for s in ("gsm8k", "humaneval", "overall")]
+        (s, t) for t in (0.0, 1.0) for s in ("gsm8k", "humaneval", "overall")
+    ]
     n = report["n"]
     for r in rows:
         assert r["prompts"] == (4 if r["set"] == "overall" else 2)
-        for key in ("alpha", "r", "T_full_s", "T_draft_s", "S0", "S_spd", "S_post", "decode_tokens_per_s",
-                    "ar_decode_tokens_per_s", "wall_clock_speedup"):
+        for key in (
+            "alpha",
+            "r",
+            "T_full_s",
+            "T_draft_s",
+            "S0",
+            "S_spd",
+            "S_post",
+            "decode_tokens_per_s",
+            "ar_decode_tokens_per_s",
+            "wall_clock_speedup",
+        ):
             assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] > 0, (key, r)
         assert r["alpha"] == pytest.approx(r["N"] / r["K"]) and 0 < r["alpha"] <= 1
         assert r["S0"] == pytest.approx(n * r["alpha"])
@@ -69,15 +100,29 @@ def test_eval_writes_json_markdown_and_plot(evaluated):
 
 def test_plan_reads_the_eval_report(evaluated, tmp_path, capsys):
     eval_json = str(evaluated / "eval.json")
-    rc = spd_plan.main(["--times", eval_json, "--alphas", eval_json, "--alpha", "1:2:1.0",
-                        "--plot", str(tmp_path / "p.png"), "--json", str(tmp_path / "p.json")])
+    rc = spd_plan.main(
+        [
+            "--times",
+            eval_json,
+            "--alphas",
+            eval_json,
+            "--alpha",
+            "1:2:1.0",
+            "--plot",
+            str(tmp_path / "p.png"),
+            "--json",
+            str(tmp_path / "p.json"),
+        ]
+    )
     assert rc == 0
     out = json.loads((tmp_path / "p.json").read_text())
     p = json.loads(evaluated.joinpath("eval.json").read_text())["plan_inputs"]
     row = next(r for r in out["rows"] if r["n"] == 2)
     stage_fixed = max(0.0, p["slowest_stage_s"] - p["T_full_s"] / p["n"])  # the measured stage beyond its share
     assert out["model"]["stage_fixed"] == pytest.approx(stage_fixed)
-    assert row["stage"] == pytest.approx(p["T_full_s"] / 2 + stage_fixed) and row["draft"] == pytest.approx(p["T_draft_s"])
+    assert row["stage"] == pytest.approx(p["T_full_s"] / 2 + stage_fixed) and row["draft"] == pytest.approx(
+        p["T_draft_s"]
+    )
     assert row["cycle"] == pytest.approx(max(row["stage"], row["draft"]) + p["overhead_s"])
     assert row["speedup"] == pytest.approx(p["alpha"] * p["T_full_s"] / row["cycle"])
     assert "recommended: n=" in capsys.readouterr().out and (tmp_path / "p.png").stat().st_size > 0
@@ -115,8 +160,22 @@ def test_plan_stage_fixed_cost_by_hand(tmp_path):
     assert m.predict(8, 1, 0.5)["speedup"] == pytest.approx(0.5 * 8 / 2.0)
     # derived from a measured slowest stage: 2.5 at n = 4 with T_full = 8 -> 0.5 per stage
     times = tmp_path / "eval.json"
-    times.write_text(json.dumps({"plan_inputs": {"T_full_s": 8.0, "T_draft_s": 1.0, "L_s": 1, "overhead_s": 0.0,
-                                                 "n": 4, "alpha": 0.5, "L": 8, "slowest_stage_s": 2.5}}))
+    times.write_text(
+        json.dumps(
+            {
+                "plan_inputs": {
+                    "T_full_s": 8.0,
+                    "T_draft_s": 1.0,
+                    "L_s": 1,
+                    "overhead_s": 0.0,
+                    "n": 4,
+                    "alpha": 0.5,
+                    "L": 8,
+                    "slowest_stage_s": 2.5,
+                }
+            }
+        )
+    )
     args = spd_plan.parse_args(["--times", str(times), "--alpha", "4:1:0.5"])
     assert spd_plan.cost_model(args).stage_fixed == pytest.approx(0.5)
     args = spd_plan.parse_args(["--times", str(times), "--alpha", "4:1:0.5", "--stage-fixed", "0"])
@@ -126,23 +185,52 @@ def test_plan_stage_fixed_cost_by_hand(tmp_path):
 def test_plan_from_a_target_config(files, tmp_path, capsys):
     alphas = tmp_path / "alphas.json"
     alphas.write_text(json.dumps({"2,1": 0.9, "4,2": 0.6, "4,1": 0.5}))
-    assert spd_plan.main(["--target", files["target"], "--alphas", str(alphas), "--overhead-layers", "0",
-                          "--plot", str(tmp_path / "p.png")]) == 0
+    assert (
+        spd_plan.main(
+            [
+                "--target",
+                files["target"],
+                "--alphas",
+                str(alphas),
+                "--overhead-layers",
+                "0",
+                "--plot",
+                str(tmp_path / "p.png"),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     # L=4 target layers: n=4 L_s=1 cycle = max(1, 1) = 1 -> 0.5*4; n=2 L_s=1 cycle 2 -> 0.9*2; n=4 L_s=2 -> 0.6*4/2
     assert "recommended: n=4 L_s=1 (predicted 2.00x" in out and "| 2 | 1 | 0.900 | 1.80 |" in out
 
 
-@pytest.mark.parametrize("case", ["no_alpha", "alpha_range", "alpha_syntax", "n_over_L", "no_shape", "missing_json",
-                                  "seconds_without_t_full", "bad_alphas_json"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "no_alpha",
+        "alpha_range",
+        "alpha_syntax",
+        "n_over_L",
+        "no_shape",
+        "missing_json",
+        "seconds_without_t_full",
+        "bad_alphas_json",
+    ],
+)
 def test_plan_bad_input_is_one_line(files, tmp_path, capsys, case):
     garbage = tmp_path / "g.json"
     garbage.write_text('{"x": [1, 2]}')
-    argv = {"no_alpha": ["--layers", "8"], "alpha_range": ["--layers", "8", "--alpha", "2:1:1.5"],
-            "alpha_syntax": ["--layers", "8", "--alpha", "2-1-0.5"], "n_over_L": ["--layers", "2", "--alpha", "4:1:0.5"],
-            "no_shape": ["--alpha", "2:1:0.5"], "missing_json": ["--layers", "8", "--alphas", str(tmp_path / "nope.json")],
-            "seconds_without_t_full": ["--layers", "8", "--t-draft", "0.1", "--alpha", "2:1:0.5"],
-            "bad_alphas_json": ["--layers", "8", "--alphas", str(garbage)]}[case]
+    argv = {
+        "no_alpha": ["--layers", "8"],
+        "alpha_range": ["--layers", "8", "--alpha", "2:1:1.5"],
+        "alpha_syntax": ["--layers", "8", "--alpha", "2-1-0.5"],
+        "n_over_L": ["--layers", "2", "--alpha", "4:1:0.5"],
+        "no_shape": ["--alpha", "2:1:0.5"],
+        "missing_json": ["--layers", "8", "--alphas", str(tmp_path / "nope.json")],
+        "seconds_without_t_full": ["--layers", "8", "--t-draft", "0.1", "--alpha", "2:1:0.5"],
+        "bad_alphas_json": ["--layers", "8", "--alphas", str(garbage)],
+    }[case]
     assert spd_plan.main([*argv, "--plot", ""]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
@@ -150,11 +238,25 @@ def test_plan_bad_input_is_one_line(files, tmp_path, capsys, case):
 
 @pytest.mark.parametrize("case", ["missing_prompts", "bad_jsonl", "max_new_tokens", "missing_ckpt", "limit"])
 def test_eval_bad_input_is_one_line(files, tmp_path, capsys, case):
-    base = ["--ckpt", files["drafter"], "--prompts", files["sets"][0], "--out", str(tmp_path / "o"), "--simulate",
-            "--max-new-tokens", "4", "--no-progress"]
-    argv = {"missing_prompts": [*base, "--prompts", str(tmp_path / "nope.jsonl")],
-            "bad_jsonl": [*base, "--prompts", files["bad"]], "max_new_tokens": [*base, "--max-new-tokens", "0"],
-            "missing_ckpt": [*base, "--ckpt", str(tmp_path / "no_drafter")], "limit": [*base, "--limit", "0"]}[case]
+    base = [
+        "--ckpt",
+        files["drafter"],
+        "--prompts",
+        files["sets"][0],
+        "--out",
+        str(tmp_path / "o"),
+        "--simulate",
+        "--max-new-tokens",
+        "4",
+        "--no-progress",
+    ]
+    argv = {
+        "missing_prompts": [*base, "--prompts", str(tmp_path / "nope.jsonl")],
+        "bad_jsonl": [*base, "--prompts", files["bad"]],
+        "max_new_tokens": [*base, "--max-new-tokens", "0"],
+        "missing_ckpt": [*base, "--ckpt", str(tmp_path / "no_drafter")],
+        "limit": [*base, "--limit", "0"],
+    }[case]
     assert spd_eval.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
@@ -168,7 +270,9 @@ def test_prompt_sets_can_be_datasets(tmp_path):
 
     questions = tmp_path / "qa"
     questions.mkdir()
-    (questions / "test.jsonl").write_text("".join(json.dumps({"question": q, "answer": "4"}) + "\n" for q in ("2+2?", "3+1?")))
+    (questions / "test.jsonl").write_text(
+        "".join(json.dumps({"question": q, "answer": "4"}) + "\n" for q in ("2+2?", "3+1?"))
+    )
     (questions / "train.jsonl").write_text(json.dumps({"question": "not this split", "answer": "0"}) + "\n")
     assert read_prompts(None, str(questions)) == ["2+2?", "3+1?"]
     assert read_prompts(None, f"{questions}@train") == ["not this split"]

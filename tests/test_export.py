@@ -1,12 +1,13 @@
 """Export round trip: the exported directory, the checkpoint and the in-memory PDM give the same logits."""
+
 import json
 import os
 
 import torch
+from test_module import SyntheticChat, make_module, make_trainer, tiny_target_dir  # noqa: F401 (fixture)
 
 from spd_lightning import cli
 from spd_lightning.export import load_drafter
-from test_module import SyntheticChat, make_module, make_trainer, tiny_target_dir  # noqa: F401 (fixture)
 
 
 def test_export_round_trip(tiny_target_dir, tmp_path):

@@ -8,6 +8,7 @@ rank exits non-zero, the launcher names the rank that failed and why, and no pro
 and a launcher that dies takes its ranks with it. The replay pattern makes rejections happen early, so
 `redo` points come within the first cycles.
 """
+
 import json
 import os
 import subprocess
@@ -15,13 +16,13 @@ import sys
 import time
 
 import pytest
-
 from conftest import make_tiny_model
-from spd_lightning.geometry import Geometry
+from test_inference_support import env_without_threads, one_thread, target_dir  # noqa: F401 - autouse fixture
+
 from inference.ar import ar_decode
 from inference.launch import DecodeJob, Failed, LaunchError, failure_message, launch
 from inference.verify import Sampling
-from test_inference_support import env_without_threads, one_thread, target_dir  # noqa: F401 - autouse fixture
+from spd_lightning.geometry import Geometry
 
 pytestmark = pytest.mark.timeout(180)
 PROMPTS = [[3, 14, 15, 92, 65, 35], [7, 7, 8]]
@@ -39,9 +40,19 @@ def qwen3(tmp_path_factory):
 
 def job_for(qwen3, n: int, fault: str | None, timeout_s: float = TIMEOUT_S, repeat: int = 1) -> DecodeJob:
     path, target, references = qwen3
-    return DecodeJob(target_path=path, geometry=Geometry.build(target.num_layers, n).to_dict(), prompts=PROMPTS * repeat,
-                     max_new_tokens=24, eos_token_ids=[], vocab_size=target.vocab_size, hidden_size=target.hidden_size,
-                     sampling=Sampling().to_dict(), replay=(PATTERN, references * repeat), timeout_s=timeout_s, fault=fault)
+    return DecodeJob(
+        target_path=path,
+        geometry=Geometry.build(target.num_layers, n).to_dict(),
+        prompts=PROMPTS * repeat,
+        max_new_tokens=24,
+        eos_token_ids=[],
+        vocab_size=target.vocab_size,
+        hidden_size=target.hidden_size,
+        sampling=Sampling().to_dict(),
+        replay=(PATTERN, references * repeat),
+        timeout_s=timeout_s,
+        fault=fault,
+    )
 
 
 def gone(pid: int) -> bool:
@@ -88,25 +99,32 @@ def failing_launch(job: DecodeJob, match: str) -> LaunchError:
 
 def test_a_stage_rank_that_dies_in_steady_state_ends_every_rank(qwen3):
     """Stage 2 of 3 vanishes without a word at its 8th step: the launcher names it, not its peers' echoes."""
-    failing_launch(job_for(qwen3, 3, "1:step:8:exit"), r"rank 1 \(stage 2\) exited with code 3 without reporting an error")
+    failing_launch(
+        job_for(qwen3, 3, "1:step:8:exit"), r"rank 1 \(stage 2\) exited with code 3 without reporting an error"
+    )
 
 
 def test_a_stalled_peer_is_caught_by_the_timeout(qwen3):
     """The PDM stops sending in steady state: the ranks waiting on it time out and name it."""
-    error = failing_launch(job_for(qwen3, 2, "2:step:6:stall", timeout_s=STALL_TIMEOUT_S),
-                           r"^rank 2 \(PDM\) stopped responding: .* timed out")
+    error = failing_launch(
+        job_for(qwen3, 2, "2:step:6:stall", timeout_s=STALL_TIMEOUT_S),
+        r"^rank 2 \(PDM\) stopped responding: .* timed out",
+    )
     assert 2 not in error.failed  # the staller never noticed; the launcher ended it
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault,match", [
-    ("0:prefill:1:exit", r"rank 0 \(stage 1\) exited with code 3 without reporting"),
-    ("3:prefill:1:kill", r"rank 3 \(PDM\) was killed by signal 9"),
-    ("2:redo:1:raise", r"rank 2 \(stage 3\) failed: RuntimeError: injected fault at redo #1"),
-    ("0:redo:2:exit", r"rank 0 \(stage 1\) exited with code 3 without reporting"),
-    ("3:step:10:raise", r"rank 3 \(PDM\) failed: RuntimeError: injected fault at step #10"),
-    ("1:redo:1:kill", r"rank 1 \(stage 2\) was killed by signal 9"),
-])
+@pytest.mark.parametrize(
+    "fault,match",
+    [
+        ("0:prefill:1:exit", r"rank 0 \(stage 1\) exited with code 3 without reporting"),
+        ("3:prefill:1:kill", r"rank 3 \(PDM\) was killed by signal 9"),
+        ("2:redo:1:raise", r"rank 2 \(stage 3\) failed: RuntimeError: injected fault at redo #1"),
+        ("0:redo:2:exit", r"rank 0 \(stage 1\) exited with code 3 without reporting"),
+        ("3:step:10:raise", r"rank 3 \(PDM\) failed: RuntimeError: injected fault at step #10"),
+        ("1:redo:1:kill", r"rank 1 \(stage 2\) was killed by signal 9"),
+    ],
+)
 def test_every_rank_and_point(qwen3, fault, match):
     """Stage and PDM ranks failing at prefill, in steady state and right after a rejection (n = 3)."""
     failing_launch(job_for(qwen3, 3, fault), match)
@@ -116,8 +134,10 @@ def test_every_rank_and_point(qwen3, fault, match):
 def test_a_stalled_stage_right_after_a_rejection(qwen3):
     """Stage 1 stops after learning of a rejection; a rank that times out waiting on a blocked peer
     (not on stage 1 itself) still leads the launcher to stage 1."""
-    failing_launch(job_for(qwen3, 3, "0:redo:1:stall", timeout_s=STALL_TIMEOUT_S),
-                   r"^rank 0 \(stage 1\) stopped responding: .* timed out")
+    failing_launch(
+        job_for(qwen3, 3, "0:redo:1:stall", timeout_s=STALL_TIMEOUT_S),
+        r"^rank 0 \(stage 1\) stopped responding: .* timed out",
+    )
 
 
 LAUNCHER = """
@@ -135,8 +155,14 @@ launch(DecodeJob(**json.loads(sys.argv[1])), on_result=decoding, on_start=pids._
 def test_a_dead_launcher_takes_its_ranks_with_it(qwen3):
     """SIGKILL the launching process mid-decode: its ranks (and its fork server) exit on their own."""
     job = job_for(qwen3, 2, None, repeat=200)
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, json.dumps(job.__dict__)], cwd=ROOT,
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env_without_threads(), text=True)
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, json.dumps(job.__dict__)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=env_without_threads(),
+        text=True,
+    )
     try:
         ranks = json.loads(launcher.stdout.readline())
         helpers = children_of(launcher.pid)  # the fork server (the ranks' parent) and the resource tracker
@@ -153,7 +179,8 @@ def test_the_failure_message_follows_the_chain_of_blame():
     lost = lambda rank, peer: Failed(rank, f"PeerError: waiting on rank {peer} timed out", "trace", peer, False)  # noqa: E731
     chain = {3: lost(3, 2), 2: lost(2, 0)}  # the PDM waited on stage 3, which waited on the silent stage 1
     assert failure_message(job, {3: 1}, chain).startswith(
-        "rank 0 (stage 1) stopped responding: rank 3 (PDM) failed: PeerError: waiting on rank 2 timed out")
+        "rank 0 (stage 1) stopped responding: rank 3 (PDM) failed: PeerError: waiting on rank 2 timed out"
+    )
     own = {**chain, 1: Failed(1, "TargetError: no layer 3", "trace", None, True)}
     assert failure_message(job, {3: 1}, own).startswith("rank 1 (stage 2) failed: TargetError: no layer 3")
     assert failure_message(job, {1: -9}, chain).startswith("rank 1 (stage 2) was killed by signal 9")

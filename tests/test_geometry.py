@@ -1,4 +1,5 @@
 """Stage splits, anchor presets, depth -> type, and the staircase view (SPEC section 2)."""
+
 import pytest
 
 from spd_lightning.geometry import Geometry, GeometryError, anchor_preset, uniform_split
@@ -17,12 +18,15 @@ def test_uniform_split_uneven_is_balanced():
     assert max(b - a for a, b in zip(e, e[1:])) - min(b - a for a, b in zip(e, e[1:])) <= 1
 
 
-@pytest.mark.parametrize("n, expected", [
-    (2, [0, 16, 31, 32]),      # 3L/n and 6L/n clip to L
-    (4, [0, 8, 24, 31, 32]),
-    (8, [0, 4, 12, 24, 31]),
-    (16, [0, 2, 6, 12, 31]),
-])
+@pytest.mark.parametrize(
+    "n, expected",
+    [
+        (2, [0, 16, 31, 32]),  # 3L/n and 6L/n clip to L
+        (4, [0, 8, 24, 31, 32]),
+        (8, [0, 4, 12, 24, 31]),
+        (16, [0, 2, 6, 12, 31]),
+    ],
+)
 def test_n_scaled_preset_l32(n, expected):
     assert anchor_preset("n_scaled", 32, n) == expected
 
@@ -61,17 +65,20 @@ def test_round_trip_dict():
     assert Geometry.from_dict(g.to_dict()) == g
 
 
-@pytest.mark.parametrize("kwargs, needle", [
-    (dict(num_layers=4, n=5), "n=5 stages but the target has only L=4"),
-    (dict(num_layers=8, n=0), "n=0"),
-    (dict(num_layers=8, n=2, split=[0, 4, 4, 8]), "has 4 entries"),
-    (dict(num_layers=8, n=3, split=[0, 4, 4, 8]), "stage 2 has no layer"),
-    (dict(num_layers=8, n=2, split=[0, 4, 9]), "must start at 0 and end at L=8"),
-    (dict(num_layers=8, n=2, anchors=[0, 4, 2]), "strictly increasing"),
-    (dict(num_layers=8, n=2, anchors=[0, 4, 9]), "out of range"),
-    (dict(num_layers=8, n=2, anchors=[2, 4]), "must start with 0"),
-    (dict(num_layers=8, n=2, anchors="thirds"), "unknown anchor preset 'thirds'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(num_layers=4, n=5), "n=5 stages but the target has only L=4"),
+        (dict(num_layers=8, n=0), "n=0"),
+        (dict(num_layers=8, n=2, split=[0, 4, 4, 8]), "has 4 entries"),
+        (dict(num_layers=8, n=3, split=[0, 4, 4, 8]), "stage 2 has no layer"),
+        (dict(num_layers=8, n=2, split=[0, 4, 9]), "must start at 0 and end at L=8"),
+        (dict(num_layers=8, n=2, anchors=[0, 4, 2]), "strictly increasing"),
+        (dict(num_layers=8, n=2, anchors=[0, 4, 9]), "out of range"),
+        (dict(num_layers=8, n=2, anchors=[2, 4]), "must start with 0"),
+        (dict(num_layers=8, n=2, anchors="thirds"), "unknown anchor preset 'thirds'"),
+    ],
+)
 def test_impossible_settings_fail_with_one_line(kwargs, needle):
     with pytest.raises(GeometryError) as e:
         Geometry.build(**kwargs)

@@ -1,5 +1,6 @@
 """scripts/gpu_check.py: the prepared GPU check runs end to end on CPU at tiny shapes, in an interpreter where
 the packages the GPU image lacks (datasets, wandb, jsonargparse, the ShareGPT package) cannot be imported."""
+
 import json
 import os
 import subprocess
@@ -28,8 +29,14 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 def run_without(blocked, script, *args, timeout=600):
     env = {**os.environ, "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-c", RUN_WITHOUT, ",".join(blocked), script, *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", RUN_WITHOUT, ",".join(blocked), script, *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_the_blocker_blocks(tmp_path):
@@ -41,14 +48,27 @@ def test_the_blocker_blocks(tmp_path):
 
 def test_gpu_check_smoke_on_cpu_without_optional_packages(tmp_path):
     out = tmp_path / "out"
-    proc = run_without(MISSING_ON_GPU_IMAGE, os.path.join("scripts", "gpu_check.py"), "--tiny", "--device", "cpu",
-                       "--archs", "qwen35_4b", "--out", str(out))
+    proc = run_without(
+        MISSING_ON_GPU_IMAGE,
+        os.path.join("scripts", "gpu_check.py"),
+        "--tiny",
+        "--device",
+        "cpu",
+        "--archs",
+        "qwen35_4b",
+        "--out",
+        str(out),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "gpu_check.json").read_text())
     (arch,) = report["archs"]
     assert arch["arch"] == "Qwen/Qwen3.5-4B" and arch["layers"] == 8 and "cut to 8 layers" in proc.stdout
     assert {(r["layout"], r["checkpointing"]) for r in arch["train"]} == {
-        ("depth", False), ("depth", True), ("type", False), ("type", True)}
+        ("depth", False),
+        ("depth", True),
+        ("type", False),
+        ("type", True),
+    }
     assert all(r["tokens_per_s"] > 0 and r["estimate_gib"] > 0 for r in arch["train"])
     assert {k: len(v) for k, v in arch["stage_latency_ms"].items()} == {"4": 4, "8": 8}
     assert sorted(arch["draft_latency_ms"]) == ["1", "2", "3", "4"]

@@ -1,14 +1,14 @@
 """Targets by hub id: resolved through the Hugging Face cache, offline when cached, one line when not."""
 
 import pytest
-
 from conftest import make_tiny_model
+from test_inference_support import one_thread, random_pdm, save_target  # noqa: F401 - autouse fixture
+
+from inference.decode import main
+from inference.stages import meta_target, resolve_target
 from spd_lightning.export import DrafterSpec, save_drafter
 from spd_lightning.geometry import Geometry
 from spd_lightning.target import Target, TargetError
-from inference.decode import main
-from inference.stages import meta_target, resolve_target
-from test_inference_support import one_thread, random_pdm, save_target  # noqa: F401 - autouse fixture
 
 pytestmark = pytest.mark.timeout(120)
 REVISION = "0123456789abcdef0123456789abcdef01234567"
@@ -50,12 +50,33 @@ def test_a_cached_hub_id_resolves_to_its_snapshot_offline(cached):
 
 
 def test_decode_with_the_hub_id_the_drafter_recorded(cached, capsys):
-    rc = main(["--ckpt", cached["drafter"], "--prompt", "hello world", "--max-new-tokens", "6", "--simulate",
-               "--check-lossless"])
+    rc = main(
+        [
+            "--ckpt",
+            cached["drafter"],
+            "--prompt",
+            "hello world",
+            "--max-new-tokens",
+            "6",
+            "--simulate",
+            "--check-lossless",
+        ]
+    )
     assert rc == 0
     assert "lossless=yes" in capsys.readouterr().out
-    rc = main(["--ckpt", cached["drafter"], "--target", "tiny-org/tiny-qwen", "--prompt", "hi", "--max-new-tokens", "4",
-               "--simulate"])
+    rc = main(
+        [
+            "--ckpt",
+            cached["drafter"],
+            "--target",
+            "tiny-org/tiny-qwen",
+            "--prompt",
+            "hi",
+            "--max-new-tokens",
+            "4",
+            "--simulate",
+        ]
+    )
     assert rc == 0
 
 

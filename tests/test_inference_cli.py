@@ -1,4 +1,5 @@
 """`python -m inference.decode`: the happy paths (simulator, processes, AR, a Lightning .ckpt) and bad input."""
+
 import argparse
 import json
 import os
@@ -8,18 +9,18 @@ import sys
 
 import pytest
 import torch
-
 from conftest import make_tiny_model
-from spd_lightning.export import CKPT_KEY, DrafterLoadError, DrafterSpec, load_drafter, read_drafter_spec, save_drafter
-from spd_lightning.geometry import MODES, Geometry, GeometryError
+from test_inference_support import one_thread, random_pdm, save_target, target_dir  # noqa: F401 - autouse fixture
+
 from inference import cli
 from inference.decode import main
+from inference.launch import DecodeJob, TooFewDevices, launch
 from inference.profiler import Profiler
 from inference.prompts import PromptError
 from inference.repetition import repeated_kgrams, repeated_share
 from inference.result import COMPUTE, TIMING_FIELDS, WALL
-from inference.launch import DecodeJob, TooFewDevices, launch
-from test_inference_support import one_thread, random_pdm, save_target, target_dir  # noqa: F401 - autouse fixture
+from spd_lightning.export import CKPT_KEY, DrafterLoadError, DrafterSpec, load_drafter, read_drafter_spec, save_drafter
+from spd_lightning.geometry import MODES, Geometry, GeometryError
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -46,21 +47,56 @@ def files(tmp_path_factory):
     save_drafter(pdm, spec, str(truncated))
     weights = (truncated / "model.safetensors").read_bytes()
     (truncated / "model.safetensors").write_bytes(weights[: len(weights) // 2])
-    return {"target": path, "drafter": drafter, "ckpt": str(ckpt), "prompts": str(prompts), "long": str(long_prompt),
-            "other": other, "corrupt": str(corrupt), "truncated": str(truncated), "root": root}
+    return {
+        "target": path,
+        "drafter": drafter,
+        "ckpt": str(ckpt),
+        "prompts": str(prompts),
+        "long": str(long_prompt),
+        "other": other,
+        "corrupt": str(corrupt),
+        "truncated": str(truncated),
+        "root": root,
+    }
 
 
 def test_simulated_decode_writes_the_report(files, capsys):
     out = files["root"] / "report.json"
-    rc = main(["--ckpt", files["drafter"], "--prompts", files["prompts"], "--max-new-tokens", "12", "--simulate",
-               "--check-lossless", "--profile", "--json", str(out)])
+    rc = main(
+        [
+            "--ckpt",
+            files["drafter"],
+            "--prompts",
+            files["prompts"],
+            "--max-new-tokens",
+            "12",
+            "--simulate",
+            "--check-lossless",
+            "--profile",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     assert "lossless=yes" in capsys.readouterr().out
     report = json.loads(out.read_text())
     assert report["mode"] == "spd" and report["n"] == 2 and report["totals"]["lossless"] is True
     first = report["prompts"][0]
-    for key in ("tokens", "text", "N", "K", "alpha", "theoretical_speedup", "accepted_by_fill", "rejected_by_fill",
-                "accepted_by_depth", "rejected_by_depth", "timing", "lossless", "prompt_len"):
+    for key in (
+        "tokens",
+        "text",
+        "N",
+        "K",
+        "alpha",
+        "theoretical_speedup",
+        "accepted_by_fill",
+        "rejected_by_fill",
+        "accepted_by_depth",
+        "rejected_by_depth",
+        "timing",
+        "lossless",
+        "prompt_len",
+    ):
         assert key in first, key
     assert first["N"] == len(first["tokens"]) == 12 and first["alpha"] == pytest.approx(12 / first["K"])
     assert first["theoretical_speedup"] == pytest.approx(2 * first["alpha"])
@@ -70,8 +106,21 @@ def test_simulated_decode_writes_the_report(files, capsys):
 
 def test_multi_process_decode_from_a_lightning_checkpoint(files, capsys):
     out = files["root"] / "dist.json"
-    rc = main(["--ckpt", files["ckpt"], "--prompt", "hello world", "--max-new-tokens", "10", "--check-lossless",
-               "--json", str(out), "--timeout", "60"])
+    rc = main(
+        [
+            "--ckpt",
+            files["ckpt"],
+            "--prompt",
+            "hello world",
+            "--max-new-tokens",
+            "10",
+            "--check-lossless",
+            "--json",
+            str(out),
+            "--timeout",
+            "60",
+        ]
+    )
     assert rc == 0
     captured = capsys.readouterr()
     assert "prompt 1: N=10" in captured.err and "lossless=yes" in captured.out
@@ -79,14 +128,51 @@ def test_multi_process_decode_from_a_lightning_checkpoint(files, capsys):
 
 
 def test_ar_mode_needs_no_drafter(files, capsys):
-    assert main(["--ckpt", "none", "--target", files["target"], "--mode", "ar", "--prompt", "hello",
-                 "--max-new-tokens", "5"]) == 0
+    assert (
+        main(
+            [
+                "--ckpt",
+                "none",
+                "--target",
+                files["target"],
+                "--mode",
+                "ar",
+                "--prompt",
+                "hello",
+                "--max-new-tokens",
+                "5",
+            ]
+        )
+        == 0
+    )
     assert "mode=ar" in capsys.readouterr().out
 
 
 def test_sampling_options_run(files, capsys):
-    assert main(["--ckpt", files["drafter"], "--prompt", "hello", "--max-new-tokens", "6", "--simulate",
-                 "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "3", "--mode", "post_step"]) == 0
+    assert (
+        main(
+            [
+                "--ckpt",
+                files["drafter"],
+                "--prompt",
+                "hello",
+                "--max-new-tokens",
+                "6",
+                "--simulate",
+                "--temperature",
+                "0.8",
+                "--top-k",
+                "20",
+                "--top-p",
+                "0.9",
+                "--seed",
+                "3",
+                "--mode",
+                "post_step",
+            ]
+        )
+        == 0
+    )
     assert "mode=post_step" in capsys.readouterr().out
 
 
@@ -102,7 +188,10 @@ BAD = {
     "top-p above one": (["--prompt", "hi", "--top-p", "1.5"], "top_p"),
     "negative top-k": (["--prompt", "hi", "--top-k", "-1"], "top_k"),
     "zero new tokens": (["--prompt", "hi", "--max-new-tokens", "0"], "max-new-tokens"),
-    "spd without a drafter": (["--prompt", "hi", "--ckpt", "none", "--target", "{target}", "--mode", "spd"], "needs a drafter"),
+    "spd without a drafter": (
+        ["--prompt", "hi", "--ckpt", "none", "--target", "{target}", "--mode", "spd"],
+        "needs a drafter",
+    ),
     "ppsd on an spd drafter": (["--prompt", "hi", "--mode", "ppsd"], "features"),
     "missing prompts file": (["--prompts", "{root}/none.jsonl"], "does not exist"),
     "no prompt at all": ([], "exactly one"),
@@ -128,8 +217,12 @@ def test_debug_shows_the_traceback(files):
 
 
 def test_the_process_exits_non_zero_with_one_line(files):
-    proc = subprocess.run([sys.executable, "-m", "inference.decode", "--ckpt", files["corrupt"], "--prompt", "hi"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "inference.decode", "--ckpt", files["corrupt"], "--prompt", "hi"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert proc.stderr.strip().startswith("error:") and "Traceback" not in proc.stderr
 
@@ -143,10 +236,12 @@ def test_too_few_gpus_is_refused(monkeypatch):
 
 def test_the_decoder_deploys_without_training_code():
     """SPEC 10: importing every decoder module pulls in neither Lightning nor the LightningModule."""
-    code = ("import sys, pkgutil, importlib, inference\n"
-            "for m in pkgutil.iter_modules(inference.__path__): importlib.import_module('inference.' + m.name)\n"
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning') or m == 'spd_lightning.module']\n"
-            "assert not bad, bad\n")
+    code = (
+        "import sys, pkgutil, importlib, inference\n"
+        "for m in pkgutil.iter_modules(inference.__path__): importlib.import_module('inference.' + m.name)\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning') or m == 'spd_lightning.module']\n"
+        "assert not bad, bad\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
 
@@ -154,13 +249,27 @@ def test_the_decoder_deploys_without_training_code():
 def test_decode_prints_each_text_and_its_repetition(files, capsys):
     """stdout: per prompt a header, the generated text, its counters; then the totals, with repeated 4-grams."""
     out = files["root"] / "texts.json"
-    assert main(["--ckpt", files["drafter"], "--prompts", files["prompts"], "--max-new-tokens", "12", "--simulate",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--ckpt",
+                files["drafter"],
+                "--prompts",
+                files["prompts"],
+                "--max-new-tokens",
+                "12",
+                "--simulate",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.splitlines()
     report = json.loads(out.read_text())
     for i, (entry, prompt) in enumerate(zip(report["prompts"], ["hello world", "the cat sat on the mat"])):
         at = lines.index(f"### prompt {i + 1}: {prompt}")
-        assert "\n".join(lines[at + 1:]).startswith(entry["text"] + "\n(N=12 K=")
+        assert "\n".join(lines[at + 1 :]).startswith(entry["text"] + "\n(N=12 K=")
         assert entry["repeated_4gram_share"] == repeated_share([entry["tokens"]])
     share = repeated_share([p["tokens"] for p in report["prompts"]])
     assert report["totals"]["repeated_4gram_share"] == share
@@ -178,7 +287,11 @@ def test_timing_off_is_a_no_op_even_on_a_gpu_device():
     on.cycle = 3
     with on.span([0, 1], WALL):
         sum(range(1000))
-    assert on.rows.shape == (2, 5, TIMING_FIELDS) and (on.rows[:, 3, WALL] > 0).all() and on.rows.sum() == on.rows[:, 3, WALL].sum()
+    assert (
+        on.rows.shape == (2, 5, TIMING_FIELDS)
+        and (on.rows[:, 3, WALL] > 0).all()
+        and on.rows.sum() == on.rows[:, 3, WALL].sum()
+    )
 
 
 def test_repeated_share_pools_the_outputs():

@@ -4,23 +4,24 @@ Lossless against AR and identical (tokens, N, K, counters) to the one-process si
 with replay drafters; the same random streams under sampling; and failures that end every rank fast.
 Every launch uses a free port and a process-group timeout, and pytest-timeout bounds each test.
 """
+
 import multiprocessing as mp
 import os
 import signal
 import time
 
 import pytest
-
 from conftest import make_tiny_model
-from spd_lightning.errors import UserError
-from spd_lightning.export import load_drafter
-from spd_lightning.geometry import Geometry
+from test_inference_support import one_thread, save_random_drafter, target_dir  # noqa: F401 - autouse fixture
+
 from inference.ar import ar_decode
 from inference.drafter import ReplayDrafter
 from inference.launch import DecodeJob, LaunchError, launch
 from inference.simulator import Simulator
 from inference.verify import Sampling
-from test_inference_support import one_thread, save_random_drafter, target_dir  # noqa: F401 - autouse fixture
+from spd_lightning.errors import UserError
+from spd_lightning.export import load_drafter
+from spd_lightning.geometry import Geometry
 
 pytestmark = pytest.mark.timeout(240)
 PROMPTS = [[3, 14, 15, 92, 65, 35], [7, 7, 8]]
@@ -33,9 +34,17 @@ def targets(tmp_path_factory):
 
 
 def job_for(path, target, geometry, **overrides) -> DecodeJob:
-    fields = dict(target_path=path, geometry=geometry.to_dict(), prompts=PROMPTS, max_new_tokens=20, eos_token_ids=[],
-                  vocab_size=target.vocab_size, hidden_size=target.hidden_size, sampling=Sampling().to_dict(),
-                  timeout_s=TIMEOUT_S)
+    fields = dict(
+        target_path=path,
+        geometry=geometry.to_dict(),
+        prompts=PROMPTS,
+        max_new_tokens=20,
+        eos_token_ids=[],
+        vocab_size=target.vocab_size,
+        hidden_size=target.hidden_size,
+        sampling=Sampling().to_dict(),
+        timeout_s=TIMEOUT_S,
+    )
     fields.update(overrides)
     return DecodeJob(**fields)
 
@@ -98,13 +107,20 @@ def test_gloo_eos_verdict_during_an_optimistic_step(targets, right_at_eos):
     n, pattern = 2, "RRW"
     geometry = Geometry.build(target.num_layers, n)
     reference = ar_decode(target, PROMPTS[0], 20).tokens
-    i = next(i for i in range(n + 1, len(reference)) if reference[i] not in reference[:i]
-             and (pattern[i % len(pattern)] == "R") == right_at_eos)
-    [result] = launch(job_for(path, target, geometry, prompts=PROMPTS[:1], eos_token_ids=[reference[i]],
-                              replay=(pattern, [reference])))
+    i = next(
+        i
+        for i in range(n + 1, len(reference))
+        if reference[i] not in reference[:i] and (pattern[i % len(pattern)] == "R") == right_at_eos
+    )
+    [result] = launch(
+        job_for(
+            path, target, geometry, prompts=PROMPTS[:1], eos_token_ids=[reference[i]], replay=(pattern, [reference])
+        )
+    )
     simulated = Simulator(target, ReplayDrafter([reference], pattern, target.vocab_size), geometry).decode(
-        PROMPTS[0], 20, eos_token_id=reference[i])
-    assert result.tokens == reference[:i + 1] and result.stop_reason == "eos"
+        PROMPTS[0], 20, eos_token_id=reference[i]
+    )
+    assert result.tokens == reference[: i + 1] and result.stop_reason == "eos"
     assert (result.K, result.counters) == (simulated.K, simulated.counters)
 
 
@@ -132,8 +148,11 @@ def test_a_rank_that_raises_ends_every_rank(targets, tmp_path):
         if name != "model.safetensors":
             (broken / name).write_bytes(open(os.path.join(path, name), "rb").read())
     weights = load_file(os.path.join(path, "model.safetensors"))
-    save_file({k: v for k, v in weights.items() if ".layers.3." not in k}, str(broken / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v for k, v in weights.items() if ".layers.3." not in k},
+        str(broken / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     geometry = Geometry.build(target.num_layers, 2)
     references = [ar_decode(target, p, 20).tokens for p in PROMPTS]
     start = time.monotonic()
@@ -157,8 +176,11 @@ def test_a_rank_killed_mid_decode_ends_every_rank(targets):
 
     start = time.monotonic()
     with pytest.raises(LaunchError, match=r"rank 0 \(stage 1\) was killed by signal 9") as info:
-        launch(job_for(path, target, geometry, prompts=prompts, replay=("adversary", references)), on_result=kill_a_rank,
-               on_start=pids.__setitem__)
+        launch(
+            job_for(path, target, geometry, prompts=prompts, replay=("adversary", references)),
+            on_result=kill_a_rank,
+            on_start=pids.__setitem__,
+        )
     assert time.monotonic() - start < TIMEOUT_S
     assert len(pids) == 3 and not [p for p in mp.active_children() if p.pid in pids.values()]
     assert not isinstance(info.value, UserError)  # a dead rank is not bad input

@@ -5,18 +5,19 @@ some tokens can only come from the residual) decode the first three tokens under
 empirical distribution must match the exact one computed from the target's logits with the same
 temperature / top-k / top-p. Chi-square with fixed seeds, so the outcome is deterministic.
 """
+
 import itertools
 
 import numpy as np
 import torch
-from scipy.stats import chisquare
-
 from conftest import make_tiny_model
-from spd_lightning.geometry import Geometry
-from spd_lightning.target import Target
+from scipy.stats import chisquare
+from test_inference_support import one_thread, random_pdm  # noqa: F401 - one_thread is an autouse fixture
+
 from inference.simulator import Simulator
 from inference.verify import Sampling, warp
-from test_inference_support import one_thread, random_pdm  # noqa: F401 - one_thread is an autouse fixture
+from spd_lightning.geometry import Geometry
+from spd_lightning.target import Target
 
 V, PROMPT, RUNS = 8, [1, 2, 3], 800
 SAMPLING = Sampling(0.9, top_k=6, top_p=0.95)

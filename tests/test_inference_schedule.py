@@ -1,11 +1,12 @@
 """The pipeline schedule as a pure state machine: closed forms, plans, stopping, and the optimistic steps
 laid over it (no model involved)."""
+
 import itertools
 
 import pytest
 
-from spd_lightning.geometry import Geometry
 from inference.schedule import PipelineSchedule, Steps, Verdict, eos_set
+from spd_lightning.geometry import Geometry
 
 
 def drive(schedule: PipelineSchedule, right) -> PipelineSchedule:
@@ -44,8 +45,8 @@ def test_plans_follow_the_staircase():
     while plan is not None:
         newest = plan.draft_position - 1
         full_view = geometry.view(newest, plan.fill)
-        assert full_view[-plan.fill:] == list(plan.draft_view)
-        assert all(d == n for d, _ in full_view[:-plan.fill])
+        assert full_view[-plan.fill :] == list(plan.draft_view)
+        assert all(d == n for d, _ in full_view[: -plan.fill])
         assert plan.draft_view[0][1] == newest - plan.fill + 1  # everything older is verified
         assert plan.stage_positions[0] == newest
         for s, position in enumerate(plan.stage_positions):
@@ -135,7 +136,7 @@ def test_optimistic_steps_keep_the_logical_schedule(n, kind):
     steps are its cycles plus one wasted step per rejection that arrives while the next step runs."""
     geometry = Geometry.build(16, n, schedule=kind)
     for pattern, N in itertools.product(PATTERNS, (2, 7, 20)):
-        right = lambda p: pattern[p % len(pattern)] == "R"  # noqa: E731
+        right = lambda p: pattern[p % len(pattern)] == "R"  # noqa: E731, B023 - used in this iteration
         logical = drive(PipelineSchedule(geometry, N), right)
         schedule = PipelineSchedule(geometry, N)
         run = run_steps(schedule, right)

@@ -1,19 +1,20 @@
 """The one-process simulator: lossless greedy decoding, closed forms, the PDM's cached staircase, EOS, and
 optimistic execution under exact accept/reject patterns."""
+
 import json
 
 import pytest
 import torch
+from test_inference_support import one_thread, random_pdm  # noqa: F401 - one_thread is an autouse fixture
 
-from spd_lightning.geometry import Geometry
-from spd_lightning.pdm import PDMConfig, PipelineDraftModule
 from inference.ar import ar_decode
 from inference.drafter import PDMDrafter, ReplayDrafter
 from inference.result import DecodeResult
 from inference.schedule import PipelineSchedule, Verdict
 from inference.simulator import Simulator, simulate_decode
 from inference.verify import Sampling
-from test_inference_support import one_thread, random_pdm  # noqa: F401 - one_thread is an autouse fixture
+from spd_lightning.geometry import Geometry
+from spd_lightning.pdm import PDMConfig, PipelineDraftModule
 
 PROMPTS = [[3, 14, 15, 92, 65, 35], [7, 7, 8]]
 
@@ -32,6 +33,7 @@ def test_greedy_spd_is_token_identical_to_ar(tiny_target, n):
 
 def test_llama_target_is_lossless():
     from conftest import make_tiny_model
+
     from spd_lightning.target import Target
 
     target = Target(make_tiny_model("llama"), "tiny-llama")
@@ -75,7 +77,9 @@ def test_pdm_cache_computes_the_explicit_staircase(tiny_qwen35):
     prompt_len = 4
     drafter.start(tokens[:prompt_len][None], T + 1)
     for s in range(1, n + 1):
-        drafter.store_anchors(s, 0, states[:, [i for i, b in enumerate(geometry.anchors) if b > 0 and geometry.stage_of_layer(b) == s]])
+        drafter.store_anchors(
+            s, 0, states[:, [i for i, b in enumerate(geometry.anchors) if b > 0 and geometry.stage_of_layer(b) == s]]
+        )
     for t, fill in zip(range(prompt_len, T - 1), [1, 2, 3, 3, 1, 2, 3, 2, 3]):
         for p in range(prompt_len, t + 1):
             drafter.set_token(p, int(tokens[p]))
@@ -94,8 +98,10 @@ def test_eos_ends_the_output_like_ar(tiny_qwen3):
     eos = free[5]
     cut = free.index(eos)
     for eos_id in (eos, [eos, 10_000]):
-        result = simulate_decode(tiny_qwen3, random_pdm(tiny_qwen3, geometry), geometry, PROMPTS[0], 20, eos_token_id=eos_id)
-        assert result.tokens == free[:cut + 1] == ar_decode(tiny_qwen3, PROMPTS[0], 20, eos_token_id=eos_id).tokens
+        result = simulate_decode(
+            tiny_qwen3, random_pdm(tiny_qwen3, geometry), geometry, PROMPTS[0], 20, eos_token_id=eos_id
+        )
+        assert result.tokens == free[: cut + 1] == ar_decode(tiny_qwen3, PROMPTS[0], 20, eos_token_id=eos_id).tokens
         assert result.stop_reason == "eos"
 
 
@@ -114,8 +120,12 @@ def test_timing_breakdown_has_one_row_per_cycle(tiny_qwen3):
     assert all(len(row) == 2 for row in per_cycle["stage_compute_s"])
     assert result.timing["totals"]["draft_s"] > 0
     restored = DecodeResult.from_dict(json.loads(json.dumps(result.to_dict())))  # what the JSON report carries
-    assert (restored.tokens, restored.K, restored.counters, restored.alpha) == (result.tokens, result.K, result.counters,
-                                                                                result.alpha)
+    assert (restored.tokens, restored.K, restored.counters, restored.alpha) == (
+        result.tokens,
+        result.K,
+        result.counters,
+        result.alpha,
+    )
 
 
 def test_mismatched_pdm_is_refused(tiny_qwen3):
@@ -167,11 +177,18 @@ def test_an_eos_verdict_ends_an_optimistic_step(tiny_qwen3, right_at_eos):
     n, pattern = 3, "RRW"
     geometry = Geometry.build(tiny_qwen3.num_layers, n)
     reference = ar_decode(tiny_qwen3, PROMPTS[0], 30).tokens
-    i = next(i for i in range(n + 1, len(reference)) if reference[i] not in reference[:i]
-             and (pattern[i % len(pattern)] == "R") == right_at_eos)
+    i = next(
+        i
+        for i in range(n + 1, len(reference))
+        if reference[i] not in reference[:i] and (pattern[i % len(pattern)] == "R") == right_at_eos
+    )
     eos = reference[i]
     for replay in (False, True):
         drafter = ReplayDrafter([reference], pattern, tiny_qwen3.vocab_size)
-        result = Simulator(tiny_qwen3, drafter, geometry, replay_wasted_work=replay).decode(PROMPTS[0], 30, eos_token_id=eos)
-        assert result.tokens == reference[:i + 1] == ar_decode(tiny_qwen3, PROMPTS[0], 30, eos_token_id=eos).tokens
-        assert (result.K, result.counters) == logical_run(geometry, 30, len(PROMPTS[0]), reference, pattern, frozenset({eos}))
+        result = Simulator(tiny_qwen3, drafter, geometry, replay_wasted_work=replay).decode(
+            PROMPTS[0], 30, eos_token_id=eos
+        )
+        assert result.tokens == reference[: i + 1] == ar_decode(tiny_qwen3, PROMPTS[0], 30, eos_token_id=eos).tokens
+        assert (result.K, result.counters) == logical_run(
+            geometry, 30, len(PROMPTS[0]), reference, pattern, frozenset({eos})
+        )

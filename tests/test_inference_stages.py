@@ -1,12 +1,13 @@
 """Stages and their caches: same math as the HF model, exact rollback, per-rank loading of own weights only."""
+
 import pytest
 import torch
-
 from conftest import make_tiny_model
+from test_inference_support import hf_logits, one_thread, save_target  # noqa: F401 - one_thread is an autouse fixture
+
+from inference.stages import Stage, load_pieces
 from spd_lightning.geometry import Geometry
 from spd_lightning.target import Target, TargetError
-from inference.stages import Stage, load_pieces
-from test_inference_support import hf_logits, one_thread, save_target  # noqa: F401 - one_thread is an autouse fixture
 
 
 def run_through(stages, ids, start):
@@ -25,7 +26,7 @@ def test_stages_in_sequence_are_the_hf_model(tiny_target, n):
     reference = hf_logits(tiny_target, ids)
     assert torch.allclose(run_through(stages, ids[:4], 0), reference[3], atol=1e-5)
     for i in range(4, len(ids)):  # then one token at a time through the caches
-        assert torch.allclose(run_through(stages, ids[i:i + 1], i), reference[i], atol=1e-5)
+        assert torch.allclose(run_through(stages, ids[i : i + 1], i), reference[i], atol=1e-5)
 
 
 def test_anchor_states_are_hf_hidden_states(tiny_qwen35):
@@ -106,8 +107,11 @@ def test_incomplete_checkpoint_is_named(tmp_path):
 
     save_target(make_tiny_model("qwen3"), str(tmp_path))
     weights = load_file(str(tmp_path / "model.safetensors"))
-    save_file({k: v for k, v in weights.items() if ".layers.3." not in k}, str(tmp_path / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v for k, v in weights.items() if ".layers.3." not in k},
+        str(tmp_path / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     Stage.load(str(tmp_path), Geometry.build(4, 2), 1)  # stage 1 never reads layer 3
     with pytest.raises(TargetError, match="layers.3"):
         Stage.load(str(tmp_path), Geometry.build(4, 2), 2)
@@ -120,8 +124,17 @@ def test_tied_heads_and_prefixed_checkpoints_load(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    tied = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)).eval()
+    tied = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=50,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
+        )
+    ).eval()
     tied.save_pretrained(tmp_path / "tied")
     assert not any(k.startswith("lm_head") for k in load_file(str(tmp_path / "tied" / "model.safetensors")))
     last = Stage.load(str(tmp_path / "tied"), Geometry.build(2, 2), 2)
@@ -131,6 +144,10 @@ def test_tied_heads_and_prefixed_checkpoints_load(tmp_path):
     save_target(model, str(tmp_path / "prefixed"))
     file = str(tmp_path / "prefixed" / "model.safetensors")
     weights = load_file(file)
-    save_file({k.replace("model.", "model.language_model.", 1): v for k, v in weights.items()}, file, metadata={"format": "pt"})
+    save_file(
+        {k.replace("model.", "model.language_model.", 1): v for k, v in weights.items()},
+        file,
+        metadata={"format": "pt"},
+    )
     stage = Stage.load(str(tmp_path / "prefixed"), Geometry.build(4, 2), 1)
     assert torch.equal(stage.layers[1].mlp.up_proj.weight, model.model.layers[1].mlp.up_proj.weight)

@@ -2,6 +2,7 @@
 
 Nothing here is a test; the inference test modules import it (pytest puts tests/ on sys.path).
 """
+
 import os
 
 import pytest
@@ -15,7 +16,8 @@ from spd_lightning.target import Target
 CHAT_TEMPLATE = (
     "{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}{%- endif %}{%- endif %}")
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}{%- endif %}{%- endif %}"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -27,13 +29,24 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def random_pdm(target: Target, geometry: Geometry, draft_vocab: int = 48, seed: int = 0, num_layers: int = 2) -> PipelineDraftModule:
+def random_pdm(
+    target: Target, geometry: Geometry, draft_vocab: int = 48, seed: int = 0, num_layers: int = 2
+) -> PipelineDraftModule:
     """A random-init PDM over a random subset of the target vocabulary (so q is zero outside V_d)."""
     g = torch.Generator().manual_seed(seed)
     d2t = torch.randperm(target.vocab_size, generator=g)[:draft_vocab].sort().values
     torch.manual_seed(seed)
-    cfg = PDMConfig(target.hidden_size, geometry.num_types, draft_vocab, hidden_size=32, num_layers=num_layers,
-                    num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64)
+    cfg = PDMConfig(
+        target.hidden_size,
+        geometry.num_types,
+        draft_vocab,
+        hidden_size=32,
+        num_layers=num_layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+    )
     return PipelineDraftModule(cfg, d2t).eval()
 
 
@@ -48,8 +61,13 @@ def make_tokenizer(vocab_size: int):
     vocab = {t: i for i, t in enumerate(specials + words + ["<|im_end|>"])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<|im_end|>",
-                                   additional_special_tokens=["<|im_start|>", "<think>", "</think>"])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        pad_token="<pad>",
+        eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>", "<think>", "</think>"],
+    )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 

@@ -1,11 +1,20 @@
 """Verification is lossless: exact in expectation (analytically) and empirically, greedy and sampled."""
+
 import pytest
 import torch
+from test_sampling_power import chisquare_pvalues
 
 from inference.schedule import Verdict
-from inference.verify import (Sampling, SamplingError, Verifier, acceptance_probability, draft_distribution, judge,
-                              residual, warp)
-from test_sampling_power import chisquare_pvalues
+from inference.verify import (
+    Sampling,
+    SamplingError,
+    Verifier,
+    acceptance_probability,
+    draft_distribution,
+    judge,
+    residual,
+    warp,
+)
 
 
 def random_dist(V, seed, zero_frac=0.0):
@@ -76,10 +85,13 @@ def test_draft_distribution_is_zero_outside_the_draft_vocabulary():
 
 def test_verifier_remembers_by_position():
     sampling = Sampling(1.0)
-    verifier = Verifier(sampling, window=3, vocab_size=5, d2t=torch.tensor([0, 1, 2]), draft_vocab_size=3,
-                        device=torch.device("cpu"))
+    verifier = Verifier(
+        sampling, window=3, vocab_size=5, d2t=torch.tensor([0, 1, 2]), draft_vocab_size=3, device=torch.device("cpu")
+    )
     verifier.reset(0)
-    verifier.remember(7, torch.tensor([4]), torch.tensor([0.2, 0.3, 0.5]))  # token 4 is outside V_d: q(4) = 0, never accepted
+    verifier.remember(
+        7, torch.tensor([4]), torch.tensor([0.2, 0.3, 0.5])
+    )  # token 4 is outside V_d: q(4) = 0, never accepted
     verdict, token = verifier.judge(7, torch.zeros(5), torch.zeros(2, dtype=torch.long)).tolist()
     assert verdict == Verdict.REJECT and token in (3, 4)  # the residual is P - q, positive only on 3 and 4
 
@@ -94,8 +106,15 @@ def test_greedy_verifier_writes_the_verdict_message():
         assert verifier.judge(position, logits, out).tolist() == expected
 
 
-@pytest.mark.parametrize("kwargs,match", [({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"),
-                                          ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k")])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+    ],
+)
 def test_bad_sampling_settings(kwargs, match):
     with pytest.raises(SamplingError, match=match):
         Sampling(**kwargs)

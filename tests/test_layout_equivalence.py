@@ -21,30 +21,44 @@ Tolerances, max |logit difference| against the fp32 explicit reference (logits a
   a mask that is off by one key moves some logits by O(1), far above it (tests/test_layout_equivalence.py
   was checked to fail with such a mask in bf16).
 """
+
 import itertools
 
 import pytest
 import torch
+from test_inference_support import one_thread  # noqa: F401 - one_thread is an autouse fixture
 
 from spd_lightning import attention
 from spd_lightning.geometry import Geometry
 from spd_lightning.layouts import DepthLayout, FillDistribution, TypeLayout
 from spd_lightning.pdm import PDMConfig, PipelineDraftModule
-from test_inference_support import one_thread  # noqa: F401 - one_thread is an autouse fixture
 
 H_TARGET, VOCAB, TARGET_LAYERS, BATCH = 24, 50, 16, 3
 TOLERANCE = {"fp32": dict(atol=1e-5, rtol=1e-5), "bf16": dict(atol=0.2, rtol=0.05)}
 HAS_COMPILED_FLEX = "flex_compiled" in attention.BACKENDS
-BACKENDS = ["dense", "two_part", "flex",
-            pytest.param("flex_compiled", marks=pytest.mark.skipif(not HAS_COMPILED_FLEX, reason="no compiled flex"))]
+BACKENDS = [
+    "dense",
+    "two_part",
+    "flex",
+    pytest.param("flex_compiled", marks=pytest.mark.skipif(not HAS_COMPILED_FLEX, reason="no compiled flex")),
+]
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
 
 def make_pdm(geometry: Geometry, num_layers: int, seed: int = 0) -> PipelineDraftModule:
     torch.manual_seed(seed)
-    cfg = PDMConfig(target_hidden_size=H_TARGET, num_types=geometry.num_types, draft_vocab_size=VOCAB, hidden_size=32,
-                    num_layers=num_layers, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48)
+    cfg = PDMConfig(
+        target_hidden_size=H_TARGET,
+        num_types=geometry.num_types,
+        draft_vocab_size=VOCAB,
+        hidden_size=32,
+        num_layers=num_layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+    )
     return PipelineDraftModule(cfg).eval()
 
 
@@ -109,8 +123,9 @@ def explicit_type(pdm, geometry: Geometry, layout: TypeLayout, states, length: i
             if block == layout.block_of_j[0]:  # the loss block: exactly the drafting view
                 seq = [(geometry.type_of(depth), i) for depth, i in geometry.view(t, a)]
             else:
-                seq = [(geometry.type_of(min(n, d + t - k)) if t - k < a else geometry.type_of(n), k)
-                       for k in range(t + 1)]
+                seq = [
+                    (geometry.type_of(min(n, d + t - k)) if t - k < a else geometry.type_of(n), k) for k in range(t + 1)
+                ]
             out[block, t] = explicit.logits(seq)[-1]
     return out
 
@@ -149,7 +164,7 @@ def check_type(n: int, T: int, backend: str, dtype: str, schedule: str = "pre_st
     pdm, layout = make_pdm(geometry, 1), TypeLayout(geometry)
     states, lengths, _ = padded_batch(geometry, T, seed=n)
     levels = list(range(1, n + 1))
-    for fills in [levels[i:i + BATCH] for i in range(0, n, BATCH)]:  # one fill per sequence, all levels covered
+    for fills in [levels[i : i + BATCH] for i in range(0, n, BATCH)]:  # one fill per sequence, all levels covered
         fill = torch.tensor((fills * BATCH)[:BATCH])
         logits, g, rep = replicated(pdm, layout, states, lengths, fill, backend, dtype)
         assert torch.isfinite(logits).all()
@@ -157,8 +172,12 @@ def check_type(n: int, T: int, backend: str, dtype: str, schedule: str = "pre_st
             want = explicit_type(pdm, geometry, layout, states[b], length, int(fill[b]))
             for block in range(rep.num_copies):
                 got = logits[b, rep.copy_slice(block)]
-                assert_close(got[:length], torch.stack([want[block, t] for t in range(length)]), dtype,
-                             f"sequence {b} block {block} fill {int(fill[b])}")
+                assert_close(
+                    got[:length],
+                    torch.stack([want[block, t] for t in range(length)]),
+                    dtype,
+                    f"sequence {b} block {block} fill {int(fill[b])}",
+                )
                 pad = torch.arange(length, T)
                 if pad.numel():
                     ref = alone_logits(pdm, g[b, rep.copy_slice(block)][pad].float(), pad)
@@ -166,12 +185,20 @@ def check_type(n: int, T: int, backend: str, dtype: str, schedule: str = "pre_st
 
 
 # The fast subset: every n, L_s, backend, dtype, layout and both schedules at least once, T = 64 twice.
-FAST_DEPTH = [(2, 3, 64, "two_part", "fp32", "pre_step"), (4, 2, 64, "dense", "fp32", "pre_step"),
-              (8, 1, 64, "flex", "fp32", "post_step"), (8, 3, 32, "two_part", "fp32", "post_step"),
-              (8, 2, 64, "dense", "bf16", "pre_step"), (4, 3, 32, "two_part", "bf16", "pre_step"),
-              (2, 1, 32, "flex", "bf16", "post_step")]
-FAST_TYPE = [(4, 64, "two_part", "fp32", "pre_step"), (8, 32, "flex", "fp32", "post_step"),
-             (2, 64, "dense", "bf16", "pre_step")]
+FAST_DEPTH = [
+    (2, 3, 64, "two_part", "fp32", "pre_step"),
+    (4, 2, 64, "dense", "fp32", "pre_step"),
+    (8, 1, 64, "flex", "fp32", "post_step"),
+    (8, 3, 32, "two_part", "fp32", "post_step"),
+    (8, 2, 64, "dense", "bf16", "pre_step"),
+    (4, 3, 32, "two_part", "bf16", "pre_step"),
+    (2, 1, 32, "flex", "bf16", "post_step"),
+]
+FAST_TYPE = [
+    (4, 64, "two_part", "fp32", "pre_step"),
+    (8, 32, "flex", "fp32", "post_step"),
+    (2, 64, "dense", "bf16", "pre_step"),
+]
 
 
 @pytest.mark.parametrize("n,num_layers,T,backend,dtype,schedule", FAST_DEPTH)

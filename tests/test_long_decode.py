@@ -14,18 +14,19 @@ the cycles in between:
   (RSS moves by page-sized steps and allocator returns of about +-2 MiB between identical runs, which the
   ~1000 cycles of a run average down to ~2 KiB per cycle at worst).
 """
+
 import gc
 import random
 from dataclasses import dataclass
 
 import pytest
 import torch
+from test_inference_support import one_thread, random_pdm  # noqa: F401 - one_thread is an autouse fixture
 
-from spd_lightning.geometry import Geometry
 from inference.ar import ar_decode
 from inference.simulator import Simulator
 from inference.verify import Sampling
-from test_inference_support import one_thread, random_pdm  # noqa: F401 - one_thread is an autouse fixture
+from spd_lightning.geometry import Geometry
 
 PER_CYCLE_BOUND = {"objects": 0.01, "tensors": 0.01, "tensor_bytes": 1.0, "rss_bytes": 4096.0}
 
@@ -61,7 +62,9 @@ def assert_no_growth(before: Footprint, after: Footprint, cycles: int, what: str
     growth = {k: (getattr(after, k) - getattr(before, k)) / cycles for k in PER_CYCLE_BOUND}
     print(f"\n{what}: growth per cycle over {cycles} cycles {growth}")
     for key, bound in PER_CYCLE_BOUND.items():
-        assert growth[key] <= bound, f"{what}: {key} grew by {growth[key]:.3g} per cycle over {cycles} cycles (bound {bound})"
+        assert growth[key] <= bound, (
+            f"{what}: {key} grew by {growth[key]:.3g} per cycle over {cycles} cycles (bound {bound})"
+        )
 
 
 def long_decode(target, tokens: int) -> None:
@@ -100,7 +103,7 @@ def back_to_back(target, tokens: int) -> None:
         simulator = Simulator(target, pdm, geometry, sampling)
 
         def run() -> list:
-            return [summary(simulator.decode(p, tokens, seed=i)) for i, p in enumerate(prompts)]
+            return [summary(simulator.decode(p, tokens, seed=i)) for i, p in enumerate(prompts)]  # noqa: B023
 
         warm = run()  # warm-up: the same workload
         Footprint.now()

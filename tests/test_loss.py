@@ -13,16 +13,17 @@ plain HF forward of each unpadded sequence, the anchor states from HF `hidden_st
 plain causal PDM forward over the explicit staircase view (`Geometry.view`), the fill levels from a spy on
 the layout's draw. Batch: three sequences of different lengths, one with two assistant turns.
 """
+
 from types import SimpleNamespace
 from unittest import mock
 
 import numpy as np
 import pytest
 import torch
-
 from conftest import make_tiny_model
-from spd_lightning.module import SPDModule
 from test_inference_support import one_thread  # noqa: F401 - one_thread is an autouse fixture
+
+from spd_lightning.module import SPDModule
 
 VOCAB, DRAFT_VOCAB, TEACHER_T = 97, 40, 1.7
 LENGTHS, T = [12, 9, 5], 12
@@ -39,9 +40,11 @@ def target_dir(tmp_path_factory) -> str:
 
 def make_batch() -> dict:
     gen = torch.Generator().manual_seed(11)
-    batch = {"input_ids": torch.randint(1, VOCAB, (len(LENGTHS), T), generator=gen),  # garbage ids in the padding
-             "attention_mask": torch.zeros(len(LENGTHS), T, dtype=torch.long),
-             "loss_mask": torch.zeros(len(LENGTHS), T, dtype=torch.bool)}
+    batch = {
+        "input_ids": torch.randint(1, VOCAB, (len(LENGTHS), T), generator=gen),  # garbage ids in the padding
+        "attention_mask": torch.zeros(len(LENGTHS), T, dtype=torch.long),
+        "loss_mask": torch.zeros(len(LENGTHS), T, dtype=torch.bool),
+    }
     for b, (length, assistant) in enumerate(zip(LENGTHS, ASSISTANT)):
         batch["attention_mask"][b, :length] = 1
         batch["loss_mask"][b, list(assistant)] = True
@@ -50,13 +53,27 @@ def make_batch() -> dict:
 
 def attached_module(target_dir: str, **kwargs) -> SPDModule:
     """An SPDModule set up as a Trainer would (setup, configure_model) with a stand-in trainer and no logging."""
-    module = SPDModule(target=target_dir, target_dtype="float32", n=3, num_layers=2, num_heads=4, num_kv_heads=2,
-                       head_dim=8, intermediate_size=48, teacher_temperature=TEACHER_T, attention_backend="dense",
-                       seed=5, **kwargs)
+    module = SPDModule(
+        target=target_dir,
+        target_dtype="float32",
+        n=3,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        teacher_temperature=TEACHER_T,
+        attention_backend="dense",
+        seed=5,
+        **kwargs,
+    )
     d2t = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(2))[:DRAFT_VOCAB].sort().values
     module._trainer = SimpleNamespace(  # only what training_step and setup read
-        datamodule=SimpleNamespace(d2t=d2t), strategy=SimpleNamespace(root_device=torch.device("cpu")),
-        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(total_batch_idx=0)), global_rank=0)
+        datamodule=SimpleNamespace(d2t=d2t),
+        strategy=SimpleNamespace(root_device=torch.device("cpu")),
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(total_batch_idx=0)),
+        global_rank=0,
+    )
     module.log = lambda *args, **kwargs: None
     module.optimizers = lambda: SimpleNamespace(param_groups=[{"lr": 0.0}])
     module.setup("fit")

@@ -13,20 +13,21 @@ behaviour unchanged): the view the pipeline passed must be the staircase `Geomet
 logits it computed must equal a plain PDM forward over that explicit view, built from the target states
 of a full HF forward of the tokens in flight at that moment.
 """
+
 from unittest import mock
 
 import pytest
 import torch
-
 from conftest import make_tiny_model
-from spd_lightning.geometry import Geometry
-from spd_lightning.pdm import PDMConfig, PipelineDraftModule
-from spd_lightning.target import Target
+from test_inference_support import one_thread  # noqa: F401 - one_thread is an autouse fixture
+
 from inference.ar import ar_decode
 from inference.drafter import PDMDrafter
 from inference.simulator import Simulator
 from inference.verify import Sampling, warp
-from test_inference_support import one_thread  # noqa: F401 - one_thread is an autouse fixture
+from spd_lightning.geometry import Geometry
+from spd_lightning.pdm import PDMConfig, PipelineDraftModule
+from spd_lightning.target import Target
 
 PROMPTS = [[3, 14, 15, 92, 65, 35], [7, 7, 8], [40, 2]]
 TOKENS = 40
@@ -44,8 +45,17 @@ def nearly_bigram_target(arch: str, context: float) -> Target:
 def agreeing_pdm(target: Target, geometry: Geometry, context: float) -> PipelineDraftModule:
     torch.manual_seed(0)
     H = target.hidden_size
-    cfg = PDMConfig(H, geometry.num_types, target.vocab_size, hidden_size=H, num_layers=2, num_heads=4,
-                    num_kv_heads=2, head_dim=8, intermediate_size=64)
+    cfg = PDMConfig(
+        H,
+        geometry.num_types,
+        target.vocab_size,
+        hidden_size=H,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+    )
     pdm = PipelineDraftModule(cfg).eval()
     with torch.no_grad():
         for proj in pdm.fusion.proj:  # g = RMSNorm(H^0) + a small term from the deeper anchors of its type
@@ -82,13 +92,15 @@ class DraftSpy:
         finally:
             hook.remove()
         t = view[-1][1]
-        self.drafts.append((list(view), self.tokens[:t + 1], captured[-1], None if q is None else q.clone()))
+        self.drafts.append((list(view), self.tokens[: t + 1], captured[-1], None if q is None else q.clone()))
         self.tokens[t + 1] = int(token)
         return token, q
 
     def patches(self):
-        return [mock.patch.object(PDMDrafter, name, autospec=True, side_effect=getattr(self, name))
-                for name in ("start", "set_token", "draft")]
+        return [
+            mock.patch.object(PDMDrafter, name, autospec=True, side_effect=getattr(self, name))
+            for name in ("start", "set_token", "draft")
+        ]
 
 
 def explicit_logits(target: Target, pdm, geometry: Geometry, tokens: list[int], view_full) -> torch.Tensor:
@@ -121,7 +133,7 @@ def check_drafts_read_the_staircase(spy, target, pdm, geometry, sampling) -> set
         full = geometry.view(t, fill)
         assert view == full[-fill:], (t, fill)  # the in-flight part of the staircase, at its depths
         want = explicit_logits(target, pdm, geometry, tokens, full)
-        torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4, msg=lambda m: f"t={t} fill={fill}: {m}")
+        torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4, msg=lambda m: f"t={t} fill={fill}: {m}")  # noqa: B023
         if q is not None:
             torch.testing.assert_close(q, warp(want, sampling), atol=1e-5, rtol=1e-4)
         fills.add(fill)
@@ -163,6 +175,6 @@ def test_sampling_with_an_accepted_drafter(arch, n):
     assert check_drafts_read_the_staircase(spy, target, pdm, geometry, sampling) == set(range(1, n + 1))
     for prompt, result in zip(PROMPTS, results):
         with torch.no_grad():
-            logits = target.model(torch.tensor([prompt + result.tokens])).logits[0, len(prompt) - 1:-1]
+            logits = target.model(torch.tensor([prompt + result.tokens])).logits[0, len(prompt) - 1 : -1]
         allowed = warp(logits, sampling)
         assert (allowed[torch.arange(result.N), torch.tensor(result.tokens)] > 0).all()

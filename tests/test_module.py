@@ -1,12 +1,13 @@
 """SPDModule: training on a saved tiny target with synthetic chat batches, checkpoints, resume."""
+
 import os
 
 import lightning as L
 import pytest
 import torch
+from conftest import TINY_VOCAB, make_tiny_model
 from torch.utils.data import DataLoader
 
-from conftest import TINY_VOCAB, make_tiny_model
 from spd_lightning.export import CKPT_KEY
 from spd_lightning.module import SPDModule
 
@@ -15,8 +16,15 @@ class SyntheticChat(L.LightningDataModule):
     """Batches in the data contract of spd_lightning.data: right-padded `input_ids`, `attention_mask`, and a
     `loss_mask` on the second half of each sequence (the "assistant" tokens); `d2t` after setup."""
 
-    def __init__(self, draft_vocab_size: int = 64, num_samples: int = 16, max_length: int = 20, batch_size: int = 4,
-                 repeat_one: bool = False, seed: int = 0):
+    def __init__(
+        self,
+        draft_vocab_size: int = 64,
+        num_samples: int = 16,
+        max_length: int = 20,
+        batch_size: int = 4,
+        repeat_one: bool = False,
+        seed: int = 0,
+    ):
         super().__init__()
         self.draft_vocab_size, self.num_samples, self.max_length = draft_vocab_size, num_samples, max_length
         self.batch_size, self.repeat_one, self.seed = batch_size, repeat_one, seed
@@ -36,13 +44,15 @@ class SyntheticChat(L.LightningDataModule):
     @staticmethod
     def collate(items):
         T = max(len(ids) for ids, _ in items)
-        batch = {"input_ids": torch.zeros(len(items), T, dtype=torch.long),
-                 "attention_mask": torch.zeros(len(items), T, dtype=torch.long),
-                 "loss_mask": torch.zeros(len(items), T, dtype=torch.bool)}
+        batch = {
+            "input_ids": torch.zeros(len(items), T, dtype=torch.long),
+            "attention_mask": torch.zeros(len(items), T, dtype=torch.long),
+            "loss_mask": torch.zeros(len(items), T, dtype=torch.bool),
+        }
         for b, (ids, loss) in enumerate(items):
-            batch["input_ids"][b, :len(ids)] = ids
-            batch["attention_mask"][b, :len(ids)] = 1
-            batch["loss_mask"][b, :len(ids)] = loss
+            batch["input_ids"][b, : len(ids)] = ids
+            batch["attention_mask"][b, : len(ids)] = 1
+            batch["loss_mask"][b, : len(ids)] = loss
         return batch
 
     def train_dataloader(self):
@@ -65,9 +75,20 @@ def make_module(target_dir: str, **overrides) -> SPDModule:
 
 
 def make_trainer(root, max_steps: int, **overrides) -> L.Trainer:
-    args = dict(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
-                enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=2, default_root_dir=str(root),
-                enable_checkpointing=False, val_check_interval=max_steps, check_val_every_n_epoch=None)
+    args = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=2,
+        default_root_dir=str(root),
+        enable_checkpointing=False,
+        val_check_interval=max_steps,
+        check_val_every_n_epoch=None,
+    )
     return L.Trainer(**{**args, **overrides})
 
 
@@ -81,8 +102,15 @@ def test_fit_learns_and_logs_agreement(tiny_target_dir, tmp_path):
     trainer.fit(module, datamodule=data)
     m = trainer.callback_metrics
     assert torch.isfinite(m["train/loss"])
-    assert {"val/loss", "val/agree", "val/agree_depth0", "val/agree_depth2", "val/agree_fill1", "val/agree_fill2",
-            "val/teacher_top1_outside_vd"} <= set(m)
+    assert {
+        "val/loss",
+        "val/agree",
+        "val/agree_depth0",
+        "val/agree_depth2",
+        "val/agree_fill1",
+        "val/agree_fill2",
+        "val/teacher_top1_outside_vd",
+    } <= set(m)
     assert m["val/agree"] > 0.5  # one repeated sequence: the drafter must fit it
     assert not module.target.model.training and all(not p.requires_grad for p in module.target.parameters())
     assert all(not name.startswith("_target") for name, _ in module.named_parameters())
@@ -97,9 +125,15 @@ def test_loss_decreases_from_initialization(tiny_target_dir, tmp_path):
     assert after["val/agree"] > before["val/agree"]
 
 
-@pytest.mark.parametrize("overrides", [dict(layout="type"), dict(aux_loss_weight=0.5, num_layers=2),
-                                       dict(schedule="post_step", attention_backend="two_part"),
-                                       dict(features="first_stage", init_layers_from=[3])])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(layout="type"),
+        dict(aux_loss_weight=0.5, num_layers=2),
+        dict(schedule="post_step", attention_backend="two_part"),
+        dict(features="first_stage", init_layers_from=[3]),
+    ],
+)
 def test_variants_train(tiny_target_dir, tmp_path, overrides):
     module = make_module(tiny_target_dir, **overrides)
     trainer = make_trainer(tmp_path, max_steps=2)
@@ -111,8 +145,9 @@ def test_checkpoint_holds_the_pdm_not_the_target(tiny_target_dir, tmp_path):
     # A wide target and a narrow PDM: a checkpoint that held the target would be many times the PDM.
     wide = str(tmp_path / "wide")
     make_tiny_model("qwen3_5", num_layers=8, hidden_size=128).save_pretrained(wide)
-    module = make_module(wide, hidden_size=32, init_head=False, num_heads=2, num_kv_heads=1, head_dim=8,
-                         intermediate_size=32)
+    module = make_module(
+        wide, hidden_size=32, init_head=False, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32
+    )
     trainer = make_trainer(tmp_path, max_steps=1, enable_checkpointing=True)
     trainer.fit(module, datamodule=SyntheticChat(num_samples=4))
     ckpt_path = trainer.checkpoint_callback.best_model_path or trainer.checkpoint_callback.last_model_path
@@ -130,8 +165,9 @@ def test_load_from_checkpoint_without_trainer(tiny_target_dir, tmp_path):
     module = make_module(tiny_target_dir)
     trainer = make_trainer(tmp_path, max_steps=2, enable_checkpointing=True)
     trainer.fit(module, datamodule=SyntheticChat(num_samples=8))
-    loaded = SPDModule.load_from_checkpoint(trainer.checkpoint_callback.last_model_path or
-                                            trainer.checkpoint_callback.best_model_path)
+    loaded = SPDModule.load_from_checkpoint(
+        trainer.checkpoint_callback.last_model_path or trainer.checkpoint_callback.best_model_path
+    )
     for (name, a), (_, b) in zip(module.pdm.state_dict().items(), loaded.pdm.state_dict().items()):
         assert torch.equal(a, b), name
 
@@ -159,9 +195,12 @@ def test_resume_continues_at_the_same_step_with_the_same_optimizer_state(tiny_ta
         module = make_module(tiny_target_dir)
         record = RecordStart()
         ckpt = ModelCheckpoint(dirpath=str(root), save_last=True, every_n_train_steps=1)
-        trainer = make_trainer(root, max_steps=6, enable_checkpointing=True, callbacks=[ckpt, record, StopAt(stop_at)],
-                               limit_val_batches=0)
-        trainer.fit(module, datamodule=SyntheticChat(num_samples=32, batch_size=2, repeat_one=True), ckpt_path=ckpt_path)
+        trainer = make_trainer(
+            root, max_steps=6, enable_checkpointing=True, callbacks=[ckpt, record, StopAt(stop_at)], limit_val_batches=0
+        )
+        trainer.fit(
+            module, datamodule=SyntheticChat(num_samples=32, batch_size=2, repeat_one=True), ckpt_path=ckpt_path
+        )
         return module, trainer, record
 
     _, first, _ = run(tmp_path / "a", 3)
@@ -203,6 +242,8 @@ def test_bad_settings_fail_with_one_line(tiny_target_dir, tmp_path):
     data.setup("fit")
     module = make_module(tiny_target_dir)
     bad = SyntheticChat()
-    bad.setup = lambda stage: setattr(bad, "d2t", torch.tensor([0, TINY_VOCAB + 5])) or setattr(bad, "samples", data.samples)
+    bad.setup = lambda stage: (
+        setattr(bad, "d2t", torch.tensor([0, TINY_VOCAB + 5])) or setattr(bad, "samples", data.samples)
+    )
     with pytest.raises(ValueError, match="does not fit the target vocabulary"):
         make_trainer(tmp_path, max_steps=1).fit(module, datamodule=bad)

@@ -1,31 +1,47 @@
 """PDM placement `shared`: the PDM in stage 1's process, n processes for n stages, the same decode."""
-import pytest
 
+import pytest
 from conftest import make_tiny_model
-from spd_lightning.export import load_drafter
-from spd_lightning.geometry import Geometry
+from test_inference_support import one_thread, save_random_drafter, target_dir  # noqa: F401 - autouse fixture
+
 from inference.launch import DecodeJob, launch
 from inference.simulator import Simulator
 from inference.verify import Sampling
-from test_inference_support import one_thread, save_random_drafter, target_dir  # noqa: F401 - autouse fixture
+from spd_lightning.export import load_drafter
+from spd_lightning.geometry import Geometry
 
 pytestmark = pytest.mark.timeout(180)
 PROMPTS = [[3, 14, 15, 92, 65, 35], [7, 7, 8]]
 
 
-@pytest.mark.parametrize("n, mode, sampling", [(3, "spd", Sampling()), (2, "spd", Sampling(1.0, 20, 0.9)),
-                                               (2, "post_step", Sampling())],
-                         ids=["n3-greedy", "n2-sampled", "n2-post-step"])
-def test_shared_placement_decodes_what_the_separate_one_and_the_simulator_do(tmp_path_factory, tmp_path, n, mode,
-                                                                             sampling):
+@pytest.mark.parametrize(
+    "n, mode, sampling",
+    [(3, "spd", Sampling()), (2, "spd", Sampling(1.0, 20, 0.9)), (2, "post_step", Sampling())],
+    ids=["n3-greedy", "n2-sampled", "n2-post-step"],
+)
+def test_shared_placement_decodes_what_the_separate_one_and_the_simulator_do(
+    tmp_path_factory, tmp_path, n, mode, sampling
+):
     path, target = target_dir(tmp_path_factory, "qwen3_5", make_tiny_model)
     geometry = Geometry.build(target.num_layers, n).with_mode(mode)
     drafter = save_random_drafter(target, geometry, str(tmp_path / "drafter"))
 
     def job(placement: str) -> DecodeJob:
-        return DecodeJob(path, geometry.to_dict(), PROMPTS, 16, [], target.vocab_size, target.hidden_size,
-                         sampling.to_dict(), drafter_path=drafter, seed=5, timeout_s=60, pdm_placement=placement,
-                         profile=True)
+        return DecodeJob(
+            path,
+            geometry.to_dict(),
+            PROMPTS,
+            16,
+            [],
+            target.vocab_size,
+            target.hidden_size,
+            sampling.to_dict(),
+            drafter_path=drafter,
+            seed=5,
+            timeout_s=60,
+            pdm_placement=placement,
+            profile=True,
+        )
 
     shared_job = job("shared")
     assert shared_job.world_size == n and job("separate").world_size == n + 1

@@ -1,5 +1,6 @@
 """`python -m spd_lightning prepare --config CFG`: builds the cache `fit` reads, from the same config and parser;
 a second run does nothing and says so; concurrent runs on one cache build it once."""
+
 import json
 import os
 import sys
@@ -25,17 +26,33 @@ def tokenizer_dir(tmp_path_factory):
 
 
 def chats(count):
-    return [{"messages": [{"role": "user", "content": f"question {i} about pears"},
-                          {"role": "assistant", "content": f"answer {i}: pears are green."}]} for i in range(count)]
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": f"question {i} about pears"},
+                {"role": "assistant", "content": f"answer {i}: pears are green."},
+            ]
+        }
+        for i in range(count)
+    ]
 
 
 def prepare_args(tokenizer_dir, tmp_path, records=200):
     data = tmp_path / "chats.jsonl"
     if not data.exists():
         data.write_text("".join(json.dumps(r) + "\n" for r in chats(records)))
-    return ["--config", os.path.join(REPO, "configs", "qwen35_9b.yaml"), "--model.target", tokenizer_dir,
-            "--data.sources", f"[{{path: {data}}}]", "--data.val_size", "4",
-            "--data.cache_dir", str(tmp_path / "cache")]
+    return [
+        "--config",
+        os.path.join(REPO, "configs", "qwen35_9b.yaml"),
+        "--model.target",
+        tokenizer_dir,
+        "--data.sources",
+        f"[{{path: {data}}}]",
+        "--data.val_size",
+        "4",
+        "--data.cache_dir",
+        str(tmp_path / "cache"),
+    ]
 
 
 def test_prepare_builds_the_cache_fit_reads_and_a_second_run_does_nothing(tokenizer_dir, tmp_path, capsys, monkeypatch):
@@ -46,6 +63,7 @@ def test_prepare_builds_the_cache_fit_reads_and_a_second_run_does_nothing(tokeni
 
     def no_build(*_args, **_kwargs):
         raise AssertionError("the cache was built again")
+
     monkeypatch.setattr(tokenized, "_build", no_build)
     monkeypatch.setattr("spd_lightning.data.vocab.count_assistant_tokens", no_build)
     assert prepare.main(args) == 0
@@ -86,6 +104,7 @@ def _prepare_logging_builds(log, args, out):
         with open(log, "a") as f:
             f.write("build\n")
         return build(*a, **kw)
+
     tokenized._build = logged
     with open(out, "w") as sys.stdout:
         code = prepare.main(args)

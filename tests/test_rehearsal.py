@@ -13,6 +13,7 @@ autoregressive decoding. A config that cannot run fails here.
 The 9B config (hybrid Gated DeltaNet target) runs in the default suite; the 4B and 8B ones, ~30 s and ~15 s on
 the shared 2-core machine, under `-m slow`.
 """
+
 import json
 import os
 
@@ -25,8 +26,9 @@ from spd_lightning.archs import load_arch, random_target
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended")
 # the shipped staircase callback, on one held-out prompt of 8 tokens (it runs at the end of every fit)
-STAIRCASE_AT_THE_END = ("[{class_path: callbacks.StaircaseEvaluation, init_args: {every_n_steps: 2000, num_prompts: 1, "
-                        "max_new_tokens: 4}}]")
+STAIRCASE_AT_THE_END = (
+    "[{class_path: callbacks.StaircaseEvaluation, init_args: {every_n_steps: 2000, num_prompts: 1, max_new_tokens: 4}}]"
+)
 CONFIG_ARCHS = {"qwen35_9b.yaml": "qwen3.5-9b", "qwen35_4b.yaml": "qwen3.5-4b", "qwen3_8b.yaml": "qwen3-8b"}
 
 
@@ -34,15 +36,23 @@ CONFIG_ARCHS = {"qwen35_9b.yaml": "qwen3.5-9b", "qwen35_4b.yaml": "qwen3.5-4b", 
 def chat_tokenizer():
     from spd_lightning.tiny_target import sharegpt_conversations, train_chat_tokenizer
 
-    return train_chat_tokenizer((m["content"] for c in sharegpt_conversations(200) for m in c), vocab_size=512,
-                                show_progress=False)
+    return train_chat_tokenizer(
+        (m["content"] for c in sharegpt_conversations(200) for m in c), vocab_size=512, show_progress=False
+    )
 
 
 @pytest.fixture(scope="module")
 def short_chats(tmp_path_factory):
     path = tmp_path_factory.mktemp("chats") / "chats.jsonl"
-    records = [{"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
-                             {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."}]} for i in range(12)]
+    records = [
+        {
+            "messages": [
+                {"role": "user", "content": f"What is {i} plus {i}?"},
+                {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."},
+            ]
+        }
+        for i in range(12)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return str(path)
 
@@ -66,8 +76,11 @@ def one_thread():
 
 def save_real_arch_target(arch: str, tokenizer, out_dir: str) -> str:
     """Random weights, the real architecture at hidden size 32; token ids from the small tokenizer."""
-    ids = {"eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"), "bos_token_id": None,
-           "pad_token_id": tokenizer.pad_token_id}
+    ids = {
+        "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        "bos_token_id": None,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
     model = random_target(arch, hidden_size=32, logit_scale=8.0, **ids)
     model.generation_config.eos_token_id, model.generation_config.bos_token_id = ids["eos_token_id"], None
     model.save_pretrained(out_dir)
@@ -86,9 +99,14 @@ def shipped(config: str) -> dict:
     return cli.stacked_config(os.path.join(REPO, "configs", config))
 
 
-@pytest.mark.parametrize("config", [pytest.param("qwen35_9b.yaml"),
-                                    pytest.param("qwen35_4b.yaml", marks=pytest.mark.slow),
-                                    pytest.param("qwen3_8b.yaml", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "config",
+    [
+        pytest.param("qwen35_9b.yaml"),
+        pytest.param("qwen35_4b.yaml", marks=pytest.mark.slow),
+        pytest.param("qwen3_8b.yaml", marks=pytest.mark.slow),
+    ],
+)
 def test_shipped_config_trains_validates_exports_and_decodes(config, chat_tokenizer, short_chats, tmp_path, one_thread):
     from inference import decode
 
@@ -96,15 +114,53 @@ def test_shipped_config_trains_validates_exports_and_decodes(config, chat_tokeni
     target = save_real_arch_target(arch, chat_tokenizer, str(tmp_path / "target"))
     assert shipped(config)["model"]["target"] == load_arch(arch)["hub_id"]  # the architecture the config names
     ckpt_dir = tmp_path / "ckpt"
-    run_main(["fit", "--config", os.path.join(REPO, "configs", config), "--model.target", target,
-              "--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.precision", "32-true",
-              "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
-              "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
-              "--trainer.num_sanity_val_steps", "0", "--trainer.default_root_dir", str(tmp_path),
-              "--data.sources", f"[{{path: {short_chats}}}]", "--data.val_size", "2", "--data.batch_size", "1",
-              "--data.num_workers", "0", "--data.cache_dir", str(tmp_path / "cache"), "--data.pad_to_multiple_of", "16",
-              "--checkpoint.dirpath", str(ckpt_dir), "--checkpoint.every_n_train_steps", "2",
-              "--trainer.callbacks", STAIRCASE_AT_THE_END])
+    run_main(
+        [
+            "fit",
+            "--config",
+            os.path.join(REPO, "configs", config),
+            "--model.target",
+            target,
+            "--trainer.accelerator",
+            "cpu",
+            "--trainer.devices",
+            "1",
+            "--trainer.precision",
+            "32-true",
+            "--trainer.logger",
+            "false",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.max_steps",
+            "2",
+            "--trainer.val_check_interval",
+            "2",
+            "--trainer.limit_val_batches",
+            "1",
+            "--trainer.num_sanity_val_steps",
+            "0",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+            "--data.sources",
+            f"[{{path: {short_chats}}}]",
+            "--data.val_size",
+            "2",
+            "--data.batch_size",
+            "1",
+            "--data.num_workers",
+            "0",
+            "--data.cache_dir",
+            str(tmp_path / "cache"),
+            "--data.pad_to_multiple_of",
+            "16",
+            "--checkpoint.dirpath",
+            str(ckpt_dir),
+            "--checkpoint.every_n_train_steps",
+            "2",
+            "--trainer.callbacks",
+            STAIRCASE_AT_THE_END,
+        ]
+    )
 
     ckpt = torch.load(ckpt_dir / "last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 2
@@ -115,6 +171,20 @@ def test_shipped_config_trains_validates_exports_and_decodes(config, chat_tokeni
 
     drafter = cli.export(["--ckpt", str(ckpt_dir / "last.ckpt"), "--out", str(tmp_path / "drafter")])
     report = tmp_path / "decode.json"
-    code = decode.main(["--ckpt", drafter, "--target", target, "--prompt", "What is 3 plus 3?", "--simulate",
-                        "--max-new-tokens", "6", "--check-lossless", "--json", str(report)])
+    code = decode.main(
+        [
+            "--ckpt",
+            drafter,
+            "--target",
+            target,
+            "--prompt",
+            "What is 3 plus 3?",
+            "--simulate",
+            "--max-new-tokens",
+            "6",
+            "--check-lossless",
+            "--json",
+            str(report),
+        ]
+    )
     assert code == 0  # 3 would mean the pipelined decode differed from autoregressive decoding

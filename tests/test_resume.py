@@ -1,5 +1,6 @@
 """Resume (SPEC 4.5): the data position survives a checkpoint (same order, same shard, same next batch), a
 resumed run trains exactly what the uninterrupted run trains, and a killed `fit` leaves a loadable `last.ckpt`."""
+
 import io
 import json
 import os
@@ -14,12 +15,12 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
+from conftest import make_tiny_model
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import SingleDeviceStrategy
-
-from conftest import make_tiny_model
-from spd_lightning.data import ChatDataModule, DataSource, ResumableSampler
 from test_module import make_module, make_trainer
+
+from spd_lightning.data import ChatDataModule, DataSource, ResumableSampler
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOT_RESUMABLE = "not resumable"
@@ -34,9 +35,15 @@ def chat_records(count: int, seed: int = 0) -> list[dict]:
     def words(k):
         return " ".join(rng.choice(WORDS, k))
 
-    return [{"conversations": [{"from": "human", "value": f"question {i}: {words(3)}?"},
-                               {"from": "gpt", "value": f"answer {i}: {words(int(rng.integers(3, 12)))}."}]}
-            for i in range(count)]
+    return [
+        {
+            "conversations": [
+                {"from": "human", "value": f"question {i}: {words(3)}?"},
+                {"from": "gpt", "value": f"answer {i}: {words(int(rng.integers(3, 12)))}."},
+            ]
+        }
+        for i in range(count)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +55,9 @@ def chat_target(tmp_path_factory) -> dict:
     records = chat_records(48)
     data = root / "chats.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
-    tokenizer = train_chat_tokenizer((t["value"] for r in records for t in r["conversations"]), vocab_size=300,
-                                     show_progress=False)
+    tokenizer = train_chat_tokenizer(
+        (t["value"] for r in records for t in r["conversations"]), vocab_size=300, show_progress=False
+    )
     target = root / "target"
     make_tiny_model("qwen3_5", vocab_size=len(tokenizer)).save_pretrained(target)
     tokenizer.save_pretrained(target)
@@ -57,8 +65,15 @@ def chat_target(tmp_path_factory) -> dict:
 
 
 def make_data(chat_target, **overrides) -> ChatDataModule:
-    args = dict(tokenizer=chat_target["target"], sources=[DataSource(path=chat_target["data"])], val_size=0,
-                batch_size=2, draft_vocab_size=64, cache_dir=chat_target["cache"], seed=0)
+    args = dict(
+        tokenizer=chat_target["target"],
+        sources=[DataSource(path=chat_target["data"])],
+        val_size=0,
+        batch_size=2,
+        draft_vocab_size=64,
+        cache_dir=chat_target["cache"],
+        seed=0,
+    )
     return ChatDataModule(**{**args, **overrides})
 
 
@@ -111,7 +126,7 @@ def test_sampler_order_shards_and_resumes_exactly():
         for r in range(R):
             resumed = ResumableSampler(data, R, r, seed=5)
             resumed.resume_at(0, k * B * R)
-            assert len(resumed) == 12 and list(resumed) == shards[r][k * B:]
+            assert len(resumed) == 12 and list(resumed) == shards[r][k * B :]
             assert list(resumed) == shards[r]  # the resume applies to the next iteration only
 
     # the trainer moved on to another epoch than the checkpoint's: that epoch starts afresh
@@ -123,7 +138,7 @@ def test_sampler_order_shards_and_resumes_exactly():
     # 2 ranks -> 1 rank: exactly the samples not yet trained on, in the same order
     single = ResumableSampler(data, 1, 0, seed=5)
     single.resume_at(0, 2 * B * R)
-    trained = set(shards[0][:2 * B] + shards[1][:2 * B])
+    trained = set(shards[0][: 2 * B] + shards[1][: 2 * B])
     assert list(single) == [i for i in single.order(0) if i not in trained]
 
 
@@ -178,8 +193,17 @@ class RestoreAfterSetup(SingleDeviceStrategy):
         return True
 
 
-def run_order(chat_target, root, stop_at=None, ckpt_path=None, num_workers=0, save_every=None, callbacks_extra=(),
-              estimate_steps=False, **trainer_args):
+def run_order(
+    chat_target,
+    root,
+    stop_at=None,
+    ckpt_path=None,
+    num_workers=0,
+    save_every=None,
+    callbacks_extra=(),
+    estimate_steps=False,
+    **trainer_args,
+):
     record = Record()
     save_every = save_every or {"every_n_train_steps": 1}
     callbacks = [record, ModelCheckpoint(dirpath=str(root), save_last=True, **save_every), *callbacks_extra]
@@ -189,36 +213,51 @@ def run_order(chat_target, root, stop_at=None, ckpt_path=None, num_workers=0, sa
         trainer_args["strategy"] = trainer_args["strategy"](torch.device("cpu"))
     else:
         trainer_args["accelerator"] = "cpu"
-    trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        default_root_dir=str(root), callbacks=callbacks, **trainer_args)
+    trainer = L.Trainer(
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=str(root),
+        callbacks=callbacks,
+        **trainer_args,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(RecordSamples(estimate_steps), datamodule=make_data(chat_target, batch_size=3,
-                                                                         num_workers=num_workers), ckpt_path=ckpt_path)
+        trainer.fit(
+            RecordSamples(estimate_steps),
+            datamodule=make_data(chat_target, batch_size=3, num_workers=num_workers),
+            ckpt_path=ckpt_path,
+        )
     return record, not_resumable_warnings(caught)
 
 
 # 48 chats, 3 per batch: 16 batches per epoch, 2 epochs
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("stop_at, num_workers, setup", [
-    (5, 0, dict(max_steps=32)),                   # mid-epoch
-    (16, 0, dict(max_steps=32)),                  # at an epoch's end
-    (21, 1, dict(max_steps=32)),                  # mid-epoch in epoch 1, a worker process fetching ahead
-    # an epoch-based run from a checkpoint written by `on_train_epoch_end`: Lightning does not reload loader
-    # states there (the epoch is complete); the data module's state still starts the worker on epoch 1
-    (16, 1, dict(max_epochs=2, max_steps=-1, save_every={"every_n_epochs": 1, "save_on_train_epoch_end": True})),
-    # the loader built by `estimated_stepping_batches` (as SPDModule does) before the data module's state is
-    # restored (as FSDP does): it must be rebuilt at the checkpoint's position
-    (5, 0, dict(max_epochs=2, estimate_steps=True, strategy=RestoreAfterSetup)),
-    (5, 0, dict(max_epochs=2, estimate_steps=True)),
-], ids=["mid_epoch", "epoch_end", "epoch1_worker", "epoch_based_end", "restore_after_setup", "estimated_steps"])
+@pytest.mark.parametrize(
+    "stop_at, num_workers, setup",
+    [
+        (5, 0, dict(max_steps=32)),  # mid-epoch
+        (16, 0, dict(max_steps=32)),  # at an epoch's end
+        (21, 1, dict(max_steps=32)),  # mid-epoch in epoch 1, a worker process fetching ahead
+        # an epoch-based run from a checkpoint written by `on_train_epoch_end`: Lightning does not reload loader
+        # states there (the epoch is complete); the data module's state still starts the worker on epoch 1
+        (16, 1, dict(max_epochs=2, max_steps=-1, save_every={"every_n_epochs": 1, "save_on_train_epoch_end": True})),
+        # the loader built by `estimated_stepping_batches` (as SPDModule does) before the data module's state is
+        # restored (as FSDP does): it must be rebuilt at the checkpoint's position
+        (5, 0, dict(max_epochs=2, estimate_steps=True, strategy=RestoreAfterSetup)),
+        (5, 0, dict(max_epochs=2, estimate_steps=True)),
+    ],
+    ids=["mid_epoch", "epoch_end", "epoch1_worker", "epoch_based_end", "restore_after_setup", "estimated_steps"],
+)
 def test_resumed_run_trains_the_same_batches(chat_target, tmp_path, stop_at, num_workers, setup):
     straight, _ = run_order(chat_target, tmp_path / "straight", num_workers=num_workers, **setup)
     assert len(straight.batches) == 32 and straight.batches[:16] != straight.batches[16:]
     first, _ = run_order(chat_target, tmp_path / "run", stop_at=stop_at, num_workers=num_workers, **setup)
     assert first.batches == straight.batches[:stop_at]
-    resumed, warned = run_order(chat_target, tmp_path / "run", ckpt_path=str(tmp_path / "run" / "last.ckpt"),
-                                num_workers=num_workers, **setup)
+    resumed, warned = run_order(
+        chat_target, tmp_path / "run", ckpt_path=str(tmp_path / "run" / "last.ckpt"), num_workers=num_workers, **setup
+    )
     assert not warned
     assert resumed.steps == straight.steps[stop_at:]
     assert resumed.batches == straight.batches[stop_at:]
@@ -244,8 +283,9 @@ def test_checkpoint_saved_when_sigterm_stops_the_run_resumes_the_data(chat_targe
     with pytest.raises(SystemExit):  # Lightning's SIGTERMException
         run_order(chat_target, tmp_path / "run", save_every=save, max_steps=20, callbacks_extra=[SigtermAt(7)])
     assert torch.load(tmp_path / "run" / "last.ckpt", weights_only=True)["global_step"] == 7
-    resumed, warned = run_order(chat_target, tmp_path / "run", ckpt_path=str(tmp_path / "run" / "last.ckpt"),
-                                save_every=save, max_steps=20)
+    resumed, warned = run_order(
+        chat_target, tmp_path / "run", ckpt_path=str(tmp_path / "run" / "last.ckpt"), save_every=save, max_steps=20
+    )
     assert not warned and resumed.steps == straight.steps[7:] and resumed.batches == straight.batches[7:]
 
 
@@ -289,8 +329,14 @@ def test_ddp_two_processes_resume_each_shard(chat_target, tmp_path):
     script = tmp_path / "ddp_resume.py"
     script.write_text(DDP_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
-    result = subprocess.run([sys.executable, str(script), json.dumps(chat_target), str(tmp_path)], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=280)
+    result = subprocess.run(
+        [sys.executable, str(script), json.dumps(chat_target), str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for rank in ranks:
@@ -331,7 +377,8 @@ def fit_args(chat_target, root, *extra: str) -> list[str]:
     """A config of its own (configs/ change with the project): the tiny target and the local chats on CPU, a
     checkpoint every step, no validation, no logger."""
     config = root / "resume.yaml"
-    config.write_text(textwrap.dedent(f"""\
+    config.write_text(
+        textwrap.dedent(f"""\
         seed_everything: 0
         trainer:
           accelerator: cpu
@@ -358,7 +405,8 @@ def fit_args(chat_target, root, *extra: str) -> list[str]:
         checkpoint:
           dirpath: {root / "ckpt"}
           every_n_train_steps: 1
-        """))
+        """)
+    )
     return ["--config", str(config), *extra]
 
 
@@ -390,12 +438,16 @@ def fit_and_kill(chat_target, root, sig, after_step: int = 3, timeout: float = 1
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("sig", [
-    signal.SIGKILL,
-    # Lightning turns SIGTERM into `SIGTERMException`, a `SystemExit` without a code: the process exits 0 until
-    # spd_lightning/cli.py catches it (see the resume report); remove the xfail with that change.
-    pytest.param(signal.SIGTERM, marks=[pytest.mark.slow]),
-], ids=["sigkill", "sigterm"])
+@pytest.mark.parametrize(
+    "sig",
+    [
+        signal.SIGKILL,
+        # Lightning turns SIGTERM into `SIGTERMException`, a `SystemExit` without a code: the process exits 0 until
+        # spd_lightning/cli.py catches it (see the resume report); remove the xfail with that change.
+        pytest.param(signal.SIGTERM, marks=[pytest.mark.slow]),
+    ],
+    ids=["sigkill", "sigterm"],
+)
 def test_killed_fit_leaves_a_loadable_last_ckpt_and_resumes(chat_target, tmp_path, sig):
     from spd_lightning import cli
     from spd_lightning.export import load_drafter
@@ -412,8 +464,9 @@ def test_killed_fit_leaves_a_loadable_last_ckpt_and_resumes(chat_target, tmp_pat
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        resumed = cli.run_cli(["fit", *fit_args(chat_target, tmp_path, "--trainer.max_steps", str(step + 2)),
-                               "--ckpt_path", "last"])
+        resumed = cli.run_cli(
+            ["fit", *fit_args(chat_target, tmp_path, "--trainer.max_steps", str(step + 2)), "--ckpt_path", "last"]
+        )
     assert resumed.trainer.global_step == step + 2 and not not_resumable_warnings(caught)
     assert torch.load(last, weights_only=True)["global_step"] == step + 2
     if sig == signal.SIGTERM:
@@ -445,13 +498,16 @@ def other_filesystem_dir(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("tempdir", [
-    "same_filesystem",
-    # Lightning's `_atomic_save` writes through fsspec's transaction: the temporary file lies in the system
-    # temp dir and is *moved* into place, a copy when that dir is another filesystem (tmpfs /tmp, checkpoints on
-    # NFS/Lustre). A kill during the copy truncates last.ckpt. Fixed by the checkpoint IO proposed for cli.py.
-    "other_filesystem",
-])
+@pytest.mark.parametrize(
+    "tempdir",
+    [
+        "same_filesystem",
+        # Lightning's `_atomic_save` writes through fsspec's transaction: the temporary file lies in the system
+        # temp dir and is *moved* into place, a copy when that dir is another filesystem (tmpfs /tmp, checkpoints on
+        # NFS/Lustre). A kill during the copy truncates last.ckpt. Fixed by the checkpoint IO proposed for cli.py.
+        "other_filesystem",
+    ],
+)
 def test_checkpoints_are_renamed_into_place(chat_target, tmp_path, monkeypatch, tempdir):
     """Every .ckpt the CLI's trainer writes appears by a rename of a complete file, never by writing the file."""
     global _WRITES
@@ -473,6 +529,7 @@ def test_checkpoints_are_renamed_into_place(chat_target, tmp_path, monkeypatch, 
         _WRITES = None
         if tempdir == "other_filesystem":
             import shutil
+
             shutil.rmtree(other, ignore_errors=True)
     ckpt_dir = str(tmp_path / "ckpt")
     final = [(kind, path) for kind, path in writes if path.startswith(ckpt_dir) and path.endswith(".ckpt")]

@@ -1,25 +1,33 @@
 """Sampling settings at their edges (SPEC 5.1): a vanishing temperature is the greedy limit, impossible
 temperatures are user errors, and a replay drafter's tokens live on the runner's device."""
+
 import math
 
 import pytest
 import torch
+from test_inference_support import one_thread, random_pdm  # noqa: F401 - one_thread is an autouse fixture
 
-from spd_lightning.errors import UserError
-from spd_lightning.geometry import Geometry
 from inference.ar import ar_decode
 from inference.drafter import ReplayDrafter
 from inference.simulator import Simulator
 from inference.verify import Sampling, SamplingError, sample_token, warp
-from test_inference_support import one_thread, random_pdm  # noqa: F401 - one_thread is an autouse fixture
+from spd_lightning.errors import UserError
+from spd_lightning.geometry import Geometry
 
 # Dividing raw float32 logits by these overflows to +-inf (1e-38 for |logit| > 3.4, the smallest subnormal
 # 1e-45 for any logit), and the softmax then computes inf - inf = NaN.
 TINY_T, SUBNORMAL_T = 1e-38, 1e-45
 
 
-@pytest.mark.parametrize("sampling", [Sampling(TINY_T), Sampling(TINY_T, top_k=3), Sampling(TINY_T, top_p=0.5),
-                                      Sampling(SUBNORMAL_T, top_k=2, top_p=0.9)])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        Sampling(TINY_T),
+        Sampling(TINY_T, top_k=3),
+        Sampling(TINY_T, top_p=0.5),
+        Sampling(SUBNORMAL_T, top_k=2, top_p=0.9),
+    ],
+)
 def test_vanishing_temperature_is_the_argmax(sampling):
     logits = torch.tensor([[3.0, 20.0, -5.0, 19.5, 0.0], [1e4, -1e4, 0.0, 2.0, 9999.0], [-3.0, -2.0, -1.0, -4.0, -9.0]])
     probs = warp(logits, sampling)
@@ -33,7 +41,9 @@ def test_vanishing_temperature_decodes_like_greedy_ar(tiny_qwen3):
     """End to end: the draft's q and the target's P are both one-hot, so SPD samples the greedy AR tokens."""
     geometry = Geometry.build(tiny_qwen3.num_layers, 3)
     prompt = [3, 14, 15, 92, 65, 35]
-    simulator = Simulator(tiny_qwen3, random_pdm(tiny_qwen3, geometry), geometry, Sampling(SUBNORMAL_T, top_k=10, top_p=0.9))
+    simulator = Simulator(
+        tiny_qwen3, random_pdm(tiny_qwen3, geometry), geometry, Sampling(SUBNORMAL_T, top_k=10, top_p=0.9)
+    )
     assert simulator.decode(prompt, 16, seed=1).tokens == ar_decode(tiny_qwen3, prompt, 16).tokens
 
 

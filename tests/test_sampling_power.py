@@ -36,19 +36,20 @@ worst-case bias of TV delta is injected into a multinomial sampler of the exact 
 detection rate of this exact test procedure (pooling included) is measured over many repetitions, as is
 the false-alarm rate without bias.
 """
+
 import numpy as np
 import pytest
 import torch
+from conftest import make_tiny_model
 from scipy.optimize import brentq
 from scipy.stats import chi2, ncx2
+from test_inference_support import one_thread  # noqa: F401 - one_thread is an autouse fixture
 
-from conftest import make_tiny_model
+from inference.simulator import Simulator
+from inference.verify import Sampling, warp
 from spd_lightning.geometry import Geometry
 from spd_lightning.pdm import PDMConfig, PipelineDraftModule
 from spd_lightning.target import Target
-from inference.simulator import Simulator
-from inference.verify import Sampling, warp
-from test_inference_support import one_thread  # noqa: F401 - one_thread is an autouse fixture
 
 V, DRAFT_VOCAB, PROMPT = 8, 5, [1, 2, 3]
 SAMPLING = Sampling(1.0, top_k=2, top_p=0.9)
@@ -92,7 +93,7 @@ def required_runs(p: np.ndarray, delta: float) -> int:
     N = 1000
     for _ in range(20):
         df = max(1, len(pooling(N * p)) - 1)
-        needed = int(np.ceil(noncentrality_for_power(df) / (4 * delta ** 2)))
+        needed = int(np.ceil(noncentrality_for_power(df) / (4 * delta**2)))
         if needed == N:
             break
         N = needed
@@ -132,8 +133,17 @@ def tiny_setup(n: int, schedule: str):
     d2t = torch.from_numpy(np.sort(np.argsort(frequency)[::-1][:DRAFT_VOCAB]).copy())
     torch.manual_seed(0)
     H = target.hidden_size
-    cfg = PDMConfig(H, geometry.num_types, DRAFT_VOCAB, hidden_size=H, num_layers=1, num_heads=4, num_kv_heads=2,
-                    head_dim=8, intermediate_size=64)
+    cfg = PDMConfig(
+        H,
+        geometry.num_types,
+        DRAFT_VOCAB,
+        hidden_size=H,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+    )
     pdm = PipelineDraftModule(cfg, d2t).eval()
     with torch.no_grad():  # close to the target's bigram, so drafts are accepted at every fill, but not equal to P
         for proj in pdm.fusion.proj:
@@ -150,8 +160,9 @@ def exact_sequence_distribution(target: Target, m: int) -> dict[tuple[int, ...],
         prefixes = list(dist)
         logits = target.model(torch.tensor([PROMPT + list(s) for s in prefixes])).logits[:, -1]
         probs = warp(logits, SAMPLING).double()
-        dist = {s + (x,): dist[s] * float(probs[i, x]) for i, s in enumerate(prefixes) for x in range(V)
-                if probs[i, x] > 0}
+        dist = {
+            s + (x,): dist[s] * float(probs[i, x]) for i, s in enumerate(prefixes) for x in range(V) if probs[i, x] > 0
+        }
     return dist
 
 

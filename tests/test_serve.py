@@ -3,6 +3,7 @@
 Two server processes per module (SPD on the simulator, and `--mode ar`), started once; the same tiny
 target and random drafter as the decoder's tests.
 """
+
 import json
 import os
 import signal
@@ -14,12 +15,12 @@ import time
 
 import httpx
 import pytest
-
 from conftest import REPO, make_tiny_model
+from test_inference_support import one_thread, random_pdm, target_dir  # noqa: F401 - autouse fixture
+
+from inference.decode import main as decode_main
 from spd_lightning.export import DrafterSpec, save_drafter
 from spd_lightning.geometry import Geometry
-from inference.decode import main as decode_main
-from test_inference_support import one_thread, random_pdm, target_dir  # noqa: F401 - autouse fixture
 
 pytestmark = pytest.mark.timeout(180)
 KEY = "sk-test"
@@ -37,8 +38,13 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
-        self.process = subprocess.Popen([sys.executable, "-m", "inference.serve", "--port", str(self.port), *args],
-                                        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "inference.serve", "--port", str(self.port), *args],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     def ready(self) -> "Server":
         deadline = time.monotonic() + 90
@@ -81,8 +87,9 @@ def files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def servers(files):
     """SPD on the simulator and AR, started together (each takes seconds to import and load)."""
-    spd = Server("--ckpt", files["drafter"], "--simulate", "--api-key", KEY, "--queue-size", "32",
-                 "--max-tokens-cap", "64")
+    spd = Server(
+        "--ckpt", files["drafter"], "--simulate", "--api-key", KEY, "--queue-size", "32", "--max-tokens-cap", "64"
+    )
     ar = Server("--ckpt", files["drafter"], "--mode", "ar", "--model-name", "spd", "--api-key", KEY)
     try:
         yield spd.ready(), ar.ready()
@@ -106,8 +113,9 @@ def _chat(server: Server, prompt: str, max_tokens: int, stream: bool, model: str
     if not stream:
         reply = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=max_tokens)
         return reply.choices[0].message.content
-    chunks = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=max_tokens,
-                                            stream=True)
+    chunks = client.chat.completions.create(
+        model=model, messages=messages, temperature=0, max_tokens=max_tokens, stream=True
+    )
     return "".join(c.choices[0].delta.content or "" for c in chunks)
 
 
@@ -142,17 +150,34 @@ def test_twenty_concurrent_clients_each_get_their_own_answer(spd):
     assert len(set(answers.values())) > 1  # different prompts, different answers: none mixed up
 
 
-@pytest.mark.parametrize("body, key, status, code", [
-    ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, KEY, 404, "model_not_found"),
-    ({"model": "spd", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, KEY, 400, None),
-    ({"model": "spd", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 65}, KEY, 400, None),
-    ({"model": "spd", "messages": [{"role": "user", "content": "cat " * 600}]}, KEY, 400, "context_length_exceeded"),
-    ('{"model": "spd", "messages": [', KEY, 400, "invalid_json"),
-    ({"model": "spd", "messages": []}, KEY, 400, "invalid_request"),
-    ({"model": "spd", "messages": [{"role": "user", "content": "hi"}]}, "wrong", 401, "invalid_api_key"),
-    ({"model": "spd", "messages": [{"role": "user", "content": "hi"}]}, None, 401, "invalid_api_key"),
-], ids=["unknown-model", "max-tokens-0", "max-tokens-over-cap", "too-long", "malformed-json", "no-messages",
-        "wrong-key", "missing-key"])
+@pytest.mark.parametrize(
+    "body, key, status, code",
+    [
+        ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, KEY, 404, "model_not_found"),
+        ({"model": "spd", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, KEY, 400, None),
+        ({"model": "spd", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 65}, KEY, 400, None),
+        (
+            {"model": "spd", "messages": [{"role": "user", "content": "cat " * 600}]},
+            KEY,
+            400,
+            "context_length_exceeded",
+        ),
+        ('{"model": "spd", "messages": [', KEY, 400, "invalid_json"),
+        ({"model": "spd", "messages": []}, KEY, 400, "invalid_request"),
+        ({"model": "spd", "messages": [{"role": "user", "content": "hi"}]}, "wrong", 401, "invalid_api_key"),
+        ({"model": "spd", "messages": [{"role": "user", "content": "hi"}]}, None, 401, "invalid_api_key"),
+    ],
+    ids=[
+        "unknown-model",
+        "max-tokens-0",
+        "max-tokens-over-cap",
+        "too-long",
+        "malformed-json",
+        "no-messages",
+        "wrong-key",
+        "missing-key",
+    ],
+)
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(spd, body, key, status, code):
     reply = spd.post("/v1/chat/completions", body, key)
     assert reply.status_code == status
@@ -164,11 +189,19 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(spd, body, 
 
 
 def test_models_health_and_metrics(spd):
-    assert httpx.get(f"{spd.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"][0]["id"] == "spd"
+    assert (
+        httpx.get(f"{spd.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"][0]["id"] == "spd"
+    )
     assert httpx.get(f"{spd.url}/health").json()["status"] == "ok"
     metrics = httpx.get(f"{spd.url}/metrics").text
-    for name in ("spd_requests_total", "spd_generated_tokens_total", "spd_alpha", "spd_cycle_seconds",
-                 "spd_queue_depth", "spd_time_to_first_token_seconds"):
+    for name in (
+        "spd_requests_total",
+        "spd_generated_tokens_total",
+        "spd_alpha",
+        "spd_cycle_seconds",
+        "spd_queue_depth",
+        "spd_time_to_first_token_seconds",
+    ):
         assert name in metrics
 
 
@@ -202,8 +235,11 @@ def test_ranks_serve_many_requests_and_a_killed_rank_is_a_503_then_a_restart(fil
     try:
         first = _chat(server, PROMPT, 6, stream=False)  # a few steps each: the fault's count is not reached
         assert _chat(server, PROMPT, 6, stream=True) == first == decoded
-        reply = server.post("/v1/chat/completions", {"model": "spd", "max_tokens": 40, "temperature": 0,
-                                                     "messages": [{"role": "user", "content": PROMPT}]}, key=None)
+        reply = server.post(
+            "/v1/chat/completions",
+            {"model": "spd", "max_tokens": 40, "temperature": 0, "messages": [{"role": "user", "content": PROMPT}]},
+            key=None,
+        )
         assert reply.status_code == 503
         assert "rank 1 (stage 2) was killed by signal 9" in reply.json()["error"]["message"]
         assert _chat(server, PROMPT, 6, stream=False) == first  # a fresh pipeline

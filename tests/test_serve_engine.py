@@ -1,4 +1,5 @@
 """The server's queue and cancellation, over a slow fake decoder (in this process, uvicorn on a thread)."""
+
 import json
 import socket
 import threading
@@ -90,8 +91,12 @@ def test_a_full_queue_is_a_429_and_the_queued_requests_complete(server):
 
 def test_a_client_that_disconnects_has_its_request_cancelled(server):
     url, engine, backend = server
-    with httpx.stream("POST", f"{url}/v1/completions", timeout=30,
-                      json={"model": "fake", "prompt": "abc", "max_tokens": 100, "stream": True}) as reply:
+    with httpx.stream(
+        "POST",
+        f"{url}/v1/completions",
+        timeout=30,
+        json={"model": "fake", "prompt": "abc", "max_tokens": 100, "stream": True},
+    ) as reply:
         first = next(reply.iter_lines())
         assert json.loads(first.removeprefix("data: "))["choices"][0]["text"] == "a"
     deadline = time.monotonic() + 10

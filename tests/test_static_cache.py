@@ -1,14 +1,15 @@
 """Static stage caches: a one-token prompt, storage written in place (no allocation per cycle, rollback or
 prompt), and a regrow past the budget that keeps what the cache holds."""
+
 import pytest
 import torch
+from test_inference_support import one_thread, random_pdm  # noqa: F401 - one_thread is an autouse fixture
 
 import inference.cache
-from spd_lightning.geometry import Geometry
 from inference.ar import ar_decode
 from inference.simulator import Simulator
 from inference.stages import Stage
-from test_inference_support import one_thread, random_pdm  # noqa: F401 - one_thread is an autouse fixture
+from spd_lightning.geometry import Geometry
 
 
 def run_through(stages, ids, start):
@@ -79,5 +80,5 @@ def test_a_forward_past_the_budget_regrows_and_keeps_the_cache(arch_fixture, req
     for stages in (big, small):
         run_through(stages, ids[:3], 0)
     for i in range(3, len(ids)):
-        assert torch.allclose(run_through(small, ids[i:i + 1], i), run_through(big, ids[i:i + 1], i), atol=1e-5)
+        assert torch.allclose(run_through(small, ids[i : i + 1], i), run_through(big, ids[i : i + 1], i), atol=1e-5)
     assert small[0].cache.capacity >= len(ids) and small[0].cache.capacity < big[0].cache.capacity

@@ -1,4 +1,5 @@
 """Target loading and anchor states (SPEC sections 2, 8)."""
+
 import pytest
 import torch
 from conftest import make_tiny_model
@@ -48,8 +49,10 @@ def test_conditional_generation_checkpoint_loads_text_model(tmp_path):
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     text = make_tiny_model("qwen3_5").config.to_dict()
-    cfg = Qwen3_5Config(text_config=text, vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
-                                                            out_hidden_size=32))
+    cfg = Qwen3_5Config(
+        text_config=text,
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32),
+    )
     Qwen3_5ForConditionalGeneration(cfg).save_pretrained(tmp_path / "vl")
     target = Target.load(str(tmp_path / "vl"))
     assert target.num_layers == 4 and target.hidden_size == 32

@@ -5,6 +5,7 @@ What a CPU can show: the loading call asks transformers to place every tensor on
 (`device_map`), never `.to()`s a loaded model, and a load onto the `meta` device leaves no parameter or buffer
 on the CPU. That the CUDA load itself streams tensor by tensor is transformers' behaviour, not shown here.
 """
+
 import sys
 
 import pytest
@@ -26,8 +27,10 @@ def saved_qwen35(tmp_path_factory):
 @pytest.fixture
 def no_module_moves(monkeypatch):
     """Fails the test if anything calls `nn.Module.to` (a load that lands on the CPU and then moves would)."""
+
     def refuse(module, *args, **kwargs):
         raise AssertionError(f"{type(module).__name__}.to{args} called: the target was moved after loading")
+
     monkeypatch.setattr(torch.nn.Module, "to", refuse)
 
 
@@ -73,11 +76,11 @@ def test_gated_deltanet_path_reports_the_kernels_transformers_bound(saved_qwen35
     def wrapper_of(is_new_implementation):
         def wrapped(*args, **kwargs):
             return is_new_implementation
+
         return wrapped
 
     monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule", wrapper_of(True))
-    assert linear_attention_path(model) == ("torch fallback (slow on GPU; missing causal-conv1d: "
-                                            "`pip install .[gpu]`)")
+    assert linear_attention_path(model) == ("torch fallback (slow on GPU; missing causal-conv1d: `pip install .[gpu]`)")
     monkeypatch.setattr(modeling, "causal_conv1d_fn", wrapper_of(True))
     assert linear_attention_path(model) == "fast kernels (flash-linear-attention, causal-conv1d)"
     assert set(target_module.DELTANET_KERNELS) <= set(vars(modeling))  # the names transformers 5 uses

@@ -8,6 +8,7 @@ every shipped config and the GPU check build their random-init targets from thes
 
 Imports only transformers (no Lightning, no datasets): the GPU check runs where those are missing.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,7 @@ ARCHS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def arch_names() -> list[str]:
-    return sorted(name[:-len(".json")] for name in os.listdir(ARCHS_DIR) if name.endswith(".json"))
+    return sorted(name[: -len(".json")] for name in os.listdir(ARCHS_DIR) if name.endswith(".json"))
 
 
 def load_arch(name: str) -> dict:

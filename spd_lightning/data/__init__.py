@@ -3,11 +3,19 @@
 Names are imported on first use, so tools that need only the light parts (`tiny_target` reads ShareGPT
 through `formats` and `sharegpt`) do not pay for importing Lightning.
 """
+
 from importlib import import_module
 
 _EXPORTS = {
-    "chat": ("ChatRenderer", "RenderedChat", "assistant_char_spans", "load_tokenizer", "mark_assistant_tokens",
-             "render_chat", "render_prompt"),
+    "chat": (
+        "ChatRenderer",
+        "RenderedChat",
+        "assistant_char_spans",
+        "load_tokenizer",
+        "mark_assistant_tokens",
+        "render_chat",
+        "render_prompt",
+    ),
     "collate": ("ChatCollator",),
     "datamodule": ("ChatDataModule",),
     "formats": ("DataError", "first_user_turn", "normalize_conversation"),

@@ -18,12 +18,14 @@ templates, which show the empty think block only on the last reply.
 that training, the staircase callback and the decoder (`inference/prompts.py`) share; this module imports neither
 Lightning nor `datasets`.
 """
+
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from jinja2 import TemplateError
 
@@ -54,19 +56,24 @@ def load_tokenizer(name_or_path: str) -> Any:
 
     path = os.path.expanduser(name_or_path)
     if looks_local(name_or_path) and not os.path.isdir(path):
-        raise DataError(f"tokenizer path {name_or_path!r} does not exist: pass the target's directory (build the tiny "
-                        f"one with `python -m spd_lightning.tiny_target --out {name_or_path}`) or a hub name")
+        raise DataError(
+            f"tokenizer path {name_or_path!r} does not exist: pass the target's directory (build the tiny "
+            f"one with `python -m spd_lightning.tiny_target --out {name_or_path}`) or a hub name"
+        )
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
-        raise DataError(f"cannot load tokenizer {name_or_path!r} ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
-                        f"pass an existing directory or a reachable hub name") from e
+        raise DataError(
+            f"cannot load tokenizer {name_or_path!r} ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
+            f"pass an existing directory or a reachable hub name"
+        ) from e
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
     """A conversation as the target sees it: its chat template, thinking disabled (SPEC 4.1)."""
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         enable_thinking=False)
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, enable_thinking=False
+    )
 
 
 def render_prompt(tokenizer: Any, prompt: str) -> list[int]:
@@ -85,11 +92,15 @@ def render_prompt(tokenizer: Any, prompt: str) -> list[int]:
 def check_chat_tokenizer(tokenizer: Any, name: str) -> None:
     """The tokenizer must render chats and report character offsets (a Rust-backed "fast" tokenizer)."""
     if not getattr(tokenizer, "chat_template", None):
-        raise DataError(f"tokenizer {name!r} has no chat template: use the chat/instruct tokenizer of the target "
-                        f"(the one it was fine-tuned with), not a base-model tokenizer")
+        raise DataError(
+            f"tokenizer {name!r} has no chat template: use the chat/instruct tokenizer of the target "
+            f"(the one it was fine-tuned with), not a base-model tokenizer"
+        )
     if not getattr(tokenizer, "is_fast", False):
-        raise DataError(f"tokenizer {name!r} is a slow (Python) tokenizer without offset mapping: "
-                        f"install `tokenizers` and load its fast version")
+        raise DataError(
+            f"tokenizer {name!r} is a slow (Python) tokenizer without offset mapping: "
+            f"install `tokenizers` and load its fast version"
+        )
 
 
 def special_token_ids(tokenizer: Any) -> frozenset[int]:
@@ -106,8 +117,9 @@ def _rendered_forms(content: str) -> list[str]:
     return list(dict.fromkeys(forms))
 
 
-def assistant_char_spans(render: Callable[[list[dict[str, str]]], str], text: str,
-                         messages: Sequence[dict[str, str]]) -> list[tuple[int, int]] | None:
+def assistant_char_spans(
+    render: Callable[[list[dict[str, str]]], str], text: str, messages: Sequence[dict[str, str]]
+) -> list[tuple[int, int]] | None:
     """Character spans `[start, end)` of the replies in `text` (= `render(messages)`), or None when the
     template changed a reply beyond whitespace trimming (e.g. moved a `</think>` part into a think block)."""
     replies = [m["content"] for m in messages if m["role"] == ASSISTANT]
@@ -133,8 +145,13 @@ def assistant_char_spans(render: Callable[[list[dict[str, str]]], str], text: st
     return spans if position == len(text) else None
 
 
-def mark_assistant_tokens(text: str, offsets: Sequence[tuple[int, int]], input_ids: Sequence[int],
-                          spans: Sequence[tuple[int, int]], special_ids: frozenset[int]) -> list[bool]:
+def mark_assistant_tokens(
+    text: str,
+    offsets: Sequence[tuple[int, int]],
+    input_ids: Sequence[int],
+    spans: Sequence[tuple[int, int]],
+    special_ids: frozenset[int],
+) -> list[bool]:
     """`mask[i]` is True iff token i overlaps an assistant span, or is the special token that ends one
     (only whitespace may separate them)."""
     mask = [False] * len(input_ids)
@@ -145,8 +162,7 @@ def mark_assistant_tokens(text: str, offsets: Sequence[tuple[int, int]], input_i
         while token < len(offsets) and offsets[token][0] < end:
             mask[token] = True
             token += 1
-        if (token < len(offsets) and input_ids[token] in special_ids
-                and not text[end:offsets[token][0]].strip()):
+        if token < len(offsets) and input_ids[token] in special_ids and not text[end : offsets[token][0]].strip():
             mask[token] = True
             token += 1
     return mask
@@ -177,8 +193,9 @@ class ChatRenderer:
         except TemplateError:
             return None
 
-    def encode(self, messages: list[dict[str, str]], text: str | None, input_ids: list[int],
-               offsets: list[tuple[int, int]]) -> RenderedChat:
+    def encode(
+        self, messages: list[dict[str, str]], text: str | None, input_ids: list[int], offsets: list[tuple[int, int]]
+    ) -> RenderedChat:
         """`input_ids` and character `offsets` are the tokenization of `text`, the rendering of `messages`."""
         if not messages:
             return RenderedChat([], [], NO_ASSISTANT)
@@ -213,8 +230,9 @@ class ChatRenderer:
         conversations = [[] if isinstance(n, BadRecord) else n for n in normalized]
         texts = [self._render_or_none(messages) for messages in conversations]
         # One tokenizer call per batch lets the Rust tokenizer use every core.
-        encodings = self.tokenizer([text or "" for text in texts], add_special_tokens=False,
-                                   return_offsets_mapping=True)
+        encodings = self.tokenizer(
+            [text or "" for text in texts], add_special_tokens=False, return_offsets_mapping=True
+        )
         out: dict[str, list] = {"input_ids": [], "loss_mask": [], "status": [], "prompt": []}
         for i, (messages, text) in enumerate(zip(conversations, texts)):
             rendered = self.encode(messages, text, encodings["input_ids"][i], encodings["offset_mapping"][i])

@@ -4,9 +4,10 @@ A batch is `{"input_ids": long [B, T], "attention_mask": long [B, T], "loss_mask
 `loss_mask[b, i]` is True iff token `i` is an assistant token, i.e. one the drafter must predict from
 position `i - 1`. Padding has attention 0 and no loss; the pad id is the tokenizer's.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -15,12 +15,12 @@ The init arguments are plain types and `DataSource` dataclasses, so LightningCLI
 YAML. `save_hyperparameters` is deliberately not called: checkpoints are read with
 `torch.load(weights_only=True)`, which refuses pickled dataclasses; LightningCLI saves the config anyway.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-from typing import Optional, Union
 
 import datasets
 import numpy as np
@@ -59,10 +59,20 @@ class ChatDataModule(LightningDataModule):
         pad_to_multiple_of: round the padded batch length up (e.g. to the attention block size).
     """
 
-    def __init__(self, tokenizer: str, sources: Optional[list[DataSource]] = None, max_length: int = 2048,
-                 batch_size: int = 4, num_workers: int = 0, seed: int = 0, val_size: Union[int, float] = 0.01,
-                 draft_vocab_size: int = 32000, cache_dir: str = DEFAULT_CACHE_DIR, num_proc: Optional[int] = None,
-                 pad_to_multiple_of: int = 1):
+    def __init__(
+        self,
+        tokenizer: str,
+        sources: list[DataSource] | None = None,
+        max_length: int = 2048,
+        batch_size: int = 4,
+        num_workers: int = 0,
+        seed: int = 0,
+        val_size: int | float = 0.01,
+        draft_vocab_size: int = 32000,
+        cache_dir: str = DEFAULT_CACHE_DIR,
+        num_proc: int | None = None,
+        pad_to_multiple_of: int = 1,
+    ):
         super().__init__()
         check_draft_vocab_size(draft_vocab_size)
         if batch_size < 1:
@@ -82,47 +92,59 @@ class ChatDataModule(LightningDataModule):
         self.num_proc = num_proc
         self.collate = ChatCollator(self._pad_token_id(), pad_to_multiple_of)
 
-        self.train_dataset: Optional[datasets.Dataset] = None
-        self.val_dataset: Optional[datasets.Dataset] = None
-        self.d2t: Optional[torch.Tensor] = None
+        self.train_dataset: datasets.Dataset | None = None
+        self.val_dataset: datasets.Dataset | None = None
+        self.d2t: torch.Tensor | None = None
         self.stats: list[SourceStats] = []
-        self._train_loader: Optional[ResumableDataLoader] = None
-        self._resume_position: Optional[dict] = None  # from a checkpoint, for the next train loader
+        self._train_loader: ResumableDataLoader | None = None
+        self._resume_position: dict | None = None  # from a checkpoint, for the next train loader
 
     def _pad_token_id(self) -> int:
         tokenizer = self.tokenizer
         if tokenizer.pad_token_id is not None:
             return tokenizer.pad_token_id
         if tokenizer.eos_token_id is None:
-            raise DataError(f"tokenizer {self.tokenizer_name!r} has neither a pad nor an eos token: set `pad_token` "
-                            f"in its tokenizer_config.json")
-        rank_zero_info(f"tokenizer {self.tokenizer_name!r} has no pad token: padding with eos "
-                       f"{tokenizer.eos_token!r} (padding is masked out, so any id works)")
+            raise DataError(
+                f"tokenizer {self.tokenizer_name!r} has neither a pad nor an eos token: set `pad_token` "
+                f"in its tokenizer_config.json"
+            )
+        rank_zero_info(
+            f"tokenizer {self.tokenizer_name!r} has no pad token: padding with eos "
+            f"{tokenizer.eos_token!r} (padding is masked out, so any id works)"
+        )
         return tokenizer.eos_token_id
 
     # -- building ---------------------------------------------------------------------------------
     def _tokenized_sources(self) -> list[TokenizedSource]:
-        return [tokenize_source(source, self.tokenizer, self.tokenizer_name, self.max_length, self.cache_dir,
-                                self.num_proc) for source in self.sources]
+        return [
+            tokenize_source(source, self.tokenizer, self.tokenizer_name, self.max_length, self.cache_dir, self.num_proc)
+            for source in self.sources
+        ]
 
     def _d2t_path(self) -> str:
-        identity = {"sources": [[s.fingerprint(), s.weight] for s in self.sources], "val_size": self.val_size,
-                    "seed": self.seed, "draft_vocab_size": self.draft_vocab_size}
+        identity = {
+            "sources": [[s.fingerprint(), s.weight] for s in self.sources],
+            "val_size": self.val_size,
+            "seed": self.seed,
+            "draft_vocab_size": self.draft_vocab_size,
+        }
         key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
         return os.path.join(processed_root(self.cache_dir, self.tokenizer, self.max_length), f"d2t-{key}.npy")
 
     def _split(self, parts: list[TokenizedSource]) -> tuple[datasets.Dataset, datasets.Dataset]:
         sizes = [len(p.usable) for p in parts]
-        plan = plan_mixture([s.path for s in self.sources], sizes, [s.weight for s in self.sources],
-                            self.val_size, self.seed)
+        plan = plan_mixture(
+            [s.path for s in self.sources], sizes, [s.weight for s in self.sources], self.val_size, self.seed
+        )
         rank_zero_info(plan.summary)
         offsets = np.cumsum([0] + [len(p.rows) for p in parts[:-1]])
         rows = datasets.concatenate_datasets([p.rows for p in parts]).remove_columns("status")
         rng = np.random.default_rng(self.seed)
 
         def gather(per_source: list[np.ndarray]) -> np.ndarray:
-            indices = np.concatenate([offset + part.usable[chosen]
-                                      for offset, part, chosen in zip(offsets, parts, per_source)])
+            indices = np.concatenate(
+                [offset + part.usable[chosen] for offset, part, chosen in zip(offsets, parts, per_source)]
+            )
             return rng.permutation(indices)  # interleave the sources
 
         # indices stay in memory: a mixture must not write files into the shared sample cache
@@ -141,7 +163,7 @@ class ChatDataModule(LightningDataModule):
         sets is exactly what `setup` would set, so this process's `setup` then has nothing left to do."""
         self._load()
 
-    def setup(self, stage: Optional[str] = None) -> None:
+    def setup(self, stage: str | None = None) -> None:
         self._load()
 
     def _load(self) -> None:
@@ -154,8 +176,13 @@ class ChatDataModule(LightningDataModule):
 
     # -- loaders ----------------------------------------------------------------------------------
     def _loader_kwargs(self) -> dict:
-        return dict(batch_size=self.batch_size, collate_fn=self.collate, num_workers=self.num_workers,
-                    persistent_workers=self.num_workers > 0, pin_memory=torch.cuda.is_available())
+        return dict(
+            batch_size=self.batch_size,
+            collate_fn=self.collate,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            pin_memory=torch.cuda.is_available(),
+        )
 
     def _require_setup(self) -> None:
         if self.train_dataset is None:
@@ -167,8 +194,9 @@ class ChatDataModule(LightningDataModule):
         self._require_setup()
         dataset = self.train_dataset.select_columns(["input_ids", "loss_mask"])
         shard = (self.trainer.distributed_sampler_kwargs if self.trainer is not None else None) or {}
-        sampler = ResumableSampler(dataset, num_replicas=shard.get("num_replicas", 1), rank=shard.get("rank", 0),
-                                   seed=self.seed)
+        sampler = ResumableSampler(
+            dataset, num_replicas=shard.get("num_replicas", 1), rank=shard.get("rank", 0), seed=self.seed
+        )
         loader = ResumableDataLoader(dataset, sampler=sampler, **self._loader_kwargs())
         if self.trainer is not None:
             loader.position = self.train_position
@@ -215,7 +243,9 @@ class ChatDataModule(LightningDataModule):
         self._require_setup()
         available = len(self.val_dataset)
         if count > available:
-            rank_zero_info(f"heldout_prompts: asked for {count} prompts, the validation split has {available} "
-                           f"(val_size={self.val_size}); returning {available}")
+            rank_zero_info(
+                f"heldout_prompts: asked for {count} prompts, the validation split has {available} "
+                f"(val_size={self.val_size}); returning {available}"
+            )
         texts = self.val_dataset.select(range(min(count, available)))["prompt"]
         return [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]

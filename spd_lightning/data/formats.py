@@ -16,9 +16,12 @@ kept message is something the target could have said in that position:
 A record that cannot be read (an unknown role such as `tool` or `function`, a malformed turn) raises
 `BadRecord`; the tokenizing map drops such records and counts them per reason (see `tokenized.py`).
 """
+
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
+
 from ..errors import UserError
 
 SYSTEM, USER, ASSISTANT = "system", "user", "assistant"
@@ -26,8 +29,13 @@ SYSTEM, USER, ASSISTANT = "system", "user", "assistant"
 # ShareGPT dumps name speakers after the product that answered; FastChat's mapping, plus `bing`.
 ROLE_ALIASES = {
     "system": SYSTEM,
-    "human": USER, "user": USER,
-    "gpt": ASSISTANT, "assistant": ASSISTANT, "chatgpt": ASSISTANT, "bard": ASSISTANT, "bing": ASSISTANT,
+    "human": USER,
+    "user": USER,
+    "gpt": ASSISTANT,
+    "assistant": ASSISTANT,
+    "chatgpt": ASSISTANT,
+    "bard": ASSISTANT,
+    "bing": ASSISTANT,
 }
 CONVERSATION_COLUMNS = {"conversations": ("from", "value"), "messages": ("role", "content")}
 
@@ -51,24 +59,34 @@ def conversation_column(column_names: Iterable[str], where: str) -> str:
     for column in CONVERSATION_COLUMNS:
         if column in names:
             return column
-    raise DataError(f"{where} has columns {names}, but a chat dataset needs `conversations` (ShareGPT: from/value) "
-                    f"or `messages` (role/content): convert it to one of these layouts")
+    raise DataError(
+        f"{where} has columns {names}, but a chat dataset needs `conversations` (ShareGPT: from/value) "
+        f"or `messages` (role/content): convert it to one of these layouts"
+    )
 
 
 def _message(turn: Any, role_key: str, text_key: str, where: str) -> dict[str, str]:
     if not isinstance(turn, dict) or role_key not in turn or text_key not in turn:
-        raise BadRecord(f"{where}: turn {turn!r:.80} is not a {{{role_key!r}, {text_key!r}}} object; "
-                        f"fix the record or the column layout", "malformed turn")
+        raise BadRecord(
+            f"{where}: turn {turn!r:.80} is not a {{{role_key!r}, {text_key!r}}} object; "
+            f"fix the record or the column layout",
+            "malformed turn",
+        )
     role = ROLE_ALIASES.get(str(turn[role_key]).lower())
     if role is None:
-        raise BadRecord(f"{where}: unknown role {turn[role_key]!r}; supported roles are {sorted(ROLE_ALIASES)}: "
-                        f"rename it or drop such records", f"unknown role {turn[role_key]!r}")
+        raise BadRecord(
+            f"{where}: unknown role {turn[role_key]!r}; supported roles are {sorted(ROLE_ALIASES)}: "
+            f"rename it or drop such records",
+            f"unknown role {turn[role_key]!r}",
+        )
     content = turn[text_key]
     if content is None:
         content = ""
     if not isinstance(content, str):
-        raise BadRecord(f"{where}: message content {content!r:.80} is not text; only plain-text chats are supported",
-                        "non-text content")
+        raise BadRecord(
+            f"{where}: message content {content!r:.80} is not text; only plain-text chats are supported",
+            "non-text content",
+        )
     return {"role": role, "content": content}
 
 
@@ -77,8 +95,9 @@ def normalize_conversation(turns: Any, column: str, where: str) -> list[dict[str
     if turns is None:
         return []
     if not isinstance(turns, list):
-        raise BadRecord(f"{where}: `{column}` is {type(turns).__name__}, expected a list of turns",
-                        f"`{column}` not a list")
+        raise BadRecord(
+            f"{where}: `{column}` is {type(turns).__name__}, expected a list of turns", f"`{column}` not a list"
+        )
     role_key, text_key = CONVERSATION_COLUMNS[column]
     messages = [_message(turn, role_key, text_key, where) for turn in turns]
 
@@ -101,5 +120,5 @@ def first_user_turn(messages: list[dict[str, str]]) -> list[dict[str, str]]:
     """The conversation up to and including its first user message (a leading system prompt stays)."""
     for index, message in enumerate(messages):
         if message["role"] == USER:
-            return messages[:index + 1]
+            return messages[: index + 1]
     return []

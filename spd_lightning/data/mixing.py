@@ -7,10 +7,11 @@ below it is subsampled; the log line says which. Validation is split off each so
 the same proportions, so a repeated sample can never sit in both splits. Everything depends only on
 `seed`.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -31,7 +32,7 @@ def allocate(total: int, weights: Sequence[float]) -> list[int]:
     shares = np.asarray(weights, dtype=np.float64) / float(np.sum(weights)) * total
     counts = np.floor(shares).astype(np.int64)
     remainder_order = np.argsort(-(shares - counts), kind="stable")
-    counts[remainder_order[:total - int(counts.sum())]] += 1
+    counts[remainder_order[: total - int(counts.sum())]] += 1
     return counts.tolist()
 
 
@@ -50,8 +51,10 @@ def validation_count(val_size: float | int, total: int) -> int:
     else:
         count = int(val_size)
     if count >= total:
-        raise DataError(f"val_size={val_size!r} asks for {count} validation samples but only {total} usable samples "
-                        f"exist: lower val_size or add data")
+        raise DataError(
+            f"val_size={val_size!r} asks for {count} validation samples but only {total} usable samples "
+            f"exist: lower val_size or add data"
+        )
     return count
 
 
@@ -62,8 +65,9 @@ def _draw(pool: np.ndarray, count: int, rng: np.random.Generator) -> np.ndarray:
     return np.concatenate(parts)
 
 
-def plan_mixture(names: Sequence[str], sizes: Sequence[int], weights: Sequence[float], val_size: float | int,
-                 seed: int) -> MixturePlan:
+def plan_mixture(
+    names: Sequence[str], sizes: Sequence[int], weights: Sequence[float], val_size: float | int, seed: int
+) -> MixturePlan:
     total = int(sum(sizes))
     val_counts = allocate(validation_count(val_size, total), weights)
     # every source keeps at least one training sample, whatever its share of the validation set
@@ -76,8 +80,13 @@ def plan_mixture(names: Sequence[str], sizes: Sequence[int], weights: Sequence[f
     train_counts = allocate(sum(len(p) for p in pools), weights)
     train = [_draw(pool, count, rng) for pool, count in zip(pools, train_counts)]
     shares = np.asarray(weights, dtype=np.float64) / float(np.sum(weights))
-    parts = [f"{name} {share:.1%} ({count:,} samples = {count / len(pool):.2f}x its {len(pool):,})"
-             for name, share, count, pool in zip(names, shares, train_counts, pools)]
-    summary = (f"training mixture of {sum(train_counts):,} samples: " + "; ".join(parts)
-               + f". validation: {sum(val_counts):,} samples")
+    parts = [
+        f"{name} {share:.1%} ({count:,} samples = {count / len(pool):.2f}x its {len(pool):,})"
+        for name, share, count, pool in zip(names, shares, train_counts, pools)
+    ]
+    summary = (
+        f"training mixture of {sum(train_counts):,} samples: "
+        + "; ".join(parts)
+        + f". validation: {sum(val_counts):,} samples"
+    )
     return MixturePlan(train, val, summary)

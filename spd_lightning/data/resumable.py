@@ -22,9 +22,10 @@ Lightning restores it through two hooks, both applying the same position (applyi
   that restore only after `configure_optimizers` (FSDP, DeepSpeed, ModelParallel) restore it after that early
   loader exists: the data module then drops the loader, and the fit loop builds it again at the position.
 """
+
 from __future__ import annotations
 
-from typing import Callable, Optional, Sized
+from collections.abc import Callable, Sized
 
 import numpy as np
 from lightning.pytorch.utilities import rank_zero_warn
@@ -45,13 +46,13 @@ class ResumableSampler(DistributedSampler):
         if len(dataset) == 0:
             raise ValueError("ResumableSampler needs a non-empty dataset")
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=False)
-        self._resume: Optional[tuple[int, int]] = None  # (epoch, global offset), used by the next iteration only
+        self._resume: tuple[int, int] | None = None  # (epoch, global offset), used by the next iteration only
 
     def order(self, epoch: int) -> np.ndarray:
         """All ranks' positions of `epoch`: dataset indices, padded to `total_size`."""
         n = len(self.dataset)
         if self.shuffle:
-            order = np.random.default_rng([self.seed % 2 ** 63, epoch]).permutation(n)
+            order = np.random.default_rng([self.seed % 2**63, epoch]).permutation(n)
         else:
             order = np.arange(n)
         return np.concatenate([order, np.resize(order, self.total_size - n)])
@@ -71,7 +72,7 @@ class ResumableSampler(DistributedSampler):
             self._resume = None
             if epoch == self.epoch:  # otherwise the trainer moved on to another epoch: start that one afresh
                 offset = start
-        return iter(self.order(self.epoch)[offset + self.rank::self.num_replicas].tolist())
+        return iter(self.order(self.epoch)[offset + self.rank :: self.num_replicas].tolist())
 
     def __len__(self) -> int:
         return self.num_samples
@@ -85,7 +86,7 @@ class ResumableDataLoader(DataLoader):
     state is where the sampler will start next.
     """
 
-    position: Optional[Callable[[], tuple[int, bool]]] = None
+    position: Callable[[], tuple[int, bool]] | None = None
 
     def state_dict(self) -> dict:
         sampler = self.sampler
@@ -98,26 +99,38 @@ class ResumableDataLoader(DataLoader):
             offset = batches * self.batch_size * sampler.num_replicas
         else:
             epoch, offset = sampler._resume or (sampler.epoch, 0)
-        return {"version": POSITION_VERSION, "epoch": int(epoch), "offset": int(offset), "seed": int(sampler.seed),
-                "dataset_size": len(sampler.dataset), "batch_size": int(self.batch_size),
-                "num_replicas": int(sampler.num_replicas)}
+        return {
+            "version": POSITION_VERSION,
+            "epoch": int(epoch),
+            "offset": int(offset),
+            "seed": int(sampler.seed),
+            "dataset_size": len(sampler.dataset),
+            "batch_size": int(self.batch_size),
+            "num_replicas": int(sampler.num_replicas),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         sampler = self.sampler
         if not state or not isinstance(sampler, ResumableSampler):
             return
         if state.get("version") != POSITION_VERSION:
-            rank_zero_warn(f"the checkpoint's data position has version {state.get('version')!r}, this build reads "
-                           f"{POSITION_VERSION}: the resumed epoch starts from its beginning")
+            rank_zero_warn(
+                f"the checkpoint's data position has version {state.get('version')!r}, this build reads "
+                f"{POSITION_VERSION}: the resumed epoch starts from its beginning"
+            )
             return
         if (state["dataset_size"], state["seed"]) != (len(sampler.dataset), sampler.seed):
-            rank_zero_warn(f"the training data changed since the checkpoint ({state['dataset_size']} samples, seed "
-                           f"{state['seed']} -> {len(sampler.dataset)} samples, seed {sampler.seed}): epoch "
-                           f"{state['epoch']} resumes at position {state['offset']} of the new order, which does not "
-                           f"skip exactly the samples already trained on")
+            rank_zero_warn(
+                f"the training data changed since the checkpoint ({state['dataset_size']} samples, seed "
+                f"{state['seed']} -> {len(sampler.dataset)} samples, seed {sampler.seed}): epoch "
+                f"{state['epoch']} resumes at position {state['offset']} of the new order, which does not "
+                f"skip exactly the samples already trained on"
+            )
         elif state["batch_size"] * state["num_replicas"] != self.batch_size * sampler.num_replicas:
-            rank_zero_warn(f"the global batch changed since the checkpoint ({state['batch_size']} x "
-                           f"{state['num_replicas']} ranks -> {self.batch_size} x {sampler.num_replicas}): epoch "
-                           f"{state['epoch']} resumes after the {state['offset']} samples already trained on, "
-                           f"but its remaining batches no longer match the trainer's batch count")
+            rank_zero_warn(
+                f"the global batch changed since the checkpoint ({state['batch_size']} x "
+                f"{state['num_replicas']} ranks -> {self.batch_size} x {sampler.num_replicas}): epoch "
+                f"{state['epoch']} resumes after the {state['offset']} samples already trained on, "
+                f"but its remaining batches no longer match the trainer's batch count"
+            )
         sampler.resume_at(state["epoch"], state["offset"])

