@@ -108,12 +108,18 @@ class StageCache:
                                f"as a single decoded token")
         self.reserve(position + 1)
         for i in self.linear_layers:
-            conv, recurrent = self.states(i)
-            if i not in self._ring:  # once per model: the states' shapes never change
-                self._ring[i] = (conv.new_empty((self.window, *conv.shape)), recurrent.new_empty((self.window, *recurrent.shape)))
-            conv_ring, recurrent_ring = self._ring[i]
-            conv_ring[position % self.window].copy_(conv)
-            recurrent_ring[position % self.window].copy_(recurrent)
+            self.snapshot_layer(i, position)
+
+    def snapshot_layer(self, i: int, position: int) -> None:
+        """Keep linear-attention layer `i`'s states as they are before it runs the token at `position`, so
+        that `rollback(position)` restores them. A caller that runs a block layer by layer (the chain
+        verify forward) calls it per layer and token; `before_token` calls it for every layer."""
+        conv, recurrent = self.states(i)
+        if i not in self._ring:  # once per model: the states' shapes never change
+            self._ring[i] = (conv.new_empty((self.window, *conv.shape)), recurrent.new_empty((self.window, *recurrent.shape)))
+        conv_ring, recurrent_ring = self._ring[i]
+        conv_ring[position % self.window].copy_(conv)
+        recurrent_ring[position % self.window].copy_(recurrent)
 
     def advance(self, count: int) -> None:
         self.length += count

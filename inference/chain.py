@@ -137,8 +137,9 @@ def chain_decode(target: ChainTarget, drafter: ChainDrafter, prompt_ids: Sequenc
     generator.manual_seed(stream_seeds(seed)[0])  # the stream of AR's first token: same first token per seed
     P = len(prompt_ids)
     t0 = time.perf_counter()
-    target.reset()
-    drafter.start(P + max_new_tokens + k + 1)
+    capacity = P + max_new_tokens + k + 1  # a bound on the positions either cache ever holds
+    target.reset(capacity)
+    drafter.start(capacity)
     prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
     logits, features = target.forward(prompt, 0)
     tokens = [sample_token(logits[-1], sampling, generator)]

@@ -4,16 +4,17 @@
 norm, LM head) over a block of tokens at `start..start+S-1` on top of its cache and returns the logits of
 every position plus the EAGLE-3 feature states (`hidden_states[l]` for the drafter's feature layers).
 
-- Prefill (`start == 0`): one plain causal forward, exactly the path of `Stage.forward` (and of AR).
-- Verify (`start > 0`, the last committed token plus k drafts): attention layers run all S tokens at once
-  under an explicit causal mask over `[cache | block]`; linear-attention (Gated DeltaNet) layers step
-  through the block one token at a time, snapshotting their conv and recurrent states before each token
-  into the ring of `VerifyCache` (the per-token states SGLang's verify kernel keeps). `rollback(keep)` then
-  crops the attention KV and restores the linear states of position `keep`: the cache holds exactly the
-  accepted positions, as if the rejected drafts had never been run.
+The cache is an inference/cache.py `StageCache` over every layer: static storage written in place, so
+every forward passes attention layers the additive mask of `Stage._attention_mask`, over the storage's
+whole capacity (causal, the unwritten tail hidden).
 
-The rollback itself is inference/cache.py `StageCache.rollback`; `VerifyCache` only adds per-layer
-snapshots, because one verify forward advances layer after layer, not token after token.
+- Prefill (`start == 0`): one causal forward, exactly the path of `Stage.forward` (and of AR).
+- Verify (`start > 0`, the last committed token plus k drafts): attention layers run all S tokens at once;
+  linear-attention (Gated DeltaNet) layers step through the block one token at a time, each token's conv
+  and recurrent states snapshotted first with `StageCache.snapshot_layer` (the per-token states SGLang's
+  verify kernel keeps). `rollback(keep)` is `StageCache.rollback`: it moves the attention length back
+  (the next forward overwrites the rejected slots) and restores the linear states of position `keep`, so
+  the cache holds exactly the accepted positions, as if the rejected drafts had never been run.
 """
 from __future__ import annotations
 
@@ -25,20 +26,6 @@ from spd_lightning.target import Target
 
 from .cache import StageCache
 from .stages import TargetPieces, load_pieces
-
-
-class VerifyCache(StageCache):
-    """A `StageCache` over every target layer whose linear-attention states are snapshotted per layer."""
-
-    def snapshot(self, layer: int, position: int) -> None:
-        """Keep layer `layer`'s conv and recurrent states as they are before it runs `position`."""
-        conv, recurrent = self._states(layer)
-        if layer not in self._ring:
-            self._ring[layer] = (conv.new_empty((self.window, *conv.shape)),
-                                 recurrent.new_empty((self.window, *recurrent.shape)))
-        conv_ring, recurrent_ring = self._ring[layer]
-        conv_ring[position % self.window].copy_(conv)
-        recurrent_ring[position % self.window].copy_(recurrent)
 
 
 class ChainTarget:
@@ -54,7 +41,7 @@ class ChainTarget:
         self.feature_layers = [int(b) for b in feature_layers]
         if any(not 0 <= b <= L for b in self.feature_layers):
             raise ValueError(f"feature layers {self.feature_layers} are outside 0..L={L}")
-        self.cache = VerifyCache(pieces.config, range(L), window=max_block + 1)
+        self.cache = StageCache(pieces.config, range(L), window=max_block + 1)
         self.linear = set(self.cache.linear_layers)
 
     @classmethod
@@ -76,20 +63,20 @@ class ChainTarget:
     def vocab_size(self) -> int:
         return self.lm_head.weight.shape[0]
 
-    def reset(self) -> None:
-        self.cache.reset()
+    def reset(self, capacity: int = 0) -> None:
+        """Forget everything before a prompt of at most `capacity` positions (0: grow when needed)."""
+        self.cache.reset(capacity)
 
     def rollback(self, keep: int) -> None:
         """Keep positions `< keep` (the accepted ones), discard the rest."""
         self.cache.rollback(keep)
 
-    def _mask(self, start: int, S: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """Additive causal mask of a block after `start` cached positions (None where `is_causal` is exact)."""
-        if start == 0 or S == 1:
-            return None
-        keys = torch.arange(start + S, device=self.device)
-        visible = keys[None, :] <= (start + torch.arange(S, device=self.device))[:, None]
-        return torch.zeros(S, start + S, dtype=dtype, device=self.device).masked_fill(~visible, torch.finfo(dtype).min)[None, None]
+    def _mask(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Additive [1, 1, S, capacity] mask over the static key storage: causal, and the unwritten tail hidden
+        (stale keys of rejected drafts included)."""
+        keys = torch.arange(self.cache.capacity, device=positions.device)
+        allowed = keys[None, None, None, :] <= positions[:, None, :, None]
+        return torch.zeros(allowed.shape, dtype=dtype, device=positions.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,10 +84,11 @@ class ChainTarget:
         S = tokens.shape[1]
         if start != self.cache.length:
             raise RuntimeError(f"the target cache holds {self.cache.length} positions but is asked to run position {start}")
+        self.cache.reserve(start + S)  # before the mask: a regrow changes the capacity
         x = self.embed_tokens(tokens.to(self.device))
         positions = torch.arange(start, start + S, device=self.device)[None]
         position_embeddings = self.rotary_emb(x, positions)
-        mask = self._mask(start, S, x.dtype)
+        mask = self._mask(positions, x.dtype)
         step = start > 0  # a prefill is never rolled back: no snapshots, one chunked pass per layer
         wanted = set(self.feature_layers)
         captured = {0: x} if 0 in wanted else {}
@@ -122,7 +110,7 @@ class ChainTarget:
 
     def _linear_token(self, layer, index: int, x: torch.Tensor, position: int, position_embeddings, positions,
                       j: int) -> torch.Tensor:
-        self.cache.snapshot(index, position)
+        self.cache.snapshot_layer(index, position)
         cos, sin = position_embeddings
         return layer(x, position_embeddings=(cos[:, j:j + 1], sin[:, j:j + 1]), attention_mask=None,
                      position_ids=positions[:, j:j + 1], cache=self.cache.hf, use_cache=True)

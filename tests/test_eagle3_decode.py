@@ -132,12 +132,12 @@ def test_eos_stops_like_ar(family):
 
 # -- the verify forward's rollback -------------------------------------------------------------------
 def cache_state(chain_target: ChainTarget) -> list[torch.Tensor]:
-    tensors = []
-    for i, layer in enumerate(chain_target.cache.hf.layers):
-        if i in chain_target.linear:
-            tensors += [layer.conv_states[0].clone(), layer.recurrent_states[0].clone()]
-        else:
-            tensors += [layer.keys.clone(), layer.values.clone()]
+    """The state the cache holds: linear states, and attention keys/values of the positions held (the
+    static storage's tail past them is stale, masked, and overwritten by the next forward)."""
+    cache, tensors = chain_target.cache, []
+    for i in range(chain_target.num_layers):
+        read = cache.states if i in chain_target.linear else cache.keys_values
+        tensors += [t.clone() for t in read(i)]
     return tensors
 
 
