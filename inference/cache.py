@@ -20,6 +20,7 @@ snapshot, and position 0 is always a prefill (of one token or more).
 A rejection discards every position from `rollback_to` on, and the cache must then equal, bit for bit
 over the positions it holds, the cache of a run that never saw them.
 """
+
 from __future__ import annotations
 
 import torch
@@ -57,8 +58,10 @@ class StageCache:
         for i in self.layer_indices:
             layer = self.hf.layers[i]
             if type(layer) not in (StaticLayer, LinearAttentionLayer):
-                raise CacheError(f"target layer {i} uses a {type(layer).__name__} cache: the pipeline decoder supports "
-                                 f"full attention and linear attention (Gated DeltaNet) layers only")
+                raise CacheError(
+                    f"target layer {i} uses a {type(layer).__name__} cache: the pipeline decoder supports "
+                    f"full attention and linear attention (Gated DeltaNet) layers only"
+                )
 
     def reset(self, capacity: int = 0) -> None:
         """Forget everything (a new prompt of at most `capacity` positions); the next forward is a prefill.
@@ -85,8 +88,8 @@ class StageCache:
             old, new = self.hf.layers[i], StaticLayer(max_cache_len=capacity)
             if old.is_initialized:
                 new.lazy_initialization(old.keys, old.values)
-                new.keys[:, :, :self.length] = old.keys[:, :, :self.length]
-                new.values[:, :, :self.length] = old.values[:, :, :self.length]
+                new.keys[:, :, : self.length] = old.keys[:, :, : self.length]
+                new.values[:, :, : self.length] = old.values[:, :, : self.length]
                 new.cumulative_length.fill_(self.length)
             self.hf.layers[i] = new
         self.capacity = capacity
@@ -94,7 +97,7 @@ class StageCache:
     def keys_values(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention layer `i`'s keys and values of the positions held."""
         layer = self.hf.layers[i]
-        return layer.keys[:, :, :self.length], layer.values[:, :, :self.length]
+        return layer.keys[:, :, : self.length], layer.values[:, :, : self.length]
 
     def states(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Linear-attention layer `i`'s conv and recurrent states."""
@@ -104,8 +107,10 @@ class StageCache:
     def before_token(self, position: int) -> None:
         """Called before the stage runs the single token at `position` (== `length` > 0, after a prefill)."""
         if position != self.length or position == 0:
-            raise RuntimeError(f"stage cache holds {self.length} positions but is asked to run position {position} "
-                               f"as a single decoded token")
+            raise RuntimeError(
+                f"stage cache holds {self.length} positions but is asked to run position {position} "
+                f"as a single decoded token"
+            )
         self.reserve(position + 1)
         for i in self.linear_layers:
             self.snapshot_layer(i, position)
@@ -116,7 +121,10 @@ class StageCache:
         verify forward) calls it per layer and token; `before_token` calls it for every layer."""
         conv, recurrent = self.states(i)
         if i not in self._ring:  # once per model: the states' shapes never change
-            self._ring[i] = (conv.new_empty((self.window, *conv.shape)), recurrent.new_empty((self.window, *recurrent.shape)))
+            self._ring[i] = (
+                conv.new_empty((self.window, *conv.shape)),
+                recurrent.new_empty((self.window, *recurrent.shape)),
+            )
         conv_ring, recurrent_ring = self._ring[i]
         conv_ring[position % self.window].copy_(conv)
         recurrent_ring[position % self.window].copy_(recurrent)

@@ -17,11 +17,13 @@ Counting (SPEC 6): `N` generated tokens (the prefill's included), `K` target for
 `tau` per forward, and the theoretical speedup `S = mean(tau) / (1 + k r)` with `r` the measured cost of
 one draft step over one verify forward.
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 
@@ -92,15 +94,29 @@ class ChainResult:
         return (self.N - 1) / self.decode_s if self.decode_s > 0 and self.N > 1 else None
 
     def to_dict(self) -> dict:
-        return {"mode": "eagle3", "k": self.k, "prompt_len": self.prompt_len, "tokens": self.tokens, "N": self.N,
-                "K": self.K, "tau": self.tau, "accept_lengths": self.accept_lengths, "r": self.r,
-                "theoretical_speedup": self.theoretical_speedup, "stop_reason": self.stop_reason,
-                "prefill_s": self.prefill_s, "draft_s": self.draft_s, "verify_s": self.verify_s,
-                "decode_s": self.decode_s, "decode_tokens_per_s": self.decode_tokens_per_s}
+        return {
+            "mode": "eagle3",
+            "k": self.k,
+            "prompt_len": self.prompt_len,
+            "tokens": self.tokens,
+            "N": self.N,
+            "K": self.K,
+            "tau": self.tau,
+            "accept_lengths": self.accept_lengths,
+            "r": self.r,
+            "theoretical_speedup": self.theoretical_speedup,
+            "stop_reason": self.stop_reason,
+            "prefill_s": self.prefill_s,
+            "draft_s": self.draft_s,
+            "verify_s": self.verify_s,
+            "decode_s": self.decode_s,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+        }
 
 
-def judge_chain(logits: torch.Tensor, draft: Draft, sampling: Sampling, d2t: torch.Tensor | None,
-                generator: torch.Generator | None) -> list[int]:
+def judge_chain(
+    logits: torch.Tensor, draft: Draft, sampling: Sampling, d2t: torch.Tensor | None, generator: torch.Generator | None
+) -> list[int]:
     """The tokens one verify forward yields: the accepted drafts, then the correction or the bonus token.
     `logits[k+1, V]` are the target's at `[x_t, d_1..d_k]`; `d2t` maps `draft.q` into the target vocabulary."""
     out = []
@@ -124,9 +140,17 @@ def _timed(fn, *args):
 
 
 @torch.no_grad()
-def chain_decode(target: ChainTarget, drafter: ChainDrafter, prompt_ids: Sequence[int], max_new_tokens: int, k: int,
-                 sampling: Sampling = Sampling(), eos_token_id: int | Sequence[int] | None = None, seed: int = 0,
-                 d2t: torch.Tensor | None = None) -> ChainResult:
+def chain_decode(
+    target: ChainTarget,
+    drafter: ChainDrafter,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    k: int,
+    sampling: Sampling = Sampling(),
+    eos_token_id: int | Sequence[int] | None = None,
+    seed: int = 0,
+    d2t: torch.Tensor | None = None,
+) -> ChainResult:
     """Decode one prompt; `d2t` (the drafter's) is needed under sampling only."""
     if max_new_tokens < 1 or k < 0 or not prompt_ids:
         raise ValueError(f"need max_new_tokens >= 1 (got {max_new_tokens}), k >= 0 (got {k}) and a non-empty prompt")
@@ -156,7 +180,7 @@ def chain_decode(target: ChainTarget, drafter: ChainDrafter, prompt_ids: Sequenc
         new = judge_chain(logits, draft, sampling, d2t, generator)
         target.rollback(start + len(new))  # keeps x_t and the accepted drafts
         t_commit = time.perf_counter()
-        drafter.commit(features[:len(new)], torch.tensor(block[0, 1:len(new)].tolist() + [new[-1]]))
+        drafter.commit(features[: len(new)], torch.tensor(block[0, 1 : len(new)].tolist() + [new[-1]]))
         result.draft_s += time.perf_counter() - t_commit
         result.verify_s += dt
         result.accept_lengths.append(len(new))
@@ -179,14 +203,29 @@ class ChainDecoder:
     sampling: Sampling
 
     @classmethod
-    def load(cls, target_path: str, drafter_path: str, k: int, sampling: Sampling = Sampling(), dtype="float32",
-             device="cpu") -> "ChainDecoder":
+    def load(
+        cls, target_path: str, drafter_path: str, k: int, sampling: Sampling = Sampling(), dtype="float32", device="cpu"
+    ) -> ChainDecoder:
         drafter, spec = load_eagle3(drafter_path, device)
         spec.check_target(meta_target(target_path).info)  # one line on a mismatch, before loading any weight
         target = ChainTarget.load(target_path, spec.drafter.feature_layers, k + 1, dtype, device)
         return cls(target, Eagle3Runtime(drafter, target.embed_tokens, sampling), spec, k, sampling)
 
-    def decode(self, prompt_ids: Sequence[int], max_new_tokens: int, eos_token_id: int | Sequence[int] | None = None,
-               seed: int = 0) -> ChainResult:
-        return chain_decode(self.target, self.runtime, prompt_ids, max_new_tokens, self.k, self.sampling, eos_token_id,
-                            seed, self.runtime.drafter.d2t)
+    def decode(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        eos_token_id: int | Sequence[int] | None = None,
+        seed: int = 0,
+    ) -> ChainResult:
+        return chain_decode(
+            self.target,
+            self.runtime,
+            prompt_ids,
+            max_new_tokens,
+            self.k,
+            self.sampling,
+            eos_token_id,
+            seed,
+            self.runtime.drafter.d2t,
+        )

@@ -16,9 +16,10 @@ whole capacity (causal, the unwritten tail hidden).
   (the next forward overwrites the rejected slots) and restores the linear states of position `keep`, so
   the cache holds exactly the accepted positions, as if the rejected drafts had never been run.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -45,11 +46,13 @@ class ChainTarget:
         self.linear = set(self.cache.linear_layers)
 
     @classmethod
-    def from_target(cls, target: Target, feature_layers: Sequence[int], max_block: int) -> "ChainTarget":
+    def from_target(cls, target: Target, feature_layers: Sequence[int], max_block: int) -> ChainTarget:
         return cls(TargetPieces.from_target(target, range(target.num_layers), True, True), feature_layers, max_block)
 
     @classmethod
-    def load(cls, path: str, feature_layers: Sequence[int], max_block: int, dtype="float32", device="cpu") -> "ChainTarget":
+    def load(
+        cls, path: str, feature_layers: Sequence[int], max_block: int, dtype="float32", device="cpu"
+    ) -> ChainTarget:
         from .stages import meta_target
 
         num_layers = meta_target(path).num_layers
@@ -76,14 +79,18 @@ class ChainTarget:
         (stale keys of rejected drafts included)."""
         keys = torch.arange(self.cache.capacity, device=positions.device)
         allowed = keys[None, None, None, :] <= positions[:, None, :, None]
-        return torch.zeros(allowed.shape, dtype=dtype, device=positions.device).masked_fill(~allowed, torch.finfo(dtype).min)
+        return torch.zeros(allowed.shape, dtype=dtype, device=positions.device).masked_fill(
+            ~allowed, torch.finfo(dtype).min
+        )
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Run `tokens[1, S]` at positions `start..`; returns logits `[S, V]` and features `[S, 3, H]`."""
         S = tokens.shape[1]
         if start != self.cache.length:
-            raise RuntimeError(f"the target cache holds {self.cache.length} positions but is asked to run position {start}")
+            raise RuntimeError(
+                f"the target cache holds {self.cache.length} positions but is asked to run position {start}"
+            )
         self.cache.reserve(start + S)  # before the mask: a regrow changes the capacity
         x = self.embed_tokens(tokens.to(self.device))
         positions = torch.arange(start, start + S, device=self.device)[None]
@@ -94,12 +101,23 @@ class ChainTarget:
         captured = {0: x} if 0 in wanted else {}
         for i, layer in enumerate(self.layers):
             if i in self.linear and step:
-                x = torch.cat([self._linear_token(layer, i, x[:, j:j + 1], start + j, position_embeddings, positions, j)
-                               for j in range(S)], dim=1)
+                x = torch.cat(
+                    [
+                        self._linear_token(layer, i, x[:, j : j + 1], start + j, position_embeddings, positions, j)
+                        for j in range(S)
+                    ],
+                    dim=1,
+                )
             else:
                 # Gated DeltaNet reads attention_mask as a padding mask: only attention layers get the causal one.
-                x = layer(x, position_embeddings=position_embeddings, attention_mask=None if i in self.linear else mask,
-                          position_ids=positions, cache=self.cache.hf, use_cache=True)
+                x = layer(
+                    x,
+                    position_embeddings=position_embeddings,
+                    attention_mask=None if i in self.linear else mask,
+                    position_ids=positions,
+                    cache=self.cache.hf,
+                    use_cache=True,
+                )
             if i + 1 in wanted:
                 captured[i + 1] = x
         normed = self.norm(x)
@@ -108,9 +126,16 @@ class ChainTarget:
         features = torch.stack([captured[b][0] for b in self.feature_layers], dim=1)
         return self.lm_head(normed)[0], features
 
-    def _linear_token(self, layer, index: int, x: torch.Tensor, position: int, position_embeddings, positions,
-                      j: int) -> torch.Tensor:
+    def _linear_token(
+        self, layer, index: int, x: torch.Tensor, position: int, position_embeddings, positions, j: int
+    ) -> torch.Tensor:
         self.cache.snapshot_layer(index, position)
         cos, sin = position_embeddings
-        return layer(x, position_embeddings=(cos[:, j:j + 1], sin[:, j:j + 1]), attention_mask=None,
-                     position_ids=positions[:, j:j + 1], cache=self.cache.hf, use_cache=True)
+        return layer(
+            x,
+            position_embeddings=(cos[:, j : j + 1], sin[:, j : j + 1]),
+            attention_mask=None,
+            position_ids=positions[:, j : j + 1],
+            cache=self.cache.hf,
+            use_cache=True,
+        )

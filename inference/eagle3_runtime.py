@@ -9,6 +9,7 @@ chain's keys are temporary (dropped before the next commit overwrites those posi
 the attention of training-time test (spd_lightning/eagle3_ttt.py): committed rows `<= p`, then the
 chain's own positions.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,8 +33,10 @@ class Draft:
 class Eagle3Runtime:
     def __init__(self, drafter: Eagle3Drafter, embed_tokens: nn.Module, sampling: Sampling):
         if drafter.cfg.hidden_size != embed_tokens.weight.shape[1]:
-            raise ValueError(f"the drafter has width {drafter.cfg.hidden_size} but the target embedding has width "
-                             f"{embed_tokens.weight.shape[1]}: load the drafter's own target")
+            raise ValueError(
+                f"the drafter has width {drafter.cfg.hidden_size} but the target embedding has width "
+                f"{embed_tokens.weight.shape[1]}: load the drafter's own target"
+            )
         self.drafter, self.embed_tokens, self.sampling = drafter.eval(), embed_tokens, sampling
         p = next(drafter.parameters())
         self.device, self.dtype = p.device, p.dtype

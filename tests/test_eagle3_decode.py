@@ -1,23 +1,24 @@
 """Chain speculative decoding with the EAGLE-3 drafter: lossless greedy (== AR) for Qwen3 and Qwen3.5 with a
 drafter that is often accepted, one that never is and an oracle (closed form), exact rollback of the verify
 forward, TTT == inference drafting, the sampled output distribution, and the speedup formula."""
+
 import functools
 import math
 
 import numpy as np
 import pytest
 import torch
-
 from conftest import make_tiny_model
-from spd_lightning.eagle3 import Eagle3Config, Eagle3Drafter, eagle_feature_layers
-from spd_lightning.eagle3_ttt import ttt_outputs, ttt_step_losses, ttt_total
-from spd_lightning.target import Target
+from test_inference_support import one_thread  # noqa: F401 - one_thread is an autouse fixture
+
 from inference.ar import ar_decode
 from inference.chain import ChainResult, chain_decode
 from inference.chain_target import ChainTarget
 from inference.eagle3_runtime import Draft, Eagle3Runtime
 from inference.verify import Sampling
-from test_inference_support import one_thread  # noqa: F401 - one_thread is an autouse fixture
+from spd_lightning.eagle3 import Eagle3Config, Eagle3Drafter, eagle_feature_layers
+from spd_lightning.eagle3_ttt import ttt_outputs, ttt_step_losses, ttt_total
+from spd_lightning.target import Target
 
 PROMPTS = [[3, 14, 15, 92, 65, 35], [7, 7, 8], [50, 2, 33, 71]]
 NEW = 40
@@ -25,8 +26,9 @@ NEW = 40
 
 def drafter_for(target: Target, d2t: torch.Tensor, layers, seed: int = 0) -> Eagle3Drafter:
     torch.manual_seed(seed)
-    cfg = Eagle3Config(target.hidden_size, len(d2t), layers, num_heads=4, num_kv_heads=2, head_dim=8,
-                       intermediate_size=64)
+    cfg = Eagle3Config(
+        target.hidden_size, len(d2t), layers, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64
+    )
     return Eagle3Drafter(cfg, d2t)
 
 
@@ -34,7 +36,7 @@ def right_padded(seqs):
     ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
     mask = torch.zeros_like(ids)
     for b, s in enumerate(seqs):
-        ids[b, :len(s)], mask[b, :len(s)] = torch.tensor(s), 1
+        ids[b, : len(s)], mask[b, : len(s)] = torch.tensor(s), 1
     return ids, mask
 
 
@@ -68,11 +70,13 @@ def family(request, one_thread):
     return build_family(request.param)
 
 
-
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_chain_with_a_trained_drafter_is_ar(family, k):
     target, references, layers, trained = family
-    chain_target, runtime = ChainTarget.from_target(target, layers, k + 1), Eagle3Runtime(trained, target.embed_tokens, Sampling())
+    chain_target, runtime = (
+        ChainTarget.from_target(target, layers, k + 1),
+        Eagle3Runtime(trained, target.embed_tokens, Sampling()),
+    )
     results = [chain_decode(chain_target, runtime, p, NEW, k) for p in PROMPTS]
     for result, reference in zip(results, references):
         assert result.tokens == reference
@@ -85,7 +89,10 @@ def test_greedy_chain_with_a_never_accepted_drafter_is_ar(family, k):
     target, references, layers, _ = family
     unused = next(t for t in range(target.vocab_size) if all(t not in r for r in references))
     drafter = drafter_for(target, torch.tensor([unused]), layers)  # proposes only a token AR never emits
-    chain_target, runtime = ChainTarget.from_target(target, layers, k + 1), Eagle3Runtime(drafter, target.embed_tokens, Sampling())
+    chain_target, runtime = (
+        ChainTarget.from_target(target, layers, k + 1),
+        Eagle3Runtime(drafter, target.embed_tokens, Sampling()),
+    )
     for prompt, reference in zip(PROMPTS, references):
         result = chain_decode(chain_target, runtime, prompt, NEW, k)
         assert result.tokens == reference
@@ -107,7 +114,7 @@ class OracleDrafter:
 
     def draft(self, k: int, generator) -> Draft:
         index = self.committed + 1 - self.prompt_len  # the newest committed row drafts reference[index]
-        return Draft(self.reference[index:index + k], None, torch.zeros(k, 1))
+        return Draft(self.reference[index : index + k], None, torch.zeros(k, 1))
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
@@ -125,8 +132,14 @@ def test_eos_stops_like_ar(family):
     target, references, layers, trained = family
     eos = references[0][NEW // 2]
     expected = ar_decode(target, PROMPTS[0], NEW, eos_token_id=eos)
-    result = chain_decode(ChainTarget.from_target(target, layers, 4), Eagle3Runtime(trained, target.embed_tokens, Sampling()),
-                          PROMPTS[0], NEW, 3, eos_token_id=eos)
+    result = chain_decode(
+        ChainTarget.from_target(target, layers, 4),
+        Eagle3Runtime(trained, target.embed_tokens, Sampling()),
+        PROMPTS[0],
+        NEW,
+        3,
+        eos_token_id=eos,
+    )
     assert result.tokens == expected.tokens and result.stop_reason == "eos" == expected.stop_reason
 
 
@@ -179,7 +192,7 @@ def test_rejected_drafts_leave_no_trace(tiny_target, accepted):
     chain_target.reset()
     chain_target.forward(PROMPT, 0)
     for j in range(accepted):
-        chain_target.forward(BLOCK[:, j:j + 1], start + j)
+        chain_target.forward(BLOCK[:, j : j + 1], start + j)
     for got, want in zip(runs[0][0], cache_state(chain_target)):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -193,18 +206,19 @@ def test_ttt_steps_are_what_chain_drafting_computes(family):
     features, _ = target.anchor_states(ids, mask, layers)
     runtime = Eagle3Runtime(trained, target.embed_tokens, Sampling())
     runtime.start(64)
-    runtime.commit(features[0, :p + 1], ids[0, 1:p + 2])  # rows 0..p
+    runtime.commit(features[0, : p + 1], ids[0, 1 : p + 2])  # rows 0..p
     draft = runtime.draft(k)
-    forced = torch.tensor([sequence[:p + 2] + draft.tokens + [0] * 4])
+    forced = torch.tensor([sequence[: p + 2] + draft.tokens + [0] * 4])
     with torch.no_grad():
-        outs = ttt_outputs(trained, features[:, :forced.shape[1]], forced, target.embed_tokens, k)
+        outs = ttt_outputs(trained, features[:, : forced.shape[1]], forced, target.embed_tokens, k)
         for j in range(k):
             torch.testing.assert_close(trained.logits(outs[j][0, p]), draft.logits[j], atol=1e-4, rtol=1e-4)
 
 
 # -- sampling ---------------------------------------------------------------------------------------
 def test_sampled_chain_follows_the_target_distribution():
-    from test_inference_sampling import PROMPT as SPROMPT, SAMPLING, V, exact_distributions, merged_chisquare
+    from test_inference_sampling import PROMPT as SPROMPT
+    from test_inference_sampling import SAMPLING, V, exact_distributions, merged_chisquare
 
     model = make_tiny_model("qwen3", num_layers=2, vocab_size=V)
     with torch.no_grad():
@@ -214,9 +228,14 @@ def test_sampled_chain_follows_the_target_distribution():
     drafter = drafter_for(target, torch.tensor([0, 2, 3, 5, 6]), layers)
     with torch.no_grad():
         drafter.lm_head.weight.mul_(3.0)  # a draft distribution that clearly differs from the target's
-    chain_target, runtime = ChainTarget.from_target(target, layers, 3), Eagle3Runtime(drafter, target.embed_tokens, SAMPLING)
+    chain_target, runtime = (
+        ChainTarget.from_target(target, layers, 3),
+        Eagle3Runtime(drafter, target.embed_tokens, SAMPLING),
+    )
     runs = 800
-    results = [chain_decode(chain_target, runtime, SPROMPT, 4, 2, SAMPLING, seed=s, d2t=drafter.d2t) for s in range(runs)]
+    results = [
+        chain_decode(chain_target, runtime, SPROMPT, 4, 2, SAMPLING, seed=s, d2t=drafter.d2t) for s in range(runs)
+    ]
     taus = [r.accept_lengths[0] for r in results]
     assert min(taus) == 1 and max(taus) == 3 and taus.count(2) > 0  # reject first, reject second, accept both
     outputs = np.array([r.tokens[:3] for r in results])
@@ -252,13 +271,13 @@ def greedy_without_cache(target: Target, prompt, new: int) -> list[int]:
     with torch.no_grad():
         for _ in range(new):
             ids.append(int(target.model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def test_decoder_from_exported_files_is_ar(family, tmp_path):
+    from inference.chain import ChainDecoder
     from spd_lightning.eagle3_export import Eagle3Spec, save_eagle3
     from spd_lightning.export import DrafterLoadError
-    from inference.chain import ChainDecoder
 
     target, references, layers, trained = family
     target.model.save_pretrained(str(tmp_path / "target"))
