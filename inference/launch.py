@@ -23,10 +23,12 @@ the head at the ends), the PDM rank the drafter and the target's embedding table
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
 import select
+import signal
 import sys
 import tempfile
 import threading
@@ -299,7 +301,11 @@ def launch(
     method = start_method(job)
     inbox = Inbox(mp.get_context(method).Queue(), on_result, on_start, on_tokens)
     try:
-        with tempfile.TemporaryDirectory(prefix="spd_launch_") as logs, _quiet_agent(job.debug):
+        with (
+            tempfile.TemporaryDirectory(prefix="spd_launch_") as logs,
+            _quiet_agent(job.debug),
+            _callers_signal_handlers(),
+        ):
             elastic_launch(_agent_config(job, method, logs), _rank_main)(job, inbox.messages, os.getpid(), requests)
     except ChildFailedError as e:
         inbox.close()
@@ -315,6 +321,23 @@ def launch(
     if missing:
         raise LaunchError(f"every rank exited cleanly but prompts {missing} produced no result", inbox.pid_list())
     return [inbox.results[i] for i in range(len(job.prompts))]
+
+
+@contextlib.contextmanager
+def _callers_signal_handlers():
+    """The elastic agent installs SIGTERM/SIGINT/SIGHUP/SIGQUIT handlers that raise its `SignalException`, and
+    leaves them in place: the caller (a server, a training job's callback, a test) would then die on a later
+    SIGTERM with the agent's exception instead of its own handling. Restore the caller's handlers."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread can set handlers
+        yield
+        return
+    names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    saved = {sig: signal.getsignal(sig) for sig in (getattr(signal, n) for n in names if hasattr(signal, n))}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 def _check_devices(job: DecodeJob) -> None:

@@ -65,6 +65,24 @@ def test_gloo_greedy_is_lossless_and_equals_the_simulator(targets, tmp_path, arc
         assert result.timing["totals"]["draft_s"] > 0 and result.timing["totals"]["comm_s"] > 0
 
 
+def test_a_launch_leaves_the_callers_signal_handlers_alone(targets):
+    """torch's elastic agent installs its own SIGTERM handler; after a launch the caller's is back, so a server or
+    a training run that called the decoder still handles SIGTERM its own way."""
+    import signal
+
+    path, target = targets["qwen3"]
+    geometry = Geometry.build(target.num_layers, 2)
+    references = [ar_decode(target, p, 4).tokens for p in PROMPTS]
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        launch(job_for(path, target, geometry, replay=("oracle", references), max_new_tokens=4))
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert seen == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_gloo_closed_forms(targets):
     path, target = targets["qwen3_5"]
     n = 3

@@ -39,6 +39,16 @@ def rss_bytes() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
+def storage_of(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """(address, bytes) of a tensor's storage; None for the wrappers that other tests' tracing (vmap, compile)
+    can leave alive, which have no storage of their own."""
+    try:
+        storage = tensor.untyped_storage()
+    except (NotImplementedError, RuntimeError):
+        return None
+    return storage.data_ptr(), storage.nbytes()
+
+
 @dataclass
 class Footprint:
     objects: int
@@ -54,7 +64,7 @@ class Footprint:
         objects = gc.get_objects()
         # Plain tensors only: tracing elsewhere in the session can leave fake tensors that have no storage.
         tensors = [o for o in objects if type(o) in (torch.Tensor, torch.nn.Parameter)]
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        storages = dict(filter(None, map(storage_of, tensors)))
         return cls(len(objects), len(tensors), sum(storages.values()), rss_bytes())
 
 
