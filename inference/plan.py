@@ -185,7 +185,7 @@ def target_shape(name_or_path: str) -> tuple[int, int]:
     return int(cfg.num_hidden_layers), int(cfg.hidden_size)
 
 
-def cost_model(args: argparse.Namespace) -> CostModel:
+def _check_cost_args(args: argparse.Namespace) -> None:
     zero_ok = ("draft_fixed", "overhead", "overhead_layers", "stage_fixed")
     for name in ("t_full", "t_draft", "draft_fixed", "overhead", "overhead_layers", "pdm_hidden", "stage_fixed"):
         _positive(f"--{name.replace('_', '-')}", getattr(args, name), allow_zero=name in zero_ok)
@@ -193,6 +193,12 @@ def cost_model(args: argparse.Namespace) -> CostModel:
         v = getattr(args, name)
         if v is not None and v < 1:
             raise PlanError(f"--{name.replace('_', '-')}={v} must be >= 1")
+
+
+def cost_model(args: argparse.Namespace) -> CostModel:
+    """The cost model of the command line: measured seconds (`--times eval.json` or `--t-full ...`) or, without
+    times, target layers as the unit."""
+    _check_cost_args(args)
     measured = _read_json(args.times) if args.times else {"plan_inputs": {}}
     measured = measured.get("plan_inputs") if isinstance(measured, dict) else None
     if not isinstance(measured, dict):

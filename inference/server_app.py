@@ -86,6 +86,8 @@ class ServerConfig:
 
 
 def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
+    """The OpenAI-compatible app over `engine`: auth, info routes, and the two completion routes."""
+
     @asynccontextmanager
     async def lifespan(_):
         yield
@@ -93,7 +95,25 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="SPD-Lightning", docs_url=None, redoc_url=None, lifespan=lifespan)
     tokenizer = engine.tokenizer
+    _add_errors_and_auth(app, config)
+    _add_info_routes(app, engine, config)
 
+    @app.post("/v1/chat/completions")
+    async def chat(http: HttpRequest):
+        body = await _parse(http, ChatRequest)
+        ids = _render_chat(tokenizer, [m.model_dump() for m in body.messages])
+        return await _complete(engine, config, body, ids, http, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(http: HttpRequest):
+        body = await _parse(http, CompletionRequest)
+        ids = tokenizer(body.prompt)["input_ids"]
+        return await _complete(engine, config, body, ids, http, chat=False)
+
+    return app
+
+
+def _add_errors_and_auth(app: FastAPI, config: ServerConfig) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_, e: ApiError):
         return e.response()
@@ -111,6 +131,8 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
                 )
         return await call_next(request)
 
+
+def _add_info_routes(app: FastAPI, engine: Engine, config: ServerConfig) -> None:
     @app.get("/health")
     async def health():
         ok = engine.backend is not None
@@ -128,20 +150,6 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
             "object": "list",
             "data": [{"id": config.model, "object": "model", "created": 0, "owned_by": "spd-lightning"}],
         }
-
-    @app.post("/v1/chat/completions")
-    async def chat(http: HttpRequest):
-        body = await _parse(http, ChatRequest)
-        ids = _render_chat(tokenizer, [m.model_dump() for m in body.messages])
-        return await _complete(engine, config, body, ids, http, chat=True)
-
-    @app.post("/v1/completions")
-    async def completions(http: HttpRequest):
-        body = await _parse(http, CompletionRequest)
-        ids = tokenizer(body.prompt)["input_ids"]
-        return await _complete(engine, config, body, ids, http, chat=False)
-
-    return app
 
 
 async def _parse(http: HttpRequest, schema: type[_Sampled]) -> _Sampled:

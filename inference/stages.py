@@ -128,29 +128,12 @@ def _normalize(key: str) -> str:
     return key
 
 
-def load_pieces(
-    path: str,
-    layers: range,
-    embed: bool,
-    head: bool,
-    dtype: str | torch.dtype = "float32",
-    device: str | torch.device = "cpu",
-    trust_remote_code: bool = False,
-) -> TargetPieces:
-    """Materialize only the requested pieces of the checkpoint at `path` on `device`."""
+def _copy_tensors(path: str, wanted: dict[str, nn.Module], tied: bool, device) -> None:
+    """Fill the parameters and buffers of `wanted` (checkpoint prefix -> module on the meta device) from the
+    checkpoint's safetensors files, reading only those tensors, straight onto `device`."""
     from safetensors import safe_open
 
-    dtype = resolve_dtype(dtype)
-    path = resolve_target(path)
-    skeleton = meta_target(path, dtype, trust_remote_code)
-    wanted: dict[str, nn.Module] = {f"layers.{i}": skeleton.layers[i] for i in layers}
-    if embed:
-        wanted["embed_tokens"] = skeleton.embed_tokens
-    if head:
-        wanted["norm"] = skeleton.norm
-        wanted["lm_head"] = skeleton.lm_head
     index = _checkpoint_index(path)
-    tied = bool(getattr(skeleton.model.config, "tie_word_embeddings", False))
     by_file: dict[str, list[tuple[str, str, nn.Module]]] = {}
     for prefix, module in wanted.items():
         module.to_empty(device=device)
@@ -171,6 +154,28 @@ def load_pieces(
                     owner_name, _, leaf = name.rpartition(".")
                     owner = module.get_submodule(owner_name) if owner_name else module
                     getattr(owner, leaf).copy_(f.get_tensor(stored))
+
+
+def load_pieces(
+    path: str,
+    layers: range,
+    embed: bool,
+    head: bool,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+) -> TargetPieces:
+    """Materialize only the requested pieces of the checkpoint at `path` on `device`."""
+    dtype = resolve_dtype(dtype)
+    path = resolve_target(path)
+    skeleton = meta_target(path, dtype, trust_remote_code)
+    wanted: dict[str, nn.Module] = {f"layers.{i}": skeleton.layers[i] for i in layers}
+    if embed:
+        wanted["embed_tokens"] = skeleton.embed_tokens
+    if head:
+        wanted["norm"] = skeleton.norm
+        wanted["lm_head"] = skeleton.lm_head
+    _copy_tensors(path, wanted, bool(getattr(skeleton.model.config, "tie_word_embeddings", False)), device)
     config = skeleton.config
     rotary = type(skeleton.rotary_emb)(config=config).to(device)  # non-persistent buffers: rebuilt, not loaded
     return TargetPieces(

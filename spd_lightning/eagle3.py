@@ -20,7 +20,6 @@ are the PDM's (spd_lightning/pdm.py); only the attention input width differs (2H
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 
@@ -28,7 +27,7 @@ import torch
 from torch import nn
 
 from .errors import UserError
-from .pdm import MLP, Attend, Attention, PDMConfig, RMSNorm, causal_attend
+from .pdm import MLP, Attend, Attention, PDMConfig, RMSNorm, causal_attend, draft_to_target, init_linear
 
 NUM_FEATURES = 3
 
@@ -149,16 +148,8 @@ class Eagle3Drafter(nn.Module):
         self.midlayer = Eagle3Layer(cfg)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
-        d2t = torch.arange(cfg.draft_vocab_size) if d2t is None else d2t.to(torch.long)
-        if d2t.shape != (cfg.draft_vocab_size,):
-            raise Eagle3ConfigError(f"d2t has shape {tuple(d2t.shape)} but draft_vocab_size={cfg.draft_vocab_size}")
-        self.register_buffer("d2t", d2t, persistent=True)
-        self.apply(self._init)
-
-    @staticmethod
-    def _init(m: nn.Module):
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, std=1.0 / math.sqrt(m.in_features))
+        self.register_buffer("d2t", draft_to_target(d2t, cfg.draft_vocab_size), persistent=True)
+        self.apply(init_linear)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """`features[..., 3, H]` (low, middle, high target states of a token) -> `h[..., H]`."""

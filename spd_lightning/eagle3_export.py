@@ -20,7 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .eagle3 import Eagle3Config, Eagle3Drafter
-from .export import CKPT_KEY, DrafterLoadError
+from .export import CKPT_KEY, DrafterLoadError, check_same_target
 from .target import TargetInfo
 
 FORMAT_VERSION = 1
@@ -62,18 +62,7 @@ class Eagle3Spec:
 
     def check_target(self, target: TargetInfo) -> None:
         """One line when the loaded target is not the one the drafter was trained against."""
-        mine = self.target
-        for what, want, got in (
-            ("number of layers L", mine.num_layers, target.num_layers),
-            ("hidden size", mine.hidden_size, target.hidden_size),
-            ("vocabulary size", mine.vocab_size, target.vocab_size),
-        ):
-            if want != got:
-                raise DrafterLoadError(
-                    f"drafter/target mismatch: the EAGLE-3 drafter was trained on "
-                    f"{mine.name_or_path!r} with {what} {want}, the loaded target "
-                    f"{target.name_or_path!r} has {got}; pass the matching --target"
-                )
+        check_same_target(self.target, target, "EAGLE-3 drafter")
 
 
 def save_eagle3(drafter: Eagle3Drafter, spec: Eagle3Spec, out_dir: str) -> str:

@@ -21,6 +21,7 @@ from torch import nn
 from .eagle3 import Eagle3Config, Eagle3Drafter, check_feature_layers, eagle_feature_layers
 from .eagle3_export import Eagle3Spec
 from .eagle3_ttt import ttt_outputs, ttt_step_losses, ttt_total
+from .errors import ConfigError
 from .export import CKPT_KEY
 from .target import Target, TargetError, load_hf_config
 
@@ -46,6 +47,28 @@ def adamw_linear_schedule(
 
 
 class Eagle3Module(L.LightningModule):
+    """Trains the EAGLE-3 baseline drafter by training-time test against a frozen target (SPEC 12).
+
+    Args:
+        target: HF name or local directory of the frozen target.
+        target_dtype: dtype the target runs in (bfloat16 on GPU; float32 for CPU runs).
+        trust_remote_code: let transformers run the target repository's own modelling code.
+        feature_layers: `eagle` (`hidden_states[2, L//2, L-3]`) or three HF hidden-state indices.
+        ttt_steps: training-time test length k (EAGLE-3 uses 7).
+        step_weight: step j's KL is weighted `step_weight ** j`.
+        num_heads: the layer's attention heads; null takes the target's.
+        num_kv_heads: the layer's key/value heads; null takes the target's.
+        head_dim: the layer's head dimension; null takes the target's.
+        intermediate_size: the layer's MLP width; null takes the target's.
+        init_head: seed the draft head with the target LM-head rows of the draft vocabulary.
+        teacher_temperature: temperature of the teacher distribution in the KL.
+        lr: AdamW peak learning rate.
+        weight_decay: AdamW weight decay.
+        warmup_steps: linear warmup steps, then linear decay.
+        min_lr_ratio: the final learning rate as a fraction of `lr`.
+        dense_attention: evaluate the TTT mask densely (small CPU runs) instead of the two-part path.
+    """
+
     def __init__(
         self,
         target: str,
@@ -66,24 +89,13 @@ class Eagle3Module(L.LightningModule):
         min_lr_ratio: float = 0.0,
         dense_attention: bool = False,
     ):
-        """Args:
-        target, target_dtype, trust_remote_code: the frozen target, as for SPDModule.
-        feature_layers: `eagle` (`hidden_states[2, L//2, L-3]`) or three HF hidden-state indices.
-        ttt_steps: training-time test length k (EAGLE-3 uses 7).
-        step_weight: step j's KL is weighted `step_weight ** j`.
-        num_heads .. intermediate_size: the layer's shape; `None` takes the target's.
-        init_head: seed the draft head with the target LM-head rows of the draft vocabulary.
-        teacher_temperature: temperature of the teacher distribution in the KL.
-        lr, weight_decay, warmup_steps, min_lr_ratio: AdamW with linear warmup, then linear decay.
-        dense_attention: evaluate the TTT mask densely (small CPU runs) instead of the two-part path.
-        """
         super().__init__()
         self.save_hyperparameters()
         if ttt_steps < 1:
-            raise ValueError(f"ttt_steps={ttt_steps} must be >= 1")
+            raise ConfigError(f"ttt_steps={ttt_steps} must be >= 1")
         for name, value in (("teacher_temperature", teacher_temperature), ("lr", lr), ("step_weight", step_weight)):
             if value <= 0:
-                raise ValueError(f"{name}={value} must be positive")
+                raise ConfigError(f"{name}={value} must be positive")
         config = load_hf_config(target, trust_remote_code)
         self.target_config = getattr(config, "text_config", None) or config
         L_ = self.target_config.num_hidden_layers

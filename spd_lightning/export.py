@@ -28,6 +28,21 @@ CKPT_KEY = "spd_drafter"
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
 
+def check_same_target(trained: TargetInfo, loaded: TargetInfo, kind: str) -> None:
+    """One line when the `loaded` target is not the `trained` one that a drafter of `kind` was trained against."""
+    for field, want, got in (
+        ("number of layers L", trained.num_layers, loaded.num_layers),
+        ("hidden size", trained.hidden_size, loaded.hidden_size),
+        ("vocabulary size", trained.vocab_size, loaded.vocab_size),
+    ):
+        if want != got:
+            raise DrafterLoadError(
+                f"drafter/target mismatch: the {kind} was trained on {trained.name_or_path!r} with "
+                f"{field} {want}, the loaded target {loaded.name_or_path!r} has {got}; "
+                f"pass the matching --target or retrain the drafter"
+            )
+
+
 class DrafterLoadError(UserError):
     """A drafter that cannot be loaded, or does not match its target; one line that says what to do."""
 
@@ -63,18 +78,7 @@ class DrafterSpec:
 
     def check_target(self, target: TargetInfo) -> None:
         """Fail with one line when the loaded target is not the one this drafter was trained against."""
-        mine = self.target
-        for field, want, got in (
-            ("number of layers L", mine.num_layers, target.num_layers),
-            ("hidden size", mine.hidden_size, target.hidden_size),
-            ("vocabulary size", mine.vocab_size, target.vocab_size),
-        ):
-            if want != got:
-                raise DrafterLoadError(
-                    f"drafter/target mismatch: the drafter was trained on {mine.name_or_path!r} with "
-                    f"{field} {want}, the loaded target {target.name_or_path!r} has {got}; "
-                    f"pass the matching --target or retrain the drafter"
-                )
+        check_same_target(self.target, target, "drafter")
         self.geometry.check_target(target.num_layers)
 
 

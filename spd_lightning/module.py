@@ -101,6 +101,9 @@ class SPDModule(L.LightningModule):
         activation_checkpointing: bool = False,
         seed: int = 0,
     ):
+        """Checks the settings and builds the metrics; the target loads in `setup`, the PDM in `configure_model`.
+        Over 50 lines only because its 30 parameters stand one per line (each a `fit` option, documented in the
+        class docstring); the body is short."""
         super().__init__()
         self.save_hyperparameters()
         for name, value in (("teacher_temperature", teacher_temperature), ("lr", lr)):

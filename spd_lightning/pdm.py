@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .errors import ConfigError
+
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -173,6 +175,20 @@ class Fusion(nn.Module):
         return self.proj[tau - 1](torch.cat(normed, dim=-1))
 
 
+def draft_to_target(d2t: torch.Tensor | None, draft_vocab_size: int) -> torch.Tensor:
+    """The `d2t` buffer of a drafter head (draft id -> target id; the identity when not given), checked."""
+    d2t = torch.arange(draft_vocab_size) if d2t is None else d2t.to(torch.long)
+    if d2t.shape != (draft_vocab_size,):
+        raise ConfigError(f"d2t has shape {tuple(d2t.shape)} but draft_vocab_size={draft_vocab_size}")
+    return d2t
+
+
+def init_linear(m: nn.Module) -> None:
+    """Drafter init: every linear layer ~ N(0, 1/fan_in) (heads and layers seeded from the target overwrite it)."""
+    if isinstance(m, nn.Linear):
+        nn.init.normal_(m.weight, std=1.0 / math.sqrt(m.in_features))
+
+
 class PipelineDraftModule(nn.Module):
     def __init__(self, cfg: PDMConfig, d2t: torch.Tensor | None = None):
         super().__init__()
@@ -181,16 +197,8 @@ class PipelineDraftModule(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
-        d2t = torch.arange(cfg.draft_vocab_size) if d2t is None else d2t.to(torch.long)
-        if d2t.shape != (cfg.draft_vocab_size,):
-            raise ValueError(f"d2t has shape {tuple(d2t.shape)} but draft_vocab_size={cfg.draft_vocab_size}")
-        self.register_buffer("d2t", d2t, persistent=True)
-        self.apply(self._init)
-
-    @staticmethod
-    def _init(m: nn.Module):
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, std=1.0 / math.sqrt(m.in_features))
+        self.register_buffer("d2t", draft_to_target(d2t, cfg.draft_vocab_size), persistent=True)
+        self.apply(init_linear)
 
     def fuse(self, states: torch.Tensor, types: int | torch.Tensor) -> torch.Tensor:
         return self.fusion(states, types)
