@@ -40,7 +40,16 @@ BACKENDS = [
     "dense",
     "two_part",
     "flex",
-    pytest.param("flex_compiled", marks=pytest.mark.skipif(not HAS_COMPILED_FLEX, reason="no compiled flex")),
+    pytest.param(
+        "flex_compiled",
+        marks=[
+            pytest.mark.skipif(not HAS_COMPILED_FLEX, reason="no compiled flex"),
+            # torch 2.13's CPU inductor emits C++ that does not compile for these flex shapes (`cur_kvSplitSize`
+            # undeclared); tests/test_attention_compile.py checks compiled flex == dense at shapes it can compile, and
+            # the GPU check runs the CUDA code generator. Not strict: a torch that compiles it makes these pass.
+            pytest.mark.xfail(reason="torch 2.13 CPU inductor codegen error for flex attention", strict=False),
+        ],
+    ),
 ]
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -213,6 +222,7 @@ def test_type_layout_every_block(n, T, backend, dtype, schedule):
 
 @pytest.mark.slow  # one CPU compile of flex attention takes about a minute on the 2-core machine
 @pytest.mark.skipif(not HAS_COMPILED_FLEX, reason="the attention module has no compiled flex backend")
+@pytest.mark.xfail(reason="torch 2.13 CPU inductor codegen error for flex attention (see BACKENDS)", strict=False)
 def test_compiled_flex_depth_layout():
     check_depth(4, 2, 16, "flex_compiled", "fp32")
 
