@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from .eagle3 import Eagle3Config, Eagle3Drafter
-from .export import CKPT_KEY, DrafterLoadError, check_same_target
+from .export import CKPT_KEY, DrafterLoadError, check_same_target, load_weights, write_drafter_dir
 from .target import TargetInfo
 
 FORMAT_VERSION = 1
@@ -66,26 +66,11 @@ class Eagle3Spec:
 
 
 def save_eagle3(drafter: Eagle3Drafter, spec: Eagle3Spec, out_dir: str) -> str:
-    os.makedirs(out_dir, exist_ok=True)
-    state = {k: v.detach().to("cpu").contiguous() for k, v in drafter.state_dict().items()}
-    tmp = os.path.join(out_dir, "model.safetensors.tmp")
-    save_file(state, tmp, metadata={"format": "pt"})
-    os.replace(tmp, os.path.join(out_dir, "model.safetensors"))  # never leave a half-written file
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(spec.to_dict(), f, indent=2)
-    return out_dir
+    return write_drafter_dir(drafter, spec.to_dict(), out_dir)
 
 
 def _build(spec: Eagle3Spec, state: dict, where: str) -> Eagle3Drafter:
-    drafter = Eagle3Drafter(spec.drafter)
-    try:
-        drafter.load_state_dict(state, strict=True)
-    except RuntimeError as e:
-        raise DrafterLoadError(
-            f"{where}: weights do not match the EAGLE-3 config ({str(e).splitlines()[0]}); the "
-            f"file is corrupt or from another build"
-        ) from e
-    return drafter.eval()
+    return load_weights(Eagle3Drafter(spec.drafter), state, where)
 
 
 def _read_dir(path: str, map_location) -> tuple[Eagle3Spec, dict]:

@@ -83,26 +83,35 @@ class DrafterSpec:
 
 
 def save_drafter(pdm: PipelineDraftModule, spec: DrafterSpec, out_dir: str) -> str:
+    return write_drafter_dir(pdm, spec.to_dict(), out_dir)
+
+
+def write_drafter_dir(module: torch.nn.Module, description: dict, out_dir: str) -> str:
+    """`config.json` (the description) + `model.safetensors` (the weights, written atomically) in `out_dir`."""
     os.makedirs(out_dir, exist_ok=True)
-    state = {k: v.detach().to("cpu").contiguous() for k, v in pdm.state_dict().items()}
+    state = {k: v.detach().to("cpu").contiguous() for k, v in module.state_dict().items()}
     tmp = os.path.join(out_dir, WEIGHTS_FILE + ".tmp")
     save_file(state, tmp, metadata={"format": "pt"})
     os.replace(tmp, os.path.join(out_dir, WEIGHTS_FILE))  # never leave a half-written file
     with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
-        json.dump(spec.to_dict(), f, indent=2)
+        json.dump(description, f, indent=2)
     return out_dir
 
 
-def _build(spec: DrafterSpec, state: dict, where: str) -> PipelineDraftModule:
-    pdm = PipelineDraftModule(spec.pdm)
+def load_weights(module: torch.nn.Module, state: dict, where: str) -> torch.nn.Module:
+    """`module` (built from its config) with the stored `state`, in eval mode; one line when they disagree."""
     try:
-        pdm.load_state_dict(state, strict=True)
+        module.load_state_dict(state, strict=True)
     except RuntimeError as e:
         raise DrafterLoadError(
             f"{where}: weights do not match the drafter config "
             f"({str(e).splitlines()[0]}); the file is corrupt or from another build"
         ) from e
-    return pdm.eval()
+    return module.eval()
+
+
+def _build(spec: DrafterSpec, state: dict, where: str) -> PipelineDraftModule:
+    return load_weights(PipelineDraftModule(spec.pdm), state, where)
 
 
 def _check_exists(path: str) -> None:
