@@ -23,26 +23,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from gpu_check import RandomChats  # noqa: E402 - the same random chat batches as the GPU check
+
 from spd_lightning.estimate import Shape, estimate, target_config  # noqa: E402
 from spd_lightning.memory_meter import LiveTensorBytes  # noqa: E402
 from spd_lightning.module import SPDModule  # noqa: E402
 
 MB = 1e6
-
-
-class Chats(L.LightningDataModule):
-    def __init__(self, vocab: int, length: int, batch: int, draft_vocab: int):
-        super().__init__()
-        self.vocab, self.length, self.batch = vocab, length, batch
-        self.d2t = torch.arange(draft_vocab)
-
-    def train_dataloader(self):
-        gen = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, self.vocab, (2, self.batch, self.length), generator=gen)
-        loss = (torch.arange(self.length) >= self.length // 2).expand(self.batch, -1).clone()
-        return torch.utils.data.DataLoader(
-            [{"input_ids": x, "attention_mask": torch.ones_like(x), "loss_mask": loss} for x in ids], batch_size=None
-        )
 
 
 class MeasureSecondStep(L.Callback):
@@ -88,7 +75,7 @@ def estimate_rows(target_dir: str, length: int, batch: int, precision: str) -> l
                 callbacks=[callback],
                 precision=precision,
             )
-            trainer.fit(module, Chats(2048, length, batch, 64))
+            trainer.fit(module, RandomChats(2048, length, batch, 2, 64))
             shape = Shape(batch, length, 64, precision, "ddp", "float32", checkpointing, "dense", dict(module.hparams))
             predicted = estimate(shape, target_config(target_dir))["total"]
             rows.append(

@@ -222,14 +222,13 @@ def one_token_steps(stage: Stage, token: torch.Tensor, start: int):
 
 
 @torch.no_grad()
-def draft_latency(target: Target, num_layers: int, opts, prompt: torch.Tensor, device) -> float:
-    n = opts.n
-    geometry = Geometry.build(target.num_layers, n)
+def target_shaped_pdm(target: Target, geometry: Geometry, num_layers: int, draft_vocab: int, device):
+    """A random-init PDM of the target's width, heads and MLP (what a trained drafter of this target costs)."""
     c = target.config
     cfg = PDMConfig(
         target_hidden_size=c.hidden_size,
         num_types=geometry.num_types,
-        draft_vocab_size=opts.draft_vocab,
+        draft_vocab_size=draft_vocab,
         hidden_size=c.hidden_size,
         num_layers=num_layers,
         num_heads=c.num_attention_heads,
@@ -237,7 +236,13 @@ def draft_latency(target: Target, num_layers: int, opts, prompt: torch.Tensor, d
         head_dim=c.head_dim,
         intermediate_size=c.intermediate_size,
     )
-    pdm = PipelineDraftModule(cfg).to(device=device, dtype=target.lm_head.weight.dtype).eval()
+    return PipelineDraftModule(cfg).to(device=device, dtype=target.lm_head.weight.dtype).eval()
+
+
+def draft_latency(target: Target, num_layers: int, opts, prompt: torch.Tensor, device) -> float:
+    n = opts.n
+    geometry = Geometry.build(target.num_layers, n)
+    pdm = target_shaped_pdm(target, geometry, num_layers, opts.draft_vocab, device)
     drafter = PDMDrafter(pdm, geometry, target.embed_tokens, Sampling(), target.lm_head.weight.dtype)
     P = prompt.shape[1]
     drafter.start(prompt[0], P + n + 2)
@@ -248,20 +253,8 @@ def draft_latency(target: Target, num_layers: int, opts, prompt: torch.Tensor, d
 @torch.no_grad()
 def decode_check(target: Target, opts, device) -> dict:
     geometry = Geometry.build(target.num_layers, opts.n)
-    c = target.config
-    cfg = PDMConfig(
-        target_hidden_size=c.hidden_size,
-        num_types=geometry.num_types,
-        draft_vocab_size=opts.draft_vocab,
-        hidden_size=c.hidden_size,
-        num_layers=opts.ls,
-        num_heads=c.num_attention_heads,
-        num_kv_heads=c.num_key_value_heads,
-        head_dim=c.head_dim,
-        intermediate_size=c.intermediate_size,
-    )
     torch.manual_seed(1)
-    pdm = PipelineDraftModule(cfg).to(device=device, dtype=target.lm_head.weight.dtype).eval()
+    pdm = target_shaped_pdm(target, geometry, opts.ls, opts.draft_vocab, device)
     prompt = torch.randint(0, target.vocab_size, (opts.prompt,), generator=torch.Generator().manual_seed(2)).tolist()
     spd = simulate_decode(target, pdm, geometry, prompt, opts.new_tokens)
     ar = ar_decode(target, prompt, opts.new_tokens)
