@@ -6,6 +6,7 @@
     python scripts/bench_paper.py alphas                    # {"n,L_s": alpha} of the SPD runs for inference.plan
     python scripts/bench_paper.py plancheck                 # inference.plan vs the real n+1-process pipeline
     python scripts/bench_paper.py repetition                # how repetitive the target's greedy output is
+    python scripts/bench_paper.py train all --suite deep    # the same on the 16-layer target (configs/bench_deep.yaml)
 
 Every run is an ordinary `python -m spd_lightning fit` / `python -m inference.eval` command; this script
 only names the runs, prints each command before running it (so the docs can quote it), runs up to
@@ -54,10 +55,13 @@ class Run(NamedTuple):
     mode: str  # a key of spd_lightning.geometry.MODES
     layout: str = "depth"
     anchors: str = "n_scaled"
+    # Equal wall-clock: (reference, twin) trains this run for the steps the reference took times the reference's
+    # minutes over the twin's (the twin is this run's configuration trained for equal steps).
+    wall_of: tuple[str, str] | None = None
 
 
 # The base run is spd_n4_L1 (the config as written).
-RUNS = {
+TINY_RUNS = {
     "spd_n2_L3": Run(2, 3, "spd"),
     "spd_n4_L1": Run(4, 1, "spd"),
     "spd_n8_L1": Run(8, 1, "spd"),
@@ -71,7 +75,7 @@ RUNS = {
     "type_n4_L1": Run(4, 1, "spd", layout="type"),
     "quarters_n4_L1": Run(4, 1, "spd", anchors="quarters"),
 }
-TABLES = {
+TINY_TABLES = {
     "Table 2 shape: SPD vs PPSD across n (L_s = max(1, L/n - 1) with L = 8)": [
         "spd_n2_L3",
         "spd_n4_L1",
@@ -86,11 +90,81 @@ TABLES = {
     "Anchor presets at n = 4, L_s = 1": ["spd_n4_L1", "quarters_n4_L1"],
 }
 
+# The deeper (16-layer) target: L_s = 3 everywhere (the paper's configuration); the base run is spd_n4_L3.
+DEEP_RUNS = {
+    "spd_n2_L3": Run(2, 3, "spd"),
+    "spd_n4_L3": Run(4, 3, "spd"),
+    "spd_n8_L3": Run(8, 3, "spd"),
+    "ppsd_n2_L3": Run(2, 3, "ppsd"),
+    "ppsd_n4_L3": Run(4, 3, "ppsd"),
+    "ppsd_n8_L3": Run(8, 3, "ppsd"),
+    "type_n4_L3": Run(4, 3, "spd", layout="type"),
+    "type_n8_L3": Run(8, 3, "spd", layout="type"),
+    "type_n4_L3_wall": Run(4, 3, "spd", layout="type", wall_of=("spd_n4_L3", "type_n4_L3")),
+    "type_n8_L3_wall": Run(8, 3, "spd", layout="type", wall_of=("spd_n8_L3", "type_n8_L3")),
+}
+DEEP_TABLES = {
+    "Table 2 shape on the 16-layer target: SPD vs PPSD across n (L_s = 3)": [
+        "spd_n2_L3",
+        "spd_n4_L3",
+        "spd_n8_L3",
+        "ppsd_n2_L3",
+        "ppsd_n4_L3",
+        "ppsd_n8_L3",
+    ],
+    "Training layout at L_s = 3: depth vs type, equal steps": ["spd_n4_L3", "type_n4_L3", "spd_n8_L3", "type_n8_L3"],
+    "Training layout at L_s = 3: depth vs type, equal wall-clock": [
+        "spd_n4_L3",
+        "type_n4_L3_wall",
+        "spd_n8_L3",
+        "type_n8_L3_wall",
+    ],
+}
+
+
+class Suite(NamedTuple):
+    """A target and the drafters trained on it: defaults for --config/--root/--target/--calibration/--checks and
+    the marked region of the docs its tables replace."""
+
+    config: str
+    root: str
+    target: str
+    runs: dict[str, Run]
+    tables: dict[str, list[str]]
+    region: str
+    calibration: str
+    checks: list[str]
+
+
+SUITES = {
+    "tiny": Suite(
+        "configs/bench_tiny.yaml",
+        "runs/bench",
+        "artifacts/bench_target",
+        TINY_RUNS,
+        TINY_TABLES,
+        "paper-tables",
+        "spd_n4_L1",
+        ["spd_n4_L3", "spd_n2_L3"],
+    ),
+    "deep": Suite(
+        "configs/bench_deep.yaml",
+        "runs/bench_deep",
+        "artifacts/deep_target",
+        DEEP_RUNS,
+        DEEP_TABLES,
+        "deep-tables",
+        "spd_n4_L3",
+        ["spd_n2_L3", "spd_n8_L3"],
+    ),
+}
+
 
 def train_command(name: str, args: argparse.Namespace) -> list[str]:
-    run = RUNS[name]
+    run = args.runs[name]
     schedule, features = MODES[run.mode]
     out = f"{args.root}/{name}"
+    steps = ["--trainer.max_steps", str(wall_clock_steps(run.wall_of, args.root))] if run.wall_of else []
     return [
         "python",
         "-m",
@@ -116,8 +190,22 @@ def train_command(name: str, args: argparse.Namespace) -> list[str]:
         out,
         "--checkpoint.dirpath",
         f"{out}/checkpoints",
+        *steps,
         *shlex.split(args.extra),
     ]
+
+
+def wall_clock_steps(wall_of: tuple[str, str], root: str) -> int:
+    """The steps that take as long as the reference run took, at the twin's measured minutes per step."""
+    records = {}
+    for name in wall_of:
+        try:
+            with open(f"{root}/{name}/train.json") as f:
+                records[name] = json.load(f)
+        except OSError:
+            raise BenchError(f"train {name} first: its wall-clock time sets this run's steps") from None
+    reference, twin = (records[name] for name in wall_of)
+    return round(reference["minutes"] / (twin["minutes"] / twin["steps"]))
 
 
 def eval_command(name: str, args: argparse.Namespace, pipeline: bool = False) -> list[str]:
@@ -193,11 +281,11 @@ def evaluate(name: str, args: argparse.Namespace) -> int:
     return _run(name, eval_command(name, args), args.threads, f"{args.root}/{name}/eval.log")[0]
 
 
-def load_runs(root: str) -> dict[str, tuple[dict, dict]]:
-    """(train.json, eval.json) of every run that has both, in RUNS order."""
+def load_runs(args: argparse.Namespace) -> dict[str, tuple[dict, dict]]:
+    """(train.json, eval.json) of every run of the suite that has both, in the suite's order."""
     runs = {}
-    for name in RUNS:
-        train_file, eval_file = f"{root}/{name}/train.json", f"{root}/{name}/eval/eval.json"
+    for name in args.runs:
+        train_file, eval_file = f"{args.root}/{name}/train.json", f"{args.root}/{name}/eval/eval.json"
         if os.path.isfile(train_file) and os.path.isfile(eval_file):
             with open(train_file) as f, open(eval_file) as g:
                 runs[name] = (json.load(f), json.load(g))
@@ -217,7 +305,7 @@ def adjusted(report: dict, row: dict) -> float | None:
     return row["S_spd"] if report["mode"] == "spd" else row["S_post"]
 
 
-def table(runs: dict[str, tuple[dict, dict]], names: list[str]) -> str:
+def table(runs: dict[str, tuple[dict, dict]], names: list[str], suite: dict[str, Run]) -> str:
     sets = _sets(runs[names[0]][1])
     head = [
         "run",
@@ -247,8 +335,8 @@ def table(runs: dict[str, tuple[dict, dict]], names: list[str]) -> str:
                 report["mode"],
                 str(report["n"]),
                 str(report["L_s"]),
-                RUNS[name].layout,
-                RUNS[name].anchors,
+                suite[name].layout,
+                suite[name].anchors,
                 str(trained.get("steps", "-")),
                 fmt(trained.get("val/agree")),
                 *(fmt(_result(report, s, 0.0)["alpha"]) for s in sets),
@@ -276,30 +364,31 @@ def ar_line(runs: dict[str, tuple[dict, dict]]) -> str:
 
 
 def write_tables(args: argparse.Namespace) -> None:
-    runs = load_runs(args.root)
-    parts = ["<!-- generated by `python scripts/bench_paper.py table`; do not edit by hand -->", ""]
-    for title, names in TABLES.items():
+    runs = load_runs(args)
+    parts = [
+        f"<!-- generated by `python scripts/bench_paper.py table --suite {args.suite}`; do not edit by hand -->",
+        "",
+    ]
+    for title, names in args.tables.items():
         present = [n for n in names if n in runs]
         missing = [n for n in names if n not in runs]
-        parts += [f"### {title}", "", table(runs, present) if present else "(no run finished)", ""]
+        parts += [f"### {title}", "", table(runs, present, args.runs) if present else "(no run finished)", ""]
         if missing:
             parts += [f"Not run: {', '.join(missing)}.", ""]
     if runs:
         parts += [ar_line(runs), "", "Commands (one per drafter, from the repository root):", "", "```bash"]
         parts += [trained["command"] for trained, _ in runs.values()]
         parts += ["```", ""]
-    write_region(args.out, "\n".join(parts))
+    write_region(args.out, "\n".join(parts), args.region)
     print(f"wrote {args.out} ({len(runs)} runs)")
     if args.png and runs:
         plot(runs, args.png)
         print(f"wrote {args.png}")
 
 
-BEGIN, END = "<!-- paper-tables:begin -->", "<!-- paper-tables:end -->"
-
-
-def write_region(path: str, text: str) -> None:
-    """Replace the text between the paper-tables markers of an existing file, or write the whole file."""
+def write_region(path: str, text: str, region: str) -> None:
+    """Replace the text between the region's markers of an existing file, or write the whole file."""
+    BEGIN, END = f"<!-- {region}:begin -->", f"<!-- {region}:end -->"
     body = f"{BEGIN}\n{text}\n{END}"
     if os.path.isfile(path):
         with open(path) as f:
@@ -338,11 +427,11 @@ def plot(runs: dict[str, tuple[dict, dict]], path: str) -> None:
 
 def write_alphas(args: argparse.Namespace) -> None:
     """Greedy overall alpha of the pre-step SPD runs as `{"n,L_s": alpha}`, for `inference.plan --alphas`."""
-    runs = load_runs(args.root)
+    runs = load_runs(args)
     alphas = {
         f"{r['n']},{r['L_s']}": _result(r, "overall", 0.0)["alpha"]
         for name, (_, r) in runs.items()
-        if RUNS[name][2:] == ("spd", "depth", "n_scaled")
+        if args.runs[name][2:5] == ("spd", "depth", "n_scaled")
     }
     with open(args.out, "w") as f:
         json.dump(alphas, f, indent=1)
@@ -450,9 +539,12 @@ def repetition(args: argparse.Namespace) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("action", choices=["train", "eval", "table", "alphas", "plancheck", "repetition", "commands"])
-    p.add_argument("names", nargs="*", help=f"run names or 'all': {', '.join(RUNS)}")
-    p.add_argument("--root", default="runs/bench", help="where the runs live")
-    p.add_argument("--config", default="configs/bench_tiny.yaml", help="train: the base config")
+    p.add_argument("names", nargs="*", help="run names or 'all' (each suite's names: --help of `commands`)")
+    p.add_argument(
+        "--suite", choices=SUITES, default="tiny", help="the target and its drafters (tiny: 8 layers, deep: 16)"
+    )
+    p.add_argument("--root", help="where the runs live (default: the suite's, runs/bench or runs/bench_deep)")
+    p.add_argument("--config", help="train: the base config (default: the suite's)")
     p.add_argument("--extra", default="", help="train: more `fit` arguments for every run, one shell-quoted string")
     p.add_argument("--sets", nargs="+", help="eval: jsonl prompt sets (default: GSM8K, HumanEval, ShareGPT held-out)")
     p.add_argument("--jobs", type=int, default=1, help="runs at once")
@@ -465,24 +557,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "has them (default docs/BENCHMARKS.md); alphas: json (default ROOT/alphas.json)",
     )
     p.add_argument("--png", default="docs/paper_tables.png", help="table: plot output ('' for none)")
-    p.add_argument("--target", default="artifacts/bench_target", help="repetition: the target to decode with")
-    p.add_argument(
-        "--calibration", default="spd_n4_L1", help="plancheck: the run whose measured times calibrate the planner"
-    )
-    p.add_argument(
-        "--checks", nargs="+", default=["spd_n4_L3", "spd_n2_L3"], help="plancheck: runs predicted and measured"
-    )
+    p.add_argument("--target", help="repetition: the target to decode with (default: the suite's)")
+    p.add_argument("--calibration", help="plancheck: the run whose measured times calibrate the planner")
+    p.add_argument("--checks", nargs="+", help="plancheck: runs predicted and measured")
     p.add_argument("--debug", action="store_true", help="show tracebacks (also SPD_DEBUG=1)")
     args = p.parse_args(argv)
     args.sets = dict(enumerate(args.sets)) if args.sets else SETS
-    args.names = list(RUNS) if args.names in ([], ["all"]) else args.names
+    suite = SUITES[args.suite]
+    for key in ("config", "root", "target", "calibration", "checks"):
+        if getattr(args, key) is None:
+            setattr(args, key, getattr(suite, key))
+    args.runs, args.tables, args.region = suite.runs, suite.tables, suite.region
+    args.names = list(args.runs) if args.names in ([], ["all"]) else args.names
     return args
 
 
 def run(args: argparse.Namespace) -> None:
-    unknown = [n for n in [*args.names, args.calibration, *args.checks] if n not in RUNS]
+    unknown = [n for n in [*args.names, args.calibration, *args.checks] if n not in args.runs]
     if unknown:
-        raise BenchError(f"unknown run {unknown[0]!r}: choose from {', '.join(RUNS)} or 'all'")
+        raise BenchError(
+            f"unknown run {unknown[0]!r} in suite {args.suite!r}: choose from {', '.join(args.runs)} or 'all'"
+        )
     if args.jobs < 1 or args.threads < 1:
         raise BenchError("--jobs and --threads must be >= 1")
     if args.action == "table":

@@ -124,6 +124,24 @@ def test_bench_paper_rejects_an_unknown_run(tmp_path):
     assert len(done.stderr.splitlines()) == 1  # one line, no traceback
 
 
+def test_the_deep_suite_names_its_runs_and_trains_equal_wall_clock_from_measured_times(tmp_path):
+    done = _script("bench_paper.py", "commands", "spd_n8_L3", "--suite", "deep", "--root", str(tmp_path))
+    fit = shlex.split(done.stdout.splitlines()[0])
+    assert done.returncode == 0 and fit[fit.index("--config") + 1] == "configs/bench_deep.yaml"
+    assert fit[fit.index("--model.n") + 1] == "8" and fit[fit.index("--model.num_layers") + 1] == "3"
+    done = _script("bench_paper.py", "commands", "type_n4_L3_wall", "--suite", "deep", "--root", str(tmp_path))
+    assert done.returncode == 2 and done.stderr.startswith("error: train spd_n4_L3 first")
+    # depth took 30 min for 200 steps, type 20 min for 200: type gets 30 min at 0.1 min per step = 300 steps
+    for name, minutes in (("spd_n4_L3", 30.0), ("type_n4_L3", 20.0)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "train.json").write_text(json.dumps({"steps": 200, "minutes": minutes}))
+    done = _script("bench_paper.py", "commands", "type_n4_L3_wall", "--suite", "deep", "--root", str(tmp_path))
+    fit = shlex.split(done.stdout.splitlines()[0])
+    assert fit[fit.index("--trainer.max_steps") + 1] == "300" and fit[fit.index("--model.layout") + 1] == "type"
+    done = _script("bench_paper.py", "train", "spd_n4_L1", "--suite", "deep", "--root", str(tmp_path))
+    assert done.returncode == 2 and "in suite 'deep'" in done.stderr
+
+
 def test_bench_train_step_times_a_real_step(micro_target, tmp_path):
     out = tmp_path / "steps.json"
     done = _script(
