@@ -43,15 +43,13 @@ import torch
 from spd_lightning.geometry import Geometry
 
 from .drafter import Drafter
+from .messages import Mailboxes
 from .profiler import Profiler
 from .result import COMM, COMPUTE, VERIFY, WALL, DecodeResult, max_cycles, summarize_timing
 from .schedule import CyclePlan, Judged, PipelineSchedule, Step, Steps, Verdict
 from .stages import Stage
 from .transport import Arrival, Transport
 from .verify import Sampling, Verifier
-
-
-SEND_RING = 3  # a slot written in step j is sent in step j + 1, and that send has settled by step j + 3
 
 
 def role_name(rank: int, n: int) -> str:
@@ -110,7 +108,10 @@ class PipelineRunner:
         self.draft_generator = torch.Generator(device=self.device)
         self.clock = Profiler(config.profile, self.device)
         self.anchor_counts = {s: len([b for b in geometry.anchors_of_stage(s) if b > 0]) for s in range(1, n + 1)}
-        self._allocate_messages()
+        self.box = Mailboxes(self, config)
+        self.inbox, self.outbox = self.box.inbox, self.box.outbox
+        self.verdict_rows, self.verdict_host = self.box.verdict_rows, self.box.verdict_host
+        self.seed_input = self.box.seed_input
         self._arrivals: dict[int, Arrival] = {}  # stage rank -> its posted receive of the awaited verdict
         self._wasted = False  # the current step is wasted, as the verifier and the PDM know before they compute
         self._judged: Judged | None = None  # the verifier's latest verdict, on the host
@@ -124,56 +125,6 @@ class PipelineRunner:
                 raise ValueError(f"stage {s} is given to a process that does not host rank {s - 1}")
         if self.transport.hosts(self.drafter_rank) and self.drafter is None:
             raise ValueError("this process hosts the PDM rank but got no drafter")
-
-    def _allocate_messages(self) -> None:
-        """Fixed-shape message buffers, allocated once per runner (docs/DESIGN.md lists every message):
-        `inbox` receives; `rings` hold what a rank sends, `SEND_RING` slots per kind written in turn, one per
-        step, so a slot is rewritten only after the sends of it have settled (`Transport.send`). The verdict
-        travels in host memory (`Transport.control_device`): the verifier reads its device row once, and no
-        other rank reads device memory to learn it. Prefill buffers grow with the longest prompt seen."""
-        n, H, dev, dtype = self.n, self.config.hidden_size, self.device, self.config.state_dtype
-        long, control = dict(dtype=torch.long, device=dev), self.transport.control_device(dev)
-        self.inbox: dict[tuple[int, str], torch.Tensor] = {}
-        self.rings: dict[tuple[int, str], torch.Tensor] = {}
-        for r in self.hosted:
-            if 0 < r < n:
-                self.inbox[r, "act"] = torch.zeros(1, 1, H, dtype=dtype, device=dev)
-            if r in (0, n - 1):
-                self.inbox[r, "draft_token"] = torch.zeros(1, **long)
-            if r == n - 1 and not self.sampling.greedy:
-                self.inbox[r, "draft_q"] = torch.zeros(self.config.draft_vocab_size, device=dev)
-            if r != n - 1:
-                self.inbox[r, "verdict"] = torch.zeros(2, dtype=torch.long, device=control)
-            if r == n:
-                for s, count in self.anchor_counts.items():
-                    self.inbox[r, f"anchors{s}"] = torch.zeros(1, count, H, dtype=dtype, device=dev)
-            if r < n:
-                self.rings[r, "act"] = torch.zeros(SEND_RING, 1, 1, H, dtype=dtype, device=dev)
-                count = self.anchor_counts[r + 1]
-                self.rings[r, f"anchors{r + 1}"] = torch.zeros(SEND_RING, 1, count, H, dtype=dtype, device=dev)
-            if r == n:
-                self.rings[r, "draft_token"] = torch.zeros(SEND_RING, 1, **long)
-                self.rings[r, "draft_q"] = torch.zeros(SEND_RING, self.config.draft_vocab_size, device=dev)
-        self.outbox: dict[tuple[int, str], torch.Tensor] = {}  # kind -> the ring slot (or prefill output) to send
-        self.prefill_inbox: dict[tuple[int, str], torch.Tensor] = {}
-        # Two rows in turn (one verdict per cycle): on the device (the verifier's judgement) and in host memory.
-        self.verdict_rows = torch.zeros(2, 2, **long)
-        self.verdict_host = torch.zeros(2, 2, dtype=torch.long, device=control)
-        self.seed_input = torch.zeros(1, 1, **long)  # stage 1's input when it runs a seed (first token, correction)
-        self._steps_run = 0
-
-    def _put(self, rank: int, kind: str, value: torch.Tensor) -> None:
-        """Copy a computed output into this step's slot of its send ring; it is sent in the next step."""
-        slot = self.rings[rank, kind][self._steps_run % SEND_RING]
-        self.outbox[rank, kind] = slot.copy_(value.view(slot.shape))
-
-    def _prefill_buffer(self, rank: int, kind: str, dim: int, *shape: int) -> torch.Tensor:
-        """A receive buffer of `shape`, whose dimension `dim` counts the prompt's positions: a contiguous view of
-        one that grows (never shrinks) with the longest prompt seen."""
-        buffer = self.prefill_inbox.get((rank, kind))
-        if buffer is None or buffer.shape[dim] < shape[dim]:
-            buffer = self.prefill_inbox[rank, kind] = self._empty(*shape)
-        return buffer.narrow(dim, 0, shape[dim])
 
     # -- messages ---------------------------------------------------------------------------------
     def _send(self, src: int, dst: int, kind: str, tensor: torch.Tensor | None = None) -> None:
@@ -341,24 +292,23 @@ class PipelineRunner:
                     row[0], row[1] = Verdict.FIRST, self.verifier.first(out.logits)
             if s < n:
                 self._send(s - 1, s, "act_prefill")
-                hidden = self._recv(s - 1, s, "act_prefill", self._prefill_buffer(s, "act", 1, 1, P, H))
+                hidden = self._recv(s - 1, s, "act_prefill", self.box.prefill_buffer(s, "act", 1, 1, P, H))
         for s, count in self.anchor_counts.items():
             if count:
                 self._send(s - 1, n, "anchors_prefill", anchors.get(s))
-                states = self._recv(s - 1, n, "anchors_prefill", self._prefill_buffer(n, f"anchors{s}", 0, P, count, H))
+                states = self._recv(
+                    s - 1, n, "anchors_prefill", self.box.prefill_buffer(n, f"anchors{s}", 0, P, count, H)
+                )
                 if states is not None:
                     self.drafter.store_anchors(s, 0, states)
         self._send_verdict(0)
-
-    def _empty(self, *shape: int) -> torch.Tensor:
-        return torch.empty(*shape, dtype=self.config.state_dtype, device=self.device)
 
     # -- one step, phase by phase (see the module docstring) ---------------------------------------
     def _run_step(self, step: Step) -> None:
         if self.on_step is not None:
             self.on_step("redo" if step.redo else "step")
         self.transport.settle()
-        self._steps_run += 1
+        self.box.next_step()
         self._awaited = self._judged if step.awaits and self.hosts_verifier else None
         if not step.redo:
             self._send_inputs(step.plan)
@@ -441,8 +391,8 @@ class PipelineRunner:
                 x = self.inbox[s - 1, "act"]
             with self.clock.span(s - 1, COMPUTE, device_work=True):
                 out = stage(x, position)
-            self._put(s - 1, "act", out.hidden)
-            self._put(s - 1, f"anchors{s}", out.anchors)
+            self.box.put(s - 1, "act", out.hidden)
+            self.box.put(s - 1, f"anchors{s}", out.anchors)
             logits = out.logits if s == n else logits
         return logits
 
@@ -455,9 +405,9 @@ class PipelineRunner:
             return
         with self.clock.span(n, COMPUTE, device_work=True):
             token, q = self.drafter.draft(plan.draft_view, self.draft_generator)
-        self._put(n, "draft_token", token)
+        self.box.put(n, "draft_token", token)
         if q is not None:
-            self._put(n, "draft_q", q)
+            self.box.put(n, "draft_q", q)
 
     def _verify(self, plan: CyclePlan, logits: torch.Tensor | None) -> None:
         if self.verifier is None or plan.judged_position < 0 or self._wasted:

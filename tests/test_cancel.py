@@ -47,7 +47,12 @@ def test_a_stop_ends_the_simulated_decode_at_the_next_verdict(tiny_qwen35, polic
     simulator.runner.drafter._next = 1
     for prompt in (OTHER, PROMPT):
         want, got = fresh.decode(prompt, 12), simulator.decode(prompt, 12)
-        assert (got.tokens, got.K, got.counters, got.stop_reason) == (want.tokens, want.K, want.counters, want.stop_reason)
+        assert (got.tokens, got.K, got.counters, got.stop_reason) == (
+            want.tokens,
+            want.K,
+            want.counters,
+            want.stop_reason,
+        )
 
 
 @pytest.mark.timeout(240)
