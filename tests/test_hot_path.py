@@ -194,3 +194,37 @@ def test_the_sampled_verifier_judges_without_host_reads_and_matches_the_target(m
     counts = torch.bincount(tokens, minlength=V)
     assert counts[p == 0].sum() == 0
     assert chisquare_pvalues(counts.numpy(), p.double().numpy())[0] > 1e-3
+
+
+def test_every_message_travels_in_a_buffer_allocated_once(tiny_qwen35):
+    """Per-step messages are sent from the send rings (the verdict from its host rows) and received into the
+    same inboxes every step; a shorter prompt reuses the prefill buffers of a longer one."""
+    from spd_lightning.geometry import Geometry
+
+    geometry = Geometry.build(tiny_qwen35.num_layers, 3)
+    simulator = Simulator(tiny_qwen35, random_pdm(tiny_qwen35, geometry, num_layers=1), geometry, Sampling(1.0))
+    runner, transport = simulator.runner, simulator.runner.transport
+    box = runner.box
+    owners = [*box.rings.values(), box.verdict_host]
+    sent, received, send, recv = [], [], transport.send, transport.recv
+
+    def recording_send(src, dst, tensor, kind):
+        sent.append((kind, tensor.untyped_storage().data_ptr()))
+        send(src, dst, tensor, kind)
+
+    def recording_recv(src, dst, tensor, kind):
+        received.append((kind, tensor.untyped_storage().data_ptr()))
+        recv(src, dst, tensor, kind)
+
+    transport.send, transport.recv = recording_send, recording_recv
+    simulator.decode(PROMPT, 12)
+    prefill, mark = {kind: ptr for kind, ptr in received if kind.endswith("_prefill")}, len(received)
+    simulator.decode(PROMPT[:3], 12)
+    per_step = [(kind, ptr) for kind, ptr in sent if not kind.endswith("_prefill")]
+    kinds = {kind for kind, _ in per_step}
+    assert kinds >= {"act", "draft_token", "draft_q", "verdict"} and any(k.startswith("anchors") for k in kinds)
+    assert all(any(ptr == o.untyped_storage().data_ptr() for o in owners) for _, ptr in per_step)
+    inboxes = {t.untyped_storage().data_ptr() for t in box.inbox.values()}
+    assert all(ptr in inboxes for kind, ptr in received if not kind.endswith("_prefill"))
+    again = {kind: ptr for kind, ptr in received[mark:] if kind.endswith("_prefill")}
+    assert again == prefill
