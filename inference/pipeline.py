@@ -43,6 +43,7 @@ import torch
 from spd_lightning.geometry import Geometry
 
 from .drafter import Drafter
+from .messages import Mailboxes
 from .profiler import Profiler
 from .result import COMM, COMPUTE, VERIFY, WALL, DecodeResult, max_cycles, summarize_timing
 from .schedule import CyclePlan, Judged, PipelineSchedule, Step, Steps, Verdict
@@ -107,11 +108,16 @@ class PipelineRunner:
         self.draft_generator = torch.Generator(device=self.device)
         self.clock = Profiler(config.profile, self.device)
         self.anchor_counts = {s: len([b for b in geometry.anchors_of_stage(s) if b > 0]) for s in range(1, n + 1)}
-        self._allocate_messages()
+        self.box = Mailboxes(self, config)
+        self.inbox, self.outbox = self.box.inbox, self.box.outbox
+        self.verdict_rows, self.verdict_host = self.box.verdict_rows, self.box.verdict_host
+        self.seed_input = self.box.seed_input
         self._arrivals: dict[int, Arrival] = {}  # stage rank -> its posted receive of the awaited verdict
         self._wasted = False  # the current step is wasted, as the verifier and the PDM know before they compute
         self._judged: Judged | None = None  # the verifier's latest verdict, on the host
         self._awaited: Judged | None = None  # the verdict the current step awaits, once this process has it
+        self._stop: Callable[[], bool] | None = None  # see `decode`
+        self.stop_seen = -1
 
     def _check_roles(self) -> None:
         for s in self.stages:
@@ -119,29 +125,6 @@ class PipelineRunner:
                 raise ValueError(f"stage {s} is given to a process that does not host rank {s - 1}")
         if self.transport.hosts(self.drafter_rank) and self.drafter is None:
             raise ValueError("this process hosts the PDM rank but got no drafter")
-
-    def _allocate_messages(self) -> None:
-        """Fixed-shape message buffers, allocated once: "in" receives, "out" is what a rank sends. The
-        verifier's verdict message alternates between two rows, so a row is rewritten only after the sends
-        of it have settled."""
-        n, H, dev, dtype = self.n, self.config.hidden_size, self.device, self.config.state_dtype
-        self.inbox: dict[tuple[int, str], torch.Tensor] = {}
-        self.outbox: dict[tuple[int, str], torch.Tensor] = {}
-        long = dict(dtype=torch.long, device=dev)
-        for r in self.hosted:
-            if 0 < r < n:
-                self.inbox[r, "act"] = torch.zeros(1, 1, H, dtype=dtype, device=dev)
-            if r in (0, n - 1):
-                self.inbox[r, "draft_token"] = torch.zeros(1, **long)
-            if r == n - 1 and not self.sampling.greedy:
-                self.inbox[r, "draft_q"] = torch.zeros(self.config.draft_vocab_size, device=dev)
-            if r != n - 1:
-                self.inbox[r, "verdict"] = torch.zeros(2, **long)
-            if r == n:
-                for s, count in self.anchor_counts.items():
-                    self.inbox[r, f"anchors{s}"] = torch.zeros(1, count, H, dtype=dtype, device=dev)
-        self.verdict_rows = torch.zeros(2, 2, **long)
-        self.seed_input = torch.zeros(1, 1, **long)  # stage 1's input when it runs a seed (first token, correction)
 
     # -- messages ---------------------------------------------------------------------------------
     def _send(self, src: int, dst: int, kind: str, tensor: torch.Tensor | None = None) -> None:
@@ -159,21 +142,29 @@ class PipelineRunner:
             self.transport.recv(src, dst, buffer, kind)
         return buffer
 
-    def _send_verdict(self, row: torch.Tensor) -> None:
-        """The verifier's verdict (or the first token) to every other rank; the verifier keeps it on the host."""
+    def _send_verdict(self, index: int) -> None:
+        """The verifier's verdict (or the first token) in `verdict_rows[index]` to every other rank, from host
+        memory; the verifier keeps it on the host. This copy is the decode's one device-to-host read per
+        cycle, on one rank: the schedule (which runs on every rank's host) needs the verdict and the token
+        (EOS, `max_new_tokens`, the rollback position) to plan the next cycle."""
         if self.verifier is None:
             return
-        self._judged = Judged(*row.tolist())  # the one host sync per verdict
+        host = self.verdict_host[index].copy_(self.verdict_rows[index])
+        self._judged = Judged(*host.tolist())  # host memory: no second device read
         for r in range(self.n + 1):
             if r != self.verifier_rank:
-                self._send(self.verifier_rank, r, "verdict", row)
+                self._send(self.verifier_rank, r, "verdict", host)
+
+    def _read_verdict(self, rank: int) -> Judged:
+        """The verdict `rank` received, read once per message (it is in host memory: no device sync)."""
+        return Judged(*self.inbox[rank, "verdict"].tolist())
 
     def _take_verdict(self, ranks: Sequence[int], known: Judged | None) -> Judged:
         """The hosted `ranks` receive the verifier's pending verdict; its value (all copies are equal)."""
         for r in ranks:
             if r in self.hosted:
-                buffer = self._recv(self.verifier_rank, r, "verdict")
-                known = known if known is not None else Judged(*buffer.tolist())
+                self._recv(self.verifier_rank, r, "verdict")
+                known = known if known is not None else self._read_verdict(r)
         return known
 
     def _send_anchors(self, pairs: Sequence[tuple[int, int]], store: bool) -> None:
@@ -193,12 +184,17 @@ class PipelineRunner:
         eos_token_ids: frozenset[int],
         seed: int = 0,
         on_tokens: Callable[[list[int]], None] | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> DecodeResult:
         """Decode one prompt; every hosted rank returns the same result (timing rows of remote ranks are zero).
         `on_tokens(new)` is called with the newly verified tokens after each cycle that verified some (for
         streaming); an exception it raises ends the decode, leaving this runner's messages half-delivered:
-        a simulator must then be rebuilt."""
+        a simulator must then be rebuilt. `stop()` cancels cleanly instead: the verifier's process polls it
+        once per cycle (a host read, e.g. a shared-memory flag; never the device) and from the first True the
+        next verdict is STOP, which ends the decode on every rank at once, stop reason "cancelled", the runner
+        ready for the next prompt. `stop_seen` is then the cycle at which it first returned True (else -1)."""
         n = self.n
+        self._stop, self.stop_seen = (stop if self.hosts_verifier else None), -1
         prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.device)
         schedule = PipelineSchedule(self.geometry, max_new_tokens, eos_token_ids)
         self.steps = Steps(schedule)
@@ -250,6 +246,8 @@ class PipelineRunner:
     def _cycle(self, step: Step) -> Step | None:
         """Run one physical step and return the next (None when the decode has stopped)."""
         self.clock.cycle = step.plan.cycle
+        if self._stop is not None and self.stop_seen < 0 and self._stop():
+            self.stop_seen = step.plan.cycle
         with self.clock.span(self.hosted, WALL):
             self._run_step(step)
             awaited = self._receive_awaited()
@@ -261,12 +259,11 @@ class PipelineRunner:
     def _receive_awaited(self) -> Judged | None:
         """The stage ranks wait for the verdict they posted a receive for in `_learn_verdict`; the PDM got it
         then, the verifier made it. None when the step awaited nothing."""
-        awaited = self._awaited
         for r, arrival in self._arrivals.items():
             with self.clock.span(r, COMM):
                 arrival.wait()
-            awaited = awaited if awaited is not None else Judged(*self.inbox[r, "verdict"].tolist())
-        return awaited
+            self._awaited = self._awaited if self._awaited is not None else self._read_verdict(r)
+        return self._awaited
 
     def timing(self, K: int) -> dict:
         """Per-cycle timing of the last prompt from this process's rows (see `result.summarize_timing`);
@@ -293,25 +290,25 @@ class PipelineRunner:
                 if s == n:
                     row = self.verdict_rows[0]
                     row[0], row[1] = Verdict.FIRST, self.verifier.first(out.logits)
-            if s < n:  # the prompt length varies, so these two buffers are the only per-prompt allocations
+            if s < n:
                 self._send(s - 1, s, "act_prefill")
-                hidden = self._recv(s - 1, s, "act_prefill", self._empty(1, P, H))
+                hidden = self._recv(s - 1, s, "act_prefill", self.box.prefill_buffer(s, "act", 1, 1, P, H))
         for s, count in self.anchor_counts.items():
             if count:
                 self._send(s - 1, n, "anchors_prefill", anchors.get(s))
-                states = self._recv(s - 1, n, "anchors_prefill", self._empty(P, count, H))
+                states = self._recv(
+                    s - 1, n, "anchors_prefill", self.box.prefill_buffer(n, f"anchors{s}", 0, P, count, H)
+                )
                 if states is not None:
                     self.drafter.store_anchors(s, 0, states)
-        self._send_verdict(self.verdict_rows[0])
-
-    def _empty(self, *shape: int) -> torch.Tensor:
-        return torch.empty(*shape, dtype=self.config.state_dtype, device=self.device)
+        self._send_verdict(0)
 
     # -- one step, phase by phase (see the module docstring) ---------------------------------------
     def _run_step(self, step: Step) -> None:
         if self.on_step is not None:
             self.on_step("redo" if step.redo else "step")
         self.transport.settle()
+        self.box.next_step()
         self._awaited = self._judged if step.awaits and self.hosts_verifier else None
         if not step.redo:
             self._send_inputs(step.plan)
@@ -370,7 +367,9 @@ class PipelineRunner:
         arrival = self._arrivals.get(rank)
         if arrival is None or self.config.replay_wasted_work or not arrival.ready():
             return False
-        return self.steps.wasted(*self.inbox[rank, "verdict"].tolist())
+        if self._awaited is None:
+            self._awaited = self._read_verdict(rank)
+        return self.steps.wasted(*self._awaited)
 
     def _compute(self, plan: CyclePlan) -> torch.Tensor | None:
         """Every hosted stage runs its token; returns the last stage's logits when it ran."""
@@ -392,8 +391,8 @@ class PipelineRunner:
                 x = self.inbox[s - 1, "act"]
             with self.clock.span(s - 1, COMPUTE, device_work=True):
                 out = stage(x, position)
-            self.outbox[s - 1, "act"] = out.hidden
-            self.outbox[s - 1, f"anchors{s}"] = out.anchors
+            self.box.put(s - 1, "act", out.hidden)
+            self.box.put(s - 1, f"anchors{s}", out.anchors)
             logits = out.logits if s == n else logits
         return logits
 
@@ -406,14 +405,16 @@ class PipelineRunner:
             return
         with self.clock.span(n, COMPUTE, device_work=True):
             token, q = self.drafter.draft(plan.draft_view, self.draft_generator)
-        self.outbox[n, "draft_token"] = token
+        self.box.put(n, "draft_token", token)
         if q is not None:
-            self.outbox[n, "draft_q"] = q
+            self.box.put(n, "draft_q", q)
 
     def _verify(self, plan: CyclePlan, logits: torch.Tensor | None) -> None:
         if self.verifier is None or plan.judged_position < 0 or self._wasted:
             return
-        row = self.verdict_rows[plan.cycle % 2]
+        index = plan.cycle % 2
         with self.clock.span(self.n - 1, VERIFY, device_work=True):
-            self.verifier.judge(plan.judged_position, logits, row)
-        self._send_verdict(row)
+            row = self.verifier.judge(plan.judged_position, logits, self.verdict_rows[index])
+            if self.stop_seen >= 0:
+                row[0] = Verdict.STOP
+        self._send_verdict(index)

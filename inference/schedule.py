@@ -38,6 +38,7 @@ class Verdict(IntEnum):
     ACCEPT = 1  # the judged draft is verified; the token field repeats it
     REJECT = 2  # the judged draft is replaced by the correction in the token field
     FIRST = 3  # after prefill: the token field is the first generated token, sampled from the target
+    STOP = 4  # the request was cancelled: every rank ends the decode with this cycle (the judged draft is dropped)
 
 
 @dataclass
@@ -130,6 +131,11 @@ class PipelineSchedule:
         verdict = Verdict(verdict)
         rollback_to = -1
         completed = None
+        if verdict == Verdict.STOP:
+            if not self._inflight or self.done:
+                raise RuntimeError("schedule received STOP outside a running decode")
+            self.stop_reason = "cancelled"
+            return None
         if verdict == Verdict.FIRST:
             if self.tokens or prompt_len < 1:
                 raise RuntimeError("FIRST is only valid once, right after a prefill of prompt_len >= 1 tokens")
@@ -259,7 +265,7 @@ class Steps:
     - REJECT: the step is wasted. The next step redoes the cycle as the rejection plans it (every stage
       rolls back, stage 1 runs the correction, the PDM drafts from it); its inputs are the ones that
       arrived for the wasted step (the previous cycle's outputs), so nothing travels for it.
-    - a token that ends the decode (EOS): the step is wasted and decoding stops.
+    - a token that ends the decode (EOS), or STOP (a cancelled request): the step is wasted and decoding stops.
 
     Non-judged cycles have the verdict NONE, known in advance: no waiting, nothing to anticipate. When any
     verdict of a judged cycle ends the decode (`max_new_tokens`), it is delivered at once instead. So the
@@ -275,7 +281,7 @@ class Steps:
 
     def wasted(self, verdict: int, token: int) -> bool:
         """Whether the step that awaited this verdict is thrown away."""
-        return verdict == Verdict.REJECT or int(token) in self.schedule.eos_token_ids
+        return verdict in (Verdict.REJECT, Verdict.STOP) or int(token) in self.schedule.eos_token_ids
 
     def after(self, step: Step, awaited: Judged | None, own: Judged | None) -> Step | None:
         """The step after `step`, or None when decoding has stopped. `awaited` is the previous cycle's

@@ -9,8 +9,12 @@ result back through the launcher's report queue. When a rank dies the launcher s
 names the rank; the request in flight fails with that message (HTTP 503) and the engine starts a fresh
 pipeline.
 
-A request whose client disconnects is not cut short inside the ranks (they would have to agree on the
-cycle to stop at): its decode runs to its end and its tokens are dropped.
+A request the engine gives up on (its client disconnected, or a stop string ended it: the engine's
+`on_tokens` raises) is cancelled inside the ranks: the backend writes its id into shared memory
+(`Requests.cancel`), the verifier's rank reads that once per cycle (`PipelineRunner.decode(stop=...)`), and
+its next verdict is STOP, which ends the decode on every rank at the same cycle; the pipeline then takes
+the next request. The verifier's rank records the cycle it saw the cancel at and the cycle it stopped at
+(`last_cancel`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import multiprocessing as mp
 import queue
 import threading
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -35,8 +40,51 @@ IDLE_TICK_S = 1.0
 STOP = "stop"
 
 
+class CancelReport(NamedTuple):
+    """A cancelled request as the verifier's rank saw it: the cycle at which it read the cancel, and the
+    cycle its decode stopped at (K)."""
+
+    request_id: int
+    seen_cycle: int
+    stop_cycle: int
+
+
+class Requests:
+    """What the server shares with its ranks: the FIFO of requests (rank 0 reads it) and, in shared memory,
+    the id of the request to cancel and the verifier's report of the last cancellation. Passed to the rank
+    processes when they start (`launch(requests=...)`)."""
+
+    def __init__(self, context):
+        self.queue = context.Queue()
+        self._cancel = context.RawValue("q", -1)  # the id of the request to stop
+        self._report = context.RawArray("q", [-1, -1, -1])  # CancelReport of the last cancelled decode
+
+    def put(self, item) -> None:
+        self.queue.put(item)
+
+    def get(self, timeout: float):
+        return self.queue.get(timeout=timeout)
+
+    def cancel(self, request_id: int) -> None:
+        self._cancel.value = request_id
+
+    def cancelled(self, request_id: int) -> bool:
+        """One read of shared memory: what the verifier's rank polls once per cycle."""
+        return self._cancel.value == request_id
+
+    def record(self, report: CancelReport) -> None:
+        self._report[:] = list(report)
+
+    def last_cancel(self) -> CancelReport:
+        return CancelReport(*self._report[:])
+
+    def close(self) -> None:
+        self.queue.close()
+        self.queue.join_thread()
+
+
 def serve_requests(
-    job: DecodeJob, rank: int, device: torch.device, requests, report: Callable, stream: Callable
+    job: DecodeJob, rank: int, device: torch.device, requests: Requests, report: Callable, stream: Callable
 ) -> None:
     """One rank's serving loop: load once, then decode each broadcast request until rank 0 reads None."""
     loaded: Loaded = load_role(job, rank, device)
@@ -51,8 +99,11 @@ def serve_requests(
         runner = runners[sampling]
         reporting = rank == runner.verifier_rank
         on_tokens = (lambda tokens: stream(request_id, tokens)) if reporting else None  # noqa: B023 - used in this iteration
-        result = runner.decode(prompt, max_new_tokens, frozenset(job.eos_token_ids), seed, on_tokens)
+        stop = (lambda: requests.cancelled(request_id)) if reporting else None  # noqa: B023 - used in this iteration
+        result = runner.decode(prompt, max_new_tokens, frozenset(job.eos_token_ids), seed, on_tokens, stop)
         if reporting:
+            if result.stop_reason == "cancelled":
+                requests.record(CancelReport(request_id, runner.stop_seen, result.K))
             report(request_id, result)
 
 
@@ -73,9 +124,10 @@ class RankBackend:
 
     def __init__(self, job: DecodeJob):
         self.job = job
-        self.requests = mp.get_context(start_method(job)).Queue()
+        self.requests = Requests(mp.get_context(start_method(job)))
         self._events: queue.Queue = queue.Queue()
         self._next_id = 0
+        self.last_cancel: CancelReport | None = None
         self.pids: dict[int, int] = {}
         self.failure = "the pipeline is not running"
         self._launcher = threading.Thread(target=self._launch, name="spd-serve-launcher", daemon=True)
@@ -109,17 +161,30 @@ class RankBackend:
                 continue  # a cancelled request's late events
             if kind == "result":
                 if cancelled is not None:
+                    self._cancelled(request_id, value)
                     raise cancelled
                 return value
             if cancelled is None:
                 try:
                     on_tokens(value)
-                except Exception as e:  # noqa: BLE001 - Cancelled / StopString: end after the ranks finish
+                except Exception as e:  # noqa: BLE001 - Cancelled / StopString: the ranks stop at their next verdict
                     cancelled = e
+                    self.requests.cancel(request_id)
+
+    def _cancelled(self, request_id: int, result: DecodeResult) -> None:
+        """Keep (and log) the verifier's report when the ranks stopped the request before its end."""
+        report = self.requests.last_cancel()
+        self.last_cancel = report if result.stop_reason == "cancelled" and report.request_id == request_id else None
+        if self.last_cancel is not None:
+            log.info(
+                "request %d cancelled at cycle %d, %d cycle(s) after the ranks saw it",
+                request_id,
+                report.stop_cycle,
+                report.stop_cycle - report.seen_cycle,
+            )
 
     def close(self) -> None:
         if self._launcher.is_alive():
             self.requests.put(None)
             self._launcher.join(30)
         self.requests.close()
-        self.requests.join_thread()

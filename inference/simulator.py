@@ -77,12 +77,13 @@ class Simulator:
         eos_token_id: int | Sequence[int] | None = None,
         seed: int = 0,
         on_tokens: Callable[[list[int]], None] | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> DecodeResult:
         """Decode one prompt; `eos_token_id=None` never stops early (see `ar.target_eos` for the target's).
-        `on_tokens`: see `PipelineRunner.decode`."""
+        `on_tokens`, `stop` (a clean cancellation): see `PipelineRunner.decode`."""
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
-        result = self.runner.decode(prompt_ids, max_new_tokens, eos_set(eos_token_id), seed, on_tokens)
+        result = self.runner.decode(prompt_ids, max_new_tokens, eos_set(eos_token_id), seed, on_tokens, stop)
         result.timing = self.runner.timing(result.K)
         return result
 

@@ -7,11 +7,13 @@ peer to catch up with it, and with sends that cannot block, a set of blocking re
 as long as every receive's send comes earlier in the sender's program (the schedule guarantees it).
 Between any two ranks the messages of all kinds travel in one order on both sides, which is what NCCL
 needs (it ignores tags); the local transport checks that order, so the one-process simulator is also a
-test of the distributed protocol.
+test of the distributed protocol. The control messages (the verdict) travel in host memory over a gloo group
+of their own, in their own order: a stage rank learns the verdict without reading device memory (under NCCL
+a read of a received GPU tensor would wait for everything its device has queued).
 
-Received buffers are preallocated by the runner and have a fixed shape per message kind; what a rank
-sends is either a fresh output of its compute or a buffer it does not touch again until the send has
-completed (`settle`). Every blocking call is bounded by the process-group timeout, and a failed message
+Every buffer has a fixed shape per message kind and is allocated once by the runner (docs/DESIGN.md lists
+them): received into preallocated buffers, sent from slots the sender does not touch again until the send
+has completed (`settle`). Every blocking call is bounded by the process-group timeout, and a failed message
 raises `PeerError` naming the peer.
 """
 
@@ -25,6 +27,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+# Control messages travel in host memory, over a gloo group of their own (`DistributedTransport`): a rank reads
+# them without waiting for its device. The verdict is the only one.
+CONTROL_KINDS = frozenset({"verdict"})
 
 
 class PeerError(RuntimeError):
@@ -40,6 +46,10 @@ class Transport:
 
     def hosts(self, rank: int) -> bool:
         raise NotImplementedError
+
+    def control_device(self, device: torch.device) -> torch.device:
+        """Where the buffers of control messages (`CONTROL_KINDS`) live for a runner computing on `device`."""
+        return device
 
     def send(self, src: int, dst: int, tensor: torch.Tensor, kind: str) -> None:
         """Start sending; `tensor` must stay unchanged until `settle` has run twice after this call."""
@@ -121,20 +131,27 @@ class DistributedTransport(Transport):
         self._watched: queue.SimpleQueue | None = None  # posted receives, waited on by the watcher thread
         self._sent_now: list[tuple[object, int, str]] = []  # (work, dst, kind) since the last settle
         self._sent_before: list[tuple[object, int, str]] = []
+        self._control = _control_group()
 
     def hosts(self, rank: int) -> bool:
         return rank == self.rank
 
+    def control_device(self, device: torch.device) -> torch.device:
+        return torch.device("cpu")
+
+    def _group(self, kind: str):
+        return self._control if kind in CONTROL_KINDS else None
+
     def send(self, src, dst, tensor, kind) -> None:
         try:
-            work = dist.isend(tensor, dst)
+            work = dist.isend(tensor, dst, group=self._group(kind))
         except RuntimeError as e:
             raise _peer_error(f"cannot send {kind} to rank {dst} ({self.names[dst]})", dst, e) from e
         self._sent_now.append((work, dst, kind))  # the work keeps the tensor alive until it completes
 
     def recv(self, src, dst, tensor, kind) -> None:
         try:
-            dist.recv(tensor, src)
+            dist.recv(tensor, src, group=self._group(kind))
         except RuntimeError as e:
             raise _peer_error(f"no {kind} from rank {src} ({self.names[src]})", src, e) from e
 
@@ -143,11 +160,12 @@ class DistributedTransport(Transport):
         thread blocked in its `wait()`, so one watcher thread waits on every posted gloo receive, in
         order, and flags each when it is in."""
         what = f"no {kind} from rank {src} ({self.names[src]})"
+        group = self._group(kind)
         try:
-            work = dist.irecv(tensor, src)
+            work = dist.irecv(tensor, src, group=group)
         except RuntimeError as e:
             raise _peer_error(what, src, e) from e
-        if dist.get_backend() == "nccl":
+        if dist.get_backend(group) == "nccl":
             return _PostedArrival(work, what, src, watched=False)
         if self._watched is None:
             self._watched = queue.SimpleQueue()
@@ -197,6 +215,18 @@ class _PostedArrival(Arrival):
         self.done.wait()  # the watcher's wait is bounded by the process-group timeout
         if self.error is not None:
             raise _peer_error(self.what, self.peer, self.error) from self.error
+
+
+_control_groups: dict[int, object] = {}
+
+
+def _control_group():
+    """The gloo group of the control messages, one per process group: every rank creates it (a collective) the
+    first time it builds a transport, at the same point of its program."""
+    key = id(dist.group.WORLD)
+    if key not in _control_groups:
+        _control_groups[key] = dist.new_group(backend="gloo")
+    return _control_groups[key]
 
 
 def _watch(watched: queue.SimpleQueue) -> None:

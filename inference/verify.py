@@ -102,10 +102,10 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """`norm(max(0, P - q))`, the distribution a rejection resamples from.
 
     It is all-zero only when P == q, where nothing is ever rejected; P is returned then so the function
-    is total (floating-point round-off can still reach it)."""
+    is total (floating-point round-off can still reach it). Decided on the device: no host read."""
     r = (p - q).clamp_min(0.0)
     total = r.sum()
-    return r / total if total > 0 else p
+    return torch.where(total > 0, r / total.clamp_min(torch.finfo(r.dtype).tiny), p)
 
 
 @dataclass
@@ -162,15 +162,22 @@ class Verifier:
 
     def judge(self, position: int, logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Judge the draft at `position` with the logits of the token before it; writes the verdict message
-        `[verdict, token]` into `out` and returns it. Greedy stays on the device (the caller's single
-        `.tolist()` is the only host sync); sampling decides on the host, one draw at a time, as `judge`."""
+        `[verdict, token]` into `out` and returns it, all on the device (the caller's one read of `out` is
+        the only host sync). Sampling is `judge`'s rule with the correction drawn every time (used only on a
+        rejection): two draws per judgement, whatever the verdict, so no draw depends on a host decision."""
         slot = position % self.window
+        draft = self.tokens[slot]
         if self.sampling.greedy:
             target = logits.argmax()
-            out[0] = torch.where(target == self.tokens[slot], Verdict.ACCEPT, Verdict.REJECT)
+            out[0] = torch.where(target == draft, Verdict.ACCEPT, Verdict.REJECT)
             out[1] = target
             return out
+        p = warp(logits, self.sampling)
         q = draft_distribution(self.q[slot], self.d2t, self.vocab_size)
-        judgement = judge(warp(logits, self.sampling), int(self.tokens[slot]), q, self.generator)
-        out[0], out[1] = Verdict.ACCEPT if judgement.accepted else Verdict.REJECT, judgement.token
+        u = torch.rand((), generator=self.generator, device=p.device)
+        index = draft.view(1)
+        accepted = u < acceptance_probability(p.gather(0, index), q.gather(0, index))[0]
+        correction = torch.multinomial(residual(p, q), 1, generator=self.generator)[0]
+        out[0] = torch.where(accepted, Verdict.ACCEPT, Verdict.REJECT)
+        out[1] = torch.where(accepted, draft, correction)
         return out

@@ -1,0 +1,71 @@
+"""The runner's message buffers: every point-to-point message has a fixed shape, allocated once per runner.
+
+`inbox[rank, kind]` receives; what a rank sends comes from a ring of `SEND_RING` slots per kind, one slot
+per step in turn (`put`): a slot written in step j is sent in step j + 1, and `Transport.settle` has seen
+that send complete by step j + 3, when the slot is written again. So no message buffer is allocated during a
+decode, and a sent buffer is never rewritten in flight (the compiled step's own outputs, which its next
+replay overwrites, are never sent). The verdict lives twice: the verifier judges into a device row, and the
+message travels from host memory (`Transport.control_device`). Prefill buffers, whose shape is the prompt's,
+grow with the longest prompt seen. docs/DESIGN.md lists every message with its shape.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .pipeline import PipelineRunner, RunnerConfig
+
+SEND_RING = 3
+
+
+class Mailboxes:
+    def __init__(self, runner: PipelineRunner, config: RunnerConfig):
+        n, H, dev, dtype = runner.n, config.hidden_size, runner.device, config.state_dtype
+        long, control = dict(dtype=torch.long, device=dev), runner.transport.control_device(dev)
+        self.dtype, self.device = dtype, dev
+        self.inbox: dict[tuple[int, str], torch.Tensor] = {}
+        self.rings: dict[tuple[int, str], torch.Tensor] = {}
+        for r in runner.hosted:
+            if 0 < r < n:
+                self.inbox[r, "act"] = torch.zeros(1, 1, H, dtype=dtype, device=dev)
+            if r in (0, n - 1):
+                self.inbox[r, "draft_token"] = torch.zeros(1, **long)
+            if r == n - 1 and not config.sampling.greedy:
+                self.inbox[r, "draft_q"] = torch.zeros(config.draft_vocab_size, device=dev)
+            if r != n - 1:
+                self.inbox[r, "verdict"] = torch.zeros(2, dtype=torch.long, device=control)
+            if r == n:
+                for s, count in runner.anchor_counts.items():
+                    self.inbox[r, f"anchors{s}"] = torch.zeros(1, count, H, dtype=dtype, device=dev)
+                self.rings[r, "draft_token"] = torch.zeros(SEND_RING, 1, **long)
+                self.rings[r, "draft_q"] = torch.zeros(SEND_RING, config.draft_vocab_size, device=dev)
+            else:
+                count = runner.anchor_counts[r + 1]
+                self.rings[r, "act"] = torch.zeros(SEND_RING, 1, 1, H, dtype=dtype, device=dev)
+                self.rings[r, f"anchors{r + 1}"] = torch.zeros(SEND_RING, 1, count, H, dtype=dtype, device=dev)
+        self.outbox: dict[tuple[int, str], torch.Tensor] = {}  # kind -> the ring slot (or prefill output) to send
+        self.prefill_inbox: dict[tuple[int, str], torch.Tensor] = {}
+        # Two rows in turn (one verdict per cycle), so a row is rewritten only after its sends have settled.
+        self.verdict_rows = torch.zeros(2, 2, **long)
+        self.verdict_host = torch.zeros(2, 2, dtype=torch.long, device=control)
+        self.seed_input = torch.zeros(1, 1, **long)  # stage 1's input when it runs a seed (first token, correction)
+        self._step = 0
+
+    def next_step(self) -> None:
+        self._step += 1
+
+    def put(self, rank: int, kind: str, value: torch.Tensor) -> None:
+        """Copy a computed output into this step's slot of its send ring; the next step sends it."""
+        slot = self.rings[rank, kind][self._step % SEND_RING]
+        self.outbox[rank, kind] = slot.copy_(value.view(slot.shape))
+
+    def prefill_buffer(self, rank: int, kind: str, dim: int, *shape: int) -> torch.Tensor:
+        """A receive buffer of `shape`, whose dimension `dim` counts the prompt's positions: a contiguous view of
+        one that grows (never shrinks) with the longest prompt seen."""
+        buffer = self.prefill_inbox.get((rank, kind))
+        if buffer is None or buffer.shape[dim] < shape[dim]:
+            buffer = self.prefill_inbox[rank, kind] = torch.empty(*shape, dtype=self.dtype, device=self.device)
+        return buffer.narrow(dim, 0, shape[dim])
