@@ -153,7 +153,11 @@ def run_rank(
             rows = runner.transport.gather(torch.from_numpy(runner.clock.rows).to(device), dst=reporter)
             if rank == reporter:
                 result.timing = summarize_timing(
-                    torch.stack(rows).sum(0).cpu()[:, 1:], result.K, n, has_drafter=job.replay is None
+                    torch.stack(rows).sum(0).cpu()[:, 1:],
+                    result.K,
+                    n,
+                    has_drafter=job.replay is None,
+                    shared_pdm=job.pdm_placement == "shared",
                 )
         if rank == reporter:
             report(i, result)
