@@ -43,6 +43,7 @@ import torch
 
 from spd_lightning.errors import UserError
 
+from .nodes import Nodes, ReportListener, ReportSender, agent_rendezvous
 from .pipeline import role_name
 from .result import DecodeResult, summarize_timing
 from .roles import build_runner, rank_device
@@ -105,6 +106,7 @@ class DecodeJob:
     stream: bool = False  # the verifier's rank reports each cycle's verified tokens (`launch(on_tokens=...)`)
     pdm_placement: str = "separate"  # or "shared": the PDM in stage 1's process (`shared_transport`)
     compile: bool = False  # one-token stage steps and PDM drafts through torch.compile (`capture.CompiledStep`)
+    nodes: Nodes | None = None  # this node's share of the ranks when they span several nodes (`nodes`)
 
     def __post_init__(self):
         if self.replay is not None:
@@ -118,6 +120,11 @@ class DecodeJob:
     def world_size(self) -> int:
         """Processes: n stages, plus the PDM's unless it shares stage 1's."""
         return self.n + (self.pdm_placement != "shared")
+
+    @property
+    def local_ranks(self) -> int:
+        """The processes this node runs."""
+        return self.world_size if self.nodes is None else self.nodes.nproc
 
 
 # -- the ranks ------------------------------------------------------------------------------------
@@ -136,7 +143,7 @@ def run_rank(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:  # ranks share the CPU: oversubscribed threads make every rank slower
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.world_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.local_ranks))
     init_distributed("nccl" if device.type == "cuda" else "gloo", rank, job.world_size, job.timeout_s)
     if requests is not None:
         from .server_ranks import serve_requests
@@ -199,6 +206,7 @@ def _rank_main(job: DecodeJob, messages, launcher_pid: int, requests=None) -> No
     if not job.debug:
         _quiet_transformers()
     try:
+        _check_world_size(job, int(os.environ["WORLD_SIZE"]))
         stream = (lambda i, tokens: messages.put(Streamed(i, list(tokens)))) if job.stream else None
         run_rank(job, rank, local_rank, lambda i, r: messages.put(Finished(rank, i, r.to_dict())), stream, requests)
     except BaseException as e:  # noqa: BLE001 - whatever it was, the launcher must hear about it
@@ -217,6 +225,18 @@ def _rank_main(job: DecodeJob, messages, launcher_pid: int, requests=None) -> No
         if isinstance(e, PeerError):
             time.sleep(PEER_REPORT_GRACE_S)
         sys.exit(1)
+
+
+class NodesMismatch(UserError):
+    """The nodes together start another number of ranks than the drafter's pipeline has."""
+
+
+def _check_world_size(job: DecodeJob, world_size: int) -> None:
+    if world_size != job.world_size:
+        raise NodesMismatch(
+            f"the nodes start {world_size} ranks in all; n={job.n} stages with --pdm-placement "
+            f"{job.pdm_placement} need {job.world_size}: make the nodes' --nproc-per-node add up to it"
+        )
 
 
 def _exit_with(launcher_pid: int, rank: int) -> None:
@@ -309,8 +329,11 @@ def launch(
             tempfile.TemporaryDirectory(prefix="spd_launch_") as logs,
             _quiet_agent(job.debug),
             _callers_signal_handlers(),
+            _listening(job, inbox),
         ):
-            elastic_launch(_agent_config(job, method, logs), _rank_main)(job, inbox.messages, os.getpid(), requests)
+            elastic_launch(_agent_config(job, method, logs), _rank_main)(
+                job, _report_channel(job, inbox), os.getpid(), requests
+            )
     except ChildFailedError as e:
         inbox.close()
         failed = {rank: f.exitcode for rank, f in e.failures.items()}
@@ -325,6 +348,24 @@ def launch(
     if missing:
         raise LaunchError(f"every rank exited cleanly but prompts {missing} produced no result", inbox.pid_list())
     return [inbox.results[i] for i in range(len(job.prompts))]
+
+
+def _report_channel(job: DecodeJob, inbox: Inbox):
+    """Where this node's ranks report: the local queue, but node 0's listener from the other nodes (`nodes`)."""
+    return inbox.messages if job.nodes is None or job.nodes.node_rank == 0 else ReportSender(job.nodes)
+
+
+@contextlib.contextmanager
+def _listening(job: DecodeJob, inbox: Inbox):
+    """On node 0 of a multi-node run, the other nodes' reports come into the inbox while the ranks run."""
+    if job.nodes is None or job.nodes.node_rank != 0:
+        yield
+        return
+    listener = ReportListener(job.nodes, inbox.messages)
+    try:
+        yield
+    finally:
+        listener.close()
 
 
 @contextlib.contextmanager
@@ -347,10 +388,11 @@ def _callers_signal_handlers():
 def _check_devices(job: DecodeJob) -> None:
     if job.device.startswith("cuda"):
         available = torch.cuda.device_count()
-        if available < job.world_size:
+        if available < job.local_ranks:
             pdm = "the PDM on stage 1's GPU" if job.pdm_placement == "shared" else "1 PDM rank"
+            here = "" if job.nodes is None else f" ({job.local_ranks} on this node)"
             raise TooFewDevices(
-                f"n={job.n} stages + {pdm} need {job.world_size} GPUs, {available} are visible: "
+                f"n={job.n} stages + {pdm} need {job.world_size} GPUs{here}, {available} are visible: "
                 f"lower n, use --pdm-placement shared, or run the one-process simulator with --simulate"
             )
 
@@ -359,14 +401,21 @@ def _agent_config(job: DecodeJob, start_method: str, log_dir: str):
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
-    # One node, no restarts: what `torchrun --standalone --nproc-per-node n+1` does (c10d on a free port).
+    # One node: what `torchrun --standalone --nproc-per-node n+1` does (c10d on a free port); several:
+    # this node's share in a static rendezvous (`nodes`). No restarts.
+    if job.nodes is None:
+        rendezvous = dict(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=job.world_size,
+            run_id=f"spd-{uuid.uuid4().hex}",
+            rdzv_backend="c10d",
+            rdzv_endpoint="127.0.0.1:0",
+        )
+    else:
+        rendezvous = agent_rendezvous(job.nodes, job.timeout_s)
     return LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=job.world_size,
-        run_id=f"spd-{uuid.uuid4().hex}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
+        **rendezvous,
         max_restarts=0,
         monitor_interval=0.05,
         start_method=start_method,

@@ -23,9 +23,7 @@ def max_cycles(n: int, max_new_tokens: int) -> int:
     return n * max_new_tokens + n
 
 
-def summarize_timing(
-    rows: torch.Tensor, K: int, n: int, has_drafter: bool = True, shared_pdm: bool = False
-) -> dict:
+def summarize_timing(rows: torch.Tensor, K: int, n: int, has_drafter: bool = True, shared_pdm: bool = False) -> dict:
     """`rows[world, cycles, TIMING_FIELDS]` (ranks 0..n-1 are stages, rank n the PDM) -> JSON-ready dict.
     `shared_pdm` (the PDM in stage 1's process, `--pdm-placement shared`) adds what sharing costs."""
     rows = rows[:, :K].double()
