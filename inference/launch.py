@@ -352,7 +352,9 @@ def launch(
 
 def _report_channel(job: DecodeJob, inbox: Inbox):
     """Where this node's ranks report: the local queue, but node 0's listener from the other nodes (`nodes`)."""
-    return inbox.messages if job.nodes is None or job.nodes.node_rank == 0 else ReportSender(job.nodes)
+    if job.nodes is None or job.nodes.node_rank == 0:
+        return inbox.messages
+    return ReportSender(job.nodes, inbox.messages, local_kinds=(Started, Failed))
 
 
 @contextlib.contextmanager

@@ -55,24 +55,29 @@ class RequestsOnNodeZero:
 
 class ReportSender:
     """A rank's reports to node 0's `ReportListener`, in the interface of the local queue (`put`, `close`,
-    `join_thread`); it connects at the first report, in the rank's process. A send returns when the
-    message is written, so there is nothing left to flush."""
+    `join_thread`); it connects at the first report, in the rank's process. The reports of the kinds
+    `local_kinds` (its start, its failure) also go to this node's own launcher, which then knows which of
+    its ranks failed and why."""
 
-    def __init__(self, nodes: Nodes):
+    def __init__(self, nodes: Nodes, local, local_kinds: tuple[type, ...]):
         self.address, self.authkey = nodes.report_address, nodes.authkey
+        self.local, self.local_kinds = local, local_kinds
         self._connection = None
 
     def put(self, message) -> None:
+        if isinstance(message, self.local_kinds):
+            self.local.put(message)
         if self._connection is None:
             self._connection = Client(self.address, authkey=self.authkey)
-        self._connection.send(message)
+        self._connection.send(message)  # returns once written: nothing is left to flush
 
     def close(self) -> None:
         if self._connection is not None:
             self._connection.close()
+        self.local.close()
 
     def join_thread(self) -> None:
-        pass
+        self.local.join_thread()
 
 
 class ReportListener:

@@ -26,7 +26,7 @@ import sys
 import torch
 
 from . import cli
-from .launch import DecodeJob, launch
+from .launch import DecodeJob, LaunchError, RankInputError, launch
 from .nodes import Nodes, RequestsOnNodeZero
 from .server_engine import Engine, InProcessBackend
 from .verify import Sampling
@@ -136,14 +136,21 @@ def serving_job(setup: cli.Setup, args: argparse.Namespace) -> DecodeJob:
 
 
 def run_ranks_only(args: argparse.Namespace) -> int:
-    """A node other than node 0: its share of the ranks, until node 0 stops them (exit 0) or one fails."""
+    """A node other than node 0: its share of the ranks, until node 0 stops them (exit 0). When a rank
+    fails, node 0 starts a fresh pipeline and this node joins it; it ends when node 0 cannot be reached
+    within --timeout, or when its ranks reject their input."""
     check_args(args)
     job = serving_job(cli.prepare(args), args)
-    log.info(
-        "node %d: %d ranks, node 0 at %s:%d", args.node_rank, args.nproc_per_node, args.master_addr, args.master_port
-    )
-    launch(job, requests=RequestsOnNodeZero())
-    return 0
+    where = f"node 0 at {args.master_addr}:{args.master_port}"
+    while True:
+        log.info("node %d: %d ranks, joining %s", args.node_rank, args.nproc_per_node, where)
+        try:
+            launch(job, requests=RequestsOnNodeZero())
+            return 0
+        except RankInputError:
+            raise
+        except LaunchError as e:
+            log.warning("%s; joining the next pipeline", str(e).splitlines()[0])
 
 
 def run(args: argparse.Namespace) -> int:
