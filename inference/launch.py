@@ -7,8 +7,8 @@ exits non-zero. Under `torchrun` the same `run_rank` runs in every process inste
 adds to the agent:
 
 - the ranks report through one queue: their pid, each result as it is ready (`on_result`), and the
-  error that ends them. The launcher names the rank that caused a failure from these reports and the
-  agent's exit codes (`failure_message`);
+  error that ends them (`reports`). The launcher names the rank that caused a failure from these reports
+  and the agent's exit codes (`reports.failure_message`);
 - inside the ranks every blocking call is bounded by the process-group timeout, so a rank that stalls
   makes its peers fail too; a rank that lost a peer waits `PEER_REPORT_GRACE_S` before it exits, so the
   other ranks that lost it report before the agent stops them, and the chain of blame reaches the rank
@@ -18,7 +18,8 @@ adds to the agent:
   fork server, which lives as long as a rank holds its end of the server's pipe).
 
 Each rank loads only what its role needs (`roles`): a stage rank its layer range (plus the embedding or
-the head at the ends), the PDM rank the drafter and the target's embedding table.
+the head at the ends), the PDM rank the drafter and the target's embedding table. With `DecodeJob.nodes`
+this launcher runs one node's share of the ranks of a multi-node run (`nodes`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ import torch
 
 from spd_lightning.errors import UserError
 
-from .pipeline import role_name
+from .nodes import Nodes, ReportListener, ReportSender, agent_rendezvous
+from .reports import Failed, Finished, Inbox, Started, Streamed, blamed_report, failure_message
 from .result import DecodeResult, summarize_timing
 from .roles import build_runner, rank_device
 from .stages import meta_target
@@ -105,6 +107,7 @@ class DecodeJob:
     stream: bool = False  # the verifier's rank reports each cycle's verified tokens (`launch(on_tokens=...)`)
     pdm_placement: str = "separate"  # or "shared": the PDM in stage 1's process (`shared_transport`)
     compile: bool = False  # one-token stage steps and PDM drafts through torch.compile (`capture.CompiledStep`)
+    nodes: Nodes | None = None  # this node's share of the ranks when they span several nodes (`nodes`)
 
     def __post_init__(self):
         if self.replay is not None:
@@ -118,6 +121,11 @@ class DecodeJob:
     def world_size(self) -> int:
         """Processes: n stages, plus the PDM's unless it shares stage 1's."""
         return self.n + (self.pdm_placement != "shared")
+
+    @property
+    def local_ranks(self) -> int:
+        """The processes this node runs."""
+        return self.world_size if self.nodes is None else self.nodes.nproc
 
 
 # -- the ranks ------------------------------------------------------------------------------------
@@ -136,7 +144,7 @@ def run_rank(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:  # ranks share the CPU: oversubscribed threads make every rank slower
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.world_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.local_ranks))
     init_distributed("nccl" if device.type == "cuda" else "gloo", rank, job.world_size, job.timeout_s)
     if requests is not None:
         from .server_ranks import serve_requests
@@ -153,38 +161,17 @@ def run_rank(
             rows = runner.transport.gather(torch.from_numpy(runner.clock.rows).to(device), dst=reporter)
             if rank == reporter:
                 result.timing = summarize_timing(
-                    torch.stack(rows).sum(0).cpu()[:, 1:], result.K, n, has_drafter=job.replay is None
+                    torch.stack(rows).sum(0).cpu()[:, 1:],
+                    result.K,
+                    n,
+                    has_drafter=job.replay is None,
+                    shared_pdm=job.pdm_placement == "shared",
                 )
         if rank == reporter:
             report(i, result)
     # Only a clean finish leaves the group here. After a failure the connections close when the process
     # exits, i.e. after the error was reported, so the launcher hears the cause before the peers' echoes.
     close_distributed()
-
-
-# -- what the ranks tell the launcher ------------------------------------------------------------
-class Started(NamedTuple):
-    rank: int
-    pid: int
-
-
-class Finished(NamedTuple):
-    rank: int
-    index: int  # the prompt
-    result: dict  # DecodeResult.to_dict()
-
-
-class Streamed(NamedTuple):
-    index: int  # the prompt
-    tokens: list[int]  # verified in one cycle
-
-
-class Failed(NamedTuple):
-    rank: int
-    message: str  # "Type: first line"
-    trace: str
-    peer: int | None  # the rank it lost, for a `PeerError`
-    user_error: bool
 
 
 def _rank_main(job: DecodeJob, messages, launcher_pid: int, requests=None) -> None:
@@ -195,6 +182,7 @@ def _rank_main(job: DecodeJob, messages, launcher_pid: int, requests=None) -> No
     if not job.debug:
         _quiet_transformers()
     try:
+        _check_world_size(job, int(os.environ["WORLD_SIZE"]))
         stream = (lambda i, tokens: messages.put(Streamed(i, list(tokens)))) if job.stream else None
         run_rank(job, rank, local_rank, lambda i, r: messages.put(Finished(rank, i, r.to_dict())), stream, requests)
     except BaseException as e:  # noqa: BLE001 - whatever it was, the launcher must hear about it
@@ -213,6 +201,18 @@ def _rank_main(job: DecodeJob, messages, launcher_pid: int, requests=None) -> No
         if isinstance(e, PeerError):
             time.sleep(PEER_REPORT_GRACE_S)
         sys.exit(1)
+
+
+class NodesMismatch(UserError):
+    """The nodes together start another number of ranks than the drafter's pipeline has."""
+
+
+def _check_world_size(job: DecodeJob, world_size: int) -> None:
+    if world_size != job.world_size:
+        raise NodesMismatch(
+            f"the nodes start {world_size} ranks in all; n={job.n} stages with --pdm-placement "
+            f"{job.pdm_placement} need {job.world_size}: make the nodes' --nproc-per-node add up to it"
+        )
 
 
 def _exit_with(launcher_pid: int, rank: int) -> None:
@@ -236,49 +236,6 @@ def _quiet_transformers() -> None:
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-
-
-class Inbox:
-    """The launcher's side of the queue, drained by a thread while the agent watches the processes."""
-
-    def __init__(
-        self,
-        messages,
-        on_result: Callable[[int, DecodeResult], None] | None,
-        on_start: Callable[[int, int], None] | None,
-        on_tokens: Callable[[int, list[int]], None] | None = None,
-    ):
-        self.messages, self.on_result, self.on_start, self.on_tokens = messages, on_result, on_start, on_tokens
-        self.pids: dict[int, int] = {}
-        self.results: dict[int, DecodeResult] = {}
-        self.failures: dict[int, Failed] = {}
-        self._thread = threading.Thread(target=self._drain, name="spd-launch-inbox", daemon=True)
-        self._thread.start()
-
-    def _drain(self) -> None:
-        while (message := self.messages.get()) is not None:
-            if isinstance(message, Started):
-                self.pids[message.rank] = message.pid
-                if self.on_start is not None:
-                    self.on_start(message.rank, message.pid)
-            elif isinstance(message, Streamed):
-                if self.on_tokens is not None:
-                    self.on_tokens(message.index, message.tokens)
-            elif isinstance(message, Finished):
-                self.results[message.index] = result = DecodeResult.from_dict(message.result)
-                if self.on_result is not None:
-                    self.on_result(message.index, result)
-            else:
-                self.failures.setdefault(message.rank, message)
-
-    def close(self, wait_s: float = 5.0) -> None:
-        """Every report the ranks made is in (they have all exited by now); a second call does nothing."""
-        if self._thread.is_alive():
-            self.messages.put(None)
-            self._thread.join(wait_s)
-
-    def pid_list(self) -> tuple[int, ...]:
-        return tuple(self.pids[r] for r in sorted(self.pids))
 
 
 # -- the launcher -----------------------------------------------------------------------------
@@ -305,12 +262,15 @@ def launch(
             tempfile.TemporaryDirectory(prefix="spd_launch_") as logs,
             _quiet_agent(job.debug),
             _callers_signal_handlers(),
+            _listening(job, inbox),
         ):
-            elastic_launch(_agent_config(job, method, logs), _rank_main)(job, inbox.messages, os.getpid(), requests)
+            elastic_launch(_agent_config(job, method, logs), _rank_main)(
+                job, _report_channel(job, inbox), os.getpid(), requests
+            )
     except ChildFailedError as e:
         inbox.close()
         failed = {rank: f.exitcode for rank, f in e.failures.items()}
-        blamed = _blamed_report(failed, inbox.failures)
+        blamed = blamed_report(failed, inbox.failures)
         cls = RankInputError if blamed is not None and blamed.user_error else LaunchError
         raise cls(failure_message(job, failed, inbox.failures), inbox.pid_list(), failed) from None
     finally:
@@ -321,6 +281,26 @@ def launch(
     if missing:
         raise LaunchError(f"every rank exited cleanly but prompts {missing} produced no result", inbox.pid_list())
     return [inbox.results[i] for i in range(len(job.prompts))]
+
+
+def _report_channel(job: DecodeJob, inbox: Inbox):
+    """Where this node's ranks report: the local queue, but node 0's listener from the other nodes (`nodes`)."""
+    if job.nodes is None or job.nodes.node_rank == 0:
+        return inbox.messages
+    return ReportSender(job.nodes, inbox.messages, local_kinds=(Started, Failed))
+
+
+@contextlib.contextmanager
+def _listening(job: DecodeJob, inbox: Inbox):
+    """On node 0 of a multi-node run, the other nodes' reports come into the inbox while the ranks run."""
+    if job.nodes is None or job.nodes.node_rank != 0:
+        yield
+        return
+    listener = ReportListener(job.nodes, inbox.messages)
+    try:
+        yield
+    finally:
+        listener.close()
 
 
 @contextlib.contextmanager
@@ -343,10 +323,11 @@ def _callers_signal_handlers():
 def _check_devices(job: DecodeJob) -> None:
     if job.device.startswith("cuda"):
         available = torch.cuda.device_count()
-        if available < job.world_size:
+        if available < job.local_ranks:
             pdm = "the PDM on stage 1's GPU" if job.pdm_placement == "shared" else "1 PDM rank"
+            here = "" if job.nodes is None else f" ({job.local_ranks} on this node)"
             raise TooFewDevices(
-                f"n={job.n} stages + {pdm} need {job.world_size} GPUs, {available} are visible: "
+                f"n={job.n} stages + {pdm} need {job.world_size} GPUs{here}, {available} are visible: "
                 f"lower n, use --pdm-placement shared, or run the one-process simulator with --simulate"
             )
 
@@ -355,14 +336,21 @@ def _agent_config(job: DecodeJob, start_method: str, log_dir: str):
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
-    # One node, no restarts: what `torchrun --standalone --nproc-per-node n+1` does (c10d on a free port).
+    # One node: what `torchrun --standalone --nproc-per-node n+1` does (c10d on a free port); several:
+    # this node's share in a static rendezvous (`nodes`). No restarts.
+    if job.nodes is None:
+        rendezvous = dict(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=job.world_size,
+            run_id=f"spd-{uuid.uuid4().hex}",
+            rdzv_backend="c10d",
+            rdzv_endpoint="127.0.0.1:0",
+        )
+    else:
+        rendezvous = agent_rendezvous(job.nodes, job.timeout_s)
     return LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=job.world_size,
-        run_id=f"spd-{uuid.uuid4().hex}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
+        **rendezvous,
         max_restarts=0,
         monitor_interval=0.05,
         start_method=start_method,
@@ -400,44 +388,3 @@ class _quiet_agent:
     def __exit__(self, *exc):
         for logger, level in self.levels.items():
             logger.setLevel(level)
-
-
-def _blamed_report(failed: dict[int, int], reports: dict[int, Failed]) -> Failed | None:
-    """The report of the rank that caused the failure, when that rank reported one (see `failure_message`)."""
-    rank, code = min(failed.items())
-    if code < 0 or rank not in reports:
-        return None
-    own = [r for r in reports.values() if r.peer is None]
-    return own[0] if own else reports[rank]
-
-
-def failure_message(job: DecodeJob, failed: dict[int, int], reports: dict[int, Failed]) -> str:
-    """Names the rank that caused the failure: the one the agent saw die when it was killed by a signal or
-    exited without a report (it died abruptly); else one that reported an error of its own; else, when every
-    report is a lost peer (`PeerError`), the rank at the end of the chain of blamed peers: the one that
-    went silent (e.g. stalled) while the others, directly or through blocked peers, waited on it."""
-    n = job.n
-    rank, code = min(failed.items())
-    report = _blamed_report(failed, reports)
-    if code < 0:
-        head = f"rank {rank} ({role_name(rank, n)}) was killed by signal {-code}"
-    elif report is None:
-        head = f"rank {rank} ({role_name(rank, n)}) exited with code {code} without reporting an error"
-    else:
-        rank = report.rank
-        head = f"rank {rank} ({role_name(rank, n)}) failed: {report.message}"
-        silent = _end_of_blame(report, reports)
-        if silent is not None:
-            head = f"rank {silent} ({role_name(silent, n)}) stopped responding: {head}"
-        head += f"\n{report.trace}" if job.debug else ""
-    others = [role_name(q, n) for q in sorted({*failed, *reports}) if q != rank]
-    return head + (f" (then also: {', '.join(others)})" if others else "") + "; every rank was stopped"
-
-
-def _end_of_blame(report: Failed, reports: dict[int, Failed]) -> int | None:
-    """Follow lost peers from `report` through the ranks that reported one; the first that did not report."""
-    chain, peer = {report.rank}, report.peer
-    while peer is not None and peer not in chain and peer in reports:
-        chain.add(peer)
-        peer = reports[peer].peer
-    return peer if peer is not None and peer not in reports else None

@@ -23,8 +23,9 @@ def max_cycles(n: int, max_new_tokens: int) -> int:
     return n * max_new_tokens + n
 
 
-def summarize_timing(rows: torch.Tensor, K: int, n: int, has_drafter: bool = True) -> dict:
-    """`rows[world, cycles, TIMING_FIELDS]` (ranks 0..n-1 are stages, rank n the PDM) -> JSON-ready dict."""
+def summarize_timing(rows: torch.Tensor, K: int, n: int, has_drafter: bool = True, shared_pdm: bool = False) -> dict:
+    """`rows[world, cycles, TIMING_FIELDS]` (ranks 0..n-1 are stages, rank n the PDM) -> JSON-ready dict.
+    `shared_pdm` (the PDM in stage 1's process, `--pdm-placement shared`) adds what sharing costs."""
     rows = rows[:, :K].double()
     stage = rows[:n, :, COMPUTE].T  # [K, n]
     draft = rows[n, :, COMPUTE] if has_drafter else torch.zeros(K, dtype=torch.float64)
@@ -49,7 +50,22 @@ def summarize_timing(rows: torch.Tensor, K: int, n: int, has_drafter: bool = Tru
         "mean_slowest_stage_s": float(slowest.mean()) if K else 0.0,
         "mean_draft_s": float(draft.mean()) if K else 0.0,
     }
+    if shared_pdm:
+        _add_sharing_cost(per_cycle, totals, stage, draft, slowest)
     return {"per_cycle": per_cycle, "totals": totals}
+
+
+def _add_sharing_cost(
+    per_cycle: dict, totals: dict, stage: torch.Tensor, draft: torch.Tensor, slowest: torch.Tensor
+) -> None:
+    """Stage 1's process also drafts: per cycle its busy time is its stage plus the draft's time on its
+    critical path (on a GPU the part of the draft that its own stream did not hide behind the forward,
+    `shared_stream`; on the CPU the whole draft). The cost is how far that exceeds the slowest stage."""
+    shared = stage[:, 0] + draft
+    cost = (shared - slowest).clamp(min=0)
+    per_cycle["shared_process_s"], per_cycle["sharing_cost_s"] = shared.tolist(), cost.tolist()
+    totals["mean_shared_process_s"] = float(shared.mean()) if len(shared) else 0.0
+    totals["mean_sharing_cost_s"] = float(cost.mean()) if len(cost) else 0.0
 
 
 @dataclass

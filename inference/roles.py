@@ -20,6 +20,7 @@ from spd_lightning.target import resolve_dtype
 from .drafter import PDMDrafter, ReplayDrafter
 from .faults import step_hook
 from .pipeline import PipelineRunner, RunnerConfig, role_name
+from .shared_stream import SideStreamDrafter, draft_stream
 from .shared_transport import SharedTransport
 from .stages import Stage, load_pieces
 from .transport import DistributedTransport
@@ -85,6 +86,8 @@ def build_runner(
             if job.replay is not None
             else PDMDrafter(loaded.pdm, geometry, loaded.embed, sampling, dtype, compile=job.compile)
         )
+        if shared:  # beside stage 1's forward on their one GPU (`shared_stream`)
+            drafter = SideStreamDrafter(drafter, draft_stream(device))
     config = RunnerConfig(
         sampling,
         job.vocab_size,

@@ -3,6 +3,9 @@
     python -m inference.serve --ckpt drafter/ --port 8000 --simulate
     python -m inference.serve --ckpt drafter/ --target Qwen/Qwen3.5-9B --api-key "$KEY" --device cuda
     python -m inference.serve --ckpt none --target DIR --mode ar --simulate   # the plain target, same API
+    # two nodes: node 0 serves HTTP and runs ranks 0..4, node 1 runs ranks 5..8 and serves nothing
+    python -m inference.serve --ckpt drafter/ --device cuda --nnodes 2 --node-rank 0 --nproc-per-node 5 --master-addr HOST0
+    python -m inference.serve --ckpt drafter/ --device cuda --nnodes 2 --node-rank 1 --nproc-per-node 4 --master-addr HOST0
 
 The weights are loaded once, at start: n + 1 rank processes that stay up between requests (in this
 process with `--simulate`; `--mode ar` runs the stages in sequence in this process). Requests are decoded one at a time (SPD is a batch-1 latency
@@ -10,22 +13,26 @@ method) and wait in a FIFO of `--queue-size` (HTTP 429 beyond it). Endpoints: `P
 `POST /v1/completions` (`stream: true` for server-sent events as tokens are verified; `temperature`,
 `top_p`, `top_k`, `max_tokens`, `seed`, `stop`), `GET /v1/models`, `/health`, `/metrics` (Prometheus).
 The model name is the drafter's directory name (or the target's for `--mode ar`), or `--model-name`.
-SIGTERM or Ctrl-C stops the server after the request in progress.
+SIGTERM or Ctrl-C stops the server after the request in progress, and with it the ranks of every node.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
 import torch
 
 from . import cli
+from .launch import DecodeJob, LaunchError, RankInputError, launch
+from .nodes import Nodes, RequestsOnNodeZero
 from .server_engine import Engine, InProcessBackend
 from .verify import Sampling
 
 DEFAULT_CAP = 1024
+log = logging.getLogger("inference.serve")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -47,8 +54,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "default: torch's. Tiny models decode fastest with 1",
     )
     cli.add_decoder_arguments(p, max_new_tokens=256, with_ar=True)
-    args = p.parse_args(argv)
-    return args
+    add_node_arguments(p)
+    return p.parse_args(argv)
+
+
+def add_node_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("several nodes (inference/nodes.py; the same decoder options on every node)")
+    g.add_argument("--nnodes", type=int, default=1, help="nodes the ranks run on")
+    g.add_argument("--node-rank", type=int, default=0, help="0: this node serves HTTP; others only run ranks")
+    g.add_argument("--nproc-per-node", type=int, help="ranks on this node (with --nnodes > 1); in rank order by node")
+    g.add_argument("--master-addr", default="127.0.0.1", help="node 0's address, reachable from every node")
+    g.add_argument("--master-port", type=int, default=29500, help="node 0's port for the ranks' rendezvous")
+    g.add_argument("--report-port", type=int, help="node 0's port for the other nodes' reports (default: master + 1)")
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -59,6 +76,25 @@ def check_args(args: argparse.Namespace) -> None:
         raise cli.UsageError(f"--threads {args.threads} must be >= 1")
     if args.queue_size < 1 or args.max_tokens_cap < 1:
         raise cli.UsageError("--queue-size and --max-tokens-cap must be >= 1")
+    check_node_args(args)
+
+
+def check_node_args(args: argparse.Namespace) -> None:
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        raise cli.UsageError(f"--nnodes {args.nnodes} --node-rank {args.node_rank}: need 0 <= node rank < nnodes")
+    if args.nnodes == 1:
+        return
+    if args.simulate or args.mode == "ar":
+        raise cli.UsageError("--nnodes > 1 runs the distributed decoder: drop --simulate and --mode ar")
+    if args.nproc_per_node is None or args.nproc_per_node < 1:
+        raise cli.UsageError("--nnodes > 1 needs --nproc-per-node N >= 1: the ranks this node runs")
+
+
+def nodes_of(args: argparse.Namespace) -> Nodes | None:
+    if args.nnodes == 1:
+        return None
+    report_port = args.report_port or args.master_port + 1
+    return Nodes(args.nnodes, args.node_rank, args.nproc_per_node, args.master_addr, args.master_port, report_port)
 
 
 def build(args: argparse.Namespace):
@@ -87,15 +123,41 @@ def make_backend(setup: cli.Setup, args: argparse.Namespace):
         return InProcessBackend(setup, args.device)
     from .server_ranks import RankBackend
 
+    return RankBackend(serving_job(setup, args))
+
+
+def serving_job(setup: cli.Setup, args: argparse.Namespace) -> DecodeJob:
+    """The ranks' job: requests instead of prompts, each cycle's tokens streamed to node 0."""
     job = cli.decode_job(setup, args, [], Sampling(), profile=False)
     job.stream = True
     job.fault = os.environ.get("SPD_FAULT")  # test-only: see `faults.Fault`
-    return RankBackend(job)
+    job.nodes = nodes_of(args)
+    return job
+
+
+def run_ranks_only(args: argparse.Namespace) -> int:
+    """A node other than node 0: its share of the ranks, until node 0 stops them (exit 0). When a rank
+    fails, node 0 starts a fresh pipeline and this node joins it; it ends when node 0 cannot be reached
+    within --timeout, or when its ranks reject their input."""
+    check_args(args)
+    job = serving_job(cli.prepare(args), args)
+    where = f"node 0 at {args.master_addr}:{args.master_port}"
+    while True:
+        log.info("node %d: %d ranks, joining %s", args.node_rank, args.nproc_per_node, where)
+        try:
+            launch(job, requests=RequestsOnNodeZero())
+            return 0
+        except RankInputError:
+            raise
+        except LaunchError as e:
+            log.warning("%s; joining the next pipeline", str(e).splitlines()[0])
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    if args.node_rank > 0:
+        return run_ranks_only(args)
     app, engine = build(args)
     try:
         uvicorn.run(

@@ -1,10 +1,17 @@
-"""PDM placement `shared`: the PDM in stage 1's process, n processes for n stages, the same decode."""
+"""PDM placement `shared`: the PDM in stage 1's process, n processes for n stages, the same decode; its
+draft on a second CUDA stream (`shared_stream`), and what sharing costs in the cycle profile."""
+
+from contextlib import contextmanager, nullcontext
 
 import pytest
+import torch
 from conftest import make_tiny_model
 from test_inference_support import one_thread, save_random_drafter, target_dir  # noqa: F401 - autouse fixture
 
+from inference import shared_stream
 from inference.launch import DecodeJob, launch
+from inference.result import COMPUTE, TIMING_FIELDS, summarize_timing
+from inference.shared_stream import SideStreamDrafter, draft_stream, use_stream
 from inference.simulator import Simulator
 from inference.verify import Sampling
 from spd_lightning.export import load_drafter
@@ -55,3 +62,111 @@ def test_shared_placement_decodes_what_the_separate_one_and_the_simulator_do(
             per_cycle = result.timing["per_cycle"]
             assert len(per_cycle["wall_s"]) == result.K and all(len(r) == n for r in per_cycle["stage_compute_s"])
             assert result.timing["totals"]["draft_s"] > 0 and result.timing["totals"]["comm_s"] > 0
+        shared_cost = a.timing["per_cycle"]["shared_process_s"]  # only the shared placement reports it
+        assert len(shared_cost) == a.K and "shared_process_s" not in b.timing["per_cycle"]
+
+
+def test_the_sharing_cost_is_stage_1_plus_the_draft_beyond_the_slowest_stage():
+    rows = torch.zeros(3, 2, TIMING_FIELDS)  # n = 2 stages and the PDM, 2 cycles
+    rows[0, :, COMPUTE] = torch.tensor([1.0, 1.0])  # stage 1
+    rows[1, :, COMPUTE] = torch.tensor([3.0, 1.5])  # stage 2
+    rows[2, :, COMPUTE] = torch.tensor([0.5, 2.0])  # the PDM's draft on stage 1's critical path
+    timing = summarize_timing(rows, 2, 2, shared_pdm=True)
+    assert timing["per_cycle"]["shared_process_s"] == [1.5, 3.0]
+    assert timing["per_cycle"]["sharing_cost_s"] == [0.0, 1.5]
+    assert timing["totals"]["mean_sharing_cost_s"] == 0.75 and timing["totals"]["mean_shared_process_s"] == 2.25
+    assert "sharing_cost_s" not in summarize_timing(rows, 2, 2)["per_cycle"]
+
+
+def test_the_draft_gets_its_own_stream_on_a_gpu_and_none_on_the_cpu(monkeypatch):
+    assert draft_stream(torch.device("cpu")) is None and isinstance(use_stream(None), nullcontext)
+    made, entered = [], []
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: made.append(device) or "stream")
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: entered.append(stream) or nullcontext())
+    assert draft_stream(torch.device("cuda", 1)) == "stream" and made == [torch.device("cuda", 1)]
+    with use_stream("stream"):
+        assert entered == ["stream"]
+
+
+class FakeStream:
+    """Logs what is asked of a CUDA stream; its events are numbered."""
+
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def record_event(self) -> str:
+        event = f"e{sum(1 for entry in self.log if entry[0] == 'record')}"
+        self.log.append(("record", self.name, event))
+        return event
+
+    def wait_event(self, event: str) -> None:
+        self.log.append(("wait", self.name, event))
+
+
+class FakeTensor:
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def record_stream(self, stream: FakeStream) -> None:
+        self.log.append(("used by", stream.name, self.name))
+
+
+class FakeDrafter:
+    def __init__(self, log: list):
+        self.log = log
+
+    def start(self, prompt_ids, capacity):
+        self.log.append(("start",))
+
+    def set_token(self, position, token):
+        self.log.append(("set_token",))
+
+    def store_anchors(self, stage, start, states):
+        self.log.append(("store_anchors",))
+
+    def draft(self, view, generator):
+        self.log.append(("draft",))
+        return FakeTensor("token", self.log), FakeTensor("q", self.log)
+
+
+def test_the_side_stream_waits_for_the_inputs_and_the_main_stream_for_the_draft(monkeypatch):
+    log = []
+    main, side = FakeStream("main", log), FakeStream("side", log)
+
+    @contextmanager
+    def on(stream):
+        log.append(("enter", stream.name))
+        yield
+        log.append(("exit", stream.name))
+
+    monkeypatch.setattr(shared_stream, "use_stream", on)
+    drafter = SideStreamDrafter(FakeDrafter(log), side, main_stream=lambda: main)
+    drafter.start(None, 8)
+    drafter.store_anchors(1, 0, None)
+    drafter.set_token(3, 5)
+    token, q = drafter.draft([(0, 3)], None)
+    assert (token.name, q.name) == ("token", "q")
+    assert log == [
+        ("start",),
+        ("record", "main", "e0"),
+        ("store_anchors",),
+        ("record", "main", "e1"),
+        ("set_token",),
+        ("record", "main", "e2"),
+        ("wait", "side", "e2"),  # the latest input, not the forward launched after it
+        ("enter", "side"),
+        ("draft",),
+        ("exit", "side"),
+        ("record", "side", "e3"),
+        ("wait", "main", "e3"),
+        ("used by", "main", "token"),
+        ("used by", "main", "q"),
+    ]
+
+
+def test_without_a_stream_the_same_drafter_runs_in_line():
+    log = []
+    drafter = SideStreamDrafter(FakeDrafter(log), None)
+    drafter.store_anchors(1, 0, None)
+    drafter.draft([(0, 3)], None)
+    assert log == [("store_anchors",), ("draft",)]

@@ -1,14 +1,17 @@
-"""The distributed decoder on two nodes: two torchrun agents over a c10d rendezvous on 127.0.0.1."""
+"""The distributed decoder and the server on two nodes: two agents over a rendezvous on 127.0.0.1."""
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import REPO, make_tiny_model
 from test_inference_support import one_thread, random_pdm, target_dir  # noqa: F401 - autouse fixture
+from test_serve import Server, _alive, _chat, _descendants, free_port
 
 from inference.decode import main as decode_main
 from spd_lightning.export import DrafterSpec, save_drafter
@@ -62,3 +65,46 @@ def test_stages_split_across_two_nodes_decode_what_one_process_does(tmp_path_fac
     assert [agent.returncode for agent in agents] == [0, 0], [err[-2000:] for _, err in outputs]
     printed = "".join(out for out, _ in outputs)
     assert printed.count("### prompt 1") == 1 and expected in printed
+
+
+def test_the_server_on_two_nodes_answers_as_decode_restarts_after_a_killed_rank_and_stops_on_sigterm(
+    tmp_path_factory, tmp_path, capsys
+):
+    """Node 0 serves HTTP and runs rank 0 (stage 1); node 1 runs ranks 1 (stage 2, the verifier) and 2 (the
+    PDM), so every token reaches the server through node 1's report connections. Node 1's PDM kills itself
+    at its 60th decode step (`faults.Fault`): the request in flight gets a 503 naming it, both nodes start
+    a fresh pipeline, and the next request is answered. SIGTERM to node 0 then ends both nodes."""
+    _, target = target_dir(tmp_path_factory, "qwen3_5", make_tiny_model)
+    geometry = Geometry.build(target.num_layers, 2)
+    pdm = random_pdm(target, geometry)
+    drafter = save_drafter(pdm, DrafterSpec(pdm.cfg, geometry, target.info), str(tmp_path / "drafter"))
+    assert decode_main(["--ckpt", drafter, "--prompt", PROMPT, "--max-new-tokens", "8", "--simulate"]) == 0
+    decoded = capsys.readouterr().out.split(f"### prompt 1: {PROMPT}\n", 1)[1].split("\n(N=", 1)[0]
+    nodes = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    nodes += ["--report-port", str(free_port()), "--timeout", "60", "--ckpt", drafter]
+    server = Server(*nodes, "--node-rank", "0", "--nproc-per-node", "1", "--model-name", "spd")
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "inference.serve", *nodes, "--node-rank", "1", "--nproc-per-node", "2"],
+        env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "SPD_FAULT": "2:step:60:kill"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        server.ready()
+        assert _chat(server, PROMPT, 8, stream=False) == _chat(server, PROMPT, 8, stream=True) == decoded
+        long = {"model": "spd", "max_tokens": 40, "temperature": 0, "messages": [{"role": "user", "content": PROMPT}]}
+        reply = server.post("/v1/chat/completions", long, key=None)
+        assert reply.status_code == 503 and "rank 2 (PDM)" in reply.json()["error"]["message"], reply.text
+        assert _chat(server, PROMPT, 8, stream=True) == decoded  # a fresh pipeline on both nodes
+        ranks = _descendants(server.process.pid) + _descendants(worker.pid)
+        assert server.stop() in (0, -signal.SIGTERM)
+        assert worker.wait(30) == 0, worker.stderr.read()[-2000:]
+    finally:
+        for process in (server.process, worker):
+            if process.poll() is None:
+                process.kill()
+    deadline = time.monotonic() + 15
+    while [p for p in ranks if _alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(ranks) >= 3 and not [p for p in ranks if _alive(p)]

@@ -1,0 +1,135 @@
+"""The distributed decoder's ranks over several nodes, for the server (`python -m inference.serve --nnodes 2`).
+
+Each node runs one elastic agent (what `torchrun` runs) for its share of the ranks; the agents meet in a
+static rendezvous at `--master-addr:--master-port` (node 0 hosts its store, as under `torchrun --nnodes 2
+--node-rank R --master-addr A --master-port P`), so node `R`'s ranks follow node `R - 1`'s in rank order
+(rank r is stage r + 1, the last rank the PDM) and rank 0, the one that reads the requests, is on node 0,
+beside the HTTP server.
+
+The ranks of node 0 report to the launcher through its local queue (`launch.Inbox`); the ranks of the
+other nodes send the same reports (their pid, each cycle's verified tokens, each result, the error that
+ends them) over one TCP connection each to node 0's `ReportListener`, at `--master-addr:--report-port`,
+which puts them into that queue: to the launcher of node 0 every rank reports alike, wherever it runs.
+These ports, like torchrun's, carry no secret: the nodes must share a private network. The connection's
+key only keeps two runs on one network from mixing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass
+from multiprocessing.connection import Client, Listener
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """This node's place in a multi-node run, identical on every node but for `node_rank` and `nproc`."""
+
+    nnodes: int
+    node_rank: int
+    nproc: int  # the ranks this node runs
+    master_addr: str
+    master_port: int
+    report_port: int
+    run_id: str = "spd-serve"
+
+    @property
+    def report_address(self) -> tuple[str, int]:
+        return self.master_addr, self.report_port
+
+    @property
+    def authkey(self) -> bytes:
+        return self.run_id.encode()
+
+
+class RequestsOnNodeZero:
+    """What the ranks of the other nodes get for the request queue: only rank 0 (on node 0) reads it."""
+
+    def get(self, timeout: float | None = None):
+        raise RuntimeError("this rank is not on node 0: only rank 0, on node 0, reads the requests")
+
+
+class ReportSender:
+    """A rank's reports to node 0's `ReportListener`, in the interface of the local queue (`put`, `close`,
+    `join_thread`); it connects at the first report, in the rank's process. The reports of the kinds
+    `local_kinds` (its start, its failure) also go to this node's own launcher, which then knows which of
+    its ranks failed and why."""
+
+    def __init__(self, nodes: Nodes, local, local_kinds: tuple[type, ...]):
+        self.address, self.authkey = nodes.report_address, nodes.authkey
+        self.local, self.local_kinds = local, local_kinds
+        self._connection = None
+
+    def put(self, message) -> None:
+        if isinstance(message, self.local_kinds):
+            self.local.put(message)
+        if self._connection is None:
+            self._connection = Client(self.address, authkey=self.authkey)
+        self._connection.send(message)  # returns once written: nothing is left to flush
+
+    def close(self) -> None:
+        if self._connection is not None:
+            self._connection.close()
+        self.local.close()
+
+    def join_thread(self) -> None:
+        self.local.join_thread()
+
+
+class ReportListener:
+    """On node 0: accepts the other nodes' ranks and puts every report they send into `messages`. It binds
+    when built, before any rank starts; `close` stops accepting (connections already made end with their
+    rank)."""
+
+    def __init__(self, nodes: Nodes, messages):
+        self.nodes, self.messages = nodes, messages
+        self._listener = Listener(nodes.report_address, authkey=nodes.authkey)
+        self._closed = False
+        threading.Thread(target=self._accept, name="spd-report-listener", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection = self._listener.accept()
+            except OSError:
+                if self._closed:
+                    return
+                continue
+            except Exception as e:  # noqa: BLE001 - e.g. a wrong key: refuse this one, keep listening
+                log.warning("refused a report connection: %s", e)
+                continue
+            if self._closed:
+                connection.close()
+                return
+            threading.Thread(target=self._forward, args=(connection,), name="spd-report-in", daemon=True).start()
+
+    def _forward(self, connection) -> None:
+        with connection:
+            while True:
+                try:
+                    self.messages.put(connection.recv())
+                except (EOFError, OSError):
+                    return
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):  # wakes the accepting thread, which then sees `_closed`
+            Client(self.nodes.report_address, authkey=self.nodes.authkey).close()
+        self._listener.close()
+
+
+def agent_rendezvous(nodes: Nodes, timeout_s: float) -> dict:
+    """The elastic agent's settings for this node's share of the ranks (`launch._agent_config`)."""
+    return dict(
+        min_nodes=nodes.nnodes,
+        max_nodes=nodes.nnodes,
+        nproc_per_node=nodes.nproc,
+        run_id=nodes.run_id,
+        rdzv_backend="static",
+        rdzv_endpoint=f"{nodes.master_addr}:{nodes.master_port}",
+        rdzv_configs={"rank": nodes.node_rank, "timeout": int(timeout_s)},
+    )

@@ -1,0 +1,127 @@
+"""What the ranks of the distributed decoder tell their launcher, and who is to blame when they fail.
+
+Every rank reports through one queue (`launch`; from another node than node 0 through `nodes`): its pid
+as it starts, each cycle's verified tokens when streaming, each result, and the error that ends it. The
+launcher's `Inbox` drains that queue on a thread while the elastic agent watches the processes; when they
+fail, `failure_message` names the rank that caused it from these reports and the agent's exit codes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+from .pipeline import role_name
+from .result import DecodeResult
+
+if TYPE_CHECKING:
+    from .launch import DecodeJob
+
+
+class Started(NamedTuple):
+    rank: int
+    pid: int
+
+
+class Finished(NamedTuple):
+    rank: int
+    index: int  # the prompt
+    result: dict  # DecodeResult.to_dict()
+
+
+class Streamed(NamedTuple):
+    index: int  # the prompt
+    tokens: list[int]  # verified in one cycle
+
+
+class Failed(NamedTuple):
+    rank: int
+    message: str  # "Type: first line"
+    trace: str
+    peer: int | None  # the rank it lost, for a `PeerError`
+    user_error: bool
+
+
+class Inbox:
+    """The launcher's side of the queue, drained by a thread while the agent watches the processes."""
+
+    def __init__(
+        self,
+        messages,
+        on_result: Callable[[int, DecodeResult], None] | None,
+        on_start: Callable[[int, int], None] | None,
+        on_tokens: Callable[[int, list[int]], None] | None = None,
+    ):
+        self.messages, self.on_result, self.on_start, self.on_tokens = messages, on_result, on_start, on_tokens
+        self.pids: dict[int, int] = {}
+        self.results: dict[int, DecodeResult] = {}
+        self.failures: dict[int, Failed] = {}
+        self._thread = threading.Thread(target=self._drain, name="spd-launch-inbox", daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> None:
+        while (message := self.messages.get()) is not None:
+            if isinstance(message, Started):
+                self.pids[message.rank] = message.pid
+                if self.on_start is not None:
+                    self.on_start(message.rank, message.pid)
+            elif isinstance(message, Streamed):
+                if self.on_tokens is not None:
+                    self.on_tokens(message.index, message.tokens)
+            elif isinstance(message, Finished):
+                self.results[message.index] = result = DecodeResult.from_dict(message.result)
+                if self.on_result is not None:
+                    self.on_result(message.index, result)
+            else:
+                self.failures.setdefault(message.rank, message)
+
+    def close(self, wait_s: float = 5.0) -> None:
+        """Every report the ranks made is in (they have all exited by now); a second call does nothing."""
+        if self._thread.is_alive():
+            self.messages.put(None)
+            self._thread.join(wait_s)
+
+    def pid_list(self) -> tuple[int, ...]:
+        return tuple(self.pids[r] for r in sorted(self.pids))
+
+
+def blamed_report(failed: dict[int, int], reports: dict[int, Failed]) -> Failed | None:
+    """The report of the rank that caused the failure, when that rank reported one (see `failure_message`)."""
+    rank, code = min(failed.items())
+    if code < 0 or rank not in reports:
+        return None
+    own = [r for r in reports.values() if r.peer is None]
+    return own[0] if own else reports[rank]
+
+
+def failure_message(job: DecodeJob, failed: dict[int, int], reports: dict[int, Failed]) -> str:
+    """Names the rank that caused the failure: the one the agent saw die when it was killed by a signal or
+    exited without a report (it died abruptly); else one that reported an error of its own; else, when every
+    report is a lost peer (`PeerError`), the rank at the end of the chain of blamed peers: the one that
+    went silent (e.g. stalled) while the others, directly or through blocked peers, waited on it."""
+    n = job.n
+    rank, code = min(failed.items())
+    report = blamed_report(failed, reports)
+    if code < 0:
+        head = f"rank {rank} ({role_name(rank, n)}) was killed by signal {-code}"
+    elif report is None:
+        head = f"rank {rank} ({role_name(rank, n)}) exited with code {code} without reporting an error"
+    else:
+        rank = report.rank
+        head = f"rank {rank} ({role_name(rank, n)}) failed: {report.message}"
+        silent = _end_of_blame(report, reports)
+        if silent is not None:
+            head = f"rank {silent} ({role_name(silent, n)}) stopped responding: {head}"
+        head += f"\n{report.trace}" if job.debug else ""
+    others = [role_name(q, n) for q in sorted({*failed, *reports}) if q != rank]
+    return head + (f" (then also: {', '.join(others)})" if others else "") + "; every rank was stopped"
+
+
+def _end_of_blame(report: Failed, reports: dict[int, Failed]) -> int | None:
+    """Follow lost peers from `report` through the ranks that reported one; the first that did not report."""
+    chain, peer = {report.rank}, report.peer
+    while peer is not None and peer not in chain and peer in reports:
+        chain.add(peer)
+        peer = reports[peer].peer
+    return peer if peer is not None and peer not in reports else None

@@ -1,0 +1,84 @@
+"""The shared PDM's draft on its own CUDA stream, so it overlaps stage 1's forward on their one GPU.
+
+With `--pdm-placement shared` process 0 runs stage 1's token and then the PDM's draft (the runner's
+`_compute`, then `_draft`). Kernel launches return at once, so with the draft on a second stream the GPU
+runs it beside stage 1's forward instead of after it. The dependencies are CUDA events, never a
+device-wide synchronization:
+
+- the draft reads what the drafter's inputs wrote on the main stream (`start`, `set_token`,
+  `store_anchors`): each records `inputs_ready` there, and the side stream waits on the latest before it
+  drafts. Pre-step these all come before stage 1's forward is launched (the anchors of a cycle are
+  received before it computes), so the draft does not wait for the forward; post-step this cycle's
+  anchors arrive after the forward, and the draft waits for it, as it must;
+- what the draft returns (the token, `q`) and writes (the new token's embedding, the PDM's KV cache) is
+  next used on the main stream (stage 1's next input, the message to the verifier, the next inputs):
+  the main stream waits on `drafted`, recorded on the side stream after the draft, and the returned
+  tensors are marked as used by the main stream, so the allocator does not hand out their memory early.
+
+On the CPU there are no streams: `draft_stream` is None, `use_stream(None)` is a no-op context and no
+event is recorded, so the CPU runs exactly this code with the draft in line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+
+import torch
+
+from .drafter import Drafter
+
+
+def draft_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """A second stream on `device` for the draft; None where there are no streams (the CPU)."""
+    return torch.cuda.Stream(device) if device.type == "cuda" else None
+
+
+def use_stream(stream: torch.cuda.Stream | None):
+    """The context that launches work on `stream`; a no-op context for None."""
+    return nullcontext() if stream is None else torch.cuda.stream(stream)
+
+
+class SideStreamDrafter:
+    """`drafter` with its draft launched on `stream` (None: in line); see the module docstring."""
+
+    def __init__(
+        self,
+        drafter: Drafter,
+        stream: torch.cuda.Stream | None,
+        main_stream: Callable[[], torch.cuda.Stream] | None = None,
+    ):
+        self.drafter, self.stream = drafter, stream
+        self.main_stream = main_stream or (lambda: torch.cuda.current_stream(stream.device))
+        self.inputs_ready = None  # the event of the latest input written on the main stream
+
+    def start(self, prompt_ids: torch.Tensor, capacity: int) -> None:
+        self.drafter.start(prompt_ids, capacity)
+        self._inputs_written()
+
+    def set_token(self, position: int, token: int) -> None:
+        self.drafter.set_token(position, token)
+        self._inputs_written()
+
+    def store_anchors(self, stage: int, start: int, states: torch.Tensor) -> None:
+        self.drafter.store_anchors(stage, start, states)
+        self._inputs_written()
+
+    def draft(
+        self, view: Sequence[tuple[int, int]], generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.stream is not None and self.inputs_ready is not None:
+            self.stream.wait_event(self.inputs_ready)
+        with use_stream(self.stream):
+            token, q = self.drafter.draft(view, generator)
+        if self.stream is not None:
+            main = self.main_stream()
+            main.wait_event(self.stream.record_event())
+            for tensor in (token, q):
+                if tensor is not None:
+                    tensor.record_stream(main)
+        return token, q
+
+    def _inputs_written(self) -> None:
+        if self.stream is not None:
+            self.inputs_ready = self.main_stream().record_event()

@@ -1,0 +1,96 @@
+"""Serving over several nodes, the parts that need no second node: the report channel from another node's
+ranks to node 0 (`inference.nodes`), the node options of `inference.serve`, the ranks' count check.
+The servers on two nodes are in tests/test_two_nodes.py."""
+
+import queue
+import time
+from multiprocessing.connection import Client
+
+import pytest
+from test_serve import free_port
+
+from inference import serve
+from inference.cli import UsageError
+from inference.launch import DecodeJob, Failed, NodesMismatch, Started, Streamed, _check_world_size
+from inference.nodes import Nodes, ReportListener, ReportSender, RequestsOnNodeZero
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class LocalQueue(queue.Queue):
+    """The launcher's queue as a rank sees it (`put`, `close`, `join_thread`)."""
+
+    def close(self) -> None:
+        pass
+
+    def join_thread(self) -> None:
+        pass
+
+
+def nodes(node_rank: int, port: int) -> Nodes:
+    return Nodes(2, node_rank, 1, "127.0.0.1", port - 1, port)
+
+
+def test_another_nodes_reports_reach_node_0_in_order_and_its_start_and_failure_stay_local_too():
+    port = free_port()
+    received = LocalQueue()
+    listener = ReportListener(nodes(0, port), received)
+    try:
+        local = LocalQueue()
+        sender = ReportSender(nodes(1, port), local, local_kinds=(Started, Failed))
+        sent = [Started(2, 123), Streamed(0, [5, 6]), Failed(2, "PeerError: x", "trace", 1, False)]
+        for message in sent:
+            sender.put(message)
+        sender.close()
+        assert [received.get(timeout=10) for _ in sent] == sent
+        assert [local.get_nowait(), local.get_nowait()] == [sent[0], sent[2]] and local.empty()
+    finally:
+        listener.close()
+
+
+def test_the_listener_refuses_a_wrong_key_and_keeps_listening():
+    port = free_port()
+    received = LocalQueue()
+    listener = ReportListener(nodes(0, port), received)
+    try:
+        with pytest.raises(Exception):  # noqa: B017 - multiprocessing's AuthenticationError or a closed socket
+            Client(("127.0.0.1", port), authkey=b"another run").send("intruder")
+        time.sleep(0.1)
+        sender = ReportSender(nodes(1, port), LocalQueue(), local_kinds=())
+        sender.put(Streamed(0, [1]))
+        assert received.get(timeout=10) == Streamed(0, [1])
+        sender.close()
+    finally:
+        listener.close()
+
+
+def test_only_rank_0_on_node_0_reads_requests():
+    with pytest.raises(RuntimeError, match="only rank 0, on node 0"):
+        RequestsOnNodeZero().get(timeout=1)
+
+
+def test_the_nodes_must_start_the_pipelines_number_of_ranks():
+    job = DecodeJob("t", {"n": 2}, [], 4, [], 10, 8, {}, pdm_placement="shared")
+    _check_world_size(job, 2)
+    with pytest.raises(NodesMismatch, match="need 2: make the nodes' --nproc-per-node add up to it"):
+        _check_world_size(job, 3)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--nnodes", "2"], "--nproc-per-node"),
+        (["--nnodes", "2", "--nproc-per-node", "1", "--simulate"], "drop --simulate"),
+        (["--nnodes", "2", "--node-rank", "2", "--nproc-per-node", "1"], "node rank < nnodes"),
+    ],
+    ids=["no-nproc", "simulate", "node-rank"],
+)
+def test_bad_node_options_are_usage_errors(argv, message):
+    with pytest.raises(UsageError, match=message):
+        serve.check_node_args(serve.parse_args(["--ckpt", "d", *argv]))
+
+
+def test_node_options_make_the_jobs_nodes():
+    args = serve.parse_args(["--ckpt", "d", "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "3"])
+    assert serve.nodes_of(args) == Nodes(2, 1, 3, "127.0.0.1", 29500, 29501)
+    assert serve.nodes_of(serve.parse_args(["--ckpt", "d"])) is None
