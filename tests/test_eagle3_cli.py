@@ -1,0 +1,142 @@
+"""EAGLE-3 through the command lines: `fit --model.drafter eagle3` -> `export` -> `inference.decode --mode eagle3`
+greedy == AR; `inference.eval --eagle3` rows beside SPD's; `inference.plan` predicts EAGLE-3; a drafter of the
+wrong kind for the mode is one line."""
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import REPO, fit_args, make_tiny_model
+from test_inference_support import one_thread, save_random_drafter, target_dir  # noqa: F401 - autouse fixture
+
+from inference import decode as spd_decode
+from inference import eval as spd_eval
+from inference import plan as spd_plan
+from spd_lightning import cli
+from spd_lightning.eagle3 import Eagle3Config, Eagle3Drafter, eagle_feature_layers
+from spd_lightning.eagle3_export import Eagle3Spec, save_eagle3
+from spd_lightning.geometry import Geometry
+
+pytestmark = [
+    pytest.mark.timeout(180),
+    pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended"),
+]
+
+
+def eagle3_fit_args(target: str, root, *extra: str) -> list[str]:
+    """The shared tiny fit arguments on configs/tiny_eagle3.yaml (its model section is the EAGLE-3 drafter's)."""
+    args = fit_args(target, root, "--model.ttt_steps", "2", "--trainer.max_steps", "2", *extra)
+    args[args.index("--config") + 1] = os.path.join(REPO, "configs", "tiny_eagle3.yaml")
+    i = args.index("--model.n")
+    return args[:i] + args[i + 2 :]
+
+
+@pytest.fixture(scope="module")
+def exported(micro_target, tmp_path_factory):
+    """An EAGLE-3 drafter trained 2 steps by `fit --model.drafter eagle3` and exported by `export`."""
+    root = tmp_path_factory.mktemp("eagle3_fit")
+    trained = cli.run_cli(["fit", *eagle3_fit_args(micro_target, root)])
+    assert type(trained.model).__name__ == "Eagle3Module" and trained.trainer.global_step == 2
+    return cli.export(["--ckpt", str(root / "ckpt" / "last.ckpt"), "--out", str(root / "drafter")])
+
+
+def test_fit_export_decode_is_ar(exported, micro_target, tmp_path):
+    assert json.loads(open(os.path.join(exported, "config.json")).read())["kind"] == "eagle3"
+    common = ["--prompt", "Tell me about cats.", "--max-new-tokens", "12", "--json"]
+    rc = spd_decode.main(["--ckpt", exported, "--k", "3", *common, str(tmp_path / "e3.json"), "--check-lossless"])
+    report = json.loads((tmp_path / "e3.json").read_text())
+    assert rc == 0 and report["mode"] == "eagle3" and report["k"] == 3 and report["totals"]["lossless"]
+    rc = spd_decode.main(["--ckpt", "none", "--target", micro_target, "--mode", "ar", *common, str(tmp_path / "ar.json")])
+    ar = json.loads((tmp_path / "ar.json").read_text())
+    assert rc == 0 and report["prompts"][0]["tokens"] == ar["prompts"][0]["tokens"]
+    assert report["prompts"][0]["K"] >= 1 and report["prompts"][0]["tau"] >= 1
+
+
+def test_the_drafter_kind_comes_from_the_config_or_the_command_line(tmp_path, capsys):
+    config = os.path.join(REPO, "configs", "tiny_eagle3.yaml")
+    with pytest.raises(SystemExit):
+        cli.main(["fit", "--config", config, "--print_config"])
+    out = capsys.readouterr().out
+    assert "drafter: eagle3" in out and "ttt_steps: 7" in out and "num_layers" not in out.split("model:")[1]
+    with pytest.raises(SystemExit):
+        cli.main(["fit", "--config", config, "--model.drafter", "pdm", "--model.ttt_steps", "3", "--print_config"])
+    assert "ttt_steps" in capsys.readouterr().err  # the PDM has no such option: the flag switched the module
+    assert cli.selected_drafter(["--config", config, "--model.drafter=pdm"]) == "pdm"
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["--model.drafter", "medusa"], "model.drafter='medusa'"),
+        (["--trainer.callbacks", "[{class_path: callbacks.StaircaseEvaluation}]"], "does not apply"),
+    ],
+)
+def test_bad_drafter_settings_are_one_line(micro_target, tmp_path, capsys, extra, expected):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["fit", *eagle3_fit_args(micro_target, tmp_path), *extra])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert exit_info.value.code == 2 and len(lines) == 1 and expected in lines[0], err
+
+
+# -- eval and plan on a saved tiny target: a random PDM and a random EAGLE-3 drafter -----------------------
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval_eagle3")
+    path, target = target_dir(tmp_path_factory, "qwen3_5", make_tiny_model)
+    pdm = save_random_drafter(target, Geometry.build(target.num_layers, 2), str(root / "pdm"))
+    torch.manual_seed(0)
+    layers = eagle_feature_layers(target.num_layers)
+    cfg = Eagle3Config(target.hidden_size, 48, layers, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64)
+    drafter = Eagle3Drafter(cfg, torch.randperm(target.vocab_size)[:48].sort().values)
+    drafter.init_head_from_target(target.lm_head.weight)
+    eagle3 = save_eagle3(drafter, Eagle3Spec(cfg, target.info), str(root / "eagle3"))
+    prompts = root / "set_question.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in ("hello world", "the cat sat")))
+    return {"target": path, "pdm": pdm, "eagle3": eagle3, "prompts": str(prompts), "root": root}
+
+
+@pytest.mark.parametrize("drafter, mode, expected", [("eagle3", "spd", "is an EAGLE-3"), ("pdm", "eagle3", "is a PDM")])
+def test_a_drafter_of_the_wrong_kind_is_one_line(files, capsys, drafter, mode, expected):
+    assert spd_decode.main(["--ckpt", files[drafter], "--mode", mode, "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and expected in err and "--mode" in err and "Traceback" not in err
+
+
+@pytest.fixture(scope="module")
+def evaluated(files):
+    out = files["root"] / "out"
+    argv = ["--ckpt", files["pdm"], "--eagle3", files["eagle3"], "--k", "1", "3", "--prompts", files["prompts"]]
+    argv += ["--max-new-tokens", "8", "--temperatures", "0", "--out", str(out), "--simulate", "--no-progress"]
+    assert spd_eval.main(argv) == 0
+    return out
+
+
+def test_eval_reports_eagle3_beside_spd(evaluated):
+    report = json.loads((evaluated / "eval.json").read_text())
+    spd = {r["set"]: r for r in report["results"]}
+    rows = {(r["set"], r["k"]): r for r in report["eagle3_results"]}
+    assert set(rows) == {(s, k) for s in ("set", "overall") for k in (1, 3)}
+    for (name, k), r in rows.items():
+        assert r["method"] == "eagle3" and r["alpha"] == pytest.approx(r["N"] / r["K"]) and r["S0"] == r["alpha"]
+        assert r["S_eagle3"] == pytest.approx(r["tau"] / (1 + k * r["r"]))
+        assert r["wall_clock_speedup"] == pytest.approx(r["decode_tokens_per_s"] / r["ar_decode_tokens_per_s"])
+        assert r["ar_decode_tokens_per_s"] == spd[name]["ar_decode_tokens_per_s"]  # one AR baseline for all
+    assert [p["k"] for p in report["plan_inputs_eagle3"]] == [1, 3] and "plan_inputs" in report
+    md = (evaluated / "eval.md").read_text()
+    assert "| eagle3 k=3 | overall | 0 |" in md and "| spd n=2 | overall | 0 |" in md
+
+
+def test_plan_predicts_eagle3_beside_spd(evaluated, tmp_path, capsys):
+    eval_json = str(evaluated / "eval.json")
+    argv = ["--times", eval_json, "--alphas", eval_json, "--plot", "", "--json", str(tmp_path / "p.json")]
+    assert spd_plan.main(argv) == 0
+    out = capsys.readouterr().out
+    plan = json.loads((tmp_path / "p.json").read_text())
+    inputs = {p["k"]: p for p in json.loads(open(eval_json).read())["plan_inputs_eagle3"]}
+    for row in plan["eagle3"]:
+        p = inputs[row["k"]]
+        cost = row["k"] * p["T_draft_step_s"] + p["T_verify_s"]
+        assert row["speedup"] == pytest.approx(p["alpha"] * plan["model"]["t_full"] / cost)
+    assert "EAGLE-3 on 1 GPU" in out and "n=2 (SPD on 2 GPUs" in out and "recommended: n=2" in out
