@@ -181,8 +181,8 @@ def chain_decode(
     d2t: torch.Tensor | None = None,
     stream: Callable[[list[int]], None] | None = None,
 ) -> ChainResult:
-    """Decode one prompt; `d2t` (the drafter's) is needed under sampling only; `stream(tokens)` after each
-    verify forward with every token so far."""
+    """Decode one prompt; `d2t` (the drafter's) is needed under sampling only; `stream(new tokens)` after the
+    prefill and after each verify forward (streaming; an exception it raises ends the decode)."""
     if max_new_tokens < 1 or k < 0 or not prompt_ids:
         raise ValueError(f"need max_new_tokens >= 1 (got {max_new_tokens}), k >= 0 (got {k}) and a non-empty prompt")
     if not sampling.greedy and d2t is None:
@@ -201,7 +201,7 @@ def chain_decode(
     drafter.commit(features, torch.tensor(list(prompt_ids[1:]) + tokens))
     result = ChainResult(k, P, tokens, [], "max_new_tokens", prefill_s=time.perf_counter() - t0)
     if stream is not None:
-        stream(list(tokens))
+        stream(tokens[-1:])
     while tokens[-1] not in eos and len(tokens) < max_new_tokens:
         chain = min(k, max_new_tokens - len(tokens) - 1)  # never draft past the last token we may emit
         draft, dt = _timed(drafter.draft, chain, generator)
@@ -217,12 +217,13 @@ def chain_decode(
         result.draft_s += time.perf_counter() - t_commit
         result.verify_s += dt
         result.accept_lengths.append(len(new))
+        before = len(tokens)
         for token in new:
             tokens.append(token)
             if token in eos or len(tokens) >= max_new_tokens:
                 break
         if stream is not None:
-            stream(list(tokens))
+            stream(tokens[before:])
     result.stop_reason = "eos" if tokens[-1] in eos else "max_new_tokens"
     return result
 

@@ -145,6 +145,7 @@ class Setup:
     tokenizer: PreTrainedTokenizerBase
     eos: list[int]
     trust_remote_code: bool = False
+    k: int | list[int] | None = None  # --mode eagle3: drafts per verify forward (a list in eval)
 
 
 def drafter_for_mode(ckpt: str | None, mode: str | None) -> tuple[DrafterSpec | Eagle3Spec | None, str]:
@@ -191,8 +192,9 @@ def prepare(args: argparse.Namespace) -> Setup:
         geometry = spec.geometry if mode == "ar" else spec.geometry.with_mode(mode)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device.startswith("cuda") else "float32")
     eos = sorted(eos_set(target_eos(skeleton.config, _generation_config(target_path))))
+    k = getattr(args, "k", None) if mode == EAGLE3 else None
     return Setup(
-        ckpt, spec, mode, target_path, info, skeleton, geometry, dtype, load_tokenizer(target_path), eos, trust
+        ckpt, spec, mode, target_path, info, skeleton, geometry, dtype, load_tokenizer(target_path), eos, trust, k
     )
 
 

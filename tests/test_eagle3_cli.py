@@ -140,3 +140,27 @@ def test_plan_predicts_eagle3_beside_spd(evaluated, tmp_path, capsys):
         cost = row["k"] * p["T_draft_step_s"] + p["T_verify_s"]
         assert row["speedup"] == pytest.approx(p["alpha"] * plan["model"]["t_full"] / cost)
     assert "EAGLE-3 on 1 GPU" in out and "n=2 (SPD on 2 GPUs" in out and "recommended: n=2" in out
+
+
+def test_serve_greedy_is_decode(exported, tmp_path):
+    """`inference.serve --mode eagle3 --simulate`: the in-process chain backend answers what decode prints."""
+    from fastapi.testclient import TestClient
+
+    from inference import serve
+
+    prompt = "Tell me about dogs."
+    common = ["--ckpt", exported, "--mode", "eagle3", "--k", "2", "--max-new-tokens", "10"]
+    assert spd_decode.main([*common, "--prompt", prompt, "--json", str(tmp_path / "d.json")]) == 0
+    decoded = json.loads((tmp_path / "d.json").read_text())["prompts"][0]["text"]
+    app, engine = serve.build(serve.parse_args([*common, "--simulate", "--threads", "1"]))
+    try:
+        with TestClient(app) as client:
+            body = {"model": "drafter", "messages": [{"role": "user", "content": prompt}], "temperature": 0}
+            body["max_tokens"] = 10
+            reply = client.post("/v1/chat/completions", json=body)
+            streamed = client.post("/v1/chat/completions", json={**body, "stream": True})
+    finally:
+        engine.close()
+    assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == decoded
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == decoded and decoded
