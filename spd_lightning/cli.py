@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import netrc
 import os
 import re
@@ -253,6 +254,21 @@ def stacked_config(path: str) -> dict:
         except OSError as e:
             raise ConfigError(f"cannot read config {file!r}: {e.strerror}; pass an existing YAML file") from e
     return cfg
+
+
+def drafter_config(config: dict, kind: str) -> dict:
+    """`config` (a stacked `fit` config) for the drafter `kind`: its `model` section keeps the options that
+    drafter's module takes (the target, dtype and optimizer settings both share) and drops the others, and
+    callbacks that need the PDM go. The same data, trainer and steps train either drafter."""
+    if kind not in DRAFTERS:
+        raise ConfigError(f"model.drafter={kind!r}: use one of {', '.join(DRAFTERS)}")
+    options = set(inspect.signature(DRAFTERS[kind].__init__).parameters) - {"self"}
+    model = {key: value for key, value in (config.get("model") or {}).items() if key in options}
+    out = {**config, "model": {"drafter": kind, **model}}
+    trainer = dict(config.get("trainer") or {})
+    if kind != "pdm" and trainer.get("callbacks"):
+        trainer["callbacks"] = [c for c in trainer["callbacks"] if c.get("class_path") not in PDM_CALLBACKS]
+    return {**out, "trainer": trainer} if trainer else out
 
 
 def parser_kwargs() -> dict:

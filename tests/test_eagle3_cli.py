@@ -164,3 +164,30 @@ def test_serve_greedy_is_decode(exported, tmp_path):
     assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == decoded
     chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == decoded and decoded
+
+
+def test_a_pdm_config_becomes_an_eagle3_config(tmp_path, capsys):
+    """What `scripts/bench_paper.py train eagle3_k7` trains: the benchmark config's data and trainer, its model
+    section cut to the options both drafters take, the staircase callback (PDM only) dropped."""
+    import importlib.util
+
+    import yaml
+
+    spec = importlib.util.spec_from_file_location("bench_paper", os.path.join(REPO, "scripts", "bench_paper.py"))
+    bench_paper = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_paper)
+    config_path = os.path.join(REPO, "configs", "bench_tiny.yaml")
+    args = bench_paper.parse_args(["commands", "eagle3_k7", "--root", str(tmp_path), "--config", config_path])
+    train, evaluate = bench_paper.train_command("eagle3_k7", args), bench_paper.eval_command("eagle3_k7", args)
+    config = yaml.safe_load((tmp_path / "eagle3_k7" / "config.yaml").read_text())
+    base = cli.stacked_config(config_path)
+    assert config["model"] == {"drafter": "eagle3", **{k: base["model"][k] for k in ("target", "target_dtype")}} | {
+        "lr": base["model"]["lr"],
+        "warmup_steps": base["model"]["warmup_steps"],
+    }
+    assert config["data"] == base["data"] and config["trainer"]["max_steps"] == base["trainer"]["max_steps"]
+    assert config["trainer"]["callbacks"] == [] and "--model.ttt_steps" in train
+    assert evaluate[evaluate.index("--k") + 1 : evaluate.index("--k") + 4] == ["3", "5", "7"]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*train[3:], "--print_config"])
+    assert exit_info.value.code == 0 and "ttt_steps: 7" in capsys.readouterr().out
