@@ -225,6 +225,8 @@ def decode_job(
     setup: Setup, args: argparse.Namespace, prompts: list[list[int]], sampling: Sampling, profile: bool
 ) -> DecodeJob:
     """The distributed decoder's job for these prompts (`profile`: with per-cycle timing)."""
+    if setup.mode == EAGLE3:
+        raise UsageError(f"--mode {EAGLE3} decodes in one process, not on pipeline ranks: add --simulate")
     info = setup.info
     return DecodeJob(
         setup.target_path,

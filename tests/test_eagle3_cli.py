@@ -191,3 +191,11 @@ def test_a_pdm_config_becomes_an_eagle3_config(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main([*train[3:], "--print_config"])
     assert exit_info.value.code == 0 and "ttt_steps: 7" in capsys.readouterr().out
+
+
+def test_serve_without_simulate_is_one_line(files, capsys):
+    from inference import serve
+
+    assert serve.main(["--ckpt", files["eagle3"], "--mode", "eagle3", "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--simulate" in err
