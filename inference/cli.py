@@ -74,7 +74,8 @@ def add_decoder_arguments(
     p.add_argument(
         "--mode",
         choices=[*MODES, EAGLE3, "ar"] if with_ar else [*MODES, EAGLE3],
-        help="default: the drafter's own mode" + (", 'ar' without a drafter" if with_ar else "")
+        help="default: the drafter's own mode"
+        + (", 'ar' without a drafter" if with_ar else "")
         + f"; {EAGLE3} (chain decoding, one process) needs an EAGLE-3 drafter, the others a PDM",
     )
     p.add_argument(

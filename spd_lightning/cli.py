@@ -40,7 +40,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from .checkpoint_io import AtomicCheckpointIO
 from .data import ChatDataModule
-from .eagle3_export import KIND as EAGLE3, load_eagle3, save_eagle3
+from .eagle3_export import KIND as EAGLE3
+from .eagle3_export import load_eagle3, save_eagle3
 from .eagle3_module import Eagle3Module
 from .errors import ConfigError, UserError
 from .export import drafter_kind, load_drafter, save_drafter
@@ -101,9 +102,9 @@ class SPDLightningCLI(LightningCLI):
         kind = config.model.pop("drafter")
         if DRAFTERS[kind] is not self.model_class:
             raise ConfigError(
-            f"model.drafter={kind!r} was set where it cannot be read ahead of parsing: set it in a --config "
-            f"file or as --model.drafter"
-        )
+                f"model.drafter={kind!r} was set where it cannot be read ahead of parsing: set it in a --config "
+                f"file or as --model.drafter"
+            )
         check_callbacks(kind, config.trainer.callbacks)
         try:
             super().instantiate_classes()

@@ -47,7 +47,9 @@ def test_fit_export_decode_is_ar(exported, micro_target, tmp_path):
     rc = spd_decode.main(["--ckpt", exported, "--k", "3", *common, str(tmp_path / "e3.json"), "--check-lossless"])
     report = json.loads((tmp_path / "e3.json").read_text())
     assert rc == 0 and report["mode"] == "eagle3" and report["k"] == 3 and report["totals"]["lossless"]
-    rc = spd_decode.main(["--ckpt", "none", "--target", micro_target, "--mode", "ar", *common, str(tmp_path / "ar.json")])
+    rc = spd_decode.main(
+        ["--ckpt", "none", "--target", micro_target, "--mode", "ar", *common, str(tmp_path / "ar.json")]
+    )
     ar = json.loads((tmp_path / "ar.json").read_text())
     assert rc == 0 and report["prompts"][0]["tokens"] == ar["prompts"][0]["tokens"]
     assert report["prompts"][0]["K"] >= 1 and report["prompts"][0]["tau"] >= 1
