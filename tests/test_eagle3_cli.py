@@ -19,7 +19,7 @@ from spd_lightning.eagle3_export import Eagle3Spec, save_eagle3
 from spd_lightning.geometry import Geometry
 
 pytestmark = [
-    pytest.mark.timeout(180),
+    pytest.mark.timeout(300),
     pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended"),
 ]
 
@@ -201,3 +201,17 @@ def test_serve_without_simulate_is_one_line(files, capsys):
     assert serve.main(["--ckpt", files["eagle3"], "--mode", "eagle3", "--port", "1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--simulate" in err
+
+
+def test_eval_and_plan_of_an_eagle3_drafter_alone(files, tmp_path, capsys):
+    """What `bench_paper.py eval eagle3_k7` runs: an EAGLE-3 drafter as --ckpt, no SPD rows, and a plan without alphas."""
+    out = tmp_path / "out"
+    argv = ["--ckpt", files["eagle3"], "--k", "2", "--prompts", files["prompts"], "--max-new-tokens", "6"]
+    assert spd_eval.main([*argv, "--temperatures", "0", "--out", str(out), "--no-progress"]) == 0
+    report = json.loads((out / "eval.json").read_text())
+    assert report["mode"] == "eagle3" and report["results"] == [] and "plan_inputs" not in report
+    assert [r["k"] for r in report["eagle3_results"]] == [2, 2] and report["plan_inputs_eagle3"][0]["k"] == 2
+    capsys.readouterr()
+    assert spd_plan.main(["--times", str(out / "eval.json"), "--plot", ""]) == 0
+    printed = capsys.readouterr().out
+    assert "EAGLE-3 on 1 GPU" in printed and "SPD plan" not in printed
