@@ -24,6 +24,16 @@ pytestmark = [
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread_for_the_module():
+    """The module's fixtures (a fit, an eval) run before the per-test `one_thread`: single-threaded too, as tiny
+    models on a shared machine run fastest without OpenMP spinning."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def eagle3_fit_args(target: str, root, *extra: str) -> list[str]:
     """The shared tiny fit arguments on configs/tiny_eagle3.yaml (its model section is the EAGLE-3 drafter's)."""
     args = fit_args(target, root, "--model.ttt_steps", "2", "--trainer.max_steps", "2", *extra)
