@@ -21,17 +21,19 @@ one draft step over one verify forward.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from spd_lightning.eagle3_export import Eagle3Spec, load_eagle3
+from spd_lightning.target import Target
 
 from .chain_target import ChainTarget
 from .eagle3_runtime import Draft, Eagle3Runtime
 from .pipeline import stream_seeds
+from .result import DecodeResult
 from .schedule import eos_set
 from .stages import meta_target
 from .verify import Sampling, draft_distribution, judge, sample_token, warp
@@ -93,6 +95,33 @@ class ChainResult:
     def decode_tokens_per_s(self) -> float | None:
         return (self.N - 1) / self.decode_s if self.decode_s > 0 and self.N > 1 else None
 
+    def counters(self) -> dict:
+        """What the decode and eval reports add to a `DecodeResult` of this prompt."""
+        return {
+            "k": self.k,
+            "tau": self.tau,
+            "accept_lengths": self.accept_lengths,
+            "r": self.r,
+            "S_eagle3": self.theoretical_speedup,
+        }
+
+    def to_decode_result(self) -> DecodeResult:
+        """The prompt as the decode / eval reports hold every mode's: n = 1 (one target forward per step), so
+        `alpha = N / K` is the tokens per target forward and `n * alpha` the speedup with a free drafter."""
+        timing = {"totals": {"draft_s": self.draft_s, "verify_s": self.verify_s, "draft_steps": self.draft_steps}}
+        return DecodeResult(
+            "eagle3",
+            1,
+            self.prompt_len,
+            list(self.tokens),
+            self.K,
+            self.stop_reason,
+            self.counters(),
+            self.prefill_s,
+            self.decode_s,
+            timing,
+        )
+
     def to_dict(self) -> dict:
         return {
             "mode": "eagle3",
@@ -150,8 +179,10 @@ def chain_decode(
     eos_token_id: int | Sequence[int] | None = None,
     seed: int = 0,
     d2t: torch.Tensor | None = None,
+    stream: Callable[[list[int]], None] | None = None,
 ) -> ChainResult:
-    """Decode one prompt; `d2t` (the drafter's) is needed under sampling only."""
+    """Decode one prompt; `d2t` (the drafter's) is needed under sampling only; `stream(new tokens)` after the
+    prefill and after each verify forward (streaming; an exception it raises ends the decode)."""
     if max_new_tokens < 1 or k < 0 or not prompt_ids:
         raise ValueError(f"need max_new_tokens >= 1 (got {max_new_tokens}), k >= 0 (got {k}) and a non-empty prompt")
     if not sampling.greedy and d2t is None:
@@ -169,6 +200,8 @@ def chain_decode(
     tokens = [sample_token(logits[-1], sampling, generator)]
     drafter.commit(features, torch.tensor(list(prompt_ids[1:]) + tokens))
     result = ChainResult(k, P, tokens, [], "max_new_tokens", prefill_s=time.perf_counter() - t0)
+    if stream is not None:
+        stream(tokens[-1:])
     while tokens[-1] not in eos and len(tokens) < max_new_tokens:
         chain = min(k, max_new_tokens - len(tokens) - 1)  # never draft past the last token we may emit
         draft, dt = _timed(drafter.draft, chain, generator)
@@ -184,10 +217,13 @@ def chain_decode(
         result.draft_s += time.perf_counter() - t_commit
         result.verify_s += dt
         result.accept_lengths.append(len(new))
+        before = len(tokens)
         for token in new:
             tokens.append(token)
             if token in eos or len(tokens) >= max_new_tokens:
                 break
+        if stream is not None:
+            stream(tokens[before:])
     result.stop_reason = "eos" if tokens[-1] in eos else "max_new_tokens"
     return result
 
@@ -211,12 +247,27 @@ class ChainDecoder:
         target = ChainTarget.load(target_path, spec.drafter.feature_layers, k + 1, dtype, device)
         return cls(target, Eagle3Runtime(drafter, target.embed_tokens, sampling), spec, k, sampling)
 
+    @classmethod
+    def on_target(cls, target: Target, drafter_path: str, max_k: int, sampling: Sampling = Sampling()) -> ChainDecoder:
+        """On an already-loaded `Target`, its weights shared (what eval measures beside AR on the same target);
+        `variant` then gives any k <= `max_k`."""
+        drafter, spec = load_eagle3(drafter_path, target.lm_head.weight.device)
+        spec.check_target(target.info)
+        chain = ChainTarget.from_target(target, spec.drafter.feature_layers, max_k + 1)
+        return cls(chain, Eagle3Runtime(drafter, chain.embed_tokens, sampling), spec, max_k, sampling)
+
+    def variant(self, k: int, sampling: Sampling) -> ChainDecoder:
+        """The same target and drafter, chaining `k` drafts under `sampling`."""
+        runtime = Eagle3Runtime(self.runtime.drafter, self.target.embed_tokens, sampling)
+        return ChainDecoder(self.target, runtime, self.spec, k, sampling)
+
     def decode(
         self,
         prompt_ids: Sequence[int],
         max_new_tokens: int,
         eos_token_id: int | Sequence[int] | None = None,
         seed: int = 0,
+        stream: Callable[[list[int]], None] | None = None,
     ) -> ChainResult:
         return chain_decode(
             self.target,
@@ -228,4 +279,5 @@ class ChainDecoder:
             eos_token_id,
             seed,
             self.runtime.drafter.d2t,
+            stream,
         )

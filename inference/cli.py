@@ -19,8 +19,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from spd_lightning.eagle3_export import KIND as EAGLE3
+from spd_lightning.eagle3_export import Eagle3Spec, load_eagle3
 from spd_lightning.errors import UserError
-from spd_lightning.export import DrafterSpec, read_drafter_spec
+from spd_lightning.export import PDM_KIND, DrafterSpec, drafter_kind, read_drafter_spec
 from spd_lightning.geometry import MODES, Geometry
 from spd_lightning.target import Target, TargetInfo
 
@@ -43,12 +45,18 @@ class UsageError(UserError):
     """A bad command line."""
 
 
+DEFAULT_K = 7  # EAGLE-3's chain length
+
+
 def parser(prog: str, doc: str) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
-def add_decoder_arguments(p: argparse.ArgumentParser, max_new_tokens: int, with_ar: bool) -> None:
-    """The options of every CLI that decodes: drafter, target, mode, where and how long to decode."""
+def add_decoder_arguments(
+    p: argparse.ArgumentParser, max_new_tokens: int, with_ar: bool, k_values: bool = False
+) -> None:
+    """The options of every CLI that decodes: drafter, target, mode, where and how long to decode
+    (`k_values`: `--k` takes a list, one evaluation per value)."""
     p.add_argument(
         "--ckpt",
         required=not with_ar,
@@ -65,8 +73,17 @@ def add_decoder_arguments(p: argparse.ArgumentParser, max_new_tokens: int, with_
     p.add_argument("--seed", type=int, default=0, help="prompt i uses seed + i")
     p.add_argument(
         "--mode",
-        choices=[*MODES, "ar"] if with_ar else list(MODES),
-        help="default: the drafter's own mode" + (", 'ar' without a drafter" if with_ar else ""),
+        choices=[*MODES, EAGLE3, "ar"] if with_ar else [*MODES, EAGLE3],
+        help="default: the drafter's own mode"
+        + (", 'ar' without a drafter" if with_ar else "")
+        + f"; {EAGLE3} (chain decoding, one process) needs an EAGLE-3 drafter, the others a PDM",
+    )
+    p.add_argument(
+        "--k",
+        type=int,
+        nargs="+" if k_values else None,
+        default=[DEFAULT_K] if k_values else DEFAULT_K,
+        help=f"--mode {EAGLE3}: draft tokens per verify forward" + (" (one evaluation per value)" if k_values else ""),
     )
     p.add_argument("--simulate", action="store_true", help="run every rank in this process (stages in sequence)")
     p.add_argument(
@@ -101,6 +118,9 @@ def add_debug_argument(p: argparse.ArgumentParser) -> None:
 
 
 def check_decoder_args(args: argparse.Namespace) -> None:
+    for k in args.k if isinstance(args.k, list) else [args.k]:
+        if k < 1:
+            raise UsageError(f"--k={k} must be >= 1 (draft tokens per verify forward)")
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
     if args.timeout <= 0:
@@ -116,7 +136,7 @@ class Setup:
     """What a decode needs before any weight is loaded: the drafter, mode, target, geometry, dtype, tokenizer, EOS."""
 
     ckpt: str | None
-    spec: DrafterSpec | None
+    spec: DrafterSpec | Eagle3Spec | None
     mode: str
     target_path: str
     info: TargetInfo
@@ -126,15 +146,38 @@ class Setup:
     tokenizer: PreTrainedTokenizerBase
     eos: list[int]
     trust_remote_code: bool = False
+    k: int | list[int] | None = None  # --mode eagle3: drafts per verify forward (a list in eval)
+
+
+def drafter_for_mode(ckpt: str | None, mode: str | None) -> tuple[DrafterSpec | Eagle3Spec | None, str]:
+    """The drafter's description and the mode to decode in (`mode`, or the drafter's own); one line when
+    the drafter's kind cannot run that mode."""
+    kind = drafter_kind(ckpt) if ckpt else None
+    if kind not in (None, PDM_KIND, EAGLE3):
+        raise UsageError(f"{ckpt!r} holds a {kind!r} drafter, which this build cannot decode: re-export it")
+    if kind == EAGLE3:
+        if mode not in (None, EAGLE3, "ar"):
+            raise UsageError(
+                f"--mode {mode} needs a PDM (SPD) drafter, but {ckpt!r} is an EAGLE-3 drafter: pass --mode "
+                f"{EAGLE3}, or a drafter trained with `fit --model.drafter pdm`"
+            )
+        return load_eagle3(ckpt)[1], mode or EAGLE3
+    spec = read_drafter_spec(ckpt)[0] if ckpt else None
+    if mode == EAGLE3 and spec is not None:
+        raise UsageError(
+            f"--mode {EAGLE3} needs an EAGLE-3 drafter, but {ckpt!r} is a PDM (SPD) drafter: pass --mode "
+            f"{spec.geometry.mode}, or a drafter trained with `fit --model.drafter {EAGLE3}`"
+        )
+    mode = mode or (spec.geometry.mode if spec else "ar")
+    if spec is None and mode != "ar":
+        raise UsageError(f"--mode {mode} needs a drafter: pass --ckpt (only --mode ar runs without one)")
+    return spec, mode
 
 
 def prepare(args: argparse.Namespace) -> Setup:
     """Resolve the drafter, mode, target and geometry from `--ckpt --target --mode --device --dtype`."""
     ckpt = None if args.ckpt in (None, "", "none") else args.ckpt
-    spec = read_drafter_spec(ckpt)[0] if ckpt else None
-    mode = args.mode or (spec.geometry.mode if spec else "ar")
-    if spec is None and mode != "ar":
-        raise UsageError(f"--mode {mode} needs a drafter: pass --ckpt (only --mode ar runs without one)")
+    spec, mode = drafter_for_mode(ckpt, args.mode)
     target_path = args.target or (spec.target.name_or_path if spec else None)
     if not target_path:
         raise UsageError("no target: pass --target DIR (required without --ckpt)")
@@ -144,14 +187,15 @@ def prepare(args: argparse.Namespace) -> Setup:
     info = skeleton.info
     if spec is not None:
         spec.check_target(info)
-    if spec is None:
+    if not isinstance(spec, DrafterSpec):  # AR and chain decoding run the target as one stage
         geometry = Geometry.build(info.num_layers, 1)
     else:
         geometry = spec.geometry if mode == "ar" else spec.geometry.with_mode(mode)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device.startswith("cuda") else "float32")
     eos = sorted(eos_set(target_eos(skeleton.config, _generation_config(target_path))))
+    k = getattr(args, "k", None) if mode == EAGLE3 else None
     return Setup(
-        ckpt, spec, mode, target_path, info, skeleton, geometry, dtype, load_tokenizer(target_path), eos, trust
+        ckpt, spec, mode, target_path, info, skeleton, geometry, dtype, load_tokenizer(target_path), eos, trust, k
     )
 
 
@@ -182,6 +226,8 @@ def decode_job(
     setup: Setup, args: argparse.Namespace, prompts: list[list[int]], sampling: Sampling, profile: bool
 ) -> DecodeJob:
     """The distributed decoder's job for these prompts (`profile`: with per-cycle timing)."""
+    if setup.mode == EAGLE3:
+        raise UsageError(f"--mode {EAGLE3} decodes in one process, not on pipeline ranks: add --simulate")
     info = setup.info
     return DecodeJob(
         setup.target_path,

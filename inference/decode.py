@@ -6,8 +6,12 @@
     torchrun --nproc-per-node 5 -m inference.decode --ckpt drafter/ --device cuda --prompt "Hi"   # n=4
 
 Modes: `spd` (pre-step drafting, the default for an SPD drafter), `post_step`, `ppsd` (needs a drafter
-trained with first-stage features) and `ar` (plain autoregressive decoding through the same stages).
-Without `--simulate` the pipeline runs as n+1 processes; with it, in this process.
+trained with first-stage features), `eagle3` (chain speculative decoding with an EAGLE-3 drafter, `--k`
+drafts per target forward, in this process; the default for such a drafter) and `ar` (plain autoregressive
+decoding through the same stages). Without `--simulate` the pipeline runs as n+1 processes; with it, in this
+process.
+
+    python -m inference.decode --ckpt drafter_eagle3/ --mode eagle3 --k 7 --prompt "Hi" --check-lossless
 
 Output (stdout): for each prompt a `### prompt I: TEXT` line, the generated text, and one line of counters
 (N, K, alpha, n*alpha, the share of repeated 4-grams of the output, why it stopped); then one line of
@@ -25,11 +29,13 @@ import os
 import sys
 from collections.abc import Callable
 
+from spd_lightning.eagle3_export import KIND as EAGLE3
 from spd_lightning.export import load_drafter
 from spd_lightning.target import Target
 
 from . import cli
 from .ar import ar_decode_stages
+from .chain import ChainDecoder
 from .launch import DecodeJob, launch, run_rank
 from .prompts import read_prompts
 from .repetition import repeated_share
@@ -77,6 +83,7 @@ def run(args: argparse.Namespace) -> dict:
     report = {
         "mode": setup.mode,
         "n": setup.geometry.n,
+        **({"k": args.k} if setup.mode == EAGLE3 else {}),
         "geometry": setup.geometry.to_dict(),
         "target": setup.target_path,
         "drafter": setup.ckpt,
@@ -117,6 +124,8 @@ def _decode(
     """Every prompt's result; `stream(prompt index, tokens)` as tokens are verified."""
     if setup.mode == "ar":
         return _ar(setup, args, prompts, sampling, stream)
+    if setup.mode == EAGLE3:
+        return _eagle3(setup, args, prompts, sampling, stream)
     if args.simulate:
         target = Target.load(setup.target_path, setup.dtype, args.device, setup.trust_remote_code)
         pdm, _ = load_drafter(setup.ckpt, map_location=args.device)
@@ -151,6 +160,20 @@ def _ar(
     ]
 
 
+def _eagle3(
+    setup: cli.Setup,
+    args,
+    prompts: list[list[int]],
+    sampling: Sampling,
+    stream: Callable[[int, list[int]], None] | None = None,
+) -> list[DecodeResult]:
+    decoder = ChainDecoder.load(setup.target_path, setup.ckpt, args.k, sampling, setup.dtype, args.device)
+    return [
+        decoder.decode(ids, args.max_new_tokens, setup.eos, args.seed + i, _for_prompt(stream, i)).to_decode_result()
+        for i, ids in enumerate(prompts)
+    ]
+
+
 def _distributed(job: DecodeJob, stream: Callable[[int, list[int]], None] | None = None) -> list[DecodeResult] | None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         if int(os.environ["WORLD_SIZE"]) != job.world_size:
@@ -174,6 +197,8 @@ def _counters(r: DecodeResult) -> str:
     repeated = f"repeated 4-grams {fmt(repeated_share([r.tokens]), 2)}"
     if r.alpha is None:
         return f"N={r.N} {repeated} ({r.stop_reason})"
+    if r.mode == EAGLE3:  # one target forward per step: alpha is the tokens per target forward
+        return f"N={r.N} K={r.K} tokens/forward={r.alpha:.3f} {repeated} ({r.stop_reason})"
     return f"N={r.N} K={r.K} alpha={r.alpha:.3f} n*alpha={r.theoretical_speedup:.2f} {repeated} ({r.stop_reason})"
 
 
@@ -193,8 +218,11 @@ def print_report(report: dict) -> None:
             print(p["text"])
         print(f"({_counters(DecodeResult.from_dict(p))})\n")
     t = report["totals"]
-    parts = [f"mode={report['mode']} n={report['n']} prompts={len(report['prompts'])} N={t['N']}"]
-    if t["alpha"] is not None:
+    shape = f"k={report['k']}" if report["mode"] == EAGLE3 else f"n={report['n']}"
+    parts = [f"mode={report['mode']} {shape} prompts={len(report['prompts'])} N={t['N']}"]
+    if t["alpha"] is not None and report["mode"] == EAGLE3:
+        parts.append(f"K={t['K']} tokens/forward={t['alpha']:.3f}")
+    elif t["alpha"] is not None:
         parts.append(f"K={t['K']} alpha={t['alpha']:.3f} n*alpha={t['theoretical_speedup']:.2f}")
     parts.append(f"repeated_4grams={fmt(t['repeated_4gram_share'], 2)}")
     if t.get("decode_tokens_per_s"):

@@ -16,8 +16,17 @@ decoding of the same target loaded in this process. Reported per set and overall
 - wall-clock: decode-phase tokens/s of the decoder over the AR baseline's (prefill excluded). Under
   `--simulate` the stages run in sequence, so this number is not the pipeline's.
 
-Writes DIR/eval.json (every number, plus what `inference.plan` reads), DIR/eval.md (a markdown table)
-and DIR/eval.png. Exit status: 0 done, 2 bad input (one line on stderr; `--debug` shows tracebacks),
+EAGLE-3 beside it: `--eagle3 DRAFTER` (or an EAGLE-3 drafter as `--ckpt`) adds chain decoding at each
+`--k` (default 7; e.g. `--k 3 5 7`) on the same target, prompts and AR baseline, in
+`eagle3_results` (inference/eval_eagle3.py: tokens per target forward, S_eagle3, wall-clock), and a
+side-by-side table of every method: tokens per target forward (`S0`: n*alpha for SPD, N/K for EAGLE-3),
+the theoretical speedup with the draft cost (S_spd, S_post for post-step/PPSD, S_eagle3) and the
+wall-clock speedup. PPSD is a PDM trained with first-stage features: evaluate it with its own `--ckpt` run.
+
+    python -m inference.eval --ckpt spd_drafter/ --eagle3 eagle3_drafter/ --k 3 5 7 --prompts set.jsonl --simulate
+
+Writes DIR/eval.json (every number, plus what `inference.plan` reads: `plan_inputs`, `plan_inputs_eagle3`),
+DIR/eval.md (markdown tables) and DIR/eval.png. Exit status: 0 done, 2 bad input (one line on stderr; `--debug` shows tracebacks),
 1 an unexpected error.
 """
 
@@ -29,7 +38,9 @@ import os
 import sys
 from dataclasses import dataclass
 
-from . import cli
+from spd_lightning.eagle3_export import KIND as EAGLE3
+
+from . import cli, eval_eagle3
 from .ar import ar_decode
 from .prompts import dataset_spec, read_prompts
 from .result import DecodeResult
@@ -51,7 +62,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--limit", type=int, help="first K prompts of each set")
     p.add_argument("--out", default="eval_out", help="output directory")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    cli.add_decoder_arguments(p, max_new_tokens=512, with_ar=False)
+    p.add_argument("--eagle3", help="an EAGLE-3 drafter to evaluate beside --ckpt, at each --k, on the same target")
+    cli.add_decoder_arguments(p, max_new_tokens=512, with_ar=False, k_values=True)
     return p.parse_args(argv)
 
 
@@ -145,9 +157,14 @@ class Decoders:
 
         self.args, self.setup = args, setup
         self.target = Target.load(setup.target_path, setup.dtype, args.device)
+        self.has_spd = setup.mode != EAGLE3
         self.pdm = (
-            load_drafter(setup.ckpt, map_location=args.device)[0].to(self.target.model.dtype) if args.simulate else None
+            load_drafter(setup.ckpt, map_location=args.device)[0].to(self.target.model.dtype)
+            if args.simulate and self.has_spd
+            else None
         )
+        eagle3 = setup.ckpt if not self.has_spd else args.eagle3
+        self.eagle3 = eval_eagle3.Eagle3Decoders(self.target, eagle3, args.k) if eagle3 else None
         self.simulator = None
 
     def warm_up(self, sampling: Sampling, prompt: list[int]) -> None:
@@ -164,11 +181,13 @@ class Decoders:
                 profile=True,
                 compile=getattr(args, "compile", False),
             )
-            if args.simulate
+            if args.simulate and self.has_spd
             else None
         )
         if self.simulator is not None:
             self.simulator.decode(prompt, min(4, args.max_new_tokens), eos, args.seed)
+        if self.eagle3 is not None:
+            self.eagle3.warm_up(sampling, prompt, args.max_new_tokens, eos, args.seed)
         ar_decode(self.target, prompt, min(4, args.max_new_tokens), sampling, eos, args.seed)
 
     def spd(self, sampling: Sampling, prompts: list[list[int]], progress) -> list[DecodeResult]:
@@ -198,18 +217,25 @@ def run(args: argparse.Namespace) -> dict:
     setup = cli.prepare(args)
     if setup.mode == "ar":
         raise cli.UsageError("inference.eval compares a drafter with AR decoding: --ckpt must name a drafter")
+    if args.eagle3 and setup.mode == EAGLE3:
+        raise cli.UsageError("--ckpt is already an EAGLE-3 drafter: pass a PDM drafter as --ckpt, or drop --eagle3")
+    if args.eagle3:
+        cli.drafter_for_mode(args.eagle3, EAGLE3)  # one line now if it is not an EAGLE-3 drafter
     sets = read_sets(args, setup)
     with cli.writing(args.out):
         os.makedirs(args.out, exist_ok=True)
     decoders = Decoders(args, setup)
     report = _report_head(args, setup)
-    bar = _progress(len(samplings) * sum(len(s.prompts) for s in sets), args.no_progress)
+    methods = int(decoders.has_spd) + (len(decoders.eagle3.ks) if decoders.eagle3 is not None else 0)
+    bar = _progress(methods * len(samplings) * sum(len(s.prompts) for s in sets), args.no_progress)
     try:
         for sampling in samplings:
-            report["results"] += _evaluate(decoders, sampling, sets, bar)
+            _evaluate(decoders, sampling, sets, bar, report)
     finally:
         bar.close()
-    _plan_inputs(report)
+    if report["results"]:
+        _plan_inputs(report)
+    report["plan_inputs_eagle3"] = eval_eagle3.plan_inputs(report["eagle3_results"])
     write_outputs(report, args.out)
     return report
 
@@ -221,7 +247,9 @@ def _report_head(args: argparse.Namespace, setup: cli.Setup) -> dict:
         "mode": setup.mode,
         "n": setup.geometry.n,
         "L": setup.info.num_layers,
-        "L_s": setup.spec.pdm.num_layers,
+        "L_s": setup.spec.pdm.num_layers if setup.mode != EAGLE3 else None,
+        "eagle3_drafter": setup.ckpt if setup.mode == EAGLE3 else args.eagle3,
+        "k": args.k if setup.mode == EAGLE3 or args.eagle3 else None,
         "hidden_size": setup.info.hidden_size,
         "geometry": setup.geometry.to_dict(),
         "max_new_tokens": args.max_new_tokens,
@@ -231,25 +259,35 @@ def _report_head(args: argparse.Namespace, setup: cli.Setup) -> dict:
         "dtype": setup.dtype,
         "seed": args.seed,
         "results": [],
+        "eagle3_results": [],
     }
 
 
-def _evaluate(decoders: Decoders, sampling: Sampling, sets: list[PromptSet], bar) -> list[dict]:
-    """One row per set and one pooling every set, at one temperature."""
-    n, rows = decoders.setup.geometry.n, []
+def _evaluate(decoders: Decoders, sampling: Sampling, sets: list[PromptSet], bar, report: dict) -> None:
+    """One row per set and one pooling every set, at one temperature, for the SPD drafter (`results`) and for
+    EAGLE-3 at each k (`eagle3_results`), all against the same AR decodes."""
+    n, args = decoders.setup.geometry.n, decoders.args
     decoders.warm_up(sampling, sets[0].prompts[0])
-    pooled_spd: list[DecodeResult] = []
-    pooled_ar: list[DecodeResult] = []
+    ks = decoders.eagle3.ks if decoders.eagle3 is not None else []
+    pooled: dict = {"spd": [], "ar": [], **{k: [] for k in ks}}
     head = {"temperature": sampling.temperature, "sampling": sampling.to_dict()}
     for prompt_set in sets:
         bar.set_description(f"{prompt_set.name} T={sampling.temperature:g}")
-        spd = decoders.spd(sampling, prompt_set.prompts, bar.update)
+        where = {"set": prompt_set.name, "path": prompt_set.path, **head}
+        spd = decoders.spd(sampling, prompt_set.prompts, bar.update) if decoders.has_spd else []
         ar = decoders.ar(sampling, prompt_set.prompts)
-        pooled_spd += spd
-        pooled_ar += ar
-        rows.append({"set": prompt_set.name, "path": prompt_set.path, **head, **summarize(n, spd, ar)})
-    rows.append({"set": "overall", "path": None, **head, **summarize(n, pooled_spd, pooled_ar)})
-    return rows
+        pooled["spd"], pooled["ar"] = pooled["spd"] + spd, pooled["ar"] + ar
+        if decoders.has_spd:
+            report["results"].append({**where, **summarize(n, spd, ar)})
+        for k in ks:
+            chain = decoders.eagle3.decode(k, sampling, prompt_set.prompts, args, decoders.setup.eos, bar.update)
+            pooled[k] += chain
+            report["eagle3_results"].append({**where, **eval_eagle3.summarize(k, chain, ar)})
+    where = {"set": "overall", "path": None, **head}
+    if decoders.has_spd:
+        report["results"].append({**where, **summarize(n, pooled["spd"], pooled["ar"])})
+    for k in ks:
+        report["eagle3_results"].append({**where, **eval_eagle3.summarize(k, pooled[k], pooled["ar"])})
 
 
 def _progress(total: int, disable: bool):
@@ -283,7 +321,7 @@ def _plan_inputs(report: dict) -> None:
     }
 
 
-def markdown(report: dict) -> str:
+def _spd_table(report: dict) -> list[str]:
     head = [
         "set",
         "T",
@@ -321,10 +359,22 @@ def markdown(report: dict) -> str:
         f"SPD eval: mode={report['mode']} n={report['n']} L_s={report['L_s']} target={report['target']} "
         f"max_new_tokens={report['max_new_tokens']}{' (simulator: wall-clock is sequential)' if report['simulate'] else ''}"
     )
-    return "\n".join([title, "", *markdown_table(head, rows)]) + "\n"
+    return [title, "", *markdown_table(head, rows)]
+
+
+def markdown(report: dict) -> str:
+    """The SPD table (when an SPD drafter was evaluated), then the side-by-side table (with EAGLE-3 rows)."""
+    parts = []
+    if report["results"]:
+        parts += _spd_table(report)
+    if report["eagle3_results"]:
+        parts += ([""] if parts else []) + eval_eagle3.side_by_side_table(report)
+    return "\n".join(parts) + "\n"
 
 
 def plot(report: dict, path: str) -> None:
+    if report["eagle3_results"]:
+        return eval_eagle3.plot_side_by_side(report, path)
     rows = report["results"]
     labels = [f"{r['set']}\nT={r['temperature']:g}" for r in rows]
     fig, (ax1, ax2) = pyplot().subplots(1, 2, figsize=(max(8, 2.2 * len(rows)), 4))

@@ -32,6 +32,15 @@ Times come from one of:
   `--overhead-layers` (default 1.0: SPEC 9's 4B run has ~1.2 ms overhead at ~1.05 ms per target layer).
   Only ratios matter for the speedup, so no absolute time is needed.
 
+EAGLE-3 beside SPD (`--times eval.json` of an eval with EAGLE-3 rows, its `plan_inputs_eagle3`): on one GPU,
+each round drafts k tokens and verifies them in one target forward, so from the measured costs
+
+    round(k)      = k * T_draft_step + T_verify(k)
+    speedup       = (tokens per target forward) * T_full / round(k)
+
+printed per k beside SPD's best prediction at each n (SPD needs n GPUs with the PDM sharing stage 1's,
+n + 1 with its own). An eval with only an EAGLE-3 drafter needs no alpha.
+
 Flags override the JSON. The recommendation is the (n, L_s) with the highest predicted speedup among
 those with an alpha (n must be <= L). Writes a markdown table to stdout and a plot (`--plot`, default
 plan.png); `--json` writes every row. Exit status 0, 2 on bad input (one line on stderr),
@@ -252,6 +261,46 @@ def _stage_fixed(measured: dict, t_full: float) -> float:
     return max(0.0, slowest - t_full / n) if slowest is not None and n else 0.0
 
 
+def eagle3_rows(inputs: list[dict], t_full: float | None) -> list[dict]:
+    """EAGLE-3's predicted speedup per k from its measured draft-step and verify costs (`T_full` in seconds:
+    the cost model's when measured, else the eval's)."""
+    rows = []
+    for p in inputs:
+        full = t_full or p["T_full_s"]
+        if None in (full, p["alpha"], p["T_draft_step_s"], p["T_verify_s"]):
+            raise PlanError(f"EAGLE-3 k={p['k']}: the eval report lacks a measured time; rerun inference.eval")
+        round_s = p["k"] * p["T_draft_step_s"] + p["T_verify_s"]
+        rows.append(
+            {
+                "k": p["k"],
+                "tokens_per_forward": p["alpha"],
+                "draft_step": p["T_draft_step_s"],
+                "verify": p["T_verify_s"],
+                "round": round_s,
+                "speedup": p["alpha"] * full / round_s,
+            }
+        )
+    return rows
+
+
+def eagle3_markdown(rows: list[dict], spd_rows: list[dict]) -> str:
+    head = ["k", "tokens per target forward", "draft step (s)", "verify (s)", "round (s)", "predicted speedup"]
+    cells = [
+        [str(r["k"]), f"{r['tokens_per_forward']:.3f}", f"{r['draft_step']:.4g}", f"{r['verify']:.4g}"]
+        + [f"{r['round']:.4g}", f"{r['speedup']:.2f}"]
+        for r in rows
+    ]
+    best = max(rows, key=lambda r: r["speedup"])
+    lines = ["EAGLE-3 on 1 GPU (measured draft and verify costs)", "", *markdown_table(head, cells), ""]
+    for n in sorted({r["n"] for r in spd_rows}):
+        spd = max((r for r in spd_rows if r["n"] == n), key=lambda r: r["speedup"])
+        lines.append(
+            f"n={n} (SPD on {n} GPUs, {n + 1} with its own PDM GPU): SPD {spd['speedup']:.2f}x (L_s={spd['L_s']}) "
+            f"vs EAGLE-3 {best['speedup']:.2f}x (k={best['k']}, 1 GPU)"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def markdown(model: CostModel, rows: list[dict], best: dict) -> str:
     head = ["n", "L_s", "alpha", "S0 = n*alpha", "stage", "draft", "cycle", "r", "bound", "predicted speedup"]
     cells = [
@@ -326,22 +375,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _eagle3_inputs(path: str | None) -> list[dict]:
+    data = _read_json(path) if path else {}
+    return (data.get("plan_inputs_eagle3") if isinstance(data, dict) else None) or []
+
+
 def run(args: argparse.Namespace) -> dict:
     alphas = read_alphas(args.alphas) if args.alphas else {}
     for spec in args.alpha:
         alphas.update([parse_alpha(spec)])
-    model = cost_model(args)
-    rows, best = plan(model, alphas)
-    text = markdown(model, rows, best)
-    if args.plot:
-        with cli.writing(args.plot):
-            plot(rows, best, args.plot)
-    result = {
-        "model": asdict(model),
-        "rows": rows,
-        "recommended": {"n": best["n"], "L_s": best["L_s"], "speedup": best["speedup"]},
-        "markdown": text,
-    }
+    eagle3_inputs = _eagle3_inputs(args.times)
+    result: dict = {"rows": [], "markdown": ""}
+    if alphas or not eagle3_inputs:  # SPD's plan (an eval of an EAGLE-3 drafter alone needs no alpha)
+        model = cost_model(args)
+        rows, best = plan(model, alphas)
+        if args.plot:
+            with cli.writing(args.plot):
+                plot(rows, best, args.plot)
+        result = {
+            "model": asdict(model),
+            "rows": rows,
+            "recommended": {"n": best["n"], "L_s": best["L_s"], "speedup": best["speedup"]},
+            "markdown": markdown(model, rows, best),
+        }
+    if eagle3_inputs:
+        t_full = result["model"]["t_full"] if result.get("model", {}).get("unit") == "s" else None
+        result["eagle3"] = eagle3_rows(eagle3_inputs, t_full)
+        result["markdown"] += ("\n" if result["markdown"] else "") + eagle3_markdown(result["eagle3"], result["rows"])
     if args.json_out:
         with cli.writing(args.json_out), open(args.json_out, "w") as f:
             json.dump(result, f, indent=1)

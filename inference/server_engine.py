@@ -6,8 +6,9 @@ verified tokens, as the decoder's per-cycle hook delivers them, through a `TextS
 the request's event queue on the server's event loop. A request whose client has gone is cancelled at
 the next cycle: the hook raises `Cancelled`, which ends that decode.
 
-Backends (the decoder behind the engine): `InProcessBackend` runs the simulator (SPD modes) or AR through
-the same stages, in this process, with the target and the PDM loaded once.
+Backends (the decoder behind the engine): `InProcessBackend` runs the simulator (SPD modes), AR through
+the same stages, or chain decoding with an EAGLE-3 drafter (`--mode eagle3`, `--k` drafts per verify
+forward, inference/chain.py), in this process, with the target and the drafter loaded once.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from spd_lightning.eagle3_export import KIND as EAGLE3
 from spd_lightning.export import load_drafter
 from spd_lightning.target import Target
 
 from .ar import ar_decode_stages
+from .chain import ChainDecoder
 from .cli import Setup
 from .result import DecodeResult
 from .simulator import Simulator
@@ -66,19 +69,25 @@ class Backend(Protocol):
 
 
 class InProcessBackend:
-    """The simulator (SPD modes) or AR through the same stages, in this process; weights loaded once."""
+    """The simulator (SPD modes), AR through the same stages, or EAGLE-3 chain decoding, in this process;
+    weights loaded once."""
 
     def __init__(self, setup: Setup, device: str = "cpu"):
         self.setup = setup
         self.target = Target.load(setup.target_path, setup.dtype, device, setup.trust_remote_code)
-        self.pdm = None
-        if setup.mode != "ar":
+        self.pdm = self.chain = None
+        if setup.mode == EAGLE3:
+            self.chain = ChainDecoder.on_target(self.target, setup.ckpt, setup.k)
+        elif setup.mode != "ar":
             pdm, _ = load_drafter(setup.ckpt, map_location=device)
             self.pdm = pdm.to(self.target.model.dtype)
         self.stages = [Stage.from_target(self.target, setup.geometry, s) for s in range(1, setup.geometry.n + 1)]
         self._simulators: dict[Sampling, Simulator] = {}
 
     def generate(self, prompt_ids, max_new_tokens, sampling, seed, on_tokens) -> DecodeResult:
+        if self.chain is not None:  # a decode starts from a reset cache: nothing to rebuild after a failure
+            decoder = self.chain.variant(self.setup.k, sampling)
+            return decoder.decode(prompt_ids, max_new_tokens, self.setup.eos, seed, on_tokens).to_decode_result()
         if self.pdm is None:
             return ar_decode_stages(self.stages, prompt_ids, max_new_tokens, sampling, self.setup.eos, seed, on_tokens)
         simulator = self._simulator(sampling)

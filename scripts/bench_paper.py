@@ -160,7 +160,41 @@ SUITES = {
 }
 
 
+# EAGLE-3 baseline runs (docs/EAGLE3.md): name -> TTT steps. Trained on the same data, trainer and steps as
+# the config's PDM (its model section swapped for the EAGLE-3 drafter's), evaluated at each of EAGLE3_EVAL_K.
+EAGLE3_RUNS = {"eagle3_k7": 7}
+EAGLE3_EVAL_K = ("3", "5", "7")
+
+
+def eagle3_train_command(name: str, args: argparse.Namespace) -> list[str]:
+    """`fit` on ROOT/NAME/config.yaml: the `--config` with its model section for the EAGLE-3 drafter (written here)."""
+    import yaml
+
+    from spd_lightning.cli import drafter_config, stacked_config
+
+    out = f"{args.root}/{name}"
+    os.makedirs(out, exist_ok=True)
+    with open(f"{out}/config.yaml", "w") as f:
+        yaml.safe_dump(drafter_config(stacked_config(args.config), "eagle3"), f, sort_keys=False)
+    return ["python", "-m", "spd_lightning", "fit", "--config", f"{out}/config.yaml"] + [
+        *("--model.ttt_steps", str(EAGLE3_RUNS[name]), "--trainer.default_root_dir", out),
+        *("--trainer.logger.init_args.save_dir", out, "--checkpoint.dirpath", f"{out}/checkpoints"),
+        *shlex.split(args.extra),
+    ]
+
+
+def eagle3_eval_command(name: str, args: argparse.Namespace) -> list[str]:
+    """Chain decoding at each k of EAGLE3_EVAL_K, T = 0 and 1, beside AR in the same run, into NAME/eval."""
+    return ["python", "-m", "inference.eval", "--ckpt", f"{args.root}/{name}/checkpoints/last.ckpt"] + [
+        *("--k", *EAGLE3_EVAL_K, "--prompts", *args.sets.values(), "--limit", str(args.limit)),
+        *("--max-new-tokens", str(args.max_new_tokens), "--temperatures", "0", "1", "--no-progress"),
+        *("--out", f"{args.root}/{name}/eval"),
+    ]
+
+
 def train_command(name: str, args: argparse.Namespace) -> list[str]:
+    if name in EAGLE3_RUNS:
+        return eagle3_train_command(name, args)
     run = args.runs[name]
     schedule, features = MODES[run.mode]
     out = f"{args.root}/{name}"
@@ -210,6 +244,8 @@ def wall_clock_steps(wall_of: tuple[str, str], root: str) -> int:
 
 def eval_command(name: str, args: argparse.Namespace, pipeline: bool = False) -> list[str]:
     """The simulator at T = 0 and 1 into NAME/eval, or (`pipeline`) the n+1 gloo processes, greedy, into pipeline/NAME."""
+    if name in EAGLE3_RUNS:
+        return eagle3_eval_command(name, args)
     out, mode = (
         (f"{args.root}/pipeline/{name}", ["0"]) if pipeline else (f"{args.root}/{name}/eval", ["0", "1", "--simulate"])
     )
@@ -573,11 +609,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> None:
-    unknown = [n for n in [*args.names, args.calibration, *args.checks] if n not in args.runs]
+    known = [*args.runs, *EAGLE3_RUNS]
+    unknown = [n for n in [*args.names, args.calibration, *args.checks] if n not in known]
     if unknown:
-        raise BenchError(
-            f"unknown run {unknown[0]!r} in suite {args.suite!r}: choose from {', '.join(args.runs)} or 'all'"
-        )
+        raise BenchError(f"unknown run {unknown[0]!r} in suite {args.suite!r}: choose from {', '.join(known)} or 'all'")
     if args.jobs < 1 or args.threads < 1:
         raise BenchError("--jobs and --threads must be >= 1")
     if args.action == "table":

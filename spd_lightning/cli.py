@@ -1,12 +1,15 @@
 """Command line: `python -m spd_lightning fit|validate --config configs/X.yaml` and `... export`.
 
-`fit` and `validate` are LightningCLI over `SPDModule` + `ChatDataModule`; the data module's tokenizer is
-linked to the model's target, so a config names the target once. Defaults every run gets:
+`fit` and `validate` are LightningCLI over a drafter module + `ChatDataModule`; the data module's tokenizer is
+linked to the model's target, so a config names the target once. `model.drafter` picks the module (in the YAML
+under `model:` or as `--model.drafter`): `pdm` (default, `SPDModule`) or `eagle3` (`Eagle3Module`, the EAGLE-3
+baseline, docs/EAGLE3.md); `fit --model.drafter eagle3 --help` lists its options. Defaults every run gets:
 - a `WandbLogger`, offline when no W&B key is configured (no WANDB_API_KEY and no netrc entry);
 - a `ModelCheckpoint` under `checkpoint.*` that keeps `last.ckpt` (resume: `--ckpt_path .../last.ckpt` or
   `--ckpt_path last`), also written when SIGTERM stops the run;
 - checkpoint files written atomically (`checkpoint_io.py`): a killed run never leaves a half-written one.
-`export --ckpt PATH --out DIR` writes the drafter directory that `inference/` loads.
+`export --ckpt PATH --out DIR` writes the drafter directory that `inference/` loads, for either kind (the
+checkpoint records it).
 
 Errors: a `UserError` (a bad setting: geometry, target path, vocabulary, data, a flag) ends the run with one
 line on stderr and exit code 2; anything else is a bug: one line and exit code 1. `--debug` or `SPD_DEBUG=1`
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import netrc
 import os
 import re
@@ -36,8 +40,11 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from .checkpoint_io import AtomicCheckpointIO
 from .data import ChatDataModule
+from .eagle3_export import KIND as EAGLE3
+from .eagle3_export import load_eagle3, save_eagle3
+from .eagle3_module import Eagle3Module
 from .errors import ConfigError, UserError
-from .export import load_drafter, save_drafter
+from .export import drafter_kind, load_drafter, save_drafter
 from .module import SPDModule
 
 PROG = "python -m spd_lightning"
@@ -65,6 +72,12 @@ class CheckpointOnSigterm(ModelCheckpoint):
             super().on_exception(trainer, pl_module, exception)
 
 
+# `model.drafter` -> the LightningModule that trains it
+DRAFTERS = {"pdm": SPDModule, EAGLE3: Eagle3Module}
+# callbacks that decode with the PDM and so apply to `model.drafter: pdm` only
+PDM_CALLBACKS = ("callbacks.StaircaseEvaluation", "callbacks.staircase.StaircaseEvaluation")
+
+
 class SPDLightningCLI(LightningCLI):
     @staticmethod
     def subcommands() -> dict:
@@ -75,12 +88,73 @@ class SPDLightningCLI(LightningCLI):
         parser.link_arguments("model.target", "data.tokenizer")
         parser.add_lightning_class_args(CheckpointOnSigterm, "checkpoint")
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.dirpath": None})
+        parser.add_argument(
+            "--model.drafter",
+            choices=list(DRAFTERS),
+            default="pdm",
+            help="the drafter to train: pdm (the Pipeline Draft Module of SPD) or eagle3 (the EAGLE-3 baseline); "
+            "the other model.* options are those of the chosen drafter",
+        )
+
+    def instantiate_classes(self) -> None:
+        """The drafter's module takes every `model.*` option but `drafter`, which chose the module itself."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        kind = config.model.pop("drafter")
+        if DRAFTERS[kind] is not self.model_class:
+            raise ConfigError(
+                f"model.drafter={kind!r} was set where it cannot be read ahead of parsing: set it in a --config "
+                f"file or as --model.drafter"
+            )
+        check_callbacks(kind, config.trainer.callbacks)
+        try:
+            super().instantiate_classes()
+        finally:
+            config.model["drafter"] = kind  # the saved config.yaml names it too
 
     def instantiate_trainer(self, **kwargs):
         trainer = super().instantiate_trainer(**kwargs)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # keep a user's or a strategy's own IO
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         return trainer
+
+
+def check_callbacks(kind: str, callbacks) -> None:
+    """One line for a callback that cannot work with this drafter (the staircase evaluation decodes a PDM)."""
+    for callback in callbacks or []:
+        class_path = str(getattr(callback, "class_path", f"{type(callback).__module__}.{type(callback).__name__}"))
+        if kind != "pdm" and class_path in PDM_CALLBACKS:
+            raise ConfigError(
+                f"trainer.callbacks: {class_path} decodes with the PDM and does not apply to model.drafter={kind!r}: "
+                f"remove it from the config's trainer.callbacks"
+            )
+
+
+def selected_drafter(args: Sequence[str]) -> str:
+    """`model.drafter` as the parser will read it, ahead of parsing (it picks the module whose options the parser
+    offers): the last value among the `--config` files (bases already expanded) and `--model.drafter` flags."""
+    kind = "pdm"
+    for i, arg in enumerate(args):
+        value = arg.partition("=")[2] if arg.startswith(("--config=", "--model.drafter=")) else None
+        following = args[i + 1] if i + 1 < len(args) else None
+        if arg in ("-c", "--config") or arg.startswith("--config="):
+            value = _drafter_in_config(value or following or "")
+        elif arg == "--model.drafter":
+            value = following
+        if value is not None:
+            kind = value
+    if kind not in DRAFTERS:
+        raise ConfigError(f"model.drafter={kind!r}: use one of {', '.join(DRAFTERS)}")
+    return kind
+
+
+def _drafter_in_config(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            config = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError):  # the parser reports a missing or broken file
+        return None
+    model = config.get("model") if isinstance(config, dict) else None
+    return model.get("drafter") if isinstance(model, dict) else None
 
 
 class LoggedConfigCallback(SaveConfigCallback):
@@ -110,17 +184,19 @@ def default_wandb_offline() -> None:
 def run_cli(args: Sequence[str]) -> SPDLightningCLI:
     """LightningCLI `fit` / `validate` over `args` (the command line without the program name)."""
     default_wandb_offline()
+    args = with_base_configs(args)
+    model_class = DRAFTERS[selected_drafter(args)]
     with warnings.catch_warnings():
         # main() parses the command line itself (to take --debug out of it without editing sys.argv) and hands
         # LightningCLI the rest; Lightning warns about `args` only to catch a script that also has a command line.
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
         try:
             return SPDLightningCLI(
-                SPDModule,
+                model_class,
                 ChatDataModule,
-                args=with_base_configs(args),
+                args=args,
                 seed_everything_default=0,
-                auto_configure_optimizers=False,  # SPDModule.configure_optimizers owns AdamW + the linear schedule
+                auto_configure_optimizers=False,  # the module's configure_optimizers owns AdamW + the linear schedule
                 trainer_defaults={"logger": DEFAULT_LOGGER, "max_epochs": 1},
                 save_config_callback=LoggedConfigCallback,
                 save_config_kwargs={"overwrite": True},
@@ -181,6 +257,21 @@ def stacked_config(path: str) -> dict:
     return cfg
 
 
+def drafter_config(config: dict, kind: str) -> dict:
+    """`config` (a stacked `fit` config) for the drafter `kind`: its `model` section keeps the options that
+    drafter's module takes (the target, dtype and optimizer settings both share) and drops the others, and
+    callbacks that need the PDM go. The same data, trainer and steps train either drafter."""
+    if kind not in DRAFTERS:
+        raise ConfigError(f"model.drafter={kind!r}: use one of {', '.join(DRAFTERS)}")
+    options = set(inspect.signature(DRAFTERS[kind].__init__).parameters) - {"self"}
+    model = {key: value for key, value in (config.get("model") or {}).items() if key in options}
+    out = {**config, "model": {"drafter": kind, **model}}
+    trainer = dict(config.get("trainer") or {})
+    if kind != "pdm" and trainer.get("callbacks"):
+        trainer["callbacks"] = [c for c in trainer["callbacks"] if c.get("class_path") not in PDM_CALLBACKS]
+    return {**out, "trainer": trainer} if trainer else out
+
+
 def parser_kwargs() -> dict:
     """The top-level parser: a bad value raises (one line in main) instead of usage text + exit; the help lists the
     extra subcommands."""
@@ -199,17 +290,21 @@ class HelpWithRawEpilog(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatt
 
 
 def export(args: Sequence[str]) -> str:
-    """`export --ckpt PATH --out DIR`: writes the drafter directory that `inference/` loads; returns its path."""
+    """`export --ckpt PATH --out DIR`: writes the drafter directory that `inference/` loads, of the drafter kind
+    the checkpoint records (PDM or EAGLE-3); returns its path."""
     parser = argparse.ArgumentParser(prog=f"{PROG} export", description=EXTRA_COMMANDS["export"][1])
     parser.add_argument("--ckpt", required=True, help="a Lightning .ckpt written by `fit` (or a drafter directory)")
     parser.add_argument("--out", required=True, help="output directory")
     opts = parser.parse_args(list(args))
-    pdm, spec = load_drafter(opts.ckpt)
-    out = save_drafter(pdm, spec, opts.out)
-    print(
-        f"exported the drafter of {opts.ckpt} to {out} (n={spec.geometry.n}, L_s={spec.pdm.num_layers}, "
-        f"V_d={spec.pdm.draft_vocab_size}, target {spec.target.name_or_path})"
-    )
+    if drafter_kind(opts.ckpt) == EAGLE3:
+        drafter, spec = load_eagle3(opts.ckpt)
+        out = save_eagle3(drafter, spec, opts.out)
+        shape = f"EAGLE-3, features {list(spec.drafter.feature_layers)}, V_d={spec.drafter.draft_vocab_size}"
+    else:
+        pdm, spec = load_drafter(opts.ckpt)
+        out = save_drafter(pdm, spec, opts.out)
+        shape = f"n={spec.geometry.n}, L_s={spec.pdm.num_layers}, V_d={spec.pdm.draft_vocab_size}"
+    print(f"exported the drafter of {opts.ckpt} to {out} ({shape}, target {spec.target.name_or_path})")
     return out
 
 

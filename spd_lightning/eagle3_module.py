@@ -23,7 +23,7 @@ from .eagle3_export import Eagle3Spec
 from .eagle3_ttt import ttt_outputs, ttt_step_losses, ttt_total
 from .errors import ConfigError
 from .export import CKPT_KEY
-from .target import Target, TargetError, load_hf_config
+from .target import FrozenTargetHolder, Target, TargetError, load_hf_config
 
 
 def adamw_linear_schedule(
@@ -46,7 +46,7 @@ def adamw_linear_schedule(
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-class Eagle3Module(L.LightningModule):
+class Eagle3Module(FrozenTargetHolder, L.LightningModule):
     """Trains the EAGLE-3 baseline drafter by training-time test against a frozen target (SPEC 12).
 
     Args:
@@ -125,13 +125,7 @@ class Eagle3Module(L.LightningModule):
             rope_theta=rope_theta,
         )
 
-    # -- the frozen target and the drafter -------------------------------------------------------
-    @property
-    def target(self) -> Target:
-        if self._target is None:
-            raise RuntimeError("the target is loaded in setup(); run this module through a Lightning Trainer")
-        return self._target
-
+    # -- the frozen target (the `target` property: FrozenTargetHolder) and the drafter -----------------
     def setup(self, stage: str) -> None:
         if self._target is None:
             hp = self.hparams
@@ -144,10 +138,13 @@ class Eagle3Module(L.LightningModule):
             return  # without a trainer, on_load_checkpoint builds the drafter
         d2t = getattr(self.trainer.datamodule, "d2t", None) if self.trainer.datamodule is not None else None
         if d2t is None:
-            raise ValueError("Eagle3Module needs a data module with a draft vocabulary `d2t` (ChatDataModule)")
+            raise ConfigError(
+                "Eagle3Module needs a data module with a draft vocabulary `d2t` (ChatDataModule): "
+                "train through `python -m spd_lightning fit --model.drafter eagle3`"
+            )
         d2t = torch.as_tensor(d2t, dtype=torch.long)
         if d2t.ndim != 1 or d2t.numel() == 0 or int(d2t.max()) >= self.target.vocab_size or int(d2t.min()) < 0:
-            raise ValueError(
+            raise ConfigError(
                 f"the draft vocabulary ({d2t.numel()} ids) does not fit the target vocabulary of "
                 f"{self.target.vocab_size}: use the target's own tokenizer"
             )

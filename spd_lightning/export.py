@@ -25,6 +25,7 @@ from .target import TargetInfo
 
 FORMAT_VERSION = 1
 CKPT_KEY = "spd_drafter"
+PDM_KIND = "pdm"  # the `kind` of a description without one (the PDM's format predates the field)
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
 
@@ -63,6 +64,11 @@ class DrafterSpec:
 
     @classmethod
     def from_dict(cls, d: dict, where: str) -> DrafterSpec:
+        kind = d.get("kind", PDM_KIND)
+        if kind != PDM_KIND:
+            raise DrafterLoadError(
+                f"{where} holds a {kind!r} drafter, not a PDM (SPD) one: decode it with `--mode {kind}`"
+            )
         version = d.get("format_version")
         if version != FORMAT_VERSION:
             raise DrafterLoadError(
@@ -163,6 +169,24 @@ def read_drafter(
             f"drafter {path!r} is corrupt, truncated or incomplete ({type(e).__name__}: "
             f"{str(e).splitlines()[0][:120] if str(e) else ''}); re-export it"
         ) from e
+
+
+def drafter_kind(path: str) -> str:
+    """The drafter kind an exported directory or a `.ckpt` holds: its description's `kind`, `pdm` when absent."""
+    _check_exists(path)
+    try:
+        if os.path.isdir(path):
+            with open(os.path.join(path, CONFIG_FILE)) as f:
+                description = json.load(f)
+        else:
+            description = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get(CKPT_KEY)
+    except Exception as e:  # noqa: BLE001 - as in read_drafter: every failure to read means one thing
+        raise DrafterLoadError(
+            f"drafter {path!r} is corrupt, truncated or incomplete ({type(e).__name__}); re-export it"
+        ) from e
+    if not isinstance(description, dict):
+        raise DrafterLoadError(f"{path!r} is not an SPD-Lightning checkpoint (no {CKPT_KEY!r} entry)")
+    return description.get("kind", PDM_KIND)
 
 
 def read_drafter_spec(path: str) -> tuple[DrafterSpec, torch.Tensor]:

@@ -30,10 +30,10 @@ from .geometry import Features, Geometry, Schedule
 from .layouts import FillDistribution, LayoutName, build_layout
 from .metrics import GroupedAgreement
 from .pdm import PDMConfig, PipelineDraftModule
-from .target import Target, TargetError, load_hf_config
+from .target import FrozenTargetHolder, Target, TargetError, load_hf_config
 
 
-class SPDModule(L.LightningModule):
+class SPDModule(FrozenTargetHolder, L.LightningModule):
     """Distills the PDM from a frozen target (`fit`), measures its agreement (`validate`).
 
     Args:
@@ -167,13 +167,7 @@ class SPDModule(L.LightningModule):
                     f"layer) in 0..{cfg.num_hidden_layers - 1}"
                 )
 
-    # -- the frozen target ---------------------------------------------------------------------
-    @property
-    def target(self) -> Target:
-        if self._target is None:
-            raise RuntimeError("the target is loaded in setup(); run this module through a Lightning Trainer")
-        return self._target
-
+    # -- the frozen target (the `target` property: FrozenTargetHolder) ------------------------------
     def setup(self, stage: str) -> None:
         if self._target is None:
             device = self.trainer.strategy.root_device

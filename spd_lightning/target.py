@@ -274,3 +274,16 @@ class Target(nn.Module):
                 h.remove()
         states = torch.stack([captured[b] for b in layers], dim=2)
         return states, out.logits
+
+
+class FrozenTargetHolder:
+    """The frozen-target property both drafter LightningModules share: the target is set in their `setup`
+    (with `object.__setattr__`, so it never becomes a submodule: no params, state_dict or `.to()`)."""
+
+    _target: Target | None = None
+
+    @property
+    def target(self) -> Target:
+        if self._target is None:
+            raise RuntimeError("the target is loaded in setup(); run this module through a Lightning Trainer")
+        return self._target

@@ -4,6 +4,7 @@ import json
 import math
 
 import pytest
+import torch
 from conftest import make_tiny_model
 from test_inference_support import one_thread, save_random_drafter, target_dir  # noqa: F401 - autouse fixture
 
@@ -12,6 +13,15 @@ from inference import plan as spd_plan
 from spd_lightning.geometry import Geometry
 
 pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread_for_the_module():
+    """The module's fixtures (the evaluation) run before the per-test `one_thread`: single-threaded too."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,227 @@
+"""EAGLE-3 through the command lines: `fit --model.drafter eagle3` -> `export` -> `inference.decode --mode eagle3`
+greedy == AR; `inference.eval --eagle3` rows beside SPD's; `inference.plan` predicts EAGLE-3; a drafter of the
+wrong kind for the mode is one line."""
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import REPO, fit_args, make_tiny_model
+from test_inference_support import one_thread, save_random_drafter, target_dir  # noqa: F401 - autouse fixture
+
+from inference import decode as spd_decode
+from inference import eval as spd_eval
+from inference import plan as spd_plan
+from spd_lightning import cli
+from spd_lightning.eagle3 import Eagle3Config, Eagle3Drafter, eagle_feature_layers
+from spd_lightning.eagle3_export import Eagle3Spec, save_eagle3
+from spd_lightning.geometry import Geometry
+
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended"),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread_for_the_module():
+    """The module's fixtures (a fit, an eval) run before the per-test `one_thread`: single-threaded too, as tiny
+    models on a shared machine run fastest without OpenMP spinning."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def eagle3_fit_args(target: str, root, *extra: str) -> list[str]:
+    """The shared tiny fit arguments on configs/tiny_eagle3.yaml (its model section is the EAGLE-3 drafter's)."""
+    args = fit_args(target, root, "--model.ttt_steps", "2", "--trainer.max_steps", "2", *extra)
+    args[args.index("--config") + 1] = os.path.join(REPO, "configs", "tiny_eagle3.yaml")
+    i = args.index("--model.n")
+    return args[:i] + args[i + 2 :]
+
+
+@pytest.fixture(scope="module")
+def exported(micro_target, tmp_path_factory):
+    """An EAGLE-3 drafter trained 2 steps by `fit --model.drafter eagle3` and exported by `export`."""
+    root = tmp_path_factory.mktemp("eagle3_fit")
+    trained = cli.run_cli(["fit", *eagle3_fit_args(micro_target, root)])
+    assert type(trained.model).__name__ == "Eagle3Module" and trained.trainer.global_step == 2
+    return cli.export(["--ckpt", str(root / "ckpt" / "last.ckpt"), "--out", str(root / "drafter")])
+
+
+def test_fit_export_decode_is_ar(exported, micro_target, tmp_path):
+    assert json.loads(open(os.path.join(exported, "config.json")).read())["kind"] == "eagle3"
+    common = ["--prompt", "Tell me about cats.", "--max-new-tokens", "12", "--json"]
+    rc = spd_decode.main(["--ckpt", exported, "--k", "3", *common, str(tmp_path / "e3.json"), "--check-lossless"])
+    report = json.loads((tmp_path / "e3.json").read_text())
+    assert rc == 0 and report["mode"] == "eagle3" and report["k"] == 3 and report["totals"]["lossless"]
+    rc = spd_decode.main(
+        ["--ckpt", "none", "--target", micro_target, "--mode", "ar", *common, str(tmp_path / "ar.json")]
+    )
+    ar = json.loads((tmp_path / "ar.json").read_text())
+    assert rc == 0 and report["prompts"][0]["tokens"] == ar["prompts"][0]["tokens"]
+    assert report["prompts"][0]["K"] >= 1 and report["prompts"][0]["tau"] >= 1
+
+
+def test_the_drafter_kind_comes_from_the_config_or_the_command_line(tmp_path, capsys):
+    config = os.path.join(REPO, "configs", "tiny_eagle3.yaml")
+    with pytest.raises(SystemExit):
+        cli.main(["fit", "--config", config, "--print_config"])
+    out = capsys.readouterr().out
+    assert "drafter: eagle3" in out and "ttt_steps: 7" in out and "num_layers" not in out.split("model:")[1]
+    with pytest.raises(SystemExit):
+        cli.main(["fit", "--config", config, "--model.drafter", "pdm", "--model.ttt_steps", "3", "--print_config"])
+    assert "ttt_steps" in capsys.readouterr().err  # the PDM has no such option: the flag switched the module
+    assert cli.selected_drafter(["--config", config, "--model.drafter=pdm"]) == "pdm"
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["--model.drafter", "medusa"], "model.drafter='medusa'"),
+        (["--trainer.callbacks", "[{class_path: callbacks.StaircaseEvaluation}]"], "does not apply"),
+    ],
+)
+def test_bad_drafter_settings_are_one_line(micro_target, tmp_path, capsys, extra, expected):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["fit", *eagle3_fit_args(micro_target, tmp_path), *extra])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert exit_info.value.code == 2 and len(lines) == 1 and expected in lines[0], err
+
+
+# -- eval and plan on a saved tiny target: a random PDM and a random EAGLE-3 drafter -----------------------
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval_eagle3")
+    path, target = target_dir(tmp_path_factory, "qwen3_5", make_tiny_model)
+    pdm = save_random_drafter(target, Geometry.build(target.num_layers, 2), str(root / "pdm"))
+    torch.manual_seed(0)
+    layers = eagle_feature_layers(target.num_layers)
+    cfg = Eagle3Config(target.hidden_size, 48, layers, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64)
+    drafter = Eagle3Drafter(cfg, torch.randperm(target.vocab_size)[:48].sort().values)
+    drafter.init_head_from_target(target.lm_head.weight)
+    eagle3 = save_eagle3(drafter, Eagle3Spec(cfg, target.info), str(root / "eagle3"))
+    prompts = root / "set_question.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in ("hello world", "the cat sat")))
+    return {"target": path, "pdm": pdm, "eagle3": eagle3, "prompts": str(prompts), "root": root}
+
+
+@pytest.mark.parametrize("drafter, mode, expected", [("eagle3", "spd", "is an EAGLE-3"), ("pdm", "eagle3", "is a PDM")])
+def test_a_drafter_of_the_wrong_kind_is_one_line(files, capsys, drafter, mode, expected):
+    assert spd_decode.main(["--ckpt", files[drafter], "--mode", mode, "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and expected in err and "--mode" in err and "Traceback" not in err
+
+
+@pytest.fixture(scope="module")
+def evaluated(files):
+    out = files["root"] / "out"
+    argv = ["--ckpt", files["pdm"], "--eagle3", files["eagle3"], "--k", "1", "3", "--prompts", files["prompts"]]
+    argv += ["--max-new-tokens", "8", "--temperatures", "0", "--out", str(out), "--simulate", "--no-progress"]
+    assert spd_eval.main(argv) == 0
+    return out
+
+
+def test_eval_reports_eagle3_beside_spd(evaluated):
+    report = json.loads((evaluated / "eval.json").read_text())
+    spd = {r["set"]: r for r in report["results"]}
+    rows = {(r["set"], r["k"]): r for r in report["eagle3_results"]}
+    assert set(rows) == {(s, k) for s in ("set", "overall") for k in (1, 3)}
+    for (name, k), r in rows.items():
+        assert r["method"] == "eagle3" and r["alpha"] == pytest.approx(r["N"] / r["K"]) and r["S0"] == r["alpha"]
+        assert r["S_eagle3"] == pytest.approx(r["tau"] / (1 + k * r["r"]))
+        assert r["wall_clock_speedup"] == pytest.approx(r["decode_tokens_per_s"] / r["ar_decode_tokens_per_s"])
+        assert r["ar_decode_tokens_per_s"] == spd[name]["ar_decode_tokens_per_s"]  # one AR baseline for all
+    assert [p["k"] for p in report["plan_inputs_eagle3"]] == [1, 3] and "plan_inputs" in report
+    md = (evaluated / "eval.md").read_text()
+    assert "| eagle3 k=3 | overall | 0 |" in md and "| spd n=2 | overall | 0 |" in md
+
+
+def test_plan_predicts_eagle3_beside_spd(evaluated, tmp_path, capsys):
+    eval_json = str(evaluated / "eval.json")
+    argv = ["--times", eval_json, "--alphas", eval_json, "--plot", "", "--json", str(tmp_path / "p.json")]
+    assert spd_plan.main(argv) == 0
+    out = capsys.readouterr().out
+    plan = json.loads((tmp_path / "p.json").read_text())
+    inputs = {p["k"]: p for p in json.loads(open(eval_json).read())["plan_inputs_eagle3"]}
+    for row in plan["eagle3"]:
+        p = inputs[row["k"]]
+        cost = row["k"] * p["T_draft_step_s"] + p["T_verify_s"]
+        assert row["speedup"] == pytest.approx(p["alpha"] * plan["model"]["t_full"] / cost)
+    assert "EAGLE-3 on 1 GPU" in out and "n=2 (SPD on 2 GPUs" in out and "recommended: n=2" in out
+
+
+def test_serve_greedy_is_decode(exported, tmp_path):
+    """`inference.serve --mode eagle3 --simulate`: the in-process chain backend answers what decode prints."""
+    from fastapi.testclient import TestClient
+
+    from inference import serve
+
+    prompt = "Tell me about dogs."
+    common = ["--ckpt", exported, "--mode", "eagle3", "--k", "2", "--max-new-tokens", "10"]
+    assert spd_decode.main([*common, "--prompt", prompt, "--json", str(tmp_path / "d.json")]) == 0
+    decoded = json.loads((tmp_path / "d.json").read_text())["prompts"][0]["text"]
+    app, engine = serve.build(serve.parse_args([*common, "--simulate", "--threads", "1"]))
+    try:
+        with TestClient(app) as client:
+            body = {"model": "drafter", "messages": [{"role": "user", "content": prompt}], "temperature": 0}
+            body["max_tokens"] = 10
+            reply = client.post("/v1/chat/completions", json=body)
+            streamed = client.post("/v1/chat/completions", json={**body, "stream": True})
+    finally:
+        engine.close()
+    assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == decoded
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == decoded and decoded
+
+
+def test_a_pdm_config_becomes_an_eagle3_config(tmp_path, capsys):
+    """What `scripts/bench_paper.py train eagle3_k7` trains: the benchmark config's data and trainer, its model
+    section cut to the options both drafters take, the staircase callback (PDM only) dropped."""
+    import importlib.util
+
+    import yaml
+
+    spec = importlib.util.spec_from_file_location("bench_paper", os.path.join(REPO, "scripts", "bench_paper.py"))
+    bench_paper = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_paper)
+    config_path = os.path.join(REPO, "configs", "bench_tiny.yaml")
+    args = bench_paper.parse_args(["commands", "eagle3_k7", "--root", str(tmp_path), "--config", config_path])
+    train, evaluate = bench_paper.train_command("eagle3_k7", args), bench_paper.eval_command("eagle3_k7", args)
+    config = yaml.safe_load((tmp_path / "eagle3_k7" / "config.yaml").read_text())
+    base = cli.stacked_config(config_path)
+    assert config["model"] == {"drafter": "eagle3", **{k: base["model"][k] for k in ("target", "target_dtype")}} | {
+        "lr": base["model"]["lr"],
+        "warmup_steps": base["model"]["warmup_steps"],
+    }
+    assert config["data"] == base["data"] and config["trainer"]["max_steps"] == base["trainer"]["max_steps"]
+    assert config["trainer"]["callbacks"] == [] and "--model.ttt_steps" in train
+    assert evaluate[evaluate.index("--k") + 1 : evaluate.index("--k") + 4] == ["3", "5", "7"]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*train[3:], "--print_config"])
+    assert exit_info.value.code == 0 and "ttt_steps: 7" in capsys.readouterr().out
+
+
+def test_serve_without_simulate_is_one_line(files, capsys):
+    from inference import serve
+
+    assert serve.main(["--ckpt", files["eagle3"], "--mode", "eagle3", "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--simulate" in err
+
+
+def test_eval_and_plan_of_an_eagle3_drafter_alone(files, tmp_path, capsys):
+    """What `bench_paper.py eval eagle3_k7` runs: an EAGLE-3 drafter as --ckpt, no SPD rows, and a plan without alphas."""
+    out = tmp_path / "out"
+    argv = ["--ckpt", files["eagle3"], "--k", "2", "--prompts", files["prompts"], "--max-new-tokens", "6"]
+    assert spd_eval.main([*argv, "--temperatures", "0", "--out", str(out), "--no-progress"]) == 0
+    report = json.loads((out / "eval.json").read_text())
+    assert report["mode"] == "eagle3" and report["results"] == [] and "plan_inputs" not in report
+    assert [r["k"] for r in report["eagle3_results"]] == [2, 2] and report["plan_inputs_eagle3"][0]["k"] == 2
+    capsys.readouterr()
+    assert spd_plan.main(["--times", str(out / "eval.json"), "--plot", ""]) == 0
+    printed = capsys.readouterr().out
+    assert "EAGLE-3 on 1 GPU" in printed and "SPD plan" not in printed
