@@ -116,8 +116,9 @@ def build(args: argparse.Namespace):
 
 
 def make_backend(setup: cli.Setup, args: argparse.Namespace):
-    """n + 1 persistent ranks; in this process with --simulate, and for --mode ar (the stages in sequence)."""
-    if args.simulate or setup.mode == "ar":
+    """n + 1 persistent ranks; in this process with --simulate, for --mode ar (the stages in sequence) and for
+    --mode eagle3 (chain decoding is a one-GPU method: draft and verify in one process)."""
+    if args.simulate or setup.mode in ("ar", "eagle3"):
         if args.threads:
             torch.set_num_threads(args.threads)
         return InProcessBackend(setup, args.device)

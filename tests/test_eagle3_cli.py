@@ -205,12 +205,14 @@ def test_a_pdm_config_becomes_an_eagle3_config(tmp_path, capsys):
     assert exit_info.value.code == 0 and "ttt_steps: 7" in capsys.readouterr().out
 
 
-def test_serve_without_simulate_is_one_line(files, capsys):
-    from inference import serve
+def test_serve_runs_eagle3_in_its_own_process_without_simulate(files):
+    """EAGLE-3 is a one-GPU method: the server decodes it in process, never on pipeline ranks."""
+    from inference import cli, serve
+    from inference.server_engine import InProcessBackend
 
-    assert serve.main(["--ckpt", files["eagle3"], "--mode", "eagle3", "--port", "1"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--simulate" in err
+    args = serve.parse_args(["--ckpt", files["eagle3"], "--mode", "eagle3", "--k", "2", "--port", "1"])
+    backend = serve.make_backend(cli.prepare(args), args)
+    assert isinstance(backend, InProcessBackend)
 
 
 def test_eval_and_plan_of_an_eagle3_drafter_alone(files, tmp_path, capsys):
