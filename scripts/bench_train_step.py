@@ -13,7 +13,9 @@ Each configuration (layout, n, L_s, T) runs in its own process (so its peak RSS 
 `Trainer` and `SPDModule.training_step` (target forward, replication, PDM forward, KL, backward, AdamW step) on
 random token batches of `batch-size x T` whose every token is a loss token. The first step is warm-up; the rest
 give the median step time. The frozen target's forward (`Target.anchor_states`, no grad) is timed separately
-inside the step; "PDM" is the rest of the step. Memory: the process's peak RSS (`ru_maxrss`) and its growth over
+inside the step; "PDM" is the rest of the step. FLOPs per token: the warm-up step counted by
+`torch.utils.flop_counter.FlopCounterMode` (matmuls and SDPA; the two-part path's staircase products are
+elementwise and not counted), target forward included. Memory: the process's peak RSS (`ru_maxrss`) and its growth over
 the RSS just before the first step. CPU only: the attention backend is the CPU one `auto` picks (dense below
 4,096 replicated positions, two-part above). `--random-target` trains against a random-init target of the
 benchmark target's architecture (`spd_lightning.tiny_target`: Qwen3.5, 8 layers, width 160, 4,096 ids), built
@@ -55,8 +57,10 @@ def random_target(out_dir: str) -> str:
 
 
 def step_timer():
-    """A callback timing every training step and, inside it, the frozen target's forward."""
+    """A callback timing every training step and, inside it, the frozen target's forward; the warm-up step's
+    FLOPs (target forward, PDM forward and backward: `torch.utils.flop_counter`, matmuls and attention) too."""
     from lightning.pytorch.callbacks import Callback
+    from torch.utils.flop_counter import FlopCounterMode
 
     class StepTimer(Callback):
         def __init__(self):
@@ -80,10 +84,16 @@ def step_timer():
             self.rss_before = _rss_mb()
 
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if batch_idx == 0:  # the warm-up step (not timed) counts the step's FLOPs
+                self.counter = FlopCounterMode(display=False)
+                self.counter.__enter__()
             self.start = time.perf_counter()
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             self.step_s.append(time.perf_counter() - self.start)
+            if batch_idx == 0:
+                self.counter.__exit__(None, None, None)
+                self.flops = self.counter.get_total_flops()
 
     return StepTimer()
 
@@ -141,6 +151,7 @@ def measure(target: str, layout: str, n: int, num_layers: int, seq_len: int, bat
         "target_forward_s": fwd,
         "pdm_s": step - fwd,
         "tokens_per_s": tokens / step,
+        "gflop_per_token": timer.flops / tokens / 1e9,
         "pdm_tokens_per_s": tokens / (step - fwd),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "rss_before_step_mb": timer.rss_before,
@@ -205,12 +216,13 @@ def write_json(path: str, rows: list[dict]) -> None:
 def markdown(rows: list[dict]) -> str:
     head = ["layout", "T", "batch", "n", "L_s", "replicated len", "attention", "step (s)", "target fwd (s)"]
     head += ["PDM fwd+bwd+opt (s)", "tokens/s (step)", "tokens/s (PDM only)", "peak RSS (MB)", "growth in step (MB)"]
+    head += ["MFLOP/token"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["layout"], r["T"], r["batch_size"], r["n"], r["L_s"], r["replicated_len"], r["backend"]]
         cells += [f"{r[k]:.2f}" for k in ("step_s", "target_forward_s", "pdm_s")]
         cells += [f"{r[k]:.0f}" for k in ("tokens_per_s", "pdm_tokens_per_s", "peak_rss_mb")]
-        cells.append(f"{r['peak_rss_mb'] - r['rss_before_step_mb']:.0f}")
+        cells += [f"{r['peak_rss_mb'] - r['rss_before_step_mb']:.0f}", f"{r['gflop_per_token'] * 1e3:.0f}"]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
@@ -219,7 +231,7 @@ def comparison(rows: list[dict]) -> str:
     """Before/after side by side: one line per configuration."""
     head = ["layout", "n", "L_s", "T", "attention", "step before (s)", "step after (s)", "after / before"]
     head += ["tokens/s before", "tokens/s after", "peak RSS before (MB)", "peak RSS after (MB)"]
-    head += ["growth before (MB)", "growth after (MB)"]
+    head += ["growth before (MB)", "growth after (MB)", "MFLOP/token before", "MFLOP/token after"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     key = lambda r: (r["layout"], r["n"], r["L_s"], r["T"])  # noqa: E731
     after = {key(r): r for r in rows if r["tree"] == "after"}
@@ -229,6 +241,7 @@ def comparison(rows: list[dict]) -> str:
         cells += [f"{a['step_s'] / b['step_s']:.2f}x", f"{b['tokens_per_s']:.0f}", f"{a['tokens_per_s']:.0f}"]
         cells += [f"{b['peak_rss_mb']:.0f}", f"{a['peak_rss_mb']:.0f}"]
         cells += [f"{r['peak_rss_mb'] - r['rss_before_step_mb']:.0f}" for r in (b, a)]
+        cells += [f"{r['gflop_per_token'] * 1e3:.0f}" for r in (b, a)]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
