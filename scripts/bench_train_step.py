@@ -12,7 +12,8 @@
 Each configuration (layout, n, L_s, T) runs in its own process (so its peak RSS is its own) through a real Lightning
 `Trainer` and `SPDModule.training_step` (target forward, replication, PDM forward, KL, backward, AdamW step) on
 random token batches of `batch-size x T` whose every token is a loss token. The first step is warm-up; the rest
-give the median step time. The frozen target's forward (`Target.anchor_states`, no grad) is timed separately
+give the median step time, wall-clock and CPU (`time.process_time`: on a shared machine the CPU time of a
+one-thread step is the robust comparison; wall time counts the waits for a core). The frozen target's forward (`Target.anchor_states`, no grad) is timed separately
 inside the step; "PDM" is the rest of the step. FLOPs per token: the warm-up step counted by
 `torch.utils.flop_counter.FlopCounterMode` (matmuls and SDPA; the two-part path's staircase products are
 elementwise and not counted), target forward included. Memory: the process's peak RSS (`ru_maxrss`) and its growth over
@@ -64,7 +65,7 @@ def step_timer():
 
     class StepTimer(Callback):
         def __init__(self):
-            self.step_s, self.target_s, self.rss_before, self.replicated_len = [], [], None, None
+            self.step_s, self.cpu_s, self.target_s, self.rss_before, self.replicated_len = [], [], [], None, None
 
         def on_train_start(self, trainer, module):
             forward, replicate = module.target.anchor_states, module.layout.replicate
@@ -87,10 +88,11 @@ def step_timer():
             if batch_idx == 0:  # the warm-up step (not timed) counts the step's FLOPs
                 self.counter = FlopCounterMode(display=False)
                 self.counter.__enter__()
-            self.start = time.perf_counter()
+            self.start, self.cpu_start = time.perf_counter(), time.process_time()
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             self.step_s.append(time.perf_counter() - self.start)
+            self.cpu_s.append(time.process_time() - self.cpu_start)
             if batch_idx == 0:
                 self.counter.__exit__(None, None, None)
                 self.flops = self.counter.get_total_flops()
@@ -148,6 +150,8 @@ def measure(target: str, layout: str, n: int, num_layers: int, seq_len: int, bat
         "backend": resolve_backend("auto", torch.device("cpu"), timer.replicated_len),
         "step_s": step,
         "steps_s": timer.step_s[1:],
+        "cpu_s": statistics.median(timer.cpu_s[1:]),
+        "steps_cpu_s": timer.cpu_s[1:],
         "target_forward_s": fwd,
         "pdm_s": step - fwd,
         "tokens_per_s": tokens / step,
@@ -177,6 +181,8 @@ def merged(runs: list[dict]) -> dict:
     tokens = row["batch_size"] * row["T"]
     row["steps_s"] = [s for r in runs for s in r["steps_s"]]
     row["step_s"] = statistics.median(row["steps_s"])
+    row["steps_cpu_s"] = [s for r in runs for s in r["steps_cpu_s"]]
+    row["cpu_s"] = statistics.median(row["steps_cpu_s"])
     row["target_forward_s"] = statistics.median(r["target_forward_s"] for r in runs)
     row["pdm_s"] = row["step_s"] - row["target_forward_s"]
     row["tokens_per_s"], row["pdm_tokens_per_s"] = tokens / row["step_s"], tokens / row["pdm_s"]
@@ -230,6 +236,7 @@ def markdown(rows: list[dict]) -> str:
 def comparison(rows: list[dict]) -> str:
     """Before/after side by side: one line per configuration."""
     head = ["layout", "n", "L_s", "T", "attention", "step before (s)", "step after (s)", "after / before"]
+    head += ["CPU s/step before", "CPU s/step after", "after / before (CPU)"]
     head += ["tokens/s before", "tokens/s after", "peak RSS before (MB)", "peak RSS after (MB)"]
     head += ["growth before (MB)", "growth after (MB)", "MFLOP/token before", "MFLOP/token after"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -238,7 +245,8 @@ def comparison(rows: list[dict]) -> str:
     for b in (r for r in rows if r["tree"] == "before"):
         a = after[key(b)]
         cells = [*key(b)[:3], b["T"], a["backend"], f"{b['step_s']:.2f}", f"{a['step_s']:.2f}"]
-        cells += [f"{a['step_s'] / b['step_s']:.2f}x", f"{b['tokens_per_s']:.0f}", f"{a['tokens_per_s']:.0f}"]
+        cells += [f"{a['step_s'] / b['step_s']:.2f}x", f"{b['cpu_s']:.2f}", f"{a['cpu_s']:.2f}"]
+        cells += [f"{a['cpu_s'] / b['cpu_s']:.2f}x", f"{b['tokens_per_s']:.0f}", f"{a['tokens_per_s']:.0f}"]
         cells += [f"{b['peak_rss_mb']:.0f}", f"{a['peak_rss_mb']:.0f}"]
         cells += [f"{r['peak_rss_mb'] - r['rss_before_step_mb']:.0f}" for r in (b, a)]
         cells += [f"{r['gflop_per_token'] * 1e3:.0f}" for r in (b, a)]
