@@ -8,12 +8,17 @@ over the replicated sequence of length `S`. The same predicate drives three back
   ONCE with dynamic shapes: with static shapes every (batch, length) recompiles, and past dynamo's
   recompile limit torch silently runs the unfused flex path that builds the whole `S x S` score matrix.
   `flex_compiled` is the same compiled path on any device (CPU included: rehearsals and tests).
-- `dense`: the predicate evaluated vectorized into a boolean `[B, 1, S, S]` mask for SDPA; the simplest
-  and fastest path on CPU for small `S`.
 - `two_part`: every SPD mask row is "a causal prefix of ONE block up to a per-query cutoff" plus "at most
   `W` staircase keys". The layout hands over that factorization (`TwoPartPlan`, derived from the same
   per-row quantities as its predicate); attention then costs `S * (T + W)` instead of `S^2`, with one
-  joint softmax over both parts. Tests check that all three agree.
+  joint softmax over both parts.
+- `dense`: the plan written out as a boolean `[B, 1, R, S]` mask for SDPA (boolean ops only: evaluating the
+  predicate on the grid would materialize several int64 `[B, S, S]` tensors); the simplest and fastest path on
+  CPU for small `S`. Tests check that the plan is the predicate and that all backends agree.
+
+Queries are the first `R <= S` rows of the replicated sequence: every row (`R = S`) in all but the last PDM
+layer, where only the loss copy (the first `T` rows) is computed (`PipelineDraftModule.body(outputs=T)`). Each
+`R`'s mask is built on its first use in a step and shared by the layers that use it.
 """
 
 from __future__ import annotations
@@ -46,19 +51,18 @@ class TwoPartPlan:
 
     prefix_start: int
     prefix_len: int
-    cutoff: torch.Tensor  # [B, S] long
-    stair: torch.Tensor  # [B, S, W] long
+    cutoff: torch.Tensor  # [B, R] long
+    stair: torch.Tensor  # [B, R, W] long
 
-    def dense(self) -> torch.Tensor:
-        """The mask this plan stands for, `[B, S, S]` bool (for tests and small sizes)."""
-        B, S = self.cutoff.shape
-        kv = torch.arange(S, device=self.cutoff.device)
-        rel = kv - self.prefix_start
+    def dense(self, num_keys: int) -> torch.Tensor:
+        """The mask this plan stands for over `num_keys` keys, `[B, R, num_keys]` bool (the CPU `dense` path)."""
+        B, R = self.cutoff.shape
+        rel = torch.arange(num_keys, device=self.cutoff.device) - self.prefix_start
         in_prefix = (rel >= 0) & (rel < self.prefix_len)
         mask = in_prefix & (rel <= self.cutoff[..., None])
-        hits = torch.zeros(B, S, S + 1, dtype=torch.bool, device=mask.device)
-        hits.scatter_(2, torch.where(self.stair < 0, S, self.stair), True)  # column S collects the "none"s
-        return mask | hits[..., :S]
+        hits = torch.zeros(B, R, num_keys + 1, dtype=torch.bool, device=mask.device)
+        hits.scatter_(2, torch.where(self.stair < 0, num_keys, self.stair), True)  # the last column: the "none"s
+        return mask | hits[..., :num_keys]
 
 
 def resolve_backend(backend: Backend, device: torch.device, seq_len: int) -> str:
@@ -72,7 +76,8 @@ def resolve_backend(backend: Backend, device: torch.device, seq_len: int) -> str
 
 
 def dense_mask(mask_mod: MaskMod, batch: int, seq_len: int, device: torch.device) -> torch.Tensor:
-    """Evaluate the predicate on the full grid at once by broadcasting: `[B, S, S]` bool."""
+    """Evaluate the predicate on the full grid at once by broadcasting: `[B, S, S]` bool. The reference that
+    tests hold the plans and the kernels to (training's `dense` path writes out the plan instead)."""
     b = torch.arange(batch, device=device)[:, None, None]
     q = torch.arange(seq_len, device=device)[None, :, None]
     kv = torch.arange(seq_len, device=device)[None, None, :]
@@ -133,17 +138,17 @@ def compiled_flex() -> tuple[Callable, Callable]:
 
 
 def flex_attend(
-    mask_mod: MaskMod, batch: int, seq_len: int, device: torch.device, compiled: bool | None = None
+    mask_mod: MaskMod, batch: int, rows: int, seq_len: int, device: torch.device, compiled: bool | None = None
 ) -> Attend:
-    """FlexAttention with a block mask built once per step and shared by every layer. Compiled (default: on
-    CUDA), neither the mask construction nor the kernel materializes the `S x S` grid; eager flex (CPU
-    tests of the predicate) does."""
+    """FlexAttention for the first `rows` query rows against all `seq_len` keys, with a block mask built once
+    per step and shared by every layer with those queries. Compiled (default: on CUDA), neither the mask
+    construction nor the kernel materializes the `rows x S` grid; eager flex (CPU tests of the predicate) does."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if compiled is None:
         compiled = device.type == "cuda"
     make_mask, kernel = compiled_flex() if compiled else (create_block_mask, flex_attention)
-    block_mask = make_mask(mask_mod, batch, None, seq_len, seq_len, device=device)
+    block_mask = make_mask(mask_mod, batch, None, rows, seq_len, device=device)
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return kernel(q, k, v, block_mask=block_mask)
@@ -152,12 +157,29 @@ def flex_attend(
 
 
 def make_attend(
-    backend: Backend, mask_mod: MaskMod, plan: Callable[[], TwoPartPlan], batch: int, seq_len: int, device: torch.device
+    backend: Backend,
+    mask_mod: MaskMod,
+    plan: Callable[[int], TwoPartPlan],
+    batch: int,
+    seq_len: int,
+    device: torch.device,
 ) -> Attend:
-    """The attend callable for the PDM body; `plan` is only called when the two-part path is used."""
+    """The attend callable for the PDM body. Its queries are the first `R` rows (`R = q.shape[-2]`); the mask of
+    each `R` is built on first use (`plan(R)`, the plan of those rows, only on the CPU paths) and then reused."""
     chosen = resolve_backend(backend, device, seq_len)
-    if chosen in ("flex", "flex_compiled"):
-        return flex_attend(mask_mod, batch, seq_len, device, compiled=True if chosen == "flex_compiled" else None)
-    if chosen == "dense":
-        return dense_attend(dense_mask(mask_mod, batch, seq_len, device))
-    return two_part_attend(plan())
+    compiled = True if chosen == "flex_compiled" else None
+    build: dict[str, Callable[[int], Attend]] = {
+        "flex": lambda rows: flex_attend(mask_mod, batch, rows, seq_len, device, compiled),
+        "flex_compiled": lambda rows: flex_attend(mask_mod, batch, rows, seq_len, device, compiled),
+        "dense": lambda rows: dense_attend(plan(rows).dense(seq_len)),
+        "two_part": lambda rows: two_part_attend(plan(rows)),
+    }
+    by_rows: dict[int, Attend] = {}
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        rows = q.shape[-2]
+        if rows not in by_rows:
+            by_rows[rows] = build[chosen](rows)
+        return by_rows[rows](layer, q, k, v)
+
+    return attend

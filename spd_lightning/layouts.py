@@ -12,12 +12,19 @@ replicates the sequence so that ONE forward computes the last-position output of
 Each layout states its mask once, as per-row quantities (`DepthRows`, `TypeRows`) from which both the FlexAttention-style
 predicate and the two-part factorization are read (spd_lightning/attention.py). Every replicated token
 keeps RoPE position `i`.
+
+The loss copy is copy 0 in both layouts (its type is the smallest), the first `T` rows of the replicated
+sequence: the training step asks the PDM for those rows' outputs only (`body(outputs=T)`), so the last layer
+computes the other copies' keys and values and nothing else. The two-part plan of a step depends on the batch
+only through the fill levels and lengths; its index grids (which key each staircase slot of a row names) depend
+on the shape alone and are cached per `(layout, T, rows, device)` (`_depth_grid`, `_type_grid`, bounded LRU).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Literal
 
 import torch
@@ -68,7 +75,8 @@ class Replication:
     `copy_types[c]` is the aggregation type of copy (block) `c`; `copy_depths[c]` the depth of the newest
     token of the views that copy `c` computes (what its outputs are labelled by in metrics); `loss_copy`
     the copy whose outputs are the drafts; `active[c]` marks tokens of copy `c` whose output IS a view's
-    output (`[B, T]`); `fill[c]` the fill level of that view per token (`[B, T]`).
+    output (`[B, T]`); `fill[c]` the fill level of that view per token (`[B, T]`). `plan_fn(R)` is the two-part
+    plan of the first `R` query rows.
     """
 
     batch: int
@@ -77,10 +85,14 @@ class Replication:
     copy_depths: list[int]
     loss_copy: int
     mask_mod: MaskMod
-    plan_fn: Callable[[], TwoPartPlan]
+    plan_fn: Callable[[int], TwoPartPlan]
     active: list[torch.Tensor]
     fill: list[torch.Tensor]
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    def __post_init__(self):
+        if self.loss_copy != 0:  # body(outputs=T) computes the FIRST T rows: the loss copy must be copy 0
+            raise ValueError(f"the loss copy must be copy 0 (the first T rows), got {self.loss_copy}")
 
     @property
     def num_copies(self) -> int:
@@ -100,8 +112,9 @@ class Replication:
         by_type = {tau: fuse(states, tau) for tau in sorted(set(self.copy_types))}
         return torch.cat([by_type[tau] for tau in self.copy_types], dim=1)
 
-    def plan(self) -> TwoPartPlan:
-        return self.plan_fn()
+    def plan(self, rows: int | None = None) -> TwoPartPlan:
+        """The two-part plan of the first `rows` query rows (all when None)."""
+        return self.plan_fn(self.seq_len if rows is None else rows)
 
     def attend(self, backend: Backend = "auto") -> Attend:
         return make_attend(backend, self.mask_mod, self.plan_fn, self.batch, self.seq_len, self.device)
@@ -181,14 +194,11 @@ class DepthLayout:
             stair = (kc >= row.stair_lo) & (kc < row.stair_hi) & (kp + kc == row.time)
             return prefix | stair | (~row.active & (kv == q))
 
-        def plan() -> TwoPartPlan:
-            b = torch.arange(B, device=device)[:, None]
-            q = torch.arange((n + 1) * T, device=device)[None, :]
-            row = rows(b, q)
-            j = row.stair_lo[..., None] + torch.arange(max(n, 1), device=device)  # [B, S, W]
-            t = row.time[..., None]
-            stair = torch.where((j < row.stair_hi[..., None]) & (t - j >= 0), j * T + t - j, -1)
-            stair[..., 0] = torch.where(row.active, stair[..., 0], q.expand(B, -1))  # inactive and padding: self only
+        def plan(num_rows: int) -> TwoPartPlan:
+            q, slot_copy, slot_key = _depth_grid(n, T, num_rows, device)
+            row = rows(torch.arange(B, device=device)[:, None], q[None])
+            stair = torch.where(slot_copy < row.stair_hi[..., None], slot_key, -1)  # [B, R, W]
+            stair[..., 0] = torch.where(row.active, stair[..., 0], q)  # inactive and padding: self only
             return TwoPartPlan(prefix_start=n * T, prefix_len=T, cutoff=row.cutoff.expand(B, -1), stair=stair)
 
         i = torch.arange(T, device=device)
@@ -252,16 +262,12 @@ class TypeLayout:
             key_block = torch.where(delta < row.fill, staircase_block, self.deepest)
             return (row.real & (delta >= 0) & (kb == key_block)) | (~row.real & (kv == q))
 
-        def plan() -> TwoPartPlan:
-            b = torch.arange(B, device=device)[:, None]
-            q = torch.arange(m * T, device=device)[None, :]
-            row = rows(b, q)
-            delta = torch.arange(max(self.first_deep_j, 1), device=device)  # [W]
-            kt = row.time[..., None] - delta
-            ok = row.real[..., None] & (delta < row.stair_width[..., None]) & (kt >= 0)
-            key_block = block_of_j[(row.inflight_index[..., None] + delta).clamp(0, n)]
-            stair = torch.where(ok, key_block * T + kt, -1)
-            stair[..., 0] = torch.where(row.real, stair[..., 0], q.expand(B, -1))  # padding: self only
+        def plan(num_rows: int) -> TwoPartPlan:
+            q, delta, slot_key = _type_grid(tuple(self.block_of_j), self.first_deep_j, T, num_rows, device)
+            row = rows(torch.arange(B, device=device)[:, None], q[None])
+            ok = row.real[..., None] & (delta < row.stair_width[..., None]) & (slot_key >= 0)
+            stair = torch.where(ok, slot_key, -1)  # [B, R, W]
+            stair[..., 0] = torch.where(row.real, stair[..., 0], q)  # padding: self only
             return TwoPartPlan(
                 prefix_start=self.deepest * T, prefix_len=T, cutoff=row.cutoff.expand(B, -1), stair=stair
             )
@@ -272,6 +278,33 @@ class TypeLayout:
         return Replication(
             B, T, self.copy_types, self.copy_depths, loss_block, mask_mod, plan, [real] * m, fills, device
         )
+
+
+@lru_cache(maxsize=16)
+def _depth_grid(n: int, T: int, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The shape-only part of a `depth` plan for the first `rows` rows: the rows `q[R]`; for staircase slot `w`
+    of row `(c, i)` (time `t = i + c`) the copy `j = c + w` it reads, `[R, W]`, and its key `(j, t - j)`, or -1
+    where `t - j < 0`. Slots at or past the row's fill are cut per step."""
+    q = torch.arange(rows, device=device)
+    copy, t = q // T, q % T + q // T
+    slot_copy = copy[:, None] + torch.arange(max(n, 1), device=device)
+    slot_key = torch.where(t[:, None] - slot_copy >= 0, slot_copy * T + t[:, None] - slot_copy, -1)
+    return q, slot_copy, slot_key
+
+
+@lru_cache(maxsize=16)
+def _type_grid(
+    block_of_j: tuple[int, ...], first_deep_j: int, T: int, rows: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The shape-only part of a `type` plan for the first `rows` rows: the rows `q[R]`, the key distance `delta[W]`
+    of each staircase slot and its key `(block of in-flight index jq + delta, t - delta)`, `[R, W]`, or -1 where
+    `t - delta < 0`. Slots at or past the row's staircase width (fill) are cut per step."""
+    q = torch.arange(rows, device=device)
+    t, jq = q % T, torch.tensor([block_of_j.index(b) for b in range(max(block_of_j) + 1)], device=device)[q // T]
+    delta = torch.arange(max(first_deep_j, 1), device=device)
+    key_block = torch.tensor(block_of_j, device=device)[(jq[:, None] + delta).clamp(0, len(block_of_j) - 1)]
+    kt = t[:, None] - delta
+    return q, delta, torch.where(kt >= 0, key_block * T + kt, -1)
 
 
 def build_layout(name: LayoutName, geometry: Geometry, fill: FillDistribution = FillDistribution()):

@@ -229,7 +229,10 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         key = (self.hparams.seed, phase, index, self.global_rank)
         return torch.Generator().manual_seed(hash(key) % (2**63))
 
-    def _forward(self, batch: dict, generator: torch.Generator):
+    def _forward(self, batch: dict, generator: torch.Generator, every_copy: bool = True):
+        """The replicated forward: `(replication, hidden, teacher, predicts_loss_token)`. With `every_copy` False
+        only the loss copy's outputs are computed (`hidden[B, T, d]`, the first `T` rows; the last PDM layer runs
+        the other copies as keys and values only); otherwise every copy's (`hidden[B, S, d]`)."""
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
         if not bool((attention_mask[:, :-1] >= attention_mask[:, 1:]).all()):
             raise ValueError(
@@ -247,6 +250,7 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
             rep.positions(),
             rep.attend(self.hparams.attention_backend),
             checkpointing=self.hparams.activation_checkpointing,
+            outputs=None if every_copy else T,
         )
         # Output i of every copy drafts x_{i+1}: a loss position iff x_{i+1} is an assistant token.
         predicts_loss_token = F.pad(batch["loss_mask"][:, 1:].bool(), (0, 1), value=False)
@@ -278,10 +282,11 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         step = self.trainer.fit_loop.epoch_loop.total_batch_idx  # counts every batch of every epoch
-        rep, hidden, teacher, valid = self._forward(batch, self._fill_generator(0, step))
+        every_copy = self.hparams.aux_loss_weight > 0  # the auxiliary loss reads every copy; the main loss, copy 0
+        rep, hidden, teacher, valid = self._forward(batch, self._fill_generator(0, step), every_copy)
         kl, student, target, _, outside = self._distill(rep, hidden, teacher, valid, rep.loss_copy)
         loss = self._mean(kl)
-        if self.hparams.aux_loss_weight > 0:
+        if every_copy:
             aux = [
                 self._distill(rep, hidden, teacher, valid, c)[0] for c in range(rep.num_copies) if c != rep.loss_copy
             ]

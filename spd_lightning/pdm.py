@@ -107,20 +107,24 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, layer: int, attend: Attend) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, layer: int, attend: Attend, outputs: int | None = None
+    ) -> torch.Tensor:
+        """Attention output of the first `outputs` rows (all rows when None); every row is a key and value."""
         B, S, _ = x.shape
+        R = S if outputs is None else outputs
         c = self.cfg
-        q = self.q_norm(self.q_proj(x).view(B, S, c.num_heads, c.head_dim)).transpose(1, 2)
+        q = self.q_norm(self.q_proj(x[:, :R]).view(B, R, c.num_heads, c.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(B, S, c.num_kv_heads, c.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(B, S, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
+        q, k = rope(q, positions[:, :R], c.rope_theta), rope(k, positions, c.rope_theta)
         # Under autocast the fp32 q/k-norm weights promote q and k to fp32 while v stays bf16: one dtype for
         # every backend (flex rejects mixed dtypes on older torch, or silently runs fp32 kernels).
         q, k = q.to(v.dtype), k.to(v.dtype)
         groups = c.num_heads // c.num_kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = attend(layer, q, k, v)  # [B, heads, S, hd]
-        return self.o_proj(out.transpose(1, 2).reshape(B, S, c.num_heads * c.head_dim))
+        out = attend(layer, q, k, v)  # [B, heads, R, hd]
+        return self.o_proj(out.transpose(1, 2).reshape(B, R, c.num_heads * c.head_dim))
 
 
 class MLP(nn.Module):
@@ -144,8 +148,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, layer: int, attend: Attend):
-        x = x + self.self_attn(self.input_layernorm(x), positions, layer, attend)
+    def forward(self, x, positions, layer: int, attend: Attend, outputs: int | None = None):
+        """The layer's output for the first `outputs` rows (all when None); every row feeds attention's keys."""
+        h = self.self_attn(self.input_layernorm(x), positions, layer, attend, outputs)
+        x = x[:, : h.shape[1]] + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -204,19 +210,32 @@ class PipelineDraftModule(nn.Module):
         return self.fusion(states, types)
 
     def body(
-        self, g: torch.Tensor, positions: torch.Tensor, attend: Attend = causal_attend, checkpointing: bool = False
+        self,
+        g: torch.Tensor,
+        positions: torch.Tensor,
+        attend: Attend = causal_attend,
+        checkpointing: bool = False,
+        outputs: int | None = None,
     ) -> torch.Tensor:
         """Run the `L_s` layers over features `g[B, S, d]` at `positions[B, S]`; returns normed hidden.
+
+        `outputs`: only the first `outputs` rows are read (None: all). The last layer then computes queries,
+        attention output, MLP and final norm for those rows alone, while every row still supplies keys and
+        values; `attend` receives their queries (`q.shape[-2] == outputs`) and the result is `[B, outputs, d]`.
+        Earlier layers run every row: later rows are keys of the last one. (Training's loss copy is the first
+        `T` rows of the replicated sequence: spd_lightning/layouts.py.)
 
         With `checkpointing` (and grad enabled) each layer keeps only its input and recomputes its inside in
         the backward pass (non-reentrant `torch.utils.checkpoint`): the activations of `n+1` replicated
         copies drop from every tensor of every layer to one `[B, S, d]` tensor per layer."""
         x = g
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
+            rows = outputs if i == last else None
             if checkpointing and torch.is_grad_enabled():
-                x = checkpoint(layer, x, positions, i, attend, use_reentrant=False)
+                x = checkpoint(layer, x, positions, i, attend, rows, use_reentrant=False)
             else:
-                x = layer(x, positions, i, attend)
+                x = layer(x, positions, i, attend, rows)
         return self.norm(x)
 
     def forward(

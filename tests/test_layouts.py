@@ -134,7 +134,8 @@ def test_two_part_plan_is_the_predicate(layout_name, variant):
     lengths, T = torch.tensor([10, 6]), 10
     rep = layout.replicate(lengths, T, layout.draw_fill(2, T, gen))
     predicate = dense_mask(rep.mask_mod, 2, rep.seq_len, torch.device("cpu"))
-    assert torch.equal(rep.plan().dense(), predicate)
+    assert torch.equal(rep.plan().dense(rep.seq_len), predicate)
+    assert torch.equal(rep.plan(T).dense(rep.seq_len), predicate[:, :T])  # the loss copy's rows alone (pruned layer)
     assert predicate.any(-1).all()  # every row attends to something, so no softmax row is empty
 
 

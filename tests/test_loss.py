@@ -51,9 +51,9 @@ def make_batch() -> dict:
     return batch
 
 
-def attached_module(target_dir: str, **kwargs) -> SPDModule:
+def attached_module(target_dir: str, **overrides) -> SPDModule:
     """An SPDModule set up as a Trainer would (setup, configure_model) with a stand-in trainer and no logging."""
-    module = SPDModule(
+    args = dict(
         target=target_dir,
         target_dtype="float32",
         n=3,
@@ -65,8 +65,8 @@ def attached_module(target_dir: str, **kwargs) -> SPDModule:
         teacher_temperature=TEACHER_T,
         attention_backend="dense",
         seed=5,
-        **kwargs,
     )
+    module = SPDModule(**{**args, **overrides})
     d2t = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(2))[:DRAFT_VOCAB].sort().values
     module._trainer = SimpleNamespace(  # only what training_step and setup read
         datamodule=SimpleNamespace(d2t=d2t),
