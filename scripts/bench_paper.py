@@ -198,7 +198,9 @@ def train_command(name: str, args: argparse.Namespace) -> list[str]:
     run = args.runs[name]
     schedule, features = MODES[run.mode]
     out = f"{args.root}/{name}"
-    steps = ["--trainer.max_steps", str(wall_clock_steps(run.wall_of, args.root))] if run.wall_of else []
+    steps = []
+    if run.wall_of:  # max_epochs off: the step count, not the epoch cap, ends the run
+        steps = ["--trainer.max_steps", str(wall_clock_steps(run, args)), "--trainer.max_epochs", "-1"]
     return [
         "python",
         "-m",
@@ -229,17 +231,28 @@ def train_command(name: str, args: argparse.Namespace) -> list[str]:
     ]
 
 
-def wall_clock_steps(wall_of: tuple[str, str], root: str) -> int:
-    """The steps that take as long as the reference run took, at the twin's measured minutes per step."""
+def wall_clock_steps(run: Run, args: argparse.Namespace) -> int:
+    """The steps that take as long as the reference run's: its steps times its time per step over this layout's.
+    Times per step are the CPU seconds `scripts/bench_train_step.py` measured (`--step-times`: robust on a shared
+    machine), else the minutes per step of the reference and the equal-steps twin as they trained."""
     records = {}
-    for name in wall_of:
+    for name in run.wall_of:
         try:
-            with open(f"{root}/{name}/train.json") as f:
+            with open(f"{args.root}/{name}/train.json") as f:
                 records[name] = json.load(f)
         except OSError:
             raise BenchError(f"train {name} first: its wall-clock time sets this run's steps") from None
-    reference, twin = (records[name] for name in wall_of)
-    return round(reference["minutes"] / (twin["minutes"] / twin["steps"]))
+    reference, twin = (records[name] for name in run.wall_of)
+    if not args.step_times:
+        return round(reference["minutes"] / (twin["minutes"] / twin["steps"]))
+    with open(args.step_times) as f:
+        cpu = {(r["layout"], r["n"], r["L_s"]): r["cpu_s"] for r in json.load(f)}
+    ref_run = args.runs[run.wall_of[0]]
+    try:
+        ratio = cpu[(ref_run.layout, ref_run.n, ref_run.L_s)] / cpu[(run.layout, run.n, run.L_s)]
+    except KeyError as e:
+        raise BenchError(f"--step-times {args.step_times} has no row for (layout, n, L_s) = {e}") from None
+    return round(reference["steps"] * ratio)
 
 
 def eval_command(name: str, args: argparse.Namespace, pipeline: bool = False) -> list[str]:
@@ -388,6 +401,31 @@ def table(runs: dict[str, tuple[dict, dict]], names: list[str], suite: dict[str,
     return "\n".join(markdown_table(head, rows))
 
 
+def eagle3_table(args: argparse.Namespace) -> list[str]:
+    """The EAGLE-3 runs under --root, per k and T (pooled over the sets), and their commands: markdown lines,
+    none when not run."""
+    head = ["run", "k", "T", "steps", "val loss", "tokens per target forward", "tau", "r", "S_eagle3", "wall-clock"]
+    rows, commands = [], []
+    for name in EAGLE3_RUNS:
+        try:
+            with open(f"{args.root}/{name}/train.json") as f, open(f"{args.root}/{name}/eval/eval.json") as g:
+                trained, report = json.load(f), json.load(g)
+        except OSError:
+            continue
+        commands += [trained["command"], shlex.join(eagle3_eval_command(name, args))]
+        for r in sorted(report["eagle3_results"], key=lambda r: (r["temperature"], r["k"])):
+            if r["set"] == "overall":
+                rows.append(
+                    [name, str(r["k"]), f"{r['temperature']:g}", str(trained.get("steps", "-"))]
+                    + [fmt(trained.get("val/loss"), 2), fmt(r["alpha"], 2), fmt(r["tau"], 2), fmt(r["r"])]
+                    + [fmt(r["S_eagle3"], 2), fmt(r["wall_clock_speedup"], 2)]
+                )
+    if not rows:
+        return []
+    table = ["### EAGLE-3 on the same target, data and steps", "", *markdown_table(head, rows), ""]
+    return table + ["```bash", *commands, "```", ""]
+
+
 def ar_line(runs: dict[str, tuple[dict, dict]]) -> str:
     """The AR baseline as every evaluation measured it (same target and prompts, one process)."""
     greedy = [_result(report, "overall", 0.0) for _, report in runs.values()]
@@ -411,6 +449,7 @@ def write_tables(args: argparse.Namespace) -> None:
         parts += [f"### {title}", "", table(runs, present, args.runs) if present else "(no run finished)", ""]
         if missing:
             parts += [f"Not run: {', '.join(missing)}.", ""]
+    parts += eagle3_table(args)
     if runs:
         parts += [ar_line(runs), "", "Commands (one per drafter, from the repository root):", "", "```bash"]
         parts += [trained["command"] for trained, _ in runs.values()]
@@ -581,6 +620,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--root", help="where the runs live (default: the suite's, runs/bench or runs/bench_deep)")
     p.add_argument("--config", help="train: the base config (default: the suite's)")
+    p.add_argument(
+        "--step-times", help="train: bench_train_step.py json whose CPU s/step set the equal wall-clock runs' steps"
+    )
     p.add_argument("--extra", default="", help="train: more `fit` arguments for every run, one shell-quoted string")
     p.add_argument("--sets", nargs="+", help="eval: jsonl prompt sets (default: GSM8K, HumanEval, ShareGPT held-out)")
     p.add_argument("--jobs", type=int, default=1, help="runs at once")

@@ -22,11 +22,15 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import UserError
 from .geometry import Geometry
+
+if TYPE_CHECKING:
+    from .pdm import PipelineDraftModule
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
@@ -131,19 +135,34 @@ def _layer_saved_bytes(c, act: int, mixed: bool) -> float:
     )
 
 
-def _flops_per_token(tcfg, c, target_params: int, pdm_params: int, copies: int, T: int, checkpointing: bool) -> float:
+def _flops_per_token(tcfg, c, target_params: int, pdm: PipelineDraftModule, layout, T: int, opts: dict) -> float:
     """Training FLOPs per token of the data: the target's no-grad forward (2 per weight, plus causal attention
-    over T/2 keys on its full-attention layers) and the PDM's forward + backward (6 per weight per replicated
-    copy, 8 with checkpointing's second forward; its attention sees about T/2 keys per query)."""
+    over T/2 keys on its full-attention layers) and the PDM's forward + backward (6 per weight per row, 8 with
+    checkpointing's second forward; attention sees about T/2 keys per query). The PDM runs the fusion once per
+    aggregation type, every copy through layers 0..L_s-2, and in its last layer every copy's keys and values
+    but the loss copy's queries, output, MLP and head only (every copy when `aux_loss_weight` reads the others:
+    `SPDModule._forward`)."""
     full_layers = sum(
         t == "full_attention" for t in getattr(tcfg, "layer_types", None) or ["full_attention"] * tcfg.num_hidden_layers
     )
     target_attn = full_layers * 4 * tcfg.num_attention_heads * getattr(tcfg, "head_dim", 128) * T / 2
-    passes = 8 if checkpointing else 6
-    body = pdm_params - c.draft_vocab_size * c.hidden_size
-    pdm_attn = c.num_layers * 4 * c.num_heads * c.head_dim * T / 2 * passes / 2
+    passes = 8 if opts["checkpointing"] else 6
+    copies = len(layout.copy_types)
+    fusion = sum(pdm.fusion.proj[tau - 1].weight.numel() for tau in set(layout.copy_types))
+    layer = sum(p.numel() for p in pdm.layers[0].parameters())
+    kv = sum(
+        p.numel() for m in (pdm.layers[0].self_attn.k_proj, pdm.layers[0].self_attn.v_proj) for p in m.parameters()
+    )
+    rows_out = copies if opts["aux_loss_weight"] > 0 else 1  # rows the last layer computes past its keys/values
+    layer_rows = (c.num_layers - 1) * copies * layer + copies * kv + rows_out * (layer - kv)
+    query_rows = (c.num_layers - 1) * copies + rows_out
+    pdm_attn = query_rows * 4 * c.num_heads * c.head_dim * T / 2 * passes / 2
     return (
-        2 * target_params + target_attn + copies * (passes * body + pdm_attn) + 6 * c.draft_vocab_size * c.hidden_size
+        2 * target_params
+        + target_attn
+        + passes * (fusion + layer_rows)
+        + pdm_attn
+        + 6 * c.draft_vocab_size * c.hidden_size
     )
 
 
@@ -189,7 +208,10 @@ def estimate(shape: Shape, tcfg, gpus: int = 1) -> dict:
     out["total_checkpointed"] = persistent + max(
         out["target_forward"] + out["anchor_states"], pdm_phase + out["activations_checkpointed"]
     )
-    out["flops_per_token"] = _flops_per_token(tcfg, c, target_params, pdm_params, copies, T, shape.checkpointing)
+    opts = {"checkpointing": shape.checkpointing, "aux_loss_weight": shape.module_args.get("aux_loss_weight", 0.0)}
+    with torch.device("meta"):
+        pdm = PipelineDraftModule(c)
+    out["flops_per_token"] = _flops_per_token(tcfg, c, target_params, pdm, layout, T, opts)
     out.update(target_params=target_params, pdm_params=pdm_params, gpus=gpus, replicated_length=S)
     return out
 
