@@ -52,6 +52,14 @@ class RequestsOnNodeZero:
     def get(self, timeout: float | None = None):
         raise RuntimeError("this rank is not on node 0: only rank 0, on node 0, reads the requests")
 
+    def cancelled(self, request_id: int) -> bool:
+        """The cancel flag lives in node 0's shared memory: a verifier on another node does not see it, so a
+        cancelled request runs to its end there and node 0 drops its tokens (docs/SERVING.md)."""
+        return False
+
+    def record(self, report) -> None:
+        """No cancellation is seen on this node, so there is none to report."""
+
 
 class ReportSender:
     """A rank's reports to node 0's `ReportListener`, in the interface of the local queue (`put`, `close`,
