@@ -12,6 +12,12 @@ ends them) over one TCP connection each to node 0's `ReportListener`, at `--mast
 which puts them into that queue: to the launcher of node 0 every rank reports alike, wherever it runs.
 These ports, like torchrun's, carry no secret: the nodes must share a private network. The connection's
 key only keeps two runs on one network from mixing.
+
+Every pipeline node 0 starts has a name of its own (`Nodes.pipeline`), and the rendezvous's store keys carry
+it. A node's ranks can fail before node 0 has noticed: rejoining at once, under the same name, its new
+agent would meet node 0's old store and read the dead ranks' addresses from it. So another node asks
+node 0's listener for the pipeline to join (`join_pipeline`), naming the one it ran last; the listener of
+that same pipeline does not answer, the next one does.
 """
 
 from __future__ import annotations
@@ -19,8 +25,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Listener
+
+from spd_lightning.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +45,7 @@ class Nodes:
     master_port: int
     report_port: int
     run_id: str = "spd-serve"
+    pipeline: str = ""  # the pipeline's name: node 0 picks it, the others get it from `join_pipeline`
 
     @property
     def report_address(self) -> tuple[str, int]:
@@ -119,9 +129,14 @@ class ReportListener:
         with connection:
             while True:
                 try:
-                    self.messages.put(connection.recv())
+                    message = connection.recv()
                 except (EOFError, OSError):
                     return
+                if isinstance(message, JoinRequest):
+                    if message.previous != self.nodes.pipeline:
+                        connection.send(self.nodes.pipeline)
+                    return
+                self.messages.put(message)
 
     def close(self) -> None:
         self._closed = True
@@ -130,13 +145,42 @@ class ReportListener:
         self._listener.close()
 
 
+@dataclass(frozen=True)
+class JoinRequest:
+    """Another node's question to node 0's listener: the pipeline to join, which is not `previous`."""
+
+    previous: str
+
+
+class NodeZeroUnreachable(UserError):
+    pass
+
+
+def join_pipeline(nodes: Nodes, previous: str, timeout_s: float) -> str:
+    """The name of node 0's pipeline other than `previous` (the one this node ran last), once node 0 has
+    started it: until then node 0's listener is either down (between pipelines) or that of `previous`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with Client(nodes.report_address, authkey=nodes.authkey) as connection:
+                connection.send(JoinRequest(previous))
+                return connection.recv()
+        except (OSError, EOFError):
+            time.sleep(0.2)
+    host, port = nodes.report_address
+    raise NodeZeroUnreachable(
+        f"node 0 did not start a pipeline at {host}:{port} within --timeout {timeout_s:g} s: start node 0 "
+        f"(`inference.serve --node-rank 0`), check --master-addr/--report-port, or raise --timeout"
+    )
+
+
 def agent_rendezvous(nodes: Nodes, timeout_s: float) -> dict:
     """The elastic agent's settings for this node's share of the ranks (`launch._agent_config`)."""
     return dict(
         min_nodes=nodes.nnodes,
         max_nodes=nodes.nnodes,
         nproc_per_node=nodes.nproc,
-        run_id=nodes.run_id,
+        run_id=f"{nodes.run_id}-{nodes.pipeline}",
         rdzv_backend="static",
         rdzv_endpoint=f"{nodes.master_addr}:{nodes.master_port}",
         rdzv_configs={"rank": nodes.node_rank, "timeout": int(timeout_s)},

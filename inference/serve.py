@@ -19,15 +19,17 @@ SIGTERM or Ctrl-C stops the server after the request in progress, and with it th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
+import uuid
 
 import torch
 
 from . import cli
 from .launch import DecodeJob, LaunchError, RankInputError, launch
-from .nodes import Nodes, RequestsOnNodeZero
+from .nodes import Nodes, RequestsOnNodeZero, join_pipeline
 from .server_engine import Engine, InProcessBackend
 from .verify import Sampling
 
@@ -133,6 +135,8 @@ def serving_job(setup: cli.Setup, args: argparse.Namespace) -> DecodeJob:
     job.stream = True
     job.fault = os.environ.get("SPD_FAULT")  # test-only: see `faults.Fault`
     job.nodes = nodes_of(args)
+    if job.nodes is not None and job.nodes.node_rank == 0:  # a name of its own for each pipeline (`nodes`)
+        job.nodes = dataclasses.replace(job.nodes, pipeline=uuid.uuid4().hex[:12])
     return job
 
 
@@ -143,8 +147,16 @@ def run_ranks_only(args: argparse.Namespace) -> int:
     check_args(args)
     job = serving_job(cli.prepare(args), args)
     where = f"node 0 at {args.master_addr}:{args.master_port}"
+    nodes = job.nodes
     while True:
-        log.info("node %d: %d ranks, joining %s", args.node_rank, args.nproc_per_node, where)
+        job.nodes = dataclasses.replace(nodes, pipeline=join_pipeline(nodes, job.nodes.pipeline, job.timeout_s))
+        log.info(
+            "node %d: %d ranks, joining pipeline %s of %s",
+            args.node_rank,
+            args.nproc_per_node,
+            job.nodes.pipeline,
+            where,
+        )
         try:
             launch(job, requests=RequestsOnNodeZero())
             return 0

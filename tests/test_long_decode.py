@@ -8,7 +8,9 @@ drafter's type table, allocator pools and capacities all exist by then), and the
 the cycles in between:
 
 - live Python objects and live torch tensors (gc): at most 0.01 per cycle, so keeping ONE object or tensor
-  per cycle (a list of logits, a per-cycle dict entry) fails;
+  per cycle (a list of logits, a per-cycle dict entry) fails; plus a one-time allowance of 16 objects and 2
+  tensors, which does not grow with the cycles (a lazily filled cache entry of torch or Python: CI once
+  saw 3 more objects over 252 cycles, where a leak of one object per cycle is 252);
 - bytes held by live tensors: at most 1 B per cycle (keeping one float32 per cycle fails);
 - the process's resident set (VmRSS): at most 4 KiB per cycle, for native memory no Python object owns
   (RSS moves by page-sized steps and allocator returns of about +-2 MiB between identical runs, which the
@@ -29,6 +31,7 @@ from inference.verify import Sampling
 from spd_lightning.geometry import Geometry
 
 PER_CYCLE_BOUND = {"objects": 0.01, "tensors": 0.01, "tensor_bytes": 1.0, "rss_bytes": 4096.0}
+ONE_TIME = {"objects": 16, "tensors": 2, "tensor_bytes": 0, "rss_bytes": 0}
 
 
 def rss_bytes() -> int:
@@ -69,11 +72,13 @@ class Footprint:
 
 
 def assert_no_growth(before: Footprint, after: Footprint, cycles: int, what: str) -> None:
-    growth = {k: (getattr(after, k) - getattr(before, k)) / cycles for k in PER_CYCLE_BOUND}
-    print(f"\n{what}: growth per cycle over {cycles} cycles {growth}")
-    for key, bound in PER_CYCLE_BOUND.items():
+    growth = {k: getattr(after, k) - getattr(before, k) for k in PER_CYCLE_BOUND}
+    print(f"\n{what}: growth over {cycles} cycles {growth}")
+    for key, per_cycle in PER_CYCLE_BOUND.items():
+        bound = per_cycle * cycles + ONE_TIME[key]
         assert growth[key] <= bound, (
-            f"{what}: {key} grew by {growth[key]:.3g} per cycle over {cycles} cycles (bound {bound})"
+            f"{what}: {key} grew by {growth[key]} over {cycles} cycles (bound {per_cycle} per cycle "
+            f"+ {ONE_TIME[key]} once = {bound:.4g})"
         )
 
 

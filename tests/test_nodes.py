@@ -2,7 +2,9 @@
 ranks to node 0 (`inference.nodes`), the node options of `inference.serve`, the ranks' count check.
 The servers on two nodes are in tests/test_two_nodes.py."""
 
+import dataclasses
 import queue
+import threading
 import time
 from multiprocessing.connection import Client
 
@@ -12,7 +14,15 @@ from test_serve import free_port
 from inference import serve
 from inference.cli import UsageError
 from inference.launch import DecodeJob, Failed, NodesMismatch, Started, Streamed, _check_world_size
-from inference.nodes import Nodes, ReportListener, ReportSender, RequestsOnNodeZero
+from inference.nodes import (
+    Nodes,
+    NodeZeroUnreachable,
+    ReportListener,
+    ReportSender,
+    RequestsOnNodeZero,
+    agent_rendezvous,
+    join_pipeline,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -62,6 +72,34 @@ def test_the_listener_refuses_a_wrong_key_and_keeps_listening():
         sender.close()
     finally:
         listener.close()
+
+
+def test_another_node_joins_the_pipeline_after_the_one_it_ran_never_that_one_again():
+    """The race that made a rejoining node read dead ranks' addresses: its ranks failed, node 0's listener
+    (and store) of that pipeline are still up. The join waits them out and returns the next pipeline."""
+    port = free_port()
+    first = dataclasses.replace(nodes(0, port), pipeline="first")
+    listener = ReportListener(first, LocalQueue())
+    try:
+        assert join_pipeline(nodes(1, port), "", timeout_s=10) == "first"
+        with pytest.raises(NodeZeroUnreachable, match="did not start a pipeline .* within --timeout 0.5 s"):
+            join_pipeline(nodes(1, port), "first", timeout_s=0.5)
+        joined = []
+        asking = threading.Thread(target=lambda: joined.append(join_pipeline(nodes(1, port), "first", 20)))
+        asking.start()
+        time.sleep(0.5)
+        assert not joined  # still node 0's first pipeline: no answer
+    finally:
+        listener.close()
+    time.sleep(0.3)  # between pipelines: nothing listens
+    listener = ReportListener(dataclasses.replace(first, pipeline="second"), LocalQueue())
+    try:
+        asking.join(20)
+        assert joined == ["second"]
+    finally:
+        listener.close()
+    store_prefix = agent_rendezvous(dataclasses.replace(nodes(1, port), pipeline="second"), 60)["run_id"]
+    assert store_prefix == "spd-serve-second" != agent_rendezvous(first, 60)["run_id"]
 
 
 def test_only_rank_0_on_node_0_reads_requests():
