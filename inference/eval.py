@@ -21,9 +21,13 @@ EAGLE-3 beside it: `--eagle3 DRAFTER` (or an EAGLE-3 drafter as `--ckpt`) adds c
 `eagle3_results` (inference/eval_eagle3.py: tokens per target forward, S_eagle3, wall-clock), and a
 side-by-side table of every method: tokens per target forward (`S0`: n*alpha for SPD, N/K for EAGLE-3),
 the theoretical speedup with the draft cost (S_spd, S_post for post-step/PPSD, S_eagle3) and the
-wall-clock speedup. PPSD is a PDM trained with first-stage features: evaluate it with its own `--ckpt` run.
+wall-clock speedup. More PDM drafters of the same target join the same report with `--compare CKPT ...`
+(e.g. a PPSD drafter, trained with first-stage features, or another n or L_s), each decoded in its own mode
+on the same prompts against the same AR decodes; their rows are in `results` beside `--ckpt`'s (each row
+names its `method`, `drafter`, `mode`, `n`, `L_s`). SPD, PPSD and EAGLE-3 in one report:
 
-    python -m inference.eval --ckpt spd_drafter/ --eagle3 eagle3_drafter/ --k 3 5 7 --prompts set.jsonl --simulate
+    python -m inference.eval --ckpt spd_drafter/ --compare ppsd_drafter/ --eagle3 eagle3_drafter/ --k 3 5 7 \\
+        --prompts set.jsonl --simulate
 
 Writes DIR/eval.json (every number, plus what `inference.plan` reads: `plan_inputs`, `plan_inputs_eagle3`),
 DIR/eval.md (markdown tables) and DIR/eval.png. Exit status: 0 done, 2 bad input (one line on stderr; `--debug` shows tracebacks),
@@ -63,6 +67,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default="eval_out", help="output directory")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--eagle3", help="an EAGLE-3 drafter to evaluate beside --ckpt, at each --k, on the same target")
+    p.add_argument(
+        "--compare",
+        nargs="+",
+        default=[],
+        metavar="CKPT",
+        help="more PDM drafters of --ckpt's target (a PPSD drafter, another n or L_s), each in its own mode, "
+        "on the same prompts and AR decodes",
+    )
     cli.add_decoder_arguments(p, max_new_tokens=512, with_ar=False, k_values=True)
     return p.parse_args(argv)
 
@@ -148,61 +160,73 @@ def read_sets(args: argparse.Namespace, setup: cli.Setup) -> list[PromptSet]:
     ]
 
 
-class Decoders:
-    """The SPD decoder under test (simulated or distributed) and the AR baseline, both on one target."""
+class PdmDecoder:
+    """One PDM drafter under test on the eval's target: the simulator (`--simulate`) or the n + 1 ranks."""
 
-    def __init__(self, args: argparse.Namespace, setup: cli.Setup):
+    def __init__(self, args: argparse.Namespace, setup: cli.Setup, target):
         from spd_lightning.export import load_drafter
-        from spd_lightning.target import Target
 
-        self.args, self.setup = args, setup
-        self.target = Target.load(setup.target_path, setup.dtype, args.device)
-        self.has_spd = setup.mode != EAGLE3
+        self.args, self.setup, self.target = args, setup, target
         self.pdm = (
-            load_drafter(setup.ckpt, map_location=args.device)[0].to(self.target.model.dtype)
-            if args.simulate and self.has_spd
-            else None
+            load_drafter(setup.ckpt, map_location=args.device)[0].to(target.model.dtype) if args.simulate else None
         )
-        eagle3 = setup.ckpt if not self.has_spd else args.eagle3
-        self.eagle3 = eval_eagle3.Eagle3Decoders(self.target, eagle3, args.k) if eagle3 else None
         self.simulator = None
 
+    @property
+    def identity(self) -> dict:
+        """What tells this drafter's rows from another's in one report."""
+        n, num_layers = self.setup.geometry.n, self.setup.spec.pdm.num_layers
+        method = f"{self.setup.mode} n={n} L_s={num_layers}"
+        return {"method": method, "drafter": self.setup.ckpt, "mode": self.setup.mode, "n": n, "L_s": num_layers}
+
     def warm_up(self, sampling: Sampling, prompt: list[int]) -> None:
-        """Allocator and kernels warm, so the first measured prompt is not penalized."""
         from .simulator import Simulator
 
-        args, eos = self.args, self.setup.eos
-        self.simulator = (
-            Simulator(
-                self.target,
-                self.pdm,
-                self.setup.geometry,
-                sampling,
-                profile=True,
-                compile=getattr(args, "compile", False),
-            )
-            if args.simulate and self.has_spd
-            else None
-        )
-        if self.simulator is not None:
-            self.simulator.decode(prompt, min(4, args.max_new_tokens), eos, args.seed)
-        if self.eagle3 is not None:
-            self.eagle3.warm_up(sampling, prompt, args.max_new_tokens, eos, args.seed)
-        ar_decode(self.target, prompt, min(4, args.max_new_tokens), sampling, eos, args.seed)
+        if not self.args.simulate:
+            return
+        compile_ = getattr(self.args, "compile", False)
+        self.simulator = Simulator(self.target, self.pdm, self.setup.geometry, sampling, profile=True, compile=compile_)
+        self.simulator.decode(prompt, min(4, self.args.max_new_tokens), self.setup.eos, self.args.seed)
 
-    def spd(self, sampling: Sampling, prompts: list[list[int]], progress) -> list[DecodeResult]:
+    def decode(self, sampling: Sampling, prompts: list[list[int]], progress) -> list[DecodeResult]:
         args, eos = self.args, self.setup.eos
         if self.simulator is None:
             from .launch import launch
 
-            return launch(
-                cli.decode_job(self.setup, args, prompts, sampling, profile=True), on_result=lambda i, r: progress(1)
-            )
+            job = cli.decode_job(self.setup, args, prompts, sampling, profile=True)
+            return launch(job, on_result=lambda i, r: progress(1))
         results = []
         for i, ids in enumerate(prompts):
             results.append(self.simulator.decode(ids, args.max_new_tokens, eos, args.seed + i))
             progress(1)
         return results
+
+
+class Decoders:
+    """Every drafter under test (PDM drafters, simulated or distributed; EAGLE-3 at each k) and the AR
+    baseline, all on one target loaded once."""
+
+    def __init__(self, args: argparse.Namespace, setups: list[cli.Setup]):
+        from spd_lightning.target import Target
+
+        self.args, self.setup = args, setups[0]
+        self.target = Target.load(self.setup.target_path, self.setup.dtype, args.device)
+        self.pdms = [PdmDecoder(args, setup, self.target) for setup in setups if setup.mode != EAGLE3]
+        eagle3 = self.setup.ckpt if self.setup.mode == EAGLE3 else args.eagle3
+        self.eagle3 = eval_eagle3.Eagle3Decoders(self.target, eagle3, args.k) if eagle3 else None
+
+    @property
+    def methods(self) -> int:
+        return len(self.pdms) + (len(self.eagle3.ks) if self.eagle3 is not None else 0)
+
+    def warm_up(self, sampling: Sampling, prompt: list[int]) -> None:
+        """Allocator and kernels warm, so the first measured prompt is not penalized."""
+        args, eos = self.args, self.setup.eos
+        for pdm in self.pdms:
+            pdm.warm_up(sampling, prompt)
+        if self.eagle3 is not None:
+            self.eagle3.warm_up(sampling, prompt, args.max_new_tokens, eos, args.seed)
+        ar_decode(self.target, prompt, min(4, args.max_new_tokens), sampling, eos, args.seed)
 
     def ar(self, sampling: Sampling, prompts: list[list[int]]) -> list[DecodeResult]:
         args = self.args
@@ -210,6 +234,22 @@ class Decoders:
             ar_decode(self.target, ids, args.max_new_tokens, sampling, self.setup.eos, args.seed + i)
             for i, ids in enumerate(prompts)
         ]
+
+
+def compared_setups(args: argparse.Namespace, setup: cli.Setup) -> list[cli.Setup]:
+    """The `--compare` drafters, each in its own mode: PDM drafters of `--ckpt`'s target."""
+    setups = []
+    for path in args.compare:
+        other = cli.prepare(argparse.Namespace(**{**vars(args), "ckpt": path, "mode": None}))
+        if other.mode == EAGLE3:
+            raise cli.UsageError(f"--compare {path}: an EAGLE-3 drafter; pass it as --eagle3 (one at most)")
+        if other.target_path != setup.target_path:
+            raise cli.UsageError(
+                f"--compare {path} drafts for {other.target_path}, --ckpt for {setup.target_path}: "
+                f"compare drafters of one target (or pass --target to decode both on it)"
+            )
+        setups.append(other)
+    return setups
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -221,13 +261,13 @@ def run(args: argparse.Namespace) -> dict:
         raise cli.UsageError("--ckpt is already an EAGLE-3 drafter: pass a PDM drafter as --ckpt, or drop --eagle3")
     if args.eagle3:
         cli.drafter_for_mode(args.eagle3, EAGLE3)  # one line now if it is not an EAGLE-3 drafter
+    setups = [setup, *compared_setups(args, setup)]
     sets = read_sets(args, setup)
     with cli.writing(args.out):
         os.makedirs(args.out, exist_ok=True)
-    decoders = Decoders(args, setup)
+    decoders = Decoders(args, setups)
     report = _report_head(args, setup)
-    methods = int(decoders.has_spd) + (len(decoders.eagle3.ks) if decoders.eagle3 is not None else 0)
-    bar = _progress(methods * len(samplings) * sum(len(s.prompts) for s in sets), args.no_progress)
+    bar = _progress(decoders.methods * len(samplings) * sum(len(s.prompts) for s in sets), args.no_progress)
     try:
         for sampling in samplings:
             _evaluate(decoders, sampling, sets, bar, report)
@@ -248,6 +288,7 @@ def _report_head(args: argparse.Namespace, setup: cli.Setup) -> dict:
         "n": setup.geometry.n,
         "L": setup.info.num_layers,
         "L_s": setup.spec.pdm.num_layers if setup.mode != EAGLE3 else None,
+        "compared": args.compare,
         "eagle3_drafter": setup.ckpt if setup.mode == EAGLE3 else args.eagle3,
         "k": args.k if setup.mode == EAGLE3 or args.eagle3 else None,
         "hidden_size": setup.info.hidden_size,
@@ -264,28 +305,30 @@ def _report_head(args: argparse.Namespace, setup: cli.Setup) -> dict:
 
 
 def _evaluate(decoders: Decoders, sampling: Sampling, sets: list[PromptSet], bar, report: dict) -> None:
-    """One row per set and one pooling every set, at one temperature, for the SPD drafter (`results`) and for
-    EAGLE-3 at each k (`eagle3_results`), all against the same AR decodes."""
-    n, args = decoders.setup.geometry.n, decoders.args
+    """One row per set and one pooling every set, at one temperature, for each PDM drafter (`results`) and
+    for EAGLE-3 at each k (`eagle3_results`), all against the same AR decodes."""
+    args = decoders.args
     decoders.warm_up(sampling, sets[0].prompts[0])
     ks = decoders.eagle3.ks if decoders.eagle3 is not None else []
-    pooled: dict = {"spd": [], "ar": [], **{k: [] for k in ks}}
+    pooled: dict = {"ar": [], **{pdm: [] for pdm in decoders.pdms}, **{k: [] for k in ks}}
     head = {"temperature": sampling.temperature, "sampling": sampling.to_dict()}
     for prompt_set in sets:
         bar.set_description(f"{prompt_set.name} T={sampling.temperature:g}")
         where = {"set": prompt_set.name, "path": prompt_set.path, **head}
-        spd = decoders.spd(sampling, prompt_set.prompts, bar.update) if decoders.has_spd else []
         ar = decoders.ar(sampling, prompt_set.prompts)
-        pooled["spd"], pooled["ar"] = pooled["spd"] + spd, pooled["ar"] + ar
-        if decoders.has_spd:
-            report["results"].append({**where, **summarize(n, spd, ar)})
+        pooled["ar"] += ar
+        for pdm in decoders.pdms:
+            spd = pdm.decode(sampling, prompt_set.prompts, bar.update)
+            pooled[pdm] += spd
+            report["results"].append({**where, **pdm.identity, **summarize(pdm.setup.geometry.n, spd, ar)})
         for k in ks:
             chain = decoders.eagle3.decode(k, sampling, prompt_set.prompts, args, decoders.setup.eos, bar.update)
             pooled[k] += chain
             report["eagle3_results"].append({**where, **eval_eagle3.summarize(k, chain, ar)})
     where = {"set": "overall", "path": None, **head}
-    if decoders.has_spd:
-        report["results"].append({**where, **summarize(n, pooled["spd"], pooled["ar"])})
+    for pdm in decoders.pdms:
+        row = summarize(pdm.setup.geometry.n, pooled[pdm], pooled["ar"])
+        report["results"].append({**where, **pdm.identity, **row})
     for k in ks:
         report["eagle3_results"].append({**where, **eval_eagle3.summarize(k, pooled[k], pooled["ar"])})
 
@@ -298,7 +341,7 @@ def _progress(total: int, disable: bool):
 
 def _plan_inputs(report: dict) -> None:
     """What `inference.plan --times eval.json` reads: measured T_full, draft time at this L_s, slowest stage, overhead."""
-    greedy = [r for r in report["results"] if r["set"] == "overall"]
+    greedy = [r for r in report["results"] if r["set"] == "overall" and r["drafter"] == report["drafter"]]
     row = min(greedy, key=lambda r: r["temperature"])
     overhead = None
     if row["mean_cycle_s"] is not None and row["T_draft_s"] is not None:
@@ -323,6 +366,7 @@ def _plan_inputs(report: dict) -> None:
 
 def _spd_table(report: dict) -> list[str]:
     head = [
+        "method",
         "set",
         "T",
         "prompts",
@@ -339,6 +383,7 @@ def _spd_table(report: dict) -> list[str]:
     ]
     rows = [
         [
+            r["method"],
             r["set"],
             f"{r['temperature']:g}",
             str(r["prompts"]),
@@ -356,24 +401,28 @@ def _spd_table(report: dict) -> list[str]:
         for r in report["results"]
     ]
     title = (
-        f"SPD eval: mode={report['mode']} n={report['n']} L_s={report['L_s']} target={report['target']} "
+        f"PDM drafters: --ckpt mode={report['mode']} n={report['n']} L_s={report['L_s']} target={report['target']} "
         f"max_new_tokens={report['max_new_tokens']}{' (simulator: wall-clock is sequential)' if report['simulate'] else ''}"
     )
     return [title, "", *markdown_table(head, rows)]
 
 
+def several_methods(report: dict) -> bool:
+    return bool(report["eagle3_results"]) or len({r["drafter"] for r in report["results"]}) > 1
+
+
 def markdown(report: dict) -> str:
-    """The SPD table (when an SPD drafter was evaluated), then the side-by-side table (with EAGLE-3 rows)."""
+    """The PDM drafters' table (when one was evaluated), then the side-by-side table of every method."""
     parts = []
     if report["results"]:
         parts += _spd_table(report)
-    if report["eagle3_results"]:
+    if several_methods(report):
         parts += ([""] if parts else []) + eval_eagle3.side_by_side_table(report)
     return "\n".join(parts) + "\n"
 
 
 def plot(report: dict, path: str) -> None:
-    if report["eagle3_results"]:
+    if several_methods(report):
         return eval_eagle3.plot_side_by_side(report, path)
     rows = report["results"]
     labels = [f"{r['set']}\nT={r['temperature']:g}" for r in rows]

@@ -11,7 +11,8 @@ baseline (`inference/eval.py`); the AR time is the one the SPD rows use. Per row
 - wall-clock: decode-phase tokens/s over AR's.
 
 `plan_inputs(rows)` is what `inference.plan` reads to predict EAGLE-3's wall clock beside SPD's;
-`side_by_side` puts the SPD and EAGLE-3 rows of a report on one footing (its table and plot).
+`side_by_side` puts every method's rows of a report on one footing (its table and plot): each PDM drafter
+(SPD, PPSD, post-step: `--ckpt` and `--compare`) and EAGLE-3 at each k.
 """
 
 from __future__ import annotations
@@ -101,10 +102,7 @@ THEORETICAL = {"spd": "S_spd", "post_step": "S_post", "ppsd": "S_ppsd"}
 
 def side_by_side(report: dict) -> list[dict]:
     """Every method's rows on one footing: tokens per target forward, theoretical and wall-clock speedup."""
-    spd = [
-        {**r, "method": f"{report['mode']} n={report['n']}", "theoretical": r[THEORETICAL[report["mode"]]]}
-        for r in report["results"]
-    ]
+    spd = [{**r, "theoretical": r[THEORETICAL[r["mode"]]]} for r in report["results"]]
     eagle3 = [{**r, "method": f"eagle3 k={r['k']}", "theoretical": r["S_eagle3"]} for r in report["eagle3_results"]]
     return sorted(spd + eagle3, key=lambda r: (r["temperature"], r["set"] == "overall", r["set"]))
 
@@ -123,10 +121,10 @@ def side_by_side_table(report: dict) -> list[str]:
         ]
         for r in side_by_side(report)
     ]
+    eagle3 = f", EAGLE-3 drafter {report['eagle3_drafter']}" if report["eagle3_drafter"] else ""
     title = (
         f"Side by side, speedups over AR measured in this run (tokens per target forward: n*alpha for SPD, "
-        f"N/K for EAGLE-3; theoretical: S_spd, S_post/S_ppsd, S_eagle3 = tau/(1+k*r)), EAGLE-3 drafter "
-        f"{report['eagle3_drafter']}"
+        f"N/K for EAGLE-3; theoretical: S_spd, S_post/S_ppsd, S_eagle3 = tau/(1+k*r)){eagle3}"
     )
     return [title, "", *markdown_table(head, rows)]
 

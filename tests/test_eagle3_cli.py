@@ -98,6 +98,8 @@ def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("eval_eagle3")
     path, target = target_dir(tmp_path_factory, "qwen3_5", make_tiny_model)
     pdm = save_random_drafter(target, Geometry.build(target.num_layers, 2), str(root / "pdm"))
+    ppsd_geometry = Geometry.build(target.num_layers, 2, schedule="post_step", features="first_stage")
+    ppsd = save_random_drafter(target, ppsd_geometry, str(root / "ppsd"), seed=1)
     torch.manual_seed(0)
     layers = eagle_feature_layers(target.num_layers)
     cfg = Eagle3Config(target.hidden_size, 48, layers, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64)
@@ -106,7 +108,7 @@ def files(tmp_path_factory):
     eagle3 = save_eagle3(drafter, Eagle3Spec(cfg, target.info), str(root / "eagle3"))
     prompts = root / "set_question.jsonl"
     prompts.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in ("hello world", "the cat sat")))
-    return {"target": path, "pdm": pdm, "eagle3": eagle3, "prompts": str(prompts), "root": root}
+    return {"target": path, "pdm": pdm, "ppsd": ppsd, "eagle3": eagle3, "prompts": str(prompts), "root": root}
 
 
 @pytest.mark.parametrize("drafter, mode, expected", [("eagle3", "spd", "is an EAGLE-3"), ("pdm", "eagle3", "is a PDM")])
@@ -116,18 +118,33 @@ def test_a_drafter_of_the_wrong_kind_is_one_line(files, capsys, drafter, mode, e
     assert err.count("\n") == 1 and expected in err and "--mode" in err and "Traceback" not in err
 
 
+def test_an_eagle3_drafter_to_compare_is_one_line(files, tmp_path, capsys):
+    argv = ["--ckpt", files["pdm"], "--compare", files["eagle3"], "--prompts", files["prompts"], "--simulate"]
+    assert spd_eval.main([*argv, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pass it as --eagle3" in err and "Traceback" not in err
+
+
 @pytest.fixture(scope="module")
 def evaluated(files):
     out = files["root"] / "out"
-    argv = ["--ckpt", files["pdm"], "--eagle3", files["eagle3"], "--k", "1", "3", "--prompts", files["prompts"]]
-    argv += ["--max-new-tokens", "8", "--temperatures", "0", "--out", str(out), "--simulate", "--no-progress"]
+    argv = ["--ckpt", files["pdm"], "--compare", files["ppsd"], "--eagle3", files["eagle3"], "--k", "1", "3"]
+    argv += ["--prompts", files["prompts"], "--max-new-tokens", "8", "--temperatures", "0", "--out", str(out)]
+    argv += ["--simulate", "--no-progress"]
     assert spd_eval.main(argv) == 0
     return out
 
 
-def test_eval_reports_eagle3_beside_spd(evaluated):
+def test_eval_reports_spd_ppsd_and_eagle3_in_one_report(evaluated, files):
     report = json.loads((evaluated / "eval.json").read_text())
-    spd = {r["set"]: r for r in report["results"]}
+    spd = {r["set"]: r for r in report["results"] if r["mode"] == "spd"}
+    ppsd = {r["set"]: r for r in report["results"] if r["mode"] == "ppsd"}
+    assert set(spd) == set(ppsd) == {"set", "overall"} and len(report["results"]) == 4
+    for name, r in ppsd.items():  # the compared drafter: its own mode, decoded against the same AR
+        assert r["drafter"] == files["ppsd"] and r["method"] == "ppsd n=2 L_s=2" and r["n"] == 2
+        assert r["ar_decode_tokens_per_s"] == spd[name]["ar_decode_tokens_per_s"]
+        assert r["S_ppsd"] == pytest.approx(r["S0"] / (1 + 2 * r["r"])) and r["alpha"] == r["N"] / r["K"]
+    assert report["plan_inputs"]["alpha"] == spd["overall"]["alpha"]  # the plan reads --ckpt's rows
     rows = {(r["set"], r["k"]): r for r in report["eagle3_results"]}
     assert set(rows) == {(s, k) for s in ("set", "overall") for k in (1, 3)}
     for (name, k), r in rows.items():
@@ -137,7 +154,8 @@ def test_eval_reports_eagle3_beside_spd(evaluated):
         assert r["ar_decode_tokens_per_s"] == spd[name]["ar_decode_tokens_per_s"]  # one AR baseline for all
     assert [p["k"] for p in report["plan_inputs_eagle3"]] == [1, 3] and "plan_inputs" in report
     md = (evaluated / "eval.md").read_text()
-    assert "| eagle3 k=3 | overall | 0 |" in md and "| spd n=2 | overall | 0 |" in md
+    assert "| eagle3 k=3 | overall | 0 |" in md and "| spd n=2 L_s=2 | overall | 0 |" in md
+    assert "| ppsd n=2 L_s=2 | overall | 0 |" in md
 
 
 def test_plan_predicts_eagle3_beside_spd(evaluated, tmp_path, capsys):
