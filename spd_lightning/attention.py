@@ -3,8 +3,9 @@
 A training layout (spd_lightning/layouts.py) describes its mask as `mask_mod(b, h, q_idx, kv_idx) -> bool`
 over the replicated sequence of length `S`. The same predicate drives three backends:
 
-- `flex`: `create_block_mask` + `flex_attention` (compiled on CUDA). The mask is never materialized as a
-  dense `S x S` tensor, which at `S = (n+1) * 2048` would not fit next to a 9B target. Both are compiled
+- `flex`: a block mask + `flex_attention` (compiled on CUDA). The mask is never materialized as a
+  dense `S x S` tensor, which at `S = (n+1) * 2048` would not fit next to a 9B target. A layout's steps
+  take their block mask from its shape's block structure, built once (spd_lightning/block_sparsity.py). Both are compiled
   ONCE with dynamic shapes: with static shapes every (batch, length) recompiles, and past dynamo's
   recompile limit torch silently runs the unfused flex path that builds the whole `S x S` score matrix.
   `flex_compiled` is the same compiled path on any device (CPU included: rehearsals and tests).
@@ -31,6 +32,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from .block_sparsity import StepRows, skeleton, step_block_mask, worth_caching
 from .pdm import Attend
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -138,17 +140,28 @@ def compiled_flex() -> tuple[Callable, Callable]:
 
 
 def flex_attend(
-    mask_mod: MaskMod, batch: int, rows: int, seq_len: int, device: torch.device, compiled: bool | None = None
+    mask_mod: MaskMod,
+    batch: int,
+    rows: int,
+    seq_len: int,
+    device: torch.device,
+    compiled: bool | None = None,
+    step: StepRows | None = None,
 ) -> Attend:
-    """FlexAttention for the first `rows` query rows against all `seq_len` keys, with a block mask built once
-    per step and shared by every layer with those queries. Compiled (default: on CUDA), neither the mask
-    construction nor the kernel materializes the `rows x S` grid; eager flex (CPU tests of the predicate) does."""
+    """FlexAttention for the first `rows` query rows against all `seq_len` keys, with one block mask per step
+    shared by every layer with those queries. With the `step`'s rows and a block-aligned length the block mask
+    comes from the shape's block structure, built once (spd_lightning/block_sparsity.py); else
+    `create_block_mask` evaluates the predicate everywhere. Compiled (default: on CUDA), the kernel does not materialize the `rows x S` grid;
+    eager flex (CPU tests of the predicate) does."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if compiled is None:
         compiled = device.type == "cuda"
     make_mask, kernel = compiled_flex() if compiled else (create_block_mask, flex_attention)
-    block_mask = make_mask(mask_mod, batch, None, rows, seq_len, device=device)
+    if step is not None and worth_caching(step.shape.length):
+        block_mask = step_block_mask(skeleton(step.shape, rows, seq_len, device), step, mask_mod)
+    else:
+        block_mask = make_mask(mask_mod, batch, None, rows, seq_len, device=device)
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return kernel(q, k, v, block_mask=block_mask)
@@ -163,14 +176,16 @@ def make_attend(
     batch: int,
     seq_len: int,
     device: torch.device,
+    step: StepRows | None = None,
 ) -> Attend:
     """The attend callable for the PDM body. Its queries are the first `R` rows (`R = q.shape[-2]`); the mask of
-    each `R` is built on first use (`plan(R)`, the plan of those rows, only on the CPU paths) and then reused."""
+    each `R` is built on first use (`plan(R)`, the plan of those rows, only on the CPU paths) and then reused.
+    `step`: the step's rows, for the flex paths' block structure cached per shape."""
     chosen = resolve_backend(backend, device, seq_len)
     compiled = True if chosen == "flex_compiled" else None
     build: dict[str, Callable[[int], Attend]] = {
-        "flex": lambda rows: flex_attend(mask_mod, batch, rows, seq_len, device, compiled),
-        "flex_compiled": lambda rows: flex_attend(mask_mod, batch, rows, seq_len, device, compiled),
+        "flex": lambda rows: flex_attend(mask_mod, batch, rows, seq_len, device, compiled, step),
+        "flex_compiled": lambda rows: flex_attend(mask_mod, batch, rows, seq_len, device, compiled, step),
         "dense": lambda rows: dense_attend(plan(rows).dense(seq_len)),
         "two_part": lambda rows: two_part_attend(plan(rows)),
     }

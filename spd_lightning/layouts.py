@@ -30,6 +30,7 @@ from typing import Literal
 import torch
 
 from .attention import Backend, MaskMod, TwoPartPlan, make_attend
+from .block_sparsity import ShapeMasks, StepRows
 from .errors import ConfigError
 from .geometry import Geometry
 from .pdm import Attend
@@ -89,6 +90,8 @@ class Replication:
     active: list[torch.Tensor]
     fill: list[torch.Tensor]
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    shape: ShapeMasks | None = None  # what every step of this shape shares (the flex block structure)
+    lengths: torch.Tensor | None = None  # [B] real tokens per sample
 
     def __post_init__(self):
         if self.loss_copy != 0:  # body(outputs=T) computes the FIRST T rows: the loss copy must be copy 0
@@ -117,7 +120,10 @@ class Replication:
         return self.plan_fn(self.seq_len if rows is None else rows)
 
     def attend(self, backend: Backend = "auto") -> Attend:
-        return make_attend(backend, self.mask_mod, self.plan_fn, self.batch, self.seq_len, self.device)
+        step = None
+        if self.shape is not None and self.lengths is not None:
+            step = StepRows(self.shape, self.lengths, torch.cat(self.fill, dim=1))
+        return make_attend(backend, self.mask_mod, self.plan_fn, self.batch, self.seq_len, self.device, step)
 
     def copy_slice(self, c: int) -> slice:
         return slice(c * self.length, (c + 1) * self.length)
@@ -168,6 +174,10 @@ class DepthLayout:
         self.copy_depths = [geometry.inflight_depth(c) for c in range(n)] + [n]
         self.copy_types = [geometry.type_of(k) for k in self.copy_depths]
 
+    def shape_masks(self, T: int, device: torch.device) -> ShapeMasks:
+        n = self.geometry.n
+        return _shape_masks(self, T, lambda a: torch.full((1, T + n), a, device=device), device)
+
     def draw_fill(self, batch: int, length: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """`a(t)` for every drafting time a copy token can stand for: `t = i + c <= T - 1 + n`."""
         return self.fill_dist.sample(self.geometry.n, (batch, length + self.geometry.n), generator)
@@ -205,7 +215,10 @@ class DepthLayout:
         real = i[None, :] < lengths[:, None]
         active = [real & (c < fill[:, i + c]) for c in range(n)] + [real]
         fills = [fill[:, i + c] for c in range(n)] + [torch.full_like(fill[:, :T], n)]
-        return Replication(B, T, self.copy_types, self.copy_depths, 0, mask_mod, plan, active, fills, device)
+        shape = self.shape_masks(T, device)
+        return Replication(
+            B, T, self.copy_types, self.copy_depths, 0, mask_mod, plan, active, fills, device, shape, lengths
+        )
 
 
 class TypeLayout:
@@ -229,6 +242,9 @@ class TypeLayout:
         self.copy_depths = [geometry.inflight_depth(j) if j < n else n for j in self.jq]
         self.deepest = len(self.copy_types) - 1
         self.first_deep_j = self.block_of_j.index(self.deepest)
+
+    def shape_masks(self, T: int, device: torch.device) -> ShapeMasks:
+        return _shape_masks(self, T, lambda a: torch.full((1,), a, device=device), device)
 
     def draw_fill(self, batch: int, length: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """One fill level for the whole step, repeated per sample."""
@@ -275,9 +291,31 @@ class TypeLayout:
         i = torch.arange(T, device=device)
         real = i[None, :] < lengths[:, None]
         fills, loss_block = [fill[:, None].expand(B, T)] * m, self.block_of_j[0]
+        shape = self.shape_masks(T, device)
         return Replication(
-            B, T, self.copy_types, self.copy_depths, loss_block, mask_mod, plan, [real] * m, fills, device
+            B,
+            T,
+            self.copy_types,
+            self.copy_depths,
+            loss_block,
+            mask_mod,
+            plan,
+            [real] * m,
+            fills,
+            device,
+            shape,
+            lengths,
         )
+
+
+def _shape_masks(layout, T: int, uniform_fill: Callable[[int], torch.Tensor], device: torch.device) -> ShapeMasks:
+    """The layout's mask over one unpadded sequence at each uniform fill level (spd_lightning/block_sparsity.py)."""
+    full_length = torch.full((1,), T, device=device)
+
+    def per_fill(a: int) -> MaskMod:
+        return layout.replicate(full_length, T, uniform_fill(a)).mask_mod
+
+    return ShapeMasks((layout.name, layout.geometry, T), layout.geometry.n, T, per_fill)
 
 
 @lru_cache(maxsize=16)

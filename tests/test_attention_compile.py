@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from spd_lightning import block_sparsity
 from spd_lightning.attention import dense_attend, dense_mask, make_attend
 from spd_lightning.geometry import Geometry
 from spd_lightning.layouts import build_layout
@@ -40,3 +41,21 @@ def test_compiled_flex_does_not_recompile_per_length(fresh_dynamo):
     # the limit. (A size that is 1 at first, e.g. one KV block, is re-specialized once: hence T >= 48 here.)
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
     assert counters["frames"]["ok"] == counters["frames"]["total"]
+
+
+@pytest.mark.parametrize("layout_name", ["depth", "type"])
+def test_compiled_flex_with_the_block_structure_of_the_shape_equals_dense(fresh_dynamo, layout_name):
+    """At a block-aligned length the flex path takes its block mask from the shape's cached structure
+    (spd_lightning/block_sparsity.py): compiled flex on it equals the dense mask, padding and fills included."""
+    block_sparsity._SKELETONS.clear()
+    layout = build_layout(layout_name, Geometry.build(8, 2))
+    gen = torch.Generator().manual_seed(1)
+    T, heads, hd = 128, 2, 16
+    for lengths in ([T, 77], [40, T]):
+        lengths = torch.tensor(lengths)
+        rep = layout.replicate(lengths, T, layout.draw_fill(2, T, gen))
+        q, k, v = (torch.randn(2, heads, rep.seq_len, hd, generator=gen) for _ in range(3))
+        out = rep.attend("flex_compiled")(0, q, k, v)
+        expected = dense_attend(dense_mask(rep.mask_mod, 2, rep.seq_len, rep.device))(0, q, k, v)
+        torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+    assert len(block_sparsity._SKELETONS) == 1  # one shape, built once, used by both steps
