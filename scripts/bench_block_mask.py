@@ -7,7 +7,8 @@ Per (layout, n, T), on random fills and ragged lengths (one sample full, the oth
 one eager `create_block_mask` over all `S = copies * T` rows (what the flex path ran each step), of building
 the shape's structure (once per shape), and of a step's block mask from it (every later step); and the
 blocks each mask touches, full and partial. The CPU times are not the GPU's (compiled `create_block_mask` is
-much faster there); the block counts are the same on any device.
+much faster there; `--device cuda --repeats 5` measures that, and `scripts/gpu_check.py` runs it); the block
+counts are the same on any device.
 """
 
 from __future__ import annotations
@@ -33,25 +34,41 @@ def blocks(mask) -> tuple[int, int]:
     return int(mask.kv_num_blocks.sum()), full
 
 
-def timed(fn):
-    start = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - start
+def timed(fn, device: torch.device, repeats: int = 1):
+    """`fn()` and the median seconds of `repeats` calls (after one untimed call when `repeats > 1`: compiles)."""
+    out, times = fn() if repeats > 1 else None, []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        out = fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return out, sorted(times)[len(times) // 2]
 
 
-def measure(layout_name: str, n: int, T: int, batch: int, seed: int = 0) -> dict:
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(layout_name: str, n: int, T: int, batch: int, device: str = "cpu", repeats: int = 1) -> dict:
+    """One row. On CUDA `create_block_mask` is the compiled one the flex path runs (`attention.compiled_flex`)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
+    from spd_lightning.attention import compiled_flex
+
+    device = torch.device(device)
+    make_mask = compiled_flex()[0] if device.type == "cuda" else create_block_mask
     layout = build_layout(layout_name, Geometry.build(max(8, n), n))
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(0)
     lengths = torch.tensor([T] + [int(T * (0.5 + 0.4 * i / max(batch - 1, 1))) for i in range(batch - 1)])
-    rep = layout.replicate(lengths, T, layout.draw_fill(batch, T, gen))
+    rep = layout.replicate(lengths.to(device), T, layout.draw_fill(batch, T, gen).to(device))
     S = rep.seq_len
-    exact, t_exact = timed(lambda: create_block_mask(rep.mask_mod, batch, None, S, S, device="cpu"))
+    exact, t_exact = timed(lambda: make_mask(rep.mask_mod, batch, None, S, S, device=device), device, repeats)
     block_sparsity._SKELETONS.clear()
-    skel, t_build = timed(lambda: block_sparsity.skeleton(rep.shape, S, S, rep.device))
+    skel, t_build = timed(lambda: block_sparsity.skeleton(rep.shape, S, S, rep.device), device)
     step = block_sparsity.StepRows(rep.shape, rep.lengths, torch.cat(rep.fill, dim=1))
-    cached, t_step = timed(lambda: block_sparsity.step_block_mask(skel, step, rep.mask_mod))
+    cached, t_step = timed(lambda: block_sparsity.step_block_mask(skel, step, rep.mask_mod), device, repeats)
     (ep, ef), (cp, cf) = blocks(exact), blocks(cached)
     return {
         "layout": layout_name,
@@ -69,6 +86,18 @@ def measure(layout_name: str, n: int, T: int, batch: int, seed: int = 0) -> dict
     }
 
 
+def markdown(rows: list[dict]) -> str:
+    head = ["layout", "n", "T", "S", "create_block_mask (s)", "build once (s)", "per step (s)"]
+    head += ["exact partial / full", "cached partial / full"]
+    cells = [
+        [r["layout"], r["n"], r["T"], r["S"], fmt(r["create_block_mask_s"], 4), fmt(r["structure_build_s"], 3)]
+        + [fmt(r["step_from_structure_s"], 4), f"{r['exact_partial']} / {r['exact_full']}"]
+        + [f"{r['cached_partial']} / {r['cached_full']}"]
+        for r in rows
+    ]
+    return "\n".join(markdown_table(head, [[str(c) for c in row] for row in cells]))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layouts", nargs="+", default=["depth", "type"])
@@ -76,6 +105,8 @@ def main() -> None:
     p.add_argument("--seq-lens", type=int, nargs="+", default=[512, 1024])
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cuda: the compiled create_block_mask, as the flex path runs it")
+    p.add_argument("--repeats", type=int, default=1, help="timed calls per mask (median), after a warm-up when > 1")
     p.add_argument("--markdown", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -83,18 +114,10 @@ def main() -> None:
     for layout_name in args.layouts:
         for n in args.ns:
             for T in args.seq_lens:
-                rows.append(measure(layout_name, n, T, args.batch_size))
+                rows.append(measure(layout_name, n, T, args.batch_size, args.device, args.repeats))
                 print(rows[-1], file=sys.stderr)
     if args.markdown:
-        head = ["layout", "n", "T", "S", "create_block_mask (s)", "build once (s)", "per step (s)"]
-        head += ["exact partial / full", "cached partial / full"]
-        cells = [
-            [r["layout"], r["n"], r["T"], r["S"], fmt(r["create_block_mask_s"], 3), fmt(r["structure_build_s"], 3)]
-            + [fmt(r["step_from_structure_s"], 4), f"{r['exact_partial']} / {r['exact_full']}"]
-            + [f"{r['cached_partial']} / {r['cached_full']}"]
-            for r in rows
-        ]
-        print("\n".join(markdown_table(head, [[str(c) for c in row] for row in cells])))
+        print(markdown(rows))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,10 @@ import lightning as L
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/bench_block_mask.py
+
+from bench_block_mask import markdown as block_mask_markdown  # noqa: E402
+from bench_block_mask import measure as block_mask_row  # noqa: E402
 
 from inference.ar import ar_decode  # noqa: E402
 from inference.drafter import PDMDrafter  # noqa: E402
@@ -332,6 +336,9 @@ def markdown(report: dict) -> str:
         )
         for n, ms in sorted(r["stage_latency_ms"].items()):
             lines.append(f"| {r['arch']} | {n} | {', '.join(f'{x:.2f}' for x in ms)} | {drafts} | {same} |")
+    if report.get("block_mask"):
+        lines += ["", "FlexAttention block mask per step (`scripts/bench_block_mask.py`):", ""]
+        lines += [block_mask_markdown(report["block_mask"])]
     if report["skipped"]:
         lines += ["", f"Skipped to stay within the time budget: {', '.join(report['skipped'])}."]
     return "\n".join(lines) + "\n"
@@ -389,6 +396,11 @@ def main(argv=None) -> int:
     }
     if opts.layers:
         print(f"note: targets cut to {opts.layers} layers (the real models have 32)", flush=True)
+    if budget.allows("block mask", opts.section_s / 2):  # the flex path's block mask: per step vs per shape
+        report["block_mask"] = [
+            block_mask_row(layout, opts.n, opts.length, opts.batch, str(device), 1 if opts.tiny else 5)
+            for layout in ("depth", "type")
+        ]
     for arch in opts.archs:
         report["archs"].append(check_arch(arch, opts, device, budget))
         print(json.dumps(report["archs"][-1], default=str), flush=True)

@@ -75,3 +75,8 @@ def test_gpu_check_smoke_on_cpu_without_optional_packages(tmp_path):
     assert arch["decode"]["identical"] and arch["decode"]["new_tokens"] == 4
     table = (out / "gpu_check.md").read_text()
     assert "| Qwen/Qwen3.5-4B | 8 | type | yes |" in table and "greedy SPD == AR" in table
+    masks = {r["layout"]: r for r in report["block_mask"]}  # per step vs per shape, same blocks at least
+    assert set(masks) == {"depth", "type"} and "FlexAttention block mask per step" in table
+    assert all(
+        r["cached_partial"] + r["cached_full"] >= r["exact_partial"] + r["exact_full"] > 0 for r in masks.values()
+    )
