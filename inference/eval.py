@@ -171,13 +171,13 @@ class PdmDecoder:
             load_drafter(setup.ckpt, map_location=args.device)[0].to(target.model.dtype) if args.simulate else None
         )
         self.simulator = None
+        self.method = f"{setup.mode} n={setup.geometry.n} L_s={setup.spec.pdm.num_layers}"
 
     @property
     def identity(self) -> dict:
         """What tells this drafter's rows from another's in one report."""
         n, num_layers = self.setup.geometry.n, self.setup.spec.pdm.num_layers
-        method = f"{self.setup.mode} n={n} L_s={num_layers}"
-        return {"method": method, "drafter": self.setup.ckpt, "mode": self.setup.mode, "n": n, "L_s": num_layers}
+        return {"method": self.method, "drafter": self.setup.ckpt, "mode": self.setup.mode, "n": n, "L_s": num_layers}
 
     def warm_up(self, sampling: Sampling, prompt: list[int]) -> None:
         from .simulator import Simulator
@@ -212,6 +212,10 @@ class Decoders:
         self.args, self.setup = args, setups[0]
         self.target = Target.load(self.setup.target_path, self.setup.dtype, args.device)
         self.pdms = [PdmDecoder(args, setup, self.target) for setup in setups if setup.mode != EAGLE3]
+        methods = [pdm.method for pdm in self.pdms]
+        for pdm in self.pdms:  # drafters of one mode, n and L_s (e.g. two layouts): named by their run
+            if methods.count(pdm.method) > 1:
+                pdm.method += f" ({drafter_name(pdm.setup.ckpt)})"
         eagle3 = self.setup.ckpt if self.setup.mode == EAGLE3 else args.eagle3
         self.eagle3 = eval_eagle3.Eagle3Decoders(self.target, eagle3, args.k) if eagle3 else None
 
@@ -234,6 +238,16 @@ class Decoders:
             ar_decode(self.target, ids, args.max_new_tokens, sampling, self.setup.eos, args.seed + i)
             for i, ids in enumerate(prompts)
         ]
+
+
+def drafter_name(path: str) -> str:
+    """`runs/x/checkpoints/last.ckpt` -> `x`; `drafters/y/` -> `y`."""
+    parts = os.path.normpath(path).split(os.sep)
+    if parts[-1].endswith(".ckpt"):
+        parts = parts[:-1]
+    if len(parts) > 1 and parts[-1] == "checkpoints":
+        parts = parts[:-1]
+    return parts[-1]
 
 
 def compared_setups(args: argparse.Namespace, setup: cli.Setup) -> list[cli.Setup]:

@@ -299,3 +299,8 @@ def test_prompt_sets_can_be_datasets(tmp_path):
     (tmp_path / "bad" / "test.jsonl").write_text(json.dumps({"text": "x"}) + "\n")
     with pytest.raises(PromptError, match="no prompt column"):
         read_prompts(None, str(tmp_path / "bad"))
+
+
+def test_drafters_of_one_method_are_told_apart_by_their_run():
+    assert spd_eval.drafter_name("runs/deep/type_n4_L3/checkpoints/last.ckpt") == "type_n4_L3"
+    assert spd_eval.drafter_name("drafters/spd_n4/") == "spd_n4" == spd_eval.drafter_name("spd_n4")
