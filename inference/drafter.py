@@ -98,8 +98,8 @@ class PDMDrafter:
         compile: bool = False,
     ):
         """`compile`: the in-flight draft's body and head through `torch.compile`, one graph per fill level
-        (the fusion, which reads the depth types on the host, and the verified positions' append, whose length
-        varies, stay eager)."""
+        (the fusion, one projection per type present, and the verified positions' append, whose length varies,
+        stay eager)."""
         cfg = pdm.cfg
         if cfg.num_types != geometry.num_types:
             raise DrafterLoadError(
@@ -122,7 +122,6 @@ class PDMDrafter:
         self.capacity = 0
         self.compiled = compile
         self._in_flight = CompiledStep(self._in_flight_logits, self.device) if compile else self._in_flight_logits
-        self._types: dict[tuple[int, ...], torch.Tensor] = {}  # depth pattern of a view -> its type ids, built once
         self._slots = {b: i for i, b in enumerate(geometry.anchors)}
         self._stage_slots = {
             s: [self._slots[b] for b in geometry.anchors_of_stage(s) if b > 0] for s in range(1, geometry.n + 1)
@@ -174,13 +173,11 @@ class PDMDrafter:
             self.cache.commit(verified - start)
         first, last = view[0][1], view[-1][1]  # in-flight positions are consecutive
         depths = tuple(d for d, _ in view)
-        types = self._types.get(depths)
-        if types is None:
-            types = self._types[depths] = torch.tensor([[geometry.type_of(d) for d in depths]], device=self.device)
+        types = tuple(geometry.type_of(d) for d in depths)
         if last >= self.capacity:
             raise RuntimeError(f"PDM cache holds {self.capacity} positions; position {last} does not fit")
         self._write_offset(self.cache.length)
-        g = pdm.fuse(self.states[first : last + 1].to(self.dtype)[None], types)  # eager: it reads the types on the host
+        g = pdm.fuse(self.states[first : last + 1].to(self.dtype)[None], types)  # eager: one projection per type
         logits = self._in_flight(g, self.positions[:, first : last + 1])
         if self.sampling.greedy:
             token, q = pdm.d2t[logits.argmax(-1, keepdim=True)], None

@@ -165,12 +165,18 @@ class Fusion(nn.Module):
             nn.Linear(tau * cfg.target_hidden_size, cfg.hidden_size, bias=False) for tau in range(1, cfg.num_types + 1)
         )
 
-    def forward(self, states: torch.Tensor, types: int | torch.Tensor) -> torch.Tensor:
+    def forward(self, states: torch.Tensor, types: int | tuple[int, ...] | torch.Tensor) -> torch.Tensor:
         """`states[..., m, H]` holds a token's anchor states in anchor order (entries past its type are
-        ignored); `types` is one type for all tokens or a tensor of types shaped like `states[..., 0, 0]`."""
+        ignored); `types` is one type for all tokens, a tensor of types shaped like `states[..., 0, 0]`, or a
+        host tuple of one type per position (`states[..., T, m, H]`): the decoder's, read without a device sync."""
         if isinstance(types, int):
             return self._one(states, types)
         out = states.new_zeros(*states.shape[:-2], self.proj[0].out_features)
+        if isinstance(types, tuple):
+            for tau in sorted(set(types)):
+                at = [i for i, t in enumerate(types) if t == tau]
+                out[..., at, :] = self._one(states[..., at, :, :], tau)
+            return out
         for tau in types.unique().tolist():
             sel = types == tau
             out[sel] = self._one(states[sel], tau)
@@ -206,7 +212,7 @@ class PipelineDraftModule(nn.Module):
         self.register_buffer("d2t", draft_to_target(d2t, cfg.draft_vocab_size), persistent=True)
         self.apply(init_linear)
 
-    def fuse(self, states: torch.Tensor, types: int | torch.Tensor) -> torch.Tensor:
+    def fuse(self, states: torch.Tensor, types: int | tuple[int, ...] | torch.Tensor) -> torch.Tensor:
         return self.fusion(states, types)
 
     def body(

@@ -89,7 +89,7 @@ class OneRank(Transport):
 
 
 def reads_per_step(runner: PipelineRunner, seen: list) -> list[list[torch.Tensor]]:
-    """Wrap `runner._cycle`: the tensors read in each step (the drafter's own reads, on the PDM rank, left out)."""
+    """Wrap `runner._cycle`: the tensors read in each step (the drafter's reads, on the PDM rank, included)."""
     steps, cycle = [], runner._cycle
 
     def counted(step):
@@ -100,17 +100,6 @@ def reads_per_step(runner: PipelineRunner, seen: list) -> list[list[torch.Tensor
             steps.append(seen[start:])
 
     runner._cycle = counted
-    if runner.drafter is not None:
-        draft = runner.drafter.draft
-
-        def uncounted(view, generator):
-            start = len(seen)
-            try:
-                return draft(view, generator)
-            finally:
-                del seen[start:]
-
-        runner.drafter.draft = uncounted
     return steps
 
 
@@ -155,6 +144,31 @@ def test_a_stage_rank_reads_only_the_verdict_once_per_cycle(tiny_qwen35, monkeyp
         # one read per verdict this rank learns in a cycle: every judged cycle's (N - 1 of them) plus the
         # verdict of each rejection's wasted step, which is the rejection itself, read once
         assert sum(map(len, steps)) == want.N - 1
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(1.0, top_k=20)], ids=["greedy", "sampled"])
+def test_the_pdm_rank_reads_only_the_verdict_once_per_cycle(tiny_qwen35, monkeypatch, sampling):
+    """The PDM rank alone over a recorded run: fusing the in-flight states (one projection per type, the
+    types known on the host), drafting and sampling read nothing; only the verdict, once per judged cycle."""
+    from spd_lightning.geometry import Geometry
+
+    geometry = Geometry.build(tiny_qwen35.num_layers, 3)
+    simulator = Simulator(tiny_qwen35, random_pdm(tiny_qwen35, geometry, num_layers=1), geometry, sampling)
+    transport = Recording(geometry.n + 1)
+    simulator.runner.transport = transport
+    want = simulator.decode(PROMPT, 24, seed=3)
+    pdm_rank = geometry.n
+    runner = PipelineRunner(
+        geometry, OneRank(pdm_rank, transport.log, True), {}, simulator.runner.drafter, simulator.runner.config
+    )
+    forbid_device_sync(monkeypatch)
+    with host_reads(monkeypatch) as seen:
+        steps = reads_per_step(runner, seen)
+        got = runner.decode(PROMPT, 24, frozenset(), seed=3)
+    assert (got.tokens, got.K) == (want.tokens, want.K)
+    assert all(len(reads) <= 1 for reads in steps[:-1]) and len(steps[-1]) <= 2, [len(r) for r in steps]
+    assert all(is_verdict(runner, t) for reads in steps for t in reads)
+    assert 0 < sum(map(len, steps)) <= want.N
 
 
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(0.8, top_p=0.9)], ids=["greedy", "sampled"])

@@ -180,3 +180,17 @@ def test_fill_distribution():
     assert draws.min() == 1 and draws.max() == 4 and abs(draws.eq(4).float().mean() - 0.5) < 0.05
     with pytest.raises(ValueError, match="fill_probs"):
         FillDistribution(probs=[1, 1]).probabilities(3)
+
+
+def test_fusion_by_host_types_equals_fusion_by_a_type_tensor():
+    """The decoder fuses a view's positions by types it holds on the host (no device read): the same numbers
+    as one type tensor per position and as fusing each position alone."""
+    torch.manual_seed(0)
+    cfg = PDMConfig(H_TARGET, 3, VOCAB, hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8)
+    fusion = PipelineDraftModule(cfg).fusion
+    states = torch.randn(1, 5, 3, H_TARGET)
+    types = (3, 1, 2, 1, 3)
+    by_tensor = fusion(states, torch.tensor([types]))
+    one_by_one = torch.stack([fusion(states[:, i], t) for i, t in enumerate(types)], dim=1)
+    torch.testing.assert_close(fusion(states, types), by_tensor, rtol=0, atol=0)
+    torch.testing.assert_close(fusion(states, types), one_by_one)
