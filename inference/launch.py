@@ -262,7 +262,7 @@ def launch(
             tempfile.TemporaryDirectory(prefix="spd_launch_") as logs,
             _quiet_agent(job.debug),
             _callers_signal_handlers(),
-            _listening(job, inbox),
+            _listening(job, inbox, requests),
         ):
             elastic_launch(_agent_config(job, method, logs), _rank_main)(
                 job, _report_channel(job, inbox), os.getpid(), requests
@@ -291,12 +291,13 @@ def _report_channel(job: DecodeJob, inbox: Inbox):
 
 
 @contextlib.contextmanager
-def _listening(job: DecodeJob, inbox: Inbox):
-    """On node 0 of a multi-node run, the other nodes' reports come into the inbox while the ranks run."""
+def _listening(job: DecodeJob, inbox: Inbox, requests):
+    """On node 0 of a multi-node run, the other nodes' reports come into the inbox while the ranks run, and
+    the server's cancels (`requests`) go out to a verifier on another node."""
     if job.nodes is None or job.nodes.node_rank != 0:
         yield
         return
-    listener = ReportListener(job.nodes, inbox.messages)
+    listener = ReportListener(job.nodes, inbox.messages, requests)
     try:
         yield
     finally:

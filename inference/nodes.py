@@ -10,6 +10,8 @@ The ranks of node 0 report to the launcher through its local queue (`launch.Inbo
 other nodes send the same reports (their pid, each cycle's verified tokens, each result, the error that
 ends them) over one TCP connection each to node 0's `ReportListener`, at `--master-addr:--report-port`,
 which puts them into that queue: to the launcher of node 0 every rank reports alike, wherever it runs.
+A verifier rank on another node also watches for cancels over a connection of its own to that listener
+(`RequestsOnNodeZero.cancelled`), so a cancelled request stops on every node within a cycle or two.
 These ports, like torchrun's, carry no secret: the nodes must share a private network. The connection's
 key only keeps two runs on one network from mixing.
 
@@ -56,19 +58,43 @@ class Nodes:
         return self.run_id.encode()
 
 
+@dataclass(frozen=True)
+class WatchCancels:
+    """A verifier rank on another node asks node 0's listener for the ids of the requests cancelled."""
+
+
+@dataclass(frozen=True)
+class Cancel:
+    request_id: int
+
+
 class RequestsOnNodeZero:
-    """What the ranks of the other nodes get for the request queue: only rank 0 (on node 0) reads it."""
+    """What the ranks of the other nodes get for the request queue: only rank 0 (on node 0) reads it. The
+    verifier's rank, wherever it runs, stops a cancelled request: here it learns of cancels over a
+    connection of its own to node 0's listener, opened at its first poll (node 0 then sends the current
+    cancel, so none is missed), and sends back its report of each cancelled decode."""
+
+    def __init__(self, nodes: Nodes):
+        self.nodes = nodes
+        self._connection = None  # opened in the rank's process
+        self._cancel = -1
 
     def get(self, timeout: float | None = None):
         raise RuntimeError("this rank is not on node 0: only rank 0, on node 0, reads the requests")
 
     def cancelled(self, request_id: int) -> bool:
-        """The cancel flag lives in node 0's shared memory: a verifier on another node does not see it, so a
-        cancelled request runs to its end there and node 0 drops its tokens (docs/SERVING.md)."""
-        return False
+        """What the verifier polls once per cycle: the cancels node 0 has sent so far, without waiting."""
+        if self._connection is None:
+            self._connection = Client(self.nodes.report_address, authkey=self.nodes.authkey)
+            self._connection.send(WatchCancels())
+        while self._connection.poll(0):
+            self._cancel = self._connection.recv().request_id
+        return self._cancel == request_id
 
     def record(self, report) -> None:
-        """No cancellation is seen on this node, so there is none to report."""
+        """The verifier's `CancelReport`, for node 0's `Requests.last_cancel`."""
+        if self._connection is not None:
+            self._connection.send(report)
 
 
 class ReportSender:
@@ -99,15 +125,28 @@ class ReportSender:
 
 
 class ReportListener:
-    """On node 0: accepts the other nodes' ranks and puts every report they send into `messages`. It binds
-    when built, before any rank starts; `close` stops accepting (connections already made end with their
-    rank)."""
+    """On node 0: accepts the other nodes' ranks and puts every report they send into `messages`; sends the
+    server's cancels (`requests`, the server's `Requests`) to the verifier ranks that watch for them. It
+    binds when built, before any rank starts; `close` stops accepting (connections already made end with
+    their rank)."""
 
-    def __init__(self, nodes: Nodes, messages):
-        self.nodes, self.messages = nodes, messages
+    def __init__(self, nodes: Nodes, messages, requests=None):
+        self.nodes, self.messages, self.requests = nodes, messages, requests
         self._listener = Listener(nodes.report_address, authkey=nodes.authkey)
         self._closed = False
+        self._watchers: list = []
+        self._lock = threading.Lock()
+        if requests is not None:
+            requests.subscribe(self.cancel)
         threading.Thread(target=self._accept, name="spd-report-listener", daemon=True).start()
+
+    def cancel(self, request_id: int) -> None:
+        with self._lock:
+            for connection in list(self._watchers):
+                try:
+                    connection.send(Cancel(request_id))
+                except OSError:  # its rank is gone
+                    self._watchers.remove(connection)
 
     def _accept(self) -> None:
         while True:
@@ -136,10 +175,31 @@ class ReportListener:
                     if message.previous != self.nodes.pipeline:
                         connection.send(self.nodes.pipeline)
                     return
+                if isinstance(message, WatchCancels):
+                    return self._watch(connection)
                 self.messages.put(message)
+
+    def _watch(self, connection) -> None:
+        """A verifier's connection: cancels go out (`cancel`), its cancel reports come in, until its rank ends."""
+        with self._lock:
+            self._watchers.append(connection)
+            if self.requests is not None and self.requests.current_cancel() >= 0:
+                connection.send(Cancel(self.requests.current_cancel()))
+        while True:
+            try:
+                report = connection.recv()
+            except (EOFError, OSError):
+                break
+            if self.requests is not None:
+                self.requests.record(report)
+        with self._lock:
+            if connection in self._watchers:
+                self._watchers.remove(connection)
 
     def close(self) -> None:
         self._closed = True
+        if self.requests is not None:
+            self.requests.unsubscribe(self.cancel)
         with contextlib.suppress(OSError):  # wakes the accepting thread, which then sees `_closed`
             Client(self.nodes.report_address, authkey=self.nodes.authkey).close()
         self._listener.close()

@@ -158,7 +158,7 @@ def run_ranks_only(args: argparse.Namespace) -> int:
             where,
         )
         try:
-            launch(job, requests=RequestsOnNodeZero())
+            launch(job, requests=RequestsOnNodeZero(job.nodes))
             return 0
         except RankInputError:
             raise

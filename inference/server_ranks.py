@@ -14,7 +14,8 @@ A request the engine gives up on (its client disconnected, or a stop string ende
 (`Requests.cancel`), the verifier's rank reads that once per cycle (`PipelineRunner.decode(stop=...)`), and
 its next verdict is STOP, which ends the decode on every rank at the same cycle; the pipeline then takes
 the next request. The verifier's rank records the cycle it saw the cancel at and the cycle it stopped at
-(`last_cancel`).
+(`last_cancel`). A verifier on another node gets each cancel from node 0's report listener instead
+(`nodes.RequestsOnNodeZero`), which the cancel notifies (`subscribe`).
 """
 
 from __future__ import annotations
@@ -58,6 +59,17 @@ class Requests:
         self.queue = context.Queue()
         self._cancel = context.RawValue("q", -1)  # the id of the request to stop
         self._report = context.RawArray("q", [-1, -1, -1])  # CancelReport of the last cancelled decode
+        self._subscribers: list[Callable[[int], None]] = []  # in the server's process: other nodes' listener
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_subscribers": []}  # the ranks get the shared memory, not the server's hooks
+
+    def subscribe(self, on_cancel: Callable[[int], None]) -> None:
+        self._subscribers.append(on_cancel)
+
+    def unsubscribe(self, on_cancel: Callable[[int], None]) -> None:
+        if on_cancel in self._subscribers:
+            self._subscribers.remove(on_cancel)
 
     def put(self, item) -> None:
         self.queue.put(item)
@@ -67,6 +79,11 @@ class Requests:
 
     def cancel(self, request_id: int) -> None:
         self._cancel.value = request_id
+        for on_cancel in self._subscribers:
+            on_cancel(request_id)
+
+    def current_cancel(self) -> int:
+        return self._cancel.value
 
     def cancelled(self, request_id: int) -> bool:
         """One read of shared memory: what the verifier's rank polls once per cycle."""

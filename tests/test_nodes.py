@@ -102,9 +102,43 @@ def test_another_node_joins_the_pipeline_after_the_one_it_ran_never_that_one_aga
     assert store_prefix == "spd-serve-second" != agent_rendezvous(first, 60)["run_id"]
 
 
+def eventually(condition, timeout_s: float = 10) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_a_verifier_on_another_node_sees_the_servers_cancels_and_reports_back():
+    """Node 0's cancel reaches a verifier on node 1 over its watch connection (one sent before it watched
+    included); its cancel report comes back into the server's `Requests`."""
+    import multiprocessing as mp
+
+    from inference.server_ranks import CancelReport, Requests
+
+    port = free_port()
+    requests = Requests(mp.get_context("spawn"))
+    listener = ReportListener(nodes(0, port), LocalQueue(), requests)
+    try:
+        requests.cancel(3)  # before node 1's verifier watches: sent when it does
+        verifier = RequestsOnNodeZero(nodes(1, port))
+        assert eventually(lambda: verifier.cancelled(3))
+        assert not verifier.cancelled(4)
+        requests.cancel(4)
+        assert eventually(lambda: verifier.cancelled(4)) and not verifier.cancelled(3)
+        verifier.record(CancelReport(4, 10, 11))
+        assert eventually(lambda: requests.last_cancel() == CancelReport(4, 10, 11))
+    finally:
+        listener.close()
+        requests.close()
+    assert requests._subscribers == []
+
+
 def test_only_rank_0_on_node_0_reads_requests():
     with pytest.raises(RuntimeError, match="only rank 0, on node 0"):
-        RequestsOnNodeZero().get(timeout=1)
+        RequestsOnNodeZero(nodes(1, free_port())).get(timeout=1)
 
 
 def test_the_nodes_must_start_the_pipelines_number_of_ranks():

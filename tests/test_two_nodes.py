@@ -73,7 +73,8 @@ def test_the_server_on_two_nodes_answers_as_decode_restarts_after_a_killed_rank_
     """Node 0 serves HTTP and runs rank 0 (stage 1); node 1 runs ranks 1 (stage 2, the verifier) and 2 (the
     PDM), so every token reaches the server through node 1's report connections. Node 1's PDM kills itself
     at its 60th decode step (`faults.Fault`): the request in flight gets a 503 naming it, both nodes start
-    a fresh pipeline, and the next request is answered. SIGTERM to node 0 then ends both nodes."""
+    a fresh pipeline, and the next request is answered. A stop string then cancels a request: node 1's
+    verifier learns of it from node 0 and stops the ranks. SIGTERM to node 0 then ends both nodes."""
     _, target = target_dir(tmp_path_factory, "qwen3_5", make_tiny_model)
     geometry = Geometry.build(target.num_layers, 2)
     pdm = random_pdm(target, geometry)
@@ -97,9 +98,13 @@ def test_the_server_on_two_nodes_answers_as_decode_restarts_after_a_killed_rank_
         reply = server.post("/v1/chat/completions", long, key=None)
         assert reply.status_code == 503 and "rank 2 (PDM)" in reply.json()["error"]["message"], reply.text
         assert _chat(server, PROMPT, 8, stream=True) == decoded  # a fresh pipeline on both nodes
+        stop = decoded.split()[3]  # a stop string: the server cancels the request, the verifier on node 1 stops
+        reply = server.post("/v1/chat/completions", {**long, "stop": [stop]}, key=None)
+        assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == decoded.split(stop)[0]
         ranks = _descendants(server.process.pid) + _descendants(worker.pid)
         assert server.stop() in (0, -signal.SIGTERM)
         assert worker.wait(30) == 0, worker.stderr.read()[-2000:]
+        assert "cycle(s) after the ranks saw it" in server.process.stderr.read()  # stopped on node 1, reported
     finally:
         for process in (server.process, worker):
             if process.poll() is None:
