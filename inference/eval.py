@@ -37,7 +37,6 @@ DIR/eval.md (markdown tables) and DIR/eval.png. Exit status: 0 done, 2 bad input
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from dataclasses import dataclass
@@ -46,9 +45,9 @@ from spd_lightning.eagle3_export import KIND as EAGLE3
 
 from . import cli, eval_eagle3
 from .ar import ar_decode
+from .eval_report import markdown, write_outputs
 from .prompts import dataset_spec, read_prompts
 from .result import DecodeResult
-from .tables import fmt, grouped_bars, markdown_table, pyplot, save
 from .verify import Sampling
 
 
@@ -376,91 +375,6 @@ def _plan_inputs(report: dict) -> None:
         "L": report["L"],
         "slowest_stage_s": row["mean_slowest_stage_s"],
     }
-
-
-def _spd_table(report: dict) -> list[str]:
-    head = [
-        "method",
-        "set",
-        "T",
-        "prompts",
-        "N",
-        "K",
-        "alpha",
-        "S0 = n*alpha",
-        "r",
-        "S_spd",
-        "S_post/ppsd",
-        "tok/s",
-        "AR tok/s",
-        "wall-clock",
-    ]
-    rows = [
-        [
-            r["method"],
-            r["set"],
-            f"{r['temperature']:g}",
-            str(r["prompts"]),
-            str(r["N"]),
-            str(r["K"]),
-            fmt(r["alpha"]),
-            fmt(r["S0"], 2),
-            fmt(r["r"]),
-            fmt(r["S_spd"], 2),
-            fmt(r["S_post"], 2),
-            fmt(r["decode_tokens_per_s"], 1),
-            fmt(r["ar_decode_tokens_per_s"], 1),
-            fmt(r["wall_clock_speedup"], 2),
-        ]
-        for r in report["results"]
-    ]
-    title = (
-        f"PDM drafters: --ckpt mode={report['mode']} n={report['n']} L_s={report['L_s']} target={report['target']} "
-        f"max_new_tokens={report['max_new_tokens']}{' (simulator: wall-clock is sequential)' if report['simulate'] else ''}"
-    )
-    return [title, "", *markdown_table(head, rows)]
-
-
-def several_methods(report: dict) -> bool:
-    return bool(report["eagle3_results"]) or len({r["drafter"] for r in report["results"]}) > 1
-
-
-def markdown(report: dict) -> str:
-    """The PDM drafters' table (when one was evaluated), then the side-by-side table of every method."""
-    parts = []
-    if report["results"]:
-        parts += _spd_table(report)
-    if several_methods(report):
-        parts += ([""] if parts else []) + eval_eagle3.side_by_side_table(report)
-    return "\n".join(parts) + "\n"
-
-
-def plot(report: dict, path: str) -> None:
-    if several_methods(report):
-        return eval_eagle3.plot_side_by_side(report, path)
-    rows = report["results"]
-    labels = [f"{r['set']}\nT={r['temperature']:g}" for r in rows]
-    fig, (ax1, ax2) = pyplot().subplots(1, 2, figsize=(max(8, 2.2 * len(rows)), 4))
-    x = grouped_bars(ax1, [("alpha", [r["alpha"] for r in rows])])
-    ax1.set_xticks(x, labels, fontsize=8)
-    ax1.set_ylim(0, 1)
-    ax1.set_title("alpha = N / K")
-    keys = [("S0", "S0 = n*alpha"), ("S_spd", "S_spd"), ("S_post", "S_post/ppsd"), ("wall_clock_speedup", "wall-clock")]
-    x = grouped_bars(ax2, [(label, [r[key] for r in rows]) for key, label in keys])
-    ax2.axhline(1.0, color="gray", lw=0.8, ls="--")
-    ax2.set_xticks(x, labels, fontsize=8)
-    ax2.set_title(f"speedup over AR (n={report['n']}, L_s={report['L_s']})")
-    ax2.legend(fontsize=8)
-    save(fig, path)
-
-
-def write_outputs(report: dict, out: str) -> None:
-    with cli.writing(out):
-        with open(os.path.join(out, "eval.json"), "w") as f:
-            json.dump(report, f, indent=1)
-        with open(os.path.join(out, "eval.md"), "w") as f:
-            f.write(markdown(report))
-        plot(report, os.path.join(out, "eval.png"))
 
 
 def finish(args: argparse.Namespace, report: dict) -> int:

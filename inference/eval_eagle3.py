@@ -10,9 +10,8 @@ baseline (`inference/eval.py`); the AR time is the one the SPD rows use. Per row
   `r = T_draft_step / T_verify` and `S_eagle3 = tau / (1 + k r)` (SPEC 6);
 - wall-clock: decode-phase tokens/s over AR's.
 
-`plan_inputs(rows)` is what `inference.plan` reads to predict EAGLE-3's wall clock beside SPD's;
-`side_by_side` puts every method's rows of a report on one footing (its table and plot): each PDM drafter
-(SPD, PPSD, post-step: `--ckpt` and `--compare`) and EAGLE-3 at each k.
+`plan_inputs(rows)` is what `inference.plan` reads to predict EAGLE-3's wall clock beside SPD's; the report
+puts these rows beside the PDM drafters' (inference/eval_report.py).
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from spd_lightning.target import Target
 from . import cli
 from .chain import ChainDecoder
 from .result import DecodeResult
-from .tables import fmt, grouped_bars, markdown_table, pyplot, save
 from .verify import Sampling
 
 
@@ -95,51 +93,3 @@ def plan_inputs(rows: list[dict]) -> list[dict]:
     lowest = min(r["temperature"] for r in overall)
     keys = ("k", "alpha", "tau", "T_full_s", "T_draft_step_s", "T_verify_s")
     return [{key: r[key] for key in keys} for r in overall if r["temperature"] == lowest]
-
-
-THEORETICAL = {"spd": "S_spd", "post_step": "S_post", "ppsd": "S_ppsd"}
-
-
-def side_by_side(report: dict) -> list[dict]:
-    """Every method's rows on one footing: tokens per target forward, theoretical and wall-clock speedup."""
-    spd = [{**r, "theoretical": r[THEORETICAL[r["mode"]]]} for r in report["results"]]
-    eagle3 = [{**r, "method": f"eagle3 k={r['k']}", "theoretical": r["S_eagle3"]} for r in report["eagle3_results"]]
-    return sorted(spd + eagle3, key=lambda r: (r["temperature"], r["set"] == "overall", r["set"]))
-
-
-def side_by_side_table(report: dict) -> list[str]:
-    head = ["method", "set", "T", "prompts", "tokens per target forward", "theoretical", "wall-clock"]
-    rows = [
-        [
-            r["method"],
-            r["set"],
-            f"{r['temperature']:g}",
-            str(r["prompts"]),
-            fmt(r["S0"], 2),
-            fmt(r["theoretical"], 2),
-            fmt(r["wall_clock_speedup"], 2),
-        ]
-        for r in side_by_side(report)
-    ]
-    eagle3 = f", EAGLE-3 drafter {report['eagle3_drafter']}" if report["eagle3_drafter"] else ""
-    title = (
-        f"Side by side, speedups over AR measured in this run (tokens per target forward: n*alpha for SPD, "
-        f"N/K for EAGLE-3; theoretical: S_spd, S_post/S_ppsd, S_eagle3 = tau/(1+k*r)){eagle3}"
-    )
-    return [title, "", *markdown_table(head, rows)]
-
-
-def plot_side_by_side(report: dict, path: str) -> None:
-    rows = side_by_side(report)
-    labels = [f"{r['method']}\n{r['set']} T={r['temperature']:g}" for r in rows]
-    fig, (ax1, ax2) = pyplot().subplots(1, 2, figsize=(max(8, 1.6 * len(rows)), 4))
-    x = grouped_bars(ax1, [("tokens per target forward", [r["S0"] for r in rows])])
-    ax1.set_xticks(x, labels, fontsize=6)
-    ax1.set_title("tokens per target forward")
-    keys = [("theoretical", "theoretical"), ("wall_clock_speedup", "wall-clock")]
-    x = grouped_bars(ax2, [(label, [r[key] for r in rows]) for key, label in keys])
-    ax2.axhline(1.0, color="gray", lw=0.8, ls="--")
-    ax2.set_xticks(x, labels, fontsize=6)
-    ax2.set_title("speedup over AR, same run")
-    ax2.legend(fontsize=8)
-    save(fig, path)
