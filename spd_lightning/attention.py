@@ -32,10 +32,9 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from .block_sparsity import StepRows, skeleton, step_block_mask, worth_caching
+from .block_sparsity import MaskMod, StepRows, skeleton, step_block_mask, worth_caching
 from .pdm import Attend
 
-MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 Backend = Literal["auto", "flex", "flex_compiled", "dense", "two_part"]
 BACKENDS = ("auto", "flex", "flex_compiled", "dense", "two_part")
 
