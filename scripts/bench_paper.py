@@ -320,6 +320,8 @@ def final_metrics(run_dir: str) -> dict:
             for row in csv.DictReader(f):
                 if row.get("train/loss"):  # logged at step index s after s + 1 optimizer steps
                     out["steps"] = max(out.get("steps", 0), int(row["step"]) + 1)
+                elif row.get("step"):  # validation at the end: logged at the optimizer steps done
+                    out["steps"] = max(out.get("steps", 0), int(row["step"]))
                 for key in ("val/agree", "val/loss"):
                     if row.get(key):
                         out[key] = float(row[key])
