@@ -67,7 +67,7 @@ def measure(layout_name: str, n: int, T: int, batch: int, device: str = "cpu", r
     exact, t_exact = timed(lambda: make_mask(rep.mask_mod, batch, None, S, S, device=device), device, repeats)
     block_sparsity._SKELETONS.clear()
     skel, t_build = timed(lambda: block_sparsity.skeleton(rep.shape, S, S, rep.device), device)
-    step = block_sparsity.StepRows(rep.shape, rep.lengths, torch.cat(rep.fill, dim=1))
+    step = rep.step_rows()
     cached, t_step = timed(lambda: block_sparsity.step_block_mask(skel, step, rep.mask_mod), device, repeats)
     (ep, ef), (cp, cf) = blocks(exact), blocks(cached)
     return {

@@ -53,11 +53,12 @@ def worth_caching(length: int, block: int = BLOCK) -> bool:
 
 @dataclass(frozen=True)
 class StepRows:
-    """A step's rows as its block mask needs them: its shape, each sample's length, each row's fill `[B, S]`."""
+    """A step's rows as its block mask needs them: its shape, each sample's length, and each copy's rows' fills
+    (`Replication.fill`, `[B, T]` per copy, in copy order: concatenated, the fill of every row)."""
 
     shape: ShapeMasks
     lengths: torch.Tensor
-    row_fill: torch.Tensor
+    fill: list[torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,7 @@ def step_block_mask(skel: Skeleton, step: StepRows, mask_mod: MaskMod):
     device, rows = step.lengths.device, num_q * skel.block
     q = torch.arange(rows, device=device)
     real = (q[None] % step.shape.length < step.lengths[:, None]) & (q[None] < skel.rows)
-    fill = torch.nn.functional.pad(step.row_fill[:, : skel.rows], (0, rows - skel.rows), value=1)
+    fill = torch.nn.functional.pad(torch.cat(step.fill, dim=1)[:, : skel.rows], (0, rows - skel.rows), value=1)
     present = torch.zeros(real.shape[0], num_q, levels + 1, dtype=torch.bool, device=device)
     present.view(-1, levels + 1).scatter_(1, (fill * real).view(-1, skel.block), True)  # fill 0: no real row
     present = present[..., 1:].float()  # [B, Q, n]: the fills of each block's real rows

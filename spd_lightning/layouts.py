@@ -89,9 +89,9 @@ class Replication:
     plan_fn: Callable[[int], TwoPartPlan]
     active: list[torch.Tensor]
     fill: list[torch.Tensor]
+    shape: ShapeMasks  # what every step of this shape shares (the flex block structure)
+    lengths: torch.Tensor  # [B] real tokens per sample
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    shape: ShapeMasks | None = None  # what every step of this shape shares (the flex block structure)
-    lengths: torch.Tensor | None = None  # [B] real tokens per sample
 
     def __post_init__(self):
         if self.loss_copy != 0:  # body(outputs=T) computes the FIRST T rows: the loss copy must be copy 0
@@ -120,10 +120,13 @@ class Replication:
         return self.plan_fn(self.seq_len if rows is None else rows)
 
     def attend(self, backend: Backend = "auto") -> Attend:
-        step = None
-        if self.shape is not None and self.lengths is not None:
-            step = StepRows(self.shape, self.lengths, torch.cat(self.fill, dim=1))
-        return make_attend(backend, self.mask_mod, self.plan_fn, self.batch, self.seq_len, self.device, step)
+        return make_attend(
+            backend, self.mask_mod, self.plan_fn, self.batch, self.seq_len, self.device, self.step_rows()
+        )
+
+    def step_rows(self) -> StepRows:
+        """What the flex block mask needs of this step (spd_lightning/block_sparsity.py)."""
+        return StepRows(self.shape, self.lengths, self.fill)
 
     def copy_slice(self, c: int) -> slice:
         return slice(c * self.length, (c + 1) * self.length)
@@ -217,7 +220,7 @@ class DepthLayout:
         fills = [fill[:, i + c] for c in range(n)] + [torch.full_like(fill[:, :T], n)]
         shape = self.shape_masks(T, device)
         return Replication(
-            B, T, self.copy_types, self.copy_depths, 0, mask_mod, plan, active, fills, device, shape, lengths
+            B, T, self.copy_types, self.copy_depths, 0, mask_mod, plan, active, fills, shape, lengths, device
         )
 
 
@@ -302,9 +305,9 @@ class TypeLayout:
             plan,
             [real] * m,
             fills,
-            device,
             shape,
             lengths,
+            device,
         )
 
 

@@ -165,21 +165,16 @@ class Fusion(nn.Module):
             nn.Linear(tau * cfg.target_hidden_size, cfg.hidden_size, bias=False) for tau in range(1, cfg.num_types + 1)
         )
 
-    def forward(self, states: torch.Tensor, types: int | tuple[int, ...] | torch.Tensor) -> torch.Tensor:
+    def forward(self, states: torch.Tensor, types: int | tuple[int, ...]) -> torch.Tensor:
         """`states[..., m, H]` holds a token's anchor states in anchor order (entries past its type are
-        ignored); `types` is one type for all tokens, a tensor of types shaped like `states[..., 0, 0]`, or a
-        host tuple of one type per position (`states[..., T, m, H]`): the decoder's, read without a device sync."""
+        ignored); `types` is one type for all tokens, or one type per position (`states[..., T, m, H]`) as a
+        host tuple: the types are the schedule's, known without reading the device."""
         if isinstance(types, int):
             return self._one(states, types)
         out = states.new_zeros(*states.shape[:-2], self.proj[0].out_features)
-        if isinstance(types, tuple):
-            for tau in sorted(set(types)):
-                at = [i for i, t in enumerate(types) if t == tau]
-                out[..., at, :] = self._one(states[..., at, :, :], tau)
-            return out
-        for tau in types.unique().tolist():
-            sel = types == tau
-            out[sel] = self._one(states[sel], tau)
+        for tau in sorted(set(types)):
+            at = [i for i, t in enumerate(types) if t == tau]
+            out[..., at, :] = self._one(states[..., at, :, :], tau)
         return out
 
     def _one(self, states: torch.Tensor, tau: int) -> torch.Tensor:
@@ -212,7 +207,7 @@ class PipelineDraftModule(nn.Module):
         self.register_buffer("d2t", draft_to_target(d2t, cfg.draft_vocab_size), persistent=True)
         self.apply(init_linear)
 
-    def fuse(self, states: torch.Tensor, types: int | tuple[int, ...] | torch.Tensor) -> torch.Tensor:
+    def fuse(self, states: torch.Tensor, types: int | tuple[int, ...]) -> torch.Tensor:
         return self.fusion(states, types)
 
     def body(
@@ -245,7 +240,11 @@ class PipelineDraftModule(nn.Module):
         return self.norm(x)
 
     def forward(
-        self, states: torch.Tensor, types: int | torch.Tensor, positions: torch.Tensor, attend: Attend = causal_attend
+        self,
+        states: torch.Tensor,
+        types: int | tuple[int, ...],
+        positions: torch.Tensor,
+        attend: Attend = causal_attend,
     ) -> torch.Tensor:
         """Draft logits over `V_d` at every position (the decoder reads the last one)."""
         return self.lm_head(self.body(self.fuse(states, types), positions, attend))

@@ -8,7 +8,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from spd_lightning import block_sparsity
-from spd_lightning.block_sparsity import StepRows, skeleton, step_block_mask
+from spd_lightning.block_sparsity import skeleton, step_block_mask
 from spd_lightning.geometry import Geometry
 from spd_lightning.layouts import build_layout
 
@@ -37,7 +37,7 @@ def test_the_cached_structure_covers_the_step_and_claims_only_full_blocks(layout
         rep = replication(layout_name, n, T, lengths, seed)
         R = rep.seq_len if rows == "all" else T
         exact = create_block_mask(rep.mask_mod, rep.batch, None, R, rep.seq_len, device="cpu", BLOCK_SIZE=BLOCK)
-        step = StepRows(rep.shape, rep.lengths, torch.cat(rep.fill, dim=1))
+        step = rep.step_rows()
         cached = step_block_mask(skeleton(rep.shape, R, rep.seq_len, rep.device, BLOCK), step, rep.mask_mod)
         exact_touched, exact_full = touched_and_full(exact)
         ours_touched, ours_full = touched_and_full(cached)

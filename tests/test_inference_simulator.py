@@ -86,7 +86,7 @@ def test_pdm_cache_computes_the_explicit_staircase(tiny_qwen35):
         view = geometry.view(t, fill)
         _, q = drafter.draft(view[-fill:], g)
         explicit = torch.stack([states[p] * (torch.arange(m) < geometry.type_of(d))[:, None] for d, p in view])[None]
-        types = torch.tensor([[geometry.type_of(d) for d, _ in view]])
+        types = tuple(geometry.type_of(d) for d, _ in view)
         with torch.no_grad():
             logits = pdm(explicit, types, torch.arange(t + 1)[None])[0, -1]
         assert torch.allclose(q, torch.softmax(logits, -1), atol=1e-5), (t, fill)

@@ -107,7 +107,7 @@ def explicit_logits(target: Target, pdm, geometry: Geometry, tokens: list[int], 
     with torch.no_grad():
         hidden = target.model(torch.tensor([tokens]), output_hidden_states=True).hidden_states
         states = torch.stack([hidden[b][0] for b in geometry.anchors], dim=1)  # [t + 1, m, H]
-        types = torch.tensor([[geometry.type_of(d) for d, _ in view_full]])
+        types = tuple(geometry.type_of(d) for d, _ in view_full)
         g = states[[i for _, i in view_full]][None]
         return pdm(g, types, torch.tensor([[i for _, i in view_full]]))[0, -1]
 
