@@ -26,7 +26,7 @@ def test_export_round_trip(tiny_target_dir, tmp_path):
     geometry = module.geometry
     gen = torch.Generator().manual_seed(0)
     states = torch.randn(2, 7, geometry.num_types, module.target.hidden_size, generator=gen)
-    types = torch.tensor([geometry.type_of(geometry.n)] * 5 + [geometry.type_of(1), geometry.type_of(0)]).expand(2, -1)
+    types = tuple([geometry.type_of(geometry.n)] * 5 + [geometry.type_of(1), geometry.type_of(0)])
     positions = torch.arange(7).expand(2, -1)
     with torch.no_grad():
         want = module.pdm.eval()(states, types, positions)
