@@ -30,10 +30,10 @@ import torch.distributed as dist
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 
-from inference.ar import target_eos
+from inference.cycle.ar import target_eos
+from inference.cycle.simulator import Simulator
 from inference.prompts import read_prompts
-from inference.simulator import Simulator
-from inference.verify import Sampling
+from inference.sampling import Sampling
 from spd_lightning.data.chat import render_prompt
 from spd_lightning.errors import ConfigError
 from spd_lightning.metrics import GroupedAgreement

@@ -1,31 +1,13 @@
-"""The SPD pipeline decoder (SPEC section 5): deployable without any training code.
+"""The SPD pipeline decoder: deployable without any training code (docs/DESIGN.md, "The decoder").
 
-Python entry points:
-    Simulator / simulate_decode   one process, every rank in sequence (staircase evaluation, benchmarks)
-    launch(DecodeJob)             n stage ranks + 1 PDM rank as local processes (gloo on CPU, NCCL on GPU)
-    ar_decode / ar_decode_stages  plain autoregressive decoding through the same stages (the reference)
-Command line: `python -m inference.decode --help`.
+Packages, each one concept, lower layers never importing higher ones:
+    sampling.py   sampling settings and the distributions they define (no other inference import)
+    runtime/      what runs on a device: the target's stages, the PDM drafter, KV caches, compiled steps
+    cycle/        one decode: the schedule, verification, messages, the runner, the simulator, AR
+    processes/    the n + 1 ranks: the job, the launcher, roles, nodes, reports, fault injection
+    chain/        EAGLE-3 chain decoding (the baseline), in one process
+    setup.py, backends.py   what a decode needs, and the in-process decoders behind decode, eval and serve
+    serving/      the OpenAI-compatible server on top of a backend
+    evaluation/   evaluation against AR, the reports, the deployment planner
+Command lines (thin, over `cli.py`): `python -m inference.decode | eval | serve | plan --help`.
 """
-
-from .ar import ar_decode, ar_decode_stages, target_eos
-from .drafter import PDMDrafter, ReplayDrafter
-from .launch import DecodeJob, LaunchError, Replay, launch
-from .result import DecodeResult
-from .simulator import Simulator, simulate_decode
-from .verify import Sampling
-
-__all__ = [
-    "ar_decode",
-    "ar_decode_stages",
-    "target_eos",
-    "PDMDrafter",
-    "ReplayDrafter",
-    "DecodeJob",
-    "LaunchError",
-    "Replay",
-    "launch",
-    "DecodeResult",
-    "Simulator",
-    "simulate_decode",
-    "Sampling",
-]

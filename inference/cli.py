@@ -1,4 +1,4 @@
-"""What the inference command lines share: arguments, checks, the decode setup, jobs, totals, the guarded `main`.
+"""What the inference command lines share: arguments, their checks, and the guarded `main`.
 
 `inference.decode`, `inference.eval` and `inference.plan` are thin: each adds its own arguments, runs, and
 prints. The error policy is `spd_lightning.errors`: a `UserError` (bad input) ends with one `error:` line on
@@ -12,37 +12,20 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from spd_lightning.eagle3_export import KIND as EAGLE3
-from spd_lightning.eagle3_export import Eagle3Spec, load_eagle3
-from spd_lightning.errors import UserError
-from spd_lightning.export import PDM_KIND, DrafterSpec, drafter_kind, read_drafter_spec
-from spd_lightning.geometry import MODES, Geometry
-from spd_lightning.target import Target, TargetInfo
-
-from .ar import target_eos
-from .launch import DecodeJob
-from .prompts import PromptError, load_tokenizer, render
-from .repetition import repeated_share
-from .result import DecodeResult
-from .schedule import eos_set
-from .stages import meta_target
-from .verify import Sampling
+from spd_lightning.errors import UsageError, UserError
+from spd_lightning.geometry import MODES
 
 if TYPE_CHECKING:  # transformers is imported lazily at run time
-    from transformers import PreTrainedTokenizerBase
+    pass
 
 log = logging.getLogger("inference")
-
-
-class UsageError(UserError):
-    """A bad command line."""
 
 
 DEFAULT_K = 7  # EAGLE-3's chain length
@@ -129,153 +112,6 @@ def check_decoder_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--device {args.device!r}: use cpu or cuda")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"--device {args.device} but CUDA is not available here: use --device cpu")
-
-
-@dataclass
-class Setup:
-    """What a decode needs before any weight is loaded: the drafter, mode, target, geometry, dtype, tokenizer, EOS."""
-
-    ckpt: str | None
-    spec: DrafterSpec | Eagle3Spec | None
-    mode: str
-    target_path: str
-    info: TargetInfo
-    skeleton: Target  # the target on the meta device: shapes and config, no weights
-    geometry: Geometry
-    dtype: str
-    tokenizer: PreTrainedTokenizerBase
-    eos: list[int]
-    trust_remote_code: bool = False
-    k: int | list[int] | None = None  # --mode eagle3: drafts per verify forward (a list in eval)
-
-
-def drafter_for_mode(ckpt: str | None, mode: str | None) -> tuple[DrafterSpec | Eagle3Spec | None, str]:
-    """The drafter's description and the mode to decode in (`mode`, or the drafter's own); one line when
-    the drafter's kind cannot run that mode."""
-    kind = drafter_kind(ckpt) if ckpt else None
-    if kind not in (None, PDM_KIND, EAGLE3):
-        raise UsageError(f"{ckpt!r} holds a {kind!r} drafter, which this build cannot decode: re-export it")
-    if kind == EAGLE3:
-        if mode not in (None, EAGLE3, "ar"):
-            raise UsageError(
-                f"--mode {mode} needs a PDM (SPD) drafter, but {ckpt!r} is an EAGLE-3 drafter: pass --mode "
-                f"{EAGLE3}, or a drafter trained with `fit --model.drafter pdm`"
-            )
-        return load_eagle3(ckpt)[1], mode or EAGLE3
-    spec = read_drafter_spec(ckpt)[0] if ckpt else None
-    if mode == EAGLE3 and spec is not None:
-        raise UsageError(
-            f"--mode {EAGLE3} needs an EAGLE-3 drafter, but {ckpt!r} is a PDM (SPD) drafter: pass --mode "
-            f"{spec.geometry.mode}, or a drafter trained with `fit --model.drafter {EAGLE3}`"
-        )
-    mode = mode or (spec.geometry.mode if spec else "ar")
-    if spec is None and mode != "ar":
-        raise UsageError(f"--mode {mode} needs a drafter: pass --ckpt (only --mode ar runs without one)")
-    return spec, mode
-
-
-def prepare(args: argparse.Namespace) -> Setup:
-    """Resolve the drafter, mode, target and geometry from `--ckpt --target --mode --device --dtype`."""
-    ckpt = None if args.ckpt in (None, "", "none") else args.ckpt
-    spec, mode = drafter_for_mode(ckpt, args.mode)
-    target_path = args.target or (spec.target.name_or_path if spec else None)
-    if not target_path:
-        raise UsageError("no target: pass --target DIR (required without --ckpt)")
-    trust = bool(getattr(args, "trust_remote_code", False))
-    skeleton = meta_target(target_path, trust_remote_code=trust)
-    target_path = skeleton.name_or_path  # a hub id resolved to its directory in the cache
-    info = skeleton.info
-    if spec is not None:
-        spec.check_target(info)
-    if not isinstance(spec, DrafterSpec):  # AR and chain decoding run the target as one stage
-        geometry = Geometry.build(info.num_layers, 1)
-    else:
-        geometry = spec.geometry if mode == "ar" else spec.geometry.with_mode(mode)
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device.startswith("cuda") else "float32")
-    eos = sorted(eos_set(target_eos(skeleton.config, _generation_config(target_path))))
-    k = getattr(args, "k", None) if mode == EAGLE3 else None
-    return Setup(
-        ckpt, spec, mode, target_path, info, skeleton, geometry, dtype, load_tokenizer(target_path), eos, trust, k
-    )
-
-
-def _generation_config(path: str):
-    from transformers import GenerationConfig
-
-    try:
-        return GenerationConfig.from_pretrained(path)
-    except OSError:
-        return None
-
-
-def encode_prompts(setup: Setup, texts: list[str], max_new_tokens: int) -> list[list[int]]:
-    """Render each prompt with the chat template; a prompt longer than the target's context is an error."""
-    prompts = [render(setup.tokenizer, t) for t in texts]
-    context = setup.info.max_position_embeddings
-    for text, ids in zip(texts, prompts):
-        if context and len(ids) >= context:
-            raise PromptError(f"the prompt {text[:40]!r} has {len(ids)} tokens; the target's context is {context}")
-        if context and len(ids) + max_new_tokens > context:
-            log.warning(
-                "%d prompt tokens + %d new tokens exceed the target's context of %d", len(ids), max_new_tokens, context
-            )
-    return prompts
-
-
-def decode_job(
-    setup: Setup, args: argparse.Namespace, prompts: list[list[int]], sampling: Sampling, profile: bool
-) -> DecodeJob:
-    """The distributed decoder's job for these prompts (`profile`: with per-cycle timing)."""
-    if setup.mode == EAGLE3:
-        raise UsageError(f"--mode {EAGLE3} decodes in one process, not on pipeline ranks: add --simulate")
-    info = setup.info
-    return DecodeJob(
-        setup.target_path,
-        setup.geometry.to_dict(),
-        prompts,
-        args.max_new_tokens,
-        setup.eos,
-        info.vocab_size,
-        info.hidden_size,
-        sampling.to_dict(),
-        drafter_path=setup.ckpt,
-        seed=args.seed,
-        dtype=setup.dtype,
-        device=args.device,
-        timeout_s=args.timeout,
-        debug=debugging(args),
-        profile=profile,
-        trust_remote_code=setup.trust_remote_code,
-        pdm_placement=getattr(args, "pdm_placement", "separate"),
-        compile=getattr(args, "compile", False),
-    )
-
-
-def decode_rate(results: Sequence[DecodeResult]) -> float | None:
-    """Pooled decode-phase tokens per second (the first token of each prompt comes from prefill)."""
-    seconds = sum(r.decode_s for r in results)
-    return sum(r.N - 1 for r in results) / seconds if seconds > 0 else None
-
-
-def totals(results: list[DecodeResult], references: list[DecodeResult] | None, n: int) -> dict:
-    """Pooled N, K, alpha, n*alpha, tokens/s and repeated 4-grams of the outputs; with AR `references`,
-    whether every output is identical to its reference and the wall-clock speedup."""
-    N, K = sum(r.N for r in results), sum(r.K for r in results)
-    alpha = N / K if K and results[0].mode != "ar" else None
-    out = {
-        "N": N,
-        "K": K,
-        "alpha": alpha,
-        "theoretical_speedup": n * alpha if alpha is not None else None,
-        "decode_tokens_per_s": decode_rate(results),
-        "repeated_4gram_share": repeated_share([r.tokens for r in results]),
-    }
-    if references is not None:
-        out["lossless"] = all(a.tokens == b.tokens for a, b in zip(results, references))
-        out["ar_decode_tokens_per_s"] = decode_rate(references)
-        if out["decode_tokens_per_s"] and out["ar_decode_tokens_per_s"]:
-            out["wall_clock_speedup"] = out["decode_tokens_per_s"] / out["ar_decode_tokens_per_s"]
-    return out
 
 
 @contextmanager

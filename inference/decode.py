@@ -24,27 +24,25 @@ totals. With `--stream` each prompt's text is printed as its tokens are verified
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 from collections.abc import Callable
 
+from inference import cli
+from inference.backends import Backend, make_backend
+from inference.cycle.result import DecodeResult
+from inference.evaluation import totals
+from inference.evaluation.repetition import repeated_share
+from inference.evaluation.tables import fmt
+from inference.processes.job import DecodeJob
+from inference.processes.launch import launch, run_rank
+from inference.prompts import read_prompts
+from inference.sampling import Sampling
+from inference.setup import Setup, decode_job, encode_prompts, prepare
+from inference.textstream import StreamPrinter
 from spd_lightning.eagle3_export import KIND as EAGLE3
-from spd_lightning.export import load_drafter
-from spd_lightning.target import Target
-
-from . import cli
-from .ar import ar_decode_stages
-from .chain import ChainDecoder
-from .launch import DecodeJob, launch, run_rank
-from .prompts import read_prompts
-from .repetition import repeated_share
-from .result import DecodeResult
-from .simulator import Simulator
-from .stages import Stage
-from .tables import fmt
-from .textstream import StreamPrinter
-from .verify import Sampling
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -77,9 +75,9 @@ def check_args(args: argparse.Namespace) -> Sampling:
 
 def run(args: argparse.Namespace) -> dict:
     sampling = check_args(args)
-    setup = cli.prepare(args)
+    setup = prepare(args)
     texts = read_prompts(args.prompt, args.prompts)
-    prompts = cli.encode_prompts(setup, texts, args.max_new_tokens)
+    prompts = encode_prompts(setup, texts, args.max_new_tokens)
     report = {
         "mode": setup.mode,
         "n": setup.geometry.n,
@@ -110,68 +108,52 @@ def run(args: argparse.Namespace) -> dict:
     report["prompts"] = [
         _prompt_entry(text, r, references[i] if references else None) for i, (text, r) in enumerate(zip(texts, results))
     ]
-    report["totals"] = cli.totals(results, references, setup.geometry.n)
+    report["totals"] = totals.totals(results, references, setup.geometry.n)
     return report
 
 
 def _decode(
-    setup: cli.Setup,
+    setup: Setup,
     args,
     prompts: list[list[int]],
     sampling: Sampling,
     stream: Callable[[int, list[int]], None] | None = None,
 ) -> list[DecodeResult] | None:
     """Every prompt's result; `stream(prompt index, tokens)` as tokens are verified."""
-    if setup.mode == "ar":
-        return _ar(setup, args, prompts, sampling, stream)
-    if setup.mode == EAGLE3:
-        return _eagle3(setup, args, prompts, sampling, stream)
-    if args.simulate:
-        target = Target.load(setup.target_path, setup.dtype, args.device, setup.trust_remote_code)
-        pdm, _ = load_drafter(setup.ckpt, map_location=args.device)
-        simulator = Simulator(
-            target, pdm.to(target.model.dtype), setup.geometry, sampling, profile=args.profile, compile=args.compile
+    if args.simulate or setup.mode in ("ar", EAGLE3):
+        return _in_process(
+            make_backend(setup, args.device, compile=args.compile, profile=args.profile),
+            args,
+            prompts,
+            sampling,
+            stream,
         )
-        return [
-            simulator.decode(ids, args.max_new_tokens, setup.eos, args.seed + i, _for_prompt(stream, i))
-            for i, ids in enumerate(prompts)
-        ]
-    job = cli.decode_job(setup, args, prompts, sampling, profile=args.profile)
+    job = decode_job(setup, args, prompts, sampling, profile=args.profile)
     job.stream = stream is not None
     return _distributed(job, stream)
+
+
+def _in_process(
+    backend: Backend,
+    args,
+    prompts: list[list[int]],
+    sampling: Sampling,
+    stream: Callable[[int, list[int]], None] | None = None,
+) -> list[DecodeResult]:
+    return [
+        backend.generate(ids, args.max_new_tokens, sampling, args.seed + i, _for_prompt(stream, i))
+        for i, ids in enumerate(prompts)
+    ]
 
 
 def _for_prompt(stream: Callable[[int, list[int]], None] | None, i: int) -> Callable[[list[int]], None] | None:
     return None if stream is None else (lambda tokens: stream(i, tokens))
 
 
-def _ar(
-    setup: cli.Setup,
-    args,
-    prompts: list[list[int]],
-    sampling: Sampling,
-    stream: Callable[[int, list[int]], None] | None = None,
-) -> list[DecodeResult]:
-    target = Target.load(setup.target_path, setup.dtype, args.device, setup.trust_remote_code)
-    stages = [Stage.from_target(target, setup.geometry, s) for s in range(1, setup.geometry.n + 1)]
-    return [
-        ar_decode_stages(stages, ids, args.max_new_tokens, sampling, setup.eos, args.seed + i, _for_prompt(stream, i))
-        for i, ids in enumerate(prompts)
-    ]
-
-
-def _eagle3(
-    setup: cli.Setup,
-    args,
-    prompts: list[list[int]],
-    sampling: Sampling,
-    stream: Callable[[int, list[int]], None] | None = None,
-) -> list[DecodeResult]:
-    decoder = ChainDecoder.load(setup.target_path, setup.ckpt, args.k, sampling, setup.dtype, args.device)
-    return [
-        decoder.decode(ids, args.max_new_tokens, setup.eos, args.seed + i, _for_prompt(stream, i)).to_decode_result()
-        for i, ids in enumerate(prompts)
-    ]
+def _ar(setup: Setup, args, prompts: list[list[int]], sampling: Sampling) -> list[DecodeResult]:
+    """The AR reference of `--check-lossless`, through the same stages."""
+    ar_setup = dataclasses.replace(setup, mode="ar")
+    return _in_process(make_backend(ar_setup, args.device), args, prompts, sampling)
 
 
 def _distributed(job: DecodeJob, stream: Callable[[int, list[int]], None] | None = None) -> list[DecodeResult] | None:

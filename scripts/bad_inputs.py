@@ -352,9 +352,9 @@ def cli_main(cli: str):
     if cli == "decode":
         from inference.decode import main
     elif cli == "eval":
-        from inference.eval import main
+        from inference.evaluation.run import main
     elif cli == "plan":
-        from inference.plan import main
+        from inference.evaluation.plan import main
     elif cli in ("fit", "export"):
         from spd_lightning.cli import main as spd_main
 

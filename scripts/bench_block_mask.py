@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from inference.tables import fmt, markdown_table  # noqa: E402
+from inference.evaluation.tables import fmt, markdown_table  # noqa: E402
 from spd_lightning import block_sparsity  # noqa: E402
 from spd_lightning.geometry import Geometry  # noqa: E402
 from spd_lightning.layouts import build_layout  # noqa: E402

@@ -36,12 +36,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from inference.ar import ar_decode, target_eos  # noqa: E402
-from inference.launch import DecodeJob, Replay, launch  # noqa: E402
+from inference.cycle.ar import ar_decode, target_eos  # noqa: E402
+from inference.cycle.schedule import eos_set  # noqa: E402
+from inference.cycle.verify import Sampling  # noqa: E402
+from inference.evaluation.tables import fmt, markdown_table, pyplot, save  # noqa: E402
+from inference.processes.job import DecodeJob, Replay
+from inference.processes.launch import launch  # noqa: E402
 from inference.prompts import load_tokenizer, read_prompts, render  # noqa: E402
-from inference.schedule import eos_set  # noqa: E402
-from inference.tables import fmt, markdown_table, pyplot, save  # noqa: E402
-from inference.verify import Sampling  # noqa: E402
 from spd_lightning.export import (  # noqa: E402
     DrafterSpec,
     read_drafter_spec,  # noqa: E402

@@ -16,7 +16,7 @@ PDM (`L_s` layers of the target's width, the geometry's anchor types, `--draft-v
 full pipeline's draft at the largest n (fill n; the planner's draft cost does not depend on n), and the simulator (one layer per stage, eager, timing on) gives the time
 per cycle that is neither a stage nor the draft. Device times are CUDA events (medians); on the CPU
 `perf_counter`. `weights_ms` is a stage's weight bytes / `--hbm-tbps`: a batch-1 decode step cannot beat
-it. The planner (`inference.plan.CostModel`) turns the numbers into predicted speedups for `--alpha`
+it. The planner (`inference.evaluation.plan.CostModel`) turns the numbers into predicted speedups for `--alpha`
 (default: the paper's 4B alphas, SPEC 9).
 
 Output: one JSON (`--json`) and a markdown table (stdout, and `--md`).
@@ -38,12 +38,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from inference.drafter import PDMDrafter  # noqa: E402
-from inference.plan import CostModel, parse_alpha, plan  # noqa: E402
-from inference.simulator import Simulator  # noqa: E402
-from inference.stages import Stage  # noqa: E402
-from inference.tables import fmt, markdown_table  # noqa: E402
-from inference.verify import Sampling  # noqa: E402
+from inference.cycle.simulator import Simulator  # noqa: E402
+from inference.cycle.verify import Sampling  # noqa: E402
+from inference.evaluation.plan import CostModel, parse_alpha, plan  # noqa: E402
+from inference.evaluation.tables import fmt, markdown_table  # noqa: E402
+from inference.runtime.drafter import PDMDrafter  # noqa: E402
+from inference.runtime.stages import Stage  # noqa: E402
 from spd_lightning.archs import load_arch  # noqa: E402
 from spd_lightning.geometry import Geometry  # noqa: E402
 from spd_lightning.pdm import PDMConfig, PipelineDraftModule  # noqa: E402

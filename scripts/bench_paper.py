@@ -33,8 +33,8 @@ from typing import NamedTuple
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from inference.cli import run_guarded  # noqa: E402
-from inference.repetition import repeated_kgrams  # noqa: E402
-from inference.tables import fmt, grouped_bars, markdown_table, pyplot, save  # noqa: E402
+from inference.evaluation.repetition import repeated_kgrams  # noqa: E402
+from inference.evaluation.tables import fmt, grouped_bars, markdown_table, pyplot, save  # noqa: E402
 from spd_lightning.errors import UserError  # noqa: E402
 from spd_lightning.geometry import MODES  # noqa: E402
 

@@ -37,11 +37,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/bench_
 from bench_block_mask import markdown as block_mask_markdown  # noqa: E402
 from bench_block_mask import measure as block_mask_row  # noqa: E402
 
-from inference.ar import ar_decode  # noqa: E402
-from inference.drafter import PDMDrafter  # noqa: E402
-from inference.simulator import simulate_decode  # noqa: E402
-from inference.stages import Stage  # noqa: E402
-from inference.verify import Sampling  # noqa: E402
+from inference.cycle.ar import ar_decode  # noqa: E402
+from inference.cycle.simulator import simulate_decode  # noqa: E402
+from inference.cycle.verify import Sampling  # noqa: E402
+from inference.runtime.drafter import PDMDrafter  # noqa: E402
+from inference.runtime.stages import Stage  # noqa: E402
 from spd_lightning.estimate import Shape, estimate, target_config  # noqa: E402
 from spd_lightning.geometry import Geometry  # noqa: E402
 from spd_lightning.module import SPDModule  # noqa: E402

@@ -16,3 +16,13 @@ class UserError(ValueError):
 
 class ConfigError(UserError):
     """A setting that cannot work (a config value, a command-line flag); the message names it and the fix."""
+
+
+class UsageError(UserError):
+    """A bad command line: a flag that is missing, out of range, or does not fit the others."""
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message, or its type's name when the message is empty (never raises)."""
+    lines = str(error).splitlines()
+    return lines[0] if lines and lines[0].strip() else type(error).__name__

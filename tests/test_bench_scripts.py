@@ -192,7 +192,7 @@ def test_sharegpt_heldout_skips_the_training_records(tmp_path):
 
 def test_repetition_counts_repeated_4grams(micro_target, tmp_path):
     sys.path.insert(0, os.path.join(REPO, "scripts"))
-    from inference.repetition import repeated_kgrams
+    from inference.evaluation.repetition import repeated_kgrams
 
     assert repeated_kgrams([1, 2, 3, 4, 1, 2, 3, 4, 1, 2]) == (3, 7)  # 1234 2341 3412 4123, then 3 repeats
     assert repeated_kgrams([1, 2, 3, 4, 5, 6]) == (0, 3) and repeated_kgrams([1, 2]) == (0, 0)

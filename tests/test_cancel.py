@@ -6,9 +6,9 @@ import pytest
 from conftest import make_tiny_model
 from test_inference_support import one_thread, random_pdm, save_random_drafter, target_dir  # noqa: F401
 
-from inference.ar import ar_decode
-from inference.drafter import ReplayDrafter
-from inference.simulator import Simulator
+from inference.cycle.ar import ar_decode
+from inference.cycle.simulator import Simulator
+from inference.runtime.drafter import ReplayDrafter
 from spd_lightning.geometry import Geometry
 
 PROMPT, OTHER = [3, 14, 15, 92, 65, 35], [7, 7, 8]
@@ -59,10 +59,10 @@ def test_a_stop_ends_the_simulated_decode_at_the_next_verdict(tiny_qwen35, polic
 def test_the_rank_backend_cancels_inside_the_ranks_and_serves_on(tmp_path_factory, tmp_path):
     """The engine's `on_tokens` raises (the client is gone): the ranks stop within n - 1 cycles of reading the
     cancel, long before the request's end, and the next requests decode exactly as a fresh simulator does."""
-    from inference.launch import DecodeJob
-    from inference.server_engine import Cancelled
-    from inference.server_ranks import RankBackend
-    from inference.verify import Sampling
+    from inference.processes.job import DecodeJob
+    from inference.sampling import Sampling
+    from inference.serving.engine import Cancelled
+    from inference.serving.ranks import RankBackend
     from spd_lightning.export import load_drafter
 
     path, target = target_dir(tmp_path_factory, "qwen3_5", make_tiny_model)

@@ -8,7 +8,7 @@ import torch
 from conftest import make_tiny_model
 from test_inference_support import one_thread, random_pdm  # noqa: F401 - one_thread is an autouse fixture
 
-from inference.simulator import Simulator
+from inference.cycle.simulator import Simulator
 from spd_lightning.geometry import Geometry
 from spd_lightning.target import Target
 
@@ -73,7 +73,7 @@ def test_the_compile_flag_is_a_decoder_argument():
 
 
 def test_a_step_that_cannot_be_captured_runs_eagerly(caplog):
-    from inference.capture import CompiledStep
+    from inference.runtime.capture import CompiledStep
 
     def host_read(x):  # a host read inside the step: no single graph
         return x * len([v for v in x.tolist() if v > 0])
@@ -91,9 +91,9 @@ def test_the_ranks_compile_what_the_job_asks_for(tmp_path, monkeypatch, placemen
     processes. Building a role compiles nothing yet: graphs are captured at the first decode step."""
     from test_inference_support import save_random_drafter, save_target
 
-    from inference import roles
-    from inference.capture import CompiledStep
-    from inference.launch import DecodeJob
+    from inference.processes import roles
+    from inference.processes.job import DecodeJob
+    from inference.runtime.capture import CompiledStep
 
     drafter_compile = []
     monkeypatch.setattr(roles, "PDMDrafter", lambda *a, compile=False, **kw: drafter_compile.append(compile))
@@ -131,9 +131,10 @@ def compiled_ranks_equal_eager(arch, tmp_path):
     equals eager ranks (tests/test_inference_distributed.py) and AR."""
     from test_inference_support import save_random_drafter, save_target
 
-    from inference.ar import ar_decode
-    from inference.launch import DecodeJob, launch
-    from inference.verify import Sampling
+    from inference.cycle.ar import ar_decode
+    from inference.processes.job import DecodeJob
+    from inference.processes.launch import launch
+    from inference.sampling import Sampling
     from spd_lightning.export import load_drafter
 
     target = Target(make_tiny_model(arch, num_layers=2), arch)

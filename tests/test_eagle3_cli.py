@@ -11,8 +11,8 @@ from conftest import REPO, fit_args, make_tiny_model
 from test_inference_support import one_thread, save_random_drafter, target_dir  # noqa: F401 - autouse fixture
 
 from inference import decode as spd_decode
-from inference import eval as spd_eval
-from inference import plan as spd_plan
+from inference.evaluation import plan as spd_plan
+from inference.evaluation import run as spd_eval
 from spd_lightning import cli
 from spd_lightning.eagle3 import Eagle3Config, Eagle3Drafter, eagle_feature_layers
 from spd_lightning.eagle3_export import Eagle3Spec, save_eagle3
@@ -176,7 +176,7 @@ def test_serve_greedy_is_decode(exported, tmp_path):
     """`inference.serve --mode eagle3 --simulate`: the in-process chain backend answers what decode prints."""
     from fastapi.testclient import TestClient
 
-    from inference import serve
+    from inference.serving import server as serve
 
     prompt = "Tell me about dogs."
     common = ["--ckpt", exported, "--mode", "eagle3", "--k", "2", "--max-new-tokens", "10"]
@@ -225,12 +225,13 @@ def test_a_pdm_config_becomes_an_eagle3_config(tmp_path, capsys):
 
 def test_serve_runs_eagle3_in_its_own_process_without_simulate(files):
     """EAGLE-3 is a one-GPU method: the server decodes it in process, never on pipeline ranks."""
-    from inference import cli, serve
-    from inference.server_engine import InProcessBackend
+    from inference.backends import ChainBackend
+    from inference.serving import server as serve
+    from inference.setup import prepare
 
     args = serve.parse_args(["--ckpt", files["eagle3"], "--mode", "eagle3", "--k", "2", "--port", "1"])
-    backend = serve.make_backend(cli.prepare(args), args)
-    assert isinstance(backend, InProcessBackend)
+    backend = serve.make_backend(prepare(args), args)
+    assert isinstance(backend, ChainBackend)
 
 
 def test_eval_and_plan_of_an_eagle3_drafter_alone(files, tmp_path, capsys):

@@ -11,11 +11,11 @@ import torch
 from conftest import make_tiny_model
 from test_inference_support import one_thread  # noqa: F401 - one_thread is an autouse fixture
 
-from inference.ar import ar_decode
-from inference.chain import ChainResult, chain_decode
-from inference.chain_target import ChainTarget
-from inference.eagle3_runtime import Draft, Eagle3Runtime
-from inference.verify import Sampling
+from inference.chain.decoder import ChainResult, chain_decode
+from inference.chain.drafter import Draft, Eagle3Runtime
+from inference.chain.target import ChainTarget
+from inference.cycle.ar import ar_decode
+from inference.sampling import Sampling
 from spd_lightning.eagle3 import Eagle3Config, Eagle3Drafter, eagle_feature_layers
 from spd_lightning.eagle3_ttt import ttt_outputs, ttt_step_losses, ttt_total
 from spd_lightning.target import Target
@@ -275,7 +275,7 @@ def greedy_without_cache(target: Target, prompt, new: int) -> list[int]:
 
 
 def test_decoder_from_exported_files_is_ar(family, tmp_path):
-    from inference.chain import ChainDecoder
+    from inference.chain.decoder import ChainDecoder
     from spd_lightning.eagle3_export import Eagle3Spec, save_eagle3
     from spd_lightning.export import DrafterLoadError
 

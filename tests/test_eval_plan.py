@@ -8,8 +8,8 @@ import torch
 from conftest import make_tiny_model
 from test_inference_support import one_thread, save_random_drafter, target_dir  # noqa: F401 - autouse fixture
 
-from inference import eval as spd_eval
-from inference import plan as spd_plan
+from inference.evaluation import plan as spd_plan
+from inference.evaluation import run as spd_eval
 from spd_lightning.geometry import Geometry
 
 pytestmark = pytest.mark.timeout(120)

@@ -19,9 +19,10 @@ import pytest
 from conftest import make_tiny_model
 from test_inference_support import env_without_threads, one_thread, target_dir  # noqa: F401 - autouse fixture
 
-from inference.ar import ar_decode
-from inference.launch import DecodeJob, Failed, LaunchError, failure_message, launch
-from inference.verify import Sampling
+from inference.cycle.ar import ar_decode
+from inference.processes.job import DecodeJob
+from inference.processes.launch import Failed, LaunchError, failure_message, launch
+from inference.sampling import Sampling
 from spd_lightning.geometry import Geometry
 
 pytestmark = pytest.mark.timeout(180)
@@ -142,7 +143,8 @@ def test_a_stalled_stage_right_after_a_rejection(qwen3):
 
 LAUNCHER = """
 import json, sys
-from inference.launch import DecodeJob, launch
+from inference.processes.job import DecodeJob
+from inference.processes.launch import launch
 pids = {}
 def decoding(index, result):
     if index == 0:  # decoding is under way: tell the test which processes to watch

@@ -14,13 +14,14 @@ import torch
 from test_compiled_decode import forbid_device_sync
 from test_inference_support import one_thread, random_pdm  # noqa: F401 - one_thread is an autouse fixture
 
-from inference.ar import ar_decode
-from inference.drafter import ReplayDrafter
-from inference.pipeline import PipelineRunner
-from inference.simulator import Simulator
-from inference.stages import Stage
-from inference.transport import Arrival, LocalTransport, Transport
-from inference.verify import Sampling, Verifier
+from inference.cycle.ar import ar_decode
+from inference.cycle.pipeline import PipelineRunner
+from inference.cycle.simulator import Simulator
+from inference.cycle.transport import Arrival, LocalTransport, Transport
+from inference.cycle.verify import Verifier
+from inference.runtime.drafter import ReplayDrafter
+from inference.runtime.stages import Stage
+from inference.sampling import Sampling
 
 PROMPT = [3, 14, 15, 92, 65, 35]
 READS = ("item", "tolist", "__int__", "__bool__", "__float__", "__index__")

@@ -5,7 +5,7 @@ from conftest import make_tiny_model
 from test_inference_support import one_thread, random_pdm, save_target  # noqa: F401 - autouse fixture
 
 from inference.decode import main
-from inference.stages import meta_target, resolve_target
+from inference.runtime.stages import meta_target, resolve_target
 from spd_lightning.export import DrafterSpec, save_drafter
 from spd_lightning.geometry import Geometry
 from spd_lightning.target import Target, TargetError

@@ -13,12 +13,13 @@ from conftest import make_tiny_model
 from test_inference_support import one_thread, random_pdm, save_target, target_dir  # noqa: F401 - autouse fixture
 
 from inference import cli
+from inference.cycle.profiler import Profiler
+from inference.cycle.result import COMPUTE, TIMING_FIELDS, WALL
 from inference.decode import main
-from inference.launch import DecodeJob, TooFewDevices, launch
-from inference.profiler import Profiler
+from inference.evaluation.repetition import repeated_kgrams, repeated_share
+from inference.processes.job import DecodeJob
+from inference.processes.launch import TooFewDevices, launch
 from inference.prompts import PromptError
-from inference.repetition import repeated_kgrams, repeated_share
-from inference.result import COMPUTE, TIMING_FIELDS, WALL
 from spd_lightning.export import CKPT_KEY, DrafterLoadError, DrafterSpec, load_drafter, read_drafter_spec, save_drafter
 from spd_lightning.geometry import MODES, Geometry, GeometryError
 

@@ -14,11 +14,12 @@ import pytest
 from conftest import make_tiny_model
 from test_inference_support import one_thread, save_random_drafter, target_dir  # noqa: F401 - autouse fixture
 
-from inference.ar import ar_decode
-from inference.drafter import ReplayDrafter
-from inference.launch import DecodeJob, LaunchError, launch
-from inference.simulator import Simulator
-from inference.verify import Sampling
+from inference.cycle.ar import ar_decode
+from inference.cycle.simulator import Simulator
+from inference.processes.job import DecodeJob
+from inference.processes.launch import LaunchError, launch
+from inference.runtime.drafter import ReplayDrafter
+from inference.sampling import Sampling
 from spd_lightning.errors import UserError
 from spd_lightning.export import load_drafter
 from spd_lightning.geometry import Geometry

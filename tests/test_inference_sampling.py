@@ -14,8 +14,8 @@ from conftest import make_tiny_model
 from scipy.stats import chisquare
 from test_inference_support import one_thread, random_pdm  # noqa: F401 - one_thread is an autouse fixture
 
-from inference.simulator import Simulator
-from inference.verify import Sampling, warp
+from inference.cycle.simulator import Simulator
+from inference.sampling import Sampling, warp
 from spd_lightning.geometry import Geometry
 from spd_lightning.target import Target
 

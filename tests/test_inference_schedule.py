@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 
-from inference.schedule import PipelineSchedule, Steps, Verdict, eos_set
+from inference.cycle.schedule import PipelineSchedule, Steps, Verdict, eos_set
 from spd_lightning.geometry import Geometry
 
 

@@ -7,12 +7,12 @@ import pytest
 import torch
 from test_inference_support import one_thread, random_pdm  # noqa: F401 - one_thread is an autouse fixture
 
-from inference.ar import ar_decode
-from inference.drafter import PDMDrafter, ReplayDrafter
-from inference.result import DecodeResult
-from inference.schedule import PipelineSchedule, Verdict
-from inference.simulator import Simulator, simulate_decode
-from inference.verify import Sampling
+from inference.cycle.ar import ar_decode
+from inference.cycle.result import DecodeResult
+from inference.cycle.schedule import PipelineSchedule, Verdict
+from inference.cycle.simulator import Simulator, simulate_decode
+from inference.runtime.drafter import PDMDrafter, ReplayDrafter
+from inference.sampling import Sampling
 from spd_lightning.geometry import Geometry
 from spd_lightning.pdm import PDMConfig, PipelineDraftModule
 

@@ -5,7 +5,7 @@ import torch
 from conftest import make_tiny_model
 from test_inference_support import hf_logits, one_thread, save_target  # noqa: F401 - one_thread is an autouse fixture
 
-from inference.stages import Stage, load_pieces
+from inference.runtime.stages import Stage, load_pieces
 from spd_lightning.geometry import Geometry
 from spd_lightning.target import Target, TargetError
 

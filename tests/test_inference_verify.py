@@ -4,17 +4,9 @@ import pytest
 import torch
 from test_sampling_power import chisquare_pvalues
 
-from inference.schedule import Verdict
-from inference.verify import (
-    Sampling,
-    SamplingError,
-    Verifier,
-    acceptance_probability,
-    draft_distribution,
-    judge,
-    residual,
-    warp,
-)
+from inference.cycle.schedule import Verdict
+from inference.cycle.verify import Verifier, acceptance_probability, judge, residual
+from inference.sampling import Sampling, SamplingError, draft_distribution, warp
 
 
 def random_dist(V, seed, zero_frac=0.0):

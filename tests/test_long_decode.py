@@ -25,9 +25,9 @@ import pytest
 import torch
 from test_inference_support import one_thread, random_pdm  # noqa: F401 - one_thread is an autouse fixture
 
-from inference.ar import ar_decode
-from inference.simulator import Simulator
-from inference.verify import Sampling
+from inference.cycle.ar import ar_decode
+from inference.cycle.simulator import Simulator
+from inference.sampling import Sampling
 from spd_lightning.geometry import Geometry
 
 PER_CYCLE_BOUND = {"objects": 0.01, "tensors": 0.01, "tensor_bytes": 1.0, "rss_bytes": 4096.0}

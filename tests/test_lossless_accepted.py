@@ -21,10 +21,10 @@ import torch
 from conftest import make_tiny_model
 from test_inference_support import one_thread  # noqa: F401 - one_thread is an autouse fixture
 
-from inference.ar import ar_decode
-from inference.drafter import PDMDrafter
-from inference.simulator import Simulator
-from inference.verify import Sampling, warp
+from inference.cycle.ar import ar_decode
+from inference.cycle.simulator import Simulator
+from inference.runtime.drafter import PDMDrafter
+from inference.sampling import Sampling, warp
 from spd_lightning.geometry import Geometry
 from spd_lightning.pdm import PDMConfig, PipelineDraftModule
 from spd_lightning.target import Target

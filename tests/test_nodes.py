@@ -11,10 +11,10 @@ from multiprocessing.connection import Client
 import pytest
 from test_serve import free_port
 
-from inference import serve
 from inference.cli import UsageError
-from inference.launch import DecodeJob, Failed, NodesMismatch, Started, Streamed, _check_world_size
-from inference.nodes import (
+from inference.processes.job import DecodeJob
+from inference.processes.launch import Failed, NodesMismatch, Started, Streamed, _check_world_size
+from inference.processes.nodes import (
     Nodes,
     NodeZeroUnreachable,
     ReportListener,
@@ -23,6 +23,7 @@ from inference.nodes import (
     agent_rendezvous,
     join_pipeline,
 )
+from inference.serving import server as serve
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -116,7 +117,7 @@ def test_a_verifier_on_another_node_sees_the_servers_cancels_and_reports_back():
     included); its cancel report comes back into the server's `Requests`."""
     import multiprocessing as mp
 
-    from inference.server_ranks import CancelReport, Requests
+    from inference.serving.ranks import CancelReport, Requests
 
     port = free_port()
     requests = Requests(mp.get_context("spawn"))

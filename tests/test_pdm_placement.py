@@ -8,12 +8,13 @@ import torch
 from conftest import make_tiny_model
 from test_inference_support import one_thread, save_random_drafter, target_dir  # noqa: F401 - autouse fixture
 
-from inference import shared_stream
-from inference.launch import DecodeJob, launch
-from inference.result import COMPUTE, TIMING_FIELDS, summarize_timing
-from inference.shared_stream import SideStreamDrafter, draft_stream, use_stream
-from inference.simulator import Simulator
-from inference.verify import Sampling
+from inference.cycle.result import COMPUTE, TIMING_FIELDS, summarize_timing
+from inference.cycle.simulator import Simulator
+from inference.processes.job import DecodeJob
+from inference.processes.launch import launch
+from inference.runtime import shared_stream
+from inference.runtime.shared_stream import SideStreamDrafter, draft_stream, use_stream
+from inference.sampling import Sampling
 from spd_lightning.export import load_drafter
 from spd_lightning.geometry import Geometry
 

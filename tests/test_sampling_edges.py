@@ -7,10 +7,10 @@ import pytest
 import torch
 from test_inference_support import one_thread, random_pdm  # noqa: F401 - one_thread is an autouse fixture
 
-from inference.ar import ar_decode
-from inference.drafter import ReplayDrafter
-from inference.simulator import Simulator
-from inference.verify import Sampling, SamplingError, sample_token, warp
+from inference.cycle.ar import ar_decode
+from inference.cycle.simulator import Simulator
+from inference.runtime.drafter import ReplayDrafter
+from inference.sampling import Sampling, SamplingError, sample_token, warp
 from spd_lightning.errors import UserError
 from spd_lightning.geometry import Geometry
 

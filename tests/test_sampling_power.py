@@ -45,8 +45,8 @@ from scipy.optimize import brentq
 from scipy.stats import chi2, ncx2
 from test_inference_support import one_thread  # noqa: F401 - one_thread is an autouse fixture
 
-from inference.simulator import Simulator
-from inference.verify import Sampling, warp
+from inference.cycle.simulator import Simulator
+from inference.sampling import Sampling, warp
 from spd_lightning.geometry import Geometry
 from spd_lightning.pdm import PDMConfig, PipelineDraftModule
 from spd_lightning.target import Target

@@ -8,9 +8,9 @@ import time
 import httpx
 import pytest
 
-from inference.result import DecodeResult
-from inference.server_app import ServerConfig, build_app
-from inference.server_engine import Engine
+from inference.cycle.result import DecodeResult
+from inference.serving.app import ServerConfig, build_app
+from inference.serving.engine import Engine
 
 pytestmark = pytest.mark.timeout(60)
 TOKEN_S = 0.05

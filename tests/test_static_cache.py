@@ -5,10 +5,10 @@ import pytest
 import torch
 from test_inference_support import one_thread, random_pdm  # noqa: F401 - one_thread is an autouse fixture
 
-import inference.cache
-from inference.ar import ar_decode
-from inference.simulator import Simulator
-from inference.stages import Stage
+import inference.runtime.cache
+from inference.cycle.ar import ar_decode
+from inference.cycle.simulator import Simulator
+from inference.runtime.stages import Stage
 from spd_lightning.geometry import Geometry
 
 

@@ -20,11 +20,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from inference.runtime.cache import StageCache
+from inference.runtime.capture import CompiledStep
 from spd_lightning.geometry import Geometry
 from spd_lightning.target import Target, TargetError, resolve_dtype
-
-from .cache import StageCache
-from .capture import CompiledStep
 
 # Checkpoint key prefixes of the text model: causal-LM checkpoints use `model.`, the Qwen3.5
 # conditional-generation checkpoints `model.language_model.`.

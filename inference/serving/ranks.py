@@ -30,11 +30,12 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .launch import DecodeJob, launch, start_method
-from .result import DecodeResult
-from .roles import Loaded, build_runner, load_role
-from .server_engine import BackendFailure
-from .verify import Sampling
+from inference.backends import BackendFailure
+from inference.cycle.result import DecodeResult
+from inference.processes.job import DecodeJob
+from inference.processes.launch import launch, start_method
+from inference.processes.roles import Loaded, build_runner, load_role
+from inference.sampling import Sampling
 
 log = logging.getLogger(__name__)
 IDLE_TICK_S = 1.0
@@ -158,6 +159,7 @@ class RankBackend:
                 on_start=lambda rank, pid: self.pids.__setitem__(rank, pid),
                 on_tokens=lambda i, tokens: self._events.put(("tokens", i, tokens)),
                 requests=self.requests,
+                work=serve_requests,
             )
             self.failure = "the pipeline stopped"
         except Exception as e:  # noqa: BLE001 - LaunchError names the rank; anything else is reported as is

@@ -27,16 +27,16 @@ from typing import Protocol
 
 import torch
 
+from inference.chain.drafter import Draft, Eagle3Runtime
+from inference.chain.target import ChainTarget
+from inference.cycle.pipeline import stream_seeds
+from inference.cycle.result import DecodeResult
+from inference.cycle.schedule import eos_set
+from inference.cycle.verify import judge
+from inference.runtime.stages import meta_target
+from inference.sampling import Sampling, draft_distribution, sample_token, warp
 from spd_lightning.eagle3_export import Eagle3Spec, load_eagle3
 from spd_lightning.target import Target
-
-from .chain_target import ChainTarget
-from .eagle3_runtime import Draft, Eagle3Runtime
-from .pipeline import stream_seeds
-from .result import DecodeResult
-from .schedule import eos_set
-from .stages import meta_target
-from .verify import Sampling, draft_distribution, judge, sample_token, warp
 
 
 class ChainDrafter(Protocol):

@@ -23,10 +23,9 @@ from collections.abc import Sequence
 
 import torch
 
+from inference.runtime.cache import StageCache
+from inference.runtime.stages import TargetPieces, load_pieces
 from spd_lightning.target import Target
-
-from .cache import StageCache
-from .stages import TargetPieces, load_pieces
 
 
 class ChainTarget:
@@ -53,7 +52,7 @@ class ChainTarget:
     def load(
         cls, path: str, feature_layers: Sequence[int], max_block: int, dtype="float32", device="cpu"
     ) -> ChainTarget:
-        from .stages import meta_target
+        from inference.runtime.stages import meta_target
 
         num_layers = meta_target(path).num_layers
         return cls(load_pieces(path, range(num_layers), True, True, dtype, device), feature_layers, max_block)

@@ -18,12 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from inference.chain.decoder import ChainDecoder
+from inference.cycle.result import DecodeResult
+from inference.sampling import Sampling
 from spd_lightning.target import Target
-
-from . import cli
-from .chain import ChainDecoder
-from .result import DecodeResult
-from .verify import Sampling
 
 
 class Eagle3Decoders:
@@ -64,7 +62,7 @@ def summarize(k: int, results: list[DecodeResult], ar: list[DecodeResult]) -> di
     t_step = draft_s / steps if steps else None
     t_verify = verify_s / K if K else None
     r_ratio = t_step / t_verify if t_step is not None and t_verify else None
-    ar_tps, tps = cli.decode_rate(ar), cli.decode_rate(results)
+    ar_tps, tps = totals.decode_rate(ar), totals.decode_rate(results)
     return {
         "method": "eagle3",
         "k": k,

@@ -6,9 +6,8 @@ verified tokens, as the decoder's per-cycle hook delivers them, through a `TextS
 the request's event queue on the server's event loop. A request whose client has gone is cancelled at
 the next cycle: the hook raises `Cancelled`, which ends that decode.
 
-Backends (the decoder behind the engine): `InProcessBackend` runs the simulator (SPD modes), AR through
-the same stages, or chain decoding with an EAGLE-3 drafter (`--mode eagle3`, `--k` drafts per verify
-forward, inference/chain.py), in this process, with the target and the drafter loaded once.
+The backend (the decoder behind the engine) is one of `inference.backends` in this process, or the
+persistent ranks of `inference.serving.ranks`.
 """
 
 from __future__ import annotations
@@ -18,25 +17,15 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
-from spd_lightning.eagle3_export import KIND as EAGLE3
-from spd_lightning.export import load_drafter
-from spd_lightning.target import Target
-
-from .ar import ar_decode_stages
-from .chain import ChainDecoder
-from .cli import Setup
-from .result import DecodeResult
-from .simulator import Simulator
-from .stages import Stage
-from .textstream import TextStream
-from .verify import Sampling
+from inference.backends import Backend
+from inference.cycle.result import DecodeResult
+from inference.sampling import Sampling
+from inference.textstream import TextStream
 
 log = logging.getLogger(__name__)
-SIMULATORS_KEPT = 4  # one simulator per sampling setting seen recently (they share the target's weights)
 
 
 class Cancelled(Exception):
@@ -49,63 +38,6 @@ class StopString(Exception):
 
 class QueueFull(Exception):
     """Every place in the FIFO is taken."""
-
-
-class BackendFailure(Exception):
-    """The decoder failed for a reason that is not the request's (e.g. a rank died); HTTP 503."""
-
-
-class Backend(Protocol):
-    def generate(
-        self,
-        prompt_ids: Sequence[int],
-        max_new_tokens: int,
-        sampling: Sampling,
-        seed: int,
-        on_tokens: Callable[[list[int]], None],
-    ) -> DecodeResult: ...
-
-    def close(self) -> None: ...
-
-
-class InProcessBackend:
-    """The simulator (SPD modes), AR through the same stages, or EAGLE-3 chain decoding, in this process;
-    weights loaded once."""
-
-    def __init__(self, setup: Setup, device: str = "cpu"):
-        self.setup = setup
-        self.target = Target.load(setup.target_path, setup.dtype, device, setup.trust_remote_code)
-        self.pdm = self.chain = None
-        if setup.mode == EAGLE3:
-            self.chain = ChainDecoder.on_target(self.target, setup.ckpt, setup.k)
-        elif setup.mode != "ar":
-            pdm, _ = load_drafter(setup.ckpt, map_location=device)
-            self.pdm = pdm.to(self.target.model.dtype)
-        self.stages = [Stage.from_target(self.target, setup.geometry, s) for s in range(1, setup.geometry.n + 1)]
-        self._simulators: dict[Sampling, Simulator] = {}
-
-    def generate(self, prompt_ids, max_new_tokens, sampling, seed, on_tokens) -> DecodeResult:
-        if self.chain is not None:  # a decode starts from a reset cache: nothing to rebuild after a failure
-            decoder = self.chain.variant(self.setup.k, sampling)
-            return decoder.decode(prompt_ids, max_new_tokens, self.setup.eos, seed, on_tokens).to_decode_result()
-        if self.pdm is None:
-            return ar_decode_stages(self.stages, prompt_ids, max_new_tokens, sampling, self.setup.eos, seed, on_tokens)
-        simulator = self._simulator(sampling)
-        try:
-            return simulator.decode(prompt_ids, max_new_tokens, self.setup.eos, seed, on_tokens)
-        except BaseException:
-            del self._simulators[sampling]  # its messages are half-delivered: build a fresh one next time
-            raise
-
-    def _simulator(self, sampling: Sampling) -> Simulator:
-        if sampling not in self._simulators:
-            if len(self._simulators) >= SIMULATORS_KEPT:
-                self._simulators.pop(next(iter(self._simulators)))
-            self._simulators[sampling] = Simulator(self.target, self.pdm, self.setup.geometry, sampling)
-        return self._simulators[sampling]
-
-    def close(self) -> None:
-        self._simulators.clear()
 
 
 @dataclass

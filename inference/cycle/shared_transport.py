@@ -11,7 +11,7 @@ for the PDM's inputs (the verdict, the anchor states) before it computes.
 
 from __future__ import annotations
 
-from .transport import Arrival, DistributedTransport, LocalTransport
+from inference.cycle.transport import Arrival, DistributedTransport, LocalTransport
 
 
 class SharedTransport(DistributedTransport):

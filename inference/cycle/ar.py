@@ -13,14 +13,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from inference.cycle.pipeline import stream_seeds
+from inference.cycle.result import DecodeResult
+from inference.cycle.schedule import eos_set
+from inference.runtime.stages import Stage
+from inference.sampling import Sampling, sample_token
 from spd_lightning.geometry import Geometry
 from spd_lightning.target import Target
-
-from .pipeline import stream_seeds
-from .result import DecodeResult
-from .schedule import eos_set
-from .stages import Stage
-from .verify import Sampling, sample_token
 
 
 def target_eos(target_config, generation_config=None) -> int | list[int] | None:

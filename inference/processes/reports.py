@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
-from .pipeline import role_name
-from .result import DecodeResult
-
-if TYPE_CHECKING:
-    from .launch import DecodeJob
+from inference.cycle.pipeline import role_name
+from inference.cycle.result import DecodeResult
+from inference.processes.job import DecodeJob
 
 
 class Started(NamedTuple):

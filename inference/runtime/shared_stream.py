@@ -26,7 +26,7 @@ from contextlib import nullcontext
 
 import torch
 
-from .drafter import Drafter
+from inference.runtime.drafter import Drafter
 
 
 def draft_stream(device: torch.device) -> torch.cuda.Stream | None:

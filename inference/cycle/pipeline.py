@@ -40,16 +40,16 @@ from dataclasses import dataclass
 
 import torch
 
+from inference.cycle.messages import Mailboxes, MessageShapes
+from inference.cycle.profiler import Profiler
+from inference.cycle.result import COMM, COMPUTE, VERIFY, WALL, DecodeResult, max_cycles, summarize_timing
+from inference.cycle.schedule import CyclePlan, Judged, PipelineSchedule, Step, Steps, Verdict
+from inference.cycle.transport import Arrival, Transport
+from inference.cycle.verify import Verifier
+from inference.runtime.drafter import Drafter
+from inference.runtime.stages import Stage
+from inference.sampling import Sampling
 from spd_lightning.geometry import Geometry
-
-from .drafter import Drafter
-from .messages import Mailboxes
-from .profiler import Profiler
-from .result import COMM, COMPUTE, VERIFY, WALL, DecodeResult, max_cycles, summarize_timing
-from .schedule import CyclePlan, Judged, PipelineSchedule, Step, Steps, Verdict
-from .stages import Stage
-from .transport import Arrival, Transport
-from .verify import Sampling, Verifier
 
 
 def role_name(rank: int, n: int) -> str:
@@ -108,7 +108,19 @@ class PipelineRunner:
         self.draft_generator = torch.Generator(device=self.device)
         self.clock = Profiler(config.profile, self.device)
         self.anchor_counts = {s: len([b for b in geometry.anchors_of_stage(s) if b > 0]) for s in range(1, n + 1)}
-        self.box = Mailboxes(self, config)
+        self.box = Mailboxes(
+            MessageShapes(
+                n=n,
+                hosted=self.hosted,
+                anchor_counts=self.anchor_counts,
+                hidden_size=config.hidden_size,
+                state_dtype=config.state_dtype,
+                draft_vocab_size=config.draft_vocab_size,
+                greedy=self.sampling.greedy,
+                device=self.device,
+                control_device=transport.control_device(self.device),
+            )
+        )
         self.inbox, self.outbox = self.box.inbox, self.box.outbox
         self.verdict_rows, self.verdict_host = self.box.verdict_rows, self.box.verdict_host
         self.seed_input = self.box.seed_input

@@ -14,17 +14,16 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from inference.cycle.pipeline import PipelineRunner, RunnerConfig
+from inference.cycle.result import DecodeResult
+from inference.cycle.schedule import eos_set
+from inference.cycle.transport import LocalTransport
+from inference.runtime.drafter import Drafter, PDMDrafter, ReplayDrafter
+from inference.runtime.stages import Stage
+from inference.sampling import Sampling
 from spd_lightning.geometry import Geometry
 from spd_lightning.pdm import PipelineDraftModule
 from spd_lightning.target import Target
-
-from .drafter import Drafter, PDMDrafter, ReplayDrafter
-from .pipeline import PipelineRunner, RunnerConfig
-from .result import DecodeResult
-from .schedule import eos_set
-from .stages import Stage
-from .transport import LocalTransport
-from .verify import Sampling
 
 
 class Simulator:

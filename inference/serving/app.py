@@ -23,8 +23,8 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .server_engine import Engine, QueueFull, Request
-from .verify import Sampling, SamplingError
+from inference.sampling import Sampling, SamplingError
+from inference.serving.engine import Engine, QueueFull, Request
 
 DISCONNECT_POLL_S = 0.25
 

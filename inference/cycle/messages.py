@@ -11,39 +11,52 @@ grow with the longest prompt seen. docs/DESIGN.md lists every message with its s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 
 import torch
-
-if TYPE_CHECKING:
-    from .pipeline import PipelineRunner, RunnerConfig
 
 SEND_RING = 3
 
 
+@dataclass(frozen=True)
+class MessageShapes:
+    """What fixes every message's shape: the ranks this process hosts and the runner's sizes."""
+
+    n: int
+    hosted: Collection[int]
+    anchor_counts: Mapping[int, int]  # stage -> anchors it sends to the PDM per cycle
+    hidden_size: int
+    state_dtype: torch.dtype
+    draft_vocab_size: int
+    greedy: bool
+    device: torch.device
+    control_device: torch.device  # where the verdict travels from (host memory when the transport needs it)
+
+
 class Mailboxes:
-    def __init__(self, runner: PipelineRunner, config: RunnerConfig):
-        n, H, dev, dtype = runner.n, config.hidden_size, runner.device, config.state_dtype
-        long, control = dict(dtype=torch.long, device=dev), runner.transport.control_device(dev)
+    def __init__(self, shapes: MessageShapes):
+        n, H, dev, dtype = shapes.n, shapes.hidden_size, shapes.device, shapes.state_dtype
+        long, control = dict(dtype=torch.long, device=dev), shapes.control_device
         self.dtype, self.device = dtype, dev
         self.inbox: dict[tuple[int, str], torch.Tensor] = {}
         self.rings: dict[tuple[int, str], torch.Tensor] = {}
-        for r in runner.hosted:
+        for r in shapes.hosted:
             if 0 < r < n:
                 self.inbox[r, "act"] = torch.zeros(1, 1, H, dtype=dtype, device=dev)
             if r in (0, n - 1):
                 self.inbox[r, "draft_token"] = torch.zeros(1, **long)
-            if r == n - 1 and not config.sampling.greedy:
-                self.inbox[r, "draft_q"] = torch.zeros(config.draft_vocab_size, device=dev)
+            if r == n - 1 and not shapes.greedy:
+                self.inbox[r, "draft_q"] = torch.zeros(shapes.draft_vocab_size, device=dev)
             if r != n - 1:
                 self.inbox[r, "verdict"] = torch.zeros(2, dtype=torch.long, device=control)
             if r == n:
-                for s, count in runner.anchor_counts.items():
+                for s, count in shapes.anchor_counts.items():
                     self.inbox[r, f"anchors{s}"] = torch.zeros(1, count, H, dtype=dtype, device=dev)
                 self.rings[r, "draft_token"] = torch.zeros(SEND_RING, 1, **long)
-                self.rings[r, "draft_q"] = torch.zeros(SEND_RING, config.draft_vocab_size, device=dev)
+                self.rings[r, "draft_q"] = torch.zeros(SEND_RING, shapes.draft_vocab_size, device=dev)
             else:
-                count = runner.anchor_counts[r + 1]
+                count = shapes.anchor_counts[r + 1]
                 self.rings[r, "act"] = torch.zeros(SEND_RING, 1, 1, H, dtype=dtype, device=dev)
                 self.rings[r, f"anchors{r + 1}"] = torch.zeros(SEND_RING, 1, count, H, dtype=dtype, device=dev)
         self.outbox: dict[tuple[int, str], torch.Tensor] = {}  # kind -> the ring slot (or prefill output) to send

@@ -17,10 +17,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from inference.runtime.drafter import DraftKVCache
+from inference.sampling import Sampling, warp
 from spd_lightning.eagle3 import Eagle3Drafter
-
-from .drafter import DraftKVCache
-from .verify import Sampling, warp
 
 
 @dataclass

@@ -9,25 +9,21 @@ build, so the server builds one per sampling setting (`build_runner`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from inference.cycle.pipeline import PipelineRunner, RunnerConfig, role_name
+from inference.cycle.shared_transport import SharedTransport
+from inference.cycle.transport import DistributedTransport
+from inference.processes.faults import step_hook
+from inference.processes.job import DecodeJob
+from inference.runtime.drafter import PDMDrafter, ReplayDrafter
+from inference.runtime.shared_stream import SideStreamDrafter, draft_stream
+from inference.runtime.stages import Stage, load_pieces
+from inference.sampling import Sampling
 from spd_lightning.export import load_drafter, read_drafter_spec
 from spd_lightning.geometry import Geometry
 from spd_lightning.target import resolve_dtype
-
-from .drafter import PDMDrafter, ReplayDrafter
-from .faults import step_hook
-from .pipeline import PipelineRunner, RunnerConfig, role_name
-from .shared_stream import SideStreamDrafter, draft_stream
-from .shared_transport import SharedTransport
-from .stages import Stage, load_pieces
-from .transport import DistributedTransport
-from .verify import Sampling
-
-if TYPE_CHECKING:
-    from .launch import DecodeJob
 
 
 def rank_device(job: DecodeJob, local_rank: int) -> torch.device:

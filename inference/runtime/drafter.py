@@ -20,12 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inference.runtime.capture import CompiledStep
+from inference.sampling import Sampling, warp
 from spd_lightning.export import DrafterLoadError
 from spd_lightning.geometry import Geometry
 from spd_lightning.pdm import PipelineDraftModule
-
-from .capture import CompiledStep
-from .verify import Sampling, warp
 
 
 class Drafter(Protocol):

@@ -17,7 +17,7 @@ from contextlib import contextmanager, nullcontext
 import numpy as np
 import torch
 
-from .result import TIMING_FIELDS
+from inference.cycle.result import TIMING_FIELDS
 
 _OFF = nullcontext()
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import os
 
-from . import cli
-from .tables import fmt, grouped_bars, markdown_table, pyplot, save
+from inference import cli
+from inference.evaluation.tables import fmt, grouped_bars, markdown_table, pyplot, save
 
 
 def _spd_table(report: dict) -> list[str]:

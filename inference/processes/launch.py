@@ -36,22 +36,22 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
+from collections.abc import Callable
 
 import torch
 
+from inference.cycle.result import DecodeResult, summarize_timing
+from inference.cycle.transport import PeerError, close_distributed, init_distributed
+from inference.processes.job import DecodeJob
+from inference.processes.nodes import ReportListener, ReportSender, agent_rendezvous
+from inference.processes.reports import Failed, Finished, Inbox, Started, Streamed, blamed_report, failure_message
+from inference.processes.roles import build_runner, rank_device
+from inference.runtime.stages import meta_target
 from spd_lightning.errors import UserError
 
-from .nodes import Nodes, ReportListener, ReportSender, agent_rendezvous
-from .reports import Failed, Finished, Inbox, Started, Streamed, blamed_report, failure_message
-from .result import DecodeResult, summarize_timing
-from .roles import build_runner, rank_device
-from .stages import meta_target
-from .transport import PeerError, close_distributed, init_distributed
-
 log = logging.getLogger(__name__)
+# What a rank does between joining and leaving: (job, rank, device, requests, report, stream) -> None.
+RankWork = Callable[[DecodeJob, int, torch.device, object, Callable, Callable | None], None]
 PEER_REPORT_GRACE_S = 1.0
 EXIT_ORPHANED = 4  # a rank's exit status when it ends because its launcher is gone
 
@@ -75,59 +75,6 @@ class TooFewDevices(UserError):
     """The job needs more GPUs than this machine shows."""
 
 
-class Replay(NamedTuple):
-    """A `ReplayDrafter` instead of a PDM: its policy and the reference continuation of each prompt."""
-
-    policy: str
-    references: Sequence[Sequence[int]]
-
-
-@dataclass
-class DecodeJob:
-    """Everything a rank needs, picklable for the rank processes."""
-
-    target_path: str
-    geometry: dict
-    prompts: list[list[int]]
-    max_new_tokens: int
-    eos_token_ids: list[int]
-    vocab_size: int
-    hidden_size: int
-    sampling: dict
-    drafter_path: str | None = None  # an exported drafter dir or a Lightning .ckpt
-    replay: Replay | None = None
-    seed: int = 0
-    dtype: str = "float32"
-    device: str = "cpu"
-    timeout_s: float = 120.0
-    debug: bool = False
-    profile: bool = False  # per-cycle timing in each result (`profiler.Profiler`)
-    fault: str | None = None  # test-only, see `faults.Fault`
-    trust_remote_code: bool = False
-    stream: bool = False  # the verifier's rank reports each cycle's verified tokens (`launch(on_tokens=...)`)
-    pdm_placement: str = "separate"  # or "shared": the PDM in stage 1's process (`shared_transport`)
-    compile: bool = False  # one-token stage steps and PDM drafts through torch.compile (`capture.CompiledStep`)
-    nodes: Nodes | None = None  # this node's share of the ranks when they span several nodes (`nodes`)
-
-    def __post_init__(self):
-        if self.replay is not None:
-            self.replay = Replay(*self.replay)
-
-    @property
-    def n(self) -> int:
-        return self.geometry["n"]
-
-    @property
-    def world_size(self) -> int:
-        """Processes: n stages, plus the PDM's unless it shares stage 1's."""
-        return self.n + (self.pdm_placement != "shared")
-
-    @property
-    def local_ranks(self) -> int:
-        """The processes this node runs."""
-        return self.world_size if self.nodes is None else self.nodes.nproc
-
-
 # -- the ranks ------------------------------------------------------------------------------------
 def run_rank(
     job: DecodeJob,
@@ -136,22 +83,33 @@ def run_rank(
     report: Callable[[int, DecodeResult], None],
     stream: Callable[[int, list[int]], None] | None = None,
     requests=None,
+    work: RankWork | None = None,
 ) -> None:
-    """One rank's whole life: join (the `torchrun`/elastic environment), load, decode every prompt, leave.
-    The last stage reports the results, and with `stream` the tokens each cycle verified. With `requests`
-    (a queue rank 0 reads), the ranks serve the requests from it instead of `job.prompts` (`server_ranks`)."""
+    """One rank's whole life: join (the `torchrun`/elastic environment), load and do its `work` (by default
+    `decode_prompts`: every prompt of the job), leave. A server passes its own `work`, which reads `requests`
+    (`inference.serving.ranks`); the decoder never imports the server."""
     device = rank_device(job, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:  # ranks share the CPU: oversubscribed threads make every rank slower
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.local_ranks))
     init_distributed("nccl" if device.type == "cuda" else "gloo", rank, job.world_size, job.timeout_s)
-    if requests is not None:
-        from .server_ranks import serve_requests
+    (work or decode_prompts)(job, rank, device, requests, report, stream)
+    # Only a clean finish leaves the group here. After a failure the connections close when the process
+    # exits, i.e. after the error was reported, so the launcher hears the cause before the peers' echoes.
+    close_distributed()
 
-        serve_requests(job, rank, device, requests, report, stream)
-        close_distributed()
-        return
+
+def decode_prompts(
+    job: DecodeJob,
+    rank: int,
+    device: torch.device,
+    requests,
+    report: Callable[[int, DecodeResult], None],
+    stream: Callable[[int, list[int]], None] | None,
+) -> None:
+    """A rank's part in decoding every prompt of the job. The last stage reports the results, and with
+    `stream` the tokens each cycle verified."""
     runner = build_runner(job, rank, device)
     n, reporter = runner.n, runner.verifier_rank
     for i, prompt in enumerate(job.prompts):
@@ -169,12 +127,9 @@ def run_rank(
                 )
         if rank == reporter:
             report(i, result)
-    # Only a clean finish leaves the group here. After a failure the connections close when the process
-    # exits, i.e. after the error was reported, so the launcher hears the cause before the peers' echoes.
-    close_distributed()
 
 
-def _rank_main(job: DecodeJob, messages, launcher_pid: int, requests=None) -> None:
+def _rank_main(job: DecodeJob, messages, launcher_pid: int, requests=None, work: RankWork | None = None) -> None:
     """A rank process under the elastic agent: any failure becomes one report and a non-zero exit."""
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     _exit_with(launcher_pid, rank)
@@ -184,7 +139,8 @@ def _rank_main(job: DecodeJob, messages, launcher_pid: int, requests=None) -> No
     try:
         _check_world_size(job, int(os.environ["WORLD_SIZE"]))
         stream = (lambda i, tokens: messages.put(Streamed(i, list(tokens)))) if job.stream else None
-        run_rank(job, rank, local_rank, lambda i, r: messages.put(Finished(rank, i, r.to_dict())), stream, requests)
+        report = lambda i, r: messages.put(Finished(rank, i, r.to_dict()))  # noqa: E731
+        run_rank(job, rank, local_rank, report, stream, requests, work)
     except BaseException as e:  # noqa: BLE001 - whatever it was, the launcher must hear about it
         first = str(e).splitlines()[0] if str(e) else ""
         messages.put(
@@ -245,11 +201,13 @@ def launch(
     on_start: Callable[[int, int], None] | None = None,
     on_tokens: Callable[[int, list[int]], None] | None = None,
     requests=None,
+    work: RankWork | None = None,
 ) -> list[DecodeResult]:
     """Run `job` on `n + 1` local processes; results in prompt order. `on_result(prompt index, result)` as
     each prompt is done, `on_start(rank, pid)` as each rank starts, with `job.stream` `on_tokens(prompt
     index, tokens)` as each cycle verifies tokens (all on a helper thread). With `requests` (a queue of this
-    launcher's start method) the ranks serve what it brings until it brings None (`server_ranks`). Raises
+    launcher's start method) and `work` (a module-level function, see `run_rank`) the ranks serve what it
+    brings until it brings None (`inference.serving.ranks`). Raises
     `LaunchError` naming the rank that caused a failure, after every rank has ended."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
@@ -265,7 +223,7 @@ def launch(
             _listening(job, inbox, requests),
         ):
             elastic_launch(_agent_config(job, method, logs), _rank_main)(
-                job, _report_channel(job, inbox), os.getpid(), requests
+                job, _report_channel(job, inbox), os.getpid(), requests, work
             )
     except ChildFailedError as e:
         inbox.close()

@@ -1,0 +1,121 @@
+"""The in-process decoders behind `decode --simulate`, `eval` and `serve`: one mode dispatch for all three.
+
+A `Backend` turns one prompt into a `DecodeResult`, calling `on_tokens` with the tokens each cycle verified.
+`make_backend(setup, ...)` picks it from the setup's mode, with the target's weights loaded once (or shared
+with the caller's `target`):
+
+    ar                     `ARBackend`: plain autoregressive decoding through the same stages (the reference)
+    eagle3                 `ChainBackend`: EAGLE-3 chain decoding, `setup.k` drafts per verify forward
+    spd, post_step, ppsd   `SimulatorBackend`: the pipeline's runner with every rank in this process
+
+The n + 1 processes are the other backend: `inference.processes.launch` for a batch of prompts, and the
+server's persistent ranks (`inference.serving.ranks.RankBackend`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from inference.chain.decoder import ChainDecoder
+from inference.cycle.ar import ar_decode_stages
+from inference.cycle.result import DecodeResult
+from inference.cycle.simulator import Simulator
+from inference.runtime.stages import Stage
+from inference.sampling import Sampling
+from inference.setup import Setup
+from spd_lightning.eagle3_export import KIND as EAGLE3
+from spd_lightning.export import load_drafter
+from spd_lightning.target import Target
+
+SIMULATORS_KEPT = 4  # one simulator per sampling setting seen recently (they share the target's weights)
+OnTokens = Callable[[list[int]], None]
+
+
+class BackendFailure(Exception):
+    """The decoder failed for a reason that is not the request's (e.g. a rank died)."""
+
+
+class Backend(Protocol):
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        sampling: Sampling,
+        seed: int,
+        on_tokens: OnTokens | None = None,
+    ) -> DecodeResult: ...
+
+    def close(self) -> None: ...
+
+
+def make_backend(
+    setup: Setup,
+    device: str = "cpu",
+    target: Target | None = None,
+    compile: bool = False,
+    profile: bool = False,
+) -> Backend:
+    """The in-process decoder of `setup.mode` (see the module docstring); `target`: weights already loaded."""
+    target = target or Target.load(setup.target_path, setup.dtype, device, setup.trust_remote_code)
+    if setup.mode == EAGLE3:
+        return ChainBackend(setup, target)
+    if setup.mode == "ar":
+        return ARBackend(setup, target)
+    return SimulatorBackend(setup, target, device, compile=compile, profile=profile)
+
+
+class ARBackend:
+    def __init__(self, setup: Setup, target: Target):
+        self.eos = setup.eos
+        self.stages = [Stage.from_target(target, setup.geometry, s) for s in range(1, setup.geometry.n + 1)]
+
+    def generate(self, prompt_ids, max_new_tokens, sampling, seed, on_tokens=None) -> DecodeResult:
+        return ar_decode_stages(self.stages, prompt_ids, max_new_tokens, sampling, self.eos, seed, on_tokens)
+
+    def close(self) -> None:
+        pass
+
+
+class ChainBackend:
+    """A decode starts from a reset cache: nothing to rebuild after a failure."""
+
+    def __init__(self, setup: Setup, target: Target):
+        self.eos, self.k = setup.eos, setup.k
+        self.chain = ChainDecoder.on_target(target, setup.ckpt, setup.k)
+
+    def generate(self, prompt_ids, max_new_tokens, sampling, seed, on_tokens=None) -> DecodeResult:
+        decoder = self.chain.variant(self.k, sampling)
+        return decoder.decode(prompt_ids, max_new_tokens, self.eos, seed, on_tokens).to_decode_result()
+
+    def close(self) -> None:
+        pass
+
+
+class SimulatorBackend:
+    """One simulator per sampling setting, the `SIMULATORS_KEPT` most recent kept (they share the weights)."""
+
+    def __init__(self, setup: Setup, target: Target, device: str, compile: bool = False, profile: bool = False):
+        self.setup, self.target, self.compile, self.profile = setup, target, compile, profile
+        self.pdm = load_drafter(setup.ckpt, map_location=device)[0].to(target.model.dtype)
+        self._simulators: dict[Sampling, Simulator] = {}
+
+    def generate(self, prompt_ids, max_new_tokens, sampling, seed, on_tokens=None) -> DecodeResult:
+        simulator = self._simulator(sampling)
+        try:
+            return simulator.decode(prompt_ids, max_new_tokens, self.setup.eos, seed, on_tokens)
+        except BaseException:
+            del self._simulators[sampling]  # its messages are half-delivered: build a fresh one next time
+            raise
+
+    def _simulator(self, sampling: Sampling) -> Simulator:
+        if sampling not in self._simulators:
+            if len(self._simulators) >= SIMULATORS_KEPT:
+                self._simulators.pop(next(iter(self._simulators)))
+            self._simulators[sampling] = Simulator(
+                self.target, self.pdm, self.setup.geometry, sampling, profile=self.profile, compile=self.compile
+            )
+        return self._simulators[sampling]
+
+    def close(self) -> None:
+        self._simulators.clear()

@@ -1,0 +1,420 @@
+"""`python -m inference.plan`: predict SPD's wall-clock speedup for each (n, L_s) and recommend one.
+
+    python -m inference.plan --target Qwen3.5-4B-dir --alpha 8:3:0.42 --alpha 4:4:0.66 --alpha 8:2:0.38
+    python -m inference.plan --times eval_out/eval.json --alphas sweep.json --plot plan.png --json plan.json
+    python -m inference.plan --layers 32 --t-full 0.0172 --t-draft 0.00349 --draft-layers 3 --overhead 0.0012 \\
+        --alpha 8:3:0.42
+
+The model (SPEC 6, 9). Batch-1 decoding; one SPD cycle emits `alpha` verified tokens on average
+(`alpha = N / K`, measured by `inference.eval` or the staircase evaluation for each (n, L_s)):
+
+    T_full        one full forward of the target (AR per-token decode time)
+    stage(n)      = T_full / n + stage_fixed           (the L layers split evenly over n stages, plus what a
+                                                        stage pays per step whatever its share: launch, norms,
+                                                        the activation hop; measured, 0 in the config-only model)
+    draft(L_s)    = draft_fixed + L_s * t_draft_layer  (the PDM's per-cycle draft time grows with L_s)
+    cycle         = max(stage, draft) + overhead        (pre-step SPD: drafting overlaps the stages)
+                  = stage + draft + overhead            (--schedule post_step, PPSD: drafting is serial)
+    tokens/s SPD  = alpha / cycle,    tokens/s AR = 1 / T_full
+    speedup       = alpha * T_full / cycle
+
+With zero draft cost and overhead the pre-step speedup is `S0 = n * alpha`; with overhead 0 it is SPEC 6's
+`S_spd = n*alpha*min(1, 1/(n*r))` and, post-step, `S_post = n*alpha/(1 + n*r)`, with `r = draft/T_full`.
+
+Times come from one of:
+- measured (`--times eval.json` from `inference.eval`, which holds T_full, the draft time at its L_s, the
+  slowest stage at its n and the per-cycle overhead; or the flags `--t-full`, `--t-draft` at
+  `--draft-layers`, `--overhead`, `--stage-fixed`, in seconds); `t_draft_layer = (t_draft - draft_fixed) /
+  draft_layers` and `stage_fixed = max(0, slowest_stage - T_full / n)` at the measured n;
+- a target config only (`--target` HF dir or name, or `--layers L --hidden-size H`): times in units of one
+  target layer's forward, `T_full = L`, a PDM layer costs `(pdm_hidden / H)^2` target layers
+  (`--pdm-hidden`, default H: the PDM layer is a target-sized decoder layer), and the overhead is
+  `--overhead-layers` (default 1.0: SPEC 9's 4B run has ~1.2 ms overhead at ~1.05 ms per target layer).
+  Only ratios matter for the speedup, so no absolute time is needed.
+
+EAGLE-3 beside SPD (`--times eval.json` of an eval with EAGLE-3 rows, its `plan_inputs_eagle3`): on one GPU,
+each round drafts k tokens and verifies them in one target forward, so from the measured costs
+
+    round(k)      = k * T_draft_step + T_verify(k)
+    speedup       = (tokens per target forward) * T_full / round(k)
+
+printed per k beside SPD's best prediction at each n (SPD needs n GPUs with the PDM sharing stage 1's,
+n + 1 with its own). An eval with only an EAGLE-3 drafter needs no alpha.
+
+Flags override the JSON. The recommendation is the (n, L_s) with the highest predicted speedup among
+those with an alpha (n must be <= L). Writes a markdown table to stdout and a plot (`--plot`, default
+plan.png); `--json` writes every row. Exit status 0, 2 on bad input (one line on stderr),
+1 on anything else (`--debug` shows the traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass
+
+from inference import cli
+from inference.evaluation.tables import markdown_table, pyplot, save
+from spd_lightning.errors import UserError
+
+
+class PlanError(UserError):
+    """Bad planner input; one line."""
+
+
+@dataclass(frozen=True)
+class CostModel:
+    t_full: float  # seconds (or target-layer units)
+    t_draft_layer: float
+    draft_fixed: float = 0.0
+    overhead: float = 0.0
+    schedule: str = "pre_step"  # pre_step | post_step
+    stage_fixed: float = 0.0
+    unit: str = "s"
+    num_layers: int | None = None
+
+    def stage(self, n: int) -> float:
+        return self.t_full / n + self.stage_fixed
+
+    def draft(self, L_s: int) -> float:
+        return self.draft_fixed + L_s * self.t_draft_layer
+
+    def cycle(self, n: int, L_s: int) -> float:
+        s, d = self.stage(n), self.draft(L_s)
+        return (max(s, d) if self.schedule == "pre_step" else s + d) + self.overhead
+
+    def predict(self, n: int, L_s: int, alpha: float) -> dict:
+        cycle = self.cycle(n, L_s)
+        return {
+            "n": n,
+            "L_s": L_s,
+            "alpha": alpha,
+            "S0": n * alpha,
+            "stage": self.stage(n),
+            "draft": self.draft(L_s),
+            "overhead": self.overhead,
+            "cycle": cycle,
+            "r": self.draft(L_s) / self.t_full,
+            "draft_bound": self.draft(L_s) > self.stage(n),
+            "spd_tokens_per_unit": alpha / cycle,
+            "ar_tokens_per_unit": 1.0 / self.t_full,
+            "speedup": alpha * self.t_full / cycle,
+        }
+
+
+def plan(model: CostModel, alphas: dict[tuple[int, int], float]) -> tuple[list[dict], dict]:
+    """Rows sorted by predicted speedup (best first) and the recommended row."""
+    if not alphas:
+        raise PlanError("no alpha given: pass --alpha N:L_S:ALPHA or --alphas FILE")
+    rows = []
+    for (n, L_s), alpha in alphas.items():
+        if model.num_layers is not None and n > model.num_layers:
+            raise PlanError(f"n={n} stages exceed the target's L={model.num_layers} layers")
+        rows.append(model.predict(n, L_s, alpha))
+    rows.sort(key=lambda r: (-r["speedup"], r["n"], r["L_s"]))
+    return rows, rows[0]
+
+
+def _positive(name: str, x: float | None, allow_zero: bool = False) -> None:
+    if x is None:
+        return
+    if not math.isfinite(x) or x < 0 or (x == 0 and not allow_zero):
+        raise PlanError(f"{name}={x} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def parse_alpha(spec: str) -> tuple[tuple[int, int], float]:
+    try:
+        n, L_s, alpha = spec.split(":")
+        key, value = (int(n), int(L_s)), float(alpha)
+    except ValueError as e:
+        raise PlanError(f"--alpha {spec!r}: expected N:L_S:ALPHA, e.g. 8:3:0.42") from e
+    return _check_alpha(key, value, f"--alpha {spec!r}")
+
+
+def _check_alpha(key: tuple[int, int], alpha: float, where: str) -> tuple[tuple[int, int], float]:
+    n, L_s = key
+    if n < 1 or L_s < 1:
+        raise PlanError(f"{where}: n={n} and L_s={L_s} must be >= 1")
+    if not (0 < alpha <= 1):
+        raise PlanError(f"{where}: alpha={alpha} must be in (0, 1] (alpha = N / K)")
+    return key, alpha
+
+
+def read_alphas(path: str) -> dict[tuple[int, int], float]:
+    """`{"8,3": 0.42, ...}`, `[{"n": 8, "L_s": 3, "alpha": 0.42}, ...]`, or an `inference.eval` eval.json."""
+    data = _read_json(path)
+    out: dict[tuple[int, int], float] = {}
+    try:
+        if isinstance(data, dict) and "plan_inputs" in data:
+            p = data["plan_inputs"]
+            data = [{"n": p["n"], "L_s": p["L_s"], "alpha": p["alpha"]}]
+        if isinstance(data, dict):
+            for k, v in data.items():
+                n, L_s = (int(x) for x in str(k).replace(":", ",").split(","))
+                out.update([_check_alpha((n, L_s), float(v), f"{path}: {k!r}")])
+        elif isinstance(data, list):
+            for i, row in enumerate(data):
+                out.update([_check_alpha((int(row["n"]), int(row["L_s"])), float(row["alpha"]), f"{path}[{i}]")])
+        else:
+            raise TypeError(type(data).__name__)
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, PlanError):
+            raise
+        raise PlanError(
+            f'{path}: expected {{"n,L_s": alpha}} or [{{"n", "L_s", "alpha"}}] ({type(e).__name__}: {e})'
+        ) from e
+    return out
+
+
+def _read_json(path: str):
+    if not os.path.isfile(path):
+        raise PlanError(f"{path!r} does not exist")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PlanError(f"{path}: not JSON ({e})") from e
+    except OSError as e:
+        raise PlanError(f"cannot read {path!r}: {e.strerror or e}") from e
+
+
+def target_shape(name_or_path: str) -> tuple[int, int]:
+    """(L, hidden size) from an HF config directory or name."""
+    from spd_lightning.target import TargetError, load_hf_config
+
+    try:
+        cfg = load_hf_config(name_or_path)
+    except (TargetError, OSError, ValueError) as e:
+        raise PlanError(f"cannot read the config of target {name_or_path!r}: {str(e).splitlines()[0][:160]}") from e
+    cfg = getattr(cfg, "text_config", None) or cfg
+    return int(cfg.num_hidden_layers), int(cfg.hidden_size)
+
+
+def _check_cost_args(args: argparse.Namespace) -> None:
+    zero_ok = ("draft_fixed", "overhead", "overhead_layers", "stage_fixed")
+    for name in ("t_full", "t_draft", "draft_fixed", "overhead", "overhead_layers", "pdm_hidden", "stage_fixed"):
+        _positive(f"--{name.replace('_', '-')}", getattr(args, name), allow_zero=name in zero_ok)
+    for name in ("layers", "hidden_size", "draft_layers"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise PlanError(f"--{name.replace('_', '-')}={v} must be >= 1")
+
+
+def cost_model(args: argparse.Namespace) -> CostModel:
+    """The cost model of the command line: measured seconds (`--times eval.json` or `--t-full ...`) or, without
+    times, target layers as the unit."""
+    _check_cost_args(args)
+    measured = _read_json(args.times) if args.times else {"plan_inputs": {}}
+    measured = measured.get("plan_inputs") if isinstance(measured, dict) else None
+    if not isinstance(measured, dict):
+        raise PlanError(f"{args.times}: no plan_inputs (expected an eval.json from inference.eval)")
+    t_full = args.t_full if args.t_full is not None else measured.get("T_full_s")
+    layers = args.layers if args.layers is not None else measured.get("L")
+    hidden = args.hidden_size
+    if args.target:
+        L, H = target_shape(args.target)
+        layers = layers if args.layers is not None else L
+        hidden = hidden or H
+    draft_fixed = args.draft_fixed or 0.0
+    if t_full is not None:  # measured times
+        t_draft = args.t_draft if args.t_draft is not None else measured.get("T_draft_s")
+        draft_layers = args.draft_layers if args.draft_layers is not None else measured.get("L_s")
+        overhead = args.overhead if args.overhead is not None else (measured.get("overhead_s") or 0.0)
+        if t_draft is None or draft_layers is None:
+            raise PlanError(
+                "measured times need the draft time too: --t-draft SECONDS --draft-layers L_S (or --times eval.json)"
+            )
+        if t_draft <= draft_fixed:
+            raise PlanError(f"--draft-fixed={draft_fixed} must be below the measured draft time {t_draft}")
+        _positive("T_full", t_full)
+        stage_fixed = args.stage_fixed if args.stage_fixed is not None else _stage_fixed(measured, t_full)
+        return CostModel(
+            t_full,
+            (t_draft - draft_fixed) / draft_layers,
+            draft_fixed,
+            overhead,
+            args.schedule,
+            stage_fixed,
+            "s",
+            layers,
+        )
+    if args.t_draft is not None or args.overhead is not None or args.stage_fixed is not None:
+        raise PlanError("--t-draft/--overhead/--stage-fixed are seconds and need --t-full (or --times eval.json)")
+    if layers is None:
+        raise PlanError(
+            "no target shape or times: pass --target DIR|NAME, --layers L [--hidden-size H], "
+            "--times eval.json, or --t-full/--t-draft/--draft-layers"
+        )
+    per_layer = (args.pdm_hidden / hidden) ** 2 if args.pdm_hidden and hidden else 1.0
+    return CostModel(
+        float(layers), per_layer, draft_fixed, args.overhead_layers, args.schedule, 0.0, "target layers", layers
+    )
+
+
+def _stage_fixed(measured: dict, t_full: float) -> float:
+    """What the measured slowest stage costs beyond its even share `T_full / n` (0 when not measured)."""
+    slowest, n = measured.get("slowest_stage_s"), measured.get("n")
+    return max(0.0, slowest - t_full / n) if slowest is not None and n else 0.0
+
+
+def eagle3_rows(inputs: list[dict], t_full: float | None) -> list[dict]:
+    """EAGLE-3's predicted speedup per k from its measured draft-step and verify costs (`T_full` in seconds:
+    the cost model's when measured, else the eval's)."""
+    rows = []
+    for p in inputs:
+        full = t_full or p["T_full_s"]
+        if None in (full, p["alpha"], p["T_draft_step_s"], p["T_verify_s"]):
+            raise PlanError(f"EAGLE-3 k={p['k']}: the eval report lacks a measured time; rerun inference.eval")
+        round_s = p["k"] * p["T_draft_step_s"] + p["T_verify_s"]
+        rows.append(
+            {
+                "k": p["k"],
+                "tokens_per_forward": p["alpha"],
+                "draft_step": p["T_draft_step_s"],
+                "verify": p["T_verify_s"],
+                "round": round_s,
+                "speedup": p["alpha"] * full / round_s,
+            }
+        )
+    return rows
+
+
+def eagle3_markdown(rows: list[dict], spd_rows: list[dict]) -> str:
+    head = ["k", "tokens per target forward", "draft step (s)", "verify (s)", "round (s)", "predicted speedup"]
+    cells = [
+        [str(r["k"]), f"{r['tokens_per_forward']:.3f}", f"{r['draft_step']:.4g}", f"{r['verify']:.4g}"]
+        + [f"{r['round']:.4g}", f"{r['speedup']:.2f}"]
+        for r in rows
+    ]
+    best = max(rows, key=lambda r: r["speedup"])
+    lines = ["EAGLE-3 on 1 GPU (measured draft and verify costs)", "", *markdown_table(head, cells), ""]
+    for n in sorted({r["n"] for r in spd_rows}):
+        spd = max((r for r in spd_rows if r["n"] == n), key=lambda r: r["speedup"])
+        lines.append(
+            f"n={n} (SPD on {n} GPUs, {n + 1} with its own PDM GPU): SPD {spd['speedup']:.2f}x (L_s={spd['L_s']}) "
+            f"vs EAGLE-3 {best['speedup']:.2f}x (k={best['k']}, 1 GPU)"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def markdown(model: CostModel, rows: list[dict], best: dict) -> str:
+    head = ["n", "L_s", "alpha", "S0 = n*alpha", "stage", "draft", "cycle", "r", "bound", "predicted speedup"]
+    cells = [
+        [
+            str(r["n"]),
+            str(r["L_s"]),
+            f"{r['alpha']:.3f}",
+            f"{r['S0']:.2f}",
+            f"{r['stage']:.4g}",
+            f"{r['draft']:.4g}",
+            f"{r['cycle']:.4g}",
+            f"{r['r']:.3f}",
+            "draft" if r["draft_bound"] else "stage",
+            f"{r['speedup']:.2f}" + (" **(recommended)**" if r is best else ""),
+        ]
+        for r in rows
+    ]
+    title = (
+        f"SPD plan ({model.schedule}; times in {model.unit}; T_full={model.t_full:.4g}, stage fixed={model.stage_fixed:.4g}, "
+        f"draft/layer={model.t_draft_layer:.4g}, draft fixed={model.draft_fixed:.4g}, overhead={model.overhead:.4g})"
+    )
+    lines = [
+        title,
+        "",
+        *markdown_table(head, cells),
+        "",
+        f"recommended: n={best['n']} L_s={best['L_s']} (predicted {best['speedup']:.2f}x over AR, S0 {best['S0']:.2f})",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], best: dict, path: str) -> None:
+    fig, ax = pyplot().subplots(figsize=(6, 4))
+    for L_s in sorted({r["L_s"] for r in rows}):
+        pts = sorted((r["n"], r["speedup"], r["S0"]) for r in rows if r["L_s"] == L_s)
+        (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"L_s={L_s} predicted")
+        ax.plot([p[0] for p in pts], [p[2] for p in pts], ls=":", color=line.get_color(), label=f"L_s={L_s} S0")
+    ax.scatter([best["n"]], [best["speedup"]], s=160, facecolors="none", edgecolors="red", label="recommended")
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_xlabel("n (stages)")
+    ax.set_ylabel("speedup over AR")
+    ax.legend(fontsize=7)
+    save(fig, path)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = cli.parser("python -m inference.plan", __doc__)
+    p.add_argument("--target", help="HF config directory or name: L and hidden size")
+    p.add_argument("--layers", type=int, help="L (overrides the target's)")
+    p.add_argument("--hidden-size", type=int, help="the target's hidden size (overrides the target's)")
+    p.add_argument("--pdm-hidden", type=float, help="the PDM's hidden size (config-only model; default: the target's)")
+    p.add_argument(
+        "--overhead-layers", type=float, default=1.0, help="config-only model: per-cycle overhead in target layers"
+    )
+    p.add_argument("--times", help="eval.json from inference.eval: measured T_full, draft time, overhead")
+    p.add_argument("--t-full", type=float, help="seconds per full target forward (AR per-token decode)")
+    p.add_argument("--t-draft", type=float, help="seconds per cycle of drafting, measured at --draft-layers")
+    p.add_argument("--draft-layers", type=int, help="the L_s at which --t-draft was measured")
+    p.add_argument("--draft-fixed", type=float, help="part of the draft time that does not grow with L_s (default 0)")
+    p.add_argument("--overhead", type=float, help="seconds per cycle nothing overlaps (verify, communication, control)")
+    p.add_argument(
+        "--stage-fixed",
+        type=float,
+        help="seconds a stage costs per step beyond T_full / n (default: from --times, else 0)",
+    )
+    p.add_argument("--alpha", action="append", default=[], help="N:L_S:ALPHA, repeatable")
+    p.add_argument("--alphas", help='JSON: {"n,L_s": alpha}, [{n, L_s, alpha}], or an eval.json')
+    p.add_argument("--schedule", choices=["pre_step", "post_step"], default="pre_step")
+    p.add_argument("--plot", default="plan.png", help="plot path ('' for none)")
+    p.add_argument("--json", dest="json_out", help="write the rows and the recommendation here")
+    cli.add_debug_argument(p)
+    return p.parse_args(argv)
+
+
+def _eagle3_inputs(path: str | None) -> list[dict]:
+    data = _read_json(path) if path else {}
+    return (data.get("plan_inputs_eagle3") if isinstance(data, dict) else None) or []
+
+
+def run(args: argparse.Namespace) -> dict:
+    alphas = read_alphas(args.alphas) if args.alphas else {}
+    for spec in args.alpha:
+        alphas.update([parse_alpha(spec)])
+    eagle3_inputs = _eagle3_inputs(args.times)
+    result: dict = {"rows": [], "markdown": ""}
+    if alphas or not eagle3_inputs:  # SPD's plan (an eval of an EAGLE-3 drafter alone needs no alpha)
+        model = cost_model(args)
+        rows, best = plan(model, alphas)
+        if args.plot:
+            with cli.writing(args.plot):
+                plot(rows, best, args.plot)
+        result = {
+            "model": asdict(model),
+            "rows": rows,
+            "recommended": {"n": best["n"], "L_s": best["L_s"], "speedup": best["speedup"]},
+            "markdown": markdown(model, rows, best),
+        }
+    if eagle3_inputs:
+        t_full = result["model"]["t_full"] if result.get("model", {}).get("unit") == "s" else None
+        result["eagle3"] = eagle3_rows(eagle3_inputs, t_full)
+        result["markdown"] += ("\n" if result["markdown"] else "") + eagle3_markdown(result["eagle3"], result["rows"])
+    if args.json_out:
+        with cli.writing(args.json_out), open(args.json_out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+def finish(args: argparse.Namespace, result: dict) -> int:
+    print(result["markdown"], end="")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.main(argv, parse_args, run, finish)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,386 @@
+"""`python -m inference.eval`: benchmark a drafter on prompt sets (SPEC 6): alpha, speedups, wall-clock.
+
+    python -m inference.eval --ckpt drafter/ --prompts ../shared/data/gsm8k_question.jsonl \\
+        ../shared/data/humaneval_question.jsonl --temperatures 0 1 --limit 80 --out eval_out --simulate
+
+For each EAGLE-style jsonl set (or dataset, see inference/prompts.py) and each temperature (T > 0
+samples with `--top-k`/`--top-p`, by default top-k 50 and top-p 1.0), every prompt is decoded by the SPD
+decoder (`--simulate`: the one-process simulator; otherwise the n+1-process pipeline) and by plain AR
+decoding of the same target loaded in this process. Reported per set and overall (all sets pooled):
+
+- `alpha = N / K` (pooled over prompts) and `S0 = n * alpha`;
+- `r = T_draft / T_full`: `T_draft` is the decoder's mean per-cycle draft time, `T_full` the AR
+  baseline's mean per-token decode time (one full forward of the target);
+- the draft-cost-adjusted speedups of SPEC 6: `S_spd = n*alpha*min(1, 1/(n*r))` (drafting masked while
+  it fits in one stage) and `S_post = S_ppsd = n*alpha / (1 + n*r)`;
+- wall-clock: decode-phase tokens/s of the decoder over the AR baseline's (prefill excluded). Under
+  `--simulate` the stages run in sequence, so this number is not the pipeline's.
+
+EAGLE-3 beside it: `--eagle3 DRAFTER` (or an EAGLE-3 drafter as `--ckpt`) adds chain decoding at each
+`--k` (default 7; e.g. `--k 3 5 7`) on the same target, prompts and AR baseline, in
+`eagle3_results` (inference/eval_eagle3.py: tokens per target forward, S_eagle3, wall-clock), and a
+side-by-side table of every method: tokens per target forward (`S0`: n*alpha for SPD, N/K for EAGLE-3),
+the theoretical speedup with the draft cost (S_spd, S_post for post-step/PPSD, S_eagle3) and the
+wall-clock speedup. More PDM drafters of the same target join the same report with `--compare CKPT ...`
+(e.g. a PPSD drafter, trained with first-stage features, or another n or L_s), each decoded in its own mode
+on the same prompts against the same AR decodes; their rows are in `results` beside `--ckpt`'s (each row
+names its `method`, `drafter`, `mode`, `n`, `L_s`). SPD, PPSD and EAGLE-3 in one report:
+
+    python -m inference.eval --ckpt spd_drafter/ --compare ppsd_drafter/ --eagle3 eagle3_drafter/ --k 3 5 7 \\
+        --prompts set.jsonl --simulate
+
+Writes DIR/eval.json (every number, plus what `inference.plan` reads: `plan_inputs`, `plan_inputs_eagle3`),
+DIR/eval.md (markdown tables) and DIR/eval.png. Exit status: 0 done, 2 bad input (one line on stderr; `--debug` shows tracebacks),
+1 an unexpected error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+
+from inference import cli
+from inference.backends import make_backend
+from inference.cycle.ar import ar_decode
+from inference.cycle.result import DecodeResult
+from inference.evaluation import eagle3 as eval_eagle3
+from inference.evaluation import totals
+from inference.evaluation.report import markdown, write_outputs
+from inference.processes.launch import launch
+from inference.prompts import dataset_spec, read_prompts
+from inference.sampling import Sampling
+from inference.setup import Setup, decode_job, drafter_for_mode, encode_prompts, prepare
+from spd_lightning.eagle3_export import KIND as EAGLE3
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = cli.parser("python -m inference.eval", doc=__doc__)
+    p.add_argument(
+        "--prompts",
+        nargs="+",
+        required=True,
+        help="EAGLE-style jsonl sets (first turn of each line), or datasets NAME[:CONFIG][@SPLIT] (hub or local)",
+    )
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=50, help="for T > 0 (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="for T > 0, in (0, 1]")
+    p.add_argument("--limit", type=int, help="first K prompts of each set")
+    p.add_argument("--out", default="eval_out", help="output directory")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--eagle3", help="an EAGLE-3 drafter to evaluate beside --ckpt, at each --k, on the same target")
+    p.add_argument(
+        "--compare",
+        nargs="+",
+        default=[],
+        metavar="CKPT",
+        help="more PDM drafters of --ckpt's target (a PPSD drafter, another n or L_s), each in its own mode, "
+        "on the same prompts and AR decodes",
+    )
+    cli.add_decoder_arguments(p, max_new_tokens=512, with_ar=False, k_values=True)
+    return p.parse_args(argv)
+
+
+def speedups(n: int, alpha: float | None, r: float | None) -> dict:
+    """SPEC 6's speedups over single-device AR decoding for `n` stages, acceptance `alpha`, `r = T_draft/T_full`."""
+    if alpha is None:
+        return {"S0": None, "S_spd": None, "S_post": None, "S_ppsd": None}
+    s0 = n * alpha
+    if r is None:
+        return {"S0": s0, "S_spd": None, "S_post": None, "S_ppsd": None}
+    s_post = s0 / (1 + n * r)
+    s_spd = s0 * (min(1.0, 1.0 / (n * r)) if r > 0 else 1.0)
+    return {"S0": s0, "S_spd": s_spd, "S_post": s_post, "S_ppsd": s_post}
+
+
+def summarize(n: int, spd: list[DecodeResult], ar: list[DecodeResult]) -> dict:
+    """Pooled numbers of a group of prompts (one set, or all sets) at one temperature."""
+    N, K = sum(r.N for r in spd), sum(r.K for r in spd)
+    alpha = N / K if K else None
+    ar_tps = totals.decode_rate(ar)
+    t_full = 1.0 / ar_tps if ar_tps else None
+    draft_s = sum(r.timing.get("totals", {}).get("draft_s", 0.0) for r in spd)
+    t_draft = draft_s / K if K else None
+    cycle_s = sum(r.timing.get("totals", {}).get("wall_s", 0.0) for r in spd) / K if K else None
+    slowest = sum(r.timing.get("totals", {}).get("mean_slowest_stage_s", 0.0) * r.K for r in spd) / K if K else None
+    stages_sum = sum(sum(r.timing.get("totals", {}).get("stage_compute_s", [])) for r in spd) / K if K else None
+    r_ratio = t_draft / t_full if t_draft is not None and t_full else None
+    spd_tps = totals.decode_rate(spd)
+    out = {
+        "prompts": len(spd),
+        "N": N,
+        "K": K,
+        "alpha": alpha,
+        "r": r_ratio,
+        "T_full_s": t_full,
+        "T_draft_s": t_draft,
+        "mean_cycle_s": cycle_s,
+        "mean_slowest_stage_s": slowest,
+        "mean_stage_sum_s": stages_sum,
+        **speedups(n, alpha, r_ratio),
+        "decode_tokens_per_s": spd_tps,
+        "ar_decode_tokens_per_s": ar_tps,
+        "wall_clock_speedup": spd_tps / ar_tps if spd_tps and ar_tps else None,
+    }
+    return out
+
+
+def check_args(args: argparse.Namespace) -> list[Sampling]:
+    cli.check_decoder_args(args)
+    if args.limit is not None and args.limit < 1:
+        raise cli.UsageError(f"--limit={args.limit} must be >= 1")
+    if len(set(args.temperatures)) != len(args.temperatures):
+        raise cli.UsageError(f"--temperatures {args.temperatures} repeats a value")
+    return [Sampling(t, args.top_k if t > 0 else 0, args.top_p if t > 0 else 1.0) for t in args.temperatures]
+
+
+@dataclass
+class PromptSet:
+    name: str
+    path: str
+    prompts: list[list[int]]  # rendered token ids
+
+
+def set_name(path: str, taken: set[str]) -> str:
+    name = os.path.splitext(os.path.basename(dataset_spec(path.rstrip("/"))[0]))[0].removesuffix("_question")
+    base, i = name, 2
+    while name in taken:
+        name, i = f"{base}_{i}", i + 1
+    taken.add(name)
+    return name
+
+
+def read_sets(args: argparse.Namespace, setup: Setup) -> list[PromptSet]:
+    taken: set[str] = set()
+    return [
+        PromptSet(
+            set_name(path, taken),
+            path,
+            encode_prompts(setup, read_prompts(None, path)[: args.limit], args.max_new_tokens),
+        )
+        for path in args.prompts
+    ]
+
+
+class PdmDecoder:
+    """One PDM drafter under test on the eval's target: the simulator (`--simulate`) or the n + 1 ranks."""
+
+    def __init__(self, args: argparse.Namespace, setup: Setup, target):
+        self.args, self.setup, self.target = args, setup, target
+        self.backend = None
+        self.method = f"{setup.mode} n={setup.geometry.n} L_s={setup.spec.pdm.num_layers}"
+
+    @property
+    def identity(self) -> dict:
+        """What tells this drafter's rows from another's in one report."""
+        n, num_layers = self.setup.geometry.n, self.setup.spec.pdm.num_layers
+        return {"method": self.method, "drafter": self.setup.ckpt, "mode": self.setup.mode, "n": n, "L_s": num_layers}
+
+    def warm_up(self, sampling: Sampling, prompt: list[int]) -> None:
+        if not self.args.simulate:
+            return
+        compile_ = getattr(self.args, "compile", False)
+        self.backend = make_backend(self.setup, self.args.device, self.target, compile=compile_, profile=True)
+        self.backend.generate(prompt, min(4, self.args.max_new_tokens), sampling, self.args.seed)
+
+    def decode(self, sampling: Sampling, prompts: list[list[int]], progress) -> list[DecodeResult]:
+        args = self.args
+        if self.backend is None:
+            job = decode_job(self.setup, args, prompts, sampling, profile=True)
+            return launch(job, on_result=lambda i, r: progress(1))
+        results = []
+        for i, ids in enumerate(prompts):
+            results.append(self.backend.generate(ids, args.max_new_tokens, sampling, args.seed + i))
+            progress(1)
+        return results
+
+
+class Decoders:
+    """Every drafter under test (PDM drafters, simulated or distributed; EAGLE-3 at each k) and the AR
+    baseline, all on one target loaded once."""
+
+    def __init__(self, args: argparse.Namespace, setups: list[Setup]):
+        from spd_lightning.target import Target
+
+        self.args, self.setup = args, setups[0]
+        self.target = Target.load(self.setup.target_path, self.setup.dtype, args.device)
+        self.pdms = [PdmDecoder(args, setup, self.target) for setup in setups if setup.mode != EAGLE3]
+        methods = [pdm.method for pdm in self.pdms]
+        for pdm in self.pdms:  # drafters of one mode, n and L_s (e.g. two layouts): named by their run
+            if methods.count(pdm.method) > 1:
+                pdm.method += f" ({drafter_name(pdm.setup.ckpt)})"
+        eagle3 = self.setup.ckpt if self.setup.mode == EAGLE3 else args.eagle3
+        self.eagle3 = eval_eagle3.Eagle3Decoders(self.target, eagle3, args.k) if eagle3 else None
+
+    @property
+    def methods(self) -> int:
+        return len(self.pdms) + (len(self.eagle3.ks) if self.eagle3 is not None else 0)
+
+    def warm_up(self, sampling: Sampling, prompt: list[int]) -> None:
+        """Allocator and kernels warm, so the first measured prompt is not penalized."""
+        args, eos = self.args, self.setup.eos
+        for pdm in self.pdms:
+            pdm.warm_up(sampling, prompt)
+        if self.eagle3 is not None:
+            self.eagle3.warm_up(sampling, prompt, args.max_new_tokens, eos, args.seed)
+        ar_decode(self.target, prompt, min(4, args.max_new_tokens), sampling, eos, args.seed)
+
+    def ar(self, sampling: Sampling, prompts: list[list[int]]) -> list[DecodeResult]:
+        args = self.args
+        return [
+            ar_decode(self.target, ids, args.max_new_tokens, sampling, self.setup.eos, args.seed + i)
+            for i, ids in enumerate(prompts)
+        ]
+
+
+def drafter_name(path: str) -> str:
+    """`runs/x/checkpoints/last.ckpt` -> `x`; `drafters/y/` -> `y`."""
+    parts = os.path.normpath(path).split(os.sep)
+    if parts[-1].endswith(".ckpt"):
+        parts = parts[:-1]
+    if len(parts) > 1 and parts[-1] == "checkpoints":
+        parts = parts[:-1]
+    return parts[-1]
+
+
+def compared_setups(args: argparse.Namespace, setup: Setup) -> list[Setup]:
+    """The `--compare` drafters, each in its own mode: PDM drafters of `--ckpt`'s target."""
+    setups = []
+    for path in args.compare:
+        other = prepare(argparse.Namespace(**{**vars(args), "ckpt": path, "mode": None}))
+        if other.mode == EAGLE3:
+            raise cli.UsageError(f"--compare {path}: an EAGLE-3 drafter; pass it as --eagle3 (one at most)")
+        if other.target_path != setup.target_path:
+            raise cli.UsageError(
+                f"--compare {path} drafts for {other.target_path}, --ckpt for {setup.target_path}: "
+                f"compare drafters of one target (or pass --target to decode both on it)"
+            )
+        setups.append(other)
+    return setups
+
+
+def run(args: argparse.Namespace) -> dict:
+    samplings = check_args(args)
+    setup = prepare(args)
+    if setup.mode == "ar":
+        raise cli.UsageError("inference.eval compares a drafter with AR decoding: --ckpt must name a drafter")
+    if args.eagle3 and setup.mode == EAGLE3:
+        raise cli.UsageError("--ckpt is already an EAGLE-3 drafter: pass a PDM drafter as --ckpt, or drop --eagle3")
+    if args.eagle3:
+        drafter_for_mode(args.eagle3, EAGLE3)  # one line now if it is not an EAGLE-3 drafter
+    setups = [setup, *compared_setups(args, setup)]
+    sets = read_sets(args, setup)
+    with cli.writing(args.out):
+        os.makedirs(args.out, exist_ok=True)
+    decoders = Decoders(args, setups)
+    report = _report_head(args, setup)
+    bar = _progress(decoders.methods * len(samplings) * sum(len(s.prompts) for s in sets), args.no_progress)
+    try:
+        for sampling in samplings:
+            _evaluate(decoders, sampling, sets, bar, report)
+    finally:
+        bar.close()
+    if report["results"]:
+        _plan_inputs(report)
+    report["plan_inputs_eagle3"] = eval_eagle3.plan_inputs(report["eagle3_results"])
+    write_outputs(report, args.out)
+    return report
+
+
+def _report_head(args: argparse.Namespace, setup: Setup) -> dict:
+    return {
+        "target": setup.target_path,
+        "drafter": setup.ckpt,
+        "mode": setup.mode,
+        "n": setup.geometry.n,
+        "L": setup.info.num_layers,
+        "L_s": setup.spec.pdm.num_layers if setup.mode != EAGLE3 else None,
+        "compared": args.compare,
+        "eagle3_drafter": setup.ckpt if setup.mode == EAGLE3 else args.eagle3,
+        "k": args.k if setup.mode == EAGLE3 or args.eagle3 else None,
+        "hidden_size": setup.info.hidden_size,
+        "geometry": setup.geometry.to_dict(),
+        "max_new_tokens": args.max_new_tokens,
+        "limit": args.limit,
+        "simulate": args.simulate,
+        "device": args.device,
+        "dtype": setup.dtype,
+        "seed": args.seed,
+        "results": [],
+        "eagle3_results": [],
+    }
+
+
+def _evaluate(decoders: Decoders, sampling: Sampling, sets: list[PromptSet], bar, report: dict) -> None:
+    """One row per set and one pooling every set, at one temperature, for each PDM drafter (`results`) and
+    for EAGLE-3 at each k (`eagle3_results`), all against the same AR decodes."""
+    args = decoders.args
+    decoders.warm_up(sampling, sets[0].prompts[0])
+    ks = decoders.eagle3.ks if decoders.eagle3 is not None else []
+    pooled: dict = {"ar": [], **{pdm: [] for pdm in decoders.pdms}, **{k: [] for k in ks}}
+    head = {"temperature": sampling.temperature, "sampling": sampling.to_dict()}
+    for prompt_set in sets:
+        bar.set_description(f"{prompt_set.name} T={sampling.temperature:g}")
+        where = {"set": prompt_set.name, "path": prompt_set.path, **head}
+        ar = decoders.ar(sampling, prompt_set.prompts)
+        pooled["ar"] += ar
+        for pdm in decoders.pdms:
+            spd = pdm.decode(sampling, prompt_set.prompts, bar.update)
+            pooled[pdm] += spd
+            report["results"].append({**where, **pdm.identity, **summarize(pdm.setup.geometry.n, spd, ar)})
+        for k in ks:
+            chain = decoders.eagle3.decode(k, sampling, prompt_set.prompts, args, decoders.setup.eos, bar.update)
+            pooled[k] += chain
+            report["eagle3_results"].append({**where, **eval_eagle3.summarize(k, chain, ar)})
+    where = {"set": "overall", "path": None, **head}
+    for pdm in decoders.pdms:
+        row = summarize(pdm.setup.geometry.n, pooled[pdm], pooled["ar"])
+        report["results"].append({**where, **pdm.identity, **row})
+    for k in ks:
+        report["eagle3_results"].append({**where, **eval_eagle3.summarize(k, pooled[k], pooled["ar"])})
+
+
+def _progress(total: int, disable: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="prompt", file=sys.stderr, disable=disable, dynamic_ncols=True)
+
+
+def _plan_inputs(report: dict) -> None:
+    """What `inference.plan --times eval.json` reads: measured T_full, draft time at this L_s, slowest stage, overhead."""
+    greedy = [r for r in report["results"] if r["set"] == "overall" and r["drafter"] == report["drafter"]]
+    row = min(greedy, key=lambda r: r["temperature"])
+    overhead = None
+    if row["mean_cycle_s"] is not None and row["T_draft_s"] is not None:
+        # the simulator runs stages and drafter in sequence; the pipeline overlaps them
+        busy = (
+            (row["mean_stage_sum_s"] + row["T_draft_s"])
+            if report["simulate"]
+            else max(row["mean_slowest_stage_s"], row["T_draft_s"])
+        )
+        overhead = max(0.0, row["mean_cycle_s"] - busy)
+    report["plan_inputs"] = {
+        "T_full_s": row["T_full_s"],
+        "T_draft_s": row["T_draft_s"],
+        "L_s": report["L_s"],
+        "overhead_s": overhead,
+        "n": report["n"],
+        "alpha": row["alpha"],
+        "L": report["L"],
+        "slowest_stage_s": row["mean_slowest_stage_s"],
+    }
+
+
+def finish(args: argparse.Namespace, report: dict) -> int:
+    print(markdown(report), end="")
+    print(f"wrote {os.path.join(args.out, 'eval.json')}, eval.md, eval.png")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.main(argv, parse_args, run, finish)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

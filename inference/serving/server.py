@@ -1,0 +1,198 @@
+"""`python -m inference.serve`: an OpenAI-compatible, streaming server for an SPD drafter and its target.
+
+    python -m inference.serve --ckpt drafter/ --port 8000 --simulate
+    python -m inference.serve --ckpt drafter/ --target Qwen/Qwen3.5-9B --api-key "$KEY" --device cuda
+    python -m inference.serve --ckpt none --target DIR --mode ar --simulate   # the plain target, same API
+    # two nodes: node 0 serves HTTP and runs ranks 0..4, node 1 runs ranks 5..8 and serves nothing
+    python -m inference.serve --ckpt drafter/ --device cuda --nnodes 2 --node-rank 0 --nproc-per-node 5 --master-addr HOST0
+    python -m inference.serve --ckpt drafter/ --device cuda --nnodes 2 --node-rank 1 --nproc-per-node 4 --master-addr HOST0
+
+The weights are loaded once, at start: n + 1 rank processes that stay up between requests (in this
+process with `--simulate`; `--mode ar` runs the stages in sequence in this process). Requests are decoded one at a time (SPD is a batch-1 latency
+method) and wait in a FIFO of `--queue-size` (HTTP 429 beyond it). Endpoints: `POST /v1/chat/completions`,
+`POST /v1/completions` (`stream: true` for server-sent events as tokens are verified; `temperature`,
+`top_p`, `top_k`, `max_tokens`, `seed`, `stop`), `GET /v1/models`, `/health`, `/metrics` (Prometheus).
+The model name is the drafter's directory name (or the target's for `--mode ar`), or `--model-name`.
+SIGTERM or Ctrl-C stops the server after the request in progress, and with it the ranks of every node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+import uuid
+
+import torch
+
+from inference import cli
+from inference.backends import make_backend as in_process_backend
+from inference.processes.job import DecodeJob
+from inference.processes.launch import LaunchError, RankInputError, launch
+from inference.processes.nodes import Nodes, RequestsOnNodeZero, join_pipeline
+from inference.sampling import Sampling
+from inference.serving.engine import Engine
+from inference.setup import Setup, decode_job, prepare
+
+DEFAULT_CAP = 1024
+log = logging.getLogger("inference.serve")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = cli.parser("python -m inference.serve", __doc__)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("SPD_API_KEY"),
+        help="require `Authorization: Bearer KEY` on /v1/* (default: $SPD_API_KEY; none: open)",
+    )
+    p.add_argument("--model-name", help="the model id clients use (default: the drafter's or target's directory name)")
+    p.add_argument("--queue-size", type=int, default=16, help="requests that may wait; beyond it HTTP 429")
+    p.add_argument("--max-tokens-cap", type=int, default=DEFAULT_CAP, help="the largest max_tokens a request may ask")
+    p.add_argument(
+        "--threads",
+        type=int,
+        help="torch CPU threads of the in-process decoder (--simulate, --mode ar); "
+        "default: torch's. Tiny models decode fastest with 1",
+    )
+    cli.add_decoder_arguments(p, max_new_tokens=256, with_ar=True)
+    add_node_arguments(p)
+    return p.parse_args(argv)
+
+
+def add_node_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("several nodes (inference/nodes.py; the same decoder options on every node)")
+    g.add_argument("--nnodes", type=int, default=1, help="nodes the ranks run on")
+    g.add_argument("--node-rank", type=int, default=0, help="0: this node serves HTTP; others only run ranks")
+    g.add_argument("--nproc-per-node", type=int, help="ranks on this node (with --nnodes > 1); in rank order by node")
+    g.add_argument("--master-addr", default="127.0.0.1", help="node 0's address, reachable from every node")
+    g.add_argument("--master-port", type=int, default=29500, help="node 0's port for the ranks' rendezvous")
+    g.add_argument("--report-port", type=int, help="node 0's port for the other nodes' reports (default: master + 1)")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    cli.check_decoder_args(args)
+    if not 0 < args.port < 65536:
+        raise cli.UsageError(f"--port {args.port} must be in 1..65535")
+    if args.threads is not None and args.threads < 1:
+        raise cli.UsageError(f"--threads {args.threads} must be >= 1")
+    if args.queue_size < 1 or args.max_tokens_cap < 1:
+        raise cli.UsageError("--queue-size and --max-tokens-cap must be >= 1")
+    check_node_args(args)
+
+
+def check_node_args(args: argparse.Namespace) -> None:
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        raise cli.UsageError(f"--nnodes {args.nnodes} --node-rank {args.node_rank}: need 0 <= node rank < nnodes")
+    if args.nnodes == 1:
+        return
+    if args.simulate or args.mode == "ar":
+        raise cli.UsageError("--nnodes > 1 runs the distributed decoder: drop --simulate and --mode ar")
+    if args.nproc_per_node is None or args.nproc_per_node < 1:
+        raise cli.UsageError("--nnodes > 1 needs --nproc-per-node N >= 1: the ranks this node runs")
+
+
+def nodes_of(args: argparse.Namespace) -> Nodes | None:
+    if args.nnodes == 1:
+        return None
+    report_port = args.report_port or args.master_port + 1
+    return Nodes(args.nnodes, args.node_rank, args.nproc_per_node, args.master_addr, args.master_port, report_port)
+
+
+def build(args: argparse.Namespace):
+    """The app and its engine (weights loaded) for these arguments."""
+    from inference.serving.app import ServerConfig, build_app
+
+    check_args(args)
+    setup = prepare(args)
+    name = args.model_name or os.path.basename(os.path.normpath(setup.ckpt or setup.target_path))
+    engine = Engine(lambda: make_backend(setup, args), setup.tokenizer, setup.mode, args.queue_size)
+    config = ServerConfig(
+        name,
+        args.max_tokens_cap,
+        min(args.max_new_tokens, args.max_tokens_cap),
+        setup.info.max_position_embeddings or 0,
+        args.api_key,
+    )
+    return build_app(engine, config), engine
+
+
+def make_backend(setup: Setup, args: argparse.Namespace):
+    """n + 1 persistent ranks; in this process with --simulate, for --mode ar (the stages in sequence) and for
+    --mode eagle3 (chain decoding is a one-GPU method: draft and verify in one process)."""
+    if args.simulate or setup.mode in ("ar", "eagle3"):
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        return in_process_backend(setup, args.device)
+    from inference.serving.ranks import RankBackend
+
+    return RankBackend(serving_job(setup, args))
+
+
+def serving_job(setup: Setup, args: argparse.Namespace) -> DecodeJob:
+    """The ranks' job: requests instead of prompts, each cycle's tokens streamed to node 0."""
+    job = decode_job(setup, args, [], Sampling(), profile=False)
+    job.stream = True
+    job.fault = os.environ.get("SPD_FAULT")  # test-only: see `faults.Fault`
+    job.nodes = nodes_of(args)
+    if job.nodes is not None and job.nodes.node_rank == 0:  # a name of its own for each pipeline (`nodes`)
+        job.nodes = dataclasses.replace(job.nodes, pipeline=uuid.uuid4().hex[:12])
+    return job
+
+
+def run_ranks_only(args: argparse.Namespace) -> int:
+    """A node other than node 0: its share of the ranks, until node 0 stops them (exit 0). When a rank
+    fails, node 0 starts a fresh pipeline and this node joins it; it ends when node 0 cannot be reached
+    within --timeout, or when its ranks reject their input."""
+    from inference.serving.ranks import serve_requests
+
+    check_args(args)
+    job = serving_job(prepare(args), args)
+    where = f"node 0 at {args.master_addr}:{args.master_port}"
+    nodes = job.nodes
+    while True:
+        job.nodes = dataclasses.replace(nodes, pipeline=join_pipeline(nodes, job.nodes.pipeline, job.timeout_s))
+        log.info(
+            "node %d: %d ranks, joining pipeline %s of %s",
+            args.node_rank,
+            args.nproc_per_node,
+            job.nodes.pipeline,
+            where,
+        )
+        try:
+            launch(job, requests=RequestsOnNodeZero(job.nodes), work=serve_requests)
+            return 0
+        except RankInputError:
+            raise
+        except LaunchError as e:
+            log.warning("%s; joining the next pipeline", str(e).splitlines()[0])
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    if args.node_rank > 0:
+        return run_ranks_only(args)
+    app, engine = build(args)
+    try:
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="debug" if cli.debugging(args) else "warning",
+            timeout_graceful_shutdown=5,
+        )
+    finally:
+        engine.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.main(argv, parse_args, run, lambda args, code: code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
