@@ -24,7 +24,7 @@ from inference.cycle.simulator import Simulator
 from inference.runtime.stages import Stage
 from inference.sampling import Sampling
 from inference.setup import Setup
-from spd_lightning.eagle3_export import KIND as EAGLE3
+from spd_lightning.eagle3.export import KIND as EAGLE3
 from spd_lightning.export import load_drafter
 from spd_lightning.target import Target
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from spd_lightning.eagle3_export import KIND as EAGLE3
+from spd_lightning.eagle3.export import KIND as EAGLE3
 from spd_lightning.errors import UsageError, UserError
 from spd_lightning.geometry import MODES
 

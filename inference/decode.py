@@ -42,7 +42,7 @@ from inference.prompts import read_prompts
 from inference.sampling import Sampling
 from inference.setup import Setup, decode_job, encode_prompts, prepare
 from inference.textstream import StreamPrinter
-from spd_lightning.eagle3_export import KIND as EAGLE3
+from spd_lightning.eagle3.export import KIND as EAGLE3
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

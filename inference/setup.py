@@ -18,8 +18,8 @@ from inference.processes.job import DecodeJob
 from inference.prompts import PromptError, load_tokenizer, render
 from inference.runtime.stages import meta_target
 from inference.sampling import Sampling
-from spd_lightning.eagle3_export import KIND as EAGLE3
-from spd_lightning.eagle3_export import Eagle3Spec, load_eagle3
+from spd_lightning.eagle3.export import KIND as EAGLE3
+from spd_lightning.eagle3.export import Eagle3Spec, load_eagle3
 from spd_lightning.errors import UsageError
 from spd_lightning.export import PDM_KIND, DrafterSpec, drafter_kind, read_drafter_spec
 from spd_lightning.geometry import Geometry

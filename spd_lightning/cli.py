@@ -40,9 +40,9 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from .checkpoint_io import AtomicCheckpointIO
 from .data import ChatDataModule
-from .eagle3_export import KIND as EAGLE3
-from .eagle3_export import load_eagle3, save_eagle3
-from .eagle3_module import Eagle3Module
+from .eagle3.export import KIND as EAGLE3
+from .eagle3.export import load_eagle3, save_eagle3
+from .eagle3.module import Eagle3Module
 from .errors import ConfigError, UserError
 from .export import drafter_kind, load_drafter, save_drafter
 from .module import SPDModule

@@ -14,8 +14,8 @@ from inference import decode as spd_decode
 from inference.evaluation import plan as spd_plan
 from inference.evaluation import run as spd_eval
 from spd_lightning import cli
-from spd_lightning.eagle3 import Eagle3Config, Eagle3Drafter, eagle_feature_layers
-from spd_lightning.eagle3_export import Eagle3Spec, save_eagle3
+from spd_lightning.eagle3.export import Eagle3Spec, save_eagle3
+from spd_lightning.eagle3.model import Eagle3Config, Eagle3Drafter, eagle_feature_layers
 from spd_lightning.geometry import Geometry
 
 pytestmark = [

@@ -16,8 +16,8 @@ from inference.chain.drafter import Draft, Eagle3Runtime
 from inference.chain.target import ChainTarget
 from inference.cycle.ar import ar_decode
 from inference.sampling import Sampling
-from spd_lightning.eagle3 import Eagle3Config, Eagle3Drafter, eagle_feature_layers
-from spd_lightning.eagle3_ttt import ttt_outputs, ttt_step_losses, ttt_total
+from spd_lightning.eagle3.model import Eagle3Config, Eagle3Drafter, eagle_feature_layers
+from spd_lightning.eagle3.ttt import ttt_outputs, ttt_step_losses, ttt_total
 from spd_lightning.target import Target
 
 PROMPTS = [[3, 14, 15, 92, 65, 35], [7, 7, 8], [50, 2, 33, 71]]
@@ -276,7 +276,7 @@ def greedy_without_cache(target: Target, prompt, new: int) -> list[int]:
 
 def test_decoder_from_exported_files_is_ar(family, tmp_path):
     from inference.chain.decoder import ChainDecoder
-    from spd_lightning.eagle3_export import Eagle3Spec, save_eagle3
+    from spd_lightning.eagle3.export import Eagle3Spec, save_eagle3
     from spd_lightning.export import DrafterLoadError
 
     target, references, layers, trained = family

@@ -9,15 +9,15 @@ from conftest import TINY_VOCAB, make_tiny_model
 from test_inference_support import one_thread  # noqa: F401 - one_thread is an autouse fixture
 from test_resume import chat_target, make_data  # noqa: F401 - chat_target is a fixture
 
-from spd_lightning.eagle3 import (
+from spd_lightning.eagle3.export import Eagle3Spec, load_eagle3, save_eagle3
+from spd_lightning.eagle3.model import (
     Eagle3Config,
     Eagle3ConfigError,
     Eagle3Drafter,
     check_feature_layers,
     eagle_feature_layers,
 )
-from spd_lightning.eagle3_export import Eagle3Spec, load_eagle3, save_eagle3
-from spd_lightning.eagle3_ttt import shift_left, step_targets, ttt_mask, ttt_outputs
+from spd_lightning.eagle3.ttt import shift_left, step_targets, ttt_mask, ttt_outputs
 from spd_lightning.export import DrafterLoadError
 from spd_lightning.pdm import causal_attend
 from spd_lightning.target import Target
@@ -114,7 +114,7 @@ def target_dir(tmp_path_factory) -> str:
 def fit_module(target_dir, root, steps: int):
     from test_module import SyntheticChat, make_trainer
 
-    from spd_lightning.eagle3_module import Eagle3Module
+    from spd_lightning.eagle3.module import Eagle3Module
 
     module = Eagle3Module(target=target_dir, target_dtype="float32", ttt_steps=3, lr=3e-3, dense_attention=True)
     data = SyntheticChat(repeat_one=True)
@@ -166,7 +166,7 @@ def test_module_trains_on_chat_data_module_batches(chat_target, tmp_path):
     """The batches ChatDataModule produces (rendered chats, assistant loss mask, its d2t) train the drafter."""
     from test_module import make_trainer
 
-    from spd_lightning.eagle3_module import Eagle3Module
+    from spd_lightning.eagle3.module import Eagle3Module
 
     module = Eagle3Module(target=chat_target["target"], target_dtype="float32", ttt_steps=2, lr=3e-3)
     data = make_data(chat_target, val_size=4)

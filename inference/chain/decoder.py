@@ -35,7 +35,7 @@ from inference.cycle.schedule import eos_set
 from inference.cycle.verify import judge
 from inference.runtime.stages import meta_target
 from inference.sampling import Sampling, draft_distribution, sample_token, warp
-from spd_lightning.eagle3_export import Eagle3Spec, load_eagle3
+from spd_lightning.eagle3.export import Eagle3Spec, load_eagle3
 from spd_lightning.target import Target
 
 

@@ -6,7 +6,7 @@ accepted positions are such rows: `commit` runs them teacher-forced (TTT step 0)
 values for good. `draft` then chains from the last committed row `p`: its output drafts `d_1`; step
 `j >= 1` feeds its own previous output with `embed(d_j)` at position `p + j` and drafts `d_{j+1}`. The
 chain's keys are temporary (dropped before the next commit overwrites those positions). This is exactly
-the attention of training-time test (spd_lightning/eagle3_ttt.py): committed rows `<= p`, then the
+the attention of training-time test (spd_lightning/eagle3/ttt.py): committed rows `<= p`, then the
 chain's own positions.
 """
 
@@ -19,7 +19,7 @@ from torch import nn
 
 from inference.runtime.drafter import DraftKVCache
 from inference.sampling import Sampling, warp
-from spd_lightning.eagle3 import Eagle3Drafter
+from spd_lightning.eagle3.model import Eagle3Drafter
 
 
 @dataclass

@@ -52,7 +52,7 @@ from inference.processes.launch import launch
 from inference.prompts import dataset_spec, read_prompts
 from inference.sampling import Sampling
 from inference.setup import Setup, decode_job, drafter_for_mode, encode_prompts, prepare
-from spd_lightning.eagle3_export import KIND as EAGLE3
+from spd_lightning.eagle3.export import KIND as EAGLE3
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -19,9 +19,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from .eagle3 import Eagle3Config, Eagle3Drafter
-from .export import CKPT_KEY, DrafterLoadError, check_same_target, load_weights, write_drafter_dir
-from .target import TargetInfo
+from ..export import CKPT_KEY, DrafterLoadError, check_same_target, load_weights, write_drafter_dir
+from ..target import TargetInfo
+from .model import Eagle3Config, Eagle3Drafter
 
 FORMAT_VERSION = 1
 KIND = "eagle3"

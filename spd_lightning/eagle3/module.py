@@ -4,7 +4,7 @@ The same contract as `SPDModule` (spd_lightning/module.py): the frozen target is
 NOT a submodule (never in the optimizer, the `state_dict` or a checkpoint); the drafter is built in
 `configure_model` from the data module's draft vocabulary `d2t` (ChatDataModule's batches: right-padded
 `input_ids`, `attention_mask`, `loss_mask`); AdamW with linear warmup and decay. Per step the target returns
-the three feature states and its logits; `ttt_steps` steps of TTT (spd_lightning/eagle3_ttt.py) give one
+the three feature states and its logits; `ttt_steps` steps of TTT (spd_lightning/eagle3/ttt.py) give one
 KL per step. Validation logs the loss and the top-1 agreement of every TTT step (`val/agree_step{j}`:
 step j drafts the (j+1)-th token of a chain, so its agreement bounds the acceptance of that draft).
 """
@@ -18,12 +18,12 @@ import torch
 import torchmetrics
 from torch import nn
 
-from .eagle3 import Eagle3Config, Eagle3Drafter, check_feature_layers, eagle_feature_layers
-from .eagle3_export import Eagle3Spec
-from .eagle3_ttt import ttt_outputs, ttt_step_losses, ttt_total
-from .errors import ConfigError
-from .export import CKPT_KEY
-from .target import FrozenTargetHolder, Target, TargetError, load_hf_config
+from ..errors import ConfigError
+from ..export import CKPT_KEY
+from ..target import FrozenTargetHolder, Target, TargetError, load_hf_config
+from .export import Eagle3Spec
+from .model import Eagle3Config, Eagle3Drafter, check_feature_layers, eagle_feature_layers
+from .ttt import ttt_outputs, ttt_step_losses, ttt_total
 
 
 def adamw_linear_schedule(

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .attention import TwoPartPlan, two_part_attend
-from .eagle3 import Eagle3Drafter
+from ..attention import TwoPartPlan, two_part_attend
+from .model import Eagle3Drafter
 
 
 def ttt_mask(T: int, step: int) -> torch.Tensor:

@@ -6,7 +6,7 @@
 
 Row `i` reads the features of `x_i` and the embedding of the NEXT token `x_{i+1}` and drafts `x_{i+2}`.
 The layer's residual stream is `h` (not the concatenation), so its output `o_i` has the width of `h` and is
-fed back as the next step's `h` in training-time test (spd_lightning/eagle3_ttt.py) and in chain drafting.
+fed back as the next step's `h` in training-time test (spd_lightning/eagle3/ttt.py) and in chain drafting.
 
 Feature indices are Hugging Face `hidden_states[l]` indices (SPEC 2: 0 = embedding output, `l < L` = the
 residual entering layer `l`, `L` = final-norm output). EAGLE's default `(2, L//2, L-3)` is "the states
@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, fields
 import torch
 from torch import nn
 
-from .errors import UserError
-from .pdm import MLP, Attend, Attention, PDMConfig, RMSNorm, causal_attend, draft_to_target, init_linear
+from ..errors import UserError
+from ..pdm import MLP, Attend, Attention, PDMConfig, RMSNorm, causal_attend, draft_to_target, init_linear
 
 NUM_FEATURES = 3
 
