@@ -1,8 +1,8 @@
 """What the inference command lines share: arguments, their checks, and the guarded `main`.
 
 `inference.decode`, `inference.eval` and `inference.plan` are thin: each adds its own arguments, runs, and
-prints. The error policy is `spd_lightning.errors`: a `UserError` (bad input) ends with one `error:` line on
-stderr and exit 2; any other exception is a bug: one line and exit 1, with the traceback under `--debug`
+prints. The error policy is `spd_lightning.errors.run_main`: a `UserError` (bad input) ends with one `error:`
+line on stderr and exit 2; any other exception is a bug: one line and exit 1, with the traceback under `--debug`
 (or `SPD_DEBUG=1`).
 """
 
@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -19,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from spd_lightning.eagle3.export import KIND as EAGLE3
-from spd_lightning.errors import UsageError, UserError
+from spd_lightning.errors import UsageError, debug_requested, run_main
 from spd_lightning.geometry import MODES
 
 if TYPE_CHECKING:  # transformers is imported lazily at run time
@@ -124,27 +122,7 @@ def writing(path: str) -> Iterator[None]:
 
 
 def debugging(args: argparse.Namespace | None = None) -> bool:
-    return bool(getattr(args, "debug", False)) or os.environ.get("SPD_DEBUG", "") not in ("", "0")
-
-
-def run_guarded(run: Callable[[argparse.Namespace], object], args: argparse.Namespace) -> tuple[int | None, object]:
-    """`run(args)` under the error policy: returns (None, its result), or (exit code, None) after one
-    `error:` line on stderr. Under `--debug` every exception propagates with its traceback."""
-    debug = debugging(args)
-    configure_logging(debug)
-    try:
-        return None, run(args)
-    except UserError as e:
-        if debug:
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code, None
-    except Exception as e:  # noqa: BLE001 - a bug still ends with one line unless --debug
-        if debug:
-            raise
-        first = str(e).splitlines()[0] if str(e) else ""
-        print(f"error: {type(e).__name__}: {first} (rerun with --debug for the traceback)", file=sys.stderr)
-        return 1, None
+    return debug_requested(bool(getattr(args, "debug", False)))
 
 
 def configure_logging(debug: bool) -> None:
@@ -164,7 +142,9 @@ def main(
     run: Callable[[argparse.Namespace], object],
     finish: Callable[[argparse.Namespace, object], int],
 ) -> int:
-    """A CLI's `main`: parse, run under the error policy, then `finish(args, result)` prints and says the exit code."""
+    """A CLI's `main`: parse, then run and `finish(args, result)` (prints, says the exit code) under the project's
+    error policy (`spd_lightning.errors.run_main`)."""
     args = parse(argv)
-    code, result = run_guarded(run, args)
-    return code if code is not None else finish(args, result)
+    debug = debugging(args)
+    configure_logging(debug)
+    return run_main(lambda: finish(args, run(args)), debug)

@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from inference.cli import run_guarded  # noqa: E402
+from inference import cli  # noqa: E402
 from inference.evaluation.repetition import repeated_kgrams  # noqa: E402
 from inference.evaluation.tables import fmt, grouped_bars, markdown_table, pyplot, save  # noqa: E402
 from spd_lightning.errors import UserError  # noqa: E402
@@ -167,18 +167,13 @@ EAGLE3_EVAL_K = ("3", "5", "7")
 
 
 def eagle3_train_command(name: str, args: argparse.Namespace) -> list[str]:
-    """`fit` on ROOT/NAME/config.yaml: the `--config` with its model section for the EAGLE-3 drafter (written here)."""
-    import yaml
-
-    from spd_lightning.cli import drafter_config, stacked_config
-
+    """`fit` on the `--config` with the EAGLE-3 module (`--model Eagle3Module` keeps the options both drafters take:
+    the target and the optimizer settings) and without the staircase callback (it decodes a PDM)."""
     out = f"{args.root}/{name}"
-    os.makedirs(out, exist_ok=True)
-    with open(f"{out}/config.yaml", "w") as f:
-        yaml.safe_dump(drafter_config(stacked_config(args.config), "eagle3"), f, sort_keys=False)
-    return ["python", "-m", "spd_lightning", "fit", "--config", f"{out}/config.yaml"] + [
-        *("--model.ttt_steps", str(EAGLE3_RUNS[name]), "--trainer.default_root_dir", out),
-        *("--trainer.logger.init_args.save_dir", out, "--checkpoint.dirpath", f"{out}/checkpoints"),
+    return ["python", "-m", "spd_lightning", "fit", "--config", args.config, "--model", "Eagle3Module"] + [
+        *("--model.ttt_steps", str(EAGLE3_RUNS[name]), "--trainer.callbacks", "[]"),
+        *("--trainer.default_root_dir", out, "--trainer.logger.init_args.save_dir", out),
+        *("--checkpoint.dirpath", f"{out}/checkpoints"),
         *shlex.split(args.extra),
     ]
 
@@ -684,8 +679,7 @@ def run(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Exit 0 when every step worked; 2 with one `error:` line for a bad argument or a failed run."""
-    code, _ = run_guarded(run, parse_args(argv))
-    return code or 0
+    return cli.main(argv, parse_args, run, lambda _args, _result: 0)
 
 
 if __name__ == "__main__":

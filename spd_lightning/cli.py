@@ -1,9 +1,12 @@
 """Command line: `python -m spd_lightning fit|validate --config configs/X.yaml` and `... export`.
 
 `fit` and `validate` are LightningCLI over a drafter module + `ChatDataModule`; the data module's tokenizer is
-linked to the model's target, so a config names the target once. `model.drafter` picks the module (in the YAML
-under `model:` or as `--model.drafter`): `pdm` (default, `SPDModule`) or `eagle3` (`Eagle3Module`, the EAGLE-3
-baseline, docs/EAGLE3.md); `fit --model.drafter eagle3 --help` lists its options. Defaults every run gets:
+linked to the model's target, so a config names the target once. The model is chosen by LightningCLI's own
+`class_path` (subclass mode): `SPDModule` (the PDM, the default, so a config may give its options directly under
+`model:`) or `Eagle3Module` (the EAGLE-3 baseline, docs/EAGLE3.md): `model: {class_path: Eagle3Module, init_args:
+{...}}` in the YAML or `--model Eagle3Module` on the command line, which keeps the options both modules share and
+drops the others. Several `--config` files stack, later values winning (LightningCLI's own merge); every shipped
+config is complete on its own. Defaults every run gets:
 - a `WandbLogger`, offline when no W&B key is configured (no WANDB_API_KEY and no netrc entry);
 - a `ModelCheckpoint` under `checkpoint.*` that keeps `last.ckpt` (resume: `--ckpt_path .../last.ckpt` or
   `--ckpt_path last`), also written when SIGTERM stops the run;
@@ -13,26 +16,28 @@ checkpoint records it).
 
 Errors: a `UserError` (a bad setting: geometry, target path, vocabulary, data, a flag) ends the run with one
 line on stderr and exit code 2; anything else is a bug: one line and exit code 1. `--debug` or `SPD_DEBUG=1`
-shows the traceback instead. SIGTERM ends `fit` after the current step with exit code 143 (128 + SIGTERM), its
-checkpoint saved. More subcommands: one line in `EXTRA_COMMANDS`. A config whose first line is `# base: FILE` is
-stacked on FILE (see `with_base_configs`).
+shows the traceback instead (`spd_lightning.errors.run_main`, the policy of every CLI of the project). A setting
+Lightning itself rejects (e.g. `trainer.val_check_interval` above the batches of an epoch) is bad input too. SIGTERM
+ends `fit` after the current step with exit code 143 (128 + SIGTERM), its checkpoint saved. More subcommands: one
+line in `EXTRA_COMMANDS`.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import inspect
 import netrc
 import os
-import re
 import signal
 import sys
+import traceback
 import warnings
 from collections.abc import Sequence
 
+import lightning as L
 import yaml
 from jsonargparse import ArgumentError, DefaultHelpFormatter
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
@@ -43,12 +48,11 @@ from .data import ChatDataModule
 from .eagle3.export import KIND as EAGLE3
 from .eagle3.export import load_eagle3, save_eagle3
 from .eagle3.module import Eagle3Module
-from .errors import ConfigError, UserError
+from .errors import ConfigError, Stopped, UserError, debug_requested, one_line, run_main
 from .export import drafter_kind, load_drafter, save_drafter
 from .module import SPDModule
 
 PROG = "python -m spd_lightning"
-BASE_LINE = re.compile(r"#\s*base:\s*(\S+)\s*$")
 WANDB_HOST = "api.wandb.ai"
 DEFAULT_LOGGER = {
     "class_path": "lightning.pytorch.loggers.WandbLogger",
@@ -72,44 +76,44 @@ class CheckpointOnSigterm(ModelCheckpoint):
             super().on_exception(trainer, pl_module, exception)
 
 
-# `model.drafter` -> the LightningModule that trains it
-DRAFTERS = {"pdm": SPDModule, EAGLE3: Eagle3Module}
-# callbacks that decode with the PDM and so apply to `model.drafter: pdm` only
+# The model's class when a config gives none: the PDM's module. Either drafter module can be named by its class.
+DEFAULT_MODEL = f"{SPDModule.__module__}.{SPDModule.__name__}"
+DRAFTER_MODULES = (SPDModule, Eagle3Module)
+# callbacks that decode with the PDM and so apply to `SPDModule` only
 PDM_CALLBACKS = ("callbacks.StaircaseEvaluation", "callbacks.staircase.StaircaseEvaluation")
 
 
 class SPDLightningCLI(LightningCLI):
+    """LightningCLI in subclass mode for the model (`class_path`), `SPDModule` by default; see the module docstring."""
+
+    def __init__(self, args: Sequence[str], run: bool = True, **kwargs):
+        super().__init__(
+            L.LightningModule,
+            ChatDataModule,
+            subclass_mode_model=True,
+            args=list(args),
+            run=run,
+            seed_everything_default=0,
+            auto_configure_optimizers=False,  # the module's configure_optimizers owns AdamW + the linear schedule
+            **kwargs,
+        )
+
     @staticmethod
     def subcommands() -> dict:
         base = LightningCLI.subcommands()
         return {name: base[name] for name in ("fit", "validate")}
 
     def add_arguments_to_parser(self, parser) -> None:
-        parser.link_arguments("model.target", "data.tokenizer")
+        parser.link_arguments("model.init_args.target", "data.tokenizer")
         parser.add_lightning_class_args(CheckpointOnSigterm, "checkpoint")
-        parser.set_defaults({"checkpoint.save_last": True, "checkpoint.dirpath": None})
-        parser.add_argument(
-            "--model.drafter",
-            choices=list(DRAFTERS),
-            default="pdm",
-            help="the drafter to train: pdm (the Pipeline Draft Module of SPD) or eagle3 (the EAGLE-3 baseline); "
-            "the other model.* options are those of the chosen drafter",
+        parser.set_defaults(
+            {"model": {"class_path": DEFAULT_MODEL}, "checkpoint.save_last": True, "checkpoint.dirpath": None}
         )
 
     def instantiate_classes(self) -> None:
-        """The drafter's module takes every `model.*` option but `drafter`, which chose the module itself."""
         config = self.config[self.subcommand] if self.subcommand else self.config
-        kind = config.model.pop("drafter")
-        if DRAFTERS[kind] is not self.model_class:
-            raise ConfigError(
-                f"model.drafter={kind!r} was set where it cannot be read ahead of parsing: set it in a --config "
-                f"file or as --model.drafter"
-            )
-        check_callbacks(kind, config.trainer.callbacks)
-        try:
-            super().instantiate_classes()
-        finally:
-            config.model["drafter"] = kind  # the saved config.yaml names it too
+        check_model(config.model.class_path, config.trainer.callbacks)
+        super().instantiate_classes()
 
     def instantiate_trainer(self, **kwargs):
         trainer = super().instantiate_trainer(**kwargs)
@@ -118,43 +122,21 @@ class SPDLightningCLI(LightningCLI):
         return trainer
 
 
-def check_callbacks(kind: str, callbacks) -> None:
-    """One line for a callback that cannot work with this drafter (the staircase evaluation decodes a PDM)."""
+def check_model(class_path: str, callbacks) -> None:
+    """One line for a model class that does not train a drafter, or a callback that cannot work with it (the
+    staircase evaluation decodes a PDM)."""
+    module, _, name = class_path.rpartition(".")
+    model_class = getattr(importlib.import_module(module), name)
+    if not issubclass(model_class, DRAFTER_MODULES):
+        names = " or ".join(c.__name__ for c in DRAFTER_MODULES)
+        raise ConfigError(f"model.class_path={class_path!r} does not train a drafter: use {names}")
     for callback in callbacks or []:
-        class_path = str(getattr(callback, "class_path", f"{type(callback).__module__}.{type(callback).__name__}"))
-        if kind != "pdm" and class_path in PDM_CALLBACKS:
+        path = str(getattr(callback, "class_path", f"{type(callback).__module__}.{type(callback).__name__}"))
+        if not issubclass(model_class, SPDModule) and path in PDM_CALLBACKS:
             raise ConfigError(
-                f"trainer.callbacks: {class_path} decodes with the PDM and does not apply to model.drafter={kind!r}: "
+                f"trainer.callbacks: {path} decodes with the PDM and does not apply to {model_class.__name__}: "
                 f"remove it from the config's trainer.callbacks"
             )
-
-
-def selected_drafter(args: Sequence[str]) -> str:
-    """`model.drafter` as the parser will read it, ahead of parsing (it picks the module whose options the parser
-    offers): the last value among the `--config` files (bases already expanded) and `--model.drafter` flags."""
-    kind = "pdm"
-    for i, arg in enumerate(args):
-        value = arg.partition("=")[2] if arg.startswith(("--config=", "--model.drafter=")) else None
-        following = args[i + 1] if i + 1 < len(args) else None
-        if arg in ("-c", "--config") or arg.startswith("--config="):
-            value = _drafter_in_config(value or following or "")
-        elif arg == "--model.drafter":
-            value = following
-        if value is not None:
-            kind = value
-    if kind not in DRAFTERS:
-        raise ConfigError(f"model.drafter={kind!r}: use one of {', '.join(DRAFTERS)}")
-    return kind
-
-
-def _drafter_in_config(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            config = yaml.safe_load(f) or {}
-    except (OSError, yaml.YAMLError):  # the parser reports a missing or broken file
-        return None
-    model = config.get("model") if isinstance(config, dict) else None
-    return model.get("drafter") if isinstance(model, dict) else None
 
 
 class LoggedConfigCallback(SaveConfigCallback):
@@ -184,92 +166,61 @@ def default_wandb_offline() -> None:
 def run_cli(args: Sequence[str]) -> SPDLightningCLI:
     """LightningCLI `fit` / `validate` over `args` (the command line without the program name)."""
     default_wandb_offline()
-    args = with_base_configs(args)
-    model_class = DRAFTERS[selected_drafter(args)]
     with warnings.catch_warnings():
         # main() parses the command line itself (to take --debug out of it without editing sys.argv) and hands
         # LightningCLI the rest; Lightning warns about `args` only to catch a script that also has a command line.
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
         try:
             return SPDLightningCLI(
-                model_class,
-                ChatDataModule,
-                args=args,
-                seed_everything_default=0,
-                auto_configure_optimizers=False,  # the module's configure_optimizers owns AdamW + the linear schedule
+                args,
                 trainer_defaults={"logger": DEFAULT_LOGGER, "max_epochs": 1},
                 save_config_callback=LoggedConfigCallback,
                 save_config_kwargs={"overwrite": True},
                 parser_kwargs=parser_kwargs(),
             )
         except ArgumentError as e:  # a value the parser rejects (type, choice, unknown key, missing file)
-            raise ConfigError(str(e)) from e
+            raise ConfigError(one_line(e)) from e
+        except (MisconfigurationException, ValueError) as e:
+            cause = user_error_in(e)
+            if cause is not None and cause is not e:  # jsonargparse wraps what a module's __init__ raised
+                raise cause from e
+            if cause is None and raised_by_lightning(e):
+                raise ConfigError(f"a setting Lightning rejects: {one_line(e)}") from e
+            raise
 
 
-def with_base_configs(args: Sequence[str]) -> list[str]:
-    """`--config FILE` whose first line is `# base: OTHER.yaml` (relative to FILE) becomes `--config OTHER --config
-    FILE`: LightningCLI deep-merges stacked configs, later values winning, so a per-target file holds only what
-    differs from the shared recipe and the user still names one file. A comment, not a key, because the parser
-    would reject an unknown key; a base may itself name a base."""
-    out: list[str] = []
-    for i, arg in enumerate(args):
-        path = args[i + 1] if arg in ("-c", "--config") and i + 1 < len(args) else None
-        if arg.startswith("--config="):
-            path = arg.partition("=")[2]
-        for base in base_chain(path) if path else []:
-            out += ["--config", base]
-        out.append(arg)
-    return out
+def user_error_in(error: BaseException) -> UserError | None:
+    """The first `UserError` along an exception's chain of causes (the error itself included)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, UserError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
-def base_chain(path: str, seen: tuple[str, ...] = ()) -> list[str]:
-    """The bases `path` stacks on, the deepest first."""
+def raised_by_lightning(error: BaseException) -> bool:
+    """Lightning itself raised it (its innermost frame is in Lightning's code): a trainer setting it rejects, not a
+    bug of ours (a ValueError of ours raised inside a Lightning hook has its innermost frame in our code)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and f"{os.sep}lightning{os.sep}" in frames[-1].filename
+
+
+def read_config_file(path: str) -> dict:
+    """One `fit` config file as written (no defaults, no command-line overrides); `model.init_args` (a config that
+    names the model's class) is read as the model's options."""
     try:
         with open(path) as f:
-            match = BASE_LINE.match(f.readline())
-    except OSError:  # a missing file (the parser reports it) or a YAML string given as --config
-        return []
-    if match is None:
-        return []
-    base = os.path.join(os.path.dirname(path), match.group(1))
-    if os.path.abspath(base) in seen:
-        raise ConfigError(f"config {path!r}: its `# base:` line makes a cycle through {base!r}")
-    return base_chain(base, seen + (os.path.abspath(path),)) + [base]
-
-
-def stacked_config(path: str) -> dict:
-    """The YAML of `path` merged onto its bases, section by section, later values winning (what `fit` parses,
-    before defaults and command-line overrides)."""
-
-    def merge(base: dict, over: dict) -> dict:
-        out = dict(base)
-        for key, value in over.items():
-            out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-        return out
-
-    cfg: dict = {}
-    for file in [*base_chain(path), path]:
-        try:
-            with open(file) as f:
-                cfg = merge(cfg, yaml.safe_load(f) or {})
-        except OSError as e:
-            raise ConfigError(f"cannot read config {file!r}: {e.strerror}; pass an existing YAML file") from e
-    return cfg
-
-
-def drafter_config(config: dict, kind: str) -> dict:
-    """`config` (a stacked `fit` config) for the drafter `kind`: its `model` section keeps the options that
-    drafter's module takes (the target, dtype and optimizer settings both share) and drops the others, and
-    callbacks that need the PDM go. The same data, trainer and steps train either drafter."""
-    if kind not in DRAFTERS:
-        raise ConfigError(f"model.drafter={kind!r}: use one of {', '.join(DRAFTERS)}")
-    options = set(inspect.signature(DRAFTERS[kind].__init__).parameters) - {"self"}
-    model = {key: value for key, value in (config.get("model") or {}).items() if key in options}
-    out = {**config, "model": {"drafter": kind, **model}}
-    trainer = dict(config.get("trainer") or {})
-    if kind != "pdm" and trainer.get("callbacks"):
-        trainer["callbacks"] = [c for c in trainer["callbacks"] if c.get("class_path") not in PDM_CALLBACKS]
-    return {**out, "trainer": trainer} if trainer else out
+            config = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ConfigError(f"cannot read config {path!r}: {e.strerror}; pass an existing YAML file") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config {path!r} is not valid YAML: {one_line(e)}") from e
+    model = config.get("model") or {}
+    if isinstance(model, dict) and "init_args" in model:
+        config["model"] = {"class_path": model.get("class_path"), **(model["init_args"] or {})}
+    return config
 
 
 def parser_kwargs() -> dict:
@@ -332,7 +283,13 @@ def dispatch(args: Sequence[str]) -> int:
     if args[0] in EXTRA_COMMANDS:
         module, _, function = EXTRA_COMMANDS[args[0]][0].partition(":")
         return getattr(importlib.import_module(module), function)(args[1:])
-    run_cli(args)
+    try:
+        run_cli(args)
+    except SIGTERMException:  # a SystemExit without a code: it would exit 0 as if the run had finished
+        raise Stopped(
+            "stopped by SIGTERM after a complete step, saved as last.ckpt: resume with `--ckpt_path last`",
+            128 + signal.SIGTERM,
+        ) from None
     return 0
 
 
@@ -341,33 +298,5 @@ def main(argv: Sequence[str] | None = None) -> None:
     `--debug` or SPD_DEBUG=1), 143 stopped by SIGTERM after a saved step. DDP starts each rank with this process's
     command line, so every rank takes `--debug` out the same way."""
     args = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in args or os.environ.get("SPD_DEBUG") == "1"
-    args = [a for a in args if a != "--debug"]
-    try:
-        code = dispatch(args)
-    except SIGTERMException:  # a SystemExit without a code: it would exit 0 as if the run had finished
-        fail(
-            "stopped by SIGTERM after a complete step, saved as last.ckpt: resume with `--ckpt_path last`",
-            128 + signal.SIGTERM,
-        )
-    except UserError as e:
-        if debug:
-            raise
-        fail(f"{one_line(e)} (rerun with --debug for the traceback)", e.exit_code)
-    except Exception as e:  # noqa: BLE001 - the last line of defence: any other exception is a bug
-        if debug:
-            raise
-        fail(
-            f"unexpected {type(e).__name__}: {one_line(e)} (a bug: rerun with --debug for the traceback and report it)",
-            1,
-        )
-    sys.exit(code)
-
-
-def one_line(error: BaseException) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
-
-
-def fail(message: str, code: int) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(code)
+    debug = debug_requested("--debug" in args)
+    sys.exit(run_main(lambda: dispatch([a for a in args if a != "--debug"]), debug))

@@ -4,8 +4,15 @@
 a subclass of it, and every CLI prints its message on one line and exits with code 2. Anything else that
 escapes is a bug in this project: exit code 1, with the traceback under `--debug` (or `SPD_DEBUG=1`).
 
-This module imports nothing, so `inference/` can use it without pulling in Lightning.
+`run_main` applies the policy for every CLI of the project (`python -m spd_lightning`, `inference.*`). This module
+imports only the standard library, so `inference/` can use it without pulling in Lightning.
 """
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
 
 
 class UserError(ValueError):
@@ -22,7 +29,47 @@ class UsageError(UserError):
     """A bad command line: a flag that is missing, out of range, or does not fit the others."""
 
 
+class Stopped(Exception):
+    """An expected end that is neither success nor bad input, with its own exit code (e.g. SIGTERM after a saved
+    step: 143)."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 def first_line(error: BaseException) -> str:
     """The first line of an error's message, or its type's name when the message is empty (never raises)."""
     lines = str(error).splitlines()
     return lines[0] if lines and lines[0].strip() else type(error).__name__
+
+
+def one_line(error: BaseException) -> str:
+    """The whole message of an error on one line (a parser's message spans several), or its type's name."""
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def debug_requested(flag: bool = False) -> bool:
+    """`--debug` was given, or SPD_DEBUG is set to anything but empty or 0."""
+    return flag or os.environ.get("SPD_DEBUG", "") not in ("", "0")
+
+
+def run_main(work: Callable[[], int], debug: bool) -> int:
+    """A CLI's work under the policy; returns its exit code. A `UserError` or `Stopped`: one `error:` line and its
+    code; anything else is a bug: one line and 1. With `debug` every exception propagates with its traceback."""
+    try:
+        return work()
+    except (UserError, Stopped) as e:
+        if debug:
+            raise
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        return e.exit_code
+    except Exception as e:  # noqa: BLE001 - the last line of defence: any other exception is a bug
+        if debug:
+            raise
+        print(
+            f"error: unexpected {type(e).__name__}: {one_line(e)} (a bug: rerun with --debug for the traceback "
+            "and report it)",
+            file=sys.stderr,
+        )
+        return 1

@@ -72,10 +72,10 @@ class Shape:
 
 
 def read_config(path: str) -> Shape:
-    from .cli import stacked_config
+    from .cli import read_config_file
     from .module import SPDModule
 
-    cfg = stacked_config(path)
+    cfg = read_config_file(path)
     defaults = {
         k: p.default
         for k, p in inspect.signature(SPDModule.__init__).parameters.items()

@@ -20,11 +20,10 @@ from collections.abc import Sequence
 
 from jsonargparse import ArgumentError
 
-from .cli import SPDLightningCLI, with_base_configs
+from .cli import SPDLightningCLI
 from .data import ChatDataModule
 from .data.tokenized import processed_root
-from .errors import ConfigError
-from .module import SPDModule
+from .errors import ConfigError, one_line
 
 
 class _DataOnlyCLI(SPDLightningCLI):
@@ -38,12 +37,8 @@ def data_module(args: Sequence[str]) -> ChatDataModule:
     """The `ChatDataModule` that `fit` would build from the same arguments (`--config CFG`, overrides)."""
     try:
         cli = _DataOnlyCLI(
-            SPDModule,
-            ChatDataModule,
-            args=with_base_configs(args),
+            args,
             run=False,
-            seed_everything_default=0,
-            auto_configure_optimizers=False,
             save_config_callback=None,
             parser_kwargs={
                 "exit_on_error": False,
@@ -51,7 +46,7 @@ def data_module(args: Sequence[str]) -> ChatDataModule:
             },
         )
     except ArgumentError as e:  # a value the parser rejects, as in `fit`
-        raise ConfigError(str(e)) from e
+        raise ConfigError(one_line(e)) from e
     return cli.datamodule
 
 

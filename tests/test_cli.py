@@ -44,36 +44,94 @@ def test_print_config_shows_the_linked_defaults(capsys):
     assert "tokenizer:" not in out  # linked to model.target, not a second setting
 
 
-@pytest.mark.parametrize(
-    "name, target", [("qwen35_9b", "Qwen/Qwen3.5-9B"), ("qwen35_4b", "Qwen/Qwen3.5-4B"), ("qwen3_8b", "Qwen/Qwen3-8B")]
-)
-def test_target_configs_are_the_shared_recipe_plus_their_own_values(name, target, tmp_path, monkeypatch, capsys):
-    """Each real-target config names its base in its first line; from any directory, in any `--config` form, it
-    resolves to the base's recipe with its own target and run directories on top."""
-    monkeypatch.chdir(tmp_path)
-    path = os.path.join(REPO, "configs", f"{name}.yaml")
-    with pytest.raises(SystemExit):
-        cli.main(["fit", f"--config={path}", "--print_config"])
+GPU_CONFIGS = {"qwen35_9b": "Qwen/Qwen3.5-9B", "qwen35_4b": "Qwen/Qwen3.5-4B", "qwen3_8b": "Qwen/Qwen3-8B"}
+
+
+def printed_config(capsys, *args) -> dict:
     import yaml
 
-    config = yaml.safe_load(capsys.readouterr().out)
-    trainer, model, data = config["trainer"], config["model"], config["data"]
-    assert (model["target"], model["n"], model["num_layers"], model["lr"]) == (target, 8, 3, 1.0e-4)
+    with pytest.raises(SystemExit):
+        cli.main(["fit", *args, "--print_config"])
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+def without_run_names(config: dict) -> dict:
+    """A config less what names one run: its target, logger name/save_dir, root and checkpoint directories."""
+    config = {**config, "trainer": dict(config["trainer"]), "checkpoint": dict(config["checkpoint"])}
+    config["model"] = {**config["model"], "init_args": {**config["model"]["init_args"], "target": None}}
+    config["trainer"]["logger"] = {**config["trainer"]["logger"], "init_args": {}}
+    config["trainer"]["default_root_dir"] = config["checkpoint"]["dirpath"] = config["data"]["tokenizer"] = None
+    return config
+
+
+@pytest.mark.parametrize("name", GPU_CONFIGS)
+def test_target_configs_are_the_paper_recipe_with_their_own_target_and_run_names(name, tmp_path, monkeypatch, capsys):
+    """Each real-target config is complete on its own (from any directory, in any `--config` form) and holds the
+    paper's recipe; the three differ only in the target and the names of their runs, so the recipe cannot drift."""
+    monkeypatch.chdir(tmp_path)
+    config = printed_config(capsys, f"--config={os.path.join(REPO, 'configs', f'{name}.yaml')}")
+    trainer, model, data = config["trainer"], config["model"]["init_args"], config["data"]
+    assert config["model"]["class_path"] == "spd_lightning.module.SPDModule"
+    assert (model["target"], model["n"], model["num_layers"], model["lr"]) == (GPU_CONFIGS[name], 8, 3, 1.0e-4)
     assert (trainer["strategy"], trainer["precision"], trainer["gradient_clip_val"]) == ("ddp", "bf16-mixed", 0.5)
     assert trainer["logger"]["init_args"]["name"] == f"{name}_n8_ls3"
-    assert trainer["logger"]["init_args"]["project"] == "spd-lightning"  # from the base, merged with the target's
+    assert trainer["logger"]["init_args"]["project"] == "spd-lightning"
     assert (
         trainer["default_root_dir"] == f"runs/{name}" and config["checkpoint"]["dirpath"] == f"runs/{name}/checkpoints"
     )
     assert len(data["sources"]) == 4 and data["pad_to_multiple_of"] == 128
     assert trainer["callbacks"][0]["init_args"]["every_n_steps"] == 2000
+    reference = printed_config(capsys, "--config", os.path.join(REPO, "configs", "qwen35_9b.yaml"))
+    assert without_run_names(config) == without_run_names(reference)
 
 
-def test_a_base_line_that_makes_a_cycle_is_a_user_error(tmp_path, capsys):
-    (tmp_path / "a.yaml").write_text("# base: b.yaml\nmodel: {n: 2}\n")
-    (tmp_path / "b.yaml").write_text("# base: a.yaml\nmodel: {n: 3}\n")
-    code, err = run_main(["fit", "--config", str(tmp_path / "a.yaml"), "--print_config"], capsys)
-    assert code == 2 and "cycle" in err
+def test_the_deep_benchmark_config_is_the_tiny_recipe_with_its_target_and_depth(capsys):
+    deep = printed_config(capsys, "--config", os.path.join(REPO, "configs", "bench_deep.yaml"))
+    tiny = printed_config(capsys, "--config", os.path.join(REPO, "configs", "bench_tiny.yaml"))
+    assert deep["model"]["init_args"]["num_layers"] == 3 and tiny["model"]["init_args"]["num_layers"] == 1
+    for config in (deep, tiny):
+        config["model"]["init_args"]["num_layers"] = None
+    assert without_run_names(deep) == without_run_names(tiny)
+
+
+def test_several_configs_stack_later_values_winning(tmp_path, capsys):
+    """LightningCLI's own stacking: a file with a few overrides on top of a shipped config."""
+    override = tmp_path / "override.yaml"
+    override.write_text("model:\n  num_layers: 2\ntrainer:\n  strategy: fsdp\n")
+    config = printed_config(
+        capsys, "--config", os.path.join(REPO, "configs", "qwen35_9b.yaml"), "--config", str(override)
+    )
+    assert config["model"]["init_args"]["num_layers"] == 2 and config["trainer"]["strategy"] == "fsdp"
+    assert (
+        config["model"]["init_args"]["target"] == "Qwen/Qwen3.5-9B" and config["trainer"]["precision"] == "bf16-mixed"
+    )
+
+
+def test_the_model_class_is_chosen_by_class_path_keeping_the_shared_options(capsys):
+    """`--model Eagle3Module` on a PDM config trains EAGLE-3 on the same target with the same optimizer settings;
+    the PDM-only options (n, num_layers, ...) are dropped, not an error."""
+    config = printed_config(capsys, "--config", os.path.join(REPO, "configs", "tiny.yaml"), "--model", "Eagle3Module")
+    model = config["model"]
+    assert model["class_path"] == "spd_lightning.eagle3.module.Eagle3Module"
+    assert model["init_args"]["target"] == "artifacts/tiny_target" and model["init_args"]["lr"] == 1.0e-3
+    assert "n" not in model["init_args"] and "num_layers" not in model["init_args"]
+
+
+def test_a_model_class_that_trains_no_drafter_is_one_line(micro_target, tmp_path, capsys):
+    code, err = run_main(
+        ["fit", *fit_args(micro_target, tmp_path), "--model", "lightning.pytorch.demos.boring_classes.BoringModel"],
+        capsys,
+    )
+    assert code == 2 and "does not train a drafter" in err and "Traceback" not in err
+
+
+def test_a_trainer_setting_lightning_rejects_is_bad_input(micro_target, tmp_path, capsys):
+    """Lightning's own ValueError for a setting (validation interval beyond the epoch) is exit 2, not a bug."""
+    code, err = run_main(["fit", *fit_args(micro_target, tmp_path), "--trainer.val_check_interval", "100000"], capsys)
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert (
+        code == 2 and len(lines) == 1 and "val_check_interval" in lines[0] and "a setting Lightning rejects" in lines[0]
+    )
 
 
 @pytest.mark.parametrize(
@@ -151,30 +209,39 @@ def test_a_subcommand_is_one_table_entry_and_shows_in_the_help(monkeypatch, caps
         assert re.search(rf"^ +{name} +\S", help_text, re.MULTILINE), name
 
 
-def test_fit_help_documents_every_model_and_data_option():
-    """jsonargparse reads each option's help from the class's Google-style `Args:` (via docstring-parser)."""
-    import docstring_parser
-
-    from spd_lightning.data import ChatDataModule
-    from spd_lightning.module import SPDModule
-
+def help_text(*args: str) -> str:
     result = subprocess.run(
-        [sys.executable, "-m", "spd_lightning", "fit", "--help"],
+        [sys.executable, "-m", "spd_lightning", "fit", *args],
         cwd=REPO,
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": REPO, "COLUMNS": "10000"},
         timeout=120,
     )
-    help_text = " ".join(result.stdout.split())
-    for prefix, cls in (("model", SPDModule), ("data", ChatDataModule)):
+    return " ".join(result.stdout.split())
+
+
+def test_fit_help_documents_every_model_and_data_option():
+    """jsonargparse reads each option's help from the class's Google-style `Args:` (via docstring-parser): `fit
+    --help` lists the data module's, `fit --model.help CLASS` each drafter module's."""
+    import docstring_parser
+
+    from spd_lightning.data import ChatDataModule
+    from spd_lightning.eagle3.module import Eagle3Module
+    from spd_lightning.module import SPDModule
+
+    for prefix, cls, text in (
+        ("model", SPDModule, help_text("--model.help", "SPDModule")),
+        ("model", Eagle3Module, help_text("--model.help", "Eagle3Module")),
+        ("data", ChatDataModule, help_text("--help")),
+    ):
         documented = {p.arg_name: " ".join(p.description.split()) for p in docstring_parser.parse(cls.__doc__).params}
         parameters = [name for name in inspect.signature(cls.__init__).parameters if name != "self"]
         assert sorted(documented) == sorted(parameters), cls.__name__
         for name in parameters:
             if f"{prefix}.{name}" == "data.tokenizer":
                 continue  # linked to model.target: not an option of its own
-            assert f"--{prefix}.{name} " in help_text and documented[name] in help_text, f"{prefix}.{name}"
+            assert f"--{prefix}.{name} " in text and documented[name] in text, f"{cls.__name__}: {prefix}.{name}"
 
 
 def test_wandb_runs_offline_without_a_key(monkeypatch, tmp_path):

@@ -1,4 +1,4 @@
-"""EAGLE-3 through the command lines: `fit --model.drafter eagle3` -> `export` -> `inference.decode --mode eagle3`
+"""EAGLE-3 through the command lines: `fit --model Eagle3Module` -> `export` -> `inference.decode --mode eagle3`
 greedy == AR; `inference.eval --eagle3` rows beside SPD's; `inference.plan` predicts EAGLE-3; a drafter of the
 wrong kind for the mode is one line."""
 
@@ -44,7 +44,7 @@ def eagle3_fit_args(target: str, root, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def exported(micro_target, tmp_path_factory):
-    """An EAGLE-3 drafter trained 2 steps by `fit --model.drafter eagle3` and exported by `export`."""
+    """An EAGLE-3 drafter trained 2 steps by `fit --model Eagle3Module` and exported by `export`."""
     root = tmp_path_factory.mktemp("eagle3_fit")
     trained = cli.run_cli(["fit", *eagle3_fit_args(micro_target, root)])
     assert type(trained.model).__name__ == "Eagle3Module" and trained.trainer.global_step == 2
@@ -65,22 +65,22 @@ def test_fit_export_decode_is_ar(exported, micro_target, tmp_path):
     assert report["prompts"][0]["K"] >= 1 and report["prompts"][0]["tau"] >= 1
 
 
-def test_the_drafter_kind_comes_from_the_config_or_the_command_line(tmp_path, capsys):
+def test_the_drafter_module_comes_from_the_config_or_the_command_line(tmp_path, capsys):
     config = os.path.join(REPO, "configs", "tiny_eagle3.yaml")
     with pytest.raises(SystemExit):
         cli.main(["fit", "--config", config, "--print_config"])
     out = capsys.readouterr().out
-    assert "drafter: eagle3" in out and "ttt_steps: 7" in out and "num_layers" not in out.split("model:")[1]
+    assert "class_path: spd_lightning.eagle3.module.Eagle3Module" in out and "ttt_steps: 7" in out
+    assert "num_layers" not in out.split("model:")[1].split("data:")[0]
     with pytest.raises(SystemExit):
-        cli.main(["fit", "--config", config, "--model.drafter", "pdm", "--model.ttt_steps", "3", "--print_config"])
+        cli.main(["fit", "--config", config, "--model", "SPDModule", "--model.ttt_steps", "3", "--print_config"])
     assert "ttt_steps" in capsys.readouterr().err  # the PDM has no such option: the flag switched the module
-    assert cli.selected_drafter(["--config", config, "--model.drafter=pdm"]) == "pdm"
 
 
 @pytest.mark.parametrize(
     "extra, expected",
     [
-        (["--model.drafter", "medusa"], "model.drafter='medusa'"),
+        (["--model", "Medusa"], "Medusa"),
         (["--trainer.callbacks", "[{class_path: callbacks.StaircaseEvaluation}]"], "does not apply"),
     ],
 )
@@ -197,8 +197,8 @@ def test_serve_greedy_is_decode(exported, tmp_path):
 
 
 def test_a_pdm_config_becomes_an_eagle3_config(tmp_path, capsys):
-    """What `scripts/bench_paper.py train eagle3_k7` trains: the benchmark config's data and trainer, its model
-    section cut to the options both drafters take, the staircase callback (PDM only) dropped."""
+    """What `scripts/bench_paper.py train eagle3_k7` trains: the benchmark config's data, trainer and optimizer
+    settings with the EAGLE-3 module, the staircase callback (PDM only) dropped."""
     import importlib.util
 
     import yaml
@@ -209,18 +209,18 @@ def test_a_pdm_config_becomes_an_eagle3_config(tmp_path, capsys):
     config_path = os.path.join(REPO, "configs", "bench_tiny.yaml")
     args = bench_paper.parse_args(["commands", "eagle3_k7", "--root", str(tmp_path), "--config", config_path])
     train, evaluate = bench_paper.train_command("eagle3_k7", args), bench_paper.eval_command("eagle3_k7", args)
-    config = yaml.safe_load((tmp_path / "eagle3_k7" / "config.yaml").read_text())
-    base = cli.stacked_config(config_path)
-    assert config["model"] == {"drafter": "eagle3", **{k: base["model"][k] for k in ("target", "target_dtype")}} | {
-        "lr": base["model"]["lr"],
-        "warmup_steps": base["model"]["warmup_steps"],
-    }
-    assert config["data"] == base["data"] and config["trainer"]["max_steps"] == base["trainer"]["max_steps"]
-    assert config["trainer"]["callbacks"] == [] and "--model.ttt_steps" in train
-    assert evaluate[evaluate.index("--k") + 1 : evaluate.index("--k") + 4] == ["3", "5", "7"]
+    with pytest.raises(SystemExit):
+        cli.main(["fit", "--config", config_path, "--print_config"])
+    pdm = yaml.safe_load(capsys.readouterr().out)
     with pytest.raises(SystemExit) as exit_info:
         cli.main([*train[3:], "--print_config"])
-    assert exit_info.value.code == 0 and "ttt_steps: 7" in capsys.readouterr().out
+    eagle3 = yaml.safe_load(capsys.readouterr().out)
+    assert exit_info.value.code == 0 and eagle3["model"]["class_path"].endswith("Eagle3Module")
+    for key in ("target", "target_dtype", "lr", "warmup_steps"):
+        assert eagle3["model"]["init_args"][key] == pdm["model"]["init_args"][key]
+    assert eagle3["model"]["init_args"]["ttt_steps"] == 7 and eagle3["trainer"]["callbacks"] == []
+    assert eagle3["data"] == pdm["data"] and eagle3["trainer"]["max_steps"] == pdm["trainer"]["max_steps"]
+    assert evaluate[evaluate.index("--k") + 1 : evaluate.index("--k") + 4] == ["3", "5", "7"]
 
 
 def test_serve_runs_eagle3_in_its_own_process_without_simulate(files):

@@ -7,6 +7,7 @@ import os
 
 import lightning as L
 import pytest
+import yaml
 from conftest import REPO, make_tiny_model
 from test_module import SyntheticChat, make_module, make_trainer
 
@@ -91,8 +92,10 @@ def test_unreadable_config_is_a_user_error(tmp_path, capsys):
 
 def test_fsdp_shards_the_pdm_state(tmp_path, capsys):
     shipped = os.path.join(REPO, "configs", "qwen35_9b.yaml")
-    fsdp = tmp_path / "fsdp.yaml"  # the shipped config (stacked on its base) with the strategy switched
-    fsdp.write_text(f"# base: {shipped}\ntrainer:\n  strategy: fsdp\n")
+    fsdp = tmp_path / "fsdp.yaml"  # the shipped config with the strategy switched
+    config = yaml.safe_load(open(shipped))
+    config["trainer"]["strategy"] = "fsdp"
+    fsdp.write_text(yaml.safe_dump(config))
     estimates = []
     for config in (os.path.join(REPO, "configs", "qwen35_9b.yaml"), str(fsdp)):
         assert main(["--config", config, "--gpus", "8", "--json"]) == 0

@@ -302,8 +302,11 @@ def test_repeated_share_pools_the_outputs():
 
 
 def test_the_error_policy(monkeypatch, capsys):
-    """A UserError is bad input (exit 2, one line); anything else a bug (exit 1, one line); --debug/SPD_DEBUG raise."""
-    args = argparse.Namespace(debug=False)
+    """A UserError is bad input (exit 2, one line); anything else a bug (exit 1, one line); --debug/SPD_DEBUG raise;
+    an error without a message still gets its line (its type)."""
+
+    def parse(_argv):
+        return argparse.Namespace(debug=False)
 
     def bad_input(_):
         raise PromptError("the prompt is empty")
@@ -311,14 +314,24 @@ def test_the_error_policy(monkeypatch, capsys):
     def bug(_):
         raise KeyError("oops")
 
+    def silent_bug(_):
+        raise RuntimeError()
+
+    def finish(_args, _result):
+        return 0
+
     monkeypatch.delenv("SPD_DEBUG", raising=False)
-    assert cli.run_guarded(bad_input, args) == (2, None)
+    assert cli.main([], parse, bad_input, finish) == 2
     assert capsys.readouterr().err == "error: the prompt is empty\n"
-    assert cli.run_guarded(bug, args) == (1, None)
-    assert capsys.readouterr().err == "error: KeyError: 'oops' (rerun with --debug for the traceback)\n"
+    assert cli.main([], parse, bug, finish) == 1
+    assert capsys.readouterr().err == (
+        "error: unexpected KeyError: 'oops' (a bug: rerun with --debug for the traceback and report it)\n"
+    )
+    assert cli.main([], parse, silent_bug, finish) == 1
+    assert "error: unexpected RuntimeError: RuntimeError (a bug" in capsys.readouterr().err
     monkeypatch.setenv("SPD_DEBUG", "1")
     with pytest.raises(KeyError):
-        cli.run_guarded(bug, args)
+        cli.main([], parse, bug, finish)
 
 
 @pytest.mark.parametrize("mode,schedule,features", [(m, *MODES[m]) for m in MODES])

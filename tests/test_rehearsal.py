@@ -95,8 +95,8 @@ def run_main(args: list[str]) -> None:
 
 
 def shipped(config: str) -> dict:
-    """The config as `fit` reads it (stacked on its `# base:`)."""
-    return cli.stacked_config(os.path.join(REPO, "configs", config))
+    """The shipped config file as written."""
+    return cli.read_config_file(os.path.join(REPO, "configs", config))
 
 
 @pytest.mark.parametrize(

@@ -140,7 +140,7 @@ class Eagle3Module(FrozenTargetHolder, L.LightningModule):
         if d2t is None:
             raise ConfigError(
                 "Eagle3Module needs a data module with a draft vocabulary `d2t` (ChatDataModule): "
-                "train through `python -m spd_lightning fit --model.drafter eagle3`"
+                "train through `python -m spd_lightning fit --model Eagle3Module`"
             )
         d2t = torch.as_tensor(d2t, dtype=torch.long)
         if d2t.ndim != 1 or d2t.numel() == 0 or int(d2t.max()) >= self.target.vocab_size or int(d2t.min()) < 0:
