@@ -33,7 +33,7 @@ from collections.abc import Callable
 from inference import cli
 from inference.backends import Backend, make_backend
 from inference.cycle.result import DecodeResult
-from inference.evaluation import totals
+from inference.evaluation.totals import pooled_totals
 from inference.evaluation.repetition import repeated_share
 from inference.evaluation.tables import fmt
 from inference.processes.job import DecodeJob
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> dict:
     report["prompts"] = [
         _prompt_entry(text, r, references[i] if references else None) for i, (text, r) in enumerate(zip(texts, results))
     ]
-    report["totals"] = totals.totals(results, references, setup.geometry.n)
+    report["totals"] = pooled_totals(results, references, setup.geometry.n)
     return report
 
 

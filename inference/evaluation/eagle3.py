@@ -62,7 +62,7 @@ def summarize(k: int, results: list[DecodeResult], ar: list[DecodeResult]) -> di
     t_step = draft_s / steps if steps else None
     t_verify = verify_s / K if K else None
     r_ratio = t_step / t_verify if t_step is not None and t_verify else None
-    ar_tps, tps = totals.decode_rate(ar), totals.decode_rate(results)
+    ar_tps, tps = decode_rate(ar), decode_rate(results)
     return {
         "method": "eagle3",
         "k": k,

@@ -46,7 +46,7 @@ from inference.backends import make_backend
 from inference.cycle.ar import ar_decode
 from inference.cycle.result import DecodeResult
 from inference.evaluation import eagle3 as eval_eagle3
-from inference.evaluation import totals
+from inference.evaluation.totals import decode_rate
 from inference.evaluation.report import markdown, write_outputs
 from inference.processes.launch import launch
 from inference.prompts import dataset_spec, read_prompts
@@ -98,7 +98,7 @@ def summarize(n: int, spd: list[DecodeResult], ar: list[DecodeResult]) -> dict:
     """Pooled numbers of a group of prompts (one set, or all sets) at one temperature."""
     N, K = sum(r.N for r in spd), sum(r.K for r in spd)
     alpha = N / K if K else None
-    ar_tps = totals.decode_rate(ar)
+    ar_tps = decode_rate(ar)
     t_full = 1.0 / ar_tps if ar_tps else None
     draft_s = sum(r.timing.get("totals", {}).get("draft_s", 0.0) for r in spd)
     t_draft = draft_s / K if K else None
@@ -106,7 +106,7 @@ def summarize(n: int, spd: list[DecodeResult], ar: list[DecodeResult]) -> dict:
     slowest = sum(r.timing.get("totals", {}).get("mean_slowest_stage_s", 0.0) * r.K for r in spd) / K if K else None
     stages_sum = sum(sum(r.timing.get("totals", {}).get("stage_compute_s", [])) for r in spd) / K if K else None
     r_ratio = t_draft / t_full if t_draft is not None and t_full else None
-    spd_tps = totals.decode_rate(spd)
+    spd_tps = decode_rate(spd)
     out = {
         "prompts": len(spd),
         "N": N,

@@ -14,7 +14,7 @@ def decode_rate(results: Sequence[DecodeResult]) -> float | None:
     return sum(r.N - 1 for r in results) / seconds if seconds > 0 else None
 
 
-def totals(results: list[DecodeResult], references: list[DecodeResult] | None, n: int) -> dict:
+def pooled_totals(results: list[DecodeResult], references: list[DecodeResult] | None, n: int) -> dict:
     """Pooled N, K, alpha, n*alpha, tokens/s and repeated 4-grams of the outputs; with AR `references`,
     whether every output is identical to its reference and the wall-clock speedup."""
     N, K = sum(r.N for r in results), sum(r.K for r in results)
