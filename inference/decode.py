@@ -33,9 +33,9 @@ from collections.abc import Callable
 from inference import cli
 from inference.backends import Backend, make_backend
 from inference.cycle.result import DecodeResult
-from inference.evaluation.totals import pooled_totals
 from inference.evaluation.repetition import repeated_share
 from inference.evaluation.tables import fmt
+from inference.evaluation.totals import pooled_totals
 from inference.processes.job import DecodeJob
 from inference.processes.launch import launch, run_rank
 from inference.prompts import read_prompts

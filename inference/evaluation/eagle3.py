@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from inference.chain.decoder import ChainDecoder
 from inference.cycle.result import DecodeResult
+from inference.evaluation.totals import decode_rate
 from inference.sampling import Sampling
 from spd_lightning.target import Target
 

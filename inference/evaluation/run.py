@@ -46,8 +46,8 @@ from inference.backends import make_backend
 from inference.cycle.ar import ar_decode
 from inference.cycle.result import DecodeResult
 from inference.evaluation import eagle3 as eval_eagle3
-from inference.evaluation.totals import decode_rate
 from inference.evaluation.report import markdown, write_outputs
+from inference.evaluation.totals import decode_rate
 from inference.processes.launch import launch
 from inference.prompts import dataset_spec, read_prompts
 from inference.sampling import Sampling
