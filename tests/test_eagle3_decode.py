@@ -262,7 +262,7 @@ def test_chain_target_loads_from_a_checkpoint_directory(tmp_path):
     chain_target = ChainTarget.load(str(tmp_path), layers, 4)
     drafter = drafter_for(target, torch.arange(target.vocab_size), layers)
     runtime = Eagle3Runtime(drafter, chain_target.embed_tokens, Sampling())
-    for prompt in ([5], PROMPTS[1]):  # a one-token prompt too (inference.ar cannot start from one token yet)
+    for prompt in ([5], PROMPTS[1]):  # a one-token prompt too (AR decoding cannot start from one token yet)
         assert chain_decode(chain_target, runtime, prompt, 12, 3).tokens == greedy_without_cache(target, prompt, 12)
 
 
