@@ -52,7 +52,7 @@ class Server:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the server exited: {self.process.stderr.read()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
                     return self
             except httpx.TransportError:
                 time.sleep(0.3)
