@@ -194,3 +194,60 @@ def test_developer_role_and_content_parts_are_accepted(server):
     letters = Letters()  # no chat template: the contents joined by newlines, then cycled by SlowBackend
     assert reply.choices[0].message.content == letters.decode(letters("ab\ncd")["input_ids"][:3])
     assert client.models.retrieve("fake").id == "fake"
+
+
+class Pipeline(SlowBackend):
+    """A backend with the rank backend's lifecycle: not ready until told, and dead once killed."""
+
+    def __init__(self):
+        super().__init__()
+        self.loaded, self.dead = threading.Event(), False
+
+    def alive(self) -> bool:
+        return not self.dead
+
+    def ready(self) -> bool:
+        return self.loaded.is_set()
+
+
+def test_health_is_liveness_ready_follows_the_pipeline_and_an_idle_death_restarts_it():
+    import uvicorn
+
+    started: list[Pipeline] = []
+
+    def make_backend():
+        started.append(Pipeline())
+        return started[-1]
+
+    engine = Engine(make_backend, Letters(), "ar", queue_size=1)
+    app = build_app(engine, ServerConfig("fake", 100, 10, 200))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    while not uv.started:
+        time.sleep(0.02)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert httpx.get(f"{url}/health").status_code == 200  # the process is alive ...
+        assert httpx.get(f"{url}/ready").status_code == 503  # ... but the ranks are still loading
+        started[0].loaded.set()
+        assert httpx.get(f"{url}/ready").status_code == 200
+        started[0].dead = True  # a rank dies while no request is in flight
+        assert httpx.get(f"{url}/ready").status_code == 503
+        deadline = time.monotonic() + 10
+        while len(started) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(started) == 2 and engine.metrics.restarts == 1  # restarted with no request to notice it
+        assert httpx.get(f"{url}/health").status_code == 200 and httpx.get(f"{url}/ready").status_code == 503
+        started[1].loaded.set()
+        assert httpx.get(f"{url}/ready").status_code == 200
+        reply = httpx.post(f"{url}/v1/completions", json={"model": "fake", "prompt": "ab", "max_tokens": 3}, timeout=30)
+        assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == "aba"
+        assert started[1].generated == [3] and started[0].generated == []
+    finally:
+        uv.should_exit = True
+        thread.join(10)
+        engine.close()
