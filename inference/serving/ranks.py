@@ -24,6 +24,7 @@ Once every rank has loaded its weights and met the others, rank 0 marks the pipe
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing as mp
 import queue
@@ -148,8 +149,10 @@ class Runners:
         if sampling in self._runners:
             self._runners.move_to_end(sampling)
         else:
-            while len(self._runners) >= self.kept:
-                self._runners.popitem(last=False)  # its caches go with it
+            if len(self._runners) >= self.kept:
+                while len(self._runners) >= self.kept:
+                    self._runners.popitem(last=False)
+                gc.collect()  # a runner holds reference cycles: free its caches now, not at some later collection
             self._runners[sampling] = self.build(sampling)
         return self._runners[sampling]
 
