@@ -281,6 +281,29 @@ def test_ranks_serve_many_requests_and_a_killed_rank_is_a_503_then_a_restart(fil
     assert not [p for p in ranks if _alive(p)]
 
 
+@pytest.mark.slow
+def test_sigterm_finishes_a_long_stream_before_the_server_exits(files):
+    """Every decode step of stage 2 sleeps 30 ms (`faults.Fault` "slow"), so 300 tokens take well over the 5 s
+    uvicorn used to wait: SIGTERM mid-stream still ends the stream with its finish chunk and [DONE]."""
+    env_fault = os.environ.get("SPD_FAULT")
+    os.environ["SPD_FAULT"] = "1:step:1:slow"
+    try:
+        server = Server("--ckpt", files["drafter"], "--model-name", "spd", "--max-tokens-cap", "300").ready()
+    finally:
+        os.environ.pop("SPD_FAULT") if env_fault is None else os.environ.__setitem__("SPD_FAULT", env_fault)
+    try:
+        body = {"model": "spd", "prompt": PROMPT, "max_tokens": 300, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as reply:
+            lines = reply.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            server.process.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]", rest[-3:]
+        assert json.loads(rest[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
+    finally:
+        assert server.stop() in (0, -signal.SIGTERM)
+
+
 def _kill_a_rank_while_idle(server: Server) -> None:
     """SIGKILL one rank (a child of the fork server, the server's child) with no request in flight: the
     server notices, restarts the pipeline on its own, and /ready says so; /health stays 200 throughout."""
