@@ -36,6 +36,11 @@ class BackendFailure(Exception):
     """The decoder failed for a reason that is not the request's (e.g. a rank died)."""
 
 
+class Cancelled(Exception):
+    """The client is gone: the decode stops at this cycle (raised by `on_tokens`, or by a backend that was
+    told to `cancel`)."""
+
+
 class Backend(Protocol):
     def generate(
         self,
@@ -47,6 +52,16 @@ class Backend(Protocol):
     ) -> DecodeResult: ...
 
     def close(self) -> None: ...
+
+
+def is_alive(backend: Backend) -> bool:
+    """False once a backend can serve no more (its ranks died); in-process backends always can."""
+    return getattr(backend, "alive", lambda: True)()
+
+
+def is_ready(backend: Backend) -> bool:
+    """True when the backend can start a request now (the ranks are up and loaded)."""
+    return getattr(backend, "ready", lambda: True)()
 
 
 def make_backend(

@@ -20,13 +20,25 @@ class TextStream:
         self.tokens: list[int] = []
         self.text = ""  # emitted so far
         self.stopped = False  # a stop string was found: feed no more
+        self._stop_tokens: int | None = None  # the tokens up to the one that completed the stop string
+
+    @property
+    def used_tokens(self) -> int:
+        """The tokens the answer is made of: all fed, or after a stop string the ones up to the token that
+        completed it (a decoder that verifies several tokens per cycle may have made more)."""
+        return len(self.tokens) if self._stop_tokens is None else self._stop_tokens
 
     def feed(self, tokens: Sequence[int]) -> str:
+        before = len(self.tokens)
         self.tokens.extend(tokens)
         full = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        cut = min((i for i in (full.find(s) for s in self.stop) if i >= 0), default=-1)
+        cut = self._stop_at(full)
         if cut >= 0:
             full, self.stopped = full[:cut], True
+            self._stop_tokens = next(
+                (k for k in range(before + 1, len(self.tokens)) if self._stop_at(self._decode(k)) >= 0),
+                len(self.tokens),
+            )
         elif full.endswith("\ufffd"):
             full = full[:-1]
         else:  # hold back a tail that may be the start of a stop string
@@ -44,6 +56,13 @@ class TextStream:
         delta = full[len(self.text) :] if full.startswith(self.text) else ""
         self.text += delta
         return delta
+
+    def _decode(self, count: int) -> str:
+        return self.tokenizer.decode(self.tokens[:count], skip_special_tokens=True)
+
+    def _stop_at(self, text: str) -> int:
+        """Where the first stop string in `text` begins (-1: none)."""
+        return min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
 
     def _held_back(self, full: str) -> int:
         return max((k for s in self.stop for k in range(1, len(s)) if full.endswith(s[:k])), default=0)

@@ -96,6 +96,18 @@ def test_the_rank_backend_cancels_inside_the_ranks_and_serves_on(tmp_path_factor
         assert report is not None and report.request_id == 0
         assert 1 <= report.seen_cycle <= report.stop_cycle <= report.seen_cycle + geometry.n - 1
         assert report.stop_cycle < 400  # a whole decode of 400 tokens takes more than 400 cycles
+        tokens = []
+
+        def quiet(new):  # a non-streamed request: its hook never raises; the app calls `cancel` instead
+            tokens.extend(new)
+            if len(tokens) >= 3:
+                backend.cancel()
+
+        with pytest.raises(Cancelled):
+            backend.generate(PROMPT, 400, Sampling(), 0, quiet)
+        report = backend.last_cancel
+        assert report is not None and report.request_id == 1
+        assert 1 <= report.seen_cycle <= report.stop_cycle <= report.seen_cycle + geometry.n - 1 < 400
         simulator = Simulator(target, load_drafter(drafter)[0], geometry)
         for prompt in (OTHER, PROMPT):
             got = backend.generate(prompt, 12, Sampling(), 0, lambda tokens: None)

@@ -52,7 +52,7 @@ class Server:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the server exited: {self.process.stderr.read()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
                     return self
             except httpx.TransportError:
                 time.sleep(0.3)
@@ -188,11 +188,34 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(spd, body, 
     assert _chat(spd, PROMPT, 4, stream=False)
 
 
+@pytest.mark.parametrize("seed", [-(2**63), 2**63 - 1, 2**64 - 1])
+def test_extreme_seeds_decode_and_repeat(spd, seed):
+    """Every seed the API accepts is one the decoder takes (torch's 64-bit range), sampled or greedy."""
+    client = spd.client()
+    ask = dict(model="spd", prompt=PROMPT, max_tokens=6, seed=seed)
+    sampled = [client.completions.create(**ask, temperature=1.0).choices[0].text for _ in range(2)]
+    assert sampled[0] == sampled[1]
+    assert client.completions.create(**ask, temperature=0).choices[0].text
+    assert "failed" not in httpx.get(f"{spd.url}/metrics").text
+
+
+def test_a_non_ascii_key_is_a_401_and_a_lone_surrogate_a_400(spd):
+    url = f"{spd.url}/v1/completions"
+    body = {"model": "spd", "prompt": "hi", "max_tokens": 2}
+    reply = httpx.post(url, json=body, headers={"Authorization": "Bearer sk-t\u00e9st".encode("latin-1")})
+    assert reply.status_code == 401 and reply.json()["error"]["code"] == "invalid_api_key"
+    surrogate = '{"model": "spd", "messages": [{"role": "user", "content": "a\\ud800b"}]}'
+    reply = spd.post("/v1/chat/completions", surrogate)
+    assert reply.status_code == 400 and "messages.0.content" in reply.json()["error"]["message"]
+
+
 def test_models_health_and_metrics(spd):
     assert (
         httpx.get(f"{spd.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"][0]["id"] == "spd"
     )
     assert httpx.get(f"{spd.url}/health").json()["status"] == "ok"
+    assert httpx.get(f"{spd.url}/ready").status_code == 200
+    assert spd.client().models.retrieve("spd").id == "spd"
     metrics = httpx.get(f"{spd.url}/metrics").text
     for name in (
         "spd_requests_total",
@@ -200,7 +223,9 @@ def test_models_health_and_metrics(spd):
         "spd_alpha",
         "spd_cycle_seconds",
         "spd_queue_depth",
-        "spd_time_to_first_token_seconds",
+        "spd_time_to_first_token_seconds_bucket",
+        "spd_time_to_first_token_with_queue_seconds_bucket",
+        "spd_time_per_output_token_seconds_bucket",
     ):
         assert name in metrics
 
@@ -245,12 +270,59 @@ def test_ranks_serve_many_requests_and_a_killed_rank_is_a_503_then_a_restart(fil
         assert _chat(server, PROMPT, 6, stream=False) == first  # a fresh pipeline
         ranks = _descendants(server.process.pid)
         assert len(ranks) >= 3  # the fork server and the 3 ranks
+        _kill_a_rank_while_idle(server)
+        assert _chat(server, PROMPT, 6, stream=False) == first  # no 503: restarted before this request came
+        ranks = _descendants(server.process.pid)
     finally:
         assert server.stop() in (0, -signal.SIGTERM)
     deadline = time.monotonic() + 15
     while [p for p in ranks if _alive(p)] and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [p for p in ranks if _alive(p)]
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_a_long_stream_before_the_server_exits(files):
+    """Every decode step of stage 2 sleeps 30 ms (`faults.Fault` "slow"), so 300 tokens take well over the 5 s
+    uvicorn used to wait: SIGTERM mid-stream still ends the stream with its finish chunk and [DONE]."""
+    env_fault = os.environ.get("SPD_FAULT")
+    os.environ["SPD_FAULT"] = "1:step:1:slow"
+    try:
+        server = Server("--ckpt", files["drafter"], "--model-name", "spd", "--max-tokens-cap", "300").ready()
+    finally:
+        os.environ.pop("SPD_FAULT") if env_fault is None else os.environ.__setitem__("SPD_FAULT", env_fault)
+    try:
+        body = {"model": "spd", "prompt": PROMPT, "max_tokens": 300, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as reply:
+            lines = reply.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            server.process.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]", rest[-3:]
+        assert json.loads(rest[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
+    finally:
+        assert server.stop() in (0, -signal.SIGTERM)
+
+
+def _kill_a_rank_while_idle(server: Server) -> None:
+    """SIGKILL one rank (a child of the fork server, the server's child) with no request in flight: the
+    server notices, restarts the pipeline on its own, and /ready says so; /health stays 200 throughout."""
+
+    def restarts() -> int:
+        text = httpx.get(f"{server.url}/metrics").text
+        return int(float(text.split("spd_pipeline_restarts_total{", 1)[1].split("} ", 1)[1].split()[0]))
+
+    before = restarts()
+    rank = next(g for c in _descendants(server.process.pid) for g in _descendants(c))
+    os.kill(rank, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while restarts() == before and time.monotonic() < deadline:
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        time.sleep(0.1)
+    assert restarts() == before + 1
+    while httpx.get(f"{server.url}/ready").status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert httpx.get(f"{server.url}/ready").status_code == 200
 
 
 def _descendants(pid: int) -> list[int]:

@@ -27,19 +27,21 @@ class Letters:
 
 
 class SlowBackend:
-    """One token every TOKEN_S: the prompt's letters, cycled."""
+    """`chunk` tokens every TOKEN_S: the prompt's letters, cycled."""
 
-    def __init__(self):
+    def __init__(self, chunk: int = 1):
+        self.chunk = chunk
         self.generated: list[int] = []  # tokens made per request
 
     def generate(self, prompt_ids, max_new_tokens, sampling, seed, on_tokens):
         tokens = []
         self.generated.append(0)
-        for i in range(max_new_tokens):
+        while len(tokens) < max_new_tokens:
             time.sleep(TOKEN_S)
-            tokens.append(prompt_ids[i % len(prompt_ids)])
-            self.generated[-1] += 1
-            on_tokens(tokens[-1:])
+            new = [prompt_ids[i % len(prompt_ids)] for i in range(len(tokens), len(tokens) + self.chunk)]
+            tokens += new
+            self.generated[-1] += len(new)
+            on_tokens(new)
         return DecodeResult("ar", 1, len(prompt_ids), tokens, len(tokens), "max_new_tokens")
 
     def close(self):
@@ -47,12 +49,12 @@ class SlowBackend:
 
 
 @pytest.fixture
-def server():
+def server(request):
     import uvicorn
 
-    backend = SlowBackend()
+    backend = SlowBackend(getattr(request, "param", 1))
     engine = Engine(lambda: backend, Letters(), "ar", queue_size=1)
-    app = build_app(engine, ServerConfig("fake", 100, 10, 0))
+    app = build_app(engine, ServerConfig("fake", 100, 10, 200))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -106,3 +108,146 @@ def test_a_client_that_disconnects_has_its_request_cancelled(server):
     assert backend.generated[-1] < 100
     ok = httpx.post(f"{url}/v1/completions", json={"model": "fake", "prompt": "ab", "max_tokens": 3}, timeout=30)
     assert ok.json()["choices"][0]["text"] == "aba"
+
+
+def test_an_abandoned_non_streamed_request_is_cancelled_at_once(server):
+    """The `openai` client gives up after 1 s and retries twice: each attempt is cancelled when its client
+    goes, although a token arrives every TOKEN_S (none decodes its 100 tokens), and counts as cancelled."""
+    import openai
+
+    url, engine, backend = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=1.0, max_retries=2)
+    with pytest.raises(openai.APITimeoutError):
+        client.completions.create(model="fake", prompt="abc", max_tokens=100)
+    deadline = time.monotonic() + 20
+    while engine.metrics.requests.get("cancelled", 0) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.metrics.requests.get("cancelled") == 3 and "ok" not in engine.metrics.requests
+    assert len(backend.generated) == 3 and max(backend.generated) < 100
+    assert engine.metrics.tokens == sum(backend.generated)  # cancelled requests' tokens are counted too
+
+
+@pytest.mark.parametrize("server", [3], indirect=True)
+def test_a_stop_ended_answer_counts_the_tokens_up_to_the_stop(server):
+    """Three tokens per cycle: "abc", "abc"; the stop string "ca" is complete at the 4th token."""
+    import openai
+
+    url, engine, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=30, max_retries=0)
+    reply = client.completions.create(model="fake", prompt="abc", max_tokens=30, stop="ca")
+    assert reply.choices[0].text == "ab" and reply.choices[0].finish_reason == "stop"
+    assert reply.usage.completion_tokens == 4
+    assert engine.metrics.tokens == 6  # what the decoder verified, stopped request or not
+
+
+def test_latency_histograms_in_metrics(server):
+    url, _, _ = server
+    httpx.post(f"{url}/v1/completions", json={"model": "fake", "prompt": "ab", "max_tokens": 5}, timeout=30)
+    metrics = httpx.get(f"{url}/metrics").text
+    for name in (
+        "spd_time_to_first_token_seconds",
+        "spd_time_to_first_token_with_queue_seconds",
+        "spd_time_per_output_token_seconds",
+    ):
+        assert f"# TYPE {name} histogram" in metrics
+        assert f'{name}_bucket{{mode="ar",le="+Inf"}}' in metrics
+    assert 'spd_time_to_first_token_seconds_count{mode="ar"} 1' in metrics
+    assert 'spd_time_per_output_token_seconds_count{mode="ar"} 4' in metrics  # 5 tokens: 4 gaps
+    assert 'spd_generated_tokens_total{mode="ar"} 5' in metrics
+
+
+@pytest.mark.parametrize(
+    "method, path, body, status",
+    [
+        ("get", "/nowhere", None, 404),
+        ("get", "/v1/completions", None, 405),
+        ("get", "/v1/models/other", None, 404),
+        ("post", "/v1/completions", {"model": "fake", "prompt": "a" * 150, "max_tokens": 51}, 400),  # > 200
+        ("post", "/v1/completions", {"model": "fake", "prompt": "ab", "seed": 2**64}, 400),
+        ("post", "/v1/completions", {"model": "fake", "prompt": "ab", "seed": -(2**63) - 1}, 400),
+        ("post", "/v1/completions", {"model": "fake", "prompt": "ab", "stop": ["a", "b", "c", "d", "e"]}, 400),
+        ("post", "/v1/completions", '{"model": "fake", "prompt": "ab", "temperature": Infinity}', 400),
+        ("post", "/v1/completions", '{"model": "fake", "prompt": "a\\ud800"}', 400),
+    ],
+    ids=["no-path", "wrong-method", "no-model", "past-context", "seed-high", "seed-low", "stops", "inf", "surrogate"],
+)
+def test_errors_have_the_openai_shape(server, method, path, body, status):
+    url, engine, _ = server
+    content = body if isinstance(body, str) or body is None else json.dumps(body)
+    reply = httpx.request(method, f"{url}{path}", content=content, timeout=30)
+    assert reply.status_code == status
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert engine.metrics.requests == {}  # nothing reached the decoder
+
+
+def test_developer_role_and_content_parts_are_accepted(server):
+    import openai
+
+    url, _, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=30, max_retries=0)
+    messages = [
+        {"role": "developer", "content": "ab"},
+        {"role": "user", "content": [{"type": "text", "text": "c"}, {"type": "text", "text": "d"}]},
+    ]
+    reply = client.chat.completions.create(model="fake", messages=messages, max_tokens=3)
+    letters = Letters()  # no chat template: the contents joined by newlines, then cycled by SlowBackend
+    assert reply.choices[0].message.content == letters.decode(letters("ab\ncd")["input_ids"][:3])
+    assert client.models.retrieve("fake").id == "fake"
+
+
+class Pipeline(SlowBackend):
+    """A backend with the rank backend's lifecycle: not ready until told, and dead once killed."""
+
+    def __init__(self):
+        super().__init__()
+        self.loaded, self.dead = threading.Event(), False
+
+    def alive(self) -> bool:
+        return not self.dead
+
+    def ready(self) -> bool:
+        return self.loaded.is_set()
+
+
+def test_health_is_liveness_ready_follows_the_pipeline_and_an_idle_death_restarts_it():
+    import uvicorn
+
+    started: list[Pipeline] = []
+
+    def make_backend():
+        started.append(Pipeline())
+        return started[-1]
+
+    engine = Engine(make_backend, Letters(), "ar", queue_size=1)
+    app = build_app(engine, ServerConfig("fake", 100, 10, 200))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    while not uv.started:
+        time.sleep(0.02)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert httpx.get(f"{url}/health").status_code == 200  # the process is alive ...
+        assert httpx.get(f"{url}/ready").status_code == 503  # ... but the ranks are still loading
+        started[0].loaded.set()
+        assert httpx.get(f"{url}/ready").status_code == 200
+        started[0].dead = True  # a rank dies while no request is in flight
+        assert httpx.get(f"{url}/ready").status_code == 503
+        deadline = time.monotonic() + 10
+        while len(started) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(started) == 2 and engine.metrics.restarts == 1  # restarted with no request to notice it
+        assert httpx.get(f"{url}/health").status_code == 200 and httpx.get(f"{url}/ready").status_code == 503
+        started[1].loaded.set()
+        assert httpx.get(f"{url}/ready").status_code == 200
+        reply = httpx.post(f"{url}/v1/completions", json={"model": "fake", "prompt": "ab", "max_tokens": 3}, timeout=30)
+        assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == "aba"
+        assert started[1].generated == [3] and started[0].generated == []
+    finally:
+        uv.should_exit = True
+        thread.join(10)
+        engine.close()

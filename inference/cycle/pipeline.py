@@ -57,7 +57,10 @@ def role_name(rank: int, n: int) -> str:
 
 
 def stream_seeds(seed: int) -> tuple[int, int]:
-    """Independent generator seeds for the verifier and the drafter, so each rank owns its randomness."""
+    """Independent generator seeds for the verifier and the drafter, so each rank owns its randomness. Any
+    integer works: it is taken modulo 2**63 first, so both stay within torch.manual_seed's 64-bit range
+    (the seeds 0 .. 2**63 - 1 keep the streams they always had)."""
+    seed %= 2**63
     return 2 * seed, 2 * seed + 1
 
 

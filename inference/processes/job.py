@@ -42,6 +42,7 @@ class DecodeJob:
     pdm_placement: str = "separate"  # or "shared": the PDM in stage 1's process (`shared_transport`)
     compile: bool = False  # one-token stage steps and PDM drafts through torch.compile (`capture.CompiledStep`)
     nodes: Nodes | None = None  # this node's share of the ranks when they span several nodes (`nodes`)
+    runners_kept: int = 4  # a serving rank's runners, one per recent sampling setting (`serving.ranks`)
 
     def __post_init__(self):
         if self.replay is not None:

@@ -1,9 +1,15 @@
 """The OpenAI-compatible HTTP API over the engine (FastAPI).
 
 `POST /v1/chat/completions` and `/v1/completions`, streamed (server-sent events, one chunk per verified
-piece of text, then `data: [DONE]`) or not; `GET /v1/models`, `/health`, `/metrics`. Every error is a JSON
-body in OpenAI's shape, `{"error": {"message", "type", "code"}}`, with a 4xx status for the client's
-mistakes (401 key, 400 request, 404 model, 429 queue full) and 503 when the decoder failed.
+piece of text, then `data: [DONE]`) or not; `GET /v1/models`, `/v1/models/{id}`, `/health` (liveness),
+`/ready` (readiness), `/metrics`. Every error is a JSON body in OpenAI's shape, `{"error": {"message",
+"type", "param", "code"}}`, with a 4xx status for the client's mistakes (401 key, 400 request, 404 model or
+path, 405 method, 429 queue full) and 503 when the decoder failed.
+
+Every field is checked here against what the ranks accept (seeds in torch's 64-bit range, finite sampling
+values, text that is valid Unicode, prompt + max_tokens within the context), so no request can reach the
+pipeline and fail there. A request whose client disconnects is cancelled the moment the disconnect arrives
+(`_watch`), streamed or not, even while its events keep coming.
 """
 
 from __future__ import annotations
@@ -22,11 +28,13 @@ from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException
 
 from inference.sampling import Sampling, SamplingError
 from inference.serving.engine import Engine, QueueFull, Request
 
-DISCONNECT_POLL_S = 0.25
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed takes (`pipeline.stream_seeds` keeps it there)
+MAX_STOP_STRINGS = 4  # as OpenAI's API
 
 
 class ApiError(Exception):
@@ -49,22 +57,31 @@ def error_response(status: int, message: str, kind: str, code: str | None = None
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status)
 
 
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
 class Message(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant"]  # developer: OpenAI's newer name for system
+    content: str | list[TextPart]
+
+    def rendered(self) -> dict:
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
 
 
 class _Sampled(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     model: str
     stream: bool = False
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)  # an extension of OpenAI's API; 0 keeps every token
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    top_k: int = Field(0, ge=0, le=2**31 - 1)  # an extension of OpenAI's API; 0 keeps every token
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    stop: str | list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
     n: int = Field(1, ge=1, le=1)
 
 
@@ -101,13 +118,13 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(http: HttpRequest):
         body = await _parse(http, ChatRequest)
-        ids = _render_chat(tokenizer, [m.model_dump() for m in body.messages])
+        ids = _tokenized(lambda: _render_chat(tokenizer, [m.rendered() for m in body.messages]))
         return await _complete(engine, config, body, ids, http, chat=True)
 
     @app.post("/v1/completions")
     async def completions(http: HttpRequest):
         body = await _parse(http, CompletionRequest)
-        ids = tokenizer(body.prompt)["input_ids"]
+        ids = _tokenized(lambda: tokenizer(body.prompt)["input_ids"])
         return await _complete(engine, config, body, ids, http, chat=False)
 
     return app
@@ -118,38 +135,72 @@ def _add_errors_and_auth(app: FastAPI, config: ServerConfig) -> None:
     async def _api_error(_, e: ApiError):
         return e.response()
 
-    @app.middleware("http")
-    async def _authorize(request: HttpRequest, call_next):
-        if config.api_key and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-            if not secrets.compare_digest(given, config.api_key):
-                return error_response(
+    @app.exception_handler(HTTPException)
+    async def _http_error(_, e: HTTPException):  # unknown path (404), wrong method (405)
+        return error_response(
+            e.status_code, str(e.detail), "invalid_request_error", "not_found" if e.status_code == 404 else None
+        )
+
+    if config.api_key:
+        app.add_middleware(ApiKey, key=config.api_key)
+
+
+class ApiKey:
+    """`Authorization: Bearer KEY` on /v1/*. A pure ASGI middleware: it leaves `receive` alone, so a handler
+    still sees its client's disconnect (`_watch`). The header is compared as bytes: it may hold any byte."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"").removeprefix(b"Bearer ").strip()
+            if not secrets.compare_digest(given, self.key):
+                reply = error_response(
                     401,
                     "missing or wrong API key: send `Authorization: Bearer KEY`",
                     "invalid_request_error",
                     "invalid_api_key",
                 )
-        return await call_next(request)
+                await reply(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _add_info_routes(app: FastAPI, engine: Engine, config: ServerConfig) -> None:
+    model = {"id": config.model, "object": "model", "created": 0, "owned_by": "spd-lightning"}
+
     @app.get("/health")
     async def health():
-        ok = engine.backend is not None
+        """Liveness: the server answers (a restarting pipeline is not a reason to restart the server)."""
+        return {"status": "ok", "ready": engine.ready, "queue_depth": engine.queue_depth}
+
+    @app.get("/ready")
+    async def ready():
+        """Readiness: the pipeline is up and loaded and can take a request now."""
+        ok = engine.ready
         return JSONResponse(
-            {"status": "ok" if ok else "restarting", "queue_depth": engine.queue_depth}, status_code=200 if ok else 503
+            {"status": "ready" if ok else "starting", "queue_depth": engine.queue_depth}, status_code=200 if ok else 503
         )
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(engine.metrics.render(engine.queue_depth, engine.mode))
+        return PlainTextResponse(engine.metrics.render(engine.queue_depth, engine.mode, engine.ready))
 
     @app.get("/v1/models")
     async def models():
-        return {
-            "object": "list",
-            "data": [{"id": config.model, "object": "model", "created": 0, "owned_by": "spd-lightning"}],
-        }
+        return {"object": "list", "data": [model]}
+
+    @app.get("/v1/models/{name:path}")
+    async def one_model(name: str):
+        if name != config.model:
+            raise ApiError(
+                404,
+                f"model {name!r} does not exist: this server serves {config.model!r}",
+                code="model_not_found",
+                param="model",
+            )
+        return model
 
 
 async def _parse(http: HttpRequest, schema: type[_Sampled]) -> _Sampled:
@@ -158,12 +209,41 @@ async def _parse(http: HttpRequest, schema: type[_Sampled]) -> _Sampled:
         data = json.loads(await http.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    _check_unicode(data, "")
     try:
         return schema.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise ApiError(400, f"{where or 'body'}: {first['msg']}", code="invalid_request", param=where or None) from None
+
+
+def _check_unicode(value, where: str) -> None:
+    """JSON may escape a lone surrogate (`"\\ud800"`), which no tokenizer can encode: a 400, not a crash."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(
+                400, f"{where or 'body'}: not valid Unicode (a lone surrogate)", param=where or None
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(item, f"{where}.{key}" if where else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_unicode(item, f"{where}.{i}")
+
+
+def _tokenized(tokenize) -> list[int]:
+    try:
+        return list(tokenize())
+    except (ValueError, TypeError, UnicodeError) as e:  # e.g. a template that refuses the conversation
+        raise ApiError(
+            400,
+            f"the prompt cannot be tokenized: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+            param="messages",
+        ) from None
 
 
 def _render_chat(tokenizer, messages: list[dict]) -> list[int]:
@@ -189,10 +269,11 @@ def _check(config: ServerConfig, body: _Sampled, ids: list[int]) -> tuple[int, S
         raise ApiError(400, f"max_tokens={max_tokens} must be in [1, {config.max_tokens_cap}]", param="max_tokens")
     if not ids:
         raise ApiError(400, "the prompt is empty", param="prompt")
-    if config.context and len(ids) >= config.context:
+    if config.context and len(ids) + max_tokens > config.context:
         raise ApiError(
             400,
-            f"the prompt has {len(ids)} tokens; the target's context is {config.context}",
+            f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: together more than the target's "
+            f"context of {config.context}; shorten the prompt or lower max_tokens",
             code="context_length_exceeded",
             param="messages",
         )
@@ -226,20 +307,26 @@ async def _complete(
 
 
 async def _events(request: Request, http: HttpRequest):
-    """The request's events until `done`; cancels the request when the client disconnects."""
+    """The request's events until `done`; cancels the request the moment the client disconnects."""
+    watcher = asyncio.create_task(_watch(request, http))
     try:
         while True:
-            try:
-                event = await asyncio.wait_for(request.events.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if await http.is_disconnected():
-                    return
-                continue
+            event = await request.events.get()
             yield event
             if event[0] in ("done", "error"):
                 return
     finally:
-        request.cancelled.set()  # a no-op once the decode has finished
+        watcher.cancel()
+        request.cancel()  # a no-op once the decode has finished
+
+
+async def _watch(request: Request, http: HttpRequest) -> None:
+    """Wait for the disconnect (the body is read, so `receive` returns only when the client goes), then
+    cancel, whatever the request's events are doing meanwhile; the waiting handler sees an `error`."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+    request.cancel()
+    request.emit("error", 499, "the client disconnected")
 
 
 async def _whole(request: Request, head: dict, chat: bool, http: HttpRequest):

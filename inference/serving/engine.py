@@ -3,8 +3,15 @@
 SPD is a batch-1 latency method, so the engine runs one decode at a time on one worker thread; requests
 wait in a FIFO of `queue_size` (`QueueFull` beyond it, HTTP 429). The worker feeds each request's
 verified tokens, as the decoder's per-cycle hook delivers them, through a `TextStream` (stop strings) to
-the request's event queue on the server's event loop. A request whose client has gone is cancelled at
-the next cycle: the hook raises `Cancelled`, which ends that decode.
+the request's event queue on the server's event loop.
+
+A request whose client has gone is cancelled at once: `Request.cancel` (the app calls it the moment it
+sees the disconnect) tells the backend, which stops the ranks at their next verdict (`RankBackend.cancel`);
+an in-process decoder stops when its next cycle's hook raises `Cancelled`. Either way it counts as
+`cancelled`.
+
+While idle the worker checks the backend every `HEALTH_POLL_S`: a pipeline whose ranks died is restarted
+then, before the next request comes, and `ready` (HTTP `/ready`) is false until the new one has loaded.
 
 The backend (the decoder behind the engine) is one of `inference.backends` in this process, or the
 persistent ranks of `inference.serving.ranks`.
@@ -20,16 +27,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from inference.backends import Backend
-from inference.cycle.result import DecodeResult
+from inference.backends import Backend, Cancelled, is_alive, is_ready
 from inference.sampling import Sampling
+from inference.serving.metrics import Metrics
 from inference.textstream import TextStream
 
+__all__ = ["Cancelled", "Engine", "QueueFull", "Request", "StopString"]
 log = logging.getLogger(__name__)
-
-
-class Cancelled(Exception):
-    """The client is gone: the decode stops at this cycle."""
+HEALTH_POLL_S = 0.5
 
 
 class StopString(Exception):
@@ -53,49 +58,17 @@ class Request:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     enqueued: float = field(default_factory=time.perf_counter)
+    on_cancel: Callable[[], None] | None = None  # set by the engine while the request decodes
 
     def emit(self, *event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
-
-@dataclass
-class Metrics:
-    """What /metrics reports (Prometheus text)."""
-
-    requests: dict[str, int] = field(default_factory=dict)  # by outcome
-    tokens: int = 0
-    drafts: int = 0  # K of SPD decodes
-    verified: int = 0  # N of SPD decodes
-    decode_seconds: float = 0.0
-    cycles: int = 0
-    first_token_seconds: float = 0.0
-    first_tokens: int = 0
-
-    def count(self, outcome: str) -> None:
-        self.requests[outcome] = self.requests.get(outcome, 0) + 1
-
-    def record(self, result: DecodeResult) -> None:
-        self.tokens += result.N
-        if result.alpha is not None:
-            self.drafts, self.verified = self.drafts + result.K, self.verified + result.N
-        self.decode_seconds += result.decode_s
-        self.cycles += max(result.K, result.N - 1) if result.alpha is not None else result.N - 1
-
-    def render(self, queue_depth: int, mode: str) -> str:
-        lines = ["# TYPE spd_requests_total counter"]
-        lines += [f'spd_requests_total{{outcome="{k}"}} {v}' for k, v in sorted(self.requests.items())]
-        alpha = self.verified / self.drafts if self.drafts else 0.0
-        cycle = self.decode_seconds / self.cycles if self.cycles else 0.0
-        ttft = self.first_token_seconds / self.first_tokens if self.first_tokens else 0.0
-        for name, kind, value in (
-            ("spd_generated_tokens_total", "counter", self.tokens),
-            ("spd_alpha", "gauge", alpha),
-            ("spd_cycle_seconds", "gauge", cycle),
-            ("spd_time_to_first_token_seconds", "gauge", ttft),
-            ("spd_queue_depth", "gauge", queue_depth),
-        ):
-            lines += [f"# TYPE {name} {kind}", f'{name}{{mode="{mode}"}} {value}']
-        return "\n".join(lines) + "\n"
+    def cancel(self) -> None:
+        """The client is gone: stop the decode at its next cycle (a no-op once it has ended)."""
+        self.cancelled.set()
+        hook = self.on_cancel
+        if hook is not None:
+            hook()
 
 
 class Engine:
@@ -114,6 +87,17 @@ class Engine:
     def queue_depth(self) -> int:
         return self._queue.qsize() + int(self._busy)
 
+    @property
+    def ready(self) -> bool:
+        """The pipeline can take a request now: it is up, loaded, and not being restarted."""
+        backend = self.backend
+        return backend is not None and is_alive(backend) and is_ready(backend)
+
+    def seconds_per_token(self) -> float | None:
+        """The mean time between verified tokens so far (None before the first decode)."""
+        histogram = self.metrics.per_token
+        return histogram.sum / histogram.count if histogram.count else None
+
     def submit(self, request: Request) -> None:
         try:
             self._queue.put_nowait(request)
@@ -131,25 +115,44 @@ class Engine:
             self.backend.close()
 
     def _serve(self) -> None:
-        while (request := self._queue.get()) is not None:
+        while True:
+            try:
+                request = self._queue.get(timeout=HEALTH_POLL_S)
+            except queue.Empty:
+                self._keep_alive()
+                continue
+            if request is None:
+                return
             self._busy = True
             try:
+                self._keep_alive()
                 self._run(request)
             finally:
                 self._busy = False
 
+    def _keep_alive(self) -> None:
+        """A backend that died (or never started) is replaced now, not when a request finds it dead."""
+        if self.backend is None or not is_alive(self.backend):
+            self._restart("the pipeline is not running")
+
     def _run(self, request: Request) -> None:
-        if request.cancelled.is_set():
+        backend = self.backend
+        if backend is None:
+            self.metrics.count("failed")
+            request.emit("error", 503, "the pipeline is restarting after a failure; retry")
+            return
+        request.on_cancel = getattr(backend, "cancel", None)
+        if request.cancelled.is_set():  # gone while it waited (or just now)
             self.metrics.count("cancelled")
             return
         stream = TextStream(self.tokenizer, request.stop)
-        first = []
+        started = time.perf_counter()
+        last = [None]
 
         def on_tokens(tokens: list[int]) -> None:
+            self._timed(request, started, last, len(tokens))
             if request.cancelled.is_set():
                 raise Cancelled
-            if not first:
-                first.append(time.perf_counter() - request.enqueued)
             delta = stream.feed(tokens)
             if delta:
                 request.emit("text", delta)
@@ -157,38 +160,54 @@ class Engine:
                 raise StopString
 
         try:
-            result = self.backend.generate(
+            result = backend.generate(
                 request.prompt_ids, request.max_new_tokens, request.sampling, request.seed, on_tokens
             )
             finish = "stop" if result.stop_reason == "eos" else "length"
+            self.metrics.record(result)
         except StopString:
-            result, finish = None, "stop"
+            finish = "stop"
         except Cancelled:
             self.metrics.count("cancelled")
             return
         except Exception as e:  # noqa: BLE001 - the request fails; the engine restarts the backend
             self._failed(request, e)
             return
-        if result is not None:
-            self.metrics.record(result)
-        if first:
-            self.metrics.first_tokens += 1
-            self.metrics.first_token_seconds += first[0]
+        finally:
+            request.on_cancel = None
         rest = stream.finish()
         if rest:
             request.emit("text", rest)
         self.metrics.count("ok")
-        request.emit("done", finish, len(request.prompt_ids), len(stream.tokens))
+        request.emit("done", finish, len(request.prompt_ids), stream.used_tokens)
+
+    def _timed(self, request: Request, started: float, last: list, count: int) -> None:
+        """Tokens, TTFT (without and with the FIFO wait) and the time per token, for every outcome."""
+        now = time.perf_counter()
+        self.metrics.tokens += count
+        if count == 0:
+            return
+        if last[0] is None:
+            self.metrics.ttft.observe(now - started)
+            self.metrics.ttft_queued.observe(now - request.enqueued)
+        else:
+            self.metrics.per_token.observe((now - last[0]) / count, count)
+        last[0] = now
 
     def _failed(self, request: Request, error: Exception) -> None:
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
         log.error("decode failed: %s; restarting the backend", first)
         self.metrics.count("failed")
         request.emit("error", 503, f"the decoder failed: {first}; the pipeline is being restarted, retry")
+        self._restart(first)
+
+    def _restart(self, why: str) -> None:
+        log.warning("%s: starting a fresh pipeline", why)
+        self.metrics.restarts += 1
+        backend, self.backend = self.backend, None  # not ready while it restarts
         try:
-            if self.backend is not None:
-                self.backend.close()
+            if backend is not None:
+                backend.close()
             self.backend = self.make_backend()
-        except Exception as e:  # noqa: BLE001 - serve 503s until a restart works
+        except Exception as e:  # noqa: BLE001 - serve 503s until a restart works (retried while idle)
             log.error("cannot restart the backend: %s", e)
-            self.backend = None

@@ -16,21 +16,27 @@ its next verdict is STOP, which ends the decode on every rank at the same cycle;
 the next request. The verifier's rank records the cycle it saw the cancel at and the cycle it stopped at
 (`last_cancel`). A verifier on another node gets each cancel from node 0's report listener instead
 (`nodes.RequestsOnNodeZero`), which the cancel notifies (`subscribe`).
+
+Memory is bounded by configuration, not by what clients send: a rank keeps one runner (and its caches) per
+sampling setting for the `job.runners_kept` settings used most recently and drops the oldest beyond them.
+Once every rank has loaded its weights and met the others, rank 0 marks the pipeline ready (`/ready`).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing as mp
 import queue
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from inference.backends import BackendFailure
+from inference.backends import BackendFailure, Cancelled
 from inference.cycle.result import DecodeResult
 from inference.processes.job import DecodeJob
 from inference.processes.launch import launch, start_method
@@ -60,6 +66,7 @@ class Requests:
         self.queue = context.Queue()
         self._cancel = context.RawValue("q", -1)  # the id of the request to stop
         self._report = context.RawArray("q", [-1, -1, -1])  # CancelReport of the last cancelled decode
+        self._ready = context.RawValue("b", 0)  # rank 0 sets it once every rank has loaded
         self._subscribers: list[Callable[[int], None]] = []  # in the server's process: other nodes' listener
 
     def __getstate__(self) -> dict:
@@ -82,6 +89,12 @@ class Requests:
         self._cancel.value = request_id
         for on_cancel in self._subscribers:
             on_cancel(request_id)
+
+    def mark_ready(self) -> None:
+        self._ready.value = 1
+
+    def is_ready(self) -> bool:
+        return bool(self._ready.value)
 
     def current_cancel(self) -> int:
         return self._cancel.value
@@ -106,15 +119,15 @@ def serve_requests(
 ) -> None:
     """One rank's serving loop: load once, then decode each broadcast request until rank 0 reads None."""
     loaded: Loaded = load_role(job, rank, device)
-    runners: dict[Sampling, object] = {}
+    runners = Runners(job.runners_kept, lambda sampling: build_runner(job, rank, device, loaded, sampling))
+    dist.barrier()  # every rank has loaded its weights
+    if rank == 0:
+        requests.mark_ready()
     while (item := _next_request(rank, requests)) != STOP:
         if item is None:  # keep-alive
             continue
         request_id, prompt, max_new_tokens, sampling, seed = item
-        sampling = Sampling(**sampling)
-        if sampling not in runners:
-            runners[sampling] = build_runner(job, rank, device, loaded, sampling)
-        runner = runners[sampling]
+        runner = runners.get(Sampling(**sampling))
         reporting = rank == runner.verifier_rank
         on_tokens = (lambda tokens: stream(request_id, tokens)) if reporting else None  # noqa: B023 - used in this iteration
         stop = (lambda: requests.cancelled(request_id)) if reporting else None  # noqa: B023 - used in this iteration
@@ -123,6 +136,25 @@ def serve_requests(
             if result.stop_reason == "cancelled":
                 requests.record(CancelReport(request_id, runner.stop_seen, result.K))
             report(request_id, result)
+
+
+class Runners:
+    """At most `kept` runners, one per sampling setting, the least recently used dropped first."""
+
+    def __init__(self, kept: int, build: Callable[[Sampling], object]):
+        self.kept, self.build = kept, build
+        self._runners: OrderedDict[Sampling, object] = OrderedDict()
+
+    def get(self, sampling: Sampling):
+        if sampling in self._runners:
+            self._runners.move_to_end(sampling)
+        else:
+            if len(self._runners) >= self.kept:
+                while len(self._runners) >= self.kept:
+                    self._runners.popitem(last=False)
+                gc.collect()  # a runner holds reference cycles: free its caches now, not at some later collection
+            self._runners[sampling] = self.build(sampling)
+        return self._runners[sampling]
 
 
 def _next_request(rank: int, requests):
@@ -145,6 +177,7 @@ class RankBackend:
         self.requests = Requests(mp.get_context(start_method(job)))
         self._events: queue.Queue = queue.Queue()
         self._next_id = 0
+        self._current: int | None = None  # the request decoding now
         self.last_cancel: CancelReport | None = None
         self.pids: dict[int, int] = {}
         self.failure = "the pipeline is not running"
@@ -166,11 +199,30 @@ class RankBackend:
             self.failure = str(e).splitlines()[0] if str(e) else type(e).__name__
         self._events.put(("ended", None, self.failure))
 
+    def alive(self) -> bool:
+        return self._launcher.is_alive()
+
+    def ready(self) -> bool:
+        return self._launcher.is_alive() and self.requests.is_ready()
+
+    def cancel(self) -> None:
+        """From any thread: stop the request decoding now at the ranks' next verdict."""
+        current = self._current
+        if current is not None:
+            self._events.put(("cancel", current, None))  # wakes `generate`, which tells the ranks at once
+
     def generate(self, prompt_ids, max_new_tokens, sampling: Sampling, seed, on_tokens) -> DecodeResult:
         if not self._launcher.is_alive():
             raise BackendFailure(self.failure)
         request_id, self._next_id = self._next_id, self._next_id + 1
-        self.requests.put((request_id, list(prompt_ids), max_new_tokens, sampling.to_dict(), seed))
+        self._current = request_id
+        try:
+            self.requests.put((request_id, list(prompt_ids), max_new_tokens, sampling.to_dict(), seed))
+            return self._follow(request_id, on_tokens)
+        finally:
+            self._current = None
+
+    def _follow(self, request_id: int, on_tokens) -> DecodeResult:
         cancelled = None
         while True:
             kind, index, value = self._events.get()
@@ -183,12 +235,15 @@ class RankBackend:
                     self._cancelled(request_id, value)
                     raise cancelled
                 return value
-            if cancelled is None:
-                try:
-                    on_tokens(value)
-                except Exception as e:  # noqa: BLE001 - Cancelled / StopString: the ranks stop at their next verdict
-                    cancelled = e
-                    self.requests.cancel(request_id)
+            if cancelled is not None:
+                continue
+            try:
+                if kind == "cancel":
+                    raise Cancelled
+                on_tokens(value)
+            except Exception as e:  # noqa: BLE001 - Cancelled / StopString: the ranks stop at their next verdict
+                cancelled = e
+                self.requests.cancel(request_id)
 
     def _cancelled(self, request_id: int, result: DecodeResult) -> None:
         """Keep (and log) the verifier's report when the ranks stopped the request before its end."""

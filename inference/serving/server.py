@@ -37,6 +37,8 @@ from inference.serving.engine import Engine
 from inference.setup import Setup, decode_job, prepare
 
 DEFAULT_CAP = 1024
+MIN_GRACE_S = 30.0
+UNMEASURED_S_PER_TOKEN = 0.25  # before any decode: a slow GPU pipeline's time per token, generously
 log = logging.getLogger("inference.serve")
 
 
@@ -52,6 +54,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model-name", help="the model id clients use (default: the drafter's or target's directory name)")
     p.add_argument("--queue-size", type=int, default=16, help="requests that may wait; beyond it HTTP 429")
     p.add_argument("--max-tokens-cap", type=int, default=DEFAULT_CAP, help="the largest max_tokens a request may ask")
+    p.add_argument(
+        "--graceful-timeout",
+        type=float,
+        help="seconds SIGTERM waits for the requests in progress before it cuts them (default: the time "
+        "--max-tokens-cap tokens take at the rate measured so far, twice over, and at least "
+        f"{MIN_GRACE_S:.0f} s; {UNMEASURED_S_PER_TOKEN} s per token before the first decode)",
+    )
+    p.add_argument(
+        "--runners-kept",
+        type=int,
+        default=4,
+        help="sampling settings whose runners (and caches) each rank keeps; the oldest beyond it is dropped",
+    )
     p.add_argument(
         "--threads",
         type=int,
@@ -79,8 +94,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise cli.UsageError(f"--port {args.port} must be in 1..65535")
     if args.threads is not None and args.threads < 1:
         raise cli.UsageError(f"--threads {args.threads} must be >= 1")
-    if args.queue_size < 1 or args.max_tokens_cap < 1:
-        raise cli.UsageError("--queue-size and --max-tokens-cap must be >= 1")
+    if args.queue_size < 1 or args.max_tokens_cap < 1 or args.runners_kept < 1:
+        raise cli.UsageError("--queue-size, --max-tokens-cap and --runners-kept must be >= 1")
+    if args.graceful_timeout is not None and not args.graceful_timeout >= 0:
+        raise cli.UsageError(f"--graceful-timeout {args.graceful_timeout} must be >= 0 seconds")
     check_node_args(args)
 
 
@@ -136,6 +153,7 @@ def serving_job(setup: Setup, args: argparse.Namespace) -> DecodeJob:
     """The ranks' job: requests instead of prompts, each cycle's tokens streamed to node 0."""
     job = decode_job(setup, args, [], Sampling(), profile=False)
     job.stream = True
+    job.runners_kept = args.runners_kept
     job.fault = os.environ.get("SPD_FAULT")  # test-only: see `faults.Fault`
     job.nodes = nodes_of(args)
     if job.nodes is not None and job.nodes.node_rank == 0:  # a name of its own for each pipeline (`nodes`)
@@ -174,20 +192,28 @@ def run_ranks_only(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from inference.serving.shutdown import GracefulServer
+
     if args.node_rank > 0:
         return run_ranks_only(args)
     app, engine = build(args)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level="debug" if cli.debugging(args) else "warning"
+    )
     try:
-        uvicorn.run(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level="debug" if cli.debugging(args) else "warning",
-            timeout_graceful_shutdown=5,
-        )
+        GracefulServer(config, lambda: graceful_timeout(args, engine)).run()
     finally:
         engine.close()
     return 0
+
+
+def graceful_timeout(args: argparse.Namespace, engine: Engine) -> float:
+    """How long SIGTERM waits for the requests in progress: --graceful-timeout, or long enough for a whole
+    --max-tokens-cap decode at the rate measured so far (docs/SERVING.md, "Stopping")."""
+    if args.graceful_timeout is not None:
+        return args.graceful_timeout
+    per_token = engine.seconds_per_token() or UNMEASURED_S_PER_TOKEN
+    return max(MIN_GRACE_S, 2 * args.max_tokens_cap * per_token)
 
 
 def main(argv: list[str] | None = None) -> int:

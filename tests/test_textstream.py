@@ -1,0 +1,73 @@
+"""`TextStream` on its own: what each `feed` returns, what `finish` adds, and how many tokens an answer used."""
+
+from inference.textstream import TextStream
+
+
+class Chars:
+    """Token i is chr(i)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+class Utf8Bytes:
+    """Byte-level: token i is the byte i, so a character may take several tokens."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def ids(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+def test_the_text_fed_with_a_stop_string_is_emitted_up_to_it():
+    stream = TextStream(Chars(), stop=["STOP"])
+    assert stream.feed(ids("hello wor")) == "hello wor"
+    assert stream.feed(ids("ld, STOP and more")) == "ld, " and stream.stopped
+    assert stream.text == "hello world, " and stream.finish() == ""
+
+
+def test_a_stop_string_in_the_first_feed_keeps_what_precedes_it():
+    stream = TextStream(Chars(), stop=["\n\n", "END"])
+    assert stream.feed(ids("one END two")) == "one " and stream.stopped
+
+
+def test_the_earliest_of_several_stop_strings_wins():
+    stream = TextStream(Chars(), stop=["zz", "b"])
+    assert stream.feed(ids("azzb")) == "a"
+
+
+def test_the_held_back_tail_comes_out_at_the_end():
+    """Text that may begin a stop string waits; when the decode ends (max_tokens) `finish` returns it."""
+    stream = TextStream(Chars(), stop=["###"])
+    assert stream.feed(ids("answer #")) == "answer "
+    assert stream.feed(ids("#")) == ""  # "##" may still become "###"
+    assert stream.finish() == "##"
+    assert stream.text == "answer ##" and not stream.stopped
+
+
+def test_a_held_back_tail_that_is_not_a_stop_string_is_emitted_with_the_next_text():
+    stream = TextStream(Chars(), stop=["END"])
+    assert stream.feed(ids("xE")) == "x"
+    assert stream.feed(ids("Nd")) == "ENd"
+
+
+def test_a_character_split_across_tokens_waits_for_its_last_byte():
+    stream = TextStream(Utf8Bytes())
+    snowman = list("☃".encode())  # three bytes
+    assert stream.feed([ord("a"), snowman[0]]) == "a"
+    assert stream.feed(snowman[1:2]) == ""
+    assert stream.feed(snowman[2:]) == "☃"
+    assert stream.finish() == "" and stream.text == "a☃"
+
+
+def test_used_tokens_end_at_the_token_that_completed_the_stop_string():
+    """A decoder that verifies several tokens per cycle may have made more; they are not the answer's."""
+    stream = TextStream(Chars(), stop=["ca"])
+    stream.feed(ids("ab"))
+    stream.feed(ids("cabcab"))  # "ca" is complete at the 4th token
+    assert stream.stopped and stream.text == "ab" and stream.used_tokens == 4
+    plain = TextStream(Chars())
+    plain.feed(ids("abc"))
+    assert plain.used_tokens == 3
