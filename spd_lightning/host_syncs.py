@@ -153,6 +153,9 @@ def _copy_kind(source: torch.device, target: torch.device | None) -> str | None:
 
 
 class _DispatchWatcher(TorchDispatchMode):
+    # Higher-order ops (flex_attention, checkpoint) pass through here too; their inner aten ops are then seen.
+    supports_higher_order_operators = True
+
     def __init__(self, counter: HostSyncCounter) -> None:
         super().__init__()
         self.counter = counter
