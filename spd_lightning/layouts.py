@@ -48,25 +48,46 @@ class FillDistribution:
     probs: Sequence[float] | None = None
 
     def probabilities(self, n: int) -> torch.Tensor:
-        if self.probs is not None:
-            p = torch.tensor([float(x) for x in self.probs], dtype=torch.float64)
-            if p.numel() != n or (p < 0).any() or p.sum() <= 0:
-                raise ConfigError(
-                    f"fill_probs={list(self.probs)} must be {n} non-negative weights for a = 1..n={n} "
-                    f"with a positive sum"
-                )
-            return p / p.sum()
-        if not 0.0 <= self.full_prob <= 1.0:
-            raise ConfigError(f"fill_full_prob={self.full_prob} must lie in [0, 1]")
-        if n == 1:
-            return torch.ones(1, dtype=torch.float64)
-        rest = (1.0 - self.full_prob) / (n - 1)
-        return torch.tensor([rest] * (n - 1) + [self.full_prob], dtype=torch.float64)
+        return _fill_probabilities(self.full_prob, None if self.probs is None else tuple(self.probs), n).clone()
 
     def sample(self, n: int, shape: Sequence[int], generator: torch.Generator | None = None) -> torch.Tensor:
-        p = self.probabilities(n)
+        """Draws on the host (a CPU generator: the same draws on any device); the probabilities are built once."""
+        p = _fill_probabilities(self.full_prob, None if self.probs is None else tuple(self.probs), n)
         draws = torch.multinomial(p, int(torch.Size(shape).numel()), replacement=True, generator=generator)
         return (draws + 1).view(*shape)
+
+
+@lru_cache(maxsize=8)
+def _fill_probabilities(full_prob: float, probs: tuple[float, ...] | None, n: int) -> torch.Tensor:
+    """`FillDistribution.probabilities`, cached: a step draws from it without making a tensor from Python data."""
+    if probs is not None:
+        p = torch.tensor([float(x) for x in probs], dtype=torch.float64)
+        if p.numel() != n or (p < 0).any() or p.sum() <= 0:
+            raise ConfigError(
+                f"fill_probs={list(probs)} must be {n} non-negative weights for a = 1..n={n} with a positive sum"
+            )
+        return p / p.sum()
+    if not 0.0 <= full_prob <= 1.0:
+        raise ConfigError(f"fill_full_prob={full_prob} must lie in [0, 1]")
+    if n == 1:
+        return torch.ones(1, dtype=torch.float64)
+    rest = (1.0 - full_prob) / (n - 1)
+    return torch.tensor([rest] * (n - 1) + [full_prob], dtype=torch.float64)
+
+
+def to_device_async(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without a sync: through pinned memory, asynchronously (a no-op on CPU)."""
+    if tensor.device == device:
+        return tensor
+    if tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+@lru_cache(maxsize=32)
+def index_table(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A small constant index tensor on `device`, made once (per step it would be a host-to-device copy)."""
+    return torch.tensor(values, device=device)
 
 
 @dataclass
@@ -187,7 +208,7 @@ class DepthLayout:
 
     def replicate(self, lengths: torch.Tensor, length: int, fill: torch.Tensor) -> Replication:
         n, T, device = self.geometry.n, length, lengths.device
-        fill = fill.to(device)
+        fill = to_device_async(fill, device)
         B = lengths.shape[0]
 
         def rows(b, q) -> DepthRows:
@@ -255,7 +276,7 @@ class TypeLayout:
 
     def _rows(self, lengths: torch.Tensor, T: int, fill: torch.Tensor) -> Callable[..., TypeRows]:
         """The per-row quantities of the mask, as a function of (batch, query) index tensors."""
-        jq_of_block = torch.tensor(self.jq, device=lengths.device)
+        jq_of_block = index_table(tuple(self.jq), lengths.device)
 
         def rows(b, q) -> TypeRows:
             t = q % T
@@ -268,9 +289,9 @@ class TypeLayout:
 
     def replicate(self, lengths: torch.Tensor, length: int, fill: torch.Tensor) -> Replication:
         n, T, device = self.geometry.n, length, lengths.device
-        fill = fill.to(device)
+        fill = to_device_async(fill, device)
         B, m = lengths.shape[0], len(self.copy_types)
-        block_of_j = torch.tensor(self.block_of_j, device=device)
+        block_of_j = index_table(tuple(self.block_of_j), device)
         rows = self._rows(lengths, T, fill)
 
         def mask_mod(b, h, q, kv):

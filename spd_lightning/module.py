@@ -10,11 +10,19 @@ checkpoints or Lightning's device moves; `setup` loads it on the strategy's devi
 draft vocabulary `d2t`, or from a checkpoint's drafter description when loaded without a trainer.
 
 Positions whose teacher argmax falls outside `V_d` are KEPT: the restricted, renormalized teacher is still a
-valid target over what the drafter can propose; their share is logged as `*/teacher_top1_outside_vd`.
+valid target over what the drafter can propose; their share is logged as `*/teacher_top1_outside_vd`. That
+share needs the full-vocabulary head (`[B, T, V]`, ~8 TFLOP per step at 9B); the training step runs only the
+`V_d` rows of the target's head unless `full_vocab_metric_every_n_steps` asks for the metric on this step.
+
+A training step makes no host/device synchronization once its shape has been seen (tests/test_host_syncs_step.py):
+the loss is a masked sum over fixed shapes (no boolean indexing), the right-padding check runs on the host
+before the batch is moved (`on_before_batch_transfer`), and the logged values stay on the device.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Literal
 
 import lightning as L
@@ -27,10 +35,53 @@ from .attention import Backend
 from .errors import ConfigError
 from .export import CKPT_KEY, DrafterSpec
 from .geometry import Features, Geometry, Schedule
-from .layouts import FillDistribution, LayoutName, build_layout
+from .layouts import FillDistribution, LayoutName, Replication, build_layout
 from .metrics import GroupedAgreement
 from .pdm import PDMConfig, PipelineDraftModule
 from .target import FrozenTargetHolder, Target, TargetError, load_hf_config
+
+
+def check_right_padded(attention_mask: torch.Tensor) -> None:
+    if not bool((attention_mask[:, :-1] >= attention_mask[:, 1:]).all()):
+        raise ValueError(
+            "batches must be right-padded (attention_mask 1...1 0...0): the layouts read each "
+            "sequence's length as attention_mask.sum(1)"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicatedForward:
+    """One replicated PDM forward of a batch (`SPDModule._forward`)."""
+
+    rep: Replication
+    hidden: torch.Tensor  # [B, T, d] (the loss copy only) or [B, S, d] (every copy)
+    teacher: torch.Tensor  # [B, T, V_d] the target's logits over the draft vocabulary
+    outside_vd: torch.Tensor | None  # [B, T] the full-vocabulary argmax lies outside V_d; None: not computed
+    predicts_loss_token: torch.Tensor  # [B, T] output i drafts an assistant token x_{i+1}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Distilled:
+    """One copy's outputs, `[B, T]` each; only the `counted` ones (active, predicting a loss token) enter the loss."""
+
+    kl: torch.Tensor
+    counted: torch.Tensor
+    student_top1: torch.Tensor
+    teacher_top1: torch.Tensor
+    fill: torch.Tensor
+    outside_vd: torch.Tensor | None
+
+    def mean(self, values: torch.Tensor) -> torch.Tensor:
+        """The mean of `values` over the counted outputs, 0 (with a graph) when there are none; no host sync."""
+        counted = self.counted
+        return (values * counted).sum() / counted.sum().clamp(min=1)
+
+    def selected(self) -> Distilled:
+        """The counted outputs alone, as 1-D tensors (validation and evaluation: a host sync per call)."""
+        sel = self.counted
+        pick = {k: getattr(self, k) for k in ("kl", "student_top1", "teacher_top1", "fill", "outside_vd")}
+        picked = {k: None if v is None else v[sel] for k, v in pick.items()}
+        return Distilled(counted=sel[sel], **picked)
 
 
 class SPDModule(FrozenTargetHolder, L.LightningModule):
@@ -67,6 +118,8 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         attention_backend: `auto` (flex on CUDA, dense or two-part on CPU), `flex`, `flex_compiled` (compiled
             flex on any device, for a CPU rehearsal of the GPU path), `dense`, `two_part`.
         activation_checkpointing: recompute each PDM layer in the backward pass instead of storing its activations.
+        full_vocab_metric_every_n_steps: log `train/teacher_top1_outside_vd` every this many training steps (it
+            runs the target's full-vocabulary head); 0: on validation only.
         seed: seeds the per-step fill draws (deterministic, and identical after a resume).
     """
 
@@ -99,6 +152,7 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         min_lr_ratio: float = 0.0,
         attention_backend: Backend = "auto",
         activation_checkpointing: bool = False,
+        full_vocab_metric_every_n_steps: int = 0,
         seed: int = 0,
     ):
         """Checks the settings and builds the metrics; the target loads in `setup`, the PDM in `configure_model`.
@@ -113,6 +167,7 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
             ("aux_loss_weight", aux_loss_weight),
             ("weight_decay", weight_decay),
             ("warmup_steps", warmup_steps),
+            ("full_vocab_metric_every_n_steps", full_vocab_metric_every_n_steps),
         ):
             if value < 0:
                 raise ConfigError(f"{name}={value} must be >= 0")
@@ -128,7 +183,9 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         self._target: Target | None = None
         self._target_info = None
         n_groups = n + 1
-        self.train_agree, self.val_agree = torchmetrics.MeanMetric(), torchmetrics.MeanMetric()
+        self._head_vd: torch.nn.Module | None = None  # the V_d rows of the target's head, built on first use
+        self._device_scalars: dict[str, torch.Tensor] = {}  # logged host numbers, on the device
+        self.val_agree = torchmetrics.MeanMetric()
         self.val_loss, self.val_outside = torchmetrics.MeanMetric(), torchmetrics.MeanMetric()
         self.val_agree_depth, self.val_agree_fill = GroupedAgreement(n_groups), GroupedAgreement(n_groups)
 
@@ -229,18 +286,23 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         key = (self.hparams.seed, phase, index, self.global_rank)
         return torch.Generator().manual_seed(hash(key) % (2**63))
 
-    def _forward(self, batch: dict, generator: torch.Generator, every_copy: bool = True):
-        """The replicated forward: `(replication, hidden, teacher, predicts_loss_token)`. With `every_copy` False
-        only the loss copy's outputs are computed (`hidden[B, T, d]`, the first `T` rows; the last PDM layer runs
-        the other copies as keys and values only); otherwise every copy's (`hidden[B, S, d]`)."""
+    def on_before_batch_transfer(self, batch, dataloader_idx: int):
+        """The right-padding check on the host, before the batch moves: on the device it would be a sync."""
+        if isinstance(batch, dict) and "attention_mask" in batch:
+            check_right_padded(batch["attention_mask"])
+        return batch
+
+    def _forward(
+        self, batch: dict, generator: torch.Generator, every_copy: bool = True, full_vocab: bool = True
+    ) -> ReplicatedForward:
+        """The replicated forward. With `every_copy` False only the loss copy's outputs are computed (`hidden[B, T,
+        d]`, the first `T` rows; the last PDM layer runs the other copies as keys and values only); otherwise every
+        copy's (`hidden[B, S, d]`). With `full_vocab` False the target's head runs on the `V_d` rows only and
+        `outside_vd` is None."""
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
-        if not bool((attention_mask[:, :-1] >= attention_mask[:, 1:]).all()):
-            raise ValueError(
-                "batches must be right-padded (attention_mask 1...1 0...0): the layouts read each "
-                "sequence's length as attention_mask.sum(1)"
-            )
-        states, logits = self.target.anchor_states(input_ids, attention_mask, self.geometry.anchors)
-        teacher = self._restrict_teacher(logits)
+        with self._teacher_head(full_vocab):
+            states, logits = self.target.anchor_states(input_ids, attention_mask, self.geometry.anchors)
+        teacher, outside_vd = self._restrict_teacher(logits) if full_vocab else (logits, None)
         del logits  # the full-vocabulary logits are freed before the PDM's activations are allocated
         B, T = input_ids.shape
         rep = self.layout.replicate(attention_mask.sum(1), T, self.layout.draw_fill(B, T, generator))
@@ -252,9 +314,33 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
             checkpointing=self.hparams.activation_checkpointing,
             outputs=None if every_copy else T,
         )
-        # Output i of every copy drafts x_{i+1}: a loss position iff x_{i+1} is an assistant token.
-        predicts_loss_token = F.pad(batch["loss_mask"][:, 1:].bool(), (0, 1), value=False)
-        return rep, hidden, teacher, predicts_loss_token
+        return ReplicatedForward(
+            rep=rep,
+            hidden=hidden,
+            teacher=teacher,
+            outside_vd=outside_vd,
+            # Output i of every copy drafts x_{i+1}: a loss position iff x_{i+1} is an assistant token.
+            predicts_loss_token=F.pad(batch["loss_mask"][:, 1:].bool(), (0, 1), value=False),
+        )
+
+    @contextmanager
+    def _teacher_head(self, full_vocab: bool):
+        """Without `full_vocab`, the target's head is the `V_d` rows of its weight for the forward (its logits are
+        then `[B, T, V_d]`, what `_restrict_teacher` would select); the rows are copied once (the target is frozen)."""
+        if full_vocab:
+            yield
+            return
+        model = self.target.model
+        full = model.get_output_embeddings()
+        if self._head_vd is None:
+            rows = torch.nn.Linear(full.in_features, self.pdm.d2t.numel(), bias=False, device=full.weight.device)
+            rows.weight = torch.nn.Parameter(full.weight.detach().index_select(0, self.pdm.d2t), requires_grad=False)
+            object.__setattr__(self, "_head_vd", rows)  # like the target: not a submodule, not in checkpoints
+        model.set_output_embeddings(self._head_vd)
+        try:
+            yield
+        finally:
+            model.set_output_embeddings(full)
 
     def _restrict_teacher(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The teacher logits over `V_d` in the target's dtype, `[B, T, V_d]`, and whether each position's
@@ -264,71 +350,81 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         in_vd = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device).index_fill_(0, d2t, True)
         return logits.index_select(-1, d2t), ~in_vd[logits.argmax(-1)]
 
-    def _distill(self, rep, hidden, teacher, valid, copy: int):
-        """KL(P || q) on the active outputs of `copy` that predict a loss token; returns the per-token KL,
-        the student's and restricted teacher's argmax, the tokens' fill levels and the outside-V_d flags."""
-        sel = valid & rep.active[copy]
-        teacher_vd, outside_vd = teacher
-        student = self.pdm.lm_head(hidden[:, rep.copy_slice(copy)][sel]).float()
-        restricted = teacher_vd[sel].float()
+    def _distill(self, fwd: ReplicatedForward, copy: int) -> Distilled:
+        """KL(P || q) at every output of `copy`, `[B, T]`, counted where the output is active and predicts a loss
+        token. Fixed shapes, no boolean indexing: the head runs on all `T` outputs of the copy."""
+        rep = fwd.rep
+        student = self.pdm.lm_head(fwd.hidden[:, rep.copy_slice(copy)]).float()
+        restricted = fwd.teacher.float()
         log_p = F.log_softmax(restricted / self.hparams.teacher_temperature, dim=-1)
         kl = (log_p.exp() * (log_p - F.log_softmax(student, dim=-1))).sum(-1)
-        return kl, student.argmax(-1), restricted.argmax(-1), rep.fill[copy][sel], outside_vd[sel]
+        return Distilled(
+            kl=kl,
+            counted=fwd.predicts_loss_token & rep.active[copy],
+            student_top1=student.argmax(-1),
+            teacher_top1=restricted.argmax(-1),
+            fill=rep.fill[copy],
+            outside_vd=fwd.outside_vd,
+        )
 
-    @staticmethod
-    def _mean(x: torch.Tensor) -> torch.Tensor:
-        """Mean that is 0 (with a graph) on a batch without loss tokens instead of NaN."""
-        return x.sum() / max(x.numel(), 1)
+    def _full_vocab_due(self, step: int) -> bool:
+        every = self.hparams.full_vocab_metric_every_n_steps
+        return every > 0 and step % every == 0
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         step = self.trainer.fit_loop.epoch_loop.total_batch_idx  # counts every batch of every epoch
         every_copy = self.hparams.aux_loss_weight > 0  # the auxiliary loss reads every copy; the main loss, copy 0
-        rep, hidden, teacher, valid = self._forward(batch, self._fill_generator(0, step), every_copy)
-        kl, student, target, _, outside = self._distill(rep, hidden, teacher, valid, rep.loss_copy)
-        loss = self._mean(kl)
+        full_vocab = self._full_vocab_due(step)
+        fwd = self._forward(batch, self._fill_generator(0, step), every_copy, full_vocab)
+        main = self._distill(fwd, fwd.rep.loss_copy)
+        loss = kl_draft = main.mean(main.kl)
         if every_copy:
-            aux = [
-                self._distill(rep, hidden, teacher, valid, c)[0] for c in range(rep.num_copies) if c != rep.loss_copy
-            ]
-            loss = loss + self.hparams.aux_loss_weight * self._mean(torch.cat(aux))
+            aux = [self._distill(fwd, c) for c in range(fwd.rep.num_copies) if c != fwd.rep.loss_copy]
+            aux_sum = sum((d.kl * d.counted).sum() for d in aux)
+            aux_tokens = sum(d.counted.sum() for d in aux)
+            loss = loss + self.hparams.aux_loss_weight * aux_sum / aux_tokens.clamp(min=1)
         B = batch["input_ids"].shape[0]
         self.log("train/loss", loss, prog_bar=True, batch_size=B)
-        self.log("train/kl_draft", self._mean(kl), batch_size=B)
-        if kl.numel():
-            self.train_agree(student.eq(target).float())
-            self.log("train/agree", self.train_agree, prog_bar=True, batch_size=B)
-            self.log("train/teacher_top1_outside_vd", outside.float().mean(), batch_size=B)
-        self.log("train/loss_tokens", float(kl.numel()), batch_size=B)
-        self.log("train/lr", self.optimizers().param_groups[0]["lr"], batch_size=B)
+        self.log("train/kl_draft", kl_draft, batch_size=B)
+        self.log("train/agree", main.mean(main.student_top1.eq(main.teacher_top1)), prog_bar=True, batch_size=B)
+        if full_vocab:
+            self.log("train/teacher_top1_outside_vd", main.mean(main.outside_vd), batch_size=B)
+        self.log("train/loss_tokens", main.counted.sum().float(), batch_size=B)
+        self.log("train/lr", self._device_scalar("lr", self.optimizers().param_groups[0]["lr"]), batch_size=B)
         return loss
 
+    def _device_scalar(self, name: str, value: float) -> torch.Tensor:
+        """A logged host number as a device tensor filled in place: `self.log(float)` would copy it every step."""
+        if name not in self._device_scalars:
+            self._device_scalars[name] = torch.zeros((), device=self.device)
+        return self._device_scalars[name].fill_(value)
+
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        rep, hidden, teacher, valid = self._forward(
-            batch, self._fill_generator(1, batch_idx)
-        )  # same draws at every validation
-        for c in range(rep.num_copies):
-            kl, student, target, fill, outside = self._distill(rep, hidden, teacher, valid, c)
-            if not kl.numel():
+        fwd = self._forward(batch, self._fill_generator(1, batch_idx))  # same draws at every validation
+        for c in range(fwd.rep.num_copies):
+            d = self._distill(fwd, c).selected()
+            if not d.kl.numel():
                 continue
-            agree = student.eq(target)
-            self.val_agree_depth.update(agree, torch.full_like(fill, rep.copy_depths[c]))
-            if c == rep.loss_copy:
-                self.val_loss.update(kl)
+            agree = d.student_top1.eq(d.teacher_top1)
+            self.val_agree_depth.update(agree, torch.full_like(d.fill, fwd.rep.copy_depths[c]))
+            if c == fwd.rep.loss_copy:
+                self.val_loss.update(d.kl)
                 self.val_agree.update(agree.float())
-                self.val_outside.update(outside.float())
-                self.val_agree_fill.update(agree, fill)
+                self.val_outside.update(d.outside_vd.float())
+                self.val_agree_fill.update(agree, d.fill)
 
     @torch.no_grad()
     def staircase_agreement(self, batch: dict, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Teacher-forced top-1 agreement of every view output of every copy on `batch`, with fill draws
         seeded by `seed`: `(agree, depth, fill)`, one entry per output (the staircase evaluation's heatmap)."""
-        rep, hidden, teacher, valid = self._forward(batch, torch.Generator().manual_seed(seed))
+        check_right_padded(batch["attention_mask"])
+        fwd = self._forward(batch, torch.Generator().manual_seed(seed), full_vocab=False)
         agree, depth, fill = [], [], []
-        for c in range(rep.num_copies):
-            _, student, target, fills, _ = self._distill(rep, hidden, teacher, valid, c)
-            agree.append(student.eq(target))
-            depth.append(torch.full_like(fills, rep.copy_depths[c]))
-            fill.append(fills)
+        for c in range(fwd.rep.num_copies):
+            d = self._distill(fwd, c).selected()
+            agree.append(d.student_top1.eq(d.teacher_top1))
+            depth.append(torch.full_like(d.fill, fwd.rep.copy_depths[c]))
+            fill.append(d.fill)
         return torch.cat(agree), torch.cat(depth), torch.cat(fill)
 
     def on_validation_epoch_end(self) -> None:

@@ -67,8 +67,9 @@ def target_dir(tmp_path_factory) -> str:
 
 def full_loss(module, batch):
     """The training loss read from the full (every copy) forward with the same fill draws."""
-    rep, hidden, teacher, valid = module._forward(batch, module._fill_generator(0, 0), every_copy=True)
-    return module._mean(module._distill(rep, hidden, teacher, valid, rep.loss_copy)[0])
+    fwd = module._forward(batch, module._fill_generator(0, 0), every_copy=True, full_vocab=False)
+    main = module._distill(fwd, fwd.rep.loss_copy)
+    return main.mean(main.kl)
 
 
 @pytest.mark.parametrize("layout_name,num_layers,n", GRID)

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+import wandb
 from conftest import REPO, fit_args
 
 from callbacks import StaircaseEvaluation
@@ -138,6 +139,9 @@ def test_offline_wandb_run_gets_scalars_table_and_images(micro_target, tmp_path,
     )
     trained = cli.run_cli(["fit", *args])
     trained.trainer.logger.experiment.finish()
+    # finish() returns before wandb-core's writer has flushed and closed the run's transaction log (run-*.wandb):
+    # read right away it may hold the header alone. teardown() ends the service, which closes every stream first.
+    wandb.teardown()
     [run_dir] = glob.glob(os.path.join(str(tmp_path), "**", "offline-run-*"), recursive=True)
     media = os.path.join(run_dir, "files", "media")
     assert glob.glob(os.path.join(media, "table", "staircase", "prompts_*.table.json"))
