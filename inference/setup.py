@@ -59,14 +59,14 @@ def drafter_for_mode(ckpt: str | None, mode: str | None) -> tuple[DrafterSpec | 
         if mode not in (None, EAGLE3, "ar"):
             raise UsageError(
                 f"--mode {mode} needs a PDM (SPD) drafter, but {ckpt!r} is an EAGLE-3 drafter: pass --mode "
-                f"{EAGLE3}, or a drafter trained with `fit --model.drafter pdm`"
+                f"{EAGLE3}, or a drafter trained with `fit --model SPDModule`"
             )
         return load_eagle3(ckpt)[1], mode or EAGLE3
     spec = read_drafter_spec(ckpt)[0] if ckpt else None
     if mode == EAGLE3 and spec is not None:
         raise UsageError(
             f"--mode {EAGLE3} needs an EAGLE-3 drafter, but {ckpt!r} is a PDM (SPD) drafter: pass --mode "
-            f"{spec.geometry.mode}, or a drafter trained with `fit --model.drafter {EAGLE3}`"
+            f"{spec.geometry.mode}, or a drafter trained with `fit --model Eagle3Module`"
         )
     mode = mode or (spec.geometry.mode if spec else "ar")
     if spec is None and mode != "ar":
