@@ -23,14 +23,14 @@ import torch.nn.functional as F
 import torchmetrics
 from lightning.pytorch.utilities import rank_zero_info
 
+from ..errors import ConfigError
+from ..export import CKPT_KEY, DrafterSpec
+from ..geometry import Features, Geometry, Schedule
+from ..pdm import PDMConfig, PipelineDraftModule
+from ..target import FrozenTargetHolder, Target, TargetError, load_hf_config
 from .attention import Backend
-from .errors import ConfigError
-from .export import CKPT_KEY, DrafterSpec
-from .geometry import Features, Geometry, Schedule
 from .layouts import FillDistribution, LayoutName, build_layout
 from .metrics import GroupedAgreement
-from .pdm import PDMConfig, PipelineDraftModule
-from .target import FrozenTargetHolder, Target, TargetError, load_hf_config
 
 
 class SPDModule(FrozenTargetHolder, L.LightningModule):
