@@ -36,7 +36,7 @@ from inference.prompts import read_prompts
 from inference.sampling import Sampling
 from spd_lightning.data.chat import render_prompt
 from spd_lightning.errors import ConfigError
-from spd_lightning.metrics import GroupedAgreement
+from spd_lightning.training.metrics import GroupedAgreement
 
 from .plots import alpha_curve_png, heatmap_png
 

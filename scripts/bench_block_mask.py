@@ -1,5 +1,5 @@
 """The FlexAttention block mask of a training step: `create_block_mask` per step against the shape's cached block
-structure (spd_lightning/block_sparsity.py), in time and in the blocks each gives the kernel.
+structure (spd_lightning/training/block_sparsity.py), in time and in the blocks each gives the kernel.
 
     python scripts/bench_block_mask.py --ns 4 8 --seq-lens 512 1024 --batch-size 2 --markdown
 
@@ -23,9 +23,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from inference.evaluation.tables import fmt, markdown_table  # noqa: E402
-from spd_lightning import block_sparsity  # noqa: E402
 from spd_lightning.geometry import Geometry  # noqa: E402
-from spd_lightning.layouts import build_layout  # noqa: E402
+from spd_lightning.training import block_sparsity  # noqa: E402
+from spd_lightning.training.layouts import build_layout  # noqa: E402
 
 
 def blocks(mask) -> tuple[int, int]:
@@ -55,7 +55,7 @@ def measure(layout_name: str, n: int, T: int, batch: int, device: str = "cpu", r
     """One row. On CUDA `create_block_mask` is the compiled one the flex path runs (`attention.compiled_flex`)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from spd_lightning.attention import compiled_flex
+    from spd_lightning.training.attention import compiled_flex
 
     device = torch.device(device)
     make_mask = compiled_flex()[0] if device.type == "cuda" else create_block_mask

@@ -5,7 +5,7 @@
 1. Estimate vs measured: one training step (the second: AdamW's moments exist) of a random-init Qwen3.5-style
    target (hidden 128, vocab 2048, 4 layers) with an L_s=2 PDM, fp32 and bf16-mixed, dense attention, per
    layout and with or without activation checkpointing. Measured = the most bytes of tensor storages alive at once
-   (`spd_lightning.memory_meter.LiveTensorBytes`), counting the target, the PDM and the optimizer state.
+   (`spd_lightning.training.memory_meter.LiveTensorBytes`), counting the target, the PDM and the optimizer state.
 2. The teacher over V_d: extra peak bytes of turning bf16 target logits `[B, T, V]` into the fp32 restricted
    teacher of the loss positions, restricted after the upcast (before the fix) and before it (now).
 """
@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from gpu_check import RandomChats  # noqa: E402 - the same random chat batches as the GPU check
 
 from spd_lightning.estimate import Shape, estimate, target_config  # noqa: E402
-from spd_lightning.memory_meter import LiveTensorBytes  # noqa: E402
-from spd_lightning.module import SPDModule  # noqa: E402
+from spd_lightning.training.memory_meter import LiveTensorBytes  # noqa: E402
+from spd_lightning.training.module import SPDModule  # noqa: E402
 
 MB = 1e6
 

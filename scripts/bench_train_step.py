@@ -105,8 +105,8 @@ def measure(target: str, layout: str, n: int, num_layers: int, seq_len: int, bat
     import lightning as L
     import torch
 
-    from spd_lightning.attention import resolve_backend
-    from spd_lightning.module import SPDModule
+    from spd_lightning.training.attention import resolve_backend
+    from spd_lightning.training.module import SPDModule
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)

@@ -44,9 +44,9 @@ from inference.runtime.drafter import PDMDrafter  # noqa: E402
 from inference.runtime.stages import Stage  # noqa: E402
 from spd_lightning.estimate import Shape, estimate, target_config  # noqa: E402
 from spd_lightning.geometry import Geometry  # noqa: E402
-from spd_lightning.module import SPDModule  # noqa: E402
 from spd_lightning.pdm import PDMConfig, PipelineDraftModule  # noqa: E402
 from spd_lightning.target import Target  # noqa: E402
+from spd_lightning.training.module import SPDModule  # noqa: E402
 
 ARCHS = {"qwen35_9b": "Qwen/Qwen3.5-9B", "qwen35_4b": "Qwen/Qwen3.5-4B"}  # the 9B first: its memory is the question
 TINY = dict(

@@ -43,14 +43,14 @@ from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from .checkpoint_io import AtomicCheckpointIO
 from .data import ChatDataModule
 from .eagle3.export import KIND as EAGLE3
 from .eagle3.export import load_eagle3, save_eagle3
 from .eagle3.module import Eagle3Module
 from .errors import ConfigError, Stopped, UserError, debug_requested, one_line, run_main
 from .export import drafter_kind, load_drafter, save_drafter
-from .module import SPDModule
+from .training.checkpoint_io import AtomicCheckpointIO
+from .training.module import SPDModule
 
 PROG = "python -m spd_lightning"
 WANDB_HOST = "api.wandb.ai"

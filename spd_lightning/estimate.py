@@ -73,7 +73,7 @@ class Shape:
 
 def read_config(path: str) -> Shape:
     from .cli import read_config_file
-    from .module import SPDModule
+    from .training.module import SPDModule
 
     cfg = read_config_file(path)
     defaults = {
@@ -170,8 +170,8 @@ def estimate(shape: Shape, tcfg, gpus: int = 1) -> dict:
     """Per-GPU bytes by component, and FLOPs per training token."""
     from transformers import AutoModelForCausalLM
 
-    from .layouts import build_layout
     from .pdm import PipelineDraftModule
+    from .training.layouts import build_layout
 
     c, geometry = pdm_config(shape, tcfg)
     layout = build_layout(shape.module_args["layout"], geometry)

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from spd_lightning import block_sparsity
-from spd_lightning.attention import dense_attend, dense_mask, make_attend
 from spd_lightning.geometry import Geometry
-from spd_lightning.layouts import build_layout
+from spd_lightning.training import block_sparsity
+from spd_lightning.training.attention import dense_attend, dense_mask, make_attend
+from spd_lightning.training.layouts import build_layout
 
 LENGTHS = [16 * k for k in range(3, 13)]  # 10 distinct lengths (more than dynamo's recompile limit of 8), S >= 2 blocks
 
@@ -46,7 +46,7 @@ def test_compiled_flex_does_not_recompile_per_length(fresh_dynamo):
 @pytest.mark.parametrize("layout_name", ["depth", "type"])
 def test_compiled_flex_with_the_block_structure_of_the_shape_equals_dense(fresh_dynamo, layout_name):
     """At a block-aligned length the flex path takes its block mask from the shape's cached structure
-    (spd_lightning/block_sparsity.py): compiled flex on it equals the dense mask, padding and fills included."""
+    (spd_lightning/training/block_sparsity.py): compiled flex on it equals the dense mask, padding and fills included."""
     block_sparsity._SKELETONS.clear()
     layout = build_layout(layout_name, Geometry.build(8, 2))
     gen = torch.Generator().manual_seed(1)

@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from spd_lightning import block_sparsity
-from spd_lightning.block_sparsity import skeleton, step_block_mask
 from spd_lightning.geometry import Geometry
-from spd_lightning.layouts import build_layout
+from spd_lightning.training import block_sparsity
+from spd_lightning.training.block_sparsity import skeleton, step_block_mask
+from spd_lightning.training.layouts import build_layout
 
 BLOCK = 8  # small blocks: many of them, at shapes the eager predicate evaluates quickly
 

@@ -8,7 +8,7 @@ from conftest import make_tiny_model
 from test_module import SyntheticChat, make_module, make_trainer
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import spd_lightning.layouts as layouts
+import spd_lightning.training.layouts as layouts
 from spd_lightning.pdm import PDMConfig, PipelineDraftModule
 
 

@@ -71,7 +71,7 @@ def test_target_configs_are_the_paper_recipe_with_their_own_target_and_run_names
     monkeypatch.chdir(tmp_path)
     config = printed_config(capsys, f"--config={os.path.join(REPO, 'configs', f'{name}.yaml')}")
     trainer, model, data = config["trainer"], config["model"]["init_args"], config["data"]
-    assert config["model"]["class_path"] == "spd_lightning.module.SPDModule"
+    assert config["model"]["class_path"] == "spd_lightning.training.module.SPDModule"
     assert (model["target"], model["n"], model["num_layers"], model["lr"]) == (GPU_CONFIGS[name], 8, 3, 1.0e-4)
     assert (trainer["strategy"], trainer["precision"], trainer["gradient_clip_val"]) == ("ddp", "bf16-mixed", 0.5)
     assert trainer["logger"]["init_args"]["name"] == f"{name}_n8_ls3"
@@ -228,7 +228,7 @@ def test_fit_help_documents_every_model_and_data_option():
 
     from spd_lightning.data import ChatDataModule
     from spd_lightning.eagle3.module import Eagle3Module
-    from spd_lightning.module import SPDModule
+    from spd_lightning.training.module import SPDModule
 
     for prefix, cls, text in (
         ("model", SPDModule, help_text("--model.help", "SPDModule")),

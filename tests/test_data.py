@@ -467,7 +467,7 @@ def test_decoder_and_callback_render_prompts_as_training_renders_heldout_prompts
 
 def test_shared_pieces_import_neither_lightning_nor_datasets():
     code = (
-        "import sys, inference.prompts, spd_lightning.data.chat, spd_lightning.metrics; "
+        "import sys, inference.prompts, spd_lightning.data.chat, spd_lightning.training.metrics; "
         "print(sorted(m for m in ('lightning', 'pytorch_lightning', 'datasets') if m in sys.modules))"
     )
     out = subprocess.run(

@@ -12,7 +12,7 @@ from conftest import REPO, make_tiny_model
 from test_module import SyntheticChat, make_module, make_trainer
 
 from spd_lightning.estimate import GIB, Shape, estimate, main, target_config
-from spd_lightning.memory_meter import PeakMemory
+from spd_lightning.training.memory_meter import PeakMemory
 
 BATCH, LENGTH = 2, 64
 

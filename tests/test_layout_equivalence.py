@@ -28,10 +28,10 @@ import pytest
 import torch
 from test_inference_support import one_thread  # noqa: F401 - one_thread is an autouse fixture
 
-from spd_lightning import attention
 from spd_lightning.geometry import Geometry
-from spd_lightning.layouts import DepthLayout, FillDistribution, TypeLayout
 from spd_lightning.pdm import PDMConfig, PipelineDraftModule
+from spd_lightning.training import attention
+from spd_lightning.training.layouts import DepthLayout, FillDistribution, TypeLayout
 
 H_TARGET, VOCAB, TARGET_LAYERS, BATCH = 24, 50, 16, 3
 TOLERANCE = {"fp32": dict(atol=1e-5, rtol=1e-5), "bf16": dict(atol=0.2, rtol=0.05)}

@@ -9,10 +9,10 @@ for a target: the property is about the mask and the feature placement, not abou
 import pytest
 import torch
 
-from spd_lightning.attention import dense_mask
 from spd_lightning.geometry import Geometry
-from spd_lightning.layouts import DepthLayout, FillDistribution, TypeLayout, build_layout
 from spd_lightning.pdm import PDMConfig, PipelineDraftModule
+from spd_lightning.training.attention import dense_mask
+from spd_lightning.training.layouts import DepthLayout, FillDistribution, TypeLayout, build_layout
 
 H_TARGET, VOCAB, TOL = 24, 50, 1e-5
 

@@ -23,7 +23,7 @@ import torch
 from conftest import make_tiny_model
 from test_inference_support import one_thread  # noqa: F401 - one_thread is an autouse fixture
 
-from spd_lightning.module import SPDModule
+from spd_lightning.training.module import SPDModule
 
 VOCAB, DRAFT_VOCAB, TEACHER_T = 97, 40, 1.7
 LENGTHS, T = [12, 9, 5], 12

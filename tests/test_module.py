@@ -9,7 +9,7 @@ from conftest import TINY_VOCAB, make_tiny_model
 from torch.utils.data import DataLoader
 
 from spd_lightning.export import CKPT_KEY
-from spd_lightning.module import SPDModule
+from spd_lightning.training.module import SPDModule
 
 
 class SyntheticChat(L.LightningDataModule):

@@ -18,9 +18,9 @@ from test_inference_support import one_thread  # noqa: F401 - one_thread is an a
 from test_layout_equivalence import make_pdm, padded_batch
 from test_loss import attached_module, make_batch
 
-from spd_lightning import layouts
 from spd_lightning.geometry import Geometry
-from spd_lightning.layouts import FillDistribution, build_layout
+from spd_lightning.training import layouts
+from spd_lightning.training.layouts import FillDistribution, build_layout
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 T = 40

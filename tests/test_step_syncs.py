@@ -11,10 +11,10 @@ import pytest
 import torch
 from test_loss import attached_module, make_batch, target_dir  # noqa: F401 - target_dir is a fixture
 
-from spd_lightning import block_sparsity
 from spd_lightning.geometry import Geometry
 from spd_lightning.host_syncs import HostSyncCounter
-from spd_lightning.layouts import build_layout
+from spd_lightning.training import block_sparsity
+from spd_lightning.training.layouts import build_layout
 
 PROJECT = os.path.dirname(os.path.abspath(block_sparsity.__file__))
 

@@ -327,7 +327,9 @@ def start_method(job: DecodeJob) -> str:
     if "forkserver" not in mp.get_all_start_methods():
         return "spawn"
     modeling = type(meta_target(job.target_path, trust_remote_code=job.trust_remote_code).model).__module__
-    mp.get_context("forkserver").set_forkserver_preload(["torch", "transformers", "inference.processes.launch", modeling])
+    mp.get_context("forkserver").set_forkserver_preload(
+        ["torch", "transformers", "inference.processes.launch", modeling]
+    )
     return "forkserver"
 
 

@@ -1,6 +1,6 @@
 """`Eagle3Module`: online distillation of the EAGLE-3 drafter with training-time test (SPEC 4, 12).
 
-The same contract as `SPDModule` (spd_lightning/module.py): the frozen target is loaded in `setup` and is
+The same contract as `SPDModule` (spd_lightning/training/module.py): the frozen target is loaded in `setup` and is
 NOT a submodule (never in the optimizer, the `state_dict` or a checkpoint); the drafter is built in
 `configure_model` from the data module's draft vocabulary `d2t` (ChatDataModule's batches: right-padded
 `input_ids`, `attention_mask`, `loss_mask`); AdamW with linear warmup and decay. Per step the target returns

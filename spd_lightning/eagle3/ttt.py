@@ -13,7 +13,7 @@ Attention ("the diagonal mask"): the query of step `j`, row `i` sees the step-0 
 at inference (inference/eagle3_runtime.py): committed positions `<= i`, then its own drafts at positions
 `i+1..i+j`. `ttt_mask` states the mask once as a dense boolean (the definition the tests read);
 `TTTAttention` computes the same attention in `O(T^2 + T*k)` through the two-part backend of
-spd_lightning/attention.py (a causal prefix plus `j` explicit keys per row).
+spd_lightning/training/attention.py (a causal prefix plus `j` explicit keys per row).
 
 Loss: forward KL from the target restricted to `V_d` and renormalized (SPEC 4.5), per step; the total
 weights step `j` by `step_weight ** j` (EAGLE-3 uses 0.8).
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..attention import TwoPartPlan, two_part_attend
+from ..training.attention import TwoPartPlan, two_part_attend
 from .model import Eagle3Drafter
 
 

@@ -10,7 +10,7 @@ replicates the sequence so that ONE forward computes the last-position output of
   Fill is drawn once per step.
 
 Each layout states its mask once, as per-row quantities (`DepthRows`, `TypeRows`) from which both the FlexAttention-style
-predicate and the two-part factorization are read (spd_lightning/attention.py). Every replicated token
+predicate and the two-part factorization are read (spd_lightning/training/attention.py). Every replicated token
 keeps RoPE position `i`.
 
 The loss copy is copy 0 in both layouts (its type is the smallest), the first `T` rows of the replicated
@@ -29,11 +29,11 @@ from typing import Literal
 
 import torch
 
+from ..errors import ConfigError
+from ..geometry import Geometry
+from ..pdm import Attend
 from .attention import Backend, MaskMod, TwoPartPlan, make_attend
 from .block_sparsity import ShapeMasks, StepRows
-from .errors import ConfigError
-from .geometry import Geometry
-from .pdm import Attend
 
 LayoutName = Literal["depth", "type"]
 LAYOUTS = ("depth", "type")
@@ -146,7 +146,7 @@ class Replication:
         )
 
     def step_rows(self) -> StepRows:
-        """What the flex block mask needs of this step (spd_lightning/block_sparsity.py)."""
+        """What the flex block mask needs of this step (spd_lightning/training/block_sparsity.py)."""
         return StepRows(self.shape, self.lengths, self.fill)
 
     def copy_slice(self, c: int) -> slice:
@@ -333,7 +333,7 @@ class TypeLayout:
 
 
 def _shape_masks(layout, T: int, uniform_fill: Callable[[int], torch.Tensor], device: torch.device) -> ShapeMasks:
-    """The layout's mask over one unpadded sequence at each uniform fill level (spd_lightning/block_sparsity.py)."""
+    """The layout's mask over one unpadded sequence at each uniform fill level (spd_lightning/training/block_sparsity.py)."""
     full_length = torch.full((1,), T, device=device)
 
     def per_fill(a: int) -> MaskMod:

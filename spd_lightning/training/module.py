@@ -31,14 +31,14 @@ import torch.nn.functional as F
 import torchmetrics
 from lightning.pytorch.utilities import rank_zero_info
 
+from ..errors import ConfigError
+from ..export import CKPT_KEY, DrafterSpec
+from ..geometry import Features, Geometry, Schedule
+from ..pdm import PDMConfig, PipelineDraftModule
+from ..target import FrozenTargetHolder, Target, TargetError, load_hf_config
 from .attention import Backend
-from .errors import ConfigError
-from .export import CKPT_KEY, DrafterSpec
-from .geometry import Features, Geometry, Schedule
 from .layouts import FillDistribution, LayoutName, Replication, build_layout
 from .metrics import GroupedAgreement
-from .pdm import PDMConfig, PipelineDraftModule
-from .target import FrozenTargetHolder, Target, TargetError, load_hf_config
 
 
 def check_right_padded(attention_mask: torch.Tensor) -> None:

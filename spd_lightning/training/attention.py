@@ -1,11 +1,11 @@
 """Attention backends for a structural mask given ONCE as a FlexAttention-style predicate.
 
-A training layout (spd_lightning/layouts.py) describes its mask as `mask_mod(b, h, q_idx, kv_idx) -> bool`
+A training layout (spd_lightning/training/layouts.py) describes its mask as `mask_mod(b, h, q_idx, kv_idx) -> bool`
 over the replicated sequence of length `S`. The same predicate drives three backends:
 
 - `flex`: a block mask + `flex_attention` (compiled on CUDA). The mask is never materialized as a
   dense `S x S` tensor, which at `S = (n+1) * 2048` would not fit next to a 9B target. A layout's steps
-  take their block mask from its shape's block structure, built once (spd_lightning/block_sparsity.py). Both are compiled
+  take their block mask from its shape's block structure, built once (spd_lightning/training/block_sparsity.py). Both are compiled
   ONCE with dynamic shapes: with static shapes every (batch, length) recompiles, and past dynamo's
   recompile limit torch silently runs the unfused flex path that builds the whole `S x S` score matrix.
   `flex_compiled` is the same compiled path on any device (CPU included: rehearsals and tests).
@@ -32,8 +32,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from ..pdm import Attend
 from .block_sparsity import MaskMod, StepRows, skeleton, step_block_mask, worth_caching
-from .pdm import Attend
 
 Backend = Literal["auto", "flex", "flex_compiled", "dense", "two_part"]
 BACKENDS = ("auto", "flex", "flex_compiled", "dense", "two_part")
@@ -149,7 +149,7 @@ def flex_attend(
 ) -> Attend:
     """FlexAttention for the first `rows` query rows against all `seq_len` keys, with one block mask per step
     shared by every layer with those queries. With the `step`'s rows and a block-aligned length the block mask
-    comes from the shape's block structure, built once (spd_lightning/block_sparsity.py); else
+    comes from the shape's block structure, built once (spd_lightning/training/block_sparsity.py); else
     `create_block_mask` evaluates the predicate everywhere. Compiled (default: on CUDA), the kernel does not materialize the `rows x S` grid;
     eager flex (CPU tests of the predicate) does."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
