@@ -1,0 +1,2 @@
+"""Measuring drafters against AR: `python -m inference.eval` (`run.py`, `eagle3.py`, `report.py`, `totals.py`), the
+deployment planner `python -m inference.plan` (`plan.py`), tables, plots and repeated k-grams."""

@@ -1,0 +1,3 @@
+"""What runs on a device during a decode: the target's stages (`stages.py`) with their static caches (`cache.py`), the
+PDM drafter (`drafter.py`, `shared_stream.py` for the shared placement) and the compiled one-token steps
+(`capture.py`). Nothing here knows the schedule: `inference.cycle` drives these pieces."""
