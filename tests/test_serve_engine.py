@@ -251,3 +251,31 @@ def test_health_is_liveness_ready_follows_the_pipeline_and_an_idle_death_restart
         uv.should_exit = True
         thread.join(10)
         engine.close()
+
+
+def _load_test_module():
+    import importlib.util
+    import pathlib
+    import sys
+
+    path = pathlib.Path(__file__).parents[1] / "scripts" / "load_test.py"
+    spec = importlib.util.spec_from_file_location("load_test", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["load_test"] = module  # its dataclass looks itself up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_load_test_drives_concurrent_openai_clients(server, capsys):
+    url, engine, _ = server
+    load_test = _load_test_module()
+    port = url.rsplit(":", 1)[1]
+    argv = ["--port", port, "--model", "fake", "--clients", "2", "--requests", "4", "--max-tokens", "3"]
+    assert load_test.main([*argv, "--warmup", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "4 requests (4 ok) from 2 clients" in out and "| 2 | 4 |" in out
+    assert engine.metrics.requests == {"ok": 4} and engine.metrics.tokens == 12
+    with pytest.raises(SystemExit):
+        load_test.main(["--host", "10.1.2.3", "--model", "fake"])  # loopback only
+    with pytest.raises(SystemExit):
+        load_test.main(["--model", "fake", "--requests", "100000"])  # bounded

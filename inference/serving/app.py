@@ -71,6 +71,10 @@ class Message(BaseModel):
         return {"role": "system" if self.role == "developer" else self.role, "content": content}
 
 
+class StreamOptions(BaseModel):
+    include_usage: bool = False  # a last chunk with no choices and the usage, as OpenAI's API
+
+
 class _Sampled(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     model: str
@@ -83,6 +87,7 @@ class _Sampled(BaseModel):
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
     n: int = Field(1, ge=1, le=1)
+    stream_options: StreamOptions | None = None
 
 
 class ChatRequest(_Sampled):
@@ -302,7 +307,8 @@ async def _complete(
         "model": config.model,
     }
     if body.stream:
-        return StreamingResponse(_sse(request, head, chat, http), media_type="text/event-stream")
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        return StreamingResponse(_sse(request, head, chat, http, usage), media_type="text/event-stream")
     return await _whole(request, head, chat, http)
 
 
@@ -337,10 +343,7 @@ async def _whole(request: Request, head: dict, chat: bool, http: HttpRequest):
         elif event[0] == "error":
             raise ApiError(event[1], event[2], "server_error", "decoder_failed")
         else:
-            finish, usage = (
-                event[1],
-                {"prompt_tokens": event[2], "completion_tokens": event[3], "total_tokens": event[2] + event[3]},
-            )
+            finish, usage = event[1], _usage(*event[2:])
     content = "".join(text)
     choice = (
         {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish}
@@ -350,7 +353,11 @@ async def _whole(request: Request, head: dict, chat: bool, http: HttpRequest):
     return {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice], "usage": usage}
 
 
-async def _sse(request: Request, head: dict, chat: bool, http: HttpRequest) -> AsyncIterator[str]:
+def _usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def _sse(request: Request, head: dict, chat: bool, http: HttpRequest, usage: bool) -> AsyncIterator[str]:
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(text: str | None, finish: str | None, role: bool = False) -> str:
@@ -372,4 +379,6 @@ async def _sse(request: Request, head: dict, chat: bool, http: HttpRequest) -> A
             return
         else:
             yield chunk(None, event[1])
+            if usage:
+                yield f"data: {json.dumps({**head, 'object': kind, 'choices': [], 'usage': _usage(*event[2:])})}\n\n"
     yield "data: [DONE]\n\n"

@@ -29,6 +29,7 @@ import logging
 import multiprocessing as mp
 import queue
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import NamedTuple
@@ -45,6 +46,7 @@ from inference.sampling import Sampling
 
 log = logging.getLogger(__name__)
 IDLE_TICK_S = 1.0
+REPORT_WAIT_S = 1.0  # how long a cancelled result waits for its verifier's report from another node
 STOP = "stop"
 
 
@@ -246,8 +248,13 @@ class RankBackend:
                 self.requests.cancel(request_id)
 
     def _cancelled(self, request_id: int, result: DecodeResult) -> None:
-        """Keep (and log) the verifier's report when the ranks stopped the request before its end."""
+        """Keep (and log) the verifier's report when the ranks stopped the request before its end. A verifier on
+        another node sends the report and the result over two connections: the report may come a moment later."""
         report = self.requests.last_cancel()
+        deadline = time.monotonic() + REPORT_WAIT_S
+        while result.stop_reason == "cancelled" and report.request_id != request_id and time.monotonic() < deadline:
+            time.sleep(0.005)
+            report = self.requests.last_cancel()
         self.last_cancel = report if result.stop_reason == "cancelled" and report.request_id == request_id else None
         if self.last_cancel is not None:
             log.info(
