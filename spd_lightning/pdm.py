@@ -4,9 +4,11 @@
     g at true positions  --L_s Qwen3-style layers-->  final RMSNorm  -->  head over V_d draft tokens
 
 Attention is the only part whose *mask* differs between the training layouts and the decoder, so each
-attention layer computes q, k, v (q/k RMSNorm, RoPE at the true positions, GQA expanded) and hands them
-to an `attend(layer, q, k, v)` callable. The default is plain causal attention, which is exactly the
-explicit staircase view; layouts and the decoder's KV cache pass their own. The math stays here, once.
+attention layer computes q, k, v (q/k RMSNorm, RoPE at the true positions) and hands them to an
+`attend(layer, q, k, v)` callable, keys and values unexpanded (GQA: `num_kv_heads` heads, query head `h` reads
+key head `h // (num_heads // num_kv_heads)`, SDPA's and flex's `enable_gqa`), so no cache stores copies.
+The default is plain causal attention, which is exactly the explicit staircase view; layouts and the
+decoder's KV cache pass their own. The math stays here, once.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
 
 def causal_attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Plain causal attention over the sequence as given: the explicit staircase view."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[-2] > 1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[-2] > 1, enable_gqa=True)
 
 
 class Attention(nn.Module):
@@ -121,9 +123,7 @@ class Attention(nn.Module):
         # Under autocast the fp32 q/k-norm weights promote q and k to fp32 while v stays bf16: one dtype for
         # every backend (flex rejects mixed dtypes on older torch, or silently runs fp32 kernels).
         q, k = q.to(v.dtype), k.to(v.dtype)
-        groups = c.num_heads // c.num_kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = attend(layer, q, k, v)  # [B, heads, R, hd]
+        out = attend(layer, q, k, v)  # k, v unexpanded [B, kv_heads, S, hd]; out [B, heads, R, hd]
         return self.o_proj(out.transpose(1, 2).reshape(B, R, c.num_heads * c.head_dim))
 
 

@@ -71,16 +71,18 @@ class DraftKVCache:
         self.values[layer, :, :, self.length : end] = v
         keys, values = self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
         if S == 1:
-            return F.scaled_dot_product_attention(q, keys, values)
+            return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
         mask = torch.arange(end, device=q.device)[None, :] <= (self.length + torch.arange(S, device=q.device))[:, None]
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
     def _static_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         written = self.offset + torch.arange(q.shape[-2], device=q.device)
         self.keys[layer].index_copy_(2, written, k)
         self.values[layer].index_copy_(2, written, v)
         mask = self.slots[None, :] <= written[:, None]
-        return F.scaled_dot_product_attention(q, self.keys[layer], self.values[layer], attn_mask=mask)
+        return F.scaled_dot_product_attention(
+            q, self.keys[layer], self.values[layer], attn_mask=mask, enable_gqa=True
+        )
 
     def commit(self, count: int) -> None:
         self.length += count
@@ -137,7 +139,7 @@ class PDMDrafter:
                 capacity, self.geometry.num_types, cfg.target_hidden_size, dtype=self.state_dtype, device=self.device
             )
             self.cache = DraftKVCache(
-                cfg.num_layers, cfg.num_heads, cfg.head_dim, capacity, self.dtype, self.device, static=self.compiled
+                cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity, self.dtype, self.device, static=self.compiled
             )
             self.positions = torch.arange(capacity, device=self.device)[None]  # sliced per draft, never rebuilt
             self.capacity = capacity
