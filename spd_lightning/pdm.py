@@ -164,6 +164,7 @@ class Fusion(nn.Module):
         self.proj = nn.ModuleList(
             nn.Linear(tau * cfg.target_hidden_size, cfg.hidden_size, bias=False) for tau in range(1, cfg.num_types + 1)
         )
+        self._groups: dict[tuple[tuple[int, ...], torch.device], list[tuple[int, torch.Tensor]]] = {}
 
     def forward(self, states: torch.Tensor, types: int | tuple[int, ...]) -> torch.Tensor:
         """`states[..., m, H]` holds a token's anchor states in anchor order (entries past its type are
@@ -172,10 +173,21 @@ class Fusion(nn.Module):
         if isinstance(types, int):
             return self._one(states, types)
         out = states.new_zeros(*states.shape[:-2], self.proj[0].out_features)
-        for tau in sorted(set(types)):
-            at = [i for i, t in enumerate(types) if t == tau]
+        for tau, at in self.groups(types, states.device):
             out[..., at, :] = self._one(states[..., at, :, :], tau)
         return out
+
+    def groups(self, types: tuple[int, ...], device: torch.device) -> list[tuple[int, torch.Tensor]]:
+        """`(type, positions of that type)` per type present, the positions a device tensor built once per
+        type tuple (the decoder meets a few, one per fill and depth pattern): indexing with a Python list would
+        copy it to the device on every call, a blocking copy from pageable memory on a GPU."""
+        key = (types, device)
+        if key not in self._groups:
+            self._groups[key] = [
+                (tau, torch.tensor([i for i, t in enumerate(types) if t == tau], device=device))
+                for tau in sorted(set(types))
+            ]
+        return self._groups[key]
 
     def _one(self, states: torch.Tensor, tau: int) -> torch.Tensor:
         normed = [self.norms[j](states[..., j, :]) for j in range(tau)]

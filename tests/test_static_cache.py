@@ -73,7 +73,7 @@ def test_a_forward_past_the_budget_regrows_and_keeps_the_cache(arch_fixture, req
     geometry = Geometry.build(target.num_layers, 2)
     ids = [5, 17, 3, 44, 9, 81, 2, 60, 61, 62, 63]
     big = [Stage.from_target(target, geometry, s) for s in (1, 2)]
-    monkeypatch.setattr(inference.cache, "CAPACITY_STEP", 4)
+    monkeypatch.setattr(inference.runtime.cache, "CAPACITY_STEP", 4)
     small = [Stage.from_target(target, geometry, s) for s in (1, 2)]
     for stage in small:
         stage.cache.reset(4)

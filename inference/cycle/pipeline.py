@@ -161,11 +161,10 @@ class PipelineRunner:
         (EOS, `max_new_tokens`, the rollback position) to plan the next cycle."""
         if self.verifier is None:
             return
-        host = self.verdict_host[index].copy_(self.verdict_rows[index])
-        self._judged = Judged(*host.tolist())  # host memory: no second device read
+        self._judged = Judged(*self.box.verdict_to_host(index))
         for r in range(self.n + 1):
             if r != self.verifier_rank:
-                self._send(self.verifier_rank, r, "verdict", host)
+                self._send(self.verifier_rank, r, "verdict", self.verdict_host[index])
 
     def _read_verdict(self, rank: int) -> Judged:
         """The verdict `rank` received, read once per message (it is in host memory: no device sync)."""

@@ -80,9 +80,7 @@ class DraftKVCache:
         self.keys[layer].index_copy_(2, written, k)
         self.values[layer].index_copy_(2, written, v)
         mask = self.slots[None, :] <= written[:, None]
-        return F.scaled_dot_product_attention(
-            q, self.keys[layer], self.values[layer], attn_mask=mask, enable_gqa=True
-        )
+        return F.scaled_dot_product_attention(q, self.keys[layer], self.values[layer], attn_mask=mask, enable_gqa=True)
 
     def commit(self, count: int) -> None:
         self.length += count
@@ -123,6 +121,7 @@ class PDMDrafter:
         self.capacity = 0
         self.compiled = compile
         self._in_flight = CompiledStep(self._in_flight_logits, self.device) if compile else self._in_flight_logits
+        self._seed = torch.zeros(1, dtype=torch.long, device=self.device)
         self._slots = {b: i for i, b in enumerate(geometry.anchors)}
         self._stage_slots = {
             s: [self._slots[b] for b in geometry.anchors_of_stage(s) if b > 0] for s in range(1, geometry.n + 1)
@@ -149,7 +148,9 @@ class PDMDrafter:
 
     @torch.no_grad()
     def set_token(self, position: int, token: int) -> None:
-        self.states[position, 0] = self.embed_tokens(torch.tensor([token], device=self.device))[0]
+        """The seed token's embedding, looked up from a device buffer written with `fill_` (a kernel argument,
+        not a copy of host memory)."""
+        self.states[position, 0] = self.embed_tokens(self._seed.fill_(token))[0]
 
     def store_anchors(self, stage: int, start: int, states: torch.Tensor) -> None:
         """`states[S, A, H]`: the anchors stage `stage` produced for positions `start..start+S-1`."""
