@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inference.runtime.cache import round_capacity
 from inference.runtime.capture import CompiledStep
 from inference.sampling import Sampling, warp
 from spd_lightning.export import DrafterLoadError
@@ -130,8 +131,10 @@ class PDMDrafter:
     @torch.no_grad()
     def start(self, prompt_ids: torch.Tensor, capacity: int) -> None:
         """A new sequence of at most `capacity` positions: the prompt's own embeddings (the stages send
-        its other anchors); the state rows and the KV cache grow only when a longer sequence comes."""
+        its other anchors); the state rows and the KV cache grow only when a longer sequence comes, to its
+        power-of-two bucket (`cache.round_capacity`), so the compiled draft sees one shape per bucket."""
         P = prompt_ids.shape[-1]
+        capacity = round_capacity(capacity)  # a bucket: a longer request reuses the compiled graphs
         if capacity > self.capacity:
             cfg = self.pdm.cfg
             self.states = torch.zeros(
