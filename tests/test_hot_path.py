@@ -92,6 +92,7 @@ class OneRank(Transport):
 
     def __init__(self, rank: int, log, verdict_in_time: bool):
         self.rank, self.verdict_in_time = rank, verdict_in_time
+        self.sent: list[tuple[int, str, torch.Tensor]] = []
         self.queues: dict[int, deque] = {}
         for src, dst, kind, tensor in log:
             if dst == rank:
@@ -101,7 +102,7 @@ class OneRank(Transport):
         return rank == self.rank
 
     def send(self, src, dst, tensor, kind) -> None:
-        pass
+        self.sent.append((dst, kind, tensor.clone()))
 
     def recv(self, src, dst, tensor, kind) -> None:
         sent_kind, payload = self.queues[src].popleft()
@@ -151,10 +152,15 @@ def test_a_stage_rank_syncs_only_to_read_the_verdict_once_per_cycle(
 
 
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(1.0, top_k=20)], ids=["greedy", "sampled"])
-def test_the_pdm_rank_syncs_only_to_read_the_verdict_once_per_cycle(tiny_qwen35, monkeypatch, sampling):
+@pytest.mark.parametrize("verdict_in_time", [True, False], ids=["verdict_early", "verdict_late"])
+def test_the_pdm_rank_syncs_only_to_read_the_verdict_once_per_cycle(
+    tiny_qwen35, monkeypatch, sampling, verdict_in_time
+):
     """The PDM rank alone over a recorded run: fusing the in-flight states (one projection per type, the
     types known on the host, their positions indexed by device tensors built once), seeding a token, drafting
-    and sampling make no sync; only the verdict is read, once per judged cycle."""
+    and sampling make no sync; only the verdict is read, once per judged cycle. A verdict that is not in yet
+    does not hold the draft up: the PDM drafts without it and discards a wasted step's draft, and sends
+    exactly what the PDM of the recorded run sent."""
     from spd_lightning.geometry import Geometry
 
     geometry = Geometry.build(tiny_qwen35.num_layers, 3)
@@ -162,10 +168,9 @@ def test_the_pdm_rank_syncs_only_to_read_the_verdict_once_per_cycle(tiny_qwen35,
     transport = Recording(geometry.n + 1)
     simulator.runner.transport = transport
     want = simulator.decode(PROMPT, 24, seed=3)
-    pdm_rank = geometry.n
-    runner = PipelineRunner(
-        geometry, OneRank(pdm_rank, transport.log, True), {}, simulator.runner.drafter, simulator.runner.config
-    )
+    pdm_rank, drafter = geometry.n, simulator.runner.drafter
+    alone = OneRank(pdm_rank, transport.log, verdict_in_time)
+    runner = PipelineRunner(geometry, alone, {}, drafter, simulator.runner.config)
     forbid_device_sync(monkeypatch)
     with HostSyncCounter(device="cpu") as counter:
         steps = syncs_per_step(runner, counter)
@@ -173,6 +178,10 @@ def test_the_pdm_rank_syncs_only_to_read_the_verdict_once_per_cycle(tiny_qwen35,
     assert (got.tokens, got.K) == (want.tokens, want.K)
     assert want.K > want.N  # rejections: the PDM seeded corrections (`set_token`) in this run
     assert 0 < check_only_verdict_reads(steps) <= want.N
+    recorded = [(dst, kind, t) for src, dst, kind, t in transport.log if src == pdm_rank]
+    assert [(d, k) for d, k, _ in alone.sent] == [(d, k) for d, k, _ in recorded]
+    assert all(torch.equal(a, b) for (_, _, a), (_, _, b) in zip(alone.sent, recorded))
+    assert (runner.discarded_drafts > 0) == (not verdict_in_time)  # late verdicts: wasted drafts were discarded
 
 
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(0.8, top_p=0.9)], ids=["greedy", "sampled"])
@@ -245,3 +254,38 @@ def test_every_message_travels_in_a_buffer_allocated_once(tiny_qwen35):
     assert all(ptr in inboxes for kind, ptr in received if not kind.endswith("_prefill"))
     again = {kind: ptr for kind, ptr in received[mark:] if kind.endswith("_prefill")}
     assert again == prefill
+
+
+def test_the_verifier_runs_its_forward_before_it_takes_the_draft(tiny_qwen35, monkeypatch):
+    """The verifier judges a draft only when the token before it leaves the last stage, so its forward of a
+    step never waits for the draft that entered stage 1 in that step: it receives the draft after it."""
+    from spd_lightning.geometry import Geometry
+
+    geometry = Geometry.build(tiny_qwen35.num_layers, 3)
+    simulator, want, log = recorded_run(tiny_qwen35, geometry, Sampling(1.0, top_k=20))
+    verifier_rank = geometry.n - 1
+    stage = Stage.from_target(tiny_qwen35, geometry, geometry.n)
+    alone = OneRank(verifier_rank, log, True)
+    runner = PipelineRunner(geometry, alone, {geometry.n: stage}, None, simulator.runner.config)
+    events, recv, forward = [], alone.recv, stage.forward
+
+    def logged_recv(src, dst, tensor, kind):
+        events.append(kind)
+        recv(src, dst, tensor, kind)
+
+    def logged_forward(*args, **kwargs):
+        events.append("forward")
+        return forward(*args, **kwargs)
+
+    def logged_cycle(step, _cycle=runner._cycle):
+        events.append("step")
+        return _cycle(step)
+
+    monkeypatch.setattr(alone, "recv", logged_recv)
+    monkeypatch.setattr(stage, "forward", logged_forward)
+    monkeypatch.setattr(runner, "_cycle", logged_cycle)
+    got = runner.decode(PROMPT, 24, frozenset(), seed=3)
+    assert (got.tokens, got.K) == (want.tokens, want.K)
+    steps = [step.split() for step in " ".join(events).split("step")[1:]]
+    both = [step for step in steps if "forward" in step and "draft_token" in step]
+    assert both and all(step.index("forward") < step.index("draft_token") for step in both), steps
