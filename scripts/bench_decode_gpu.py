@@ -19,7 +19,9 @@ per cycle that is neither a stage nor the draft. Device times are CUDA events (m
 it. The planner (`inference.evaluation.plan.CostModel`) turns the numbers into predicted speedups for `--alpha`
 (default: the paper's 4B alphas, SPEC 9).
 
-Output: one JSON (`--json`) and a markdown table (stdout, and `--md`).
+Output: one JSON (`--json`) and a markdown table (stdout, and `--md`). Every stage and draft row carries
+`cuda_graphs` (whether the compiled step's graphs run as CUDA graphs: False when eager, off a GPU, or when
+inductor skipped them) and `cuda_graphs_skip` (why not).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from inference.cycle.simulator import Simulator  # noqa: E402
 from inference.cycle.verify import Sampling  # noqa: E402
 from inference.evaluation.plan import CostModel, parse_alpha, plan  # noqa: E402
 from inference.evaluation.tables import fmt, markdown_table  # noqa: E402
+from inference.runtime.capture import CompiledStep  # noqa: E402
 from inference.runtime.drafter import PDMDrafter  # noqa: E402
 from inference.runtime.stages import Stage  # noqa: E402
 from spd_lightning.archs import load_arch  # noqa: E402
@@ -156,6 +159,14 @@ def make_target(shape: dict, layers: int, device: torch.device, dtype: torch.dty
     return Target(model, f"random-qwen3.5-{layers}l")
 
 
+def cuda_graphs(step) -> dict:
+    """Whether a compiled step's graphs run as CUDA graphs (`CompiledStep.cuda_graphs`; False when eager) and,
+    when not, why: the GPU check prints it per step."""
+    if not isinstance(step, CompiledStep):
+        return {"cuda_graphs": False, "cuda_graphs_skip": "eager"}
+    return {"cuda_graphs": bool(step.cuda_graphs), "cuda_graphs_skip": step.skip_reason}
+
+
 def weight_bytes(stage: Stage) -> int:
     return sum(p.numel() * p.element_size() for p in stage.parameters())
 
@@ -194,6 +205,7 @@ def bench_stages(shape: dict, n: int, args, device: torch.device) -> list[dict]:
                     "ms": ms,
                     "weights_ms": bandwidth_ms,
                     "vs_weights": ms / bandwidth_ms,
+                    **cuda_graphs(stage._decode_step),
                 }
             )
     del target, stages
@@ -229,7 +241,7 @@ def bench_draft(shape: dict, n: int, L_s: int, args, device: torch.device) -> li
         drafter.draft(view, None)  # appends the prompt: later calls draft the in-flight positions only
         ms = median_ms(lambda: drafter.draft(view, None), args.iters, args.warmup, device)  # noqa: B023 - timed here
         log.info("draft L_s=%d fill=%d captured=%s: %.3f ms", L_s, n, compiled, ms)
-        rows.append({"n": n, "L_s": L_s, "fill": n, "captured": compiled, "ms": ms})
+        rows.append({"n": n, "L_s": L_s, "fill": n, "captured": compiled, "ms": ms, **cuda_graphs(drafter._in_flight)})
     return rows
 
 

@@ -4,9 +4,11 @@
     g at true positions  --L_s Qwen3-style layers-->  final RMSNorm  -->  head over V_d draft tokens
 
 Attention is the only part whose *mask* differs between the training layouts and the decoder, so each
-attention layer computes q, k, v (q/k RMSNorm, RoPE at the true positions, GQA expanded) and hands them
-to an `attend(layer, q, k, v)` callable. The default is plain causal attention, which is exactly the
-explicit staircase view; layouts and the decoder's KV cache pass their own. The math stays here, once.
+attention layer computes q, k, v (q/k RMSNorm, RoPE at the true positions) and hands them to an
+`attend(layer, q, k, v)` callable, keys and values unexpanded (GQA: `num_kv_heads` heads, query head `h` reads
+key head `h // (num_heads // num_kv_heads)`, SDPA's and flex's `enable_gqa`), so no cache stores copies.
+The default is plain causal attention, which is exactly the explicit staircase view; layouts and the
+decoder's KV cache pass their own. The math stays here, once.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
 
 def causal_attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Plain causal attention over the sequence as given: the explicit staircase view."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[-2] > 1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[-2] > 1, enable_gqa=True)
 
 
 class Attention(nn.Module):
@@ -121,9 +123,7 @@ class Attention(nn.Module):
         # Under autocast the fp32 q/k-norm weights promote q and k to fp32 while v stays bf16: one dtype for
         # every backend (flex rejects mixed dtypes on older torch, or silently runs fp32 kernels).
         q, k = q.to(v.dtype), k.to(v.dtype)
-        groups = c.num_heads // c.num_kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = attend(layer, q, k, v)  # [B, heads, R, hd]
+        out = attend(layer, q, k, v)  # k, v unexpanded [B, kv_heads, S, hd]; out [B, heads, R, hd]
         return self.o_proj(out.transpose(1, 2).reshape(B, R, c.num_heads * c.head_dim))
 
 
@@ -164,6 +164,7 @@ class Fusion(nn.Module):
         self.proj = nn.ModuleList(
             nn.Linear(tau * cfg.target_hidden_size, cfg.hidden_size, bias=False) for tau in range(1, cfg.num_types + 1)
         )
+        self._groups: dict[tuple[tuple[int, ...], torch.device], list[tuple[int, torch.Tensor]]] = {}
 
     def forward(self, states: torch.Tensor, types: int | tuple[int, ...]) -> torch.Tensor:
         """`states[..., m, H]` holds a token's anchor states in anchor order (entries past its type are
@@ -172,10 +173,21 @@ class Fusion(nn.Module):
         if isinstance(types, int):
             return self._one(states, types)
         out = states.new_zeros(*states.shape[:-2], self.proj[0].out_features)
-        for tau in sorted(set(types)):
-            at = [i for i, t in enumerate(types) if t == tau]
+        for tau, at in self.groups(types, states.device):
             out[..., at, :] = self._one(states[..., at, :, :], tau)
         return out
+
+    def groups(self, types: tuple[int, ...], device: torch.device) -> list[tuple[int, torch.Tensor]]:
+        """`(type, positions of that type)` per type present, the positions a device tensor built once per
+        type tuple (the decoder meets a few, one per fill and depth pattern): indexing with a Python list would
+        copy it to the device on every call, a blocking copy from pageable memory on a GPU."""
+        key = (types, device)
+        if key not in self._groups:
+            self._groups[key] = [
+                (tau, torch.tensor([i for i, t in enumerate(types) if t == tau], device=device))
+                for tau in sorted(set(types))
+            ]
+        return self._groups[key]
 
     def _one(self, states: torch.Tensor, tau: int) -> torch.Tensor:
         normed = [self.norms[j](states[..., j, :]) for j in range(tau)]

@@ -82,7 +82,93 @@ def test_a_step_that_cannot_be_captured_runs_eagerly(caplog):
     x = torch.tensor([1.0, -2.0, 3.0])
     with caplog.at_level("WARNING", logger="inference"):
         assert torch.equal(step(x), x * 2) and torch.equal(step(x), x * 2)
-    assert step._run is host_read and "runs eagerly" in caplog.text
+    assert not step.compiled and step.cuda_graphs is False and "runs eagerly" in caplog.text
+
+
+def growing_prompts(count: int, vocab: int) -> list[list[int]]:
+    return [[(7 * i + 3 * j) % vocab for j in range(1 + 3 * i)] for i in range(count)]
+
+
+def backend_of(tmp_path, arch: str, compile: bool):
+    """The in-process backend (`inference.backends.make_backend`, what `decode --simulate`, `eval` and the
+    server's in-process path run) over a tiny target and a random drafter saved to disk."""
+    import argparse
+
+    from test_inference_support import save_random_drafter, save_target
+
+    from inference.backends import make_backend
+    from inference.setup import prepare
+
+    target = Target(make_tiny_model(arch, num_layers=2), arch)
+    geometry = Geometry.build(2, 2)
+    target_path = save_target(target.model, str(tmp_path / "target"))
+    drafter = save_random_drafter(target, geometry, str(tmp_path / "drafter"))
+    args = argparse.Namespace(
+        ckpt=drafter, target=target_path, mode=None, device="cpu", dtype="float32", trust_remote_code=False
+    )
+    setup = prepare(args)
+    return make_backend(setup, "cpu", target=target, compile=compile), target
+
+
+def unique_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def test_the_recompile_limit_falls_back_to_eager_with_one_warning(tmp_path, monkeypatch, caplog):
+    """Fast: dynamo's recompile limit lowered to 1 and a capacity bucket of 8 positions, so the second
+    prompt's longer caches need more graphs than the limit allows: every compiled step falls back to eager
+    with one warning each, the rank lives on, and the tokens are eager's."""
+    import inference.runtime.cache
+    from inference.runtime.capture import CompiledStep
+    from inference.sampling import Sampling
+
+    monkeypatch.setattr(inference.runtime.cache, "CAPACITY_STEP", 8)
+    monkeypatch.setattr(CompiledStep, "__init__", limited_compiled_step_init(CompiledStep.__init__, 1))
+    torch._dynamo.reset()
+    compiled, target = backend_of(tmp_path, "qwen3", compile=True)
+    eager, _ = backend_of(tmp_path / "eager", "qwen3", compile=False)
+    prompts = [[5, 9, 2], list(range(3, 15))]  # capacities 3 + 6 + 3 -> 16, 12 + 6 + 3 -> 32
+    with caplog.at_level("WARNING", logger="inference"):
+        for prompt in prompts:
+            want = eager.generate(prompt, 6, Sampling(), 0)
+            got = compiled.generate(prompt, 6, Sampling(), 0)
+            assert (got.tokens, got.N, got.K) == (want.tokens, want.N, want.K)
+    runner = compiled._simulators[Sampling()].runner
+    steps = [stage._decode_step for stage in runner.stages.values()] + [runner.drafter._in_flight]
+    assert not any(step.compiled for step in steps)
+    warnings = [r for r in caplog.records if "runs eagerly" in r.getMessage()]
+    assert 1 <= len(warnings) <= len(steps) and "recompile" in caplog.text.lower()
+
+
+def limited_compiled_step_init(init, limit: int):
+    def lowered(self, step, device):
+        init(self, step, device)
+        torch._dynamo.config.recompile_limit = limit  # after CompiledStep raised it to its own floor
+
+    return lowered
+
+
+@pytest.mark.slow
+def test_twenty_growing_prompts_reuse_bucketed_graphs(tmp_path, monkeypatch):
+    """20 prompts of growing length (1 to 58 tokens) through the compiled in-process backend: no crash, and
+    the caches' power-of-two buckets (16 positions at least here) bound the graphs: per bucket one
+    one-token step per stage and one draft per fill level, 2 + 2 on this n = 2 pipeline, and the prompts
+    span 4 buckets (16, 32, 64, 128): at most 16 graphs, where an exact capacity per request would need 80."""
+    import inference.runtime.cache
+    from inference.sampling import Sampling
+
+    monkeypatch.setattr(inference.runtime.cache, "CAPACITY_STEP", 16)
+    torch._dynamo.reset()
+    compiled, target = backend_of(tmp_path, "qwen3", compile=True)
+    before = unique_graphs()
+    for prompt in growing_prompts(20, target.vocab_size):
+        compiled.generate(prompt, 6, Sampling(), 0)
+    runner = compiled._simulators[Sampling()].runner
+    steps = [stage._decode_step for stage in runner.stages.values()] + [runner.drafter._in_flight]
+    assert all(step.compiled for step in steps)
+    assert 0 < unique_graphs() - before <= 16
 
 
 @pytest.mark.parametrize("placement", ["separate", "shared"])

@@ -1,13 +1,15 @@
-"""The decode hot path reads nothing from tensors on the host but the verdict, once per cycle, and never
-synchronizes the device unless timing is asked for (issue 17.3).
+"""The decode hot path makes no host/device synchronization but the verdict's one host read per cycle, and
+never synchronizes the device unless timing is asked for (docs/DESIGN.md, "The hot path").
 
-Host reads (`.item()`, `.tolist()`, `int()`, `bool()`, `float()`, `__index__` of a tensor) are counted per
-step. A stage rank of the distributed decoder is run alone, over a transport that replays what a recorded
-simulator run delivered to it, so its own reads are counted exactly as that rank's process would make them.
+`HostSyncCounter` (spd_lightning/host_syncs.py) sees every kind of sync a GPU would make: scalar reads, copies
+to the host, tensors made from Python data (host-to-device copies: `torch.tensor(list, device=...)`, a list
+index), data-dependent shapes and indexing with freshly made tensors. A stage rank or the PDM rank of the
+distributed decoder is run alone, over a transport that replays what a recorded simulator run delivered to it,
+so its own syncs are counted per cycle exactly as that rank's process would make them.
 """
 
+import os
 from collections import deque
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -22,27 +24,49 @@ from inference.cycle.verify import Verifier
 from inference.runtime.drafter import ReplayDrafter
 from inference.runtime.stages import Stage
 from inference.sampling import Sampling
+from spd_lightning.host_syncs import HostSync, HostSyncCounter
 
 PROMPT = [3, 14, 15, 92, 65, 35]
-READS = ("item", "tolist", "__int__", "__bool__", "__float__", "__index__")
+# The one host read a cycle may make: the verifier reads the verdict it made, every other rank the verdict
+# it received (host memory).
+VERDICT_READS = ("in verdict_to_host", "in _read_verdict")
+# transformers moves buffers to the device they already live on (`inv_freq.to(x.device)`,
+# `initial_state.to(value)`): no copy on a GPU, but on the CPU the counter cannot tell such a move from a real one.
+_SITE_PACKAGES = os.sep + "site-packages" + os.sep
 
 
-@contextmanager
-def host_reads(monkeypatch):
-    """Every host read of a tensor while inside: a list of the tensors read (appended to as they happen)."""
-    seen = []
-    for name in READS:
-        original = getattr(torch.Tensor, name)
+def is_verdict_read(sync: HostSync) -> bool:
+    return sync.kind == "to_host" and sync.site.endswith(VERDICT_READS)
 
-        def counted(self, *args, _original=original, **kwargs):
-            seen.append(self)
-            return _original(self, *args, **kwargs)
 
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    try:
-        yield seen
-    finally:
-        monkeypatch.undo()
+def is_sync(sync: HostSync) -> bool:
+    """Whether a GPU would wait here (the library's moves to where a tensor already lives do not count)."""
+    return not (sync.kind == "to_device" and _SITE_PACKAGES in sync.site)
+
+
+def syncs_per_step(runner: PipelineRunner, counter: HostSyncCounter) -> list[list[HostSync]]:
+    """Wrap `runner._cycle`: the syncs of each step (the drafter's, on the PDM rank, included)."""
+    steps, cycle = [], runner._cycle
+
+    def counted(step):
+        start = len(counter.records)
+        try:
+            return cycle(step)
+        finally:
+            steps.append([r for r in counter.records[start:] if is_sync(r)])
+
+    runner._cycle = counted
+    return steps
+
+
+def check_only_verdict_reads(steps: list[list[HostSync]]) -> int:
+    """Every step syncs only to read a verdict, at most once (the final step also learns its own); returns
+    how many verdicts were read."""
+    others = [r for syncs in steps for r in syncs if not is_verdict_read(r)]
+    assert not others, "\n".join(f"{r.kind} ({r.op}) at {r.site}" for r in others)
+    counts = [len(syncs) for syncs in steps]
+    assert all(c <= 1 for c in counts[:-1]) and counts[-1] <= 2, counts
+    return sum(counts)
 
 
 class Recording(LocalTransport):
@@ -68,6 +92,7 @@ class OneRank(Transport):
 
     def __init__(self, rank: int, log, verdict_in_time: bool):
         self.rank, self.verdict_in_time = rank, verdict_in_time
+        self.sent: list[tuple[int, str, torch.Tensor]] = []
         self.queues: dict[int, deque] = {}
         for src, dst, kind, tensor in log:
             if dst == rank:
@@ -77,7 +102,7 @@ class OneRank(Transport):
         return rank == self.rank
 
     def send(self, src, dst, tensor, kind) -> None:
-        pass
+        self.sent.append((dst, kind, tensor.clone()))
 
     def recv(self, src, dst, tensor, kind) -> None:
         sent_kind, payload = self.queues[src].popleft()
@@ -87,26 +112,6 @@ class OneRank(Transport):
     def post(self, src, dst, tensor, kind) -> Arrival:
         self.recv(src, dst, tensor, kind)
         return Arrival() if self.verdict_in_time else _Late()
-
-
-def reads_per_step(runner: PipelineRunner, seen: list) -> list[list[torch.Tensor]]:
-    """Wrap `runner._cycle`: the tensors read in each step (the drafter's reads, on the PDM rank, included)."""
-    steps, cycle = [], runner._cycle
-
-    def counted(step):
-        start = len(seen)
-        try:
-            return cycle(step)
-        finally:
-            steps.append(seen[start:])
-
-    runner._cycle = counted
-    return steps
-
-
-def is_verdict(runner: PipelineRunner, tensor: torch.Tensor) -> bool:
-    buffers = [runner.verdict_host] + [t for (_, kind), t in runner.inbox.items() if kind == "verdict"]
-    return any(tensor.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for b in buffers)
 
 
 def recorded_run(target, geometry, sampling: Sampling):
@@ -124,7 +129,9 @@ def recorded_run(target, geometry, sampling: Sampling):
 
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(1.0, top_k=20)], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("verdict_in_time", [True, False], ids=["verdict_early", "verdict_late"])
-def test_a_stage_rank_reads_only_the_verdict_once_per_cycle(tiny_qwen35, monkeypatch, sampling, verdict_in_time):
+def test_a_stage_rank_syncs_only_to_read_the_verdict_once_per_cycle(
+    tiny_qwen35, monkeypatch, sampling, verdict_in_time
+):
     from spd_lightning.geometry import Geometry
 
     geometry = Geometry.build(tiny_qwen35.num_layers, 3)
@@ -135,22 +142,25 @@ def test_a_stage_rank_reads_only_the_verdict_once_per_cycle(tiny_qwen35, monkeyp
         config = simulator.runner.config
         runner = PipelineRunner(geometry, OneRank(rank, log, verdict_in_time), {rank + 1: stage}, None, config)
         forbid_device_sync(monkeypatch)
-        with host_reads(monkeypatch) as seen:
-            steps = reads_per_step(runner, seen)
+        with HostSyncCounter(device="cpu") as counter:
+            steps = syncs_per_step(runner, counter)
             got = runner.decode(PROMPT, 24, frozenset(), seed=3)
         assert (got.tokens, got.K, got.counters) == (want.tokens, want.K, want.counters)
-        # at most one verdict per step; the final step also learns its own (the decode ends with it)
-        assert all(len(reads) <= 1 for reads in steps[:-1]) and len(steps[-1]) <= 2, [len(r) for r in steps]
-        assert all(is_verdict(runner, t) for reads in steps for t in reads)
         # one read per verdict this rank learns in a cycle: every judged cycle's (N - 1 of them) plus the
         # verdict of each rejection's wasted step, which is the rejection itself, read once
-        assert sum(map(len, steps)) == want.N - 1
+        assert check_only_verdict_reads(steps) == want.N - 1
 
 
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(1.0, top_k=20)], ids=["greedy", "sampled"])
-def test_the_pdm_rank_reads_only_the_verdict_once_per_cycle(tiny_qwen35, monkeypatch, sampling):
+@pytest.mark.parametrize("verdict_in_time", [True, False], ids=["verdict_early", "verdict_late"])
+def test_the_pdm_rank_syncs_only_to_read_the_verdict_once_per_cycle(
+    tiny_qwen35, monkeypatch, sampling, verdict_in_time
+):
     """The PDM rank alone over a recorded run: fusing the in-flight states (one projection per type, the
-    types known on the host), drafting and sampling read nothing; only the verdict, once per judged cycle."""
+    types known on the host, their positions indexed by device tensors built once), seeding a token, drafting
+    and sampling make no sync; only the verdict is read, once per judged cycle. A verdict that is not in yet
+    does not hold the draft up: the PDM drafts without it and discards a wasted step's draft, and sends
+    exactly what the PDM of the recorded run sent."""
     from spd_lightning.geometry import Geometry
 
     geometry = Geometry.build(tiny_qwen35.num_layers, 3)
@@ -158,40 +168,41 @@ def test_the_pdm_rank_reads_only_the_verdict_once_per_cycle(tiny_qwen35, monkeyp
     transport = Recording(geometry.n + 1)
     simulator.runner.transport = transport
     want = simulator.decode(PROMPT, 24, seed=3)
-    pdm_rank = geometry.n
-    runner = PipelineRunner(
-        geometry, OneRank(pdm_rank, transport.log, True), {}, simulator.runner.drafter, simulator.runner.config
-    )
+    pdm_rank, drafter = geometry.n, simulator.runner.drafter
+    alone = OneRank(pdm_rank, transport.log, verdict_in_time)
+    runner = PipelineRunner(geometry, alone, {}, drafter, simulator.runner.config)
     forbid_device_sync(monkeypatch)
-    with host_reads(monkeypatch) as seen:
-        steps = reads_per_step(runner, seen)
+    with HostSyncCounter(device="cpu") as counter:
+        steps = syncs_per_step(runner, counter)
         got = runner.decode(PROMPT, 24, frozenset(), seed=3)
     assert (got.tokens, got.K) == (want.tokens, want.K)
-    assert all(len(reads) <= 1 for reads in steps[:-1]) and len(steps[-1]) <= 2, [len(r) for r in steps]
-    assert all(is_verdict(runner, t) for reads in steps for t in reads)
-    assert 0 < sum(map(len, steps)) <= want.N
+    assert want.K > want.N  # rejections: the PDM seeded corrections (`set_token`) in this run
+    assert 0 < check_only_verdict_reads(steps) <= want.N
+    recorded = [(dst, kind, t) for src, dst, kind, t in transport.log if src == pdm_rank]
+    assert [(d, k) for d, k, _ in alone.sent] == [(d, k) for d, k, _ in recorded]
+    assert all(torch.equal(a, b) for (_, _, a), (_, _, b) in zip(alone.sent, recorded))
+    assert (runner.discarded_drafts > 0) == (not verdict_in_time)  # late verdicts: wasted drafts were discarded
 
 
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(0.8, top_p=0.9)], ids=["greedy", "sampled"])
-def test_the_simulator_reads_one_verdict_per_judged_cycle(tiny_qwen35, monkeypatch, sampling):
-    """All ranks in one process: the verifier's one read of its verdict row is the only host read per step."""
+def test_the_simulator_syncs_once_per_judged_cycle(tiny_qwen35, monkeypatch, sampling):
+    """All ranks in one process: the verifier's one read of its verdict row is the only sync per step."""
     from spd_lightning.geometry import Geometry
 
     geometry = Geometry.build(tiny_qwen35.num_layers, 3)
     simulator = Simulator(tiny_qwen35, random_pdm(tiny_qwen35, geometry, num_layers=1), geometry, sampling)
     want = simulator.decode(PROMPT, 16, seed=1)
     forbid_device_sync(monkeypatch)
-    with host_reads(monkeypatch) as seen:
-        steps = reads_per_step(simulator.runner, seen)
+    with HostSyncCounter(device="cpu") as counter:
+        steps = syncs_per_step(simulator.runner, counter)
         got = simulator.decode(PROMPT, 16, seed=1)
     assert got.tokens == want.tokens and got.K == want.K
-    assert all(len(reads) <= 1 for reads in steps) and sum(map(len, steps)) == got.N - 1
-    host_row = simulator.runner.verdict_host.untyped_storage().data_ptr()
-    assert all(t.untyped_storage().data_ptr() == host_row for reads in steps for t in reads)
+    assert check_only_verdict_reads(steps) == got.N - 1
+    assert all(r.site.endswith("in verdict_to_host") for syncs in steps for r in syncs)
 
 
-def test_the_sampled_verifier_judges_without_host_reads_and_matches_the_target(monkeypatch):
-    """The device-side rejection sampler: no host read inside, and its outputs are distributed as P."""
+def test_the_sampled_verifier_judges_without_syncs_and_matches_the_target():
+    """The device-side rejection sampler: no sync inside, and its outputs are distributed as P."""
     from test_inference_verify import random_dist
     from test_sampling_power import chisquare_pvalues
 
@@ -201,11 +212,11 @@ def test_the_sampled_verifier_judges_without_host_reads_and_matches_the_target(m
     verifier.reset(0)
     drafts = torch.multinomial(q, draws, replacement=True, generator=torch.Generator().manual_seed(1))
     out, tokens = torch.zeros(2, dtype=torch.long), torch.zeros(draws, dtype=torch.long)
-    with host_reads(monkeypatch) as seen:
+    with HostSyncCounter(device="cpu") as counter:
         for i in range(draws):
             verifier.remember(i, drafts[i : i + 1], q)
             tokens[i : i + 1].copy_(verifier.judge(i, p.log(), out)[1:])
-    assert seen == []
+    assert counter.total == 0, counter.summary()
     counts = torch.bincount(tokens, minlength=V)
     assert counts[p == 0].sum() == 0
     assert chisquare_pvalues(counts.numpy(), p.double().numpy())[0] > 1e-3
@@ -243,3 +254,38 @@ def test_every_message_travels_in_a_buffer_allocated_once(tiny_qwen35):
     assert all(ptr in inboxes for kind, ptr in received if not kind.endswith("_prefill"))
     again = {kind: ptr for kind, ptr in received[mark:] if kind.endswith("_prefill")}
     assert again == prefill
+
+
+def test_the_verifier_runs_its_forward_before_it_takes_the_draft(tiny_qwen35, monkeypatch):
+    """The verifier judges a draft only when the token before it leaves the last stage, so its forward of a
+    step never waits for the draft that entered stage 1 in that step: it receives the draft after it."""
+    from spd_lightning.geometry import Geometry
+
+    geometry = Geometry.build(tiny_qwen35.num_layers, 3)
+    simulator, want, log = recorded_run(tiny_qwen35, geometry, Sampling(1.0, top_k=20))
+    verifier_rank = geometry.n - 1
+    stage = Stage.from_target(tiny_qwen35, geometry, geometry.n)
+    alone = OneRank(verifier_rank, log, True)
+    runner = PipelineRunner(geometry, alone, {geometry.n: stage}, None, simulator.runner.config)
+    events, recv, forward = [], alone.recv, stage.forward
+
+    def logged_recv(src, dst, tensor, kind):
+        events.append(kind)
+        recv(src, dst, tensor, kind)
+
+    def logged_forward(*args, **kwargs):
+        events.append("forward")
+        return forward(*args, **kwargs)
+
+    def logged_cycle(step, _cycle=runner._cycle):
+        events.append("step")
+        return _cycle(step)
+
+    monkeypatch.setattr(alone, "recv", logged_recv)
+    monkeypatch.setattr(stage, "forward", logged_forward)
+    monkeypatch.setattr(runner, "_cycle", logged_cycle)
+    got = runner.decode(PROMPT, 24, frozenset(), seed=3)
+    assert (got.tokens, got.K) == (want.tokens, want.K)
+    steps = [step.split() for step in " ".join(events).split("step")[1:]]
+    both = [step for step in steps if "forward" in step and "draft_token" in step]
+    assert both and all(step.index("forward") < step.index("draft_token") for step in both), steps

@@ -82,3 +82,22 @@ def test_a_forward_past_the_budget_regrows_and_keeps_the_cache(arch_fixture, req
     for i in range(3, len(ids)):
         assert torch.allclose(run_through(small, ids[i : i + 1], i), run_through(big, ids[i : i + 1], i), atol=1e-5)
     assert small[0].cache.capacity >= len(ids) and small[0].cache.capacity < big[0].cache.capacity
+
+
+def test_the_pdm_cache_holds_kv_heads_unexpanded_in_power_of_two_buckets(tiny_qwen35):
+    """The PDM's KV cache stores its `num_kv_heads` heads (attention groups the query heads at attention time,
+    `enable_gqa`), the decode is unchanged (== AR), and its capacity is a power-of-two bucket that a longer
+    prompt within the bucket reuses."""
+    geometry = Geometry.build(tiny_qwen35.num_layers, 2)
+    pdm = random_pdm(tiny_qwen35, geometry)
+    assert pdm.cfg.num_kv_heads < pdm.cfg.num_heads
+    simulator = Simulator(tiny_qwen35, pdm, geometry)
+    result = simulator.decode([7, 8, 9], 12)
+    assert result.tokens == ar_decode(tiny_qwen35, [7, 8, 9], 12, geometry=geometry).tokens
+    cache = simulator.runner.drafter.cache
+    assert cache.keys.shape[2] == pdm.cfg.num_kv_heads and cache.values.shape == cache.keys.shape
+    capacity = simulator.runner.drafter.capacity
+    assert capacity & (capacity - 1) == 0 and capacity >= 3 + 12
+    keys = cache.keys.data_ptr()
+    simulator.decode([5 + i % 40 for i in range(capacity // 2)], 12)
+    assert simulator.runner.drafter.cache.keys.data_ptr() == keys

@@ -46,7 +46,7 @@ class Eagle3Runtime:
         """A new sequence of at most `capacity` positions (prompt, generated tokens and a chain)."""
         cfg = self.drafter.cfg
         if self.cache is None or self.cache.keys.shape[-2] < capacity:
-            self.cache = DraftKVCache(1, cfg.num_heads, cfg.head_dim, capacity, self.dtype, self.device)
+            self.cache = DraftKVCache(1, cfg.num_kv_heads, cfg.head_dim, capacity, self.dtype, self.device)
         self.cache.length = 0
         self.last_out = None
 

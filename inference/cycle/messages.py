@@ -5,7 +5,8 @@ per step in turn (`put`): a slot written in step j is sent in step j + 1, and `T
 that send complete by step j + 3, when the slot is written again. So no message buffer is allocated during a
 decode, and a sent buffer is never rewritten in flight (the compiled step's own outputs, which its next
 replay overwrites, are never sent). The verdict lives twice: the verifier judges into a device row, and the
-message travels from host memory (`Transport.control_device`). Prefill buffers, whose shape is the prompt's,
+message travels from host memory (`Transport.control_device`). On a GPU the host rows are pinned: the copy
+is asynchronous, and the host waits for an event recorded right after it, not for the whole stream. Prefill buffers, whose shape is the prompt's,
 grow with the longest prompt seen. docs/DESIGN.md lists every message with its shape.
 """
 
@@ -63,9 +64,23 @@ class Mailboxes:
         self.prefill_inbox: dict[tuple[int, str], torch.Tensor] = {}
         # Two rows in turn (one verdict per cycle), so a row is rewritten only after its sends have settled.
         self.verdict_rows = torch.zeros(2, 2, **long)
-        self.verdict_host = torch.zeros(2, 2, dtype=torch.long, device=control)
+        pinned = dev.type == "cuda" and control.type == "cpu"
+        self.verdict_host = torch.zeros(2, 2, dtype=torch.long, device=control, pin_memory=pinned)
+        self._verdict_copied = torch.cuda.Event() if pinned else None
         self.seed_input = torch.zeros(1, 1, **long)  # stage 1's input when it runs a seed (first token, correction)
         self._step = 0
+
+    def verdict_to_host(self, index: int) -> tuple[int, int]:
+        """The verifier's verdict row `index` copied to its host row (the message it sends) and read: the
+        decode's one device-to-host read per judged cycle. Pinned memory and an event: the host waits for
+        this copy alone."""
+        host = self.verdict_host[index]
+        host.copy_(self.verdict_rows[index], non_blocking=self._verdict_copied is not None)
+        if self._verdict_copied is not None:
+            self._verdict_copied.record()
+            self._verdict_copied.synchronize()
+        verdict, token = host.tolist()
+        return verdict, token
 
     def next_step(self) -> None:
         self._step += 1

@@ -131,6 +131,8 @@ class PipelineRunner:
         self._wasted = False  # the current step is wasted, as the verifier and the PDM know before they compute
         self._judged: Judged | None = None  # the verifier's latest verdict, on the host
         self._awaited: Judged | None = None  # the verdict the current step awaits, once this process has it
+        self._pdm_pending: Arrival | None = None  # the PDM's receive of it, while it drafts without it
+        self.discarded_drafts = 0  # drafts the PDM made before learning that their step was wasted
         self._stop: Callable[[], bool] | None = None  # see `decode`
         self.stop_seen = -1
 
@@ -164,11 +166,10 @@ class PipelineRunner:
         (EOS, `max_new_tokens`, the rollback position) to plan the next cycle."""
         if self.verifier is None:
             return
-        host = self.verdict_host[index].copy_(self.verdict_rows[index])
-        self._judged = Judged(*host.tolist())  # host memory: no second device read
+        self._judged = Judged(*self.box.verdict_to_host(index))
         for r in range(self.n + 1):
             if r != self.verifier_rank:
-                self._send(self.verifier_rank, r, "verdict", host)
+                self._send(self.verifier_rank, r, "verdict", self.verdict_host[index])
 
     def _read_verdict(self, rank: int) -> Judged:
         """The verdict `rank` received, read once per message (it is in host memory: no device sync)."""
@@ -273,7 +274,9 @@ class PipelineRunner:
 
     def _receive_awaited(self) -> Judged | None:
         """The stage ranks wait for the verdict they posted a receive for in `_learn_verdict`; the PDM got it
-        then, the verifier made it. None when the step awaited nothing."""
+        then or while it drafted, the verifier made it. None when the step awaited nothing."""
+        if self._pdm_pending is not None:  # a PDM that did not draft this step
+            self._settle_pdm_verdict(self._pdm_pending)
         for r, arrival in self._arrivals.items():
             with self.clock.span(r, COMM):
                 arrival.wait()
@@ -331,6 +334,8 @@ class PipelineRunner:
         if not step.redo:
             self._receive_inputs(step.plan)
         logits = self._compute(step.plan)
+        if not step.redo and step.plan.draft_entered and self.verifier_rank > 0:
+            self._receive_draft_to_judge(step.plan)
         self._draft(step.plan)
         self._verify(step.plan, logits)
 
@@ -351,21 +356,35 @@ class PipelineRunner:
 
     def _learn_verdict(self, step: Step) -> None:
         self._arrivals.clear()
+        self._pdm_pending = None
         if step.awaits:
-            self._awaited = self._take_verdict([self.n], self._awaited)
+            if self.drafter_rank in self.hosted:
+                self._learn_pdm_verdict()
             for r in range(self.n - 1):
                 if r in self.hosted:
                     self._arrivals[r] = self.transport.post(self.verifier_rank, r, self.inbox[r, "verdict"], "verdict")
         self._wasted = self._awaited is not None and self.steps.wasted(*self._awaited)  # known to verifier and PDM
 
+    def _learn_pdm_verdict(self) -> None:
+        """The PDM takes the awaited verdict if it is in; if not, it drafts without it (`_draft` then waits
+        for it and discards the draft of a wasted step)."""
+        n = self.n
+        if self.hosts_verifier:  # in this process the verdict is known and already sent
+            self._awaited = self._take_verdict([n], self._awaited)
+            return
+        arrival = self.transport.post(self.verifier_rank, n, self.inbox[n, "verdict"], "verdict")
+        if arrival.ready():
+            arrival.wait()
+            self._awaited = self._awaited if self._awaited is not None else self._read_verdict(n)
+        else:
+            self._pdm_pending = arrival
+
     def _receive_inputs(self, plan: CyclePlan) -> None:
         n = self.n
         if plan.draft_entered:
             self._recv(n, 0, "draft_token")
-            token = self._recv(n, n - 1, "draft_token")
-            q = None if self.sampling.greedy else self._recv(n, n - 1, "draft_q")
-            if self.verifier is not None and not self._wasted:
-                self.verifier.remember(plan.stage_positions[0], token, q)
+            if self.verifier_rank == 0:  # n = 1: the verifier is stage 1, whose input the draft is
+                self._receive_draft_to_judge(plan)
         for s in range(1, n):
             if plan.stage_positions[s] >= 0:
                 self._recv(s - 1, s, "act")
@@ -374,6 +393,16 @@ class PipelineRunner:
                 recv = self._recv(s - 1, n, f"anchors{s}") if self.anchor_counts[s] else None
                 if recv is not None:
                     self.drafter.store_anchors(s, position, recv)
+
+    def _receive_draft_to_judge(self, plan: CyclePlan) -> None:
+        """The verifier's copy of the draft that entered stage 1 this step: it is judged only when the token
+        before it leaves the last stage, so the verifier takes it after its own forward, which never waits
+        for the PDM."""
+        n = self.n
+        token = self._recv(n, n - 1, "draft_token")
+        q = None if self.sampling.greedy else self._recv(n, n - 1, "draft_q")
+        if self.verifier is not None and not self._wasted:
+            self.verifier.remember(plan.stage_positions[0], token, q)
 
     def _known_wasted(self, rank: int) -> bool:
         """Whether `rank` knows now that this step is wasted (a stage rank: once its verdict is in)."""
@@ -418,11 +447,30 @@ class PipelineRunner:
             self._send_anchors(plan.anchors_during, store=not self._wasted)
         if self.drafter is None or self._wasted:
             return
+        pending = self._pdm_pending
+        randomness = None if pending is None or self.sampling.greedy else self.draft_generator.get_state()
         with self.clock.span(n, COMPUTE, device_work=True):
             token, q = self.drafter.draft(plan.draft_view, self.draft_generator)
+        if pending is not None and self._settle_pdm_verdict(pending):
+            # Drafted for a wasted step: not sent, and its randomness given back, as if never drafted. Its
+            # writes need no undo: the positions it appended to the KV cache as verified left the last stage
+            # before the rejected token did, and the rows it wrote are rewritten before any draft reads them.
+            self.discarded_drafts += 1
+            if randomness is not None:
+                self.draft_generator.set_state(randomness)
+            return
         self.box.put(n, "draft_token", token)
         if q is not None:
             self.box.put(n, "draft_q", q)
+
+    def _settle_pdm_verdict(self, arrival: Arrival) -> bool:
+        """The PDM waits for the verdict it drafted without; whether it makes this step wasted."""
+        with self.clock.span(self.n, COMM):
+            arrival.wait()
+        self._pdm_pending = None
+        self._awaited = self._awaited if self._awaited is not None else self._read_verdict(self.n)
+        self._wasted = self.steps.wasted(*self._awaited)
+        return self._wasted
 
     def _verify(self, plan: CyclePlan, logits: torch.Tensor | None) -> None:
         if self.verifier is None or plan.judged_position < 0 or self._wasted:

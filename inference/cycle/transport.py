@@ -48,8 +48,9 @@ class Transport:
         raise NotImplementedError
 
     def control_device(self, device: torch.device) -> torch.device:
-        """Where the buffers of control messages (`CONTROL_KINDS`) live for a runner computing on `device`."""
-        return device
+        """Where the buffers of control messages (`CONTROL_KINDS`) live for a runner computing on `device`:
+        host memory, since every rank reads the verdict on the host."""
+        return torch.device("cpu")
 
     def send(self, src: int, dst: int, tensor: torch.Tensor, kind: str) -> None:
         """Start sending; `tensor` must stay unchanged until `settle` has run twice after this call."""
@@ -135,9 +136,6 @@ class DistributedTransport(Transport):
 
     def hosts(self, rank: int) -> bool:
         return rank == self.rank
-
-    def control_device(self, device: torch.device) -> torch.device:
-        return torch.device("cpu")
 
     def _group(self, kind: str):
         return self._control if kind in CONTROL_KINDS else None

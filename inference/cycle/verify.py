@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from inference.cycle.schedule import Verdict
-from inference.sampling import Sampling, draft_distribution, sample, sample_token, warp
+from inference.sampling import Sampling, sample, sample_token, warp
 
 
 def acceptance_probability(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -75,6 +75,7 @@ class Verifier:
         self.d2t = None if d2t is None else d2t.to(device)
         self.tokens = torch.full((window,), -1, dtype=torch.long, device=device)
         self.q = None if sampling.greedy else torch.zeros(window, draft_vocab_size, device=device)
+        self.q_target = None if sampling.greedy else torch.zeros(vocab_size, device=device)
         self.generator = torch.Generator(device=device)
 
     def reset(self, seed: int) -> None:
@@ -103,7 +104,7 @@ class Verifier:
             out[1] = target
             return out
         p = warp(logits, self.sampling)
-        q = draft_distribution(self.q[slot], self.d2t, self.vocab_size)
+        q = self.q_target.zero_().index_copy_(0, self.d2t, self.q[slot])  # q over the target vocabulary
         u = torch.rand((), generator=self.generator, device=p.device)
         index = draft.view(1)
         accepted = u < acceptance_probability(p.gather(0, index), q.gather(0, index))[0]

@@ -4,7 +4,8 @@ Each stage keeps a Hugging Face `StaticCache(config=...)` that holds state only 
 HF layers are called with their global `layer_idx`). Storage is allocated once and then only written:
 
 - attention layers (`StaticLayer`): keys/values preallocated to `capacity` positions (the prompt's
-  context budget, rounded up to `CAPACITY_STEP` so that a compiled decode step sees few shapes), written
+  context budget, rounded up to a power of two of at least `CAPACITY_STEP`, so that a compiled decode step
+  sees few shapes: requests of growing length reuse its graphs, a new one only at each doubling), written
   in place at the layer's device-side length; the stage masks the unwritten tail. A rollback moves that
   length back and the next token overwrites the discarded slots. A new prompt reuses the storage when it
   fits; a forward past `capacity` (a caller that gave no budget) regrows it, doubling;
@@ -38,7 +39,8 @@ class CacheError(UserError):
 
 
 def round_capacity(positions: int) -> int:
-    return max(1, -(-positions // CAPACITY_STEP)) * CAPACITY_STEP
+    """The capacity bucket of `positions`: the smallest power of two >= both (`CAPACITY_STEP` a power of two)."""
+    return max(CAPACITY_STEP, 1 << max(0, positions - 1).bit_length())
 
 
 class StageCache:

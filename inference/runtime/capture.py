@@ -3,8 +3,14 @@
 On a GPU the mode is "reduce-overhead" (CUDA graphs: one launch per step instead of one per kernel), on
 the CPU inductor's default. One graph, no break (`fullgraph`): a break would mean a host read inside the
 step. Dynamic shapes off: a new shape (a regrown cache, another fill level) is one more graph, not a
-slower one. A step that cannot be compiled (a layer dynamo cannot trace, a backend that fails) runs
-eagerly from then on, with one warning: the decode is the same, only slower.
+slower one; the caches grow in powers of two (`inference/runtime/cache.py`), so a server meets few shapes.
+A step that cannot be compiled (a layer dynamo cannot trace, a backend that fails, dynamo's recompile limit
+reached) runs eagerly from then on, with one warning: the decode is the same, only slower.
+
+Whether CUDA graphs were captured is reported, not assumed: inductor silently runs a graph without them when
+it cannot capture it (an op on the CPU, a mutated input, ...), counting each skip in
+`counters["inductor"]["cudagraph_skips"]`. A call that compiled and bumped that counter marks the step as not
+captured (`cuda_graphs` False) and logs the reason once.
 """
 
 from __future__ import annotations
@@ -13,34 +19,81 @@ import logging
 from collections.abc import Callable
 
 import torch
+from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
+from torch._dynamo.utils import counters
 
 log = logging.getLogger("inference")
 
 # Entries per compiled code object: every stage and every fill level is one more entry of the same code,
 # and the default limit of 8 would silently send the stages past it back to eager.
 RECOMPILE_LIMIT = 64
+# Raised while tracing or compiling, before the step ran (nothing was written yet): the step runs eagerly.
+COMPILE_FAILURES = (TorchDynamoException, FailOnRecompileLimitHit)
+
+
+class _SkipReasons(logging.Handler):
+    """Collects inductor's cudagraph skip messages (its `cudagraphs` log artifact, off by default)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+_SKIPS = _SkipReasons()
+
+
+def _listen_for_cudagraph_skips() -> None:
+    from torch._inductor import cudagraph_utils
+
+    logger = cudagraph_utils.cudagraphs_log
+    if _SKIPS not in logger.handlers:
+        logger.addHandler(_SKIPS)
+        logger.setLevel(min(logger.getEffectiveLevel(), logging.WARNING))
 
 
 class CompiledStep:
+    """`step` compiled; `compiled` says whether it still runs compiled, `cuda_graphs` whether its graphs are
+    captured as CUDA graphs (None until the first call, always False off a GPU), `skip_reason` why not."""
+
     def __init__(self, step: Callable, device: torch.device):
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self.eager = step
-        self.cuda_graphs = device.type == "cuda"
-        self._run = torch.compile(
-            step, mode="reduce-overhead" if self.cuda_graphs else None, dynamic=False, fullgraph=True
-        )
+        self.name = getattr(step, "__qualname__", repr(step))
+        self.on_gpu = device.type == "cuda"
+        self.compiled = True
+        self.cuda_graphs: bool | None = None if self.on_gpu else False
+        self.skip_reason = "" if self.on_gpu else "not a CUDA device"
+        if self.on_gpu:
+            _listen_for_cudagraph_skips()
+        self._run = torch.compile(step, mode="reduce-overhead" if self.on_gpu else None, dynamic=False, fullgraph=True)
 
     def __call__(self, *args):
-        if self.cuda_graphs:  # the previous replay's outputs are consumed (cloned) by now
+        if not self.compiled:
+            return self.eager(*args)
+        if self.on_gpu:  # the previous replay's outputs are consumed (cloned) by now
             torch.compiler.cudagraph_mark_step_begin()
+        skips, messages = counters["inductor"]["cudagraph_skips"], len(_SKIPS.messages)
         try:
-            return self._run(*args)
-        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.BackendCompilerFailed) as e:
-            # raised while tracing or compiling, before the step ran: nothing was written yet
-            log.warning(
-                "cannot compile %s (%s); it runs eagerly",
-                getattr(self.eager, "__qualname__", self.eager),
-                str(e).splitlines()[0][:200],
-            )
-            self._run = self.eager
-            return self._run(*args)
+            out = self._run(*args)
+        except COMPILE_FAILURES as e:
+            self._fall_back(e)
+            return self.eager(*args)
+        if self.on_gpu:
+            self._note_capture(counters["inductor"]["cudagraph_skips"] > skips, _SKIPS.messages[messages:])
+        return out
+
+    def _fall_back(self, error: BaseException) -> None:
+        log.warning("cannot compile %s (%s); it runs eagerly", self.name, str(error).splitlines()[0][:200])
+        self.compiled, self.cuda_graphs = False, False
+        self.skip_reason = self.skip_reason or "not compiled"
+
+    def _note_capture(self, skipped: bool, reasons: list[str]) -> None:
+        if skipped and self.cuda_graphs is not False:
+            self.skip_reason = reasons[-1] if reasons else "skipped by inductor (TORCH_LOGS=cudagraphs tells why)"
+            log.warning("%s runs without CUDA graphs: %s", self.name, self.skip_reason)
+            self.cuda_graphs = False
+        elif self.cuda_graphs is None:
+            self.cuda_graphs = True

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inference.runtime.cache import round_capacity
 from inference.runtime.capture import CompiledStep
 from inference.sampling import Sampling, warp
 from spd_lightning.export import DrafterLoadError
@@ -71,16 +72,16 @@ class DraftKVCache:
         self.values[layer, :, :, self.length : end] = v
         keys, values = self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
         if S == 1:
-            return F.scaled_dot_product_attention(q, keys, values)
+            return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
         mask = torch.arange(end, device=q.device)[None, :] <= (self.length + torch.arange(S, device=q.device))[:, None]
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
     def _static_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         written = self.offset + torch.arange(q.shape[-2], device=q.device)
         self.keys[layer].index_copy_(2, written, k)
         self.values[layer].index_copy_(2, written, v)
         mask = self.slots[None, :] <= written[:, None]
-        return F.scaled_dot_product_attention(q, self.keys[layer], self.values[layer], attn_mask=mask)
+        return F.scaled_dot_product_attention(q, self.keys[layer], self.values[layer], attn_mask=mask, enable_gqa=True)
 
     def commit(self, count: int) -> None:
         self.length += count
@@ -121,6 +122,7 @@ class PDMDrafter:
         self.capacity = 0
         self.compiled = compile
         self._in_flight = CompiledStep(self._in_flight_logits, self.device) if compile else self._in_flight_logits
+        self._seed = torch.zeros(1, dtype=torch.long, device=self.device)
         self._slots = {b: i for i, b in enumerate(geometry.anchors)}
         self._stage_slots = {
             s: [self._slots[b] for b in geometry.anchors_of_stage(s) if b > 0] for s in range(1, geometry.n + 1)
@@ -129,15 +131,17 @@ class PDMDrafter:
     @torch.no_grad()
     def start(self, prompt_ids: torch.Tensor, capacity: int) -> None:
         """A new sequence of at most `capacity` positions: the prompt's own embeddings (the stages send
-        its other anchors); the state rows and the KV cache grow only when a longer sequence comes."""
+        its other anchors); the state rows and the KV cache grow only when a longer sequence comes, to its
+        power-of-two bucket (`cache.round_capacity`), so the compiled draft sees one shape per bucket."""
         P = prompt_ids.shape[-1]
+        capacity = round_capacity(capacity)  # a bucket: a longer request reuses the compiled graphs
         if capacity > self.capacity:
             cfg = self.pdm.cfg
             self.states = torch.zeros(
                 capacity, self.geometry.num_types, cfg.target_hidden_size, dtype=self.state_dtype, device=self.device
             )
             self.cache = DraftKVCache(
-                cfg.num_layers, cfg.num_heads, cfg.head_dim, capacity, self.dtype, self.device, static=self.compiled
+                cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity, self.dtype, self.device, static=self.compiled
             )
             self.positions = torch.arange(capacity, device=self.device)[None]  # sliced per draft, never rebuilt
             self.capacity = capacity
@@ -147,7 +151,9 @@ class PDMDrafter:
 
     @torch.no_grad()
     def set_token(self, position: int, token: int) -> None:
-        self.states[position, 0] = self.embed_tokens(torch.tensor([token], device=self.device))[0]
+        """The seed token's embedding, looked up from a device buffer written with `fill_` (a kernel argument,
+        not a copy of host memory)."""
+        self.states[position, 0] = self.embed_tokens(self._seed.fill_(token))[0]
 
     def store_anchors(self, stage: int, start: int, states: torch.Tensor) -> None:
         """`states[S, A, H]`: the anchors stage `stage` produced for positions `start..start+S-1`."""

@@ -61,7 +61,7 @@ class TTTAttention:
         keys, values = torch.cat(self.keys, dim=2), torch.cat(self.values, dim=2)
         if self.dense:
             mask = ttt_mask(T, step).to(q.device)
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return two_part_attend(ttt_plan(B, T, step, q.device))(layer, q, keys, values)
 
 

@@ -90,34 +90,40 @@ def dense_attend(mask: torch.Tensor) -> Attend:
     attn_mask = mask[:, None]  # one mask for every head
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)
 
     return attend
 
 
 def two_part_attend(plan: TwoPartPlan) -> Attend:
+    """Keys and values unexpanded (GQA): the query heads of one key head are a group dimension that
+    broadcasts against it, so no key or value is copied per query head."""
+
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         B, heads, S, hd = q.shape
+        kv_heads = k.shape[1]
+        groups = heads // kv_heads
+        qg = q.view(B, kv_heads, groups, S, hd)
         start, T = plan.prefix_start, plan.prefix_len
-        k_pre, v_pre = k[:, :, start : start + T], v[:, :, start : start + T]
+        k_pre, v_pre = k[:, :, None, start : start + T], v[:, :, None, start : start + T]  # [B, kvh, 1, T, hd]
         W = plan.stair.shape[-1]
         chunk = max(1, _TWO_PART_SCORE_BUDGET // max(1, B * heads * (T + W)))
         key_pos = torch.arange(T, device=q.device)
         outs = []
         for lo in range(0, S, chunk):
             hi = min(S, lo + chunk)
-            qc = q[:, :, lo:hi]
-            pre = torch.matmul(qc, k_pre.transpose(-1, -2)) / math.sqrt(hd)  # [B, h, C, T]
-            pre = pre.masked_fill((key_pos > plan.cutoff[:, None, lo:hi, None]), float("-inf"))
+            qc = qg[:, :, :, lo:hi]  # [B, kvh, g, C, hd]
+            pre = torch.matmul(qc, k_pre.transpose(-1, -2)) / math.sqrt(hd)  # [B, kvh, g, C, T]
+            pre = pre.masked_fill((key_pos > plan.cutoff[:, None, None, lo:hi, None]), float("-inf"))
             idx = plan.stair[:, lo:hi]  # [B, C, W]
-            gather = idx.clamp(min=0).reshape(B, 1, -1, 1).expand(B, heads, -1, hd)
-            k_st = k.gather(2, gather).view(B, heads, hi - lo, W, hd)
-            v_st = v.gather(2, gather).view(B, heads, hi - lo, W, hd)
-            st = (qc.unsqueeze(-2) * k_st).sum(-1) / math.sqrt(hd)  # [B, h, C, W]
-            st = st.masked_fill((idx < 0)[:, None], float("-inf"))
+            gather = idx.clamp(min=0).reshape(B, 1, -1, 1).expand(B, kv_heads, -1, hd)
+            k_st = k.gather(2, gather).view(B, kv_heads, 1, hi - lo, W, hd)
+            v_st = v.gather(2, gather).view(B, kv_heads, 1, hi - lo, W, hd)
+            st = (qc.unsqueeze(-2) * k_st).sum(-1) / math.sqrt(hd)  # [B, kvh, g, C, W]
+            st = st.masked_fill((idx < 0)[:, None, None], float("-inf"))
             probs = torch.softmax(torch.cat([pre, st], dim=-1).float(), dim=-1).to(v.dtype)
             out = torch.matmul(probs[..., :T], v_pre) + (probs[..., T:, None] * v_st).sum(-2)
-            outs.append(out)
+            outs.append(out.reshape(B, heads, hi - lo, hd))
         return torch.cat(outs, dim=2)
 
     return attend
@@ -163,7 +169,7 @@ def flex_attend(
         block_mask = make_mask(mask_mod, batch, None, rows, seq_len, device=device)
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return kernel(q, k, v, block_mask=block_mask)
+        return kernel(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
     return attend
 
