@@ -60,7 +60,7 @@ def _hub_snapshot(name_or_path: str) -> str:
     repo_id, _, revision = name_or_path.partition("@")
     if repo_id.count("/") != 1 or repo_id.startswith((".", "/", "~")) or not all(repo_id.split("/")):
         raise TargetError(
-            f"target {name_or_path!r} is not a local directory, a .gguf file nor a hub id (ORG/NAME): pass "
+            f"target {name_or_path!r} is not a local directory nor a hub id (ORG/NAME) nor a .gguf file: pass "
             f"--target DIR (a Hugging Face checkpoint directory), --target FILE.gguf or --target ORG/NAME"
         )
     from huggingface_hub import snapshot_download
