@@ -11,10 +11,16 @@ never loaded (only its tokenizer).
 - Idempotent: when every cache already exists it says so and does nothing.
 - Concurrent runs on one cache are safe: each source is built under a file lock (the others wait, then read
   it), and `d2t` is written to a private file and renamed into place.
+- `--regenerate OUT.jsonl` first has the target answer the first user turn of every training chat
+  (`data/regenerate.py`: batched, resumable, `--temperature`, `--max-new-tokens`, `--gen-batch-size`,
+  `--max-prompt-tokens`, `--limit`), then prepares OUT.jsonl as the data source; `fit` trains on it with
+  `--data.sources '[{path: OUT.jsonl}]'`.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -65,10 +71,42 @@ def prepare(args: Sequence[str]) -> str:
     )
 
 
+def regeneration_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--regenerate", metavar="OUT.jsonl", help="the target answers the training prompts first")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--gen-batch-size", type=int, default=8, help="prompts per generate call")
+    parser.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
+    parser.add_argument("--limit", type=int, default=None, help="answer only the first N prompts")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def regenerate_data(args: Sequence[str], options: argparse.Namespace) -> str:
+    """Write the target's answers to the config's prompts into `options.regenerate` (resuming); one line."""
+    from .data.regenerate import Generation, first_turns, fitting_prompts, regenerate
+    from .target import load_hf_causal_lm
+
+    gen = Generation(
+        options.temperature, options.max_new_tokens, options.gen_batch_size, options.max_prompt_tokens, options.seed
+    )
+    data = data_module(args)
+    prompts = first_turns(data.sources, os.path.join(data.cache_dir, "raw"), options.limit)
+    prompts = fitting_prompts(data.tokenizer, prompts, gen)
+    model = load_hf_causal_lm(data.tokenizer_name).eval()
+    written, total = regenerate(model, data.tokenizer, prompts, options.regenerate, gen)
+    return f"regenerated {written:,} answers now, {total:,} in {options.regenerate}"
+
+
 def main(args: Sequence[str]) -> int:
-    """`prepare` with fit's arguments (`--config CFG [--data.num_proc N] ...`); bad input raises a `UserError`,
-    which `python -m spd_lightning` prints as one line with exit code 2."""
-    print(prepare(args))
+    """`prepare` with fit's arguments (`--config CFG [--data.num_proc N] ...`), optionally after `--regenerate`;
+    bad input raises a `UserError`, which `python -m spd_lightning` prints as one line with exit code 2."""
+    options, rest = regeneration_parser().parse_known_args(list(args))
+    if options.regenerate:
+        print(regenerate_data(rest, options), flush=True)
+        rest = [*rest, f"--data.sources=[{{path: {os.path.abspath(options.regenerate)}}}]"]
+    print(prepare(rest))
     return 0
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .errors import UserError
+from .target_source import TargetError, resolve_target
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +33,6 @@ DELTANET_KERNELS = {
     "torch_chunk_gated_delta_rule": ("fla", "flash-linear-attention"),
     "causal_conv1d_fn": ("causal_conv1d", "causal-conv1d"),
 }
-
-
-class TargetError(UserError):
-    """A target that cannot be loaded or does not fit the request; one line that says why."""
 
 
 DTYPES = {
@@ -62,16 +58,23 @@ def looks_local(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.count("/") > 1
 
 
+def local_target(name_or_path: str) -> str:
+    """The target's checkpoint directory (`resolve_target`: a directory, a GGUF converted once, a hub id), with
+    the one-line error for a local path that does not exist."""
+    path = os.path.expanduser(name_or_path)
+    if looks_local(name_or_path) and not os.path.exists(path):
+        raise TargetError(
+            f"target path {name_or_path!r} does not exist: build the tiny target with "
+            f"`python -m spd_lightning.tiny_target --out {name_or_path}` or pass a hub name or a .gguf file"
+        )
+    return resolve_target(path)
+
+
 def load_hf_config(name_or_path: str, trust_remote_code: bool = False):
     """The target's HF config alone (cheap: no weights), with the same one-line errors as the model."""
     from transformers import AutoConfig
 
-    path = os.path.expanduser(name_or_path)
-    if looks_local(name_or_path) and not os.path.isdir(path):
-        raise TargetError(
-            f"target path {name_or_path!r} does not exist: build the tiny target with "
-            f"`python -m spd_lightning.tiny_target --out {name_or_path}` or pass a hub name"
-        )
+    path = local_target(name_or_path)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except OSError as e:
@@ -100,7 +103,7 @@ def load_hf_causal_lm(
     from transformers import AutoModelForCausalLM
 
     config = load_hf_config(name_or_path, trust_remote_code)
-    path = os.path.expanduser(name_or_path)
+    path = local_target(name_or_path)  # resolved twice, cheaply: a GGUF is converted once, a hub id read from the cache
     device = torch.device(device)
     if importlib.util.find_spec("accelerate") is None:  # transformers needs it for `device_map`
         if device.type != "cpu":

@@ -24,6 +24,7 @@ from inference.runtime.cache import StageCache
 from inference.runtime.capture import CompiledStep
 from spd_lightning.geometry import Geometry
 from spd_lightning.target import Target, TargetError, resolve_dtype
+from spd_lightning.target_source import resolve_target
 
 # Checkpoint key prefixes of the text model: causal-LM checkpoints use `model.`, the Qwen3.5
 # conditional-generation checkpoints `model.language_model.`.
@@ -51,36 +52,6 @@ class TargetPieces:
             target.norm if head else None,
             target.lm_head if head else None,
         )
-
-
-def resolve_target(name_or_path: str) -> str:
-    """The local directory of a target given as a directory or a Hugging Face hub id (`org/name[@revision]`).
-
-    A hub id is looked up in the local Hugging Face cache first (`HF_HUB_CACHE`), so a cached target works
-    offline; otherwise it is downloaded when the hub is reachable. Neither: a `TargetError` naming the id."""
-    if os.path.isdir(name_or_path):
-        return name_or_path
-    repo_id, _, revision = name_or_path.partition("@")
-    if repo_id.count("/") != 1 or repo_id.startswith((".", "/", "~")) or not all(repo_id.split("/")):
-        raise TargetError(
-            f"target {name_or_path!r} is not a local directory nor a hub id (ORG/NAME): pass "
-            f"--target DIR (a Hugging Face checkpoint directory) or --target ORG/NAME"
-        )
-    from huggingface_hub import snapshot_download
-
-    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py", "*.tiktoken"]
-    try:
-        return snapshot_download(repo_id, revision=revision or None, local_files_only=True, allow_patterns=patterns)
-    except Exception:  # noqa: BLE001 - not in the cache (any reason): try the hub below
-        pass
-    try:
-        return snapshot_download(repo_id, revision=revision or None, allow_patterns=patterns)
-    except Exception as e:  # noqa: BLE001 - offline, unknown repo, gated: all mean "cannot get it"
-        raise TargetError(
-            f"target {name_or_path!r} is not in the Hugging Face cache and cannot be downloaded "
-            f"({type(e).__name__}); download it where the hub is reachable "
-            f"(`hf download {repo_id}`) or pass --target DIR"
-        ) from e
 
 
 def meta_target(path: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False) -> Target:

@@ -48,18 +48,21 @@ class RenderedChat:
 
 
 def load_tokenizer(name_or_path: str) -> Any:
-    """`AutoTokenizer` for a local directory or hub name, with one-line errors (training also checks it with
+    """`AutoTokenizer` for a local directory, a GGUF target (target_source.py) or a hub name, with one-line errors (training also checks it with
     `check_chat_tokenizer`; the decoder encodes raw text when a target has no chat template)."""
     from transformers import AutoTokenizer
 
     from ..target import looks_local
+    from ..target_source import gguf_file_of, resolve_target
 
     path = os.path.expanduser(name_or_path)
-    if looks_local(name_or_path) and not os.path.isdir(path):
+    if looks_local(name_or_path) and not os.path.exists(path):
         raise DataError(
             f"tokenizer path {name_or_path!r} does not exist: pass the target's directory (build the tiny "
-            f"one with `python -m spd_lightning.tiny_target --out {name_or_path}`) or a hub name"
+            f"one with `python -m spd_lightning.tiny_target --out {name_or_path}`), a .gguf file or a hub name"
         )
+    if gguf_file_of(path) is not None:  # the tokenizer and chat template of the converted GGUF
+        path = resolve_target(path)
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:

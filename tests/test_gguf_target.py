@@ -1,0 +1,175 @@
+"""GGUF targets (spd_lightning/gguf_target.py, target_source.py): a tiny Llama written with the `gguf` package's
+writer is converted once into a safetensors directory whose model gives the GGUF-loaded model's logits, whose
+tokenizer and chat template are the GGUF's, and which every target-taking loader reads."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from spd_lightning import gguf_target
+from spd_lightning.data.chat import load_tokenizer
+from spd_lightning.target import Target, TargetError, load_hf_config
+from spd_lightning.target_source import resolve_target
+
+HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 32, 2, 4, 2, 64
+TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+
+
+def _byte_alphabet() -> list[str]:
+    """GPT-2's printable stand-ins for the 256 bytes: the base vocabulary of a byte-level BPE."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = [], 0
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
+
+
+def write_tiny_llama(path: str, seed: int = 0) -> None:
+    """A 2-layer Llama with a byte-level BPE vocabulary, two special tokens and a chat template; the attention
+    and MLP weights of layer 0 are stored Q8_0 so the conversion dequantizes as it does for a real file."""
+    rng = np.random.default_rng(seed)
+    merges = ["h e", "l l", "he ll"]
+    tokens = _byte_alphabet() + [m.replace(" ", "") for m in merges] + ["<|end|>", "<|start|>"]
+    vocab = len(tokens)
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_context_length(128)
+    writer.add_block_count(LAYERS)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_dimension_count(HIDDEN // HEADS)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(vocab)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (vocab - 2) + [3, 3])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(vocab - 1)
+    writer.add_eos_token_id(vocab - 2)
+    writer.add_chat_template(TEMPLATE)
+
+    def weight(*shape):
+        return (rng.standard_normal(shape) * 0.2).astype(np.float32)
+
+    writer.add_tensor("token_embd.weight", weight(vocab, HIDDEN))
+    writer.add_tensor("output_norm.weight", 1 + weight(HIDDEN) * 0.1)
+    writer.add_tensor("output.weight", weight(vocab, HIDDEN))
+    head_dim = HIDDEN // HEADS
+    for i in range(LAYERS):
+        shapes = {
+            "attn_q": (HIDDEN, HIDDEN),
+            "attn_k": (KV_HEADS * head_dim, HIDDEN),
+            "attn_v": (KV_HEADS * head_dim, HIDDEN),
+            "attn_output": (HIDDEN, HIDDEN),
+            "ffn_gate": (FFN, HIDDEN),
+            "ffn_up": (FFN, HIDDEN),
+            "ffn_down": (HIDDEN, FFN),
+        }
+        for name, shape in shapes.items():
+            tensor = weight(*shape)
+            if i == 0:  # quantized: the converted model must hold the dequantized values, not the raw blocks
+                quantized = gguf.quants.quantize(tensor, gguf.GGMLQuantizationType.Q8_0)
+                writer.add_tensor(f"blk.{i}.{name}.weight", quantized, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            else:
+                writer.add_tensor(f"blk.{i}.{name}.weight", tensor)
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", 1 + weight(HIDDEN) * 0.1)
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", 1 + weight(HIDDEN) * 0.1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf")
+    path = str(root / "tiny-llama.gguf")
+    write_tiny_llama(path)
+    return path
+
+
+@pytest.fixture
+def target_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPD_TARGET_CACHE", str(tmp_path / "targets"))
+    return str(tmp_path / "targets")
+
+
+def test_converted_logits_equal_the_gguf_models(tiny_gguf, target_cache):
+    directory = resolve_target(tiny_gguf)
+    assert directory.startswith(target_cache)
+    assert os.path.isfile(os.path.join(directory, "model.safetensors"))
+    ids = torch.tensor([[5, 17, 200, 3, 99, 42, 7, 250]])
+    with torch.no_grad():
+        expected = gguf_target.load_gguf_model(tiny_gguf)(ids).logits
+        converted = Target.load(tiny_gguf).model(ids).logits  # the path every command takes
+    assert converted.shape == expected.shape
+    torch.testing.assert_close(converted, expected, rtol=0, atol=0)
+    assert load_hf_config(tiny_gguf).num_hidden_layers == LAYERS
+
+
+def test_tokenizer_and_chat_template_come_from_the_gguf(tiny_gguf, target_cache):
+    tokenizer = load_tokenizer(tiny_gguf)
+    assert tokenizer.encode("hello", add_special_tokens=False)[0] == 256 + 2  # the merge "he ll"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert text == "<|user|>hi<|end|>"
+    assert tokenizer.eos_token == "<|end|>"
+
+
+def test_conversion_runs_once_and_a_directory_holding_the_gguf_is_a_target(tiny_gguf, target_cache, tmp_path):
+    first = resolve_target(tiny_gguf)
+    stamp = os.stat(os.path.join(first, "model.safetensors")).st_mtime_ns
+    holder = tmp_path / "holder"
+    holder.mkdir()
+    os.symlink(tiny_gguf, holder / "model.gguf")
+    assert resolve_target(str(holder)) == first  # the same file through a directory: the same cache entry
+    assert os.stat(os.path.join(first, "model.safetensors")).st_mtime_ns == stamp
+    assert not [p for p in os.listdir(target_cache) if ".tmp-" in p]  # no staging directory left behind
+
+
+def test_concurrent_conversions_produce_one_complete_directory(tiny_gguf, target_cache):
+    code = "import sys; from spd_lightning.target_source import resolve_target; print(resolve_target(sys.argv[1]))"
+    env = {**os.environ, "SPD_TARGET_CACHE": target_cache, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, tiny_gguf], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    outputs = [p.communicate(timeout=240)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert len(set(outputs)) == 1
+    assert sorted(os.listdir(target_cache)) == sorted(
+        [os.path.basename(outputs[0]), os.path.basename(outputs[0]) + ".lock"]
+    )
+
+
+def test_missing_packages_name_the_extra(tiny_gguf, target_cache, monkeypatch):
+    real = gguf_target.importlib.util.find_spec
+    monkeypatch.setattr(gguf_target.importlib.util, "find_spec", lambda name: None if name == "gguf" else real(name))
+    with pytest.raises(TargetError, match=r"spd-lightning\[gguf\]"):
+        resolve_target(tiny_gguf)
+
+
+def test_bad_gguf_targets_are_one_line_errors(tmp_path, target_cache):
+    with pytest.raises(TargetError, match="does not exist"):
+        resolve_target(str(tmp_path / "absent.gguf"))
+    for name in ("a.gguf", "b.gguf"):
+        (tmp_path / name).write_bytes(b"")
+    with pytest.raises(TargetError, match="several GGUF files"):
+        resolve_target(str(tmp_path))
+    (tmp_path / "b.gguf").unlink()
+    (tmp_path / "a.gguf").write_bytes(b"not a gguf")
+    with pytest.raises(TargetError, match="cannot read GGUF target"):
+        resolve_target(str(tmp_path))

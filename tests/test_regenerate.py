@@ -1,0 +1,89 @@
+"""`prepare --regenerate` (spd_lightning/data/regenerate.py): the target answers the first user turn of every
+training chat in batches; the answers are the target's own greedy continuations, the file resumes after a cut,
+and prepare then tokenizes it as the data source."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from spd_lightning import prepare
+from spd_lightning.data.chat import load_tokenizer, render_chat
+from spd_lightning.data.regenerate import Generation, complete_records, regenerate
+from spd_lightning.target import load_hf_causal_lm
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended")
+
+PROMPTS = [[{"role": "user", "content": f"tell me about pears number {i}" + " please" * (i % 3)}] for i in range(5)]
+
+
+def greedy_answer(model, tokenizer, turn, max_new_tokens):
+    """The target's greedy answer to one prompt, unbatched, token by token without a cache."""
+    ids = tokenizer(render_chat(tokenizer, turn, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    out = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            token = int(model(torch.tensor([ids + out])).logits[0, -1].argmax())
+            if token == tokenizer.eos_token_id:
+                break
+            out.append(token)
+    return tokenizer.decode(out, skip_special_tokens=True).strip()
+
+
+def test_batched_answers_are_the_targets_greedy_answers_and_a_cut_file_resumes(micro_target, tmp_path):
+    model = load_hf_causal_lm(micro_target).eval()
+    tokenizer = load_tokenizer(micro_target)
+    gen = Generation(max_new_tokens=6, batch_size=2)
+    out = str(tmp_path / "answers.jsonl")
+    assert regenerate(model, tokenizer, PROMPTS[:3], out, gen) == (3, 3)
+    with open(out, "a") as f:
+        f.write('{"messages": [{"role": "user", "cont')  # a crash in the middle of a record
+    assert regenerate(model, tokenizer, PROMPTS, out, gen) == (2, 5)
+    records = [json.loads(line) for line in open(out)]
+    assert [r["index"] for r in records] == list(range(5))
+    for record, turn in zip(records, PROMPTS):
+        assert record["messages"][:-1] == turn
+        assert record["messages"][-1] == {"role": "assistant", "content": greedy_answer(model, tokenizer, turn, 6)}
+    assert complete_records(out) == 5
+
+
+def test_prepare_regenerate_writes_the_answers_and_prepares_them(micro_target, tmp_path, capsys):
+    data = tmp_path / "chats.jsonl"
+    chats = [{"messages": [*turn, {"role": "assistant", "content": "an answer"}]} for turn in PROMPTS]
+    data.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    out = tmp_path / "regenerated.jsonl"
+    args = [
+        "--config",
+        os.path.join(REPO, "configs", "tiny.yaml"),
+        "--model.target",
+        micro_target,
+        "--data.sources",
+        f"[{{path: {data}}}]",
+        "--data.val_size",
+        "1",
+        "--data.draft_vocab_size",
+        "64",
+        "--data.cache_dir",
+        str(tmp_path / "cache"),
+        "--regenerate",
+        str(out),
+        "--max-new-tokens",
+        "4",
+        "--limit",
+        "4",
+    ]
+    assert prepare.main(args) == 0
+    printed = capsys.readouterr().out
+    assert "regenerated 4 answers now, 4 in" in printed and "prepared 3 training and 1 validation" in printed
+    assert complete_records(str(out)) == 4
+    assert prepare.main(args) == 0  # resumed: nothing left to answer, nothing left to prepare
+    assert "regenerated 0 answers now, 4 in" in capsys.readouterr().out
+
+
+def test_bad_generation_settings_are_one_line_errors():
+    with pytest.raises(ValueError, match="--temperature -1"):
+        Generation(temperature=-1)
+    with pytest.raises(ValueError, match="--gen-batch-size|--batch-size"):
+        Generation(batch_size=0)
