@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from inference.cycle.schedule import Verdict
-from inference.sampling import Sampling, sample, sample_token, warp
+from inference.sampling import Sampling, sample_token, warp
 
 
 def acceptance_probability(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -38,6 +38,18 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, r / total.clamp_min(torch.finfo(r.dtype).tiny), p)
 
 
+def accept_or_correct(
+    p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rejection rule, on the device: accept the drafted token (`draft`, a one-element long tensor) with
+    probability `min(1, P(x)/q(x))`, else the correction drawn from `norm(max(0, P - q))`. Both draws are made every
+    time (the uniform and the correction), so no draw depends on a host decision. Returns (accepted, token)."""
+    u = torch.rand((), generator=generator, device=p.device)
+    accepted = u < acceptance_probability(p.gather(0, draft), q.gather(0, draft))[0]
+    correction = torch.multinomial(residual(p, q), 1, generator=generator)[0]
+    return accepted, torch.where(accepted, draft[0], correction)
+
+
 @dataclass
 class Judgement:
     accepted: bool
@@ -47,15 +59,13 @@ class Judgement:
 def judge(p: torch.Tensor, token: int, q: torch.Tensor | None, generator: torch.Generator | None) -> Judgement:
     """Verify the drafted `token` against the target distribution `p` (both over the target vocabulary).
 
-    `q is None` means greedy: `p` is one-hot and the draft is accepted iff it is the argmax. Otherwise one
-    uniform draw decides acceptance and, on rejection, one more draw samples the correction."""
+    `q is None` means greedy: `p` is one-hot and the draft is accepted iff it is the argmax. Otherwise
+    `accept_or_correct`, read on the host (chain decoding decides on the host)."""
     if q is None:
         target = int(p.argmax())
         return Judgement(token == target, target)
-    u = torch.rand((), generator=generator, device=p.device)
-    if bool(u < acceptance_probability(p[token : token + 1], q[token : token + 1])[0]):
-        return Judgement(True, token)
-    return Judgement(False, sample(residual(p, q), generator))
+    accepted, verified = accept_or_correct(p, q, torch.tensor([token], device=p.device), generator)
+    return Judgement(bool(accepted), int(verified))
 
 
 class Verifier:
@@ -94,8 +104,7 @@ class Verifier:
     def judge(self, position: int, logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Judge the draft at `position` with the logits of the token before it; writes the verdict message
         `[verdict, token]` into `out` and returns it, all on the device (the caller's one read of `out` is
-        the only host sync). Sampling is `judge`'s rule with the correction drawn every time (used only on a
-        rejection): two draws per judgement, whatever the verdict, so no draw depends on a host decision."""
+        the only host sync). Sampling: `accept_or_correct`."""
         slot = position % self.window
         draft = self.tokens[slot]
         if self.sampling.greedy:
@@ -105,10 +114,7 @@ class Verifier:
             return out
         p = warp(logits, self.sampling)
         q = self.q_target.zero_().index_copy_(0, self.d2t, self.q[slot])  # q over the target vocabulary
-        u = torch.rand((), generator=self.generator, device=p.device)
-        index = draft.view(1)
-        accepted = u < acceptance_probability(p.gather(0, index), q.gather(0, index))[0]
-        correction = torch.multinomial(residual(p, q), 1, generator=self.generator)[0]
+        accepted, token = accept_or_correct(p, q, draft.view(1), self.generator)
         out[0] = torch.where(accepted, Verdict.ACCEPT, Verdict.REJECT)
-        out[1] = torch.where(accepted, draft, correction)
+        out[1] = token
         return out
