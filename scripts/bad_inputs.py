@@ -24,6 +24,8 @@ import tempfile
 import traceback
 from dataclasses import dataclass, field
 
+from spd_lightning.errors import first_line
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
@@ -391,7 +393,7 @@ def run_case(case: Case, files: dict) -> Result:
                 print(e.code, file=sys.stderr)
         except BaseException as e:  # noqa: BLE001 - an exception escaping main() is a finding
             traceback.print_exc()
-            uncaught = f"uncaught {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            uncaught = f"uncaught {type(e).__name__}: {first_line(e)}"
             code = 1
     stderr = err.getvalue()
     errors = [line.strip() for line in stderr.splitlines() if "error:" in line and not line.startswith((" ", "\t"))]

@@ -19,6 +19,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from spd_lightning.errors import first_line
+
 LOOPBACK_NAMES = ("localhost",)
 MAX_REQUESTS = 1000
 
@@ -79,7 +81,7 @@ def one_request(client, args: argparse.Namespace, index: int) -> Sample:
             if chunk.usage is not None:
                 tokens = chunk.usage.completion_tokens
     except openai.OpenAIError as e:
-        return Sample(None, time.perf_counter() - start, 0, str(e).splitlines()[0])
+        return Sample(None, time.perf_counter() - start, 0, first_line(e))
     return Sample(first - start if first else None, time.perf_counter() - start, tokens)
 
 

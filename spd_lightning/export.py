@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .errors import UserError
+from .errors import UserError, first_line
 from .geometry import Geometry
 from .pdm import PDMConfig, PipelineDraftModule
 from .target import TargetInfo
@@ -111,7 +111,7 @@ def load_weights(module: torch.nn.Module, state: dict, where: str) -> torch.nn.M
     except RuntimeError as e:
         raise DrafterLoadError(
             f"{where}: weights do not match the drafter config "
-            f"({str(e).splitlines()[0]}); the file is corrupt or from another build"
+            f"({first_line(e)}); the file is corrupt or from another build"
         ) from e
     return module.eval()
 
@@ -167,7 +167,7 @@ def read_drafter(
     except Exception as e:  # noqa: BLE001 - torch and safetensors raise many types for a bad file; all mean one thing
         raise DrafterLoadError(
             f"drafter {path!r} is corrupt, truncated or incomplete ({type(e).__name__}: "
-            f"{str(e).splitlines()[0][:120] if str(e) else ''}); re-export it"
+            f"{first_line(e)[:120]}); re-export it"
         ) from e
 
 

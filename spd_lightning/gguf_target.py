@@ -22,6 +22,7 @@ import os
 import shutil
 import tempfile
 
+from .errors import first_line
 from .target_source import TargetError
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ def load_gguf_model(gguf_path: str):
         return AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
     except (OSError, ValueError, KeyError) as e:
         raise TargetError(
-            f"cannot read GGUF target {gguf_path!r} ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
+            f"cannot read GGUF target {gguf_path!r} ({type(e).__name__}: {first_line(e)[:160]}); "
             f"transformers reads GGUF files of the architectures it lists in its GGUF documentation"
         ) from e
 

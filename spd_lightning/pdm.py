@@ -53,11 +53,11 @@ class PDMConfig:
             "intermediate_size",
         ):
             if getattr(self, f) < 1:
-                raise ValueError(f"PDM {f}={getattr(self, f)} must be a positive integer")
+                raise ConfigError(f"PDM {f}={getattr(self, f)} must be a positive integer")
         if self.num_layers < 1:
-            raise ValueError(f"PDM num_layers={self.num_layers}: the drafter needs at least one layer (L_s >= 1)")
+            raise ConfigError(f"PDM num_layers={self.num_layers}: the drafter needs at least one layer (L_s >= 1)")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"PDM num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+            raise ConfigError(f"PDM num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
 
     def to_dict(self) -> dict:
         return asdict(self)

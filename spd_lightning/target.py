@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .errors import first_line
 from .target_source import TargetError, resolve_target
 
 log = logging.getLogger(__name__)
@@ -80,12 +81,12 @@ def load_hf_config(name_or_path: str, trust_remote_code: bool = False):
     except OSError as e:
         raise TargetError(
             f"cannot load target {name_or_path!r}: no such local directory and the hub could not "
-            f"provide it ({str(e).splitlines()[0][:120]}); pass an existing directory, or build the tiny "
+            f"provide it ({first_line(e)[:120]}); pass an existing directory, or build the tiny "
             f"target with `python -m spd_lightning.tiny_target --out DIR`"
         ) from e
     except ValueError as e:
         raise TargetError(
-            f"cannot load target {name_or_path!r}: {str(e).splitlines()[0]} "
+            f"cannot load target {name_or_path!r}: {first_line(e)} "
             f"(pass --trust_remote_code only if you trust that repository)"
         ) from e
     return config

@@ -58,7 +58,7 @@ from dataclasses import asdict, dataclass
 
 from inference import cli
 from inference.evaluation.tables import markdown_table, pyplot, save
-from spd_lightning.errors import UserError
+from spd_lightning.errors import UserError, first_line
 
 
 class PlanError(UserError):
@@ -188,7 +188,7 @@ def target_shape(name_or_path: str) -> tuple[int, int]:
     try:
         cfg = load_hf_config(name_or_path)
     except (TargetError, OSError, ValueError) as e:
-        raise PlanError(f"cannot read the config of target {name_or_path!r}: {str(e).splitlines()[0][:160]}") from e
+        raise PlanError(f"cannot read the config of target {name_or_path!r}: {first_line(e)[:160]}") from e
     cfg = getattr(cfg, "text_config", None) or cfg
     return int(cfg.num_hidden_layers), int(cfg.hidden_size)
 

@@ -47,7 +47,7 @@ from inference.processes.nodes import ReportListener, ReportSender, agent_rendez
 from inference.processes.reports import Failed, Finished, Inbox, Started, Streamed, blamed_report, failure_message
 from inference.processes.roles import build_runner, rank_device
 from inference.runtime.stages import meta_target
-from spd_lightning.errors import UserError
+from spd_lightning.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
 # What a rank does between joining and leaving: (job, rank, device, requests, report, stream) -> None.
@@ -142,7 +142,7 @@ def _rank_main(job: DecodeJob, messages, launcher_pid: int, requests=None, work:
         report = lambda i, r: messages.put(Finished(rank, i, r.to_dict()))  # noqa: E731
         run_rank(job, rank, local_rank, report, stream, requests, work)
     except BaseException as e:  # noqa: BLE001 - whatever it was, the launcher must hear about it
-        first = str(e).splitlines()[0] if str(e) else ""
+        first = first_line(e)
         messages.put(
             Failed(
                 rank,

@@ -22,6 +22,8 @@ import torch
 from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
 from torch._dynamo.utils import counters
 
+from spd_lightning.errors import first_line
+
 log = logging.getLogger("inference")
 
 # Entries per compiled code object: every stage and every fill level is one more entry of the same code,
@@ -86,7 +88,7 @@ class CompiledStep:
         return out
 
     def _fall_back(self, error: BaseException) -> None:
-        log.warning("cannot compile %s (%s); it runs eagerly", self.name, str(error).splitlines()[0][:200])
+        log.warning("cannot compile %s (%s); it runs eagerly", self.name, first_line(error)[:200])
         self.compiled, self.cuda_graphs = False, False
         self.skip_reason = self.skip_reason or "not compiled"
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from inference.runtime.cache import StageCache
 from inference.runtime.capture import CompiledStep
+from spd_lightning.errors import first_line
 from spd_lightning.geometry import Geometry
 from spd_lightning.target import Target, TargetError, resolve_dtype
 from spd_lightning.target_source import resolve_target
@@ -63,7 +64,7 @@ def meta_target(path: str, dtype: torch.dtype = torch.float32, trust_remote_code
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        raise TargetError(f"cannot read the target config in {path!r}: {str(e).splitlines()[0][:160]}") from e
+        raise TargetError(f"cannot read the target config in {path!r}: {first_line(e)[:160]}") from e
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     return Target(model, path)

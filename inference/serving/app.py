@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException
 
 from inference.sampling import Sampling, SamplingError
 from inference.serving.engine import Engine, QueueFull, Request
+from spd_lightning.errors import first_line
 
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed takes (`pipeline.stream_seeds` keeps it there)
 MAX_STOP_STRINGS = 4  # as OpenAI's API
@@ -246,7 +247,7 @@ def _tokenized(tokenize) -> list[int]:
     except (ValueError, TypeError, UnicodeError) as e:  # e.g. a template that refuses the conversation
         raise ApiError(
             400,
-            f"the prompt cannot be tokenized: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+            f"the prompt cannot be tokenized: {first_line(e)}",
             param="messages",
         ) from None
 

@@ -31,6 +31,7 @@ from inference.backends import Backend, Cancelled, is_alive, is_ready
 from inference.sampling import Sampling
 from inference.serving.metrics import Metrics
 from inference.textstream import TextStream
+from spd_lightning.errors import first_line
 
 __all__ = ["Cancelled", "Engine", "QueueFull", "Request", "StopString"]
 log = logging.getLogger(__name__)
@@ -195,7 +196,7 @@ class Engine:
         last[0] = now
 
     def _failed(self, request: Request, error: Exception) -> None:
-        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        first = first_line(error)
         log.error("decode failed: %s; restarting the backend", first)
         self.metrics.count("failed")
         request.emit("error", 503, f"the decoder failed: {first}; the pipeline is being restarted, retry")

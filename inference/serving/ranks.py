@@ -43,6 +43,7 @@ from inference.processes.job import DecodeJob
 from inference.processes.launch import launch, start_method
 from inference.processes.roles import Loaded, build_runner, load_role
 from inference.sampling import Sampling
+from spd_lightning.errors import first_line
 
 log = logging.getLogger(__name__)
 IDLE_TICK_S = 1.0
@@ -198,7 +199,7 @@ class RankBackend:
             )
             self.failure = "the pipeline stopped"
         except Exception as e:  # noqa: BLE001 - LaunchError names the rank; anything else is reported as is
-            self.failure = str(e).splitlines()[0] if str(e) else type(e).__name__
+            self.failure = first_line(e)
         self._events.put(("ended", None, self.failure))
 
     def alive(self) -> bool:

@@ -35,6 +35,7 @@ from inference.processes.nodes import Nodes, RequestsOnNodeZero, join_pipeline
 from inference.sampling import Sampling
 from inference.serving.engine import Engine
 from inference.setup import Setup, decode_job, prepare
+from spd_lightning.errors import first_line
 
 DEFAULT_CAP = 1024
 MIN_GRACE_S = 30.0
@@ -186,7 +187,7 @@ def run_ranks_only(args: argparse.Namespace) -> int:
         except RankInputError:
             raise
         except LaunchError as e:
-            log.warning("%s; joining the next pipeline", str(e).splitlines()[0])
+            log.warning("%s; joining the next pipeline", first_line(e))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -29,6 +29,8 @@ from typing import Any
 
 from jinja2 import TemplateError
 
+from spd_lightning.errors import first_line
+
 from .formats import ASSISTANT, BadRecord, DataError, first_user_turn, normalize_conversation
 
 OK, TOO_LONG, NO_ASSISTANT = "ok", "too_long", "no_assistant"
@@ -67,7 +69,7 @@ def load_tokenizer(name_or_path: str) -> Any:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise DataError(
-            f"cannot load tokenizer {name_or_path!r} ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
+            f"cannot load tokenizer {name_or_path!r} ({type(e).__name__}: {first_line(e)[:160]}); "
             f"pass an existing directory or a reachable hub name"
         ) from e
 

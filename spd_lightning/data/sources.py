@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass
 
 import datasets
 
+from spd_lightning.errors import first_line
+
 from .formats import DataError
 from .sharegpt import EMBEDDED_SHAREGPT, embedded_sharegpt_file, load_embedded_sharegpt
 
@@ -115,7 +117,7 @@ def _load_file(source: DataSource, raw_cache_dir: str) -> datasets.Dataset:
         cause = e.__cause__ or e
         raise DataError(
             f"cannot read {source.path!r} as {builder} ({type(cause).__name__}: "
-            f"{str(cause).splitlines()[0][:160]}); fix the file or convert it to jsonl/parquet"
+            f"{first_line(cause)[:160]}); fix the file or convert it to jsonl/parquet"
         ) from e
 
 
@@ -126,7 +128,7 @@ def _load_hub_or_directory(source: DataSource) -> datasets.Dataset:
         where = "local dataset directory" if source.kind == "directory" else "hub dataset"
         raise DataError(
             f"cannot load {where} {source.path!r} (split {source.split!r}, subset {source.subset!r}): "
-            f"{type(e).__name__}: {str(e).splitlines()[0][:160]}; check the name/split/subset, your "
+            f"{type(e).__name__}: {first_line(e)[:160]}; check the name/split/subset, your "
             f"network or HF_HUB_OFFLINE, or pass a local file"
         ) from e
     return loaded

@@ -19,6 +19,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from spd_lightning.errors import first_line
+
 from ..export import CKPT_KEY, DrafterLoadError, check_same_target, load_weights, write_drafter_dir
 from ..target import TargetInfo
 from .model import Eagle3Config, Eagle3Drafter
@@ -82,9 +84,7 @@ def _read_dir(path: str, map_location) -> tuple[Eagle3Spec, dict]:
             spec = Eagle3Spec.from_dict(json.load(f), cfg_path)
         return spec, load_file(weights, device=str(map_location))
     except (json.JSONDecodeError, SafetensorError, OSError) as e:
-        raise DrafterLoadError(
-            f"{path!r} is corrupt ({type(e).__name__}: {str(e).splitlines()[0][:120]}); re-export it"
-        ) from e
+        raise DrafterLoadError(f"{path!r} is corrupt ({type(e).__name__}: {first_line(e)[:120]}); re-export it") from e
 
 
 def _read_ckpt(path: str, map_location) -> tuple[Eagle3Spec, dict]:
@@ -92,7 +92,7 @@ def _read_ckpt(path: str, map_location) -> tuple[Eagle3Spec, dict]:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch raises many types for a bad file; all mean the same to a user
         raise DrafterLoadError(
-            f"cannot read checkpoint {path!r} ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+            f"cannot read checkpoint {path!r} ({type(e).__name__}: {first_line(e)[:120]}); "
             f"it is corrupt, truncated, or not a checkpoint"
         ) from e
     if not isinstance(ckpt, dict) or CKPT_KEY not in ckpt:
