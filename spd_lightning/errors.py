@@ -25,6 +25,10 @@ class ConfigError(UserError):
     """A setting that cannot work (a config value, a command-line flag); the message names it and the fix."""
 
 
+class TargetError(UserError):
+    """A target that cannot be found, converted or loaded, or does not fit the request; one line that says why."""
+
+
 class UsageError(UserError):
     """A bad command line: a flag that is missing, out of range, or does not fit the others."""
 

@@ -22,8 +22,7 @@ import os
 import shutil
 import tempfile
 
-from .errors import first_line
-from .target_source import TargetError
+from .errors import TargetError, first_line
 
 log = logging.getLogger(__name__)
 

@@ -15,12 +15,7 @@ from __future__ import annotations
 import glob
 import os
 
-from .errors import UserError
-
-
-class TargetError(UserError):
-    """A target that cannot be loaded or does not fit the request; one line that says why."""
-
+from .errors import TargetError
 
 # What a causal-LM checkpoint needs from a hub snapshot (no other weight formats, no images)
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py", "*.tiktoken"]
