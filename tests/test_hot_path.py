@@ -11,8 +11,8 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from kit import random_pdm
 from test_compiled_decode import forbid_device_sync
-from test_inference_support import one_thread, random_pdm  # noqa: F401 - one_thread is an autouse fixture
 
 from inference.cycle.ar import ar_decode
 from inference.cycle.pipeline import PipelineRunner
@@ -22,6 +22,8 @@ from inference.cycle.verify import Verifier
 from inference.runtime.drafter import ReplayDrafter
 from inference.runtime.stages import Stage
 from inference.sampling import Sampling
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 
 PROMPT = [3, 14, 15, 92, 65, 35]
 READS = ("item", "tolist", "__int__", "__bool__", "__float__", "__index__")
@@ -192,7 +194,7 @@ def test_the_simulator_reads_one_verdict_per_judged_cycle(tiny_qwen35, monkeypat
 
 def test_the_sampled_verifier_judges_without_host_reads_and_matches_the_target(monkeypatch):
     """The device-side rejection sampler: no host read inside, and its outputs are distributed as P."""
-    from test_inference_verify import random_dist
+    from kit import random_dist
     from test_sampling_power import chisquare_pvalues
 
     V, draws = 6, 3000
