@@ -1,5 +1,6 @@
-"""Shared fixtures: tiny in-process targets (no network, random weights, fixed seeds)."""
+"""Shared fixtures: tiny in-process targets (no network, random weights, fixed seeds), built from `kit.py`."""
 
+import json
 import os
 
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -11,58 +12,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
 import torch
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from kit import chat_records, make_tiny_model
 
 from spd_lightning.target import Target
-
-TINY_VOCAB = 97
-
-
-def make_tiny_model(arch: str, num_layers: int = 4, vocab_size: int = TINY_VOCAB, hidden_size: int = 32, seed: int = 0):
-    """A random-init tiny causal LM of a supported family (qwen3_5 is hybrid linear + full attention)."""
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        Qwen3_5ForCausalLM,
-        Qwen3_5TextConfig,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-    )
-
-    torch.manual_seed(seed)
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=512,
-        eos_token_id=vocab_size - 1,
-        pad_token_id=0,
-    )
-    if arch == "qwen3_5":
-        cfg = Qwen3_5TextConfig(
-            **common,
-            linear_key_head_dim=8,
-            linear_value_head_dim=8,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            full_attention_interval=2,
-        )
-        model = Qwen3_5ForCausalLM(cfg)
-    elif arch == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(**common))
-    elif arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    else:
-        raise ValueError(arch)
-    # Random init gives near-uniform logits; a larger output scale makes greedy decoding non-trivial.
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(8.0)
-    return model.eval()
 
 
 @pytest.fixture(scope="session", params=["qwen3", "qwen3_5"])
@@ -102,36 +54,36 @@ def micro_target(tmp_path_factory) -> str:
     return out
 
 
-def fit_args(target: str, root, *extra: str) -> list[str]:
-    """configs/tiny.yaml shrunk to seconds: 2 stages, 12 chats, a few steps, no logger."""
-    return [
-        "--config",
-        os.path.join(REPO, "configs", "tiny.yaml"),
-        "--model.target",
-        target,
-        "--model.n",
-        "2",
-        "--data.sources",
-        "[{path: sharegpt, max_samples: 100}]",
-        "--data.max_length",
-        "1024",
-        "--data.draft_vocab_size",
-        "256",
-        "--data.batch_size",
-        "2",
-        "--data.val_size",
-        "4",
-        "--data.cache_dir",
-        str(root / "cache"),
-        "--trainer.logger",
-        "false",
-        "--trainer.enable_progress_bar",
-        "false",
-        "--trainer.enable_model_summary",
-        "false",
-        "--trainer.default_root_dir",
-        str(root),
-        "--checkpoint.dirpath",
-        str(root / "ckpt"),
-        *extra,
-    ]
+@pytest.fixture
+def one_thread():
+    """Tiny models on a shared 2-core machine run ~10x faster single-threaded (no OpenMP spinning)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory) -> str:
+    """The tiny Qwen3.5 saved as an HF checkpoint directory (weights and config, no tokenizer)."""
+    path = str(tmp_path_factory.mktemp("targets") / "tiny_qwen35")
+    make_tiny_model("qwen3_5").save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def chat_target(tmp_path_factory) -> dict:
+    """A saved tiny Qwen3.5 target with its own 300-id chat tokenizer, a local jsonl of 48 chats, a data cache."""
+    from spd_lightning.tiny_target import train_chat_tokenizer
+
+    root = tmp_path_factory.mktemp("resume")
+    records = chat_records(48)
+    data = root / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tokenizer = train_chat_tokenizer(
+        (t["value"] for r in records for t in r["conversations"]), vocab_size=300, show_progress=False
+    )
+    target = root / "target"
+    make_tiny_model("qwen3_5", vocab_size=len(tokenizer)).save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    return {"target": str(target), "data": str(data), "cache": str(root / "cache")}

@@ -12,11 +12,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 import bad_inputs  # noqa: E402
-from test_inference_support import one_thread  # noqa: E402,F401 - one_thread is an autouse fixture
 
 from spd_lightning.target import Target, TargetError  # noqa: E402
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended")]
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended"),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 
 @pytest.fixture(scope="module")

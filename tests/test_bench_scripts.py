@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from kit import REPO
 
 pytestmark = pytest.mark.timeout(480)
 

@@ -3,13 +3,14 @@ same cycle, within the cycles until the next judged verdict, and the pipeline se
 fresh. In the simulator (cycle-exact) and through the server's rank backend over gloo."""
 
 import pytest
-from conftest import make_tiny_model
-from test_inference_support import one_thread, random_pdm, save_random_drafter, target_dir  # noqa: F401
+from kit import make_tiny_model, save_random_drafter, target_dir
 
 from inference.cycle.ar import ar_decode
 from inference.cycle.simulator import Simulator
 from inference.runtime.drafter import ReplayDrafter
 from spd_lightning.geometry import Geometry
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 
 PROMPT, OTHER = [3, 14, 15, 92, 65, 35], [7, 7, 8]
 

@@ -2,21 +2,12 @@
 flex path, and the teacher restricted to V_d before any fp32 upcast."""
 
 import lightning as L
-import pytest
 import torch
-from conftest import make_tiny_model
-from test_module import SyntheticChat, make_module, make_trainer
+from kit import SyntheticChat, make_module, make_trainer
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import spd_lightning.training.layouts as layouts
 from spd_lightning.pdm import PDMConfig, PipelineDraftModule
-
-
-@pytest.fixture(scope="module")
-def tiny_target_dir(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("targets") / "tiny_qwen35")
-    make_tiny_model("qwen3_5").save_pretrained(path)
-    return path
 
 
 class GradRecorder(L.Callback):
@@ -127,7 +118,7 @@ class WatchSteps(L.Callback):
 
 
 def test_teacher_is_restricted_before_any_fp32_upcast(tiny_target_dir, tmp_path):
-    from conftest import TINY_VOCAB
+    from kit import TINY_VOCAB
 
     callback = WatchSteps(TINY_VOCAB)
     trainer = make_trainer(tmp_path, max_steps=2, limit_val_batches=0, callbacks=[callback])

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import fit_args
+from kit import fit_args
 
 from spd_lightning import cli
 from spd_lightning.errors import UserError

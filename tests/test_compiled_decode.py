@@ -5,12 +5,13 @@ targets (one layer per stage), few shapes; the simulator's Qwen3 case and the gl
 
 import pytest
 import torch
-from conftest import make_tiny_model
-from test_inference_support import one_thread, random_pdm  # noqa: F401 - one_thread is an autouse fixture
+from kit import make_tiny_model, random_pdm
 
 from inference.cycle.simulator import Simulator
 from spd_lightning.geometry import Geometry
 from spd_lightning.target import Target
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 
 PROMPTS = [[3, 14, 15, 92, 65, 35], [7]]
 
@@ -175,7 +176,7 @@ def test_twenty_growing_prompts_reuse_bucketed_graphs(tmp_path, monkeypatch):
 def test_the_ranks_compile_what_the_job_asks_for(tmp_path, monkeypatch, placement):
     """`DecodeJob.compile` (from `--compile`) reaches every stage's one-token step and the PDM drafter in the rank
     processes. Building a role compiles nothing yet: graphs are captured at the first decode step."""
-    from test_inference_support import save_random_drafter, save_target
+    from kit import save_random_drafter, save_target
 
     from inference.processes import roles
     from inference.processes.job import DecodeJob
@@ -215,7 +216,7 @@ def compiled_ranks_equal_eager(arch, tmp_path):
     """Gloo rank processes with `DecodeJob.compile` (each rank compiles its own step: the stage ranks their
     one-token step, the PDM rank its draft): the same tokens, N, K and counters as the eager simulator, which
     equals eager ranks (tests/test_inference_distributed.py) and AR."""
-    from test_inference_support import save_random_drafter, save_target
+    from kit import save_random_drafter, save_target
 
     from inference.cycle.ar import ar_decode
     from inference.processes.job import DecodeJob

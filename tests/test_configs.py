@@ -4,7 +4,7 @@ import os
 import re
 
 import pytest
-from conftest import REPO
+from kit import REPO
 
 TARGET_CONFIGS = ["qwen35_9b", "qwen35_4b", "qwen3_8b"]
 

@@ -1,15 +1,14 @@
 """`decode --stream` and the per-cycle token hook: the streamed text is the final text, in every backend."""
 
 import pytest
-from conftest import make_tiny_model
-from test_inference_support import one_thread, random_pdm, target_dir  # noqa: F401 - autouse fixture
+from kit import make_tiny_model, random_pdm, target_dir
 
 from inference.decode import main
 from inference.textstream import TextStream
 from spd_lightning.export import DrafterSpec, save_drafter
 from spd_lightning.geometry import Geometry
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,7 @@ import os
 
 import pytest
 import torch
-from conftest import REPO, fit_args, make_tiny_model
-from test_inference_support import one_thread, save_random_drafter, target_dir  # noqa: F401 - autouse fixture
+from kit import REPO, fit_args, make_tiny_model, save_random_drafter, target_dir
 
 from inference import decode as spd_decode
 from inference.evaluation import plan as spd_plan
@@ -19,6 +18,7 @@ from spd_lightning.eagle3.model import Eagle3Config, Eagle3Drafter, eagle_featur
 from spd_lightning.geometry import Geometry
 
 pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
     pytest.mark.timeout(300),
     pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended"),
 ]

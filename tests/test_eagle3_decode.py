@@ -8,8 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import make_tiny_model
-from test_inference_support import one_thread  # noqa: F401 - one_thread is an autouse fixture
+from kit import make_tiny_model
 
 from inference.chain.decoder import ChainResult, chain_decode
 from inference.chain.drafter import Draft, Eagle3Runtime
@@ -19,6 +18,8 @@ from inference.sampling import Sampling
 from spd_lightning.eagle3.model import Eagle3Config, Eagle3Drafter, eagle_feature_layers
 from spd_lightning.eagle3.ttt import ttt_outputs, ttt_step_losses, ttt_total
 from spd_lightning.target import Target
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 
 PROMPTS = [[3, 14, 15, 92, 65, 35], [7, 7, 8], [50, 2, 33, 71]]
 NEW = 40
@@ -217,8 +218,9 @@ def test_ttt_steps_are_what_chain_drafting_computes(family):
 
 # -- sampling ---------------------------------------------------------------------------------------
 def test_sampled_chain_follows_the_target_distribution():
-    from test_inference_sampling import PROMPT as SPROMPT
-    from test_inference_sampling import SAMPLING, V, exact_distributions, merged_chisquare
+    from kit import exact_distributions, merged_chisquare
+
+    V, SPROMPT, SAMPLING = 8, [1, 2, 3], Sampling(0.9, top_k=6, top_p=0.95)  # a vocabulary small enough to enumerate
 
     model = make_tiny_model("qwen3", num_layers=2, vocab_size=V)
     with torch.no_grad():
@@ -239,7 +241,7 @@ def test_sampled_chain_follows_the_target_distribution():
     taus = [r.accept_lengths[0] for r in results]
     assert min(taus) == 1 and max(taus) == 3 and taus.count(2) > 0  # reject first, reject second, accept both
     outputs = np.array([r.tokens[:3] for r in results])
-    joint01, marginal2 = exact_distributions(target)
+    joint01, marginal2 = exact_distributions(target, SPROMPT, SAMPLING)
     observed01 = np.bincount(outputs[:, 0] * V + outputs[:, 1], minlength=V * V)
     observed2 = np.bincount(outputs[:, 2], minlength=V)
     assert merged_chisquare(observed01, joint01.flatten().numpy() * runs) > 1e-3

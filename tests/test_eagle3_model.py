@@ -5,9 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import TINY_VOCAB, make_tiny_model
-from test_inference_support import one_thread  # noqa: F401 - one_thread is an autouse fixture
-from test_resume import chat_target, make_data  # noqa: F401 - chat_target is a fixture
+from kit import TINY_VOCAB, make_data, make_tiny_model
 
 from spd_lightning.eagle3.export import Eagle3Spec, load_eagle3, save_eagle3
 from spd_lightning.eagle3.model import (
@@ -21,6 +19,8 @@ from spd_lightning.eagle3.ttt import shift_left, step_targets, ttt_mask, ttt_out
 from spd_lightning.export import DrafterLoadError
 from spd_lightning.pdm import causal_attend
 from spd_lightning.target import Target
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 
 H = 32
 
@@ -112,7 +112,7 @@ def target_dir(tmp_path_factory) -> str:
 
 
 def fit_module(target_dir, root, steps: int):
-    from test_module import SyntheticChat, make_trainer
+    from kit import SyntheticChat, make_trainer
 
     from spd_lightning.eagle3.module import Eagle3Module
 
@@ -164,7 +164,7 @@ def test_export_round_trip(tmp_path):
 
 def test_module_trains_on_chat_data_module_batches(chat_target, tmp_path):
     """The batches ChatDataModule produces (rendered chats, assistant loss mask, its d2t) train the drafter."""
-    from test_module import make_trainer
+    from kit import make_trainer
 
     from spd_lightning.eagle3.module import Eagle3Module
 

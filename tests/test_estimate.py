@@ -8,8 +8,7 @@ import os
 import lightning as L
 import pytest
 import yaml
-from conftest import REPO, make_tiny_model
-from test_module import SyntheticChat, make_module, make_trainer
+from kit import REPO, SyntheticChat, make_module, make_tiny_model, make_trainer
 
 from spd_lightning.estimate import GIB, Shape, estimate, main, target_config
 from spd_lightning.training.memory_meter import PeakMemory

@@ -5,14 +5,13 @@ import math
 
 import pytest
 import torch
-from conftest import make_tiny_model
-from test_inference_support import one_thread, save_random_drafter, target_dir  # noqa: F401 - autouse fixture
+from kit import make_tiny_model, save_random_drafter, target_dir
 
 from inference.evaluation import plan as spd_plan
 from inference.evaluation import run as spd_eval
 from spd_lightning.geometry import Geometry
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module", autouse=True)

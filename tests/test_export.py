@@ -4,7 +4,7 @@ import json
 import os
 
 import torch
-from test_module import SyntheticChat, make_module, make_trainer, tiny_target_dir  # noqa: F401 (fixture)
+from kit import SyntheticChat, make_module, make_trainer
 
 from spd_lightning import cli
 from spd_lightning.export import load_drafter

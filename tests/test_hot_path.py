@@ -13,8 +13,8 @@ from collections import deque
 
 import pytest
 import torch
+from kit import random_pdm
 from test_compiled_decode import forbid_device_sync
-from test_inference_support import one_thread, random_pdm  # noqa: F401 - one_thread is an autouse fixture
 
 from inference.cycle.ar import ar_decode
 from inference.cycle.pipeline import PipelineRunner
@@ -25,6 +25,8 @@ from inference.runtime.drafter import ReplayDrafter
 from inference.runtime.stages import Stage
 from inference.sampling import Sampling
 from spd_lightning.host_syncs import HostSync, HostSyncCounter
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 
 PROMPT = [3, 14, 15, 92, 65, 35]
 # The one host read a cycle may make: the verifier reads the verdict it made, every other rank the verdict
@@ -203,7 +205,7 @@ def test_the_simulator_syncs_once_per_judged_cycle(tiny_qwen35, monkeypatch, sam
 
 def test_the_sampled_verifier_judges_without_syncs_and_matches_the_target():
     """The device-side rejection sampler: no sync inside, and its outputs are distributed as P."""
-    from test_inference_verify import random_dist
+    from kit import random_dist
     from test_sampling_power import chisquare_pvalues
 
     V, draws = 6, 3000

@@ -1,8 +1,7 @@
 """Targets by hub id: resolved through the Hugging Face cache, offline when cached, one line when not."""
 
 import pytest
-from conftest import make_tiny_model
-from test_inference_support import one_thread, random_pdm, save_target  # noqa: F401 - autouse fixture
+from kit import make_tiny_model, random_pdm, save_target
 
 from inference.decode import main
 from inference.runtime.stages import meta_target, resolve_target
@@ -10,7 +9,7 @@ from spd_lightning.export import DrafterSpec, save_drafter
 from spd_lightning.geometry import Geometry
 from spd_lightning.target import Target, TargetError
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 
 

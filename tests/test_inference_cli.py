@@ -9,8 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import make_tiny_model
-from test_inference_support import one_thread, random_pdm, save_target, target_dir  # noqa: F401 - autouse fixture
+from kit import make_tiny_model, random_pdm, save_target, target_dir
 
 from inference import cli
 from inference.cycle.profiler import Profiler
@@ -23,7 +22,7 @@ from inference.prompts import PromptError
 from spd_lightning.export import CKPT_KEY, DrafterLoadError, DrafterSpec, load_drafter, read_drafter_spec, save_drafter
 from spd_lightning.geometry import MODES, Geometry, GeometryError
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")

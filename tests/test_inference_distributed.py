@@ -11,8 +11,7 @@ import signal
 import time
 
 import pytest
-from conftest import make_tiny_model
-from test_inference_support import one_thread, save_random_drafter, target_dir  # noqa: F401 - autouse fixture
+from kit import make_tiny_model, save_random_drafter, target_dir
 
 from inference.cycle.ar import ar_decode
 from inference.cycle.simulator import Simulator
@@ -24,7 +23,7 @@ from spd_lightning.errors import UserError
 from spd_lightning.export import load_drafter
 from spd_lightning.geometry import Geometry
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("one_thread")]
 PROMPTS = [[3, 14, 15, 92, 65, 35], [7, 7, 8]]
 TIMEOUT_S = 60
 

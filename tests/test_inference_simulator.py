@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from test_inference_support import one_thread, random_pdm  # noqa: F401 - one_thread is an autouse fixture
+from kit import random_pdm
 
 from inference.cycle.ar import ar_decode
 from inference.cycle.result import DecodeResult
@@ -15,6 +15,8 @@ from inference.runtime.drafter import PDMDrafter, ReplayDrafter
 from inference.sampling import Sampling
 from spd_lightning.geometry import Geometry
 from spd_lightning.pdm import PDMConfig, PipelineDraftModule
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 
 PROMPTS = [[3, 14, 15, 92, 65, 35], [7, 7, 8]]
 
@@ -32,7 +34,7 @@ def test_greedy_spd_is_token_identical_to_ar(tiny_target, n):
 
 
 def test_llama_target_is_lossless():
-    from conftest import make_tiny_model
+    from kit import make_tiny_model
 
     from spd_lightning.target import Target
 

@@ -2,12 +2,13 @@
 
 import pytest
 import torch
-from conftest import make_tiny_model
-from test_inference_support import hf_logits, one_thread, save_target  # noqa: F401 - one_thread is an autouse fixture
+from kit import hf_logits, make_tiny_model, save_target
 
 from inference.runtime.stages import Stage, load_pieces
 from spd_lightning.geometry import Geometry
 from spd_lightning.target import Target, TargetError
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 
 
 def run_through(stages, ids, start):

@@ -2,19 +2,12 @@
 
 import pytest
 import torch
+from kit import random_dist
 from test_sampling_power import chisquare_pvalues
 
 from inference.cycle.schedule import Verdict
 from inference.cycle.verify import Verifier, acceptance_probability, judge, residual
 from inference.sampling import Sampling, SamplingError, draft_distribution, warp
-
-
-def random_dist(V, seed, zero_frac=0.0):
-    g = torch.Generator().manual_seed(seed)
-    p = torch.rand(V, generator=g) ** 3
-    if zero_frac:
-        p[torch.rand(V, generator=g) < zero_frac] = 0
-    return p / p.sum()
 
 
 def output_distribution(p, q):

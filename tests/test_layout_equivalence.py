@@ -26,7 +26,6 @@ import itertools
 
 import pytest
 import torch
-from test_inference_support import one_thread  # noqa: F401 - one_thread is an autouse fixture
 
 from spd_lightning.geometry import Geometry
 from spd_lightning.pdm import PDMConfig, PipelineDraftModule
@@ -52,7 +51,10 @@ BACKENDS = [
     ),
 ]
 
-pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 
 def make_pdm(geometry: Geometry, num_layers: int, seed: int = 0) -> PipelineDraftModule:

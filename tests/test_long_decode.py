@@ -23,12 +23,14 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from test_inference_support import one_thread, random_pdm  # noqa: F401 - one_thread is an autouse fixture
+from kit import random_pdm
 
 from inference.cycle.ar import ar_decode
 from inference.cycle.simulator import Simulator
 from inference.sampling import Sampling
 from spd_lightning.geometry import Geometry
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 
 PER_CYCLE_BOUND = {"objects": 0.01, "tensors": 0.01, "tensor_bytes": 1.0, "rss_bytes": 4096.0}
 ONE_TIME = {"objects": 16, "tensors": 2, "tensor_bytes": 0, "rss_bytes": 0}

@@ -20,10 +20,11 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from conftest import make_tiny_model
-from test_inference_support import one_thread  # noqa: F401 - one_thread is an autouse fixture
+from kit import make_tiny_model
 
 from spd_lightning.training.module import SPDModule
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 
 VOCAB, DRAFT_VOCAB, TEACHER_T = 97, 40, 1.7
 LENGTHS, T = [12, 9, 5], 12

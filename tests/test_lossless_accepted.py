@@ -18,8 +18,7 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import make_tiny_model
-from test_inference_support import one_thread  # noqa: F401 - one_thread is an autouse fixture
+from kit import make_tiny_model
 
 from inference.cycle.ar import ar_decode
 from inference.cycle.simulator import Simulator
@@ -28,6 +27,8 @@ from inference.sampling import Sampling, warp
 from spd_lightning.geometry import Geometry
 from spd_lightning.pdm import PDMConfig, PipelineDraftModule
 from spd_lightning.target import Target
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 
 PROMPTS = [[3, 14, 15, 92, 65, 35], [7, 7, 8], [40, 2]]
 TOKENS = 40

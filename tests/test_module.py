@@ -5,91 +5,10 @@ import os
 import lightning as L
 import pytest
 import torch
-from conftest import TINY_VOCAB, make_tiny_model
-from torch.utils.data import DataLoader
+from kit import TINY_VOCAB, SyntheticChat, make_module, make_tiny_model, make_trainer
 
 from spd_lightning.export import CKPT_KEY
 from spd_lightning.training.module import SPDModule
-
-
-class SyntheticChat(L.LightningDataModule):
-    """Batches in the data contract of spd_lightning.data: right-padded `input_ids`, `attention_mask`, and a
-    `loss_mask` on the second half of each sequence (the "assistant" tokens); `d2t` after setup."""
-
-    def __init__(
-        self,
-        draft_vocab_size: int = 64,
-        num_samples: int = 16,
-        max_length: int = 20,
-        batch_size: int = 4,
-        repeat_one: bool = False,
-        seed: int = 0,
-    ):
-        super().__init__()
-        self.draft_vocab_size, self.num_samples, self.max_length = draft_vocab_size, num_samples, max_length
-        self.batch_size, self.repeat_one, self.seed = batch_size, repeat_one, seed
-        self.d2t = None
-
-    def setup(self, stage: str) -> None:
-        gen = torch.Generator().manual_seed(self.seed)
-        self.d2t = torch.randperm(TINY_VOCAB - 1, generator=gen)[: self.draft_vocab_size].sort().values
-        self.samples = []
-        for _ in range(self.num_samples):
-            n = int(torch.randint(self.max_length // 2, self.max_length + 1, (1,), generator=gen))
-            ids = torch.randint(1, TINY_VOCAB - 1, (n,), generator=gen)
-            self.samples.append((ids, torch.arange(n) >= n // 2))
-        if self.repeat_one:
-            self.samples = [self.samples[0]] * self.num_samples
-
-    @staticmethod
-    def collate(items):
-        T = max(len(ids) for ids, _ in items)
-        batch = {
-            "input_ids": torch.zeros(len(items), T, dtype=torch.long),
-            "attention_mask": torch.zeros(len(items), T, dtype=torch.long),
-            "loss_mask": torch.zeros(len(items), T, dtype=torch.bool),
-        }
-        for b, (ids, loss) in enumerate(items):
-            batch["input_ids"][b, : len(ids)] = ids
-            batch["attention_mask"][b, : len(ids)] = 1
-            batch["loss_mask"][b, : len(ids)] = loss
-        return batch
-
-    def train_dataloader(self):
-        return DataLoader(self.samples, batch_size=self.batch_size, collate_fn=self.collate)
-
-    def val_dataloader(self):
-        return DataLoader(self.samples[:8], batch_size=self.batch_size, collate_fn=self.collate)
-
-
-@pytest.fixture(scope="session")
-def tiny_target_dir(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("targets") / "tiny_qwen35")
-    make_tiny_model("qwen3_5").save_pretrained(path)
-    return path
-
-
-def make_module(target_dir: str, **overrides) -> SPDModule:
-    args = dict(target=target_dir, target_dtype="float32", n=2, num_layers=1, lr=3e-3, seed=0)
-    return SPDModule(**{**args, **overrides})
-
-
-def make_trainer(root, max_steps: int, **overrides) -> L.Trainer:
-    args = dict(
-        accelerator="cpu",
-        devices=1,
-        max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=2,
-        default_root_dir=str(root),
-        enable_checkpointing=False,
-        val_check_interval=max_steps,
-        check_val_every_n_epoch=None,
-    )
-    return L.Trainer(**{**args, **overrides})
 
 
 def pdm_numel(module: SPDModule) -> int:

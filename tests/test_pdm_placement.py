@@ -5,8 +5,7 @@ from contextlib import contextmanager, nullcontext
 
 import pytest
 import torch
-from conftest import make_tiny_model
-from test_inference_support import one_thread, save_random_drafter, target_dir  # noqa: F401 - autouse fixture
+from kit import make_tiny_model, save_random_drafter, target_dir
 
 from inference.cycle.result import COMPUTE, TIMING_FIELDS, summarize_timing
 from inference.cycle.simulator import Simulator
@@ -18,7 +17,7 @@ from inference.sampling import Sampling
 from spd_lightning.export import load_drafter
 from spd_lightning.geometry import Geometry
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_thread")]
 PROMPTS = [[3, 14, 15, 92, 65, 35], [7, 7, 8]]
 
 

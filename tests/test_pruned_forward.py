@@ -13,8 +13,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import make_tiny_model
-from test_inference_support import one_thread  # noqa: F401 - one_thread is an autouse fixture
+from kit import make_tiny_model
 from test_layout_equivalence import make_pdm, padded_batch
 from test_loss import attached_module, make_batch
 
@@ -22,7 +21,10 @@ from spd_lightning.geometry import Geometry
 from spd_lightning.training import layouts
 from spd_lightning.training.layouts import FillDistribution, build_layout
 
-pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
+    pytest.mark.usefixtures("one_thread"),
+]
 T = 40
 GRID = list(itertools.product(["depth", "type"], [1, 3], [2, 4, 8]))
 

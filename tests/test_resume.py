@@ -12,69 +12,17 @@ import time
 import warnings
 
 import lightning as L
-import numpy as np
 import pytest
 import torch
-from conftest import make_tiny_model
+from kit import make_data, make_module, make_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import SingleDeviceStrategy
-from test_module import make_module, make_trainer
 
-from spd_lightning.data import ChatDataModule, DataSource, ResumableSampler
+from spd_lightning.data import ResumableSampler
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOT_RESUMABLE = "not resumable"
-WORDS = "apple pear plum fig kiwi lime date grape melon peach cherry mango lemon berry olive".split()
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended")
-
-
-def chat_records(count: int, seed: int = 0) -> list[dict]:
-    """Distinct short chats, so that every batch gives a different loss."""
-    rng = np.random.default_rng(seed)
-
-    def words(k):
-        return " ".join(rng.choice(WORDS, k))
-
-    return [
-        {
-            "conversations": [
-                {"from": "human", "value": f"question {i}: {words(3)}?"},
-                {"from": "gpt", "value": f"answer {i}: {words(int(rng.integers(3, 12)))}."},
-            ]
-        }
-        for i in range(count)
-    ]
-
-
-@pytest.fixture(scope="module")
-def chat_target(tmp_path_factory) -> dict:
-    """A saved tiny Qwen3.5 target with its own 300-id chat tokenizer, a local jsonl of 48 chats, a data cache."""
-    from spd_lightning.tiny_target import train_chat_tokenizer
-
-    root = tmp_path_factory.mktemp("resume")
-    records = chat_records(48)
-    data = root / "chats.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in records))
-    tokenizer = train_chat_tokenizer(
-        (t["value"] for r in records for t in r["conversations"]), vocab_size=300, show_progress=False
-    )
-    target = root / "target"
-    make_tiny_model("qwen3_5", vocab_size=len(tokenizer)).save_pretrained(target)
-    tokenizer.save_pretrained(target)
-    return {"target": str(target), "data": str(data), "cache": str(root / "cache")}
-
-
-def make_data(chat_target, **overrides) -> ChatDataModule:
-    args = dict(
-        tokenizer=chat_target["target"],
-        sources=[DataSource(path=chat_target["data"])],
-        val_size=0,
-        batch_size=2,
-        draft_vocab_size=64,
-        cache_dir=chat_target["cache"],
-        seed=0,
-    )
-    return ChatDataModule(**{**args, **overrides})
 
 
 def sample_keys(batch) -> list[tuple]:

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from test_inference_support import one_thread, random_pdm  # noqa: F401 - one_thread is an autouse fixture
+from kit import random_pdm
 
 from inference.cycle.ar import ar_decode
 from inference.cycle.simulator import Simulator
@@ -13,6 +13,8 @@ from inference.runtime.drafter import ReplayDrafter
 from inference.sampling import Sampling, SamplingError, sample_token, warp
 from spd_lightning.errors import UserError
 from spd_lightning.geometry import Geometry
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 
 # Dividing raw float32 logits by these overflows to +-inf (1e-38 for |logit| > 3.4, the smallest subnormal
 # 1e-45 for any logit), and the softmax then computes inf - inf = NaN.

@@ -40,16 +40,17 @@ the false-alarm rate without bias.
 import numpy as np
 import pytest
 import torch
-from conftest import make_tiny_model
+from kit import make_tiny_model
 from scipy.optimize import brentq
 from scipy.stats import chi2, ncx2
-from test_inference_support import one_thread  # noqa: F401 - one_thread is an autouse fixture
 
 from inference.cycle.simulator import Simulator
 from inference.sampling import Sampling, warp
 from spd_lightning.geometry import Geometry
 from spd_lightning.pdm import PDMConfig, PipelineDraftModule
 from spd_lightning.target import Target
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 
 V, DRAFT_VOCAB, PROMPT = 8, 5, [1, 2, 3]
 SAMPLING = Sampling(1.0, top_k=2, top_p=0.9)

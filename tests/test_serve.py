@@ -15,14 +15,13 @@ import time
 
 import httpx
 import pytest
-from conftest import REPO, make_tiny_model
-from test_inference_support import one_thread, random_pdm, target_dir  # noqa: F401 - autouse fixture
+from kit import REPO, make_tiny_model, random_pdm, target_dir
 
 from inference.decode import main as decode_main
 from spd_lightning.export import DrafterSpec, save_drafter
 from spd_lightning.geometry import Geometry
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_thread")]
 KEY = "sk-test"
 PROMPT = "hello world"
 

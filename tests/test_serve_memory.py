@@ -2,12 +2,13 @@
 requests with 50 distinct sampling settings leave the ranks' resident memory flat after the first few."""
 
 import pytest
-from conftest import make_tiny_model
-from test_inference_support import one_thread, save_random_drafter, target_dir  # noqa: F401 - autouse fixture
+from kit import make_tiny_model, save_random_drafter, target_dir
 
 from inference.processes.job import DecodeJob
 from inference.sampling import Sampling
 from spd_lightning.geometry import Geometry
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 
 PROMPT = [(7 * i) % 60 + 3 for i in range(490)]  # near the tiny target's context: caches of ~500 positions
 SETTINGS = 50

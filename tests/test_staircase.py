@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 import wandb
-from conftest import REPO, fit_args
+from kit import REPO, fit_args
 
 from callbacks import StaircaseEvaluation
 from spd_lightning import cli

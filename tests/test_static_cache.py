@@ -3,13 +3,15 @@ prompt), and a regrow past the budget that keeps what the cache holds."""
 
 import pytest
 import torch
-from test_inference_support import one_thread, random_pdm  # noqa: F401 - one_thread is an autouse fixture
+from kit import random_pdm
 
 import inference.runtime.cache
 from inference.cycle.ar import ar_decode
 from inference.cycle.simulator import Simulator
 from inference.runtime.stages import Stage
 from spd_lightning.geometry import Geometry
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 
 
 def run_through(stages, ids, start):

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from kit import make_tiny_model
 
 from spd_lightning.target import Target, TargetError
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from kit import make_tiny_model
 
 from spd_lightning import target as target_module
 from spd_lightning.target import Target, linear_attention_path, load_hf_causal_lm

@@ -9,15 +9,14 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, make_tiny_model
-from test_inference_support import one_thread, random_pdm, target_dir  # noqa: F401 - autouse fixture
+from kit import REPO, make_tiny_model, random_pdm, target_dir
 from test_serve import Server, _alive, _chat, _descendants, free_port
 
 from inference.decode import main as decode_main
 from spd_lightning.export import DrafterSpec, save_drafter
 from spd_lightning.geometry import Geometry
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.timeout(150), pytest.mark.usefixtures("one_thread")]
 PROMPT = "hello world"
 
 

@@ -1,0 +1,327 @@
+"""The test kit: builders every test module shares (tiny random targets, random PDMs, targets and drafters on disk,
+a tiny chat tokenizer, the shrunk `fit` arguments). Nothing here is a test or a fixture: test modules import it
+(pytest puts tests/ on sys.path) and conftest.py builds its fixtures from it."""
+
+import itertools
+import os
+
+import lightning as L
+import numpy as np
+import torch
+from scipy.stats import chisquare
+from torch.utils.data import DataLoader
+
+from inference.sampling import Sampling, warp
+from spd_lightning.data import ChatDataModule, DataSource
+from spd_lightning.export import DrafterSpec, save_drafter
+from spd_lightning.geometry import Geometry
+from spd_lightning.pdm import PDMConfig, PipelineDraftModule
+from spd_lightning.target import Target
+from spd_lightning.training.module import SPDModule
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_VOCAB = 97
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}{%- endif %}{%- endif %}"
+)
+
+
+def random_pdm(
+    target: Target, geometry: Geometry, draft_vocab: int = 48, seed: int = 0, num_layers: int = 2
+) -> PipelineDraftModule:
+    """A random-init PDM over a random subset of the target vocabulary (so q is zero outside V_d)."""
+    g = torch.Generator().manual_seed(seed)
+    d2t = torch.randperm(target.vocab_size, generator=g)[:draft_vocab].sort().values
+    torch.manual_seed(seed)
+    cfg = PDMConfig(
+        target.hidden_size,
+        geometry.num_types,
+        draft_vocab,
+        hidden_size=32,
+        num_layers=num_layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+    )
+    return PipelineDraftModule(cfg, d2t).eval()
+
+
+def make_tokenizer(vocab_size: int):
+    """A WordLevel tokenizer with exactly `vocab_size` ids, a Qwen-style chat template, EOS = the last id."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<unk>", "<|im_start|>", "<think>", "</think>"]
+    words = ["user", "assistant", "system", "hello", "world", "the", "a", "cat", "sat", "on", "mat"]
+    words += [f"w{i}" for i in range(vocab_size - len(specials) - len(words) - 1)]
+    vocab = {t: i for i, t in enumerate(specials + words + ["<|im_end|>"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        pad_token="<pad>",
+        eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>", "<think>", "</think>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def save_target(model, directory: str) -> str:
+    """An ordinary HF checkpoint directory (weights + config + tokenizer), like a real target."""
+    model.save_pretrained(directory)
+    make_tokenizer(model.config.vocab_size).save_pretrained(directory)
+    return directory
+
+
+def save_random_drafter(target: Target, geometry: Geometry, directory: str, seed: int = 0) -> str:
+    pdm = random_pdm(target, geometry, seed=seed)
+    save_drafter(pdm, DrafterSpec(pdm.cfg, geometry, target.info), directory)
+    return directory
+
+
+def target_dir(tmp_path_factory, arch: str, make_model) -> tuple[str, Target]:
+    """Save `make_model(arch)` once per session; returns the directory and the in-memory target."""
+    directory = str(tmp_path_factory.mktemp(f"target_{arch}"))
+    model = make_model(arch)
+    save_target(model, directory)
+    return directory, Target(model, directory)
+
+
+def hf_logits(target: Target, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return target.model(torch.tensor([ids])).logits[0]
+
+
+def env_without_threads() -> dict:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def make_tiny_model(arch: str, num_layers: int = 4, vocab_size: int = TINY_VOCAB, hidden_size: int = 32, seed: int = 0):
+    """A random-init tiny causal LM of a supported family (qwen3_5 is hybrid linear + full attention)."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen3_5ForCausalLM,
+        Qwen3_5TextConfig,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
+        eos_token_id=vocab_size - 1,
+        pad_token_id=0,
+    )
+    if arch == "qwen3_5":
+        cfg = Qwen3_5TextConfig(
+            **common,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            full_attention_interval=2,
+        )
+        model = Qwen3_5ForCausalLM(cfg)
+    elif arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
+    elif arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        raise ValueError(arch)
+    # Random init gives near-uniform logits; a larger output scale makes greedy decoding non-trivial.
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    return model.eval()
+
+
+def fit_args(target: str, root, *extra: str) -> list[str]:
+    """configs/tiny.yaml shrunk to seconds: 2 stages, 12 chats, a few steps, no logger."""
+    return [
+        "--config",
+        os.path.join(REPO, "configs", "tiny.yaml"),
+        "--model.target",
+        target,
+        "--model.n",
+        "2",
+        "--data.sources",
+        "[{path: sharegpt, max_samples: 100}]",
+        "--data.max_length",
+        "1024",
+        "--data.draft_vocab_size",
+        "256",
+        "--data.batch_size",
+        "2",
+        "--data.val_size",
+        "4",
+        "--data.cache_dir",
+        str(root / "cache"),
+        "--trainer.logger",
+        "false",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.enable_model_summary",
+        "false",
+        "--trainer.default_root_dir",
+        str(root),
+        "--checkpoint.dirpath",
+        str(root / "ckpt"),
+        *extra,
+    ]
+
+
+class SyntheticChat(L.LightningDataModule):
+    """Batches in the data contract of spd_lightning.data: right-padded `input_ids`, `attention_mask`, and a
+    `loss_mask` on the second half of each sequence (the "assistant" tokens); `d2t` after setup."""
+
+    def __init__(
+        self,
+        draft_vocab_size: int = 64,
+        num_samples: int = 16,
+        max_length: int = 20,
+        batch_size: int = 4,
+        repeat_one: bool = False,
+        seed: int = 0,
+    ):
+        super().__init__()
+        self.draft_vocab_size, self.num_samples, self.max_length = draft_vocab_size, num_samples, max_length
+        self.batch_size, self.repeat_one, self.seed = batch_size, repeat_one, seed
+        self.d2t = None
+
+    def setup(self, stage: str) -> None:
+        gen = torch.Generator().manual_seed(self.seed)
+        self.d2t = torch.randperm(TINY_VOCAB - 1, generator=gen)[: self.draft_vocab_size].sort().values
+        self.samples = []
+        for _ in range(self.num_samples):
+            n = int(torch.randint(self.max_length // 2, self.max_length + 1, (1,), generator=gen))
+            ids = torch.randint(1, TINY_VOCAB - 1, (n,), generator=gen)
+            self.samples.append((ids, torch.arange(n) >= n // 2))
+        if self.repeat_one:
+            self.samples = [self.samples[0]] * self.num_samples
+
+    @staticmethod
+    def collate(items):
+        T = max(len(ids) for ids, _ in items)
+        batch = {
+            "input_ids": torch.zeros(len(items), T, dtype=torch.long),
+            "attention_mask": torch.zeros(len(items), T, dtype=torch.long),
+            "loss_mask": torch.zeros(len(items), T, dtype=torch.bool),
+        }
+        for b, (ids, loss) in enumerate(items):
+            batch["input_ids"][b, : len(ids)] = ids
+            batch["attention_mask"][b, : len(ids)] = 1
+            batch["loss_mask"][b, : len(ids)] = loss
+        return batch
+
+    def train_dataloader(self):
+        return DataLoader(self.samples, batch_size=self.batch_size, collate_fn=self.collate)
+
+    def val_dataloader(self):
+        return DataLoader(self.samples[:8], batch_size=self.batch_size, collate_fn=self.collate)
+
+
+def make_module(target_dir: str, **overrides) -> SPDModule:
+    args = dict(target=target_dir, target_dtype="float32", n=2, num_layers=1, lr=3e-3, seed=0)
+    return SPDModule(**{**args, **overrides})
+
+
+def make_trainer(root, max_steps: int, **overrides) -> L.Trainer:
+    args = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=2,
+        default_root_dir=str(root),
+        enable_checkpointing=False,
+        val_check_interval=max_steps,
+        check_val_every_n_epoch=None,
+    )
+    return L.Trainer(**{**args, **overrides})
+
+
+def random_dist(V, seed, zero_frac=0.0):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.rand(V, generator=g) ** 3
+    if zero_frac:
+        p[torch.rand(V, generator=g) < zero_frac] = 0
+    return p / p.sum()
+
+
+def exact_distributions(target: Target, prompt: list[int], sampling: Sampling):
+    """P(t0, t1) and P(t2) of the warped target after `prompt`, from its logits for every prefix (a target whose
+    vocabulary is small enough to enumerate every two-token continuation)."""
+    V = target.vocab_size
+    with torch.no_grad():
+        p0 = warp(target.model(torch.tensor([prompt])).logits[0, -1], sampling).double()
+        prefixes = torch.tensor([prompt + [a, b] for a, b in itertools.product(range(V), repeat=2)])
+        logits = target.model(prefixes).logits
+    p1 = warp(logits[::V, -2], sampling).double()  # row a: P(t1 | t0 = a)
+    p2 = warp(logits[:, -1], sampling).double().view(V, V, V)  # [a, b]: P(t2 | t0 = a, t1 = b)
+    joint01 = p0[:, None] * p1
+    return joint01, (joint01[:, :, None] * p2).sum((0, 1))
+
+
+def merged_chisquare(observed: np.ndarray, expected: np.ndarray) -> float:
+    """Chi-square p-value with the cells of expected count < 5 pooled into one (zero cells must stay empty)."""
+    assert observed[expected == 0].sum() == 0, "a token of probability 0 was generated"
+    small = (expected > 0) & (expected < 5)
+    big = expected >= 5
+    obs, exp = list(observed[big]), list(expected[big])
+    if small.any():
+        obs.append(observed[small].sum())
+        exp.append(expected[small].sum())
+    exp = np.array(exp) * (sum(obs) / sum(exp))
+    return chisquare(np.array(obs), exp).pvalue
+
+
+WORDS = "apple pear plum fig kiwi lime date grape melon peach cherry mango lemon berry olive".split()
+
+
+def chat_records(count: int, seed: int = 0) -> list[dict]:
+    """Distinct short chats, so that every batch gives a different loss."""
+    rng = np.random.default_rng(seed)
+
+    def words(k):
+        return " ".join(rng.choice(WORDS, k))
+
+    return [
+        {
+            "conversations": [
+                {"from": "human", "value": f"question {i}: {words(3)}?"},
+                {"from": "gpt", "value": f"answer {i}: {words(int(rng.integers(3, 12)))}."},
+            ]
+        }
+        for i in range(count)
+    ]
+
+
+def make_data(chat_target, **overrides) -> ChatDataModule:
+    args = dict(
+        tokenizer=chat_target["target"],
+        sources=[DataSource(path=chat_target["data"])],
+        val_size=0,
+        batch_size=2,
+        draft_vocab_size=64,
+        cache_dir=chat_target["cache"],
+        seed=0,
+    )
+    return ChatDataModule(**{**args, **overrides})
