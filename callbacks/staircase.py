@@ -1,7 +1,7 @@
 """Staircase evaluation: what a user watches while a drafter trains (SPEC section 6).
 
 Every `every_n_steps` optimizer steps, at the end of `fit`, and in `validate`, the callback decodes a
-held-out prompt set with the single-process simulator (`inference.simulator`, the same scheduler the
+held-out prompt set with the single-process simulator (`inference.cycle.simulator`, the same scheduler the
 pipeline ranks run) and the PDM as it is now, and reports
 
     staircase/alpha              N / K over all prompts (step acceptance)

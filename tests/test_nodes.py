@@ -1,5 +1,5 @@
 """Serving over several nodes, the parts that need no second node: the report channel from another node's
-ranks to node 0 (`inference.nodes`), the node options of `inference.serve`, the ranks' count check.
+ranks to node 0 (`inference.processes.nodes`), the node options of `inference.serve`, the ranks' count check.
 The servers on two nodes are in tests/test_two_nodes.py."""
 
 import dataclasses

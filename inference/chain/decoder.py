@@ -1,11 +1,11 @@
 """Chain speculative decoding (the EAGLE-3 baseline, SPEC 12): k drafts, ONE target forward over k + 1.
 
 Each round the drafter chains `d_1..d_k` from the last committed row; the target runs the last committed
-token and the drafts, `[x_t, d_1..d_k]` at positions `t..t+k`, in one forward (inference/chain_target.py).
+token and the drafts, `[x_t, d_1..d_k]` at positions `t..t+k`, in one forward (inference/chain/target.py).
 Row `j` of its logits is the target distribution `P_{j+1}` that judges `d_{j+1}`:
 
     greedy: accept while d_{j+1} == argmax P_{j+1};
-    sampling (temperature / top-k / top-p on BOTH P and q, inference/verify.py): accept with probability
+    sampling (temperature / top-k / top-p on BOTH P and q, inference/cycle/verify.py): accept with probability
         min(1, P(d)/q(d)), on the first rejection sample norm(max(0, P - q)) and stop;
     all k accepted: one bonus token from P_{k+1}.
 
@@ -40,7 +40,7 @@ from spd_lightning.target import Target
 
 
 class ChainDrafter(Protocol):
-    """What chain decoding needs from a drafter (inference/eagle3_runtime.py `Eagle3Runtime`)."""
+    """What chain decoding needs from a drafter (inference/chain/drafter.py `Eagle3Runtime`)."""
 
     def start(self, capacity: int) -> None: ...
     def commit(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None: ...

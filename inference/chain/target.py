@@ -1,10 +1,10 @@
 """The whole target as ONE verify stage for chain speculative decoding (SPEC 12), with exact rollback.
 
-`ChainTarget` runs the target's pieces (inference/stages.py `TargetPieces`: embedding, every layer, final
+`ChainTarget` runs the target's pieces (inference/runtime/stages.py `TargetPieces`: embedding, every layer, final
 norm, LM head) over a block of tokens at `start..start+S-1` on top of its cache and returns the logits of
 every position plus the EAGLE-3 feature states (`hidden_states[l]` for the drafter's feature layers).
 
-The cache is an inference/cache.py `StageCache` over every layer: static storage written in place, so
+The cache is an inference/runtime/cache.py `StageCache` over every layer: static storage written in place, so
 every forward passes attention layers the additive mask of `Stage._attention_mask`, over the storage's
 whole capacity (causal, the unwritten tail hidden).
 

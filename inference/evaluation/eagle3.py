@@ -11,7 +11,7 @@ baseline (`inference/eval.py`); the AR time is the one the SPD rows use. Per row
 - wall-clock: decode-phase tokens/s over AR's.
 
 `plan_inputs(rows)` is what `inference.plan` reads to predict EAGLE-3's wall clock beside SPD's; the report
-puts these rows beside the PDM drafters' (inference/eval_report.py).
+puts these rows beside the PDM drafters' (inference/evaluation/report.py).
 """
 
 from __future__ import annotations

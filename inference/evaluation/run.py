@@ -18,7 +18,7 @@ decoding of the same target loaded in this process. Reported per set and overall
 
 EAGLE-3 beside it: `--eagle3 DRAFTER` (or an EAGLE-3 drafter as `--ckpt`) adds chain decoding at each
 `--k` (default 7; e.g. `--k 3 5 7`) on the same target, prompts and AR baseline, in
-`eagle3_results` (inference/eval_eagle3.py: tokens per target forward, S_eagle3, wall-clock), and a
+`eagle3_results` (inference/evaluation/eagle3.py: tokens per target forward, S_eagle3, wall-clock), and a
 side-by-side table of every method: tokens per target forward (`S0`: n*alpha for SPD, N/K for EAGLE-3),
 the theoretical speedup with the draft cost (S_spd, S_post for post-step/PPSD, S_eagle3) and the
 wall-clock speedup. More PDM drafters of the same target join the same report with `--compare CKPT ...`

@@ -1,6 +1,6 @@
 """The server's persistent pipeline: n + 1 ranks that load their weights once and serve request after request.
 
-`RankBackend` launches the ranks once (`launch.launch` with a request queue, on a launcher thread) and
+`RankBackend` launches the ranks once (`inference.processes.launch.launch` with a request queue, on a launcher thread) and
 feeds them one request at a time; `serve_requests` is each rank's loop. Rank 0 takes the next request
 from the queue and broadcasts it over the process group, so every rank decodes the same prompt with the
 same sampling and seed; while no request comes it broadcasts a keep-alive every `IDLE_TICK_S`, so an idle

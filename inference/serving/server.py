@@ -80,7 +80,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def add_node_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("several nodes (inference/nodes.py; the same decoder options on every node)")
+    g = p.add_argument_group("several nodes (inference/processes/nodes.py; the same decoder options on every node)")
     g.add_argument("--nnodes", type=int, default=1, help="nodes the ranks run on")
     g.add_argument("--node-rank", type=int, default=0, help="0: this node serves HTTP; others only run ranks")
     g.add_argument("--nproc-per-node", type=int, help="ranks on this node (with --nnodes > 1); in rank order by node")

@@ -10,7 +10,7 @@ A sequence `x_0..x_{T-1}` with fused target features `h_i`, target logits `Z_i` 
 
 Attention ("the diagonal mask"): the query of step `j`, row `i` sees the step-0 keys of rows `0..i`
 (causal) and the keys of steps `1..j` at ITS OWN row `i` only. This is exactly what chain drafting sees
-at inference (inference/eagle3_runtime.py): committed positions `<= i`, then its own drafts at positions
+at inference (inference/chain/drafter.py): committed positions `<= i`, then its own drafts at positions
 `i+1..i+j`. `ttt_mask` states the mask once as a dense boolean (the definition the tests read);
 `TTTAttention` computes the same attention in `O(T^2 + T*k)` through the two-part backend of
 spd_lightning/training/attention.py (a causal prefix plus `j` explicit keys per row).
