@@ -337,15 +337,18 @@ class PipelineRunner:
         self._verify(step.plan, logits)
 
     def _send_inputs(self, plan: CyclePlan) -> None:
+        """In the order the receivers take them: the verifier takes the draft after the activation it runs
+        (they share a channel when the PDM shares stage 1's process)."""
         n = self.n
         if plan.draft_entered:
             self._send(n, 0, "draft_token")
-            self._send(n, n - 1, "draft_token")
-            if not self.sampling.greedy:
-                self._send(n, n - 1, "draft_q")
         for s in range(1, n):
             if plan.stage_positions[s] >= 0:
                 self._send(s - 1, s, "act")
+        if plan.draft_entered:
+            self._send(n, n - 1, "draft_token")
+            if not self.sampling.greedy:
+                self._send(n, n - 1, "draft_q")
         if self.geometry.schedule == "pre_step":
             for s, _ in plan.anchors_before:
                 if self.anchor_counts[s]:
