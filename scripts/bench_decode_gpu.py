@@ -17,7 +17,7 @@ full pipeline's draft at the largest n (fill n; the planner's draft cost does no
 per cycle that is neither a stage nor the draft. Device times are CUDA events (medians); on the CPU
 `perf_counter`. `weights_ms` is a stage's weight bytes / `--hbm-tbps`: a batch-1 decode step cannot beat
 it. The planner (`inference.evaluation.plan.CostModel`) turns the numbers into predicted speedups for `--alpha`
-(default: the paper's 4B alphas, SPEC 9).
+(default: the paper's 4B alphas).
 
 Output: one JSON (`--json`) and a markdown table (stdout, and `--md`). Every stage and draft row carries
 `cuda_graphs` (whether the compiled step's graphs run as CUDA graphs: False when eager, off a GPU, or when

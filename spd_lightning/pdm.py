@@ -1,4 +1,4 @@
-"""The Pipeline Draft Module (SPEC section 3): a pure `nn.Module`, shared by training and inference.
+"""The Pipeline Draft Module (docs/DESIGN.md, "The PDM"): a pure `nn.Module`, shared by training and inference.
 
     anchor states H^{b_0..b_{tau-1}}  --RMSNorm each, concat, Linear_tau-->  g   (fusion, one per type)
     g at true positions  --L_s Qwen3-style layers-->  final RMSNorm  -->  head over V_d draft tokens

@@ -126,7 +126,7 @@ def test_the_recompile_limit_falls_back_to_eager_with_one_warning(tmp_path, monk
     from inference.sampling import Sampling
 
     monkeypatch.setattr(inference.runtime.cache, "CAPACITY_STEP", 8)
-    monkeypatch.setattr(CompiledStep, "__init__", limited_compiled_step_init(CompiledStep.__init__, 1))
+    monkeypatch.setattr(CompiledStep, "__init__", limited_compiled_step_init(CompiledStep.__init__, 1, monkeypatch))
     torch._dynamo.reset()
     compiled, target = backend_of(tmp_path, "qwen3", compile=True)
     eager, _ = backend_of(tmp_path / "eager", "qwen3", compile=False)
@@ -143,10 +143,10 @@ def test_the_recompile_limit_falls_back_to_eager_with_one_warning(tmp_path, monk
     assert 1 <= len(warnings) <= len(steps) and "recompile" in caplog.text.lower()
 
 
-def limited_compiled_step_init(init, limit: int):
+def limited_compiled_step_init(init, limit: int, monkeypatch):
     def lowered(self, step, device):
-        init(self, step, device)
-        torch._dynamo.config.recompile_limit = limit  # after CompiledStep raised it to its own floor
+        init(self, step, device)  # raises the limit to CompiledStep's floor; lowered after it, restored at teardown
+        monkeypatch.setattr(torch._dynamo.config, "recompile_limit", limit)
 
     return lowered
 

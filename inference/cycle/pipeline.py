@@ -1,4 +1,4 @@
-"""The pipeline runner: one scheduler, any transport (SPEC 5.1, 5.3, 11).
+"""The pipeline runner: one scheduler, any transport (docs/DESIGN.md: "The hot path", "The critical path").
 
 Ranks `0..n-1` are the stages (stage `s` on rank `s-1`; the last one also verifies), rank `n` the PDM.
 `PipelineRunner` hosts the roles of whichever ranks live in its process: all of them in the simulator
@@ -10,25 +10,29 @@ same tokens, N, K and counters by construction, and the simulator checks the mes
 There is no barrier: sends never block, a rank waits only for the messages it needs, and the verdict goes
 point-to-point from the verifier to each rank (`schedule.Steps` is the optimistic step sequence). One step
 (`_run_step`, then `_receive_awaited`):
-  `_send_inputs`: the previous step's outputs that this step consumes: the draft (PDM -> stage 1, and ->
-     the verifier with `q`), the activations (stage s -> s+1) and, pre-step, the anchor states (-> PDM).
-     Nothing on a redo step: its inputs arrived with the wasted step it repeats;
-  `_learn_verdict`: the PDM receives the verdict the step awaits. It costs the PDM nothing (the verifier
-     sends it before the anchor states the PDM waits for anyway) and the PDM then never drafts for a wasted
-     step; the stage ranks post their receive of it and go on;
+  `_send_inputs`: the previous step's outputs that this step consumes: the draft (PDM -> stage 1), the
+     activations (stage s -> s+1), the draft again (PDM -> the verifier, with `q`) and, pre-step, the anchor
+     states (-> PDM). Nothing on a redo step: its inputs arrived with the wasted step it repeats;
+  `_learn_verdict`: the PDM takes the verdict the step awaits if it is in, else it drafts without it
+     (`_draft` then waits for it and discards a wasted step's draft); the stage ranks post their receive
+     of it and go on;
   `_receive_inputs`: this step's inputs (anchor states are stored even for a wasted step: they are the
      previous, real cycle's, and its redo needs them);
   `_compute`: every stage runs its token (a redo rolls back and reseeds first) - optimistically: a stage
      skips it only when the verdict has already arrived and says the step is wasted;
+  `_receive_draft_to_judge`: the verifier takes the draft that entered stage 1 after its own forward (it
+     judges it only when the token before it leaves the last stage);
   `_draft`: post-step, this step's anchor states -> PDM first; the PDM drafts;
   `_verify`: the verifier judges and sends the verdict to every other rank;
   `_receive_awaited`: the stage ranks wait for the verdict the step awaited (at the end of the decode,
      this step's own).
-So a stage rank never waits for verification before it runs its token; when the gamble loses (a rejection
-that arrives late), it has run a token that the redo rolls back. The verifier (which made the verdict) and
-the PDM skip a step they know is wasted; in the simulator the verdict is always there in time, unless
+So no stage forward waits for verification or for a draft it does not run; when the gamble loses (a
+rejection that arrives late), a stage has run a token that the redo rolls back, and the PDM has drafted for
+a step it then discards. The verifier (which made the verdict) skips a step it knows is wasted, and so does
+the PDM when the verdict is in before it drafts; in the simulator the verdict is always there in time, unless
 `replay_wasted_work` makes its stages run wasted steps as distributed ranks do when it comes late.
 Skipping or running a wasted step changes no output: its work is never sent on and is rolled back.
+docs/DESIGN.md ("The critical path") draws one cycle of each placement.
 Timing goes through one `Profiler`, off unless `RunnerConfig.profile`.
 """
 
@@ -340,15 +344,18 @@ class PipelineRunner:
         self._verify(step.plan, logits)
 
     def _send_inputs(self, plan: CyclePlan) -> None:
+        """In the order the receivers take them: the verifier takes the draft after the activation it runs
+        (they share a channel when the PDM shares stage 1's process)."""
         n = self.n
         if plan.draft_entered:
             self._send(n, 0, "draft_token")
-            self._send(n, n - 1, "draft_token")
-            if not self.sampling.greedy:
-                self._send(n, n - 1, "draft_q")
         for s in range(1, n):
             if plan.stage_positions[s] >= 0:
                 self._send(s - 1, s, "act")
+        if plan.draft_entered:
+            self._send(n, n - 1, "draft_token")
+            if not self.sampling.greedy:
+                self._send(n, n - 1, "draft_q")
         if self.geometry.schedule == "pre_step":
             for s, _ in plan.anchors_before:
                 if self.anchor_counts[s]:

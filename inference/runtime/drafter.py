@@ -1,4 +1,4 @@
-"""The drafter runtime on the PDM rank: the PDM with its KV cache, fed by the staircase (SPEC 5.1).
+"""The drafter runtime on the PDM rank: the PDM with its KV cache, fed by the staircase (docs/DESIGN.md, "Terms").
 
 The PDM keeps one row of anchor states per position (filled as the stages send them; anchor 0 is the
 embedding, which this rank computes itself from the token id). Positions older than the in-flight
@@ -7,7 +7,7 @@ cached once. Every draft appends the newly verified positions to that cache and 
 in-flight positions, at the depths the schedule gives, on top of it.
 
 `ReplayDrafter` proposes from a known continuation instead (always right, always wrong, or right by an
-exact pattern): it measures the pipeline without a model (the closed forms of SPEC 5.1, oracle timing) and
+exact pattern): it measures the pipeline without a model (the closed forms of the schedule, oracle timing) and
 drives it through chosen accept/reject sequences.
 """
 
