@@ -52,8 +52,9 @@ class SlowBackend:
 def server(request):
     import uvicorn
 
-    backend = SlowBackend(getattr(request, "param", 1))
-    engine = Engine(lambda: backend, Letters(), "ar", queue_size=1)
+    params = getattr(request, "param", {})
+    backend = SlowBackend(params.get("chunk", 1))
+    engine = Engine(lambda: backend, Letters(), "ar", queue_size=params.get("queue_size", 1))
     app = build_app(engine, ServerConfig("fake", 100, 10, 200))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -127,7 +128,7 @@ def test_an_abandoned_non_streamed_request_is_cancelled_at_once(server):
     assert engine.metrics.tokens == sum(backend.generated)  # cancelled requests' tokens are counted too
 
 
-@pytest.mark.parametrize("server", [3], indirect=True)
+@pytest.mark.parametrize("server", [{"chunk": 3}], indirect=True)
 def test_a_stop_ended_answer_counts_the_tokens_up_to_the_stop(server):
     """Three tokens per cycle: "abc", "abc"; the stop string "ca" is complete at the 4th token."""
     import openai
@@ -266,6 +267,7 @@ def _load_test_module():
     return module
 
 
+@pytest.mark.parametrize("server", [{"queue_size": 4}], indirect=True)
 def test_the_load_test_drives_concurrent_openai_clients(server, capsys):
     url, engine, _ = server
     load_test = _load_test_module()
