@@ -281,3 +281,27 @@ def test_the_load_test_drives_concurrent_openai_clients(server, capsys):
         load_test.main(["--host", "10.1.2.3", "--model", "fake"])  # loopback only
     with pytest.raises(SystemExit):
         load_test.main(["--model", "fake", "--requests", "100000"])  # bounded
+
+
+def test_a_pipeline_that_dies_before_it_is_ready_is_retried_ever_less_often():
+    started: list[Pipeline] = []
+
+    def make_backend():
+        started.append(Pipeline())
+        started[-1].dead = len(started) < 3  # the first two die while loading
+        return started[-1]
+
+    engine = Engine(make_backend, Letters(), "ar", queue_size=1)
+    try:
+        deadline = time.monotonic() + 20
+        while len(started) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(started) == 3 and engine._restart_delay == 2.0  # 1 s after the first, 2 s after the second
+        started[2].loaded.set()
+        assert engine.ready
+        started[2].dead = True  # it had served: restarted at once
+        while len(started) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(started) == 4 and engine._restart_delay == 0.0
+    finally:
+        engine.close()

@@ -35,6 +35,7 @@ from inference.textstream import TextStream
 __all__ = ["Cancelled", "Engine", "QueueFull", "Request", "StopString"]
 log = logging.getLogger(__name__)
 HEALTH_POLL_S = 0.5
+MAX_RESTART_DELAY_S = 30.0  # a pipeline that keeps dying before it is ready is retried at most this seldom
 
 
 class StopString(Exception):
@@ -80,6 +81,7 @@ class Engine:
         self.metrics = Metrics()
         self._queue: queue.Queue[Request | None] = queue.Queue(maxsize=queue_size)
         self._busy = False
+        self._restart_delay, self._next_restart = 0.0, 0.0
         self._worker = threading.Thread(target=self._serve, name="spd-engine", daemon=True)
         self._worker.start()
 
@@ -131,8 +133,9 @@ class Engine:
                 self._busy = False
 
     def _keep_alive(self) -> None:
-        """A backend that died (or never started) is replaced now, not when a request finds it dead."""
-        if self.backend is None or not is_alive(self.backend):
+        """A backend that died (or never started) is replaced now, not when a request finds it dead; one that
+        keeps dying before it is ready is retried after a delay that doubles each time."""
+        if (self.backend is None or not is_alive(self.backend)) and time.monotonic() >= self._next_restart:
             self._restart("the pipeline is not running")
 
     def _run(self, request: Request) -> None:
@@ -205,6 +208,9 @@ class Engine:
         log.warning("%s: starting a fresh pipeline", why)
         self.metrics.restarts += 1
         backend, self.backend = self.backend, None  # not ready while it restarts
+        served = backend is not None and is_ready(backend)
+        self._restart_delay = 0.0 if served else min(MAX_RESTART_DELAY_S, max(1.0, 2 * self._restart_delay))
+        self._next_restart = time.monotonic() + self._restart_delay
         try:
             if backend is not None:
                 backend.close()

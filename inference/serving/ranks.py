@@ -205,7 +205,8 @@ class RankBackend:
         return self._launcher.is_alive()
 
     def ready(self) -> bool:
-        return self._launcher.is_alive() and self.requests.is_ready()
+        """Every rank has loaded and met the others (true from then on; `alive` says whether they still run)."""
+        return self.requests.is_ready()
 
     def cancel(self) -> None:
         """From any thread: stop the request decoding now at the ranks' next verdict."""
