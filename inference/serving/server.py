@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
 
 def graceful_timeout(args: argparse.Namespace, engine: Engine) -> float:
     """How long SIGTERM waits for the requests in progress: --graceful-timeout, or long enough for a whole
-    --max-tokens-cap decode at the rate measured so far (docs/SERVING.md, "Stopping")."""
+    --max-tokens-cap decode at the rate measured so far (docs/SERVING.md, "One node", Stopping)."""
     if args.graceful_timeout is not None:
         return args.graceful_timeout
     per_token = engine.seconds_per_token() or UNMEASURED_S_PER_TOKEN
