@@ -209,6 +209,21 @@ def test_a_non_ascii_key_is_a_401_and_a_lone_surrogate_a_400(spd):
     assert reply.status_code == 400 and "messages.0.content" in reply.json()["error"]["message"]
 
 
+def test_developer_role_and_content_parts_render_as_system_and_text(spd):
+    """OpenAI's newer request shape renders exactly as the plain one: developer -> system, parts joined."""
+    client = spd.client()
+    plain = [{"role": "system", "content": "be brief"}, {"role": "user", "content": PROMPT}]
+    shaped = [
+        {"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
+        {"role": "user", "content": [{"type": "text", "text": PROMPT}]},
+    ]
+    answers = [
+        client.chat.completions.create(model="spd", messages=m, temperature=0, max_tokens=6) for m in (plain, shaped)
+    ]
+    assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+    assert answers[0].usage.prompt_tokens == answers[1].usage.prompt_tokens
+
+
 def test_models_health_and_metrics(spd):
     assert (
         httpx.get(f"{spd.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"][0]["id"] == "spd"
