@@ -167,10 +167,22 @@ def test_latency_histograms_in_metrics(server):
         ("post", "/v1/completions", {"model": "fake", "prompt": "ab", "seed": 2**64}, 400),
         ("post", "/v1/completions", {"model": "fake", "prompt": "ab", "seed": -(2**63) - 1}, 400),
         ("post", "/v1/completions", {"model": "fake", "prompt": "ab", "stop": ["a", "b", "c", "d", "e"]}, 400),
+        ("post", "/v1/completions", {"model": "fake", "prompt": "ab", "stop": "x" * 257}, 400),
         ("post", "/v1/completions", '{"model": "fake", "prompt": "ab", "temperature": Infinity}', 400),
         ("post", "/v1/completions", '{"model": "fake", "prompt": "a\\ud800"}', 400),
     ],
-    ids=["no-path", "wrong-method", "no-model", "past-context", "seed-high", "seed-low", "stops", "inf", "surrogate"],
+    ids=[
+        "no-path",
+        "wrong-method",
+        "no-model",
+        "past-context",
+        "seed-high",
+        "seed-low",
+        "stops",
+        "long-stop",
+        "inf",
+        "surrogate",
+    ],
 )
 def test_errors_have_the_openai_shape(server, method, path, body, status):
     url, engine, _ = server

@@ -22,7 +22,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
@@ -35,6 +35,8 @@ from inference.serving.engine import Engine, QueueFull, Request
 
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed takes (`pipeline.stream_seeds` keeps it there)
 MAX_STOP_STRINGS = 4  # as OpenAI's API
+MAX_STOP_CHARS = 256  # the text stream checks every prefix of a stop string at each cycle
+StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
 class ApiError(Exception):
@@ -85,7 +87,7 @@ class _Sampled(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=2**31 - 1)  # an extension of OpenAI's API; 0 keeps every token
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
-    stop: str | list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    stop: StopText | list[StopText] | None = Field(None, max_length=MAX_STOP_STRINGS)
     n: int = Field(1, ge=1, le=1)
     stream_options: StreamOptions | None = None
 
