@@ -144,10 +144,6 @@ class Engine:
             self.metrics.count("failed")
             request.emit("error", 503, "the pipeline is restarting after a failure; retry")
             return
-        request.on_cancel = getattr(backend, "cancel", None)
-        if request.cancelled.is_set():  # gone while it waited (or just now)
-            self.metrics.count("cancelled")
-            return
         stream = TextStream(self.tokenizer, request.stop)
         started = time.perf_counter()
         last = [None]
@@ -162,6 +158,11 @@ class Engine:
             if stream.stopped:
                 raise StopString
 
+        cancel = getattr(backend, "cancel", None)  # the in-process decoders stop at their next `on_tokens`
+        request.on_cancel = (lambda: cancel(on_tokens)) if cancel is not None else None
+        if request.cancelled.is_set():  # gone while it waited (or just now)
+            self.metrics.count("cancelled")
+            return
         try:
             result = backend.generate(
                 request.prompt_ids, request.max_new_tokens, request.sampling, request.seed, on_tokens
