@@ -60,7 +60,7 @@ def is_alive(backend: Backend) -> bool:
 
 
 def is_ready(backend: Backend) -> bool:
-    """True when the backend can start a request now (the ranks are up and loaded)."""
+    """True once the backend has loaded (its ranks have met); in-process backends load when built."""
     return getattr(backend, "ready", lambda: True)()
 
 

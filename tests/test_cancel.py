@@ -102,7 +102,7 @@ def test_the_rank_backend_cancels_inside_the_ranks_and_serves_on(tmp_path_factor
         def quiet(new):  # a non-streamed request: its hook never raises; the app calls `cancel` instead
             tokens.extend(new)
             if len(tokens) >= 3:
-                backend.cancel()
+                backend.cancel(quiet)
 
         with pytest.raises(Cancelled):
             backend.generate(PROMPT, 400, Sampling(), 0, quiet)
@@ -111,7 +111,8 @@ def test_the_rank_backend_cancels_inside_the_ranks_and_serves_on(tmp_path_factor
         assert 1 <= report.seen_cycle <= report.stop_cycle <= report.seen_cycle + geometry.n - 1 < 400
         simulator = Simulator(target, load_drafter(drafter)[0], geometry)
         for prompt in (OTHER, PROMPT):
-            got = backend.generate(prompt, 12, Sampling(), 0, lambda tokens: None)
+            late = lambda tokens: backend.cancel(quiet)  # noqa: E731 - a stale cancel: it must not reach this one
+            got = backend.generate(prompt, 12, Sampling(), 0, late)
             want = simulator.decode(prompt, 12)
             assert (got.tokens, got.K, got.counters) == (want.tokens, want.K, want.counters)
             assert got.tokens == ar_decode(target, prompt, 12).tokens

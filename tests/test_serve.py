@@ -208,6 +208,21 @@ def test_a_non_ascii_key_is_a_401_and_a_lone_surrogate_a_400(spd):
     assert reply.status_code == 400 and "messages.0.content" in reply.json()["error"]["message"]
 
 
+def test_developer_role_and_content_parts_render_as_system_and_text(spd):
+    """OpenAI's newer request shape renders exactly as the plain one: developer -> system, parts joined."""
+    client = spd.client()
+    plain = [{"role": "system", "content": "be brief"}, {"role": "user", "content": PROMPT}]
+    shaped = [
+        {"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
+        {"role": "user", "content": [{"type": "text", "text": PROMPT}]},
+    ]
+    answers = [
+        client.chat.completions.create(model="spd", messages=m, temperature=0, max_tokens=6) for m in (plain, shaped)
+    ]
+    assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+    assert answers[0].usage.prompt_tokens == answers[1].usage.prompt_tokens
+
+
 def test_models_health_and_metrics(spd):
     assert (
         httpx.get(f"{spd.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"][0]["id"] == "spd"
@@ -291,6 +306,7 @@ def test_sigterm_finishes_a_long_stream_before_the_server_exits(files):
     finally:
         os.environ.pop("SPD_FAULT") if env_fault is None else os.environ.__setitem__("SPD_FAULT", env_fault)
     try:
+        _abandoned_requests_are_cancelled_in_the_ranks(server)
         body = {"model": "spd", "prompt": PROMPT, "max_tokens": 300, "temperature": 0, "stream": True}
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as reply:
             lines = reply.iter_lines()
@@ -301,6 +317,28 @@ def test_sigterm_finishes_a_long_stream_before_the_server_exits(files):
         assert json.loads(rest[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
     finally:
         assert server.stop() in (0, -signal.SIGTERM)
+
+
+def _abandoned_requests_are_cancelled_in_the_ranks(server: Server) -> None:
+    """The `openai` client gives up after 1 s and retries twice, non-streamed: the ranks stop each attempt
+    (none decodes its 300 tokens), each counts as cancelled, and the next request is served at once."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=1.0, max_retries=2)
+    with pytest.raises(openai.APITimeoutError):
+        client.completions.create(model="spd", prompt=PROMPT, max_tokens=300, temperature=0)
+
+    def metric(name: str) -> int:
+        text = httpx.get(f"{server.url}/metrics").text
+        return int(float(text.split(name, 1)[1].split("} ", 1)[1].split()[0])) if name in text else 0
+
+    deadline = time.monotonic() + 60
+    while metric('spd_requests_total{outcome="cancelled"') < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert metric('spd_requests_total{outcome="cancelled"') == 3
+    assert metric("spd_generated_tokens_total{") < 3 * 300
+    reply = server.client().completions.create(model="spd", prompt=PROMPT, max_tokens=4, temperature=0)
+    assert reply.usage.completion_tokens == 4 and metric('spd_requests_total{outcome="ok"') == 1
 
 
 def _kill_a_rank_while_idle(server: Server) -> None:

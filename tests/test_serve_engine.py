@@ -52,8 +52,9 @@ class SlowBackend:
 def server(request):
     import uvicorn
 
-    backend = SlowBackend(getattr(request, "param", 1))
-    engine = Engine(lambda: backend, Letters(), "ar", queue_size=1)
+    params = getattr(request, "param", {})
+    backend = SlowBackend(params.get("chunk", 1))
+    engine = Engine(lambda: backend, Letters(), "ar", queue_size=params.get("queue_size", 1))
     app = build_app(engine, ServerConfig("fake", 100, 10, 200))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -127,7 +128,7 @@ def test_an_abandoned_non_streamed_request_is_cancelled_at_once(server):
     assert engine.metrics.tokens == sum(backend.generated)  # cancelled requests' tokens are counted too
 
 
-@pytest.mark.parametrize("server", [3], indirect=True)
+@pytest.mark.parametrize("server", [{"chunk": 3}], indirect=True)
 def test_a_stop_ended_answer_counts_the_tokens_up_to_the_stop(server):
     """Three tokens per cycle: "abc", "abc"; the stop string "ca" is complete at the 4th token."""
     import openai
@@ -166,10 +167,24 @@ def test_latency_histograms_in_metrics(server):
         ("post", "/v1/completions", {"model": "fake", "prompt": "ab", "seed": 2**64}, 400),
         ("post", "/v1/completions", {"model": "fake", "prompt": "ab", "seed": -(2**63) - 1}, 400),
         ("post", "/v1/completions", {"model": "fake", "prompt": "ab", "stop": ["a", "b", "c", "d", "e"]}, 400),
+        ("post", "/v1/completions", {"model": "fake", "prompt": "ab", "stop": "x" * 257}, 400),
+        ("post", "/v1/completions", {"model": "fake", "prompt": "a" * (1 << 20)}, 413),
         ("post", "/v1/completions", '{"model": "fake", "prompt": "ab", "temperature": Infinity}', 400),
         ("post", "/v1/completions", '{"model": "fake", "prompt": "a\\ud800"}', 400),
     ],
-    ids=["no-path", "wrong-method", "no-model", "past-context", "seed-high", "seed-low", "stops", "inf", "surrogate"],
+    ids=[
+        "no-path",
+        "wrong-method",
+        "no-model",
+        "past-context",
+        "seed-high",
+        "seed-low",
+        "stops",
+        "long-stop",
+        "huge-body",
+        "inf",
+        "surrogate",
+    ],
 )
 def test_errors_have_the_openai_shape(server, method, path, body, status):
     url, engine, _ = server
@@ -266,6 +281,7 @@ def _load_test_module():
     return module
 
 
+@pytest.mark.parametrize("server", [{"queue_size": 4}], indirect=True)
 def test_the_load_test_drives_concurrent_openai_clients(server, capsys):
     url, engine, _ = server
     load_test = _load_test_module()
@@ -279,3 +295,27 @@ def test_the_load_test_drives_concurrent_openai_clients(server, capsys):
         load_test.main(["--host", "10.1.2.3", "--model", "fake"])  # loopback only
     with pytest.raises(SystemExit):
         load_test.main(["--model", "fake", "--requests", "100000"])  # bounded
+
+
+def test_a_pipeline_that_dies_before_it_is_ready_is_retried_ever_less_often():
+    started: list[Pipeline] = []
+
+    def make_backend():
+        started.append(Pipeline())
+        started[-1].dead = len(started) < 3  # the first two die while loading
+        return started[-1]
+
+    engine = Engine(make_backend, Letters(), "ar", queue_size=1)
+    try:
+        deadline = time.monotonic() + 20
+        while len(started) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(started) == 3 and engine._restart_delay == 2.0  # 1 s after the first, 2 s after the second
+        started[2].loaded.set()
+        assert engine.ready
+        started[2].dead = True  # it had served: restarted at once
+        while len(started) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(started) == 4 and engine._restart_delay == 0.0
+    finally:
+        engine.close()

@@ -22,7 +22,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
@@ -36,6 +36,10 @@ from spd_lightning.errors import first_line
 
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed takes (`pipeline.stream_seeds` keeps it there)
 MAX_STOP_STRINGS = 4  # as OpenAI's API
+MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN = 1 << 20, 64  # a body that fills the context, JSON-escaped, fits
+MAX_BODY_BYTES = 64 << 20  # when the context is unknown
+MAX_STOP_CHARS = 256  # the text stream checks every prefix of a stop string at each cycle
+StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
 class ApiError(Exception):
@@ -86,7 +90,7 @@ class _Sampled(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=2**31 - 1)  # an extension of OpenAI's API; 0 keeps every token
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
-    stop: str | list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    stop: StopText | list[StopText] | None = Field(None, max_length=MAX_STOP_STRINGS)
     n: int = Field(1, ge=1, le=1)
     stream_options: StreamOptions | None = None
 
@@ -123,13 +127,13 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(http: HttpRequest):
-        body = await _parse(http, ChatRequest)
+        body = await _parse(http, ChatRequest, config)
         ids = _tokenized(lambda: _render_chat(tokenizer, [m.rendered() for m in body.messages]))
         return await _complete(engine, config, body, ids, http, chat=True)
 
     @app.post("/v1/completions")
     async def completions(http: HttpRequest):
-        body = await _parse(http, CompletionRequest)
+        body = await _parse(http, CompletionRequest, config)
         ids = _tokenized(lambda: tokenizer(body.prompt)["input_ids"])
         return await _complete(engine, config, body, ids, http, chat=False)
 
@@ -209,10 +213,22 @@ def _add_info_routes(app: FastAPI, engine: Engine, config: ServerConfig) -> None
         return model
 
 
-async def _parse(http: HttpRequest, schema: type[_Sampled]) -> _Sampled:
+async def _body(http: HttpRequest, limit: int) -> bytes:
+    """The body, read no further than `limit` bytes: what a client sends never sizes the server's memory."""
+    chunks, size = [], 0
+    async for chunk in http.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the request body is over {limit} bytes", code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _parse(http: HttpRequest, schema: type[_Sampled], config: ServerConfig) -> _Sampled:
     """The JSON body (whatever its content type says: `curl -d` sends no JSON type) checked against `schema`."""
+    limit = max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * config.context) if config.context else MAX_BODY_BYTES
     try:
-        data = json.loads(await http.body())
+        data = json.loads(await _body(http, limit))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
     _check_unicode(data, "")

@@ -36,6 +36,7 @@ from spd_lightning.errors import first_line
 __all__ = ["Cancelled", "Engine", "QueueFull", "Request", "StopString"]
 log = logging.getLogger(__name__)
 HEALTH_POLL_S = 0.5
+MAX_RESTART_DELAY_S = 30.0  # a pipeline that keeps dying before it is ready is retried at most this seldom
 
 
 class StopString(Exception):
@@ -81,6 +82,7 @@ class Engine:
         self.metrics = Metrics()
         self._queue: queue.Queue[Request | None] = queue.Queue(maxsize=queue_size)
         self._busy = False
+        self._restart_delay, self._next_restart = 0.0, 0.0
         self._worker = threading.Thread(target=self._serve, name="spd-engine", daemon=True)
         self._worker.start()
 
@@ -132,8 +134,9 @@ class Engine:
                 self._busy = False
 
     def _keep_alive(self) -> None:
-        """A backend that died (or never started) is replaced now, not when a request finds it dead."""
-        if self.backend is None or not is_alive(self.backend):
+        """A backend that died (or never started) is replaced now, not when a request finds it dead; one that
+        keeps dying before it is ready is retried after a delay that doubles each time."""
+        if (self.backend is None or not is_alive(self.backend)) and time.monotonic() >= self._next_restart:
             self._restart("the pipeline is not running")
 
     def _run(self, request: Request) -> None:
@@ -141,10 +144,6 @@ class Engine:
         if backend is None:
             self.metrics.count("failed")
             request.emit("error", 503, "the pipeline is restarting after a failure; retry")
-            return
-        request.on_cancel = getattr(backend, "cancel", None)
-        if request.cancelled.is_set():  # gone while it waited (or just now)
-            self.metrics.count("cancelled")
             return
         stream = TextStream(self.tokenizer, request.stop)
         started = time.perf_counter()
@@ -160,6 +159,11 @@ class Engine:
             if stream.stopped:
                 raise StopString
 
+        cancel = getattr(backend, "cancel", None)  # the in-process decoders stop at their next `on_tokens`
+        request.on_cancel = (lambda: cancel(on_tokens)) if cancel is not None else None
+        if request.cancelled.is_set():  # gone while it waited (or just now)
+            self.metrics.count("cancelled")
+            return
         try:
             result = backend.generate(
                 request.prompt_ids, request.max_new_tokens, request.sampling, request.seed, on_tokens
@@ -206,6 +210,9 @@ class Engine:
         log.warning("%s: starting a fresh pipeline", why)
         self.metrics.restarts += 1
         backend, self.backend = self.backend, None  # not ready while it restarts
+        served = backend is not None and is_ready(backend)
+        self._restart_delay = 0.0 if served else min(MAX_RESTART_DELAY_S, max(1.0, 2 * self._restart_delay))
+        self._next_restart = time.monotonic() + self._restart_delay
         try:
             if backend is not None:
                 backend.close()

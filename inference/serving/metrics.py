@@ -1,6 +1,6 @@
 """What `/metrics` reports, in Prometheus' text format: counters, gauges and latency histograms.
 
-The histograms (docs/SERVING.md, "Metrics") are cumulative-bucket histograms as Prometheus defines them
+The histograms (docs/SERVING.md, "The API") are cumulative-bucket histograms as Prometheus defines them
 (`_bucket{le=...}`, `_sum`, `_count`), so a scraper computes any quantile over any window:
 
 - `spd_time_to_first_token_seconds`: from the decode's start to its first verified token (the pipeline);

@@ -180,7 +180,7 @@ class RankBackend:
         self.requests = Requests(mp.get_context(start_method(job)))
         self._events: queue.Queue = queue.Queue()
         self._next_id = 0
-        self._current: int | None = None  # the request decoding now
+        self._current: tuple[int, object] | None = None  # the request decoding now: its id and its hook
         self.last_cancel: CancelReport | None = None
         self.pids: dict[int, int] = {}
         self.failure = "the pipeline is not running"
@@ -206,19 +206,21 @@ class RankBackend:
         return self._launcher.is_alive()
 
     def ready(self) -> bool:
-        return self._launcher.is_alive() and self.requests.is_ready()
+        """Every rank has loaded and met the others (true from then on; `alive` says whether they still run)."""
+        return self.requests.is_ready()
 
-    def cancel(self) -> None:
-        """From any thread: stop the request decoding now at the ranks' next verdict."""
+    def cancel(self, on_tokens) -> None:
+        """From any thread: stop the decode whose hook is `on_tokens` at the ranks' next verdict (a cancel that
+        comes after that decode has ended cannot reach the next one)."""
         current = self._current
-        if current is not None:
-            self._events.put(("cancel", current, None))  # wakes `generate`, which tells the ranks at once
+        if current is not None and current[1] is on_tokens:
+            self._events.put(("cancel", current[0], None))  # wakes `generate`, which tells the ranks at once
 
     def generate(self, prompt_ids, max_new_tokens, sampling: Sampling, seed, on_tokens) -> DecodeResult:
         if not self._launcher.is_alive():
             raise BackendFailure(self.failure)
         request_id, self._next_id = self._next_id, self._next_id + 1
-        self._current = request_id
+        self._current = (request_id, on_tokens)
         try:
             self.requests.put((request_id, list(prompt_ids), max_new_tokens, sampling.to_dict(), seed))
             return self._follow(request_id, on_tokens)

@@ -11,9 +11,11 @@ The weights are loaded once, at start: n + 1 rank processes that stay up between
 process with `--simulate`; `--mode ar` runs the stages in sequence in this process). Requests are decoded one at a time (SPD is a batch-1 latency
 method) and wait in a FIFO of `--queue-size` (HTTP 429 beyond it). Endpoints: `POST /v1/chat/completions`,
 `POST /v1/completions` (`stream: true` for server-sent events as tokens are verified; `temperature`,
-`top_p`, `top_k`, `max_tokens`, `seed`, `stop`), `GET /v1/models`, `/health`, `/metrics` (Prometheus).
+`top_p`, `top_k`, `max_tokens`, `seed`, `stop`), `GET /v1/models[/ID]`, `/health` (liveness), `/ready`
+(the pipeline can take a request now), `/metrics` (Prometheus, with latency histograms).
 The model name is the drafter's directory name (or the target's for `--mode ar`), or `--model-name`.
-SIGTERM or Ctrl-C stops the server after the request in progress, and with it the ranks of every node.
+SIGTERM or Ctrl-C stops the server after the requests in progress (waiting up to `--graceful-timeout`), and
+with it the ranks of every node. Each rank keeps the runners of `--runners-kept` sampling settings.
 """
 
 from __future__ import annotations
@@ -210,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
 
 def graceful_timeout(args: argparse.Namespace, engine: Engine) -> float:
     """How long SIGTERM waits for the requests in progress: --graceful-timeout, or long enough for a whole
-    --max-tokens-cap decode at the rate measured so far (docs/SERVING.md, "Stopping")."""
+    --max-tokens-cap decode at the rate measured so far (docs/SERVING.md, "One node", Stopping)."""
     if args.graceful_timeout is not None:
         return args.graceful_timeout
     per_token = engine.seconds_per_token() or UNMEASURED_S_PER_TOKEN
