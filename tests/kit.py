@@ -4,11 +4,12 @@ a tiny chat tokenizer, the shrunk `fit` arguments). Nothing here is a test or a 
 
 import itertools
 import os
+import socket
 
 import lightning as L
 import numpy as np
 import torch
-from scipy.stats import chisquare
+from scipy.stats import chi2, chisquare
 from torch.utils.data import DataLoader
 
 from inference.sampling import Sampling, warp
@@ -21,6 +22,7 @@ from spd_lightning.training.module import SPDModule
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_VOCAB = 97
+MIN_EXPECTED = 5.0  # a chi-square cell needs at least this expected count (smaller cells are pooled)
 
 CHAT_TEMPLATE = (
     "{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
@@ -325,3 +327,41 @@ def make_data(chat_target, **overrides) -> ChatDataModule:
         seed=0,
     )
     return ChatDataModule(**{**args, **overrides})
+
+
+def pooling(expected: np.ndarray) -> list[np.ndarray]:
+    """Groups of cell indices: every cell of expected count >= 5 alone, the rest pooled (zero cells excluded)."""
+    order = [i for i in np.argsort(expected) if expected[i] > 0]
+    small = [i for i in order if expected[i] < MIN_EXPECTED]
+    groups = [np.array([i]) for i in order if expected[i] >= MIN_EXPECTED]
+    if small:
+        pooled = np.array(small)
+        while expected[pooled].sum() < MIN_EXPECTED and groups:
+            pooled = np.concatenate([pooled, groups.pop(0)])  # the smallest cell that stands alone
+        groups.append(pooled)
+    return groups
+
+
+def chisquare_pvalues(counts: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """Pooled Pearson chi-square p-values for rows of `counts` (each row one experiment of the same N)."""
+    counts = np.atleast_2d(counts)
+    N = counts[0].sum()
+    groups = pooling(N * p)
+    observed = np.stack([counts[:, g].sum(1) for g in groups], axis=1)
+    expected = np.array([N * p[g].sum() for g in groups])
+    stat = ((observed - expected) ** 2 / expected).sum(1)
+    return chi2.sf(stat, len(groups) - 1)
+
+
+def forbid_device_sync(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the untimed decode touched torch.cuda.synchronize / Event")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", refuse)
+    monkeypatch.setattr(torch.cuda, "Event", refuse)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -5,7 +5,7 @@ targets (one layer per stage), few shapes; the simulator's Qwen3 case and the gl
 
 import pytest
 import torch
-from kit import make_tiny_model, random_pdm
+from kit import forbid_device_sync, make_tiny_model, random_pdm
 
 from inference.cycle.simulator import Simulator
 from spd_lightning.geometry import Geometry
@@ -14,14 +14,6 @@ from spd_lightning.target import Target
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 
 PROMPTS = [[3, 14, 15, 92, 65, 35], [7]]
-
-
-def forbid_device_sync(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("the untimed decode touched torch.cuda.synchronize / Event")
-
-    monkeypatch.setattr(torch.cuda, "synchronize", refuse)
-    monkeypatch.setattr(torch.cuda, "Event", refuse)
 
 
 def record_drafts(simulator) -> list[int]:
@@ -95,7 +87,7 @@ def backend_of(tmp_path, arch: str, compile: bool):
     server's in-process path run) over a tiny target and a random drafter saved to disk."""
     import argparse
 
-    from test_inference_support import save_random_drafter, save_target
+    from kit import save_random_drafter, save_target
 
     from inference.backends import make_backend
     from inference.setup import prepare

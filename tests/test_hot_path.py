@@ -13,8 +13,7 @@ from collections import deque
 
 import pytest
 import torch
-from kit import random_pdm
-from test_compiled_decode import forbid_device_sync
+from kit import forbid_device_sync, random_pdm
 
 from inference.cycle.ar import ar_decode
 from inference.cycle.pipeline import PipelineRunner
@@ -205,8 +204,7 @@ def test_the_simulator_syncs_once_per_judged_cycle(tiny_qwen35, monkeypatch, sam
 
 def test_the_sampled_verifier_judges_without_syncs_and_matches_the_target():
     """The device-side rejection sampler: no sync inside, and its outputs are distributed as P."""
-    from kit import random_dist
-    from test_sampling_power import chisquare_pvalues
+    from kit import chisquare_pvalues, random_dist
 
     V, draws = 6, 3000
     p, q = random_dist(V, 3), random_dist(V, 4, zero_frac=0.4)

@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-from kit import random_dist
-from test_sampling_power import chisquare_pvalues
+from kit import chisquare_pvalues, random_dist
 
 from inference.cycle.schedule import Verdict
 from inference.cycle.verify import Verifier, acceptance_probability, judge, residual

@@ -9,7 +9,7 @@ import time
 from multiprocessing.connection import Client
 
 import pytest
-from test_serve import free_port
+from kit import free_port
 
 from inference.cli import UsageError
 from inference.processes.job import DecodeJob

@@ -40,7 +40,7 @@ the false-alarm rate without bias.
 import numpy as np
 import pytest
 import torch
-from kit import make_tiny_model
+from kit import chisquare_pvalues, make_tiny_model, pooling
 from scipy.optimize import brentq
 from scipy.stats import chi2, ncx2
 
@@ -56,32 +56,10 @@ V, DRAFT_VOCAB, PROMPT = 8, 5, [1, 2, 3]
 SAMPLING = Sampling(1.0, top_k=2, top_p=0.9)
 ALPHA, POWER, DELTA = 1e-3, 0.9, 0.02
 DESIGN_POWER = 0.92  # sizing margin over POWER for the asymptotic (noncentral chi-square) approximation
-FAST_RUNS, MIN_EXPECTED = 600, 5.0
+FAST_RUNS = 600
 
 
 # -- the statistics -------------------------------------------------------------------------------------------
-def pooling(expected: np.ndarray) -> list[np.ndarray]:
-    """Groups of cell indices: every cell of expected count >= 5 alone, the rest pooled (zero cells excluded)."""
-    order = [i for i in np.argsort(expected) if expected[i] > 0]
-    small = [i for i in order if expected[i] < MIN_EXPECTED]
-    groups = [np.array([i]) for i in order if expected[i] >= MIN_EXPECTED]
-    if small:
-        pooled = np.array(small)
-        while expected[pooled].sum() < MIN_EXPECTED and groups:
-            pooled = np.concatenate([pooled, groups.pop(0)])  # the smallest cell that stands alone
-        groups.append(pooled)
-    return groups
-
-
-def chisquare_pvalues(counts: np.ndarray, p: np.ndarray) -> np.ndarray:
-    """Pooled Pearson chi-square p-values for rows of `counts` (each row one experiment of the same N)."""
-    counts = np.atleast_2d(counts)
-    N = counts[0].sum()
-    groups = pooling(N * p)
-    observed = np.stack([counts[:, g].sum(1) for g in groups], axis=1)
-    expected = np.array([N * p[g].sum() for g in groups])
-    stat = ((observed - expected) ** 2 / expected).sum(1)
-    return chi2.sf(stat, len(groups) - 1)
 
 
 def noncentrality_for_power(df: int, power: float = DESIGN_POWER) -> float:

@@ -7,7 +7,6 @@ target and random drafter as the decoder's tests.
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from kit import REPO, make_tiny_model, random_pdm, target_dir
+from kit import REPO, free_port, make_tiny_model, random_pdm, target_dir
 
 from inference.decode import main as decode_main
 from spd_lightning.export import DrafterSpec, save_drafter
@@ -24,12 +23,6 @@ from spd_lightning.geometry import Geometry
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_thread")]
 KEY = "sk-test"
 PROMPT = "hello world"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

@@ -9,8 +9,8 @@ import sys
 import time
 
 import pytest
-from kit import REPO, make_tiny_model, random_pdm, target_dir
-from test_serve import Server, _alive, _chat, _descendants, free_port
+from kit import REPO, free_port, make_tiny_model, random_pdm, target_dir
+from test_serve import Server, _alive, _chat, _descendants
 
 from inference.decode import main as decode_main
 from spd_lightning.export import DrafterSpec, save_drafter
