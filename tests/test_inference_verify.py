@@ -43,9 +43,9 @@ def test_judge_matches_the_target_empirically():
 
 def test_greedy_judge_accepts_only_the_argmax():
     logits = torch.tensor([0.1, 2.0, -1.0, 1.9])
-    assert judge(logits, 1, None, None).accepted
+    assert judge(logits, 1, None, None).verdict == Verdict.ACCEPT
     wrong = judge(logits, 3, None, None)
-    assert not wrong.accepted and wrong.token == 1
+    assert wrong.verdict == Verdict.REJECT and wrong.token == 1
 
 
 def test_warp_temperature_top_k_top_p():

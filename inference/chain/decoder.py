@@ -31,7 +31,7 @@ from inference.chain.drafter import Draft, Eagle3Runtime
 from inference.chain.target import ChainTarget
 from inference.cycle.pipeline import stream_seeds
 from inference.cycle.result import DecodeResult
-from inference.cycle.schedule import eos_set
+from inference.cycle.schedule import Verdict, eos_set
 from inference.cycle.verify import judge
 from inference.runtime.stages import meta_target
 from inference.sampling import Sampling, draft_distribution, sample_token, warp
@@ -156,7 +156,7 @@ def judge_chain(
             q = draft_distribution(draft.q[j], d2t, logits.shape[-1])
             verdict = judge(warp(logits[j], sampling), token, q, generator)
         out.append(verdict.token)
-        if not verdict.accepted:
+        if verdict.verdict != Verdict.ACCEPT:
             return out
     out.append(sample_token(logits[len(draft.tokens)], sampling, generator))
     return out

@@ -47,7 +47,7 @@ import torch
 from inference.cycle.messages import Mailboxes, MessageShapes
 from inference.cycle.profiler import Profiler
 from inference.cycle.result import COMM, COMPUTE, VERIFY, WALL, DecodeResult, max_cycles, summarize_timing
-from inference.cycle.schedule import CyclePlan, Judged, PipelineSchedule, Step, Steps, Verdict
+from inference.cycle.schedule import CyclePlan, PipelineSchedule, Step, Steps, Verdict, VerdictMessage
 from inference.cycle.transport import Arrival, Transport
 from inference.cycle.verify import Verifier
 from inference.runtime.drafter import Drafter
@@ -133,8 +133,8 @@ class PipelineRunner:
         self.seed_input = self.box.seed_input
         self._arrivals: dict[int, Arrival] = {}  # stage rank -> its posted receive of the awaited verdict
         self._wasted = False  # the current step is wasted, as the verifier and the PDM know before they compute
-        self._judged: Judged | None = None  # the verifier's latest verdict, on the host
-        self._awaited: Judged | None = None  # the verdict the current step awaits, once this process has it
+        self._judged: VerdictMessage | None = None  # the verifier's latest verdict, on the host
+        self._awaited: VerdictMessage | None = None  # the verdict the current step awaits, once this process has it
         self._pdm_pending: Arrival | None = None  # the PDM's receive of it, while it drafts without it
         self.discarded_drafts = 0  # drafts the PDM made before learning that their step was wasted
         self._stop: Callable[[], bool] | None = None  # see `decode`
@@ -170,16 +170,16 @@ class PipelineRunner:
         (EOS, `max_new_tokens`, the rollback position) to plan the next cycle."""
         if self.verifier is None:
             return
-        self._judged = Judged(*self.box.verdict_to_host(index))
+        self._judged = VerdictMessage(*self.box.verdict_to_host(index))
         for r in range(self.n + 1):
             if r != self.verifier_rank:
                 self._send(self.verifier_rank, r, "verdict", self.verdict_host[index])
 
-    def _read_verdict(self, rank: int) -> Judged:
+    def _read_verdict(self, rank: int) -> VerdictMessage:
         """The verdict `rank` received, read once per message (it is in host memory: no device sync)."""
-        return Judged(*self.inbox[rank, "verdict"].tolist())
+        return VerdictMessage(*self.inbox[rank, "verdict"].tolist())
 
-    def _take_verdict(self, ranks: Sequence[int], known: Judged | None) -> Judged:
+    def _take_verdict(self, ranks: Sequence[int], known: VerdictMessage | None) -> VerdictMessage:
         """The hosted `ranks` receive the verifier's pending verdict; its value (all copies are equal)."""
         for r in ranks:
             if r in self.hosted:
@@ -276,7 +276,7 @@ class PipelineRunner:
                 own = self._take_verdict(self._others, self._judged if self.hosts_verifier else None)
         return self.steps.after(step, awaited, own)
 
-    def _receive_awaited(self) -> Judged | None:
+    def _receive_awaited(self) -> VerdictMessage | None:
         """The stage ranks wait for the verdict they posted a receive for in `_learn_verdict`; the PDM got it
         then or while it drafted, the verifier made it. None when the step awaited nothing."""
         if self._pdm_pending is not None:  # a PDM that did not draft this step

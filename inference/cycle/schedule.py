@@ -183,7 +183,7 @@ class PipelineSchedule:
         """The plan an ACCEPT of the draft being judged would give, without applying anything.
 
         A later `begin(ACCEPT, token)` returns this very plan (unless the token ends the decode); a
-        REJECT replaces it. Judged cycles run at fill n, so the accepted successor keeps the fill at n."""
+        REJECT replaces it. VerdictMessage cycles run at fill n, so the accepted successor keeps the fill at n."""
         if not self.judging or self.done:
             raise RuntimeError(f"cycle {self.K}: nothing is being judged, there is no verdict to anticipate")
         slots = [Slot(s.position, s.depth + 1, s.fill) for s in self._inflight]
@@ -235,8 +235,9 @@ class PipelineSchedule:
         )
 
 
-class Judged(NamedTuple):
-    """A verdict message as every rank reads it: the verdict and the token it concerns."""
+class VerdictMessage(NamedTuple):
+    """A verdict message as every rank reads it (and as chain decoding judges on the host): the verdict and the
+    token it concerns."""
 
     verdict: int
     token: int
@@ -283,7 +284,7 @@ class Steps:
         """Whether the step that awaited this verdict is thrown away."""
         return verdict in (Verdict.REJECT, Verdict.STOP) or int(token) in self.schedule.eos_token_ids
 
-    def after(self, step: Step, awaited: Judged | None, own: Judged | None) -> Step | None:
+    def after(self, step: Step, awaited: VerdictMessage | None, own: VerdictMessage | None) -> Step | None:
         """The step after `step`, or None when decoding has stopped. `awaited` is the previous cycle's
         verdict (given iff `step.awaits`), `own` this cycle's (iff `step.final` and `step` was not wasted)."""
         schedule = self.schedule

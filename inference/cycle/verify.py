@@ -14,11 +14,9 @@ and is zero outside it; `d2t` maps it into the target vocabulary.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from inference.cycle.schedule import Verdict
+from inference.cycle.schedule import Verdict, VerdictMessage
 from inference.sampling import Sampling, sample_token, warp
 
 
@@ -50,22 +48,17 @@ def accept_or_correct(
     return accepted, torch.where(accepted, draft[0], correction)
 
 
-@dataclass
-class Judgement:
-    accepted: bool
-    token: int  # the accepted draft, or the correction drawn from the residual
-
-
-def judge(p: torch.Tensor, token: int, q: torch.Tensor | None, generator: torch.Generator | None) -> Judgement:
-    """Verify the drafted `token` against the target distribution `p` (both over the target vocabulary).
+def judge(p: torch.Tensor, token: int, q: torch.Tensor | None, generator: torch.Generator | None) -> VerdictMessage:
+    """Verify the drafted `token` against the target distribution `p` (both over the target vocabulary), on the host:
+    the verdict message (ACCEPT with the draft, or REJECT with the correction).
 
     `q is None` means greedy: `p` is one-hot and the draft is accepted iff it is the argmax. Otherwise
     `accept_or_correct`, read on the host (chain decoding decides on the host)."""
     if q is None:
         target = int(p.argmax())
-        return Judgement(token == target, target)
+        return VerdictMessage(Verdict.ACCEPT if token == target else Verdict.REJECT, target)
     accepted, verified = accept_or_correct(p, q, torch.tensor([token], device=p.device), generator)
-    return Judgement(bool(accepted), int(verified))
+    return VerdictMessage(Verdict.ACCEPT if bool(accepted) else Verdict.REJECT, int(verified))
 
 
 class Verifier:
