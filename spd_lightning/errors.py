@@ -16,3 +16,7 @@ class UserError(ValueError):
 
 class ConfigError(UserError):
     """A setting that cannot work (a config value, a command-line flag); the message names it and the fix."""
+
+
+class TargetError(UserError):
+    """A target that cannot be loaded or does not fit the request; one line that says why."""

@@ -22,7 +22,7 @@ import os
 import shutil
 import tempfile
 
-from .target_source import TargetError
+from .errors import TargetError
 
 log = logging.getLogger(__name__)
 

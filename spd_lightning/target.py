@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .target_source import TargetError, resolve_target
+from .errors import TargetError
+from .target_source import resolve_target
 
 log = logging.getLogger(__name__)
 
