@@ -7,7 +7,7 @@ A target is given as
 - a hub id `org/name[@revision]`: the local Hugging Face cache first (offline when cached), else a download.
 
 Training (`fit`, `validate`, `prepare`, `estimate`) and inference (`inference.decode`, `eval`, `serve`) all go
-through `resolve_target`, so a GGUF works everywhere a directory does (docs/DESIGN.md, "Targets").
+through `resolve_target`, so a GGUF works everywhere a directory does (docs/DESIGN.md, "Files").
 """
 
 from __future__ import annotations
