@@ -41,6 +41,19 @@ from .pdm import DecoderLayer, PDMConfig, PipelineDraftModule
 from .target import FrozenTargetHolder, Target, TargetError, load_hf_config
 
 
+# Compiled flex graphs a run may need per code object: {grad, no_grad, inference_mode} x {every copy's rows, the
+# loss copy's} x {a size specialized at 1 (one block, a last batch of 1) or not} (tests/test_recompile_limit.py).
+FLEX_RECOMPILE_LIMIT = 16
+
+
+def set_recompile_limit() -> None:
+    """What `fit` needs of dynamo: room for every variant of a run's compiled flex, and an error instead of the
+    silent fallback to eager flex (which builds the whole score matrix) if a run ever needs more."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, FLEX_RECOMPILE_LIMIT)
+    config.fail_on_recompile_limit_hit = True
+
+
 def check_right_padded(attention_mask: torch.Tensor) -> None:
     if not bool((attention_mask[:, :-1] >= attention_mask[:, 1:]).all()):
         raise ValueError(
@@ -228,6 +241,7 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
     # -- the frozen target (the `target` property: FrozenTargetHolder) ------------------------------
     def setup(self, stage: str) -> None:
         self._fsdp_unit_per_layer()
+        set_recompile_limit()
         if self._target is None:
             device = self.trainer.strategy.root_device
             target = Target.load(self.hparams.target, self.hparams.target_dtype, device, self.hparams.trust_remote_code)
