@@ -40,7 +40,6 @@ from .metrics import GroupedAgreement
 from .pdm import DecoderLayer, PDMConfig, PipelineDraftModule
 from .target import FrozenTargetHolder, Target, TargetError, load_hf_config
 
-
 # Compiled flex graphs a run may need per code object: {grad, no_grad, inference_mode} x {every copy's rows, the
 # loss copy's} x {a size specialized at 1 (one block, a last batch of 1) or not} (tests/test_recompile_limit.py).
 FLEX_RECOMPILE_LIMIT = 16
