@@ -116,8 +116,9 @@ class StaircaseEvaluation(L.Callback):
         was_training = pl_module.pdm.training
         pl_module.pdm.eval()
         try:
-            decoded, rows = self._decode(trainer, pl_module)
-            agreement = self._agreement(trainer, pl_module) if self.num_batches else None
+            with pl_module.evaluation_pdm() as pdm:  # under FSDP: a plain copy of the gathered parameters
+                decoded, rows = self._decode(trainer, pl_module, pdm)
+                agreement = self._agreement(trainer, pl_module, pdm) if self.num_batches else None
         finally:
             pl_module.pdm.train(was_training)
         metrics = self._metrics(decoded, agreement, pl_module.geometry.n)
@@ -130,10 +131,10 @@ class StaircaseEvaluation(L.Callback):
         )
         return metrics
 
-    def _decode(self, trainer, pl_module) -> tuple[torch.Tensor, list[list[Any]]]:
+    def _decode(self, trainer, pl_module, pdm) -> tuple[torch.Tensor, list[list[Any]]]:
         """Decode this rank's shard of the prompts; returns the summed counters (all ranks) and table rows."""
         n, world, rank = pl_module.geometry.n, trainer.world_size, trainer.global_rank
-        sim = Simulator(pl_module.target, pl_module.pdm, pl_module.geometry, self.sampling)
+        sim = Simulator(pl_module.target, pdm, pl_module.geometry, self.sampling)
         eos = target_eos(pl_module.target.config, getattr(pl_module.target.model, "generation_config", None))
         tok = getattr(trainer.datamodule, "tokenizer", None)
 
@@ -162,7 +163,7 @@ class StaircaseEvaluation(L.Callback):
             rows.append([i, text(ids), text(r.tokens), r.N, r.K, r.alpha])
         return self._sum(trainer, counts), self._gather(trainer, rows)
 
-    def _agreement(self, trainer, pl_module) -> torch.Tensor:
+    def _agreement(self, trainer, pl_module, pdm) -> torch.Tensor:
         """Teacher-forced top-1 agreement `[n+1 depths, n fills]` over every rank's batches (NaN: no output)."""
         n, world, rank = pl_module.geometry.n, trainer.world_size, trainer.global_rank
         metric = GroupedAgreement((n + 1) * n).to(pl_module.device)  # group: depth * n + (fill - 1)
@@ -173,7 +174,7 @@ class StaircaseEvaluation(L.Callback):
             if i % world != rank:
                 continue
             batch = {k: v.to(pl_module.device) if torch.is_tensor(v) else v for k, v in batch.items()}
-            agree, depth, fill = pl_module.staircase_agreement(batch, seed=self.seed + i)
+            agree, depth, fill = pl_module.staircase_agreement(batch, seed=self.seed + i, pdm=pdm)
             metric.update(agree, depth * n + (fill - 1))
         rate = torch.full(((n + 1) * n,), torch.nan, dtype=torch.float64)
         for group, value in metric.compute().items():  # compute() sums the counts over the ranks

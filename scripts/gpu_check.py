@@ -1,16 +1,21 @@
-"""The GPU check (SPEC 14): one prepared run on one GPU that finishes in under 8 minutes.
+"""The GPU check: one prepared run on one GPU that fails fast and always leaves numbers.
 
 Run it on the device machine (through the session's `run` tool) from the repository root:
 
     bash scripts/gpu_check.sh                  # writes gpu_check/gpu_check.json and gpu_check/gpu_check.md
     python scripts/gpu_check.py --tiny --device cpu --out DIR    # the CPU smoke test (seconds; tests/test_gpu_check.py)
 
-Random-init Qwen3.5-4B and -9B targets of their real shapes (spd_lightning/archs, bf16) measure:
-1. training-step tokens/s and peak memory at T=2048, n=8, L_s=3, both layouts, with and without activation
-   checkpointing, next to `spd_lightning.estimate`'s prediction for the same shape;
+First, within seconds, the shipped attention path: compiled flex forward and backward for both layouts at the
+shipped shape (n = 8, head_dim 256, bf16, T = 2048; `flex_compile` rows; on CPU the dense path stands in).
+Then random-init Qwen3.5-4B and -9B targets of their real shapes (spd_lightning/archs, bf16) measure:
+1. training-step tokens/s, step time, peak memory next to `spd_lightning.estimate`'s prediction, and MFU (the
+   estimate's FLOPs per token x tokens / step time / the GPU's dense bf16 peak) at T=2048, n=8, L_s=3, both
+   layouts, with and without activation checkpointing, with the Gated DeltaNet kernel path of the target
+   (`fla` kernels or the torch fallback: rows without the `gpu` extra are marked so);
 2. per-stage forward latency (one token after a prefill) for n in {4, 8};
 3. PDM draft latency for L_s in 1..4 (the in-flight view of a full pipeline over a cached prefix);
 4. a simulator greedy decode, checked identical to AR decoding on the same GPU.
+Every row is appended to `rows.jsonl` the moment it is measured, so a run cut short keeps what it measured.
 Sections that would overrun the time budget are skipped and listed as skipped. Only torch, transformers,
 lightning, torchmetrics, safetensors and numpy are imported (no datasets, wandb, jsonargparse, ShareGPT).
 """
@@ -61,6 +66,66 @@ TINY = dict(
     linear_num_value_heads=4,
     vocab_size=512,
 )
+
+
+# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by device name, from the vendors' data sheets.
+BF16_PEAK_TFLOPS = {
+    "H200": 989.0,
+    "H100": 989.0,
+    "H800": 989.0,
+    "A100": 312.0,
+    "A800": 312.0,
+    "L40S": 362.0,
+    "L4": 121.0,
+}
+
+
+def bf16_peak_flops(device_name: str) -> float | None:
+    return next((1e12 * tf for key, tf in BF16_PEAK_TFLOPS.items() if key in device_name), None)
+
+
+def emit(out: str, kind: str, row: dict) -> None:
+    """Append one measured row to rows.jsonl now (a run killed later keeps it)."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "rows.jsonl"), "a") as f:
+        f.write(json.dumps({"kind": kind, **row}, default=str) + "\n")
+
+
+def gpu_extra_installed() -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is not None for m in ("fla", "causal_conv1d"))
+
+
+def flex_compile_check(opts, device) -> list[dict]:
+    """The shipped attention path before anything else: flex (compiled on a GPU) forward and backward for both
+    layouts at n, T and head_dim 256 in the run's dtype, the query rows of every copy as the checkpointed layers
+    recompute them. On CPU, where flex has no backward, the dense path stands in (the smoke test)."""
+    from spd_lightning.training.layouts import build_layout
+
+    dtype = torch.bfloat16 if opts.dtype == "bfloat16" else torch.float32
+    backend = "flex" if device.type == "cuda" else "dense"
+    rows = []
+    for name in ("depth", "type"):
+        t0 = time.perf_counter()
+        row = {"layout": name, "backend": backend, "n": opts.n, "length": opts.length, "head_dim": opts.head_dim}
+        try:
+            layout = build_layout(name, Geometry.build(32, opts.n))
+            lengths = torch.full((1,), opts.length, device=device)
+            rep = layout.replicate(lengths, opts.length, layout.draw_fill(1, opts.length))
+            q, k, v = (
+                torch.randn(1, 2, rep.seq_len, opts.head_dim, device=device, dtype=dtype, requires_grad=True)
+                for _ in range(3)
+            )
+            rep.attend(backend)(0, q, k, v).float().square().mean().backward()
+            sync(device)
+            row.update(ok=True, finite=bool(torch.isfinite(q.grad).all()))
+        except Exception as e:  # noqa: BLE001 - the check reports any failure of the path as its result
+            row.update(ok=False, error=f"{type(e).__name__}: {str(e).strip()[:300]}")
+        row["seconds"] = time.perf_counter() - t0
+        emit(opts.out, "flex_compile", row)
+        rows.append(row)
+    return rows
 
 
 class Budget:
@@ -130,6 +195,7 @@ class StepTimer(L.Callback):
 
 
 def train_row(target: Target, config_dir: str, layout: str, checkpointing: bool, opts, device) -> dict:
+    """One training row: step time, tokens/s, peak memory vs the estimate, MFU."""
     on_gpu = device.type == "cuda"
     module = SPDModule(
         target=config_dir,
@@ -172,7 +238,9 @@ def train_row(target: Target, config_dir: str, layout: str, checkpointing: bool,
         "flex" if on_gpu else "dense",
         dict(module.hparams),
     )
-    predicted = estimate(shape, target.config)["total"]
+    predicted = estimate(shape, target.config)
+    flops = predicted["flops_per_token"] * opts.batch * opts.length / step_s
+    peak_flops = bf16_peak_flops(torch.cuda.get_device_name(device)) if on_gpu else None
     del module, trainer
     gc.collect()
     if on_gpu:
@@ -184,7 +252,9 @@ def train_row(target: Target, config_dir: str, layout: str, checkpointing: bool,
         "first_step_s": timer.times[0],
         "tokens_per_s": opts.batch * opts.length / step_s,
         "peak_gib": peak,
-        "estimate_gib": predicted / 2**30,
+        "estimate_gib": predicted["total"] / 2**30,
+        "model_tflops_per_s": flops / 1e12,
+        "mfu": None if peak_flops is None else flops / peak_flops,
     }
 
 
@@ -275,9 +345,12 @@ def check_arch(arch: str, opts, device, budget: Budget) -> dict:
     dtype = torch.bfloat16 if opts.dtype == "bfloat16" else torch.float32
     t0 = time.perf_counter()
     target, config_dir = build_target(arch, opts, device, dtype)
+    kernels = target.linear_attention_path
     result = {
         "arch": ARCHS[arch],
         "layers": target.num_layers,
+        "linear_attention_path": kernels,
+        "gpu_extra": gpu_extra_installed(),
         "params_b": sum(p.numel() for p in target.parameters()) / 1e9,
         "build_s": time.perf_counter() - t0,
         "train": [],
@@ -287,16 +360,22 @@ def check_arch(arch: str, opts, device, budget: Budget) -> dict:
     for layout in ("depth", "type"):
         for checkpointing in (False, True):
             if budget.allows(f"{arch} train {layout} ckpt={checkpointing}", opts.section_s):
-                result["train"].append(train_row(target, config_dir, layout, checkpointing, opts, device))
+                row = train_row(target, config_dir, layout, checkpointing, opts, device)
+                row.update(arch=ARCHS[arch], fallback=not result["gpu_extra"], linear_attention_path=kernels)
+                emit(opts.out, "train", row)
+                result["train"].append(row)
     prompt = torch.randint(0, target.vocab_size, (1, opts.prompt), device=device)
     for n in (4, 8):
         if budget.allows(f"{arch} stage latency n={n}", opts.section_s / 2):
             result["stage_latency_ms"][n] = [1e3 * s for s in stage_latencies(target, n, prompt, opts.repeats, device)]
+            emit(opts.out, "stage_latency", {"arch": ARCHS[arch], "n": n, "ms": result["stage_latency_ms"][n]})
     for ls in (1, 2, 3, 4):
         if budget.allows(f"{arch} draft latency L_s={ls}", opts.section_s / 4):
             result["draft_latency_ms"][ls] = 1e3 * draft_latency(target, ls, opts, prompt, device)
+            emit(opts.out, "draft_latency", {"arch": ARCHS[arch], "ls": ls, "ms": result["draft_latency_ms"][ls]})
     if budget.allows(f"{arch} decode check", opts.section_s):
         result["decode"] = decode_check(target, opts, device)
+        emit(opts.out, "decode", {"arch": ARCHS[arch], **result["decode"]})
     del target
     gc.collect()
     if device.type == "cuda":
@@ -312,8 +391,17 @@ def markdown(report: dict) -> str:
         f"({o['dtype']}), T={o['length']}, B={o['batch']}, n={o['n']}, L_s={o['ls']}, "
         f"V_d={o['draft_vocab']}.",
         "",
-        "| target | layers | layout | checkpointing | tokens/s | step s | first step s | peak GiB | estimate GiB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| layout | attention path | forward + backward | seconds |",
+        "| --- | --- | --- | --- |",
+    ]
+    for c in report.get("flex_compile", []):
+        result = "ok" if c["ok"] else f"FAILED: {c['error']}"
+        lines.append(f"| {c['layout']} | {c['backend']}, head_dim {c['head_dim']} | {result} | {c['seconds']:.1f} |")
+    lines += [
+        "",
+        "| target | layers | layout | checkpointing | tokens/s | step s | first step s | peak GiB | estimate GiB "
+        "| MFU | Gated DeltaNet |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in report["archs"]:
         for t in r["train"]:
@@ -321,7 +409,8 @@ def markdown(report: dict) -> str:
                 f"| {r['arch']} | {r['layers']} | {t['layout']} | {'yes' if t['checkpointing'] else 'no'} | "
                 f"{t['tokens_per_s']:.0f} | {t['step_s']:.3f} | {t['first_step_s']:.1f} | "
                 f"{'n/a' if t['peak_gib'] is None else format(t['peak_gib'], '.1f')} | "
-                f"{t['estimate_gib']:.1f} |"
+                f"{t['estimate_gib']:.1f} | {'n/a' if t['mfu'] is None else format(t['mfu'], '.1%')} | "
+                f"{(t['linear_attention_path'] or 'none').split(' (')[0]}{' (no gpu extra)' if t['fallback'] else ''} |"
             )
     lines += [
         "",
@@ -363,6 +452,7 @@ def parse(argv):
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--ls", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=256, help="head_dim of the flex compile check (the shipped PDM's)")
     p.add_argument("--draft-vocab", type=int, default=32000)
     p.add_argument("--steps", type=int, default=3, help="training steps per row (the first one compiles)")
     p.add_argument("--prompt", type=int, default=256, help="prompt length for the latency and decode checks")
@@ -373,7 +463,7 @@ def parse(argv):
     opts = p.parse_args(argv)
     if opts.tiny:
         opts.length, opts.draft_vocab, opts.steps, opts.prompt, opts.new_tokens, opts.repeats = 32, 64, 2, 16, 4, 2
-        opts.layers, opts.n = opts.layers or 8, 4
+        opts.layers, opts.n, opts.head_dim = opts.layers or 8, 4, 16
     opts.dtype = "bfloat16" if opts.device.startswith("cuda") else "float32"
     return opts
 
@@ -396,6 +486,12 @@ def main(argv=None) -> int:
     }
     if opts.layers:
         print(f"note: targets cut to {opts.layers} layers (the real models have 32)", flush=True)
+    report["flex_compile"] = flex_compile_check(opts, device)  # first: the shipped attention path, in seconds
+    report["skipped"], report["total_s"] = budget.skipped, time.perf_counter() - budget.start
+    write(report, opts.out)
+    if not all(c["ok"] for c in report["flex_compile"]):
+        print(markdown(report), flush=True)
+        return 1  # fail fast: training would only fail on the same path
     for arch in opts.archs:
         report["archs"].append(check_arch(arch, opts, device, budget))
         print(json.dumps(report["archs"][-1], default=str), flush=True)

@@ -10,7 +10,9 @@ Per GPU, at the peak of a step (the PDM's backward):
   target weights + PDM training state (fp32 weights, grads, AdamW moments; sharded by G under FSDP)
   + anchor states + the teacher over V_d + PDM activations (with or without checkpointing) + the loss tensors.
 The target's own no-grad forward peaks earlier (one layer's temporaries + full-vocabulary logits); the larger
-of the two phases counts. Checked against measured peaks in tests/test_estimate.py and docs/BENCHMARKS.md.
+of the two phases counts. Runtime buffers come on top (`_runtime_terms`): autocast's bf16 copies of the PDM's
+weights (bf16-mixed), DDP's gradient buckets (a second copy of the gradients, G > 1), FSDP's unsharded parameters
+and gradients of the units in flight, and, outside the allocator, the CUDA/NCCL context (`total_device`). Checked against measured peaks in tests/test_estimate.py and docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class Shape:
     checkpointing: bool
     backend: str  # attention backend: "flex" (GPU) or "dense" (CPU)
     module_args: dict
+    accelerator: str = "gpu"  # "cpu": no CUDA/NCCL context
 
 
 def read_config(path: str) -> Shape:
@@ -98,6 +101,7 @@ def read_config(path: str) -> Shape:
         checkpointing=bool(model.get("activation_checkpointing")),
         backend="dense" if backend == "dense" else "flex",
         module_args=model,
+        accelerator="cpu" if str(trainer.get("accelerator", "gpu")) == "cpu" else "gpu",
     )
 
 
@@ -136,8 +140,8 @@ def _layer_saved_bytes(c, act: int, mixed: bool) -> float:
 
 
 def _flops_per_token(tcfg, c, target_params: int, pdm: PipelineDraftModule, layout, T: int, opts: dict) -> float:
-    """Training FLOPs per token of the data: the target's no-grad forward (2 per weight, plus causal attention
-    over T/2 keys on its full-attention layers) and the PDM's forward + backward (6 per weight per row, 8 with
+    """Training FLOPs per token of the data: the target's no-grad forward (2 per weight, its head over V_d, plus
+    causal attention over T/2 keys on its full-attention layers) and the PDM's forward + backward (6 per weight per row, 8 with
     checkpointing's second forward; attention sees about T/2 keys per query). The PDM runs the fusion once per
     aggregation type, every copy through layers 0..L_s-2, and in its last layer every copy's keys and values
     but the loss copy's queries, output, MLP and head only (every copy when `aux_loss_weight` reads the others:
@@ -157,13 +161,41 @@ def _flops_per_token(tcfg, c, target_params: int, pdm: PipelineDraftModule, layo
     layer_rows = (c.num_layers - 1) * copies * layer + copies * kv + rows_out * (layer - kv)
     query_rows = (c.num_layers - 1) * copies + rows_out
     pdm_attn = query_rows * 4 * c.num_heads * c.head_dim * T / 2 * passes / 2
+    # The target's head runs on the V_d rows, its full vocabulary only every `full_vocab_metric_every_n_steps`.
+    every = opts["full_vocab_every"]
+    head = tcfg.hidden_size * (c.draft_vocab_size + (tcfg.vocab_size / every if every else 0))
     return (
-        2 * target_params
+        2 * (target_params - tcfg.vocab_size * tcfg.hidden_size + head)
         + target_attn
         + passes * (fusion + layer_rows)
         + pdm_attn
         + 6 * c.draft_vocab_size * c.hidden_size
     )
+
+
+# The CUDA context plus NCCL's communicator buffers per rank, outside PyTorch's allocator (inferred: a CUDA 12
+# context with torch's kernels loaded takes about 0.5 GiB, NCCL's buffers for 8 ranks a few hundred MiB).
+CUDA_CONTEXT_BYTES = 1.0 * GIB
+
+
+def _runtime_terms(shape: Shape, pdm: PipelineDraftModule, gpus: int, mixed: bool) -> dict:
+    """Buffers the runtime adds at the backward's peak, by the PDM's parameters (meta tensors)."""
+    params = [p.numel() for p in pdm.parameters()]
+    layer = sum(p.numel() for p in pdm.layers[0].parameters()) if len(pdm.layers) else 0
+    root = sum(params) - len(pdm.layers) * layer
+    out = {}
+    if mixed:  # autocast caches a bf16 copy of every matmul weight for the step; backward reads them
+        out["autocast_weight_copies"] = 2 * sum(p.numel() for p in pdm.parameters() if p.ndim >= 2)
+    if gpus > 1 and shape.strategy == "ddp":  # DDP's buckets hold a second fp32 copy of the gradients
+        out["ddp_grad_buckets"] = 4 * sum(params)
+    if gpus > 1 and shape.strategy == "fsdp":
+        # The root unit (fusion, norm, head) stays unsharded through the step; a layer unit and the next one
+        # (prefetched) are unsharded in the backward; a unit's full gradient exists until its reduce-scatter.
+        out["fsdp_full_params"] = 4 * (root + 2 * layer)
+        out["fsdp_full_grads"] = 4 * (root + layer)
+    if shape.accelerator == "gpu":
+        out["cuda_context"] = CUDA_CONTEXT_BYTES
+    return out
 
 
 def estimate(shape: Shape, tcfg, gpus: int = 1) -> dict:
@@ -200,7 +232,11 @@ def estimate(shape: Shape, tcfg, gpus: int = 1) -> dict:
         out[k] for k in ("anchor_states", "fusion", "teacher_vd", "student_logits", "dense_attention") if k in out
     )
     acts = out["activations_checkpointed" if shape.checkpointing else "activations_plain"]
-    persistent = out["target_weights"] + out["pdm_state"]
+    with torch.device("meta"):
+        pdm = PipelineDraftModule(c)
+    runtime = _runtime_terms(shape, pdm, gpus, mixed)
+    out.update(runtime)
+    persistent = out["target_weights"] + out["pdm_state"] + sum(v for k, v in runtime.items() if k != "cuda_context")
     out["total"] = persistent + max(out["target_forward"] + out["anchor_states"], pdm_phase + acts)
     out["total_plain"] = persistent + max(
         out["target_forward"] + out["anchor_states"], pdm_phase + out["activations_plain"]
@@ -208,9 +244,12 @@ def estimate(shape: Shape, tcfg, gpus: int = 1) -> dict:
     out["total_checkpointed"] = persistent + max(
         out["target_forward"] + out["anchor_states"], pdm_phase + out["activations_checkpointed"]
     )
-    opts = {"checkpointing": shape.checkpointing, "aux_loss_weight": shape.module_args.get("aux_loss_weight", 0.0)}
-    with torch.device("meta"):
-        pdm = PipelineDraftModule(c)
+    out["total_device"] = out["total"] + runtime.get("cuda_context", 0.0)  # what the GPU must hold
+    opts = {
+        "checkpointing": shape.checkpointing,
+        "aux_loss_weight": shape.module_args.get("aux_loss_weight", 0.0),
+        "full_vocab_every": shape.module_args.get("full_vocab_metric_every_n_steps", 0),
+    }
     out["flops_per_token"] = _flops_per_token(tcfg, c, target_params, pdm, layout, T, opts)
     out.update(target_params=target_params, pdm_params=pdm_params, gpus=gpus, replicated_length=S)
     return out
@@ -231,6 +270,17 @@ def report(path: str, shape: Shape, est: dict, gpu_mem: float) -> str:
         ("PDM activations, checkpointed", est["activations_checkpointed"]),
         ("target forward (no grad, full-vocab logits)", est["target_forward"]),
     ]
+    rows += [
+        (label, est[key])
+        for key, label in (
+            ("autocast_weight_copies", "autocast bf16 weight copies"),
+            ("ddp_grad_buckets", "DDP gradient buckets"),
+            ("fsdp_full_params", "FSDP unsharded parameters (units in flight)"),
+            ("fsdp_full_grads", "FSDP unsharded gradients (units in flight)"),
+            ("cuda_context", "CUDA/NCCL context (outside the allocator)"),
+        )
+        if key in est
+    ]
     lines = [
         f"estimate for {path}: B={shape.batch}, T={shape.length}, S={est['replicated_length']}, "
         f"precision {shape.precision}, target {est['target_params'] / 1e9:.2f} B params"
@@ -241,7 +291,7 @@ def report(path: str, shape: Shape, est: dict, gpu_mem: float) -> str:
         f"  {'peak per GPU, activation checkpointing':<52} {gib(est['total_checkpointed'])}",
         f"  {'training FLOPs per token':<52} {est['flops_per_token'] / 1e9:7.1f} GFLOP",
     ]
-    chosen = est["total"]
+    chosen = est["total_device"]
     verdict = "fits" if chosen <= gpu_mem * GIB else "does NOT fit"
     lines.append(
         f"  this config ({'checkpointed' if shape.checkpointing else 'plain'}): {gib(chosen).strip()} "

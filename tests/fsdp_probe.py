@@ -7,11 +7,34 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import FSDPStrategy
 
 
+def _full_state_dict_without_offload(module, world_size: int, rank0_only: bool = True):
+    """Lightning's full state-dict context with `offload_to_cpu=False`: on CPU, FSDP's offload "copy" of an
+    unsharded parameter is the parameter itself, whose storage FSDP frees right after; cloning it then segfaults
+    (rank 0, in `_full_post_state_dict_hook` and in `optim_state_dict`). On a GPU the offload is a real copy."""
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return FSDP.state_dict_type(
+        module=module,
+        state_dict_type=StateDictType.FULL_STATE_DICT,
+        state_dict_config=FullStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only),
+        optim_state_dict_config=FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only),
+    )
+
+
 class CPUFSDPStrategy(FSDPStrategy):
-    """Lightning's FSDPStrategy on CPU, for tests only. Two things stand in the way there: Lightning refuses the
+    """Lightning's FSDPStrategy on CPU, for tests only. Three things stand in the way there: Lightning refuses the
     `fsdp` strategy unless the accelerator is a GPU (it checks `type(strategy) is FSDPStrategy`, which a subclass
-    passes), and torch's FSDP refuses a CPU module unless `device_id` names the CPU explicitly, which Lightning
-    never does (it passes `root_device.index`, None on CPU). Everything else is Lightning's and torch's own code."""
+    passes); torch's FSDP refuses a CPU module unless `device_id` names the CPU explicitly, which Lightning
+    never does (it passes `root_device.index`, None on CPU); and Lightning's full state dict offloads to the CPU,
+    which on CPU frees what it then copies (`_full_state_dict_without_offload`). Everything else is Lightning's
+    and torch's own code."""
+
+    def __init__(self, *args, **kwargs):
+        from lightning.pytorch.strategies import fsdp as lightning_fsdp
+
+        super().__init__(*args, **kwargs)
+        lightning_fsdp._get_full_state_dict_context = _full_state_dict_without_offload
 
     def _setup_model(self, model):
         import torch
@@ -44,6 +67,8 @@ class FSDPProbe(Callback):
         target_params = list(pl_module.target.model.parameters())
         report = {
             "strategy": type(trainer.strategy).__name__,
+            "global_step": trainer.global_step,
+            "staircase_alpha": "staircase/alpha" in trainer.callback_metrics,
             "root_is_fsdp": isinstance(wrapped, FullyShardedDataParallel),
             "fsdp_units": sum(isinstance(m, FullyShardedDataParallel) for m in wrapped.modules()),
             "target_in_fsdp": any(id(p) in managed for p in target_params),

@@ -102,3 +102,23 @@ def test_fsdp_shards_the_pdm_state(tmp_path, capsys):
     ddp, sharded = estimates
     assert sharded["pdm_state"] == pytest.approx(ddp["pdm_state"] / 8)
     assert sharded["target_weights"] == ddp["target_weights"]  # every rank holds the whole frozen target
+
+
+def test_runtime_buffers_by_strategy_and_precision(tmp_path, capsys):
+    """DDP's gradient buckets (G > 1), FSDP's unsharded units, autocast's bf16 weight copies and the CUDA context."""
+    shipped = os.path.join(REPO, "configs", "qwen35_9b.yaml")
+    fsdp, fp32 = tmp_path / "fsdp.yaml", tmp_path / "fp32.yaml"
+    fsdp.write_text(f"# base: {shipped}\ntrainer:\n  strategy: fsdp\n")
+    fp32.write_text(f"# base: {shipped}\ntrainer:\n  precision: 32\n  accelerator: cpu\n")
+
+    def run(config, gpus):
+        assert main(["--config", str(config), "--gpus", str(gpus), "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    ddp8, ddp1, sharded, plain = run(shipped, 8), run(shipped, 1), run(fsdp, 8), run(fp32, 8)
+    assert ddp8["ddp_grad_buckets"] == pytest.approx(4 * ddp8["pdm_params"])  # +3.6 GiB at 9B
+    assert "ddp_grad_buckets" not in ddp1 and "ddp_grad_buckets" not in sharded
+    assert ddp8["total"] == pytest.approx(ddp1["total"] + ddp8["ddp_grad_buckets"])
+    assert 0 < sharded["fsdp_full_grads"] < sharded["fsdp_full_params"] < 4 * sharded["pdm_params"]
+    assert 0 < ddp8["autocast_weight_copies"] <= 2 * ddp8["pdm_params"] and "autocast_weight_copies" not in plain
+    assert ddp8["total_device"] == ddp8["total"] + ddp8["cuda_context"] and "cuda_context" not in plain

@@ -1,10 +1,9 @@
 """FSDP for the PDM (`trainer.strategy: fsdp`): the PDM is sharded, the frozen target is never wrapped or trained.
 
-Lightning allows its FSDP strategy only on GPUs, and torch's FSDP refuses CPU modules unless told the CPU device
-explicitly; `fsdp_probe.CPUFSDPStrategy` lifts exactly those two refusals so two real gloo processes run
-Lightning's and torch's FSDP code here (docs/DESIGN.md, "FSDP"). Saving a checkpoint under FSDP on CPU kills
-the run (rank 0 segfaults while the ranks gather the optimizer state), so this run saves none; that the target
-never enters a checkpoint is structural (it is not a submodule) and tested in test_rehearsal.py.
+Lightning allows its FSDP strategy only on GPUs, torch's FSDP refuses CPU modules unless told the CPU device
+explicitly, and Lightning's full state dict offloads to the CPU, which on CPU frees what it copies;
+`fsdp_probe.CPUFSDPStrategy` lifts exactly those so two real gloo processes run Lightning's and torch's FSDP code
+here (docs/DESIGN.md, "FSDP"): per-layer units, the staircase evaluation, saving and resuming.
 """
 
 import json
@@ -13,9 +12,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from kit import fit_args
 
 from spd_lightning import cli
+from spd_lightning.export import CKPT_KEY
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended")
@@ -36,44 +37,56 @@ def test_fsdp_resolves_from_a_shipped_config(capsys):
     assert exit_info.value.code == 0 and "strategy: fsdp" in capsys.readouterr().out
 
 
-@pytest.mark.timeout(300)
-def test_fsdp_two_cpu_processes_shard_the_pdm_and_leave_the_target_alone(micro_target, tmp_path):
+def fsdp_fit(target: str, root, *extra: str) -> list[dict]:
+    """A 2-process CPU FSDP `fit` with the staircase evaluation after every step and a checkpoint every 2 steps;
+    returns each rank's FSDPProbe report."""
     launched = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")  # from an earlier run
     env = {
         **{k: v for k, v in os.environ.items() if k not in launched},
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")]),
     }
-    probe = f"[{{class_path: fsdp_probe.FSDPProbe, init_args: {{out: {tmp_path}}}}}]"
-    cmd = [
-        sys.executable,
-        "-m",
-        "spd_lightning",
-        "fit",
-        *fit_args(
-            micro_target,
-            tmp_path,
-            "--trainer.max_steps",
-            "2",
-            "--trainer.devices",
-            "2",
-            "--trainer.accelerator",
-            "cpu",
-            "--trainer.strategy",
-            "{class_path: fsdp_probe.CPUFSDPStrategy}",
-            "--trainer.callbacks",
-            probe,
-            "--checkpoint.save_last",
-            "false",
-            "--checkpoint.save_top_k",
-            "0",
-        ),
-    ]
+    staircase = (
+        "{class_path: callbacks.StaircaseEvaluation, init_args: {every_n_steps: 1, num_prompts: 2, "
+        f"max_new_tokens: 4, num_batches: 1, prompts: {os.path.join(REPO, 'docs', 'demo_prompts.jsonl')}}}}}"
+    )
+    callbacks = f"[{{class_path: fsdp_probe.FSDPProbe, init_args: {{out: {root}}}}}, {staircase}]"
+    args = fit_args(
+        target,
+        root,
+        "--trainer.devices",
+        "2",
+        "--trainer.accelerator",
+        "cpu",
+        "--trainer.strategy",
+        "{class_path: fsdp_probe.CPUFSDPStrategy}",
+        "--trainer.callbacks",
+        callbacks,
+        "--checkpoint.dirpath",
+        str(root / "ckpt"),
+        "--checkpoint.every_n_train_steps",
+        "2",
+        *extra,
+    )
+    cmd = [sys.executable, "-m", "spd_lightning", "fit", *args]
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "gradient_clip_algorithm" not in result.stderr  # configs/tiny.yaml clips gradients, as every config does
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    for report in ranks:
+    return [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.timeout(600)
+def test_fsdp_two_cpu_processes_evaluate_save_and_resume(micro_target, tmp_path):
+    """Per-layer FSDP units, the staircase evaluation of a sharded PDM, a full checkpoint, and a resume from it."""
+    for report in fsdp_fit(micro_target, tmp_path, "--trainer.max_steps", "2"):
         assert report["strategy"] == "CPUFSDPStrategy" and report["root_is_fsdp"]
+        assert report["fsdp_units"] == 2  # the root (fusion, norm, head) and the one PDM decoder layer
+        assert report["staircase_alpha"] and report["global_step"] == 2
         assert not report["target_in_fsdp"] and not report["target_has_fsdp"] and report["target_full"]
         assert not report["target_requires_grad"] and report["sharding"] == ["FULL_SHARD over 2"]
+    last = tmp_path / "ckpt" / "last.ckpt"
+    saved = torch.load(last, map_location="cpu", weights_only=False)
+    assert saved["global_step"] == 2 and CKPT_KEY in saved and saved["optimizer_states"]
+    assert all(k.startswith("pdm.") and "_fsdp" not in k for k in saved["state_dict"])  # what `export` reads
+    resumed = fsdp_fit(micro_target, tmp_path, "--trainer.max_steps", "4", "--ckpt_path", str(last))
+    assert all(r["global_step"] == 3 and r["staircase_alpha"] for r in resumed)  # one epoch is 3 steps per rank

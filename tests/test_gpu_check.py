@@ -75,6 +75,13 @@ def test_gpu_check_smoke_on_cpu_without_optional_packages(tmp_path):
     assert arch["decode"]["identical"] and arch["decode"]["new_tokens"] == 4
     table = (out / "gpu_check.md").read_text()
     assert "| Qwen/Qwen3.5-4B | 8 | type | yes |" in table and "greedy SPD == AR" in table
+    assert [(c["layout"], c["ok"]) for c in report["flex_compile"]] == [("depth", True), ("type", True)]
+    rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]  # written as measured
+    kinds = [r["kind"] for r in rows]
+    assert kinds[:2] == ["flex_compile", "flex_compile"] and kinds.count("train") == 4 and "decode" in kinds
+    train = [r for r in rows if r["kind"] == "train"]
+    assert all(r["model_tflops_per_s"] > 0 and r["mfu"] is None for r in train)  # no bf16 peak for a CPU
+    assert all(r["fallback"] == (not arch["gpu_extra"]) and r["linear_attention_path"] for r in train)
     masks = {r["layout"]: r for r in report["block_mask"]}  # per step vs per shape, same blocks at least
     assert set(masks) == {"depth", "type"} and "FlexAttention block mask per step" in table
     assert all(

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Literal
 
 import torch
@@ -90,7 +90,7 @@ def index_table(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, device=device)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Replication:
     """One replicated batch: which features go where, the mask, and which outputs mean what.
 
@@ -209,40 +209,81 @@ class DepthLayout:
     def replicate(self, lengths: torch.Tensor, length: int, fill: torch.Tensor) -> Replication:
         n, T, device = self.geometry.n, length, lengths.device
         fill = to_device_async(fill, device)
-        B = lengths.shape[0]
-
-        def rows(b, q) -> DepthRows:
-            copy, pos = q // T, q % T
-            t = pos + copy
-            a = fill[b, t]
-            real = pos < lengths[b]
-            active = real & ((copy == n) | (copy < a))
-            cutoff = torch.where(active, torch.where(copy == n, pos, t - a), -1)
-            hi = torch.where(active & (copy < n), a, copy)
-            return DepthRows(copy=copy, time=t, active=active, cutoff=cutoff, stair_lo=copy, stair_hi=hi)
-
-        def mask_mod(b, h, q, kv):
-            row = rows(b, q)
-            kc, kp = kv // T, kv % T
-            prefix = (kc == n) & (kp <= row.cutoff)
-            stair = (kc >= row.stair_lo) & (kc < row.stair_hi) & (kp + kc == row.time)
-            return prefix | stair | (~row.active & (kv == q))
-
-        def plan(num_rows: int) -> TwoPartPlan:
-            q, slot_copy, slot_key = _depth_grid(n, T, num_rows, device)
-            row = rows(torch.arange(B, device=device)[:, None], q[None])
-            stair = torch.where(slot_copy < row.stair_hi[..., None], slot_key, -1)  # [B, R, W]
-            stair[..., 0] = torch.where(row.active, stair[..., 0], q)  # inactive and padding: self only
-            return TwoPartPlan(prefix_start=n * T, prefix_len=T, cutoff=row.cutoff.expand(B, -1), stair=stair)
-
+        mask = DepthMask(n=n, length=T, lengths=lengths, fill=fill)
         i = torch.arange(T, device=device)
         real = i[None, :] < lengths[:, None]
-        active = [real & (c < fill[:, i + c]) for c in range(n)] + [real]
-        fills = [fill[:, i + c] for c in range(n)] + [torch.full_like(fill[:, :T], n)]
-        shape = self.shape_masks(T, device)
         return Replication(
-            B, T, self.copy_types, self.copy_depths, 0, mask_mod, plan, active, fills, shape, lengths, device
+            batch=lengths.shape[0],
+            length=T,
+            copy_types=self.copy_types,
+            copy_depths=self.copy_depths,
+            loss_copy=0,
+            mask_mod=mask.mask_mod,
+            plan_fn=mask.plan,
+            active=[real & (c < fill[:, i + c]) for c in range(n)] + [real],
+            fill=[fill[:, i + c] for c in range(n)] + [torch.full_like(fill[:, :T], n)],
+            shape=self.shape_masks(T, device),
+            lengths=lengths,
+            device=device,
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DepthMask:
+    """The `depth` layout's structural mask of one batch (module docstring): its per-row quantities (`rows`), the
+    predicate read from them (`attends`, as FlexAttention's `mask_mod`) and the two-part factorization of the
+    first rows (`plan`). `fill[b, t]` is the fill level of drafting time `t`, `lengths[b]` the real tokens of
+    sample `b`."""
+
+    n: int
+    length: int
+    lengths: torch.Tensor
+    fill: torch.Tensor
+
+    def rows(self, b, q) -> DepthRows:
+        return _depth_rows(self.n, self.length, self.lengths, self.fill, b, q)
+
+    def attends(self, b, h, q, kv) -> torch.Tensor:
+        """Whether query `q` of sample `b` attends to key `kv` (index tensors that broadcast)."""
+        return _depth_attends(self.n, self.length, self.lengths, self.fill, b, q, kv)
+
+    @cached_property
+    def mask_mod(self) -> MaskMod:
+        """`attends` as the plain function FlexAttention requires, closing over the tensors themselves (what
+        dynamo compiles: CPU inductor fails on the same predicate read through attributes)."""
+        n, T, lengths, fill = self.n, self.length, self.lengths, self.fill
+
+        def mask_mod(b, h, q, kv):
+            return _depth_attends(n, T, lengths, fill, b, q, kv)
+
+        return mask_mod
+
+    def plan(self, num_rows: int) -> TwoPartPlan:
+        n, T, device, B = self.n, self.length, self.lengths.device, self.lengths.shape[0]
+        q, slot_copy, slot_key = _depth_grid(n, T, num_rows, device)
+        row = self.rows(torch.arange(B, device=device)[:, None], q[None])
+        stair = torch.where(slot_copy < row.stair_hi[..., None], slot_key, -1)  # [B, R, W]
+        stair[..., 0] = torch.where(row.active, stair[..., 0], q)  # inactive and padding: self only
+        return TwoPartPlan(prefix_start=n * T, prefix_len=T, cutoff=row.cutoff.expand(B, -1), stair=stair)
+
+
+def _depth_rows(n: int, T: int, lengths: torch.Tensor, fill: torch.Tensor, b, q) -> DepthRows:
+    copy, pos = q // T, q % T
+    t = pos + copy
+    a = fill[b, t]
+    real = pos < lengths[b]
+    active = real & ((copy == n) | (copy < a))
+    cutoff = torch.where(active, torch.where(copy == n, pos, t - a), -1)
+    hi = torch.where(active & (copy < n), a, copy)
+    return DepthRows(copy=copy, time=t, active=active, cutoff=cutoff, stair_lo=copy, stair_hi=hi)
+
+
+def _depth_attends(n: int, T: int, lengths: torch.Tensor, fill: torch.Tensor, b, q, kv) -> torch.Tensor:
+    row = _depth_rows(n, T, lengths, fill, b, q)
+    kc, kp = kv // T, kv % T
+    prefix = (kc == n) & (kp <= row.cutoff)
+    stair = (kc >= row.stair_lo) & (kc < row.stair_hi) & (kp + kc == row.time)
+    return prefix | stair | (~row.active & (kv == q))
 
 
 class TypeLayout:
@@ -274,62 +315,111 @@ class TypeLayout:
         """One fill level for the whole step, repeated per sample."""
         return self.fill_dist.sample(self.geometry.n, (1,), generator).expand(batch).clone()
 
-    def _rows(self, lengths: torch.Tensor, T: int, fill: torch.Tensor) -> Callable[..., TypeRows]:
-        """The per-row quantities of the mask, as a function of (batch, query) index tensors."""
-        jq_of_block = index_table(tuple(self.jq), lengths.device)
-
-        def rows(b, q) -> TypeRows:
-            t = q % T
-            a, real, jq = fill[b], t < lengths[b], jq_of_block[q // T]
-            delta0 = torch.minimum((self.first_deep_j - jq).clamp(min=0), a)
-            cutoff = torch.where(real, t - delta0, -1)
-            return TypeRows(time=t, fill=a, real=real, inflight_index=jq, stair_width=delta0, cutoff=cutoff)
-
-        return rows
-
     def replicate(self, lengths: torch.Tensor, length: int, fill: torch.Tensor) -> Replication:
-        n, T, device = self.geometry.n, length, lengths.device
+        T, device = length, lengths.device
         fill = to_device_async(fill, device)
         B, m = lengths.shape[0], len(self.copy_types)
-        block_of_j = index_table(tuple(self.block_of_j), device)
-        rows = self._rows(lengths, T, fill)
+        mask = TypeMask(
+            n=self.geometry.n,
+            length=T,
+            lengths=lengths,
+            fill=fill,
+            block_of_j=tuple(self.block_of_j),
+            jq=tuple(self.jq),
+            first_deep_j=self.first_deep_j,
+            block_table=index_table(tuple(self.block_of_j), device),
+            jq_table=index_table(tuple(self.jq), device),
+        )
+        real = torch.arange(T, device=device)[None, :] < lengths[:, None]
+        return Replication(
+            batch=B,
+            length=T,
+            copy_types=self.copy_types,
+            copy_depths=self.copy_depths,
+            loss_copy=self.block_of_j[0],
+            mask_mod=mask.mask_mod,
+            plan_fn=mask.plan,
+            active=[real] * m,
+            fill=[fill[:, None].expand(B, T)] * m,
+            shape=self.shape_masks(T, device),
+            lengths=lengths,
+            device=device,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TypeMask:
+    """The `type` layout's structural mask of one batch (`TypeLayout`): per-row quantities (`rows`), the
+    predicate (`attends`, as FlexAttention's `mask_mod`) and the two-part factorization of the first rows
+    (`plan`). `fill[b]` is the step's fill level, `block_of_j[j]` the block of in-flight index `j`, `jq[beta]` the
+    index block `beta` stands for, `first_deep_j` the first index in the deepest block."""
+
+    n: int
+    length: int
+    lengths: torch.Tensor
+    fill: torch.Tensor
+    block_of_j: tuple[int, ...]
+    jq: tuple[int, ...]
+    first_deep_j: int
+    block_table: torch.Tensor  # block_of_j and jq on the device, made once (`index_table`)
+    jq_table: torch.Tensor
+
+    def _args(self) -> tuple:
+        deepest = len(self.jq) - 1  # a Python int: from a tensor's shape it would be symbolic under dynamic=True
+        return (
+            self.n,
+            self.length,
+            self.lengths,
+            self.fill,
+            self.block_table,
+            self.jq_table,
+            self.first_deep_j,
+            deepest,
+        )
+
+    def rows(self, b, q) -> TypeRows:
+        return _type_rows(*self._args(), b, q)
+
+    def attends(self, b, h, q, kv) -> torch.Tensor:
+        """Whether query `q` of sample `b` attends to key `kv` (index tensors that broadcast)."""
+        return _type_attends(*self._args(), b, q, kv)
+
+    @cached_property
+    def mask_mod(self) -> MaskMod:
+        """`attends` as the plain function FlexAttention requires, closing over the tensors themselves."""
+        args = self._args()
 
         def mask_mod(b, h, q, kv):
-            row = rows(b, q)
-            kb, kt = kv // T, kv % T
-            delta = row.time - kt
-            staircase_block = block_of_j[(row.inflight_index + delta).clamp(0, n)]
-            key_block = torch.where(delta < row.fill, staircase_block, self.deepest)
-            return (row.real & (delta >= 0) & (kb == key_block)) | (~row.real & (kv == q))
+            return _type_attends(*args, b, q, kv)
 
-        def plan(num_rows: int) -> TwoPartPlan:
-            q, delta, slot_key = _type_grid(tuple(self.block_of_j), self.first_deep_j, T, num_rows, device)
-            row = rows(torch.arange(B, device=device)[:, None], q[None])
-            ok = row.real[..., None] & (delta < row.stair_width[..., None]) & (slot_key >= 0)
-            stair = torch.where(ok, slot_key, -1)  # [B, R, W]
-            stair[..., 0] = torch.where(row.real, stair[..., 0], q)  # padding: self only
-            return TwoPartPlan(
-                prefix_start=self.deepest * T, prefix_len=T, cutoff=row.cutoff.expand(B, -1), stair=stair
-            )
+        return mask_mod
 
-        i = torch.arange(T, device=device)
-        real = i[None, :] < lengths[:, None]
-        fills, loss_block = [fill[:, None].expand(B, T)] * m, self.block_of_j[0]
-        shape = self.shape_masks(T, device)
-        return Replication(
-            B,
-            T,
-            self.copy_types,
-            self.copy_depths,
-            loss_block,
-            mask_mod,
-            plan,
-            [real] * m,
-            fills,
-            shape,
-            lengths,
-            device,
-        )
+    def plan(self, num_rows: int) -> TwoPartPlan:
+        device, B, T = self.lengths.device, self.lengths.shape[0], self.length
+        q, delta, slot_key = _type_grid(self.block_of_j, self.first_deep_j, T, num_rows, device)
+        row = self.rows(torch.arange(B, device=device)[:, None], q[None])
+        ok = row.real[..., None] & (delta < row.stair_width[..., None]) & (slot_key >= 0)
+        stair = torch.where(ok, slot_key, -1)  # [B, R, W]
+        stair[..., 0] = torch.where(row.real, stair[..., 0], q)  # padding: self only
+        deepest = len(self.jq) - 1
+        return TwoPartPlan(prefix_start=deepest * T, prefix_len=T, cutoff=row.cutoff.expand(B, -1), stair=stair)
+
+
+def _type_rows(n, T, lengths, fill, block_table, jq_table, first_deep_j, deepest, b, q) -> TypeRows:
+    t = q % T
+    a, real, jq = fill[b], t < lengths[b], jq_table[q // T]
+    delta0 = torch.minimum((first_deep_j - jq).clamp(min=0), a)
+    cutoff = torch.where(real, t - delta0, -1)
+    return TypeRows(time=t, fill=a, real=real, inflight_index=jq, stair_width=delta0, cutoff=cutoff)
+
+
+def _type_attends(n, T, lengths, fill, block_table, jq_table, first_deep_j, deepest, b, q, kv) -> torch.Tensor:
+    row = _type_rows(n, T, lengths, fill, block_table, jq_table, first_deep_j, deepest, b, q)
+    kb, kt = kv // T, kv % T
+    delta = row.time - kt
+    staircase_block = block_table[(row.inflight_index + delta).clamp(0, n)]
+    key_block = torch.where(delta < row.fill, staircase_block, deepest)
+    return (row.real & (delta >= 0) & (kb == key_block)) | (~row.real & (kv == q))
 
 
 def _shape_masks(layout, T: int, uniform_fill: Callable[[int], torch.Tensor], device: torch.device) -> ShapeMasks:

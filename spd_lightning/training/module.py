@@ -34,11 +34,23 @@ from lightning.pytorch.utilities import rank_zero_info
 from ..errors import ConfigError
 from ..export import CKPT_KEY, DrafterSpec
 from ..geometry import Features, Geometry, Schedule
-from ..pdm import PDMConfig, PipelineDraftModule
+from ..pdm import DecoderLayer, PDMConfig, PipelineDraftModule
 from ..target import FrozenTargetHolder, Target, TargetError, load_hf_config
 from .attention import Backend
 from .layouts import FillDistribution, LayoutName, Replication, build_layout
 from .metrics import GroupedAgreement
+
+# Compiled flex graphs a run may need per code object: {grad, no_grad, inference_mode} x {every copy's rows, the
+# loss copy's} x {a size specialized at 1 (one block, a last batch of 1) or not} (tests/test_recompile_limit.py).
+FLEX_RECOMPILE_LIMIT = 16
+
+
+def set_recompile_limit() -> None:
+    """What `fit` needs of dynamo: room for every variant of a run's compiled flex, and an error instead of the
+    silent fallback to eager flex (which builds the whole score matrix) if a run ever needs more."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, FLEX_RECOMPILE_LIMIT)
+    config.fail_on_recompile_limit_hit = True
 
 
 def check_right_padded(attention_mask: torch.Tensor) -> None:
@@ -54,6 +66,7 @@ class ReplicatedForward:
     """One replicated PDM forward of a batch (`SPDModule._forward`)."""
 
     rep: Replication
+    pdm: PipelineDraftModule  # the PDM that ran (its head makes the drafts)
     hidden: torch.Tensor  # [B, T, d] (the loss copy only) or [B, S, d] (every copy)
     teacher: torch.Tensor  # [B, T, V_d] the target's logits over the draft vocabulary
     outside_vd: torch.Tensor | None  # [B, T] the full-vocabulary argmax lies outside V_d; None: not computed
@@ -226,6 +239,8 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
 
     # -- the frozen target (the `target` property: FrozenTargetHolder) ------------------------------
     def setup(self, stage: str) -> None:
+        self._fsdp_unit_per_layer()
+        set_recompile_limit()
         if self._target is None:
             device = self.trainer.strategy.root_device
             target = Target.load(self.hparams.target, self.hparams.target_dtype, device, self.hparams.trust_remote_code)
@@ -237,6 +252,36 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
             # object.__setattr__ keeps the target out of nn.Module registration (params, state_dict, .to()).
             object.__setattr__(self, "_target", target)
             self._target_info = target.info
+
+    def _fsdp_unit_per_layer(self) -> None:
+        """Under FSDP each PDM decoder layer is its own unit (its parameters gathered only around its forward and
+        backward) and the root unit holds the rest (fusion, norm, head). Set here, before the strategy wraps the
+        module; a strategy given its own `auto_wrap_policy` keeps it."""
+        from lightning.pytorch.strategies import FSDPStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if isinstance(strategy, FSDPStrategy) and strategy.kwargs.get("auto_wrap_policy") is None:
+            strategy.kwargs["auto_wrap_policy"] = ModuleWrapPolicy({DecoderLayer})
+
+    @contextmanager
+    def evaluation_pdm(self):
+        """The PDM for code that calls it outside the wrapped forward (the staircase evaluation). Under FSDP the
+        parameters are sharded between forwards and a wrapped layer's forward is a collective every rank must join,
+        while the evaluation splits its prompts and batches over the ranks: a plain copy holding the gathered
+        parameters stands in (one PDM's worth of memory while it runs). Under FSDP every rank must enter it."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        wrapped = self._trainer.strategy.model if self._trainer is not None else None
+        if not isinstance(wrapped, FullyShardedDataParallel):
+            yield self.pdm
+            return
+        with FullyShardedDataParallel.summon_full_params(wrapped, writeback=False, recurse=True):
+            tensors = [*self.pdm.named_parameters(), *self.pdm.named_buffers()]
+            gathered = {name.replace("_fsdp_wrapped_module.", ""): t.detach().clone() for name, t in tensors}
+        plain = PipelineDraftModule(self.pdm.cfg).to(self.device)
+        plain.load_state_dict({name: gathered[name] for name in plain.state_dict()})
+        yield plain.eval()
 
     def use_target(self, target: Target) -> None:
         """Train against this already-loaded target instead of loading `hparams.target` in `setup` (benchmarks
@@ -293,12 +338,18 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         return batch
 
     def _forward(
-        self, batch: dict, generator: torch.Generator, every_copy: bool = True, full_vocab: bool = True
+        self,
+        batch: dict,
+        generator: torch.Generator,
+        every_copy: bool = True,
+        full_vocab: bool = True,
+        pdm: PipelineDraftModule | None = None,
     ) -> ReplicatedForward:
         """The replicated forward. With `every_copy` False only the loss copy's outputs are computed (`hidden[B, T,
         d]`, the first `T` rows; the last PDM layer runs the other copies as keys and values only); otherwise every
         copy's (`hidden[B, S, d]`). With `full_vocab` False the target's head runs on the `V_d` rows only and
-        `outside_vd` is None."""
+        `outside_vd` is None. `pdm`: another PDM than `self.pdm` (`evaluation_pdm`)."""
+        pdm = pdm or self.pdm
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
         with self._teacher_head(full_vocab):
             states, logits = self.target.anchor_states(input_ids, attention_mask, self.geometry.anchors)
@@ -306,8 +357,8 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         del logits  # the full-vocabulary logits are freed before the PDM's activations are allocated
         B, T = input_ids.shape
         rep = self.layout.replicate(attention_mask.sum(1), T, self.layout.draw_fill(B, T, generator))
-        g = rep.features(self.pdm.fuse, states.to(self.pdm.lm_head.weight.dtype))
-        hidden = self.pdm.body(
+        g = rep.features(pdm.fuse, states.to(pdm.lm_head.weight.dtype))
+        hidden = pdm.body(
             g,
             rep.positions(),
             rep.attend(self.hparams.attention_backend),
@@ -316,6 +367,7 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         )
         return ReplicatedForward(
             rep=rep,
+            pdm=pdm,
             hidden=hidden,
             teacher=teacher,
             outside_vd=outside_vd,
@@ -354,7 +406,7 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         """KL(P || q) at every output of `copy`, `[B, T]`, counted where the output is active and predicts a loss
         token. Fixed shapes, no boolean indexing: the head runs on all `T` outputs of the copy."""
         rep = fwd.rep
-        student = self.pdm.lm_head(fwd.hidden[:, rep.copy_slice(copy)]).float()
+        student = fwd.pdm.lm_head(fwd.hidden[:, rep.copy_slice(copy)]).float()
         restricted = fwd.teacher.float()
         log_p = F.log_softmax(restricted / self.hparams.teacher_temperature, dim=-1)
         kl = (log_p.exp() * (log_p - F.log_softmax(student, dim=-1))).sum(-1)
@@ -414,11 +466,14 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
                 self.val_agree_fill.update(agree, d.fill)
 
     @torch.no_grad()
-    def staircase_agreement(self, batch: dict, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def staircase_agreement(
+        self, batch: dict, seed: int = 0, pdm: PipelineDraftModule | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Teacher-forced top-1 agreement of every view output of every copy on `batch`, with fill draws
-        seeded by `seed`: `(agree, depth, fill)`, one entry per output (the staircase evaluation's heatmap)."""
+        seeded by `seed`: `(agree, depth, fill)`, one entry per output (the staircase evaluation's heatmap).
+        `pdm`: the PDM to evaluate (`evaluation_pdm`), by default `self.pdm`."""
         check_right_padded(batch["attention_mask"])
-        fwd = self._forward(batch, torch.Generator().manual_seed(seed), full_vocab=False)
+        fwd = self._forward(batch, torch.Generator().manual_seed(seed), full_vocab=False, pdm=pdm)
         agree, depth, fill = [], [], []
         for c in range(fwd.rep.num_copies):
             d = self._distill(fwd, c).selected()
