@@ -1,4 +1,4 @@
-"""Staircase evaluation: what a user watches while a drafter trains (SPEC section 6).
+"""Staircase evaluation: what a user watches while a drafter trains (docs/DESIGN.md, "Staircase evaluation").
 
 Every `every_n_steps` optimizer steps, at the end of `fit`, and in `validate`, the callback decodes a
 held-out prompt set with the single-process simulator (`inference.cycle.simulator`, the same scheduler the

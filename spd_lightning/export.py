@@ -1,4 +1,4 @@
-"""The drafter directory (SPEC 4.6) and loading a drafter from it or from a Lightning `.ckpt`.
+"""The drafter directory (docs/DESIGN.md, "Export") and loading a drafter from it or from a Lightning `.ckpt`.
 
     DIR/config.json        {"format_version", "pdm": PDMConfig, "geometry": Geometry, "target": TargetInfo}
     DIR/model.safetensors  PDM weights, `d2t` included

@@ -1,4 +1,4 @@
-"""The staircase geometry of SPD, defined once (SPEC sections 2, 4.3, 5.1, 5.4).
+"""The staircase geometry of SPD, defined once (docs/DESIGN.md, "Terms", "Simulated fill levels", "The decode schedule", "Baselines and ablations").
 
 Everything that depends on *which target states a token has reached* lives here: the stage split
 `e_0..e_n`, the anchor layers, depth -> eligible anchors -> aggregation type, the depth of the j-th
@@ -17,7 +17,7 @@ from .errors import UserError
 Schedule = Literal["pre_step", "post_step"]
 Features = Literal["spd", "first_stage"]
 ANCHOR_PRESETS = ("quarters", "n_scaled")
-# The decoding modes of SPEC 5.4 that use a drafter: mode -> (schedule, features). `ar` needs none.
+# The decoding modes (docs/DESIGN.md, "Baselines and ablations") that use a drafter: mode -> (schedule, features). `ar` needs none.
 MODES: dict[str, tuple[Schedule, Features]] = {
     "spd": ("pre_step", "spd"),
     "post_step": ("post_step", "spd"),
@@ -55,7 +55,7 @@ def check_split(split: Sequence[int], num_layers: int, n: int) -> list[int]:
 
 
 def anchor_preset(name: str, num_layers: int, n: int) -> list[int]:
-    """The two named anchor rules of SPEC section 2, clipped to `L` and deduplicated."""
+    """The two named anchor rules (docs/DESIGN.md, "Terms"), clipped to `L` and deduplicated."""
     L = num_layers
     if name == "quarters":  # the paper: [0, L/4, L/2, 3L/4, L-1]
         raw = [0, L // 4, L // 2, (3 * L) // 4, L - 1]
@@ -124,7 +124,7 @@ class Geometry:
     def __post_init__(self):
         object.__setattr__(self, "_types", tuple(self._type_of(k) for k in range(self.n + 1)))
 
-    # -- decoding mode (SPEC 5.4) ---------------------------------------------------------------
+    # -- decoding mode (docs/DESIGN.md, "Baselines and ablations") ---------------------------------------------------------------
     @property
     def mode(self) -> str:
         """The decoding mode this geometry's (schedule, features) stand for: `spd`, `post_step` or `ppsd`."""

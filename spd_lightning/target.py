@@ -1,4 +1,4 @@
-"""The frozen target: load any HF causal LM and read its anchor states (SPEC sections 2, 8).
+"""The frozen target: load any HF causal LM and read its anchor states (docs/DESIGN.md, "Terms", "Real parts, offline").
 
 `Target` wraps a Hugging Face causal LM (Qwen3, Qwen3.5 and its conditional-generation checkpoint,
 Llama, ...) and exposes the pieces the rest of the project needs without caring about the family:

@@ -1,4 +1,4 @@
-"""Build the embedded default target: a tiny Qwen3.5-architecture chat model, entirely offline (SPEC 8).
+"""Build the embedded default target: a tiny Qwen3.5-architecture chat model, entirely offline (docs/DESIGN.md, "Real parts, offline").
 
     python -m spd_lightning.tiny_target --out artifacts/tiny_target [--arch qwen3_5|qwen3] [--max-steps 360]
         [--minutes M] [--threads 2] [--seed 0]

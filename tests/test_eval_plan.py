@@ -153,7 +153,7 @@ def test_plan_cost_model_by_hand():
     assert (b["cycle"], b["draft_bound"]) == (3.5, True) and b["speedup"] == pytest.approx(0.5 * 8 / 3.5)
     rows, best = spd_plan.plan(m, {(4, 1): 0.75, (8, 3): 0.5, (2, 1): 0.9})  # 2.4, 1.14, 8*0.9/4.5 = 1.6
     assert (best["n"], best["L_s"]) == (4, 1) and [r["n"] for r in rows] == [4, 2, 8]
-    # with no overhead the model reduces to SPEC 6's formulas (r = draft / T_full)
+    # with no overhead the model reduces to the formulas of docs/DESIGN.md, "Speedup formulas" (r = draft / T_full)
     free = spd_plan.CostModel(t_full=8.0, t_draft_layer=1.0)
     post = spd_plan.CostModel(t_full=8.0, t_draft_layer=1.0, schedule="post_step")
     for n, L_s in ((4, 1), (8, 3), (2, 1)):

@@ -1,4 +1,4 @@
-"""Fault injection into the multi-process decoder (gloo, CPU, SPEC 5.3: a failed rank ends the run with a
+"""Fault injection into the multi-process decoder (gloo, CPU, docs/DESIGN.md, "Processes": a failed rank ends the run with a
 clear error on every rank, never a hang).
 
 A rank that dies, raises or stalls at a chosen point - prefill, steady state, right after a rejection

@@ -1,4 +1,4 @@
-"""Stage splits, anchor presets, depth -> type, and the staircase view (SPEC section 2)."""
+"""Stage splits, anchor presets, depth -> type, and the staircase view (docs/DESIGN.md, "Terms")."""
 
 import pytest
 

@@ -235,7 +235,7 @@ def test_too_few_gpus_is_refused(monkeypatch):
 
 
 def test_the_decoder_deploys_without_training_code():
-    """SPEC 10: importing every decoder module pulls in neither Lightning nor the LightningModule."""
+    """docs/DESIGN.md, "Architecture rules": importing every decoder module pulls in neither Lightning nor the LightningModule."""
     code = (
         "import sys, pkgutil, importlib, inference\n"
         "for m in pkgutil.walk_packages(inference.__path__, 'inference.'): importlib.import_module(m.name)\n"

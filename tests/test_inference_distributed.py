@@ -1,4 +1,4 @@
-"""The multi-process decoder over gloo: n stage ranks + 1 PDM rank as real processes (SPEC 5.2, 5.3).
+"""The multi-process decoder over gloo: n stage ranks + 1 PDM rank as real processes (docs/DESIGN.md, "Lossless", "Processes").
 
 Lossless against AR and identical (tokens, N, K, counters) to the one-process simulator; the closed forms
 with replay drafters; the same random streams under sampling; and failures that end every rank fast.

@@ -1,6 +1,6 @@
 import pytest
 
-"""Under sampling the pipeline's output distribution is the target's (SPEC 5.2), checked end to end.
+"""Under sampling the pipeline's output distribution is the target's (docs/DESIGN.md, "Lossless"), checked end to end.
 
 A tiny-vocabulary target and a random PDM over part of that vocabulary (so drafts are often rejected and
 some tokens can only come from the residual) decode the first three tokens under many seeds; the

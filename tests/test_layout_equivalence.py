@@ -1,4 +1,4 @@
-"""Every output of every copy of the replicated training forward equals its explicit computation (SPEC 4.2-4.4).
+"""Every output of every copy of the replicated training forward equals its explicit computation (docs/DESIGN.md, "Sequence replication", "Simulated fill levels", "The structural mask").
 
 `layout: depth` (any `L_s`): copy `c < n`, position `i` is `x_i` as the `c`-th newest in-flight token of the
 view of drafting time `t = i + c` with fill `a(t)`; when active (`c < a(t)`) its output must equal a plain
@@ -8,7 +8,7 @@ only to themselves: their output is a one-token forward of their own feature.
 
 `layout: type` (`L_s = 1`): the loss block at `t` equals the forward over `Geometry.view(t, a)`; block
 `beta` of representative depth `d` at `t` equals the forward over keys `T <= t` of type `tau(min(n, d + t - T))`
-when `t - T < a`, else `tau(n)` (SPEC 4.2). Padding: self only.
+when `t - T < a`, else `tau(n)` (docs/DESIGN.md, "Sequence replication"). Padding: self only.
 
 Grid: n in {2, 4, 8}, L_s in {1, 2, 3} (type layout at L_s = 1), T = 64, three right-padded sequences,
 every CPU backend (dense, two-part, FlexAttention eager, and compiled FlexAttention where the attention
@@ -127,7 +127,7 @@ def explicit_depth(pdm, geometry: Geometry, states, length: int, fill) -> dict:
 
 
 def explicit_type(pdm, geometry: Geometry, layout: TypeLayout, states, length: int, a: int) -> dict:
-    """`(block, t) -> logits` for every real output of one sequence under fill `a` (SPEC 4.2's rule)."""
+    """`(block, t) -> logits` for every real output of one sequence under fill `a` (the rule in docs/DESIGN.md, "Sequence replication")."""
     n, out, explicit = geometry.n, {}, Explicit(pdm, states)
     for block, d in enumerate(layout.copy_depths):
         for t in range(length):

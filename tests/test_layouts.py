@@ -1,4 +1,4 @@
-"""The defining equivalence of the training layouts (SPEC 4.4) and the agreement of the attention backends.
+"""The defining equivalence of the training layouts (docs/DESIGN.md, "The structural mask") and the agreement of the attention backends.
 
 For random drafting times `t` and fill levels `a`, the loss-copy logits at position `t` of ONE replicated
 forward must equal a separate plain PDM forward over the explicit staircase view `geometry.view(t, a)`

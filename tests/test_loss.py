@@ -1,4 +1,4 @@
-"""A known-answer test of the training loss (SPEC 4.5), computed by hand in numpy.
+"""A known-answer test of the training loss (docs/DESIGN.md, "Loss, optimizer, checkpoints"), computed by hand in numpy.
 
 The loss of one `SPDModule.training_step` on a small padded batch must equal, to float tolerance,
 

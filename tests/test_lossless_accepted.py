@@ -1,4 +1,4 @@
-"""Lossless decoding with a drafter that is accepted most of the time (SPEC 5.1, 5.2).
+"""Lossless decoding with a drafter that is accepted most of the time (docs/DESIGN.md, "The decode schedule", "Lossless").
 
 A random PDM is almost never accepted, so the pipeline rarely runs at deep fill levels with the live
 `PDMDrafter`. Here the target is made nearly a bigram model (its attention and MLP outputs are scaled

@@ -1,4 +1,4 @@
-"""Resume (SPEC 4.5): the data position survives a checkpoint (same order, same shard, same next batch), a
+"""Resume (docs/DESIGN.md, "Loss, optimizer, checkpoints"): the data position survives a checkpoint (same order, same shard, same next batch), a
 resumed run trains exactly what the uninterrupted run trains, and a killed `fit` leaves a loadable `last.ckpt`."""
 
 import io

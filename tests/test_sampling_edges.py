@@ -1,4 +1,4 @@
-"""Sampling settings at their edges (SPEC 5.1): a vanishing temperature is the greedy limit, impossible
+"""Sampling settings at their edges (docs/DESIGN.md, "Verification"): a vanishing temperature is the greedy limit, impossible
 temperatures are user errors, and a replay drafter's tokens live on the runner's device."""
 
 import math

@@ -1,4 +1,4 @@
-"""Under sampling the pipeline's output distribution is the target's (SPEC 5.2), with a stated power.
+"""Under sampling the pipeline's output distribution is the target's (docs/DESIGN.md, "Lossless"), with a stated power.
 
 What is tested. A tiny target (vocabulary 8) and a PDM over the 5 tokens the target produces most (so `q`
 is zero on tokens the target still produces, and the draft vocabulary is larger than `top_k`), built near

@@ -1,4 +1,4 @@
-"""Target loading and anchor states (SPEC sections 2, 8)."""
+"""Target loading and anchor states (docs/DESIGN.md, "Terms", "Real parts, offline")."""
 
 import pytest
 import torch

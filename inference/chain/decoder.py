@@ -1,4 +1,4 @@
-"""Chain speculative decoding (the EAGLE-3 baseline, SPEC 12): k drafts, ONE target forward over k + 1.
+"""Chain speculative decoding (the EAGLE-3 baseline, docs/DESIGN.md, "The EAGLE-3 baseline"): k drafts, ONE target forward over k + 1.
 
 Each round the drafter chains `d_1..d_k` from the last committed row; the target runs the last committed
 token and the drafts, `[x_t, d_1..d_k]` at positions `t..t+k`, in one forward (inference/chain/target.py).
@@ -13,7 +13,7 @@ The round yields `tau` = accepted + 1 tokens. The target cache is rolled back to
 whose features the drafter then commits. Lossless: greedy output is AR's token for token, sampled output
 has the target's distribution (tests/test_eagle3_decode.py).
 
-Counting (SPEC 6): `N` generated tokens (the prefill's included), `K` target forwards after prefill,
+Counting (docs/DESIGN.md, "Speedup formulas"): `N` generated tokens (the prefill's included), `K` target forwards after prefill,
 `tau` per forward, and the theoretical speedup `S = mean(tau) / (1 + k r)` with `r` the measured cost of
 one draft step over one verify forward.
 """
@@ -82,7 +82,7 @@ class ChainResult:
 
     @property
     def theoretical_speedup(self) -> float | None:
-        """`S_eagle3 = tau / (1 + k r)` (SPEC 6)."""
+        """`S_eagle3 = tau / (1 + k r)` (docs/DESIGN.md, "Speedup formulas")."""
         if self.tau is None or self.r is None:
             return None
         return self.tau / (1.0 + self.k * self.r)

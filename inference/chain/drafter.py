@@ -1,4 +1,4 @@
-"""The EAGLE-3 drafter at inference: committed rows cached, a chain of k drafts per verify (SPEC 12).
+"""The EAGLE-3 drafter at inference: committed rows cached, a chain of k drafts per verify (docs/DESIGN.md, "The EAGLE-3 baseline").
 
 Row `p` of the drafter reads the target features of `x_p` and the embedding of `x_{p+1}`, so a row can be
 computed once `x_{p+1}` is known and `x_p` went through the target. After each verify forward the

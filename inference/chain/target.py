@@ -1,4 +1,4 @@
-"""The whole target as ONE verify stage for chain speculative decoding (SPEC 12), with exact rollback.
+"""The whole target as ONE verify stage for chain speculative decoding (docs/DESIGN.md, "The EAGLE-3 baseline"), with exact rollback.
 
 `ChainTarget` runs the target's pieces (inference/runtime/stages.py `TargetPieces`: embedding, every layer, final
 norm, LM head) over a block of tokens at `start..start+S-1` on top of its cache and returns the logits of
@@ -120,7 +120,7 @@ class ChainTarget:
             if i + 1 in wanted:
                 captured[i + 1] = x
         normed = self.norm(x)
-        captured[self.num_layers] = normed  # hidden_states[L] is the final-norm output (SPEC 2)
+        captured[self.num_layers] = normed  # hidden_states[L] is the final-norm output (docs/DESIGN.md, "Terms")
         self.cache.advance(S)
         features = torch.stack([captured[b][0] for b in self.feature_layers], dim=1)
         return self.lm_head(normed)[0], features

@@ -1,4 +1,4 @@
-"""Plain autoregressive decoding through the same stage modules (SPEC 5.4 `ar`, 5.2 reference).
+"""Plain autoregressive decoding through the same stage modules (docs/DESIGN.md, "Baselines and ablations" for `ar`, "Lossless" for the reference).
 
 The lossless reference: the stages run in sequence on one device, one token at a time after the
 prefill, with exactly the cache path of the pipeline (same `Stage.forward`, same dtype). Greedy SPD

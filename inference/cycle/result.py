@@ -1,4 +1,4 @@
-"""What one decoded prompt reports (SPEC 5.1, 6): tokens, N, K, alpha, counters, per-cycle timing.
+"""What one decoded prompt reports (docs/DESIGN.md, "The decode schedule", "Speedup formulas"): tokens, N, K, alpha, counters, per-cycle timing.
 
 Timing comes as one row per rank and logical cycle: the rank's compute (a stage's layers, or the PDM's
 draft), the verifier's time, the time the rank spent in messages (sending, and waiting to receive from its

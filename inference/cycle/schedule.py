@@ -1,4 +1,4 @@
-"""The deterministic pipeline schedule of SPEC 5.1, as a pure state machine (no tensors, no model).
+"""The deterministic pipeline schedule (docs/DESIGN.md, "The decode schedule"), as a pure state machine (no tensors, no model).
 
 Every rank (and the one-process simulator) runs one `PipelineSchedule` per sequence and feeds it the
 same verdicts, so every rank agrees on which token each stage processes, what the PDM reads, which
@@ -17,7 +17,7 @@ Reject: the correction replaces the successor at its position, every younger tok
 are discarded, and the correction reseeds stage 1 (fill 1). No token completed: the fresh draft enters.
 
 `PipelineSchedule` is the logical schedule: it only ever sees real verdicts, and `N`, `K` and the
-counters are its own. `Steps` lays the physical steps of optimistic execution (SPEC 11) over it: after a
+counters are its own. `Steps` lays the physical steps of optimistic execution (docs/DESIGN.md, "The decode schedule") over it: after a
 judged cycle every rank already runs the cycle that an ACCEPT would give, before the verdict arrives.
 """
 
@@ -256,7 +256,7 @@ class Step:
 
 
 class Steps:
-    """Optimistic execution (SPEC 11) over the logical schedule.
+    """Optimistic execution (docs/DESIGN.md, "The decode schedule") over the logical schedule.
 
     After a judged cycle no rank waits for the verdict: every rank runs the cycle that an ACCEPT gives
     (`PipelineSchedule.speculate`), so the fresh draft enters stage 1 at once, and the verdict travels
@@ -310,7 +310,7 @@ class Steps:
 
 
 def eos_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
-    """`eos_token_id` may be an int, a list of ints, or missing (SPEC 11)."""
+    """`eos_token_id` may be an int, a list of ints, or missing (docs/DESIGN.md, "Pitfalls we avoid")."""
     if eos_token_id is None:
         return frozenset()
     if isinstance(eos_token_id, int):

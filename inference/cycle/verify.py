@@ -1,4 +1,4 @@
-"""Sampling and lossless verification of drafted tokens (SPEC 5.1).
+"""Sampling and lossless verification of drafted tokens (docs/DESIGN.md, "Verification").
 
 The target distribution `P` (from the final logits of the token that just completed every stage) judges
 the next token, which the PDM proposed from its draft distribution `q`. Temperature, top-k and top-p are

@@ -1,4 +1,4 @@
-"""The EAGLE-3 part of `inference.eval`: chain decoding at each `--k`, summarized on SPD's footing (SPEC 6, 12).
+"""The EAGLE-3 part of `inference.eval`: chain decoding at each `--k`, summarized on SPD's footing (docs/DESIGN.md, "Speedup formulas", "The EAGLE-3 baseline").
 
 Every row is measured in the same run, on the same target object and prompts, as the SPD rows and the AR
 baseline (`inference/eval.py`); the AR time is the one the SPD rows use. Per row:
@@ -7,7 +7,7 @@ baseline (`inference/eval.py`); the AR time is the one the SPD rows use. Per row
   counted in `N`, as in SPD's alpha); `S0 = alpha` (n = 1: the speedup with a free drafter);
 - `tau`: mean accepted drafts + 1 per verify forward; `T_draft_step_s` (one chain step, the drafter's
   commit of accepted rows included) and `T_verify_s` (one target forward over k + 1 positions);
-  `r = T_draft_step / T_verify` and `S_eagle3 = tau / (1 + k r)` (SPEC 6);
+  `r = T_draft_step / T_verify` and `S_eagle3 = tau / (1 + k r)` (docs/DESIGN.md, "Speedup formulas");
 - wall-clock: decode-phase tokens/s over AR's.
 
 `plan_inputs(rows)` is what `inference.plan` reads to predict EAGLE-3's wall clock beside SPD's; the report

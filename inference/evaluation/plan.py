@@ -5,7 +5,7 @@
     python -m inference.plan --layers 32 --t-full 0.0172 --t-draft 0.00349 --draft-layers 3 --overhead 0.0012 \\
         --alpha 8:3:0.42
 
-The model (SPEC 6, 9). Batch-1 decoding; one SPD cycle emits `alpha` verified tokens on average
+The model (docs/DESIGN.md, "Speedup formulas", "Reference numbers"). Batch-1 decoding; one SPD cycle emits `alpha` verified tokens on average
 (`alpha = N / K`, measured by `inference.eval` or the staircase evaluation for each (n, L_s)):
 
     T_full        one full forward of the target (AR per-token decode time)
@@ -18,7 +18,7 @@ The model (SPEC 6, 9). Batch-1 decoding; one SPD cycle emits `alpha` verified to
     tokens/s SPD  = alpha / cycle,    tokens/s AR = 1 / T_full
     speedup       = alpha * T_full / cycle
 
-With zero draft cost and overhead the pre-step speedup is `S0 = n * alpha`; with overhead 0 it is SPEC 6's
+With zero draft cost and overhead the pre-step speedup is `S0 = n * alpha`; with overhead 0 it is, by docs/DESIGN.md, "Speedup formulas",
 `S_spd = n*alpha*min(1, 1/(n*r))` and, post-step, `S_post = n*alpha/(1 + n*r)`, with `r = draft/T_full`.
 
 Times come from one of:
@@ -29,7 +29,7 @@ Times come from one of:
 - a target config only (`--target` HF dir or name, or `--layers L --hidden-size H`): times in units of one
   target layer's forward, `T_full = L`, a PDM layer costs `(pdm_hidden / H)^2` target layers
   (`--pdm-hidden`, default H: the PDM layer is a target-sized decoder layer), and the overhead is
-  `--overhead-layers` (default 1.0: SPEC 9's 4B run has ~1.2 ms overhead at ~1.05 ms per target layer).
+  `--overhead-layers` (default 1.0: the paper's 4B run (docs/DESIGN.md, "Reference numbers") has ~1.2 ms overhead at ~1.05 ms per target layer).
   Only ratios matter for the speedup, so no absolute time is needed.
 
 EAGLE-3 beside SPD (`--times eval.json` of an eval with EAGLE-3 rows, its `plan_inputs_eagle3`): on one GPU,

@@ -1,6 +1,6 @@
 """How repetitive a generated output is: the share of tokens that complete a k-gram seen earlier in it.
 
-A target trained for a few CPU minutes repeats itself, and repetition flatters every drafter (SPEC 8):
+A target trained for a few CPU minutes repeats itself, and repetition flatters every drafter (docs/DESIGN.md, "Real parts, offline"):
 `decode` prints this share beside alpha, and `scripts/bench_paper.py repetition` measures it per prompt set.
 """
 

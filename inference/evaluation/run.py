@@ -1,4 +1,4 @@
-"""`python -m inference.eval`: benchmark a drafter on prompt sets (SPEC 6): alpha, speedups, wall-clock.
+"""`python -m inference.eval`: benchmark a drafter on prompt sets (docs/DESIGN.md, "Speedup formulas"): alpha, speedups, wall-clock.
 
     python -m inference.eval --ckpt drafter/ --prompts ../shared/data/gsm8k_question.jsonl \\
         ../shared/data/humaneval_question.jsonl --temperatures 0 1 --limit 80 --out eval_out --simulate
@@ -11,7 +11,7 @@ decoding of the same target loaded in this process. Reported per set and overall
 - `alpha = N / K` (pooled over prompts) and `S0 = n * alpha`;
 - `r = T_draft / T_full`: `T_draft` is the decoder's mean per-cycle draft time, `T_full` the AR
   baseline's mean per-token decode time (one full forward of the target);
-- the draft-cost-adjusted speedups of SPEC 6: `S_spd = n*alpha*min(1, 1/(n*r))` (drafting masked while
+- the draft-cost-adjusted speedups of docs/DESIGN.md, "Speedup formulas": `S_spd = n*alpha*min(1, 1/(n*r))` (drafting masked while
   it fits in one stage) and `S_post = S_ppsd = n*alpha / (1 + n*r)`;
 - wall-clock: decode-phase tokens/s of the decoder over the AR baseline's (prefill excluded). Under
   `--simulate` the stages run in sequence, so this number is not the pipeline's.
@@ -83,7 +83,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def speedups(n: int, alpha: float | None, r: float | None) -> dict:
-    """SPEC 6's speedups over single-device AR decoding for `n` stages, acceptance `alpha`, `r = T_draft/T_full`."""
+    """The speedups of docs/DESIGN.md, "Speedup formulas", over single-device AR decoding for `n` stages, acceptance `alpha`, `r = T_draft/T_full`."""
     if alpha is None:
         return {"S0": None, "S_spd": None, "S_post": None, "S_ppsd": None}
     s0 = n * alpha

@@ -1,4 +1,4 @@
-"""Start the distributed decoder: `n` stage ranks + 1 PDM rank (SPEC 5.3), on torch's elastic launcher.
+"""Start the distributed decoder: `n` stage ranks + 1 PDM rank (docs/DESIGN.md, "Processes"), on torch's elastic launcher.
 
 `launch` runs the `n + 1` ranks as local processes through `torch.distributed.launcher.api.elastic_launch`,
 the agent `torchrun` uses: it finds a free port (its c10d rendezvous), sets each rank's environment

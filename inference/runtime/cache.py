@@ -1,4 +1,4 @@
-"""A stage's target cache: static storage written in place, with exact rollback (SPEC 5.1, hybrid targets).
+"""A stage's target cache: static storage written in place, with exact rollback (docs/DESIGN.md, "The decode schedule": hybrid targets).
 
 Each stage keeps a Hugging Face `StaticCache(config=...)` that holds state only for its own layers (the
 HF layers are called with their global `layer_idx`). Storage is allocated once and then only written:

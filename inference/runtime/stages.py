@@ -1,4 +1,4 @@
-"""Pipeline stages built from the target by layer range (SPEC 2, 5.3, 11).
+"""Pipeline stages built from the target by layer range (docs/DESIGN.md, "Terms", "Processes", "Pitfalls we avoid").
 
 Stage `s` runs the HF decoder layers `e_{s-1}+1 .. e_s` (global indices `e_{s-1} .. e_s - 1`) directly,
 with the target's rotary embedding and its own `StageCache`; stage 1 also owns the embedding, stage `n`

@@ -76,7 +76,7 @@ def plan_check(args: argparse.Namespace) -> None:
 
 
 def repetition(args: argparse.Namespace) -> None:
-    """How repetitive the target's own greedy output is on the eval prompts (SPEC 8: repetition flatters
+    """How repetitive the target's own greedy output is on the eval prompts (docs/DESIGN.md, "Real parts, offline": repetition flatters
     every drafter): AR-decode the first `--limit` prompts of each set and count repeated 4-grams."""
     target = args.target
     lines = ["| set | prompts | tokens | share of tokens completing a repeated 4-gram |", "|---|---|---|---|"]

@@ -34,7 +34,7 @@ def set_names(report: dict) -> list[str]:
 
 
 def adjusted(report: dict, row: dict) -> float | None:
-    """The speedup that charges the measured draft cost the way the run's mode pays it (SPEC 6)."""
+    """The speedup that charges the measured draft cost the way the run's mode pays it (docs/DESIGN.md, "Speedup formulas")."""
     return row["S_spd"] if report["mode"] == "spd" else row["S_post"]
 
 
@@ -179,7 +179,7 @@ def plot(runs: dict[str, tuple[dict, dict]], path: str) -> None:
         )
     ax2.axhline(1.0, color="gray", lw=0.8, ls="--")
     ax2.set_xticks(x, names, rotation=45, ha="right", fontsize=8)
-    ax2.set_title("speedup over AR (SPEC 6)")
+    ax2.set_title("speedup over AR (docs/DESIGN.md, 'Speedup formulas')")
     ax2.legend(fontsize=8)
     save(fig, path)
 

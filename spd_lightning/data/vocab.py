@@ -1,4 +1,4 @@
-"""The draft vocabulary (SPEC 3): the `V_d` target tokens the drafter can propose.
+"""The draft vocabulary (docs/DESIGN.md, "The PDM"): the `V_d` target tokens the drafter can propose.
 
 `d2t[j]` is the target id of draft id `j`: the `V_d` most frequent target tokens over the loss-masked
 (assistant) tokens of the training split, most frequent first, ties broken by the smaller token id. When
@@ -26,7 +26,7 @@ def check_draft_vocab_size(draft_vocab_size: int) -> None:
     if draft_vocab_size < 1:
         raise DataError(
             f"draft_vocab_size={draft_vocab_size}: the draft vocabulary needs at least 1 token "
-            f"(SPEC default 32000; a few thousand for tiny targets)"
+            f"(default 32000, docs/DESIGN.md 'The PDM'; a few thousand for tiny targets)"
         )
 
 

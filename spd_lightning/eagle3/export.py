@@ -1,4 +1,4 @@
-"""The EAGLE-3 drafter directory and loading it from there or from a Lightning `.ckpt` (SPEC 4.6, 12).
+"""The EAGLE-3 drafter directory and loading it from there or from a Lightning `.ckpt` (docs/DESIGN.md, "Export", "The EAGLE-3 baseline").
 
     DIR/config.json        {"format_version": 1, "kind": "eagle3", "eagle3": Eagle3Config, "target": TargetInfo}
     DIR/model.safetensors  drafter weights, `d2t` included (target ids, not EAGLE's offsets); no embedding:

@@ -1,4 +1,4 @@
-"""The EAGLE-3 drafter (SPEC section 12): a pure `nn.Module`, shared by training and inference.
+"""The EAGLE-3 drafter (docs/DESIGN.md, "The EAGLE-3 baseline"): a pure `nn.Module`, shared by training and inference.
 
     target states H^{l_low}, H^{l_mid}, H^{l_high} of token x_i  --RMSNorm each, concat, fc-->  h_i      [H]
     cat(RMSNorm(embed(x_{i+1})), RMSNorm(h_i))  --ONE Qwen3-style layer (q/k/v from 2H)-->  o_i          [H]
@@ -8,7 +8,7 @@ Row `i` reads the features of `x_i` and the embedding of the NEXT token `x_{i+1}
 The layer's residual stream is `h` (not the concatenation), so its output `o_i` has the width of `h` and is
 fed back as the next step's `h` in training-time test (spd_lightning/eagle3/ttt.py) and in chain drafting.
 
-Feature indices are Hugging Face `hidden_states[l]` indices (SPEC 2: 0 = embedding output, `l < L` = the
+Feature indices are Hugging Face `hidden_states[l]` indices (docs/DESIGN.md, "Terms": 0 = embedding output, `l < L` = the
 residual entering layer `l`, `L` = final-norm output). EAGLE's default `(2, L//2, L-3)` is "the states
 entering layers 2, L//2 and L-3", i.e. exactly `hidden_states[2], hidden_states[L//2], hidden_states[L-3]`
 (SpecForge's `[1, L//2-1, L-4]` are layer OUTPUTS: the same three tensors).

@@ -1,4 +1,4 @@
-"""`Eagle3Module`: online distillation of the EAGLE-3 drafter with training-time test (SPEC 4, 12).
+"""`Eagle3Module`: online distillation of the EAGLE-3 drafter with training-time test (docs/DESIGN.md, "Training", "The EAGLE-3 baseline").
 
 The same contract as `SPDModule` (spd_lightning/training/module.py): the frozen target is loaded in `setup` and is
 NOT a submodule (never in the optimizer, the `state_dict` or a checkpoint); the drafter is built in
@@ -47,7 +47,7 @@ def adamw_linear_schedule(
 
 
 class Eagle3Module(FrozenTargetHolder, L.LightningModule):
-    """Trains the EAGLE-3 baseline drafter by training-time test against a frozen target (SPEC 12).
+    """Trains the EAGLE-3 baseline drafter by training-time test against a frozen target (docs/DESIGN.md, "The EAGLE-3 baseline").
 
     Args:
         target: HF name or local directory of the frozen target.

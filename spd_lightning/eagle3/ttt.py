@@ -1,4 +1,4 @@
-"""Training-time test (TTT) of the EAGLE-3 drafter (SPEC 12), as pure functions of tensors.
+"""Training-time test (TTT) of the EAGLE-3 drafter (docs/DESIGN.md, "The EAGLE-3 baseline"), as pure functions of tensors.
 
 A sequence `x_0..x_{T-1}` with fused target features `h_i`, target logits `Z_i` (the distribution of
 `x_{i+1}`) and loss mask `m_i` (1 where `x_i` is an assistant token). Step `j = 0..k-1`, row `i`:
@@ -15,7 +15,7 @@ at inference (inference/chain/drafter.py): committed positions `<= i`, then its 
 `TTTAttention` computes the same attention in `O(T^2 + T*k)` through the two-part backend of
 spd_lightning/training/attention.py (a causal prefix plus `j` explicit keys per row).
 
-Loss: forward KL from the target restricted to `V_d` and renormalized (SPEC 4.5), per step; the total
+Loss: forward KL from the target restricted to `V_d` and renormalized (docs/DESIGN.md, "Loss, optimizer, checkpoints"), per step; the total
 weights step `j` by `step_weight ** j` (EAGLE-3 uses 0.8).
 """
 

@@ -1,4 +1,4 @@
-"""Sequence replication for training (SPEC 4.2-4.4): one forward covers the drafting view of every time.
+"""Sequence replication for training (docs/DESIGN.md, "Sequence replication", "Simulated fill levels", "The structural mask"): one forward covers the drafting view of every time.
 
 At inference the PDM drafts `x_{t+1}` from the staircase view `V(t)` (spd_lightning/geometry.py). Training
 replicates the sequence so that ONE forward computes the last-position output of `V(t)` for every `t`:
@@ -188,7 +188,7 @@ class TypeRows:
 
 
 class DepthLayout:
-    """`n+1` copies; the structural mask of SPEC 4.4."""
+    """`n+1` copies; the structural mask (docs/DESIGN.md, "The structural mask")."""
 
     name = "depth"
 
@@ -287,7 +287,7 @@ def _depth_attends(n: int, T: int, lengths: torch.Tensor, fill: torch.Tensor, b,
 
 
 class TypeLayout:
-    """One block per aggregation type (the paper's layout, SPEC 4.2).
+    """One block per aggregation type (the paper's layout, docs/DESIGN.md, "Sequence replication").
 
     Block `beta` stands for a token at in-flight index `jq(beta)` (the first index whose depth has that
     type; under the pre-step schedule that is `d(tau)`). Query `(beta, t)` sees key `(beta_k, T)` iff

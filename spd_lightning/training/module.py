@@ -1,4 +1,4 @@
-"""The LightningModule: online distillation of the PDM from a frozen target (SPEC section 4).
+"""The LightningModule: online distillation of the PDM from a frozen target (docs/DESIGN.md, "Training").
 
 Per step: the frozen target (no grad, eval mode) returns anchor states and logits for the batch; the layout
 replicates the sequence so that one PDM forward yields the draft of every drafting time under its
@@ -120,7 +120,7 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         intermediate_size: PDM MLP width; null takes the target's.
         init_layers_from: target layer index to seed each PDM layer from (one per PDM layer); null: random init.
         init_head: seed the draft head with the target LM-head rows of the draft vocabulary.
-        fill_full_prob: probability of a full pipeline (fill n); other fill levels are uniform (SPEC 4.3).
+        fill_full_prob: probability of a full pipeline (fill n); other fill levels are uniform (docs/DESIGN.md, "Simulated fill levels").
         fill_probs: explicit weights of fill levels 1..n; overrides `fill_full_prob`.
         teacher_temperature: temperature of the teacher distribution in the KL.
         aux_loss_weight: weight of the KL on the other active copies (depths > 0).
