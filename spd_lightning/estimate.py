@@ -129,13 +129,20 @@ def _layer_saved_bytes(c, act: int, mixed: bool) -> float:
     """Bytes autograd keeps per replicated token for one PDM layer (act = activation element size): the two
     RMSNorms (fp32 input + normalized copy), the linears' inputs (autocast casts the input once per linear; in
     fp32 the q/k/v and gate/up inputs ARE the norms' outputs),
-    q/k norm and RoPE (fp32), attention's q, k, v, out (GQA expanded) and log-sum-exp, SwiGLU's four."""
+    q/k norm and RoPE (fp32), attention's q and out (query heads), k and v (key/value heads: GQA is not expanded,
+    `enable_gqa`) and log-sum-exp, SwiGLU's four."""
     f, d, i = 4, c.hidden_size, c.intermediate_size
     qk = (c.num_heads + c.num_kv_heads) * c.head_dim
-    hd = c.num_heads * c.head_dim
+    hd, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     linear_inputs = act * d * (5 if mixed else 0) + act * hd + act * i
     return (
-        2 * (f + act) * d + linear_inputs + (f + act) * qk + 2 * f * qk + 4 * act * hd + f * c.num_heads + 3 * act * i
+        2 * (f + act) * d
+        + linear_inputs
+        + (f + act) * qk
+        + 2 * f * qk
+        + 2 * act * (hd + kv)
+        + f * c.num_heads
+        + 3 * act * i
     )
 
 
@@ -227,7 +234,11 @@ def estimate(shape: Shape, tcfg, gpus: int = 1) -> dict:
     out["teacher_vd"] = tokens * shape.draft_vocab * (tgt + 3 * 4)  # kept in target dtype + fp32, log p, p
     out["student_logits"] = tokens * shape.draft_vocab * (act + 3 * 4) + B * S * c.hidden_size * (4 + act)
     out["teacher_full_fp32_before_fix"] = tokens * vocab * 4  # what restricting after `.float()` cost
-    out["target_forward"] = tokens * (vocab * tgt + 4 * max(tcfg.intermediate_size, 2 * H) * tgt)
+    # the target's head runs over V_d on training steps; the full vocabulary only every
+    # `full_vocab_metric_every_n_steps` (and on validation), so a step's peak is the V_d head unless that is 1
+    every = shape.module_args.get("full_vocab_metric_every_n_steps", 0)
+    head = vocab if every == 1 else shape.draft_vocab
+    out["target_forward"] = tokens * (head * tgt + 4 * max(tcfg.intermediate_size, 2 * H) * tgt)
     pdm_phase = sum(
         out[k] for k in ("anchor_states", "fusion", "teacher_vd", "student_logits", "dense_attention") if k in out
     )
