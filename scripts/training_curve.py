@@ -14,7 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from inference.tables import pyplot, save
+from inference.evaluation.tables import pyplot, save
 
 
 def read_rows(path: str) -> list[dict[str, str]]:

@@ -7,7 +7,7 @@ import argparse
 import json
 import os
 
-from inference.repetition import repeated_kgrams
+from inference.evaluation.repetition import repeated_kgrams
 
 from .registry import BenchError
 from .runner import eval_command, run_logged

@@ -8,7 +8,7 @@ import json
 import os
 import shlex
 
-from inference.tables import fmt, grouped_bars, markdown_table, pyplot, save
+from inference.evaluation.tables import fmt, grouped_bars, markdown_table, pyplot, save
 
 from .registry import EAGLE3_RUNS, Run
 from .runner import eagle3_eval_command
