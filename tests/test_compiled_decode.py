@@ -109,7 +109,18 @@ def unique_graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def test_the_recompile_limit_falls_back_to_eager_with_one_warning(tmp_path, monkeypatch, caplog):
+@pytest.fixture
+def dynamo_recompile_limit():
+    """Dynamo's config is process-wide and its options are not plain module attributes (monkeypatch's undo would
+    delete `recompile_limit` for every later test): the test sets it, this puts it back."""
+    before = torch._dynamo.config.recompile_limit
+    yield
+    torch._dynamo.config.recompile_limit = before
+
+
+def test_the_recompile_limit_falls_back_to_eager_with_one_warning(
+    tmp_path, monkeypatch, caplog, dynamo_recompile_limit
+):
     """Fast: dynamo's recompile limit lowered to 1 and a capacity bucket of 8 positions, so the second
     prompt's longer caches need more graphs than the limit allows: every compiled step falls back to eager
     with one warning each, the rank lives on, and the tokens are eager's."""
@@ -118,7 +129,7 @@ def test_the_recompile_limit_falls_back_to_eager_with_one_warning(tmp_path, monk
     from inference.sampling import Sampling
 
     monkeypatch.setattr(inference.runtime.cache, "CAPACITY_STEP", 8)
-    monkeypatch.setattr(CompiledStep, "__init__", limited_compiled_step_init(CompiledStep.__init__, 1, monkeypatch))
+    monkeypatch.setattr(CompiledStep, "__init__", limited_compiled_step_init(CompiledStep.__init__, 1))
     torch._dynamo.reset()
     compiled, target = backend_of(tmp_path, "qwen3", compile=True)
     eager, _ = backend_of(tmp_path / "eager", "qwen3", compile=False)
@@ -135,10 +146,12 @@ def test_the_recompile_limit_falls_back_to_eager_with_one_warning(tmp_path, monk
     assert 1 <= len(warnings) <= len(steps) and "recompile" in caplog.text.lower()
 
 
-def limited_compiled_step_init(init, limit: int, monkeypatch):
+def limited_compiled_step_init(init, limit: int):
     def lowered(self, step, device):
-        init(self, step, device)  # raises the limit to CompiledStep's floor; lowered after it, restored at teardown
-        monkeypatch.setattr(torch._dynamo.config, "recompile_limit", limit)
+        init(
+            self, step, device
+        )  # raises the limit to CompiledStep's floor; lowered after it (`dynamo_recompile_limit`)
+        torch._dynamo.config.recompile_limit = limit
 
     return lowered
 

@@ -45,12 +45,16 @@ from .metrics import GroupedAgreement
 FLEX_RECOMPILE_LIMIT = 16
 
 
-def set_recompile_limit() -> None:
+def set_recompile_limit() -> tuple[int, bool]:
     """What `fit` needs of dynamo: room for every variant of a run's compiled flex, and an error instead of the
-    silent fallback to eager flex (which builds the whole score matrix) if a run ever needs more."""
+    silent fallback to eager flex (which builds the whole score matrix) if a run ever needs more. Returns the
+    settings it replaced, which `SPDModule.teardown` puts back (dynamo's config is process-wide: a decoder in the
+    same process keeps its own fallback)."""
     config = torch._dynamo.config
+    before = (config.recompile_limit, config.fail_on_recompile_limit_hit)
     config.recompile_limit = max(config.recompile_limit, FLEX_RECOMPILE_LIMIT)
     config.fail_on_recompile_limit_hit = True
+    return before
 
 
 def check_right_padded(attention_mask: torch.Tensor) -> None:
@@ -238,9 +242,15 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
                 )
 
     # -- the frozen target (the `target` property: FrozenTargetHolder) ------------------------------
+    def teardown(self, stage: str) -> None:
+        before = getattr(self, "_dynamo_before", None)
+        if before is not None:
+            torch._dynamo.config.recompile_limit, torch._dynamo.config.fail_on_recompile_limit_hit = before
+            self._dynamo_before = None
+
     def setup(self, stage: str) -> None:
         self._fsdp_unit_per_layer()
-        set_recompile_limit()
+        self._dynamo_before = set_recompile_limit()
         if self._target is None:
             device = self.trainer.strategy.root_device
             target = Target.load(self.hparams.target, self.hparams.target_dtype, device, self.hparams.trust_remote_code)
