@@ -16,7 +16,9 @@ Scalars go to every logger (W&B, CSV, ...) at the global step and into `trainer.
 `ModelCheckpoint(monitor="staircase/alpha", mode="max")` keeps the best drafter. With a W&B logger it also
 logs a per-prompt table and the depth x fill heatmap; PNGs of the heatmap and of alpha vs step are
 written under the run's log directory for any logger. Under DDP each rank decodes a shard of the prompts
-and the counts are summed, so the numbers equal a one-process evaluation.
+and the counts are summed, so the numbers equal a one-process evaluation. When the drafter trains from a state
+cache (`--data.states`), the target is loaded for each evaluation's decodes and freed after them
+(`SPDModule.evaluation_target`); the agreement batches read the cache like training.
 """
 
 from __future__ import annotations
@@ -117,7 +119,8 @@ class StaircaseEvaluation(L.Callback):
         pl_module.pdm.eval()
         try:
             with pl_module.evaluation_pdm() as pdm:  # under FSDP: a plain copy of the gathered parameters
-                decoded, rows = self._decode(trainer, pl_module, pdm)
+                with pl_module.evaluation_target() as target:  # from a state cache: loaded now, freed after
+                    decoded, rows = self._decode(trainer, pl_module, pdm, target)
                 agreement = self._agreement(trainer, pl_module, pdm) if self.num_batches else None
         finally:
             pl_module.pdm.train(was_training)
@@ -131,11 +134,11 @@ class StaircaseEvaluation(L.Callback):
         )
         return metrics
 
-    def _decode(self, trainer, pl_module, pdm) -> tuple[torch.Tensor, list[list[Any]]]:
+    def _decode(self, trainer, pl_module, pdm, target) -> tuple[torch.Tensor, list[list[Any]]]:
         """Decode this rank's shard of the prompts; returns the summed counters (all ranks) and table rows."""
         n, world, rank = pl_module.geometry.n, trainer.world_size, trainer.global_rank
-        sim = Simulator(pl_module.target, pdm, pl_module.geometry, self.sampling)
-        eos = target_eos(pl_module.target.config, getattr(pl_module.target.model, "generation_config", None))
+        sim = Simulator(target, pdm, pl_module.geometry, self.sampling)
+        eos = target_eos(target.config, getattr(target.model, "generation_config", None))
         tok = getattr(trainer.datamodule, "tokenizer", None)
 
         def text(ids: list[int]) -> str:

@@ -264,11 +264,18 @@ class PipelineDraftModule(nn.Module):
     @torch.no_grad()
     def init_head_from_target(self, target_lm_head: torch.Tensor) -> None:
         """Seed the head with the target LM-head rows of the draft vocabulary (needs d == target width)."""
-        if target_lm_head.shape[1] != self.cfg.hidden_size:
+        self.init_head_from_rows(target_lm_head[self.d2t.to(target_lm_head.device)])
+
+    @torch.no_grad()
+    def init_head_from_rows(self, rows: torch.Tensor) -> None:
+        """Seed the head with the target LM-head rows of the draft vocabulary already selected, `[V_d, H]` (what a
+        state cache stores)."""
+        if rows.shape != self.lm_head.weight.shape:
             raise ValueError(
-                f"cannot seed the draft head: target LM head width {target_lm_head.shape[1]} != PDM hidden_size {self.cfg.hidden_size}; set hidden_size to the target width or disable init_head_from_target"
+                f"cannot seed the draft head: target LM-head rows {tuple(rows.shape)} != PDM head "
+                f"{tuple(self.lm_head.weight.shape)}; set hidden_size to the target width or disable init_head"
             )
-        self.lm_head.weight.copy_(target_lm_head[self.d2t.to(target_lm_head.device)].to(self.lm_head.weight))
+        self.lm_head.weight.copy_(rows.to(self.lm_head.weight))
 
     @torch.no_grad()
     def init_layer_from_target(self, index: int, target_layer: nn.Module) -> list[str]:

@@ -15,11 +15,15 @@ never loaded (only its tokenizer).
   (`data/regenerate.py`: batched, resumable, `--temperature`, `--max-new-tokens`, `--gen-batch-size`,
   `--max-prompt-tokens`, `--limit`), then prepares OUT.jsonl as the data source; `fit` trains on it with
   `--data.sources '[{path: OUT.jsonl}]'`.
+- `--states DIR` then runs the target once over the prepared samples and stores the hidden states drafters read
+  (`prepare_states.py`; `--states-configs A.yaml B.yaml` adds what other configs of the same target and data
+  read), so that `fit --data.states DIR` trains without the target.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from collections.abc import Sequence
@@ -30,6 +34,8 @@ from .cli import SPDLightningCLI
 from .data import ChatDataModule
 from .data.tokenized import processed_root
 from .errors import ConfigError, one_line
+from .prepare_states import states_parser
+from .training.module import SPDModule
 
 
 class _DataOnlyCLI(SPDLightningCLI):
@@ -41,6 +47,23 @@ class _DataOnlyCLI(SPDLightningCLI):
 
 def data_module(args: Sequence[str]) -> ChatDataModule:
     """The `ChatDataModule` that `fit` would build from the same arguments (`--config CFG`, overrides)."""
+    return _parse(args).datamodule
+
+
+def model_options(args: Sequence[str]) -> dict:
+    """The `SPDModule` options `fit` would use with the same arguments (what a state cache must serve)."""
+    model = _parse(args).config.model
+    if not issubclass(_model_class(model.class_path), SPDModule):
+        raise ConfigError(f"--states serves SPDModule configs; {model.class_path} reads no state cache")
+    return model.init_args.as_dict()
+
+
+def _model_class(class_path: str) -> type:
+    module, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def _parse(args: Sequence[str]) -> _DataOnlyCLI:
     try:
         cli = _DataOnlyCLI(
             args,
@@ -53,7 +76,7 @@ def data_module(args: Sequence[str]) -> ChatDataModule:
         )
     except ArgumentError as e:  # a value the parser rejects, as in `fit`
         raise ConfigError(one_line(e)) from e
-    return cli.datamodule
+    return cli
 
 
 def prepare(args: Sequence[str]) -> str:
@@ -99,14 +122,29 @@ def regenerate_data(args: Sequence[str], options: argparse.Namespace) -> str:
     return f"regenerated {written:,} answers now, {total:,} in {options.regenerate}"
 
 
+def prepare_states(args: Sequence[str], options: argparse.Namespace) -> str:
+    """The state cache of the config (and of `--states-configs`, same target and data) in `options.states`."""
+    from .prepare_states import config_needs, union_needs, write_states
+
+    data = data_module(args)
+    data.setup("fit")  # the samples and d2t `prepare` just cached
+    needs = [config_needs(model_options(args))]
+    needs += [config_needs(model_options(["--config", path])) for path in options.states_configs]
+    return write_states(data, union_needs(needs, options.states_layers), options)
+
+
 def main(args: Sequence[str]) -> int:
-    """`prepare` with fit's arguments (`--config CFG [--data.num_proc N] ...`), optionally after `--regenerate`;
-    bad input raises a `UserError`, which `python -m spd_lightning` prints as one line with exit code 2."""
+    """`prepare` with fit's arguments (`--config CFG [--data.num_proc N] ...`), optionally after `--regenerate`,
+    optionally followed by `--states DIR`; bad input raises a `UserError`, which `python -m spd_lightning` prints as
+    one line with exit code 2."""
     options, rest = regeneration_parser().parse_known_args(list(args))
+    states, rest = states_parser().parse_known_args(rest)
     if options.regenerate:
         print(regenerate_data(rest, options), flush=True)
         rest = [*rest, f"--data.sources=[{{path: {os.path.abspath(options.regenerate)}}}]"]
-    print(prepare(rest))
+    print(prepare(rest), flush=True)
+    if states.states:
+        print(prepare_states(rest, states))
     return 0
 
 

@@ -166,6 +166,29 @@ class TargetInfo:
     def to_dict(self) -> dict:
         return dict(self.__dict__)
 
+    @classmethod
+    def from_config(cls, config, name_or_path: str, vocab_size: int | None = None) -> TargetInfo:
+        """From the (text) config alone; `vocab_size`: the head's rows when a loaded model knows them."""
+        rope = getattr(config, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        return cls(
+            name_or_path,
+            int(config.num_hidden_layers),
+            int(config.hidden_size),
+            int(vocab_size if vocab_size is not None else config.vocab_size),
+            float(theta),
+            int(getattr(config, "max_position_embeddings", 0) or 0),
+        )
+
+
+def restrict_to_draft_vocab(logits: torch.Tensor, d2t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher logits over `V_d` in their own dtype, `[..., V_d]`, and whether each position's
+    full-vocabulary argmax lies outside `V_d`, `[...]`. The restriction comes BEFORE any upcast: no
+    `[*, V]` fp32 tensor exists (9B target, B=2, T=2048: 4.07 GB at V=248,320 vs 0.52 GB at V_d=32,000)."""
+    d2t = d2t.to(logits.device)
+    in_vd = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device).index_fill_(0, d2t, True)
+    return logits.index_select(-1, d2t), ~in_vd[logits.argmax(-1)]
+
 
 class Target(nn.Module):
     """A frozen HF causal LM seen as `embed -> layers[0..L-1] -> norm -> lm_head`."""
@@ -234,16 +257,7 @@ class Target(nn.Module):
 
     @property
     def info(self) -> TargetInfo:
-        rope = getattr(self.config, "rope_parameters", None) or {}
-        theta = rope.get("rope_theta", getattr(self.config, "rope_theta", 10000.0))
-        return TargetInfo(
-            self.name_or_path,
-            self.num_layers,
-            self.hidden_size,
-            self.vocab_size,
-            float(theta),
-            int(getattr(self.config, "max_position_embeddings", 0) or 0),
-        )
+        return TargetInfo.from_config(self.config, self.name_or_path, self.vocab_size)
 
     def check_layers(self, layers: Sequence[int]) -> list[int]:
         layers = [int(b) for b in layers]
@@ -278,6 +292,20 @@ class Target(nn.Module):
                 h.remove()
         states = torch.stack([captured[b] for b in layers], dim=2)
         return states, out.logits
+
+
+def rebuilt_layer(name_or_path: str, trust_remote_code: bool, index: int, state: dict[str, torch.Tensor]) -> nn.Module:
+    """Decoder layer `index` of the target, from its state dict alone (the state cache stores it for
+    `init_layers_from`): the model is built on the meta device from its config (no weights read, no memory), and
+    that one layer takes the given tensors; a buffer the state dict lacks would stay on meta and fail loudly."""
+    from transformers import AutoModelForCausalLM
+
+    config = load_hf_config(name_or_path, trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    layer = Target(model, name_or_path).layers[index]
+    layer.load_state_dict(state, strict=True, assign=True)
+    return layer.eval().requires_grad_(False)
 
 
 class FrozenTargetHolder:

@@ -7,6 +7,10 @@
 them itself when run alone. After `setup`: `train_dataset`, `val_dataset`, `d2t` (LongTensor [V_d]),
 `stats` (per-source drop counts), and `heldout_prompts(count)` for decoding-based evaluation.
 
+With `states` (a directory written by `prepare --states`, `states.py`) every batch also carries the target's cached
+hidden states at `state_layers` (set by the module that reads them), the final-norm state and `outside_vd`, and the
+cache is checked against this data (tokenizer, max_length, mixture, d2t) in `setup`.
+
 The training loader is resumable (see `resumable.py`): it shuffles by (seed, epoch), shards across the ranks of a
 DDP/FSDP run itself, and a run resumed from a mid-epoch checkpoint continues with exactly the batches the
 uninterrupted run would have trained next. The position is saved in the checkpoint and read back by Lightning.
@@ -36,7 +40,15 @@ from .formats import DataError
 from .mixing import check_val_size, plan_mixture
 from .resumable import ResumableDataLoader, ResumableSampler
 from .sources import DataSource
-from .tokenized import SourceStats, TokenizedSource, is_tokenized, processed_root, tokenize_source
+from .states import CachedStates, StateCache, StateCollator, d2t_hash
+from .tokenized import (
+    SourceStats,
+    TokenizedSource,
+    is_tokenized,
+    processed_root,
+    tokenize_source,
+    tokenizer_fingerprint,
+)
 from .vocab import check_draft_vocab_size, load_or_build_d2t
 
 DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "spd_lightning", "data")
@@ -57,6 +69,7 @@ class ChatDataModule(LightningDataModule):
         cache_dir: where tokenized samples and draft vocabularies are cached.
         num_proc: processes for tokenization (None: this process).
         pad_to_multiple_of: round the padded batch length up (e.g. to the attention block size).
+        states: a target-state cache written by `prepare --states DIR`: train without running the target.
     """
 
     def __init__(
@@ -72,6 +85,7 @@ class ChatDataModule(LightningDataModule):
         cache_dir: str = DEFAULT_CACHE_DIR,
         num_proc: int | None = None,
         pad_to_multiple_of: int = 1,
+        states: str | None = None,
     ):
         super().__init__()
         check_draft_vocab_size(draft_vocab_size)
@@ -91,6 +105,9 @@ class ChatDataModule(LightningDataModule):
         self.cache_dir = os.path.abspath(os.path.expanduser(cache_dir))
         self.num_proc = num_proc
         self.collate = ChatCollator(self._pad_token_id(), pad_to_multiple_of)
+        self.states = states
+        self.state_cache: StateCache | None = None  # opened and checked in setup
+        self.state_layers: tuple[int, ...] | None = None  # hidden states the batches carry (default: all cached)
 
         self.train_dataset: datasets.Dataset | None = None
         self.val_dataset: datasets.Dataset | None = None
@@ -121,15 +138,30 @@ class ChatDataModule(LightningDataModule):
             for source in self.sources
         ]
 
-    def _d2t_path(self) -> str:
+    def _mixture_key(self) -> str:
+        """Changes whenever the split or the mixture can change (given the tokenizer and max_length)."""
         identity = {
             "sources": [[s.fingerprint(), s.weight] for s in self.sources],
             "val_size": self.val_size,
             "seed": self.seed,
             "draft_vocab_size": self.draft_vocab_size,
         }
-        key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
-        return os.path.join(processed_root(self.cache_dir, self.tokenizer, self.max_length), f"d2t-{key}.npy")
+        return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+    def _d2t_path(self) -> str:
+        root = processed_root(self.cache_dir, self.tokenizer, self.max_length)
+        return os.path.join(root, f"d2t-{self._mixture_key()}.npy")
+
+    def data_identity(self) -> dict:
+        """What a state cache records of this data (after `setup`): it serves exactly these samples and this `d2t`."""
+        self._require_setup()
+        return {
+            "tokenizer": tokenizer_fingerprint(self.tokenizer),
+            "max_length": self.max_length,
+            "mixture": self._mixture_key(),
+            "d2t": d2t_hash(self.d2t),
+            "draft_vocab_size": len(self.d2t),
+        }
 
     def _split(self, parts: list[TokenizedSource]) -> tuple[datasets.Dataset, datasets.Dataset]:
         sizes = [len(p.usable) for p in parts]
@@ -173,12 +205,23 @@ class ChatDataModule(LightningDataModule):
         self.stats = [p.stats for p in parts]
         self.train_dataset, self.val_dataset = self._split(parts)
         self.d2t = load_or_build_d2t(self.train_dataset, len(self.tokenizer), self.draft_vocab_size, self._d2t_path())
+        if self.states is not None:
+            self.state_cache = StateCache(self.states)
+            self.state_cache.check_data(self.data_identity())
+            self.state_layers = self.state_layers or self.state_cache.layers
+
+    def _samples(self, dataset: datasets.Dataset, split: str):
+        """A split's loader dataset: its token ids and loss mask, plus the cached states when training from them."""
+        samples = dataset.select_columns(["input_ids", "loss_mask"])
+        if self.state_cache is None:
+            return samples
+        return CachedStates(samples, self.state_cache, split, self.state_layers)
 
     # -- loaders ----------------------------------------------------------------------------------
     def _loader_kwargs(self) -> dict:
         return dict(
             batch_size=self.batch_size,
-            collate_fn=self.collate,
+            collate_fn=self.collate if self.state_cache is None else StateCollator(self.collate),
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             pin_memory=torch.cuda.is_available(),
@@ -192,7 +235,7 @@ class ChatDataModule(LightningDataModule):
         """Shuffled by (seed, epoch) and sharded over the trainer's ranks (Lightning keeps this sampler under
         DDP/FSDP); after a resume its first iteration continues the checkpoint's epoch where it stopped."""
         self._require_setup()
-        dataset = self.train_dataset.select_columns(["input_ids", "loss_mask"])
+        dataset = self._samples(self.train_dataset, "train")
         shard = (self.trainer.distributed_sampler_kwargs if self.trainer is not None else None) or {}
         sampler = ResumableSampler(
             dataset, num_replicas=shard.get("num_replicas", 1), rank=shard.get("rank", 0), seed=self.seed
@@ -235,7 +278,7 @@ class ChatDataModule(LightningDataModule):
         self._require_setup()
         if len(self.val_dataset) == 0:
             return []  # val_size=0: Lightning then skips validation
-        return DataLoader(self.val_dataset.select_columns(["input_ids", "loss_mask"]), **self._loader_kwargs())
+        return DataLoader(self._samples(self.val_dataset, "val"), **self._loader_kwargs())
 
     def heldout_prompts(self, count: int) -> list[list[int]]:
         """Token ids of the first user turn of the first `count` validation conversations, rendered with the

@@ -14,6 +14,12 @@ valid target over what the drafter can propose; their share is logged as `*/teac
 share needs the full-vocabulary head (`[B, T, V]`, ~8 TFLOP per step at 9B); the training step runs only the
 `V_d` rows of the target's head unless `full_vocab_metric_every_n_steps` asks for the metric on this step.
 
+From a state cache (`fit --data.states DIR`, docs/DESIGN.md "The state cache") the target is never loaded: the
+batches carry its anchor states and final-norm state, the teacher is the cached V_d rows of its head applied to the
+latter (the product the online step computes), and `init_head` / `init_layers_from` read the cached tensors. Only
+the source of (states, teacher) differs; everything after `_teacher_view` is the same code. The staircase
+evaluation decodes with the target, which `evaluation_target` then loads for the evaluation and frees after.
+
 A training step makes no host/device synchronization once its shape has been seen (tests/test_host_syncs_step.py):
 the loss is a masked sum over fixed shapes (no boolean indexing), the right-padding check runs on the host
 before the batch is moved (`on_before_batch_transfer`), and the logged values stay on the device.
@@ -31,11 +37,20 @@ import torch.nn.functional as F
 import torchmetrics
 from lightning.pytorch.utilities import rank_zero_info
 
+from ..data.states import StateCache, target_identity
 from ..errors import ConfigError
 from ..export import CKPT_KEY, DrafterSpec
 from ..geometry import Features, Geometry, Schedule
 from ..pdm import DecoderLayer, PDMConfig, PipelineDraftModule
-from ..target import FrozenTargetHolder, Target, TargetError, load_hf_config
+from ..target import (
+    FrozenTargetHolder,
+    Target,
+    TargetError,
+    TargetInfo,
+    load_hf_config,
+    rebuilt_layer,
+    restrict_to_draft_vocab,
+)
 from .attention import Backend
 from .layouts import FillDistribution, LayoutName, Replication, build_layout
 from .metrics import GroupedAgreement
@@ -251,7 +266,9 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
     def setup(self, stage: str) -> None:
         self._fsdp_unit_per_layer()
         self._dynamo_before = set_recompile_limit()
-        if self._target is None:
+        if self.state_cache is not None:
+            self._use_state_cache()
+        elif self._target is None:
             device = self.trainer.strategy.root_device
             target = Target.load(self.hparams.target, self.hparams.target_dtype, device, self.hparams.trust_remote_code)
             self.geometry.check_target(target.num_layers)
@@ -262,6 +279,40 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
             # object.__setattr__ keeps the target out of nn.Module registration (params, state_dict, .to()).
             object.__setattr__(self, "_target", target)
             self._target_info = target.info
+
+    @property
+    def state_cache(self) -> StateCache | None:
+        """The data module's target-state cache when training from one (`--data.states`), else None."""
+        trainer = self._trainer
+        datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
+        return getattr(datamodule, "state_cache", None)
+
+    def _use_state_cache(self) -> None:
+        """Train from the cache: check it was made by this target and holds this geometry's states, and have the
+        data module's batches carry exactly the anchors (the target itself is not loaded)."""
+        cache, hp = self.state_cache, self.hparams
+        cache.check_target(target_identity(hp.target, hp.trust_remote_code))
+        cache.check_layers([*self.geometry.anchors, self.geometry.num_layers], f"anchors {list(self.geometry.anchors)}")
+        self.trainer.datamodule.state_layers = self.geometry.anchors
+        self._target_info = TargetInfo.from_config(self.target_config, hp.target)
+        rank_zero_info(f"training from the state cache {cache.directory}: the target {hp.target} is not loaded")
+
+    @contextmanager
+    def evaluation_target(self):
+        """The target for code that decodes (the staircase evaluation): the resident one, or, when training from a
+        state cache, one loaded for the evaluation and freed after it (the training itself never holds it)."""
+        if self._target is not None:
+            yield self._target
+            return
+        hp = self.hparams
+        rank_zero_info(f"staircase evaluation: loading the target {hp.target} to decode (freed after it)")
+        target = Target.load(hp.target, hp.target_dtype, self.device, hp.trust_remote_code)
+        try:
+            yield target
+        finally:
+            del target
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
 
     def _fsdp_unit_per_layer(self) -> None:
         """Under FSDP each PDM decoder layer is its own unit (its parameters gathered only around its forward and
@@ -310,7 +361,7 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
                 "train through `python -m spd_lightning fit` or pass datamodule=ChatDataModule(...)"
             )
         d2t = torch.as_tensor(d2t, dtype=torch.long)
-        vocab = self.target.vocab_size
+        vocab = self._target_info.vocab_size
         if d2t.ndim != 1 or d2t.numel() == 0 or int(d2t.max()) >= vocab or int(d2t.min()) < 0:
             raise ConfigError(
                 f"the draft vocabulary ({d2t.numel()} ids, max {int(d2t.max()) if d2t.numel() else None}) "
@@ -320,12 +371,26 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         self.pdm = PipelineDraftModule(self._pdm_config(d2t.numel(), self._target_info.rope_theta), d2t)
         self._freeze_unused_types()
         if hp.init_head:
-            self.pdm.init_head_from_target(self.target.lm_head.weight)
+            self.pdm.init_head_from_rows(self._head_rows())
         for i, layer in enumerate(hp.init_layers_from or []):
-            copied = self.pdm.init_layer_from_target(i, self.target.layers[layer])
+            copied = self.pdm.init_layer_from_target(i, self._target_layer(layer))
             rank_zero_info(
                 f"PDM layer {i} seeded from target layer {layer}: {len(copied)} tensors ({', '.join(copied)})"
             )
+
+    def _head_rows(self) -> torch.Tensor:
+        """`[V_d, H]`: the target head's rows of the draft vocabulary (the cached copy when training from states)."""
+        if self.state_cache is not None:
+            return self.state_cache.head_rows().to(self.device)
+        return self.target.lm_head.weight.detach().index_select(0, self.pdm.d2t.to(self.target.lm_head.weight.device))
+
+    def _target_layer(self, layer: int) -> torch.nn.Module:
+        """Target decoder layer `layer`: the loaded target's, or rebuilt from the cached state dict."""
+        if self.state_cache is None:
+            return self.target.layers[layer]
+        return rebuilt_layer(
+            self.hparams.target, self.hparams.trust_remote_code, layer, self.state_cache.layer_state(layer)
+        )
 
     def _freeze_unused_types(self) -> None:
         """Fusion projections of aggregation types that no view uses would never receive a gradient (and
@@ -361,10 +426,7 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         `outside_vd` is None. `pdm`: another PDM than `self.pdm` (`evaluation_pdm`)."""
         pdm = pdm or self.pdm
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
-        with self._teacher_head(full_vocab):
-            states, logits = self.target.anchor_states(input_ids, attention_mask, self.geometry.anchors)
-        teacher, outside_vd = self._restrict_teacher(logits) if full_vocab else (logits, None)
-        del logits  # the full-vocabulary logits are freed before the PDM's activations are allocated
+        states, teacher, outside_vd = self._teacher_view(batch, full_vocab)
         B, T = input_ids.shape
         rep = self.layout.replicate(attention_mask.sum(1), T, self.layout.draw_fill(B, T, generator))
         g = rep.features(pdm.fuse, states.to(pdm.lm_head.weight.dtype))
@@ -385,32 +447,45 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
             predicts_loss_token=F.pad(batch["loss_mask"][:, 1:].bool(), (0, 1), value=False),
         )
 
+    def _teacher_view(self, batch: dict, full_vocab: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """What the PDM learns from: anchor states `[B, T, m, H]`, teacher logits over `V_d` `[B, T, V_d]` (the
+        target's dtype) and `outside_vd` `[B, T]` (None when not computed). Online, from one target forward; from
+        a state cache (the batch carries `states`), the same V_d head applied to the cached final-norm state, and
+        the cached `outside_vd`, which costs nothing there and so is always given."""
+        if "states" in batch:
+            return batch["states"], self._vd_head()(batch["final_state"]), batch["outside_vd"]
+        with self._teacher_head(full_vocab):
+            states, logits = self.target.anchor_states(
+                batch["input_ids"], batch["attention_mask"], self.geometry.anchors
+            )
+        if not full_vocab:
+            return states, logits, None
+        teacher, outside_vd = restrict_to_draft_vocab(logits, self.pdm.d2t)
+        return states, teacher, outside_vd  # the full-vocabulary logits are freed before the PDM's activations
+
+    def _vd_head(self) -> torch.nn.Module:
+        """The target's head restricted to the `V_d` rows (the teacher's head), built once (the target is frozen)."""
+        if self._head_vd is None:
+            rows = self._head_rows()
+            head = torch.nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
+            head.weight = torch.nn.Parameter(rows, requires_grad=False)
+            object.__setattr__(self, "_head_vd", head)  # like the target: not a submodule, not in checkpoints
+        return self._head_vd
+
     @contextmanager
     def _teacher_head(self, full_vocab: bool):
-        """Without `full_vocab`, the target's head is the `V_d` rows of its weight for the forward (its logits are
-        then `[B, T, V_d]`, what `_restrict_teacher` would select); the rows are copied once (the target is frozen)."""
+        """Without `full_vocab`, the target's head is its `V_d` rows for the forward (its logits are then `[B, T,
+        V_d]`, what `restrict_to_draft_vocab` would select)."""
         if full_vocab:
             yield
             return
         model = self.target.model
         full = model.get_output_embeddings()
-        if self._head_vd is None:
-            rows = torch.nn.Linear(full.in_features, self.pdm.d2t.numel(), bias=False, device=full.weight.device)
-            rows.weight = torch.nn.Parameter(full.weight.detach().index_select(0, self.pdm.d2t), requires_grad=False)
-            object.__setattr__(self, "_head_vd", rows)  # like the target: not a submodule, not in checkpoints
-        model.set_output_embeddings(self._head_vd)
+        model.set_output_embeddings(self._vd_head())
         try:
             yield
         finally:
             model.set_output_embeddings(full)
-
-    def _restrict_teacher(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The teacher logits over `V_d` in the target's dtype, `[B, T, V_d]`, and whether each position's
-        full-vocabulary argmax lies outside `V_d`, `[B, T]`. The restriction comes BEFORE any upcast: no
-        `[*, V]` fp32 tensor exists (9B target, B=2, T=2048: 4.07 GB at V=248,320 vs 0.52 GB at V_d=32,000)."""
-        d2t = self.pdm.d2t
-        in_vd = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device).index_fill_(0, d2t, True)
-        return logits.index_select(-1, d2t), ~in_vd[logits.argmax(-1)]
 
     def _distill(self, fwd: ReplicatedForward, copy: int) -> Distilled:
         """KL(P || q) at every output of `copy`, `[B, T]`, counted where the output is active and predicts a loss
@@ -449,7 +524,7 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         self.log("train/loss", loss, prog_bar=True, batch_size=B)
         self.log("train/kl_draft", kl_draft, batch_size=B)
         self.log("train/agree", main.mean(main.student_top1.eq(main.teacher_top1)), prog_bar=True, batch_size=B)
-        if full_vocab:
+        if main.outside_vd is not None:  # on the due steps online; on every step from a state cache (free there)
             self.log("train/teacher_top1_outside_vd", main.mean(main.outside_vd), batch_size=B)
         self.log("train/loss_tokens", main.counted.sum().float(), batch_size=B)
         self.log("train/lr", self._device_scalar("lr", self.optimizers().param_groups[0]["lr"]), batch_size=B)

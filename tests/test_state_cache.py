@@ -1,0 +1,276 @@
+"""The target-state cache (docs/DESIGN.md, "The state cache"): `prepare --states DIR` stores what drafters read of
+the target, `fit --data.states DIR` trains from it without loading the target.
+
+- one batch gives the same loss and the same gradient of every PDM parameter online and from the cache (and the
+  same PDM after `init_head` / `init_layers_from`);
+- a cache that does not fit the run (other data, a layer it lacks, another prepare plan) is a one-line error;
+- an interrupted prepare resumes: finished shards are kept, the result equals an uninterrupted one;
+- a short `fit --data.states` trains and validates without the target; only the staircase evaluation loads it.
+"""
+
+import json
+import os
+import traceback
+from types import SimpleNamespace
+
+import pytest
+import torch
+from kit import REPO, chat_records, make_tiny_model
+from safetensors import safe_open
+
+from spd_lightning import cli, prepare, prepare_states
+from spd_lightning.data import ChatDataModule
+from spd_lightning.data.formats import DataError
+from spd_lightning.target import Target
+from spd_lightning.training.module import SPDModule
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended"),
+]
+NUM_LAYERS, SHARD = 4, 8
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory) -> dict:
+    """A saved tiny Qwen3.5 target with its own chat tokenizer, 48 chats as jsonl, a data cache."""
+    from spd_lightning.tiny_target import train_chat_tokenizer
+
+    root = tmp_path_factory.mktemp("states")
+    records = chat_records(48)
+    data = root / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    texts = (t["value"] for r in records for t in r["conversations"])
+    tokenizer = train_chat_tokenizer(texts, vocab_size=300, show_progress=False)
+    target = root / "target"
+    make_tiny_model("qwen3_5", num_layers=NUM_LAYERS, vocab_size=len(tokenizer)).save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    return {"root": root, "target": str(target), "data": str(data), "cache": str(root / "cache")}
+
+
+def config_args(chats, *extra: str) -> list[str]:
+    """configs/tiny.yaml on the tiny target and the 48 chats: 2 stages, 8 validation chats, a seeded PDM layer."""
+    return [
+        "--config",
+        os.path.join(REPO, "configs", "tiny.yaml"),
+        "--model.target",
+        chats["target"],
+        "--model.n",
+        "2",
+        "--model.init_layers_from",
+        "[1]",
+        "--data.sources",
+        f"[{{path: {chats['data']}}}]",
+        "--data.val_size",
+        "8",
+        "--data.draft_vocab_size",
+        "64",
+        "--data.batch_size",
+        "4",
+        "--data.cache_dir",
+        chats["cache"],
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def other_config(chats) -> str:
+    """A second config of the same target and data with other anchors and init layer: the cache serves both."""
+    path = chats["root"] / "n4.yaml"
+    path.write_text(f"model: {{target: {chats['target']}, n: 4, anchors: [0, 3], init_layers_from: [2]}}\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def states(chats, other_config) -> str:
+    directory = str(chats["root"] / "states")
+    extra = ["--states", directory, "--states-configs", other_config, "--states-shard-size", str(SHARD)]
+    assert prepare.main(config_args(chats, *extra)) == 0
+    return directory
+
+
+def data_module(chats, *extra: str) -> ChatDataModule:
+    """The data module `fit` builds from `config_args` (and `extra`), set up."""
+    data = prepare.data_module(config_args(chats, *extra))
+    data.setup("fit")
+    return data
+
+
+def attached_module(chats, data: ChatDataModule) -> SPDModule:
+    """An SPDModule set up as a Trainer would (setup, configure_model) with a stand-in trainer and no logging."""
+    module = SPDModule(
+        target=chats["target"],
+        target_dtype="float32",
+        n=2,
+        num_layers=1,
+        init_layers_from=[1],
+        attention_backend="dense",
+    )
+    module._trainer = SimpleNamespace(  # only what setup, configure_model and training_step read
+        datamodule=data,
+        strategy=SimpleNamespace(root_device=torch.device("cpu")),
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(total_batch_idx=0)),
+        global_rank=0,
+    )
+    module.log = lambda *args, **kwargs: None
+    module.optimizers = lambda: SimpleNamespace(param_groups=[{"lr": 0.0}])
+    module.setup("fit")
+    torch.manual_seed(0)  # the same random init of everything init_head / init_layers_from do not seed
+    module.configure_model()
+    return module
+
+
+def forbid_target_load(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the target was loaded")
+
+    monkeypatch.setattr(Target, "load", refuse)
+
+
+def test_the_cache_holds_the_union_of_the_configs_layers(states):
+    manifest = json.load(open(os.path.join(states, "manifest.json")))
+    # n=2 anchors (n_scaled, L=4): 0 2 3 4; the other config's: 0 3; L=4 is the final-norm state the teacher reads
+    assert manifest["layers"] == [0, 2, 3, 4] and manifest["init_layers"] == [1, 2]
+    assert manifest["complete"] and manifest["splits"] == {"train": 40, "val": 8} and manifest["dtype"] == "float32"
+    with safe_open(os.path.join(states, "train-00000.safetensors"), "pt") as f:
+        assert f.get_tensor("0.h4").dtype == torch.float32 and f.get_tensor("0.outside_vd").dtype == torch.uint8
+
+
+def test_one_batch_gives_the_same_loss_and_gradients_online_and_from_the_cache(chats, states, monkeypatch):
+    online_data, cached_data = data_module(chats), data_module(chats, "--data.states", states)
+    online = attached_module(chats, online_data)
+    forbid_target_load(monkeypatch)
+    cached = attached_module(chats, cached_data)
+    for (name, a), b in zip(online.pdm.state_dict().items(), cached.pdm.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"the seeded PDM differs at {name}")
+    online_batch = next(iter(online_data.train_dataloader()))
+    cached_batch = next(iter(cached_data.train_dataloader()))
+    assert torch.equal(online_batch["input_ids"], cached_batch["input_ids"])
+    assert cached_batch["states"].shape[2] == len(cached.geometry.anchors)
+    losses = []
+    for module, batch in ((online, online_batch), (cached, cached_batch)):
+        loss = module.training_step(batch, 0)
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[0] > 0 and abs(losses[0] - losses[1]) < 1e-6, losses
+    grads = [(name, p.grad, q.grad) for (name, p), q in zip(online.pdm.named_parameters(), cached.pdm.parameters())]
+    assert sum(g is not None for _, g, _ in grads) > 5
+    for name, a, b in grads:
+        assert (a is None) == (b is None), name
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=f"the gradient of {name} differs")
+
+
+def test_validation_from_the_cache_reports_the_full_vocabulary_metric(chats, states):
+    """`outside_vd` comes from the cache, so validation logs `val/teacher_top1_outside_vd` as the online run does."""
+    online_data, cached_data = data_module(chats), data_module(chats, "--data.states", states)
+    online, cached = attached_module(chats, online_data), attached_module(chats, cached_data)
+    for module, data in ((online, online_data), (cached, cached_data)):
+        with torch.no_grad():
+            module.validation_step(next(iter(data.val_dataloader())), 0)
+    torch.testing.assert_close(online.val_outside.compute(), cached.val_outside.compute())
+    torch.testing.assert_close(online.val_loss.compute(), cached.val_loss.compute(), rtol=1e-5, atol=1e-6)
+
+
+def test_prepare_resumes_an_interrupted_run_and_keeps_its_shards(chats, states, tmp_path, monkeypatch):
+    directory = str(tmp_path / "resumed")
+    args = config_args(chats, "--states", directory, "--states-shard-size", str(SHARD))
+    real_write = prepare_states.StateWriter.write_shard
+    written = []
+
+    def interrupted(self, split, shard, samples, bar):
+        if len(written) == 2:
+            raise KeyboardInterrupt
+        written.append((split, shard))
+        real_write(self, split, shard, samples, bar)
+
+    monkeypatch.setattr(prepare_states.StateWriter, "write_shard", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare.main(args)
+    assert sorted(os.listdir(directory)) == [
+        "init.safetensors",
+        "manifest.json",
+        "train-00000.safetensors",
+        "train-00001.safetensors",
+    ]
+    with pytest.raises(DataError, match="incomplete"):
+        data_module(chats, "--data.states", directory)
+    written.clear()
+    monkeypatch.setattr(
+        prepare_states.StateWriter, "write_shard", lambda self, *a: (written.append(a[:2]), real_write(self, *a))
+    )
+    assert prepare.main(args) == 0
+    assert written == [("train", 2), ("train", 3), ("train", 4), ("val", 0)]  # the kept shards are not redone
+    for name in ("train-00000.safetensors", "train-00003.safetensors", "val-00000.safetensors"):
+        with (
+            safe_open(os.path.join(directory, name), "pt") as mine,
+            safe_open(os.path.join(states, name), "pt") as full,
+        ):
+            for key in mine.keys():  # `states` has more layers: every one of these is the same
+                torch.testing.assert_close(mine.get_tensor(key), full.get_tensor(key), rtol=0, atol=0)
+    forbid_target_load(monkeypatch)
+    assert prepare.main(args) == 0  # complete: nothing is run (the target is not even loaded)
+
+
+def run_main(args, capsys) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(args)
+    return exit_info.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "command, extra, expected",
+    [
+        ("fit", ["--data.max_length", "512"], "data.max_length is 256 in the cache, 512 here"),
+        ("fit", ["--model.anchors", "[0, 1]"], "holds hidden states [0, 2, 3, 4], anchors [0, 1] also needs [1]"),
+        ("fit", ["--model.init_layers_from", "[3]"], "stores target layers [1, 2] for init_layers_from, not 3"),
+        ("prepare", ["--states-dtype", "bfloat16"], "manifest.dtype is 'float32' in the cache, 'bfloat16' here"),
+    ],
+    ids=["other-data", "missing-anchor", "missing-init-layer", "other-plan"],
+)
+def test_a_cache_that_does_not_fit_the_run_is_one_line(chats, states, capsys, tmp_path, command, extra, expected):
+    if command == "prepare":  # the same command with another dtype: a rerun must not mix two plans in one cache
+        extra = ["--states", states, "--states-shard-size", str(SHARD), *extra]
+    run = ["--trainer.logger", "false", "--trainer.max_steps", "1", "--trainer.default_root_dir", str(tmp_path)]
+    args = config_args(chats, "--data.states", states, *run, *extra) if command == "fit" else config_args(chats, *extra)
+    code, err = run_main([command, *args], capsys)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]  # the rest: progress bars, logs
+    assert code == 2 and len(errors) == 1 and err.rstrip().endswith(errors[0]), err
+    assert expected in errors[0], err
+
+
+def test_fit_from_the_cache_trains_without_the_target(chats, states, tmp_path, monkeypatch):
+    """Training and validation read the cache; only the staircase evaluation at the end loads the target."""
+    loads = []
+    real_load = Target.load.__func__
+
+    def spy(cls, *args, **kwargs):
+        loads.append([frame.name for frame in traceback.extract_stack()])
+        return real_load(cls, *args, **kwargs)
+
+    monkeypatch.setattr(Target, "load", classmethod(spy))
+    run = [
+        "--data.states",
+        states,
+        "--trainer.max_steps",
+        "3",
+        "--trainer.val_check_interval",
+        "2",
+        "--trainer.limit_val_batches",
+        "1",
+        "--trainer.logger",
+        "false",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.default_root_dir",
+        str(tmp_path),
+        "--checkpoint.dirpath",
+        str(tmp_path / "ckpt"),
+    ]
+    trainer = cli.run_cli(["fit", *config_args(chats, *run)]).trainer
+    assert trainer.global_step == 3
+    metrics = trainer.callback_metrics
+    assert torch.isfinite(metrics["train/loss"]) and "val/teacher_top1_outside_vd" in metrics
+    assert "staircase/alpha" in metrics  # the evaluation decoded with a target loaded for it
+    assert len(loads) == 1 and "evaluation_target" in loads[0], loads
+    assert trainer.lightning_module._target is None  # and freed after it
