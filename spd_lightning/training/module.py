@@ -453,6 +453,11 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         a state cache (the batch carries `states`), the same V_d head applied to the cached final-norm state, and
         the cached `outside_vd`, which costs nothing there and so is always given."""
         if "states" in batch:
+            if batch["states"].shape[2] != len(self.geometry.anchors):  # a shape, read on the host: no sync
+                raise ConfigError(
+                    f"the batch carries {batch['states'].shape[2]} cached hidden states, the geometry reads anchors "
+                    f"{list(self.geometry.anchors)}: build the loaders after the module's setup (the Trainer does)"
+                )
             return batch["states"], self._vd_head()(batch["final_state"]), batch["outside_vd"]
         with self._teacher_head(full_vocab):
             states, logits = self.target.anchor_states(
