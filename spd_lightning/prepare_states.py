@@ -71,12 +71,15 @@ def config_needs(model: dict) -> Needs:
     L = (getattr(config, "text_config", None) or config).num_hidden_layers
     keys = ("split", "anchors", "schedule", "features")
     geometry = Geometry.build(L, model.get("n", 8), **{k: model[k] for k in keys if model.get(k) is not None})
+    init = [int(b) for b in model.get("init_layers_from") or []]
+    if any(not 0 <= b < L for b in init):
+        raise ConfigError(f"init_layers_from={init}: target layers go from 0 to {L - 1}")
     return Needs(
         model["target"],
         model.get("target_dtype", "bfloat16"),
         model.get("trust_remote_code", False),
         frozenset([*geometry.anchors, L]),
-        frozenset(model.get("init_layers_from") or []),
+        frozenset(init),
     )
 
 
