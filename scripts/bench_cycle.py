@@ -4,7 +4,7 @@
     .venv/bin/python scripts/bench_cycle.py --table runs/bench/*.json --png docs/cycle_profile.png
 
 The first form launches, for each `n`, `n` stage processes + 1 PDM process (gloo on CPU, the real
-`launch` path) on the target, decodes the prompts `--repeat` times after a warm-up, and writes per-cycle
+`launch` path; `--pdm-placement shared`: `n` processes, the PDM in stage 1's) on the target, decodes the prompts `--repeat` times after a warm-up, and writes per-cycle
 means over every cycle of every prompt (the median over the repeats):
 
 - wall: the reporting (last-stage) rank's time per cycle; with optimistic execution the step that a late
@@ -200,6 +200,7 @@ def measure(args) -> dict:
                 drafter_path=path,
                 replay=replay,
                 profile=True,
+                pdm_placement=args.pdm_placement,
             )
             warm = dataclasses.replace(
                 job,
@@ -218,6 +219,7 @@ def measure(args) -> dict:
         "torch": torch.__version__,
         "target": args.target,
         "drafter": drafter or "random-init PDM",
+        "pdm_placement": args.pdm_placement,
         "prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
         "repeat": args.repeat,
@@ -235,6 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, nargs="+", default=[2, 4])
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--replay", help="replay drafter policy instead of a PDM: oracle, adversary or an R/W pattern")
+    p.add_argument(
+        "--pdm-placement",
+        choices=["separate", "shared"],
+        default="separate",
+        help="shared: the PDM in stage 1's process (n processes); separate: its own (n + 1)",
+    )
     p.add_argument("--repeat", type=int, default=1, help="measured runs per configuration (median kept)")
     p.add_argument("--label", default="this run", help="the row label (e.g. the version measured)")
     p.add_argument("--json", dest="json_out", help="write the profile here")

@@ -21,7 +21,11 @@ it. The planner (`inference.evaluation.plan.CostModel`) turns the numbers into p
 
 Output: one JSON (`--json`) and a markdown table (stdout, and `--md`). Every stage and draft row carries
 `cuda_graphs` (whether the compiled step's graphs run as CUDA graphs: False when eager, off a GPU, or when
-inductor skipped them) and `cuda_graphs_skip` (why not).
+inductor skipped them) and `cuda_graphs_skip` (why not). `--rows FILE` also appends every row to FILE (JSON
+lines with a `kind`) the moment it is measured, as the GPU check's `rows.jsonl` (`scripts/gpu_check.py`
+runs this script into its own): `decode_stage`, `decode_draft`, `decode_simulator`, and `decode_cycle`, one
+per planner row: ms per cycle, stage and draft ms, and whether every step it is built from ran as CUDA
+graphs, with the skip reason of each step that did not.
 """
 
 from __future__ import annotations
@@ -119,6 +123,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--alpha", action="append", default=None, help="N:L_S:ALPHA for the planner (repeatable)")
     p.add_argument("--json", help="write every number here")
     p.add_argument("--md", help="write the markdown table here")
+    p.add_argument("--rows", help="append every row to this JSON-lines file as it is measured")
     args = p.parse_args(argv)
     if args.tiny:
         args.models, args.n = ["tiny"], [n for n in args.n if n <= 4] or [2]
@@ -149,6 +154,13 @@ def median_ms(call, iters: int, warmup: int, device: torch.device) -> float:
     return float(np.median([s.elapsed_time(e) for s, e in events]))
 
 
+def emit(path: str | None, kind: str, row: dict) -> None:
+    """Append one measured row to the JSON-lines file `path` now (a run cut short keeps it)."""
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"kind": kind, **row}, default=str) + "\n")
+
+
 def make_target(shape: dict, layers: int, device: torch.device, dtype: torch.dtype) -> Target:
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
@@ -171,8 +183,9 @@ def weight_bytes(stage: Stage) -> int:
     return sum(p.numel() * p.element_size() for p in stage.parameters())
 
 
-def bench_stages(shape: dict, n: int, args, device: torch.device) -> list[dict]:
-    """Stage 1 (embedding + L/n layers) and the last stage (L/n layers + head), eager and captured."""
+def bench_stages(shape: dict, n: int, args, device: torch.device, on_row=None) -> list[dict]:
+    """Stage 1 (embedding + L/n layers) and the last stage (L/n layers + head), eager and captured; `on_row`
+    is called with each row as it is measured."""
     k = shape["num_hidden_layers"] // n
     target = make_target(shape, 2 * k, device, args.dtype)
     geometry = Geometry.build(2 * k, 2)
@@ -208,11 +221,13 @@ def bench_stages(shape: dict, n: int, args, device: torch.device) -> list[dict]:
                     **cuda_graphs(stage._decode_step),
                 }
             )
+            if on_row is not None:
+                on_row(rows[-1])
     del target, stages
     return rows
 
 
-def bench_draft(shape: dict, n: int, L_s: int, args, device: torch.device) -> list[dict]:
+def bench_draft(shape: dict, n: int, L_s: int, args, device: torch.device, on_row=None) -> list[dict]:
     """One full pipeline's draft (fill n) of an `L_s`-layer PDM, eager and captured."""
     H, L = shape["hidden_size"], shape["num_hidden_layers"]
     geometry = Geometry.build(L, n)
@@ -242,6 +257,8 @@ def bench_draft(shape: dict, n: int, L_s: int, args, device: torch.device) -> li
         ms = median_ms(lambda: drafter.draft(view, None), args.iters, args.warmup, device)  # noqa: B023 - timed here
         log.info("draft L_s=%d fill=%d captured=%s: %.3f ms", L_s, n, compiled, ms)
         rows.append({"n": n, "L_s": L_s, "fill": n, "captured": compiled, "ms": ms, **cuda_graphs(drafter._in_flight)})
+        if on_row is not None:
+            on_row(rows[-1])
     return rows
 
 
@@ -311,6 +328,30 @@ def predict(model: str, shape: dict, stage_rows, draft_rows, sim_rows, alphas, c
     return out
 
 
+def cycle_row(p: dict, stage_rows: list[dict], draft_rows: list[dict]) -> dict:
+    """One decode row of the GPU check from a planner row: ms per cycle, stage and draft ms, and whether the
+    steps it was built from (both stages of its n, every draft the draft line was fitted over) all ran as CUDA
+    graphs, with each other step's reason."""
+    steps = {
+        f"stage {r['stage']} n={r['n']}": r for r in stage_rows if r["n"] == p["n"] and r["captured"] == p["captured"]
+    }
+    steps |= {f"draft L_s={r['L_s']}": r for r in draft_rows if r["captured"] == p["captured"]}
+    return {
+        "model": p["model"],
+        "captured": p["captured"],
+        "n": p["n"],
+        "L_s": p["L_s"],
+        "alpha": p["alpha"],
+        "cycle_ms": p["cycle"],
+        "stage_ms": p["stage"],
+        "draft_ms": p["draft"],
+        "overhead_ms": p["overhead"],
+        "speedup": p["speedup"],
+        "cuda_graphs": bool(steps) and all(r["cuda_graphs"] for r in steps.values()),
+        "cuda_graphs_skip": {name: r["cuda_graphs_skip"] for name, r in steps.items() if not r["cuda_graphs"]},
+    }
+
+
 def run(args) -> dict:
     device = torch.device(args.device)
     alphas = dict(parse_alpha(a) for a in args.alpha)
@@ -326,14 +367,27 @@ def run(args) -> dict:
     }
     for model in args.models:
         shape = SHAPES[model]
-        stage_rows = [r for n in args.n for r in bench_stages(shape, n, args, device)]
-        draft_rows = [r for L_s in args.draft_layers for r in bench_draft(shape, max(args.n), L_s, args, device)]
-        sim_rows = [bench_simulator(shape, n, args, device) for n in args.n]
+
+        def on_row(kind, model=model):
+            return lambda row: emit(args.rows, kind, {"model": model, **row})
+
+        stage_rows = [r for n in args.n for r in bench_stages(shape, n, args, device, on_row("decode_stage"))]
+        draft_rows = [
+            r
+            for L_s in args.draft_layers
+            for r in bench_draft(shape, max(args.n), L_s, args, device, on_row("decode_draft"))
+        ]
+        sim_rows = []
+        for n in args.n:
+            sim_rows.append(bench_simulator(shape, n, args, device))
+            emit(args.rows, "decode_simulator", {"model": model, **sim_rows[-1]})
         plans = [
             p
             for captured in ([False, True] if args.compile else [False])
             for p in predict(model, shape, stage_rows, draft_rows, sim_rows, alphas, captured)
         ]
+        for p in plans:
+            emit(args.rows, "decode_cycle", cycle_row(p, stage_rows, draft_rows))
         report["models"][model] = {
             "shape": shape,
             "stages": stage_rows,

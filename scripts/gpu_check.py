@@ -14,9 +14,13 @@ Then random-init Qwen3.5-4B and -9B targets of their real shapes (spd_lightning/
    (`fla` kernels or the torch fallback: rows without the `gpu` extra are marked so);
 2. per-stage forward latency (one token after a prefill) for n in {4, 8};
 3. PDM draft latency for L_s in 1..4 (the in-flight view of a full pipeline over a cached prefix);
-4. a simulator greedy decode, checked identical to AR decoding on the same GPU.
-Every row is appended to `rows.jsonl` the moment it is measured, so a run cut short keeps what it measured.
-Sections that would overrun the time budget are skipped and listed as skipped. Only torch, transformers,
+4. a simulator greedy decode, checked identical to AR decoding on the same GPU;
+5. last, the decoder at GPU speed (`scripts/bench_decode_gpu.py` in a child process with a time limit of its own,
+   `--decode-s`): eager vs captured stage and draft steps, whether CUDA graphs were captured (and why not, per
+   compiled step), and per planner row the ms per cycle, stage and draft ms.
+Every row (the decoder's included: the child appends to the same file) is appended to `rows.jsonl` the moment
+it is measured, so a run cut short keeps what it measured, and the decoder's tables in `gpu_check.md` are
+generated from those rows. Sections that would overrun the time budget are skipped and listed as skipped. Only torch, transformers,
 lightning, torchmetrics, safetensors and numpy are imported (no datasets, wandb, jsonargparse, ShareGPT).
 """
 
@@ -29,6 +33,7 @@ import logging
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -383,6 +388,81 @@ def check_arch(arch: str, opts, device, budget: Budget) -> dict:
     return result
 
 
+DECODE_KINDS = ("decode_stage", "decode_draft", "decode_simulator", "decode_cycle")
+
+
+def decode_bench(opts) -> dict:
+    """scripts/bench_decode_gpu.py in a child process, appending its rows to this run's rows.jsonl as it measures
+    them (the GPU check's plan: the 4B shape, n 4 and 8, L_s 1 and 3); the rows it wrote, read back from the file
+    even when it was cut short by `opts.decode_s` or failed."""
+    rows_path = os.path.join(opts.out, "rows.jsonl")
+    os.makedirs(opts.out, exist_ok=True)
+    start = os.path.getsize(rows_path) if os.path.exists(rows_path) else 0
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_decode_gpu.py")
+    if opts.tiny:
+        plan = ["--tiny", "--device", "cpu", "--no-compile"]
+    else:  # compiling every (n, L_s) of both shapes would not fit the limit
+        plan = ["--device", opts.device, "--models", "4b", "--n", "4", "8", "--draft-layers", "1", "3", "--iters", "30"]
+    files = ["--rows", rows_path, "--json", os.path.join(opts.out, "decode_gpu.json")]
+    files += ["--md", os.path.join(opts.out, "decode_gpu.md")]
+    t0, result = time.perf_counter(), {"command": ["python", "scripts/bench_decode_gpu.py", *plan]}
+    try:
+        done = subprocess.run([sys.executable, script, *plan, *files], timeout=opts.decode_s)  # its log: stderr
+        result.update(
+            returncode=done.returncode, error=None if done.returncode == 0 else f"exit code {done.returncode}"
+        )
+    except subprocess.TimeoutExpired:
+        result.update(returncode=None, error=f"cut short at the {opts.decode_s:.0f} s limit (--decode-s)")
+    result["seconds"] = time.perf_counter() - t0
+    lines = []
+    if os.path.exists(rows_path):
+        with open(rows_path) as f:
+            f.seek(start)
+            lines = f.read().splitlines()
+    result["rows"] = [row for row in map(json.loads, lines) if row["kind"] in DECODE_KINDS]
+    return result
+
+
+def decode_markdown(decode: dict) -> list[str]:
+    """The decoder's tables, from the rows it appended to rows.jsonl."""
+    rows = decode["rows"]
+    lines = [
+        "",
+        f"Decoder at GPU speed (`{' '.join(decode['command'])}`, {decode['seconds']:.0f} s"
+        + ("" if decode["error"] is None else f"; did not finish: {decode['error'].splitlines()[-1]}")
+        + "): per planner row, the measured stage and draft steps and the simulator's overhead.",
+        "",
+        "| target | captured | n | L_s | alpha | ms/cycle | stage ms | draft ms | overhead ms | predicted speedup "
+        "| CUDA graphs |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        if r["kind"] == "decode_cycle":
+            graphs = (
+                "yes"
+                if r["cuda_graphs"]
+                else "no (" + "; ".join(f"{k}: {v}" for k, v in r["cuda_graphs_skip"].items()) + ")"
+            )
+            lines.append(
+                f"| {r['model']} | {'yes' if r['captured'] else 'no'} | {r['n']} | {r['L_s']} | {r['alpha']} | "
+                f"{r['cycle_ms']:.3f} | {r['stage_ms']:.3f} | {r['draft_ms']:.3f} | {r['overhead_ms']:.3f} | "
+                f"{r['speedup']:.2f} | {graphs} |"
+            )
+    lines += [
+        "",
+        "| target | step | n | L_s | captured | ms | CUDA graphs | skip reason |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        if r["kind"] in ("decode_stage", "decode_draft"):
+            step = f"stage {r['stage']} ({r['layers']} layers)" if r["kind"] == "decode_stage" else "PDM draft"
+            lines.append(
+                f"| {r['model']} | {step} | {r['n']} | {r.get('L_s', '')} | {'yes' if r['captured'] else 'no'} | "
+                f"{r['ms']:.3f} | {'yes' if r['cuda_graphs'] else 'no'} | {r['cuda_graphs_skip'] or ''} |"
+            )
+    return lines
+
+
 def markdown(report: dict) -> str:
     """The tables for docs/BENCHMARKS.md."""
     o = report["options"]
@@ -428,6 +508,8 @@ def markdown(report: dict) -> str:
     if report.get("block_mask"):
         lines += ["", "FlexAttention block mask per step (`scripts/bench_block_mask.py`):", ""]
         lines += [block_mask_markdown(report["block_mask"])]
+    if report.get("decode_gpu") is not None:
+        lines += decode_markdown(report["decode_gpu"])
     if report["skipped"]:
         lines += ["", f"Skipped to stay within the time budget: {', '.join(report['skipped'])}."]
     return "\n".join(lines) + "\n"
@@ -460,6 +542,9 @@ def parse(argv):
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=400, help="skip sections that would overrun this")
     p.add_argument("--section-s", type=float, default=40, help="time one training row is assumed to need")
+    p.add_argument(
+        "--decode-s", type=float, default=130, help="time limit of the decoder benchmark, beyond --budget-s (0: skip)"
+    )
     opts = p.parse_args(argv)
     if opts.tiny:
         opts.length, opts.draft_vocab, opts.steps, opts.prompt, opts.new_tokens, opts.repeats = 32, 64, 2, 16, 4, 2
@@ -504,6 +589,12 @@ def main(argv=None) -> int:
         ]
         report["skipped"], report["total_s"] = budget.skipped, time.perf_counter() - budget.start
         write(report, opts.out)
+    if opts.decode_s > 0:  # last, with its own time limit: the decoder's steps eager and captured
+        report["decode_gpu"] = decode_bench(opts)
+        report["total_s"] = time.perf_counter() - budget.start
+        write(report, opts.out)
+    else:
+        budget.skipped.append("decoder benchmark (--decode-s 0)")
     print(markdown(report), flush=True)
     ok = all(r.get("decode", {}).get("identical", True) for r in report["archs"])
     return 0 if ok else 1

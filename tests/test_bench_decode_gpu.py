@@ -12,7 +12,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_tiny_cpu_smoke_run_writes_consistent_json_and_markdown(tmp_path):
-    out, md = tmp_path / "decode.json", tmp_path / "decode.md"
+    out, md, rows_path = tmp_path / "decode.json", tmp_path / "decode.md", tmp_path / "rows.jsonl"
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     done = subprocess.run(
         [
@@ -28,6 +28,8 @@ def test_tiny_cpu_smoke_run_writes_consistent_json_and_markdown(tmp_path):
             str(md),
             "--alpha",
             "4:2:0.5",
+            "--rows",
+            str(rows_path),
         ],
         env=env,
         capture_output=True,
@@ -48,6 +50,22 @@ def test_tiny_cpu_smoke_run_writes_consistent_json_and_markdown(tmp_path):
     assert (row["n"], row["L_s"], row["alpha"]) == (4, 2, 0.5) and row["t_full_ms"] == pytest.approx(t_full)
     assert row["overhead"] == pytest.approx(max(sim["overhead_ms"], 0.0))
     assert row["speedup"] == pytest.approx(0.5 * t_full / row["cycle"])
+    rows = [json.loads(line) for line in rows_path.read_text().splitlines()]  # appended as measured
+    assert [r["kind"] for r in rows] == ["decode_stage"] * 2 + ["decode_draft"] * 4 + [
+        "decode_simulator",
+        "decode_cycle",
+    ]
+    assert [{k: v for k, v in r.items() if k not in ("kind", "model")} for r in rows[:6]] == [
+        *report["stages"],
+        *report["drafts"],
+    ]
+    cycle = rows[-1]
+    assert (cycle["n"], cycle["L_s"], cycle["cycle_ms"], cycle["stage_ms"]) == (4, 2, row["cycle"], row["stage"])
+    assert cycle["cuda_graphs"] is False and set(cycle["cuda_graphs_skip"]) == {
+        "stage first n=4",
+        "stage last n=4",
+        *(f"draft L_s={k}" for k in (1, 2, 3, 4)),
+    }
     text = md.read_text()
     for section in ("stage forward", "PDM draft", "simulator per cycle", "planner"):
         assert f"tiny: {section}" in text

@@ -82,6 +82,20 @@ def test_gpu_check_smoke_on_cpu_without_optional_packages(tmp_path):
     train = [r for r in rows if r["kind"] == "train"]
     assert all(r["model_tflops_per_s"] > 0 and r["mfu"] is None for r in train)  # no bf16 peak for a CPU
     assert all(r["fallback"] == (not arch["gpu_extra"]) and r["linear_attention_path"] for r in train)
+    # the decoder's rows (scripts/bench_decode_gpu.py, run by the check into the same rows.jsonl): every step with
+    # whether it ran as CUDA graphs and why not, and per planner row ms per cycle, stage and draft ms
+    steps = [r for r in rows if r["kind"] in ("decode_stage", "decode_draft")]
+    assert {r["kind"] for r in steps} == {"decode_stage", "decode_draft"}
+    assert all(r["ms"] > 0 and r["cuda_graphs"] is False and r["cuda_graphs_skip"] == "eager" for r in steps)
+    cycles = [r for r in rows if r["kind"] == "decode_cycle"]
+    assert cycles and kinds.index("decode_cycle") > kinds.index("decode_draft") > kinds.index("decode_stage")
+    for r in cycles:
+        assert r["cycle_ms"] >= max(r["stage_ms"], r["draft_ms"]) > 0 and r["cuda_graphs"] is False
+        assert r["cuda_graphs_skip"] and set(r["cuda_graphs_skip"].values()) == {"eager"}
+    assert "decode_simulator" in kinds and report["decode_gpu"]["error"] is None
+    assert report["decode_gpu"]["rows"] == [r for r in rows if r["kind"].startswith("decode_")]
+    assert "| ms/cycle | stage ms | draft ms |" in table and "| PDM draft |" in table  # generated from the rows
+    assert f"| {cycles[0]['cycle_ms']:.3f} | {cycles[0]['stage_ms']:.3f} |" in table
     masks = {r["layout"]: r for r in report["block_mask"]}  # per step vs per shape, same blocks at least
     assert set(masks) == {"depth", "type"} and "FlexAttention block mask per step" in table
     assert all(

@@ -17,11 +17,14 @@ point-to-point from the verifier to each rank (`schedule.Steps` is the optimisti
      (`_draft` then waits for it and discards a wasted step's draft); the stage ranks post their receive
      of it and go on;
   `_receive_inputs`: this step's inputs (anchor states are stored even for a wasted step: they are the
-     previous, real cycle's, and its redo needs them);
+     previous, real cycle's, and its redo needs them), but only the anchor states of a stage in the PDM's
+     own process;
   `_compute`: every stage runs its token (a redo rolls back and reseeds first) - optimistically: a stage
      skips it only when the verdict has already arrived and says the step is wasted;
   `_receive_draft_to_judge`: the verifier takes the draft that entered stage 1 after its own forward (it
      judges it only when the token before it leaves the last stage);
+  `_receive_anchors_before`: pre-step, the PDM takes the anchor states from the other processes, after the
+     forward of a stage it shares a process with was launched (the shared placement; on its own stream);
   `_draft`: post-step, this step's anchor states -> PDM first; the PDM drafts;
   `_verify`: the verifier judges and sends the verdict to every other rank;
   `_receive_awaited`: the stage ranks wait for the verdict the step awaited (at the end of the decode,
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -137,6 +141,8 @@ class PipelineRunner:
         self._awaited: VerdictMessage | None = None  # the verdict the current step awaits, once this process has it
         self._pdm_pending: Arrival | None = None  # the PDM's receive of it, while it drafts without it
         self.discarded_drafts = 0  # drafts the PDM made before learning that their step was wasted
+        # where the PDM receives what comes from other processes: its own stream when it has one (`shared_stream`)
+        self._drafter_receiving = getattr(drafter, "receiving", nullcontext)
         self._stop: Callable[[], bool] | None = None  # see `decode`
         self.stop_seen = -1
 
@@ -340,6 +346,8 @@ class PipelineRunner:
         logits = self._compute(step.plan)
         if not step.redo and step.plan.draft_entered and self.verifier_rank > 0:
             self._receive_draft_to_judge(step.plan)
+        if not step.redo and self.geometry.schedule == "pre_step":
+            self._receive_anchors_before(step.plan, from_here=False)
         self._draft(step.plan)
         self._verify(step.plan, logits)
 
@@ -396,10 +404,24 @@ class PipelineRunner:
             if plan.stage_positions[s] >= 0:
                 self._recv(s - 1, s, "act")
         if self.geometry.schedule == "pre_step":
-            for s, position in plan.anchors_before:
-                recv = self._recv(s - 1, n, f"anchors{s}") if self.anchor_counts[s] else None
-                if recv is not None:
-                    self.drafter.store_anchors(s, position, recv)
+            self._receive_anchors_before(plan, from_here=True)
+
+    def _receive_anchors_before(self, plan: CyclePlan, from_here: bool) -> None:
+        """Pre-step, the PDM's anchor states of the previous step: those of a stage in this process
+        (`from_here`) with this step's inputs; those of other processes after this process's stage forward
+        was launched, so that forward never waits for them (the shared placement's stage 1). A drafter with
+        a stream of its own (`shared_stream.SideStreamDrafter.receiving`) takes the latter on that stream."""
+        n = self.n
+        sources = [
+            (s, position)
+            for s, position in plan.anchors_before
+            if self.anchor_counts[s] and self.transport.hosts(s - 1) == from_here
+        ]
+        if not sources or not self.transport.hosts(n):
+            return
+        with nullcontext() if from_here else self._drafter_receiving():
+            for s, position in sources:
+                self.drafter.store_anchors(s, position, self._recv(s - 1, n, f"anchors{s}"))
 
     def _receive_draft_to_judge(self, plan: CyclePlan) -> None:
         """The verifier's copy of the draft that entered stage 1 this step: it is judged only when the token

@@ -1,28 +1,35 @@
 """The shared PDM's draft on its own CUDA stream, so it overlaps stage 1's forward on their one GPU.
 
-With `--pdm-placement shared` process 0 runs stage 1's token and then the PDM's draft (the runner's
-`_compute`, then `_draft`). Kernel launches return at once, so with the draft on a second stream the GPU
-runs it beside stage 1's forward instead of after it. The dependencies are CUDA events, never a
+With `--pdm-placement shared` process 0 hosts stage 1 and the PDM. In a pre-step cycle it launches stage 1's
+token first (the runner's `_compute`, on the main stream), then takes the anchor states the other stages sent
+(`_receive_anchors_before`) and drafts (`_draft`), both on a second stream. Kernel launches and NCCL receives
+return at once, so the GPU runs the receives and the draft beside stage 1's forward instead of after it, and
+the host never waits between launching the forward and launching the draft (on the CPU's gloo a receive
+blocks the host, but only after the forward has run). The dependencies are CUDA events, never a
 device-wide synchronization:
 
-- the draft reads what the drafter's inputs wrote on the main stream (`start`, `set_token`,
-  `store_anchors`): each records `inputs_ready` there, and the side stream waits on the latest before it
-  drafts. Pre-step these all come before stage 1's forward is launched (the anchors of a cycle are
-  received before it computes), so the draft does not wait for the forward; post-step this cycle's
-  anchors arrive after the forward, and the draft waits for it, as it must;
+- the draft reads what the drafter's inputs wrote on the main stream (`start`, `set_token`, and
+  `store_anchors` of stage 1's own anchors, taken from within the process): each records `inputs_ready`
+  there, and the side stream waits on the latest before it receives or drafts. Pre-step these all come
+  before stage 1's forward is launched, so neither the receives nor the draft wait for the forward;
+  post-step this cycle's anchors come out of the forward, and the draft waits for it, as it must;
+- `receiving()` runs the receives from the other processes and their `store_anchors` on the side stream
+  (an NCCL receive waits for, and is waited on by, the stream that is current when it is posted); the main
+  stream then waits on an event recorded after them, so its next work (the next step) sees the stored
+  states even when no draft follows (a wasted step);
 - what the draft returns (the token, `q`) and writes (the new token's embedding, the PDM's KV cache) is
   next used on the main stream (stage 1's next input, the message to the verifier, the next inputs):
   the main stream waits on `drafted`, recorded on the side stream after the draft, and the returned
   tensors are marked as used by the main stream, so the allocator does not hand out their memory early.
 
 On the CPU there are no streams: `draft_stream` is None, `use_stream(None)` is a no-op context and no
-event is recorded, so the CPU runs exactly this code with the draft in line.
+event is recorded, so the CPU runs exactly this code, in the same order, with the draft in line.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -51,6 +58,7 @@ class SideStreamDrafter:
         self.drafter, self.stream = drafter, stream
         self.main_stream = main_stream or (lambda: torch.cuda.current_stream(stream.device))
         self.inputs_ready = None  # the event of the latest input written on the main stream
+        self._on_side = False  # inside `receiving()`: inputs are written on the side stream
 
     def start(self, prompt_ids: torch.Tensor, capacity: int) -> None:
         self.drafter.start(prompt_ids, capacity)
@@ -63,6 +71,23 @@ class SideStreamDrafter:
     def store_anchors(self, stage: int, start: int, states: torch.Tensor) -> None:
         self.drafter.store_anchors(stage, start, states)
         self._inputs_written()
+
+    @contextmanager
+    def receiving(self) -> Iterator[None]:
+        """Receives (and `store_anchors`) of the draft's inputs from other processes, on the side stream, after
+        the main-stream inputs so far and never after work launched on the main stream since."""
+        if self.stream is None:
+            yield
+            return
+        if self.inputs_ready is not None:
+            self.stream.wait_event(self.inputs_ready)
+        self._on_side = True
+        try:
+            with use_stream(self.stream):
+                yield
+        finally:
+            self._on_side = False
+            self.main_stream().wait_event(self.stream.record_event())
 
     def draft(
         self, view: Sequence[tuple[int, int]], generator: torch.Generator | None
@@ -80,5 +105,5 @@ class SideStreamDrafter:
         return token, q
 
     def _inputs_written(self) -> None:
-        if self.stream is not None:
+        if self.stream is not None and not self._on_side:
             self.inputs_ready = self.main_stream().record_event()
