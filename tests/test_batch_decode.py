@@ -48,16 +48,17 @@ def same(result, reference) -> bool:
 @pytest.mark.parametrize("n", [2, 3])
 def test_greedy_batch_equals_batch_one(tiny_target, n):
     """Mixed prompt lengths and max_new_tokens, more requests than slots (each joins when one frees up), B = 1
-    and 4, on a Qwen3 and a hybrid Qwen3.5 target: each sequence is its batch-1 decode and AR's output."""
+    and 4, on a Qwen3 and a hybrid Qwen3.5 target: each sequence is its batch-1 decode and AR's output, also when
+    the stages run every slot's wasted optimistic steps (as distributed ranks do) and roll them back per slot."""
     geometry = Geometry.build(tiny_target.num_layers, n)
     pdm = random_pdm(tiny_target, geometry)
     requests = [Request(p, 6 + 4 * i) for i, p in enumerate(PROMPTS)]
     references = [alone(tiny_target, pdm, geometry, r) for r in requests]
     for r, reference in zip(requests, references):
         assert reference.tokens == ar_decode(tiny_target, r.prompt_ids, r.max_new_tokens).tokens
-    for B in (1, 4):
-        results = BatchSimulator(tiny_target, pdm, geometry, B).run(requests)
-        assert [same(x, ref) for x, ref in zip(results, references)] == [True] * len(requests), B
+    for B, replay in ((1, False), (4, False), (4, True)):
+        results = BatchSimulator(tiny_target, pdm, geometry, B, replay_wasted_work=replay).run(requests)
+        assert [same(x, ref) for x, ref in zip(results, references)] == [True] * len(requests), (B, replay)
 
 
 @pytest.mark.parametrize("arch,n", [("qwen3", 4), ("qwen3_5", 3)])

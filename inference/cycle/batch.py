@@ -37,7 +37,16 @@ from spd_lightning.target import Target
 
 
 class BatchSimulator:
-    def __init__(self, target: Target, pdm: PipelineDraftModule, geometry: Geometry, max_batch: int):
+    def __init__(
+        self,
+        target: Target,
+        pdm: PipelineDraftModule,
+        geometry: Geometry,
+        max_batch: int,
+        replay_wasted_work: bool = False,
+    ):
+        """`replay_wasted_work`: the stages before the last also run each slot's wasted steps, as distributed
+        stage ranks do when the verdict comes late (`Simulator`'s flag), and the redo rolls them back."""
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be >= 1")
         geometry.check_target(target.num_layers)
@@ -53,6 +62,7 @@ class BatchSimulator:
         self.stage1_ids = torch.zeros(max_batch, 1, dtype=torch.long, device=self.device)
         self.hidden: dict[int, torch.Tensor] = {}  # stage -> its output of the last cycle, [B, 1, H]
         self.verdict_rows = torch.zeros(max_batch, 2, dtype=torch.long, device=self.device)
+        self.replay_wasted_work = replay_wasted_work
         self.cycles = 0
         self._finished: list[tuple[int, DecodeResult]] = []
 
@@ -94,27 +104,29 @@ class BatchSimulator:
         for b in range(self.max_batch):
             self._retire(b)
         live = {b: seq for b, seq in enumerate(self.slots) if seq is not None}
-        running = {b: seq.step.plan for b, seq in live.items() if seq.begin()}
-        if running:
+        real = {b: seq.begin() for b, seq in live.items()}  # False: the slot's step is wasted
+        running = {b: live[b].step.plan for b, ran in real.items() if ran}
+        replayed = {b: live[b].step.plan for b, ran in real.items() if not ran and self.replay_wasted_work}
+        if running or replayed:
             self.cycles += 1
-            self._prepare(running)
+            self._prepare(running, replayed)
             pre_step = self.geometry.schedule == "pre_step"
             if pre_step:
                 self._draft(running)
-            logits = self._stages(running)
+            logits = self._stages(running, replayed)
             if not pre_step:
                 self._draft(running)
             self._verify(running, logits)
         for b, seq in live.items():
-            seq.advance(b in running)
+            seq.advance(real[b])
             self._retire(b)
         finished, self._finished = self._finished, []
         return finished
 
-    def _prepare(self, running: dict[int, CyclePlan]) -> None:
+    def _prepare(self, running: dict[int, CyclePlan], replayed: dict[int, CyclePlan]) -> None:
         """Per slot: its rollback, then stage 1's input (a seed, or the draft made last cycle, which the verifier
-        keeps until it judges it)."""
-        for b, plan in running.items():
+        keeps until it judges it, unless the step is wasted)."""
+        for b, plan in {**running, **replayed}.items():
             seq = self.slots[b]
             if plan.rollback_to >= 0:
                 for stage in self.stages.values():
@@ -126,26 +138,33 @@ class BatchSimulator:
             elif plan.draft_entered:
                 token, q = seq.draft
                 self.stage1_ids[b].copy_(token)
-                seq.verifier.remember(position, token, q)
+                if b in running:
+                    seq.verifier.remember(position, token, q)
             seq.draft = None
 
-    def _stages(self, running: dict[int, CyclePlan]) -> torch.Tensor | None:
-        """Every stage's one forward over the slots that have a token at it; the last stage's logits `[B, V]`."""
+    def _stages(self, running: dict[int, CyclePlan], replayed: dict[int, CyclePlan]) -> torch.Tensor | None:
+        """Every stage's one forward over the slots that have a token at it; the last stage's logits `[B, V]`. A
+        replayed (wasted) step runs on the stages before the last, which learn too late that it is wasted; its
+        outputs reach neither the PDM nor the verifier."""
         logits = None
         for s in range(self.n, 0, -1):
-            tokens = {b: plan.stage_positions[s - 1] for b, plan in running.items() if plan.stage_positions[s - 1] >= 0}
+            plans = running if s == self.n else {**running, **replayed}
+            tokens = {b: plan.stage_positions[s - 1] for b, plan in plans.items() if plan.stage_positions[s - 1] >= 0}
             if not tokens:
                 continue
             out = self.stages[s].step(self.stage1_ids if s == 1 else self.hidden[s - 1], tokens)
             self.hidden[s] = out.hidden
             if out.anchors.shape[1]:
                 for b, position in tokens.items():
-                    self.drafter.store_anchors(b, s, position, out.anchors[b : b + 1])
+                    if b in running:
+                        self.drafter.store_anchors(b, s, position, out.anchors[b : b + 1])
             if s == self.n:
                 logits = out.logits
         return logits
 
     def _draft(self, running: dict[int, CyclePlan]) -> None:
+        if not running:  # only replayed (wasted) steps this cycle: nothing to draft for
+            return
         views = {b: plan.draft_view for b, plan in running.items()}
         seqs = {b: self.slots[b] for b in running}
         drafts = self.drafter.draft(
