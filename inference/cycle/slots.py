@@ -42,7 +42,10 @@ class Request:
 
 
 class SlotSequence:
-    def __init__(self, request: Request, geometry: Geometry, verifier: Verifier, device: torch.device):
+    """`verifier` is None in a process that does not host the verifier's rank (a distributed stage or PDM rank):
+    it follows the slot's schedule from the verdicts it receives."""
+
+    def __init__(self, request: Request, geometry: Geometry, verifier: Verifier | None, device: torch.device):
         if not request.prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
         self.request, self.geometry = request, geometry
@@ -50,12 +53,10 @@ class SlotSequence:
         self.steps = Steps(self.schedule)
         verify_seed, draft_seed = stream_seeds(request.seed)
         self.verifier = verifier
-        verifier.reset(verify_seed)
+        if verifier is not None:
+            verifier.reset(verify_seed)
         self.draft_generator = torch.Generator(device=device).manual_seed(draft_seed)
         self.step: Step | None = None
-        self.judged: VerdictMessage | None = None  # the verifier's latest verdict for this slot, on the host
-        self.awaited: VerdictMessage | None = None  # the verdict the current step awaits
-        self.draft: tuple[torch.Tensor, torch.Tensor | None] | None = None  # made last step: enters stage 1 now
         self.stop_seen = -1
         self.emitted = 0
         self.prefill_s, self.started = 0.0, time.perf_counter()
@@ -76,14 +77,17 @@ class SlotSequence:
         self.step = self.steps.first(token, self.prompt_len)
         self._emit()
 
-    def begin(self) -> bool:
-        """Start this slot's part of a step; whether it runs (False: the step is wasted for it, it idles)."""
-        step = self.step
+    def poll_stop(self) -> None:
+        """Once per step: from the first True of the request's `stop()` the slot's next verdict is STOP."""
         stop = self.request.stop
         if stop is not None and self.stop_seen < 0 and stop():
-            self.stop_seen = step.plan.cycle
-        self.awaited = self.judged if step.awaits else None
-        return not (self.awaited is not None and self.steps.wasted(*self.awaited))
+            self.stop_seen = self.step.plan.cycle
+
+    def wasted(self, awaited: VerdictMessage | None) -> bool | None:
+        """Whether this step is wasted for the slot; None while the verdict it awaits is not known here."""
+        if not self.step.awaits:
+            return False
+        return None if awaited is None else self.steps.wasted(*awaited)
 
     def judge(self, logits: torch.Tensor, row: torch.Tensor) -> None:
         """Judge the draft this step's plan judges into the device row `[verdict, token]` (STOP once cancelled)."""
@@ -91,11 +95,10 @@ class SlotSequence:
         if self.stop_seen >= 0:
             row[0] = Verdict.STOP
 
-    def advance(self, ran: bool) -> None:
-        """The step has run (or idled, `ran` False): on to the next; `step` is None once the decode has stopped."""
-        step = self.step
-        own = self.judged if step.final and ran else None
-        self.step = self.steps.after(step, self.awaited, own)
+    def advance(self, awaited: VerdictMessage | None, own: VerdictMessage | None) -> None:
+        """The step has run (or idled): on to the next, given the verdict it awaited (iff `step.awaits`) and its
+        own (iff `step.final` and it ran); `step` is None once the decode has stopped."""
+        self.step = self.steps.after(self.step, awaited, own)
         self._emit()
 
     def _emit(self) -> None:
