@@ -123,4 +123,5 @@ def test_the_decode_command_line_decodes_a_prompts_file_in_batches(targets, tmp_
     rc = main([*argv, "--max-batch", "2", "--check-lossless", "--json", str(out), "--timeout", "60"])
     assert rc == 0 and "lossless=yes" in capsys.readouterr().out
     report = json.loads(out.read_text())
-    assert report["max_batch"] == 2 and [p["N"] for p in report["prompts"]] == [8, 8, 8]
+    assert report["max_batch"] == 2 and [p["lossless"] for p in report["prompts"]] == [True] * 3
+    assert all(p["N"] == 8 or p["stop_reason"] == "eos" for p in report["prompts"])
