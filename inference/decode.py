@@ -36,6 +36,7 @@ from inference.cycle.result import DecodeResult
 from inference.evaluation.repetition import repeated_share
 from inference.evaluation.tables import fmt
 from inference.evaluation.totals import pooled_totals
+from inference.processes.batch_ranks import decode_batched
 from inference.processes.job import DecodeJob
 from inference.processes.launch import launch, run_rank
 from inference.prompts import read_prompts
@@ -61,6 +62,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="per-cycle timing (stage compute, draft, verify, messages) in the --json report; off, the "
         "decoder runs no timer and no device synchronization",
     )
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=1,
+        help="decode the prompts this many at a time through the ranks (batched pipeline decoding; each prompt's "
+        "tokens are its batch-1 decode's); 1 = one prompt at a time",
+    )
     cli.add_decoder_arguments(p, max_new_tokens=128, with_ar=True)
     return p.parse_args(argv)
 
@@ -70,6 +78,13 @@ def check_args(args: argparse.Namespace) -> Sampling:
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     if args.check_lossless and not sampling.greedy:
         raise cli.UsageError("--check-lossless compares tokens and needs greedy decoding (--temperature 0)")
+    if args.max_batch < 1:
+        raise cli.UsageError(f"--max-batch={args.max_batch} must be >= 1")
+    if args.max_batch > 1 and (args.simulate or args.profile or args.pdm_placement != "separate"):
+        raise cli.UsageError(
+            "--max-batch > 1 decodes through the ranks with the PDM on its own rank: drop --simulate and "
+            "--profile, keep --pdm-placement separate"
+        )
     return sampling
 
 
@@ -91,6 +106,7 @@ def run(args: argparse.Namespace) -> dict:
         "device": args.device,
         "dtype": setup.dtype,
         "simulate": args.simulate,
+        "max_batch": args.max_batch,
         "eos_token_ids": setup.eos,
         "streamed": args.stream,
     }
@@ -120,6 +136,8 @@ def _decode(
     stream: Callable[[int, list[int]], None] | None = None,
 ) -> list[DecodeResult] | None:
     """Every prompt's result; `stream(prompt index, tokens)` as tokens are verified."""
+    if args.max_batch > 1 and setup.mode in ("ar", EAGLE3):
+        raise cli.UsageError(f"--max-batch > 1 is pipeline decoding: --mode {setup.mode} decodes one prompt at a time")
     if args.simulate or setup.mode in ("ar", EAGLE3):
         return _in_process(
             make_backend(setup, args.device, compile=args.compile, profile=args.profile),
@@ -130,6 +148,7 @@ def _decode(
         )
     job = decode_job(setup, args, prompts, sampling, profile=args.profile)
     job.stream = stream is not None
+    job.max_batch = args.max_batch
     return _distributed(job, stream)
 
 
@@ -157,6 +176,7 @@ def _ar(setup: Setup, args, prompts: list[list[int]], sampling: Sampling) -> lis
 
 
 def _distributed(job: DecodeJob, stream: Callable[[int, list[int]], None] | None = None) -> list[DecodeResult] | None:
+    work = decode_batched if job.max_batch > 1 else None  # None: `decode_prompts`, one prompt at a time
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         if int(os.environ["WORLD_SIZE"]) != job.world_size:
             raise cli.UsageError(
@@ -164,14 +184,15 @@ def _distributed(job: DecodeJob, stream: Callable[[int, list[int]], None] | None
                 f"n={job.n} stages and needs {job.world_size} with --pdm-placement "
                 f"{job.pdm_placement}"
             )
-        collected: list[DecodeResult] = []
+        collected: dict[int, DecodeResult] = {}  # batched, prompts end out of order
         rank = int(os.environ["RANK"])
-        run_rank(job, rank, int(os.environ.get("LOCAL_RANK", rank)), lambda i, r: collected.append(r), stream)
-        return collected if rank == job.n - 1 else None
+        run_rank(job, rank, int(os.environ.get("LOCAL_RANK", rank)), collected.__setitem__, stream, work=work)
+        return [collected[i] for i in sorted(collected)] if rank == job.n - 1 else None
     return launch(
         job,
         on_result=lambda i, r: print(f"prompt {i + 1}: {_counters(r)}", file=sys.stderr, flush=True),
         on_tokens=stream,
+        work=work,
     )
 
 

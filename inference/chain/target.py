@@ -5,7 +5,7 @@ norm, LM head) over a block of tokens at `start..start+S-1` on top of its cache 
 every position plus the EAGLE-3 feature states (`hidden_states[l]` for the drafter's feature layers).
 
 The cache is an inference/runtime/cache.py `StageCache` over every layer: static storage written in place, so
-every forward passes attention layers the additive mask of `Stage._attention_mask`, over the storage's
+every forward passes attention layers the additive mask of `stages.attention_mask`, over the storage's
 whole capacity (causal, the unwritten tail hidden).
 
 - Prefill (`start == 0`): one causal forward, exactly the path of `Stage.forward` (and of AR).

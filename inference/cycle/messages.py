@@ -33,54 +33,56 @@ class MessageShapes:
     greedy: bool
     device: torch.device
     control_device: torch.device  # where the verdict travels from (host memory when the transport needs it)
+    slots: int | None = None  # batched decoding (`batch_runner`): every message carries one row per slot
 
 
 class Mailboxes:
     def __init__(self, shapes: MessageShapes):
         n, H, dev, dtype = shapes.n, shapes.hidden_size, shapes.device, shapes.state_dtype
         long, control = dict(dtype=torch.long, device=dev), shapes.control_device
+        rows = shapes.slots or 1  # the leading dimension of activations, tokens and anchors
+        lead = () if shapes.slots is None else (shapes.slots,)  # of `q` and the verdict, unbatched at batch 1
         self.dtype, self.device = dtype, dev
         self.inbox: dict[tuple[int, str], torch.Tensor] = {}
         self.rings: dict[tuple[int, str], torch.Tensor] = {}
         for r in shapes.hosted:
             if 0 < r < n:
-                self.inbox[r, "act"] = torch.zeros(1, 1, H, dtype=dtype, device=dev)
+                self.inbox[r, "act"] = torch.zeros(rows, 1, H, dtype=dtype, device=dev)
             if r in (0, n - 1):
-                self.inbox[r, "draft_token"] = torch.zeros(1, **long)
+                self.inbox[r, "draft_token"] = torch.zeros(rows, **long)
             if r == n - 1 and not shapes.greedy:
-                self.inbox[r, "draft_q"] = torch.zeros(shapes.draft_vocab_size, device=dev)
+                self.inbox[r, "draft_q"] = torch.zeros(*lead, shapes.draft_vocab_size, device=dev)
             if r != n - 1:
-                self.inbox[r, "verdict"] = torch.zeros(2, dtype=torch.long, device=control)
+                self.inbox[r, "verdict"] = torch.zeros(*lead, 2, dtype=torch.long, device=control)
             if r == n:
                 for s, count in shapes.anchor_counts.items():
-                    self.inbox[r, f"anchors{s}"] = torch.zeros(1, count, H, dtype=dtype, device=dev)
-                self.rings[r, "draft_token"] = torch.zeros(SEND_RING, 1, **long)
-                self.rings[r, "draft_q"] = torch.zeros(SEND_RING, shapes.draft_vocab_size, device=dev)
+                    self.inbox[r, f"anchors{s}"] = torch.zeros(rows, count, H, dtype=dtype, device=dev)
+                self.rings[r, "draft_token"] = torch.zeros(SEND_RING, rows, **long)
+                self.rings[r, "draft_q"] = torch.zeros(SEND_RING, *lead, shapes.draft_vocab_size, device=dev)
             else:
                 count = shapes.anchor_counts[r + 1]
-                self.rings[r, "act"] = torch.zeros(SEND_RING, 1, 1, H, dtype=dtype, device=dev)
-                self.rings[r, f"anchors{r + 1}"] = torch.zeros(SEND_RING, 1, count, H, dtype=dtype, device=dev)
+                self.rings[r, "act"] = torch.zeros(SEND_RING, rows, 1, H, dtype=dtype, device=dev)
+                self.rings[r, f"anchors{r + 1}"] = torch.zeros(SEND_RING, rows, count, H, dtype=dtype, device=dev)
         self.outbox: dict[tuple[int, str], torch.Tensor] = {}  # kind -> the ring slot (or prefill output) to send
         self.prefill_inbox: dict[tuple[int, str], torch.Tensor] = {}
         # Two rows in turn (one verdict per cycle), so a row is rewritten only after its sends have settled.
-        self.verdict_rows = torch.zeros(2, 2, **long)
+        self.verdict_rows = torch.zeros(2, *lead, 2, **long)
         pinned = dev.type == "cuda" and control.type == "cpu"
-        self.verdict_host = torch.zeros(2, 2, dtype=torch.long, device=control, pin_memory=pinned)
+        self.verdict_host = torch.zeros(2, *lead, 2, dtype=torch.long, device=control, pin_memory=pinned)
         self._verdict_copied = torch.cuda.Event() if pinned else None
-        self.seed_input = torch.zeros(1, 1, **long)  # stage 1's input when it runs a seed (first token, correction)
+        self.seed_input = torch.zeros(rows, 1, **long)  # stage 1's input when it runs a seed (first token, correction)
         self._step = 0
 
-    def verdict_to_host(self, index: int) -> tuple[int, int]:
+    def verdict_to_host(self, index: int) -> list:
         """The verifier's verdict row `index` copied to its host row (the message it sends) and read: the
         decode's one device-to-host read per judged cycle. Pinned memory and an event: the host waits for
-        this copy alone."""
+        this copy alone. `[verdict, token]`, or one such row per slot when batched."""
         host = self.verdict_host[index]
         host.copy_(self.verdict_rows[index], non_blocking=self._verdict_copied is not None)
         if self._verdict_copied is not None:
             self._verdict_copied.record()
             self._verdict_copied.synchronize()
-        verdict, token = host.tolist()
-        return verdict, token
+        return host.tolist()
 
     def next_step(self) -> None:
         self._step += 1

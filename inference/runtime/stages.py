@@ -267,8 +267,18 @@ class Stage(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The stage on `positions` ([1, S], consecutive, the first one == the cache length): no host reads."""
         x = self.embed_tokens(inputs) if self.first else inputs
+        mask = attention_mask(positions, self.cache.capacity, x.dtype) if self.cache.attention_layers else None
+        x, anchors, normed = self.run_layers(x, positions, self.cache.hf, mask, self.cache.attention_layers)
+        logits = self.lm_head(normed[:, -1])[0] if self.last else None
+        return x, anchors[0], logits
+
+    def run_layers(
+        self, x: torch.Tensor, positions: torch.Tensor, cache, mask: torch.Tensor | None, attention_layers
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The stage's layers over `x[B, S, H]` at `positions[B, S]` with `cache` (any object with HF's cache
+        interface; the batched decoder passes its slot cache): the output, the anchor states `[B, S, A, H]`, and
+        on the last stage the final-norm output."""
         position_embeddings = self.rotary_emb(x, positions)
-        mask = self._attention_mask(positions, x.dtype) if self.cache.attention_layers else None
         L = self.geometry.num_layers
         captured = []
         for offset, layer in enumerate(self.layers):
@@ -277,25 +287,26 @@ class Stage(nn.Module):
                 x,
                 position_embeddings=position_embeddings,
                 position_ids=positions,
-                cache=self.cache.hf,
-                attention_mask=mask if index in self.cache.attention_layers else None,
+                cache=cache,
+                attention_mask=mask if index in attention_layers else None,
                 use_cache=True,
             )
             if index + 1 in self.anchor_layers and index + 1 < L:
                 captured.append(x)
-        logits = None
+        normed = None
         if self.last:
             normed = self.norm(x)
             if L in self.anchor_layers:
                 captured.append(normed)
-            logits = self.lm_head(normed[:, -1])[0]
-        anchors = torch.stack(captured, dim=2)[0] if captured else x.new_zeros(x.shape[1], 0, x.shape[-1])
-        return x, anchors, logits
+        anchors = torch.stack(captured, dim=2) if captured else x.new_zeros(*x.shape[:2], 0, x.shape[-1])
+        return x, anchors, normed
 
-    def _attention_mask(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Additive [1, 1, S, capacity] mask over the static key storage: causal, and the unwritten tail hidden."""
-        keys = torch.arange(self.cache.capacity, device=positions.device)
-        allowed = keys[None, None, None, :] <= positions[:, None, :, None]
-        return torch.zeros(allowed.shape, dtype=dtype, device=positions.device).masked_fill(
-            ~allowed, torch.finfo(dtype).min
-        )
+
+def attention_mask(positions: torch.Tensor, capacity: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive [B, 1, S, capacity] mask over static key storage: causal at each row's own positions, and the
+    unwritten tail hidden."""
+    keys = torch.arange(capacity, device=positions.device)
+    allowed = keys[None, None, None, :] <= positions[:, None, :, None]
+    return torch.zeros(allowed.shape, dtype=dtype, device=positions.device).masked_fill(
+        ~allowed, torch.finfo(dtype).min
+    )

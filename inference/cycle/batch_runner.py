@@ -1,0 +1,429 @@
+"""The batched pipeline runner (issue 26): B sequences in flight over any transport, as `PipelineRunner` is for one.
+
+`BatchRunner` hosts the roles of whichever ranks live in its process: all of them in `BatchSimulator`
+(`LocalTransport`), one in a distributed rank (`DistributedTransport`). Every process keeps every slot's
+`SlotSequence` (its schedule and optimistic steps; only the verifier's process holds verifiers) and feeds it the
+same verdicts, so every process derives the same per-slot plans: which rows of a message are valid never travels.
+Every message has one shape, sized by B (`Mailboxes` with `slots`): draft tokens `[B]` and `q` `[B, V_d]`,
+activations `[B, 1, H]`, anchors `[B, A_s, H]`; each is sent in a step when any slot's plan needs it, from the
+sender's output of the previous step (post-step anchors: of this step). The verdict is `[B, 2]` host rows on the
+gloo control group, one message per step (rows of slots not judged are stale and never read).
+
+One step (`step`), as `PipelineRunner`'s: sends of the previous step's outputs (nothing for a slot that redoes a
+wasted step: its inputs came with it), the receive of the previous step's verdict posted, this step's inputs,
+every hosted stage's one forward over the slots with a token at it, the verifier's copy of the entering drafts,
+the draft, the verdicts. A process that does not know yet whether a slot's step is wasted (a stage rank before
+the verdict is in) runs it optimistically; the redo rolls it back per slot. The verifier's process knows, and
+skips wasted steps; the PDM waits for the verdict before it drafts (it never drafts for a wasted step). A step
+ends with the previous step's verdict taken everywhere, and this step's too when it ends some slot's decode
+whatever it says (`Step.final`): so at a step boundary every process holds the same slots, and requests join
+free slots in the same order on every rank (`run`: a FIFO; a join's prefill is a step of its own).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+
+import torch
+
+from inference.cycle.messages import Mailboxes, MessageShapes
+from inference.cycle.pipeline import RunnerConfig
+from inference.cycle.result import DecodeResult
+from inference.cycle.schedule import CyclePlan, Verdict, VerdictMessage
+from inference.cycle.slots import Request, SlotSequence
+from inference.cycle.transport import Arrival, Transport
+from inference.cycle.verify import Verifier
+from inference.runtime.slot_drafter import SlotDrafter
+from inference.runtime.slot_stage import SlotStage
+from spd_lightning.geometry import Geometry
+
+
+class BatchRunner:
+    def __init__(
+        self,
+        geometry: Geometry,
+        transport: Transport,
+        stages: dict[int, SlotStage],
+        drafter: SlotDrafter | None,
+        config: RunnerConfig,
+        max_batch: int,
+    ):
+        if max_batch < 1:
+            raise ValueError(f"max_batch={max_batch} must be >= 1")
+        self.geometry, self.transport, self.stages, self.drafter, self.config = (
+            geometry,
+            transport,
+            stages,
+            drafter,
+            config,
+        )
+        self.n, self.max_batch, self.device = geometry.n, max_batch, torch.device(config.device)
+        self.verifier_rank, self.drafter_rank = self.n - 1, self.n
+        self.hosted = [r for r in range(self.n + 1) if transport.hosts(r)]
+        self.hosts_verifier = transport.hosts(self.verifier_rank)
+        if transport.hosts(self.drafter_rank) and drafter is None:
+            raise ValueError("this process hosts the PDM rank but got no drafter")
+        self.listeners = [r for r in self.hosted if r != self.verifier_rank]  # hosted ranks the verdict goes to
+        self.anchor_counts = {s: len([b for b in geometry.anchors_of_stage(s) if b > 0]) for s in range(1, self.n + 1)}
+        self.box = Mailboxes(
+            MessageShapes(
+                n=self.n,
+                hosted=self.hosted,
+                anchor_counts=self.anchor_counts,
+                hidden_size=config.hidden_size,
+                state_dtype=config.state_dtype,
+                draft_vocab_size=config.draft_vocab_size,
+                greedy=False,  # requests bring their own sampling: `q` travels whenever one is sampled
+                device=self.device,
+                control_device=transport.control_device(self.device),
+                slots=max_batch,
+            )
+        )
+        self.slots: list[SlotSequence | None] = [None] * max_batch
+        self.verdicts: dict[int, list[list[int]]] = {}  # step -> its verdict rows, once this process holds them
+        self._owed: deque[int] = deque()  # steps whose verdict message the hosted listeners have not taken yet
+        self._arrivals: dict[int, Arrival] = {}  # listener rank -> its posted receive of the oldest owed verdict
+        self._draft_tokens = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+        self._draft_q = torch.zeros(max_batch, config.draft_vocab_size, device=self.device)
+        self.steps_run = 0
+        self.cycles = 0  # steps in which some slot ran a real cycle
+        self._finished: list[tuple[int, DecodeResult]] = []
+
+    @property
+    def free_slots(self) -> list[int]:
+        return [b for b, seq in enumerate(self.slots) if seq is None]
+
+    @property
+    def busy(self) -> bool:
+        return any(seq is not None for seq in self.slots)
+
+    # -- messages ---------------------------------------------------------------------------------
+    def _send(self, src: int, dst: int, kind: str, tensor: torch.Tensor | None = None) -> None:
+        if self.transport.hosts(src):
+            self.transport.send(src, dst, self.box.outbox[src, kind] if tensor is None else tensor, kind)
+
+    def _recv(self, src: int, dst: int, kind: str, buffer: torch.Tensor | None = None) -> torch.Tensor | None:
+        if not self.transport.hosts(dst):
+            return None
+        buffer = self.box.inbox[dst, kind] if buffer is None else buffer
+        self.transport.recv(src, dst, buffer, kind)
+        return buffer
+
+    def _post_verdict(self) -> None:
+        """The listeners start receiving the previous step's verdict, if it is still owed."""
+        if self._owed and self._owed[0] == self.steps_run - 1:
+            for r in self.listeners:
+                self._arrivals[r] = self.transport.post(self.verifier_rank, r, self.box.inbox[r, "verdict"], "verdict")
+
+    def _take_verdict(self) -> None:
+        """The listeners take the oldest owed verdict message (waiting for it); its rows are this process's."""
+        step = self._owed.popleft()
+        for r in self.listeners:
+            arrival = self._arrivals.pop(r, None)
+            if arrival is None:
+                self.transport.recv(self.verifier_rank, r, self.box.inbox[r, "verdict"], "verdict")
+            else:
+                arrival.wait()
+        if not self.hosts_verifier:  # the verifier's process made them
+            self.verdicts[step] = self.box.inbox[self.listeners[0], "verdict"].tolist()
+
+    def _take_verdict_of(self, step: int) -> None:
+        while self._owed and self._owed[0] <= step:
+            self._take_verdict()
+
+    def _awaited(self, b: int) -> VerdictMessage | None:
+        """Slot `b`'s verdict from the previous step, when this process has it."""
+        rows = self.verdicts.get(self.steps_run - 1)
+        return None if rows is None else VerdictMessage(*rows[b])
+
+    # -- joining ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def join(self, request: Request) -> int:
+        """`request` takes the first free slot: its prefill through every stage and its first token. Returns the
+        slot; a request that ends with its first token is reported by the next `step`."""
+        if not self.free_slots:
+            raise RuntimeError(f"all {self.max_batch} slots are busy: a request joins when one is free")
+        b = self.free_slots[0]
+        self._take_verdict_of(self.steps_run)  # the control channel carries the join's first token after it
+        if self.config.on_step is not None:
+            self.config.on_step("prefill")
+        verifier = None
+        if self.hosts_verifier:
+            config = self.config
+            verifier = Verifier(
+                request.sampling, self.n + 1, config.vocab_size, config.d2t, config.draft_vocab_size, self.device
+            )
+        seq = SlotSequence(request, self.geometry, verifier, self.device)
+        seq.first(self._prefill(b, seq))
+        self.slots[b] = seq
+        return b
+
+    def _prefill(self, b: int, seq: SlotSequence) -> int:
+        """Slot `b`'s prompt through every stage in order, its anchors to the PDM; the first token, which the
+        verifier samples and sends to every rank."""
+        n, H = self.n, self.config.hidden_size
+        prompt = torch.tensor([list(seq.request.prompt_ids)], dtype=torch.long, device=self.device)
+        P = prompt.shape[1]
+        if self.drafter is not None:
+            self.drafter.start(b, prompt, seq.capacity)
+        hidden, anchors, token = None, {}, -1
+        for s in range(1, n + 1):
+            stage = self.stages.get(s)
+            if stage is not None:
+                out, anchors[s], logits = stage.prefill(b, prompt if s == 1 else hidden, seq.capacity)
+                self.box.outbox[s - 1, "act_prefill"] = out
+                if s == n:
+                    token = seq.verifier.first(logits)
+            if s < n:
+                self._send(s - 1, s, "act_prefill")
+                hidden = self._recv(s - 1, s, "act_prefill", self.box.prefill_buffer(s, "act", 1, 1, P, H))
+        for s, count in self.anchor_counts.items():
+            if count:
+                self._send(s - 1, n, "anchors_prefill", anchors.get(s))
+                states = self._recv(
+                    s - 1, n, "anchors_prefill", self.box.prefill_buffer(n, f"anchors{s}", 0, P, count, H)
+                )
+                if states is not None:
+                    self.drafter.store_anchors(b, s, 0, states)
+        first = torch.zeros(self.max_batch, 2, dtype=torch.long)  # its own buffer: joins come between settles
+        first[b] = torch.tensor([Verdict.FIRST, token])
+        for r in range(n + 1):
+            if r != self.verifier_rank:
+                self._send(self.verifier_rank, r, "verdict", first)
+        for r in self.listeners:
+            self._recv(self.verifier_rank, r, "verdict")
+            if not self.hosts_verifier:
+                verdict, token = self.box.inbox[r, "verdict"][b].tolist()
+                if verdict != Verdict.FIRST:
+                    raise RuntimeError(f"protocol error: slot {b}'s first message is {Verdict(verdict).name}")
+        return token
+
+    # -- one step ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> list[tuple[int, DecodeResult]]:
+        """One step over every live slot; (slot, result) of the sequences that ended since the last call."""
+        self._retire_ended()
+        live = {b: seq for b, seq in enumerate(self.slots) if seq is not None}
+        if live:
+            self._run_step(live)
+        finished, self._finished = self._finished, []
+        return finished
+
+    def _run_step(self, live: dict[int, SlotSequence]) -> None:
+        if self.config.on_step is not None:
+            self.config.on_step("redo" if any(seq.step.redo for seq in live.values()) else "step")
+        self.steps_run += 1
+        self.transport.settle()
+        self.box.next_step()
+        for seq in live.values():
+            seq.poll_stop()
+        fresh = {b: seq.step.plan for b, seq in live.items() if not seq.step.redo}  # their inputs travel now
+        self._send_inputs(fresh)
+        self._post_verdict()
+        self._receive_inputs(fresh)
+        logits = self._compute(live)
+        self._receive_draft_to_judge(live, fresh)
+        self._draft(live)
+        self._verify(live, logits)
+        self._finish_step(live)
+
+    def _sampled(self, slots: Iterable[int]) -> bool:
+        return any(not self.slots[b].request.sampling.greedy for b in slots)
+
+    def _anchor_stages(self, plans: dict[int, CyclePlan], during: bool) -> list[int]:
+        """The stages whose anchor states some plan needs (this step's, or the previous step's)."""
+        pairs = [pair for plan in plans.values() for pair in (plan.anchors_during if during else plan.anchors_before)]
+        return sorted({s for s, _ in pairs if self.anchor_counts[s]})
+
+    def _send_inputs(self, fresh: dict[int, CyclePlan]) -> None:
+        """In the order the receivers take them (as `PipelineRunner._send_inputs`)."""
+        n = self.n
+        entered = [b for b, plan in fresh.items() if plan.draft_entered]
+        if entered:
+            self._send(n, 0, "draft_token")
+        for s in range(1, n):
+            if any(plan.stage_positions[s] >= 0 for plan in fresh.values()):
+                self._send(s - 1, s, "act")
+        if entered:
+            self._send(n, n - 1, "draft_token")
+            if self._sampled(entered):
+                self._send(n, n - 1, "draft_q")
+        if self.geometry.schedule == "pre_step":
+            for s in self._anchor_stages(fresh, during=False):
+                self._send(s - 1, n, f"anchors{s}")
+
+    def _receive_inputs(self, fresh: dict[int, CyclePlan]) -> None:
+        """Stage 1's drafts, the activations, and pre-step the previous step's anchor states, which the PDM
+        stores even for a slot whose step turns out wasted: they are its previous, real cycle's."""
+        n = self.n
+        if any(plan.draft_entered for plan in fresh.values()):
+            self._recv(n, 0, "draft_token")
+        for s in range(1, n):
+            if any(plan.stage_positions[s] >= 0 for plan in fresh.values()):
+                self._recv(s - 1, s, "act")
+        if self.geometry.schedule == "pre_step":
+            for s in self._anchor_stages(fresh, during=False):
+                states = self._recv(s - 1, n, f"anchors{s}")
+                if states is not None:
+                    for b, plan in fresh.items():
+                        for stage, position in plan.anchors_before:
+                            if stage == s:
+                                self.drafter.store_anchors(b, s, position, states[b : b + 1])
+
+    def _runs(self, s: int, seq: SlotSequence, b: int) -> bool:
+        """Whether stage `s` takes part in slot `b`'s step here: unless known wasted (the last stage never runs a
+        wasted step: its process made the verdict), or the simulator replays wasted work on the others."""
+        wasted = seq.wasted(self._awaited(b))
+        return not wasted or (s < self.n and self.config.replay_wasted_work)
+
+    def _compute(self, live: dict[int, SlotSequence]) -> torch.Tensor | None:
+        """Every hosted stage: its slots' rollbacks, then one forward over the slots with a token at it."""
+        logits = None
+        for s, stage in self.stages.items():
+            taking = {b: seq.step.plan for b, seq in live.items() if self._runs(s, seq, b)}
+            for b, plan in taking.items():
+                if plan.rollback_to >= 0:
+                    stage.cache.rollback(b, plan.rollback_to)
+            tokens = {b: plan.stage_positions[s - 1] for b, plan in taking.items() if plan.stage_positions[s - 1] >= 0}
+            if not tokens:
+                continue
+            out = stage.step(self._stage1_input(taking) if s == 1 else self.box.inbox[s - 1, "act"], tokens)
+            if s < self.n:
+                self.box.put(s - 1, "act", out.hidden)
+            self.box.put(s - 1, f"anchors{s}", out.anchors)
+            logits = out.logits if s == self.n else logits
+        return logits
+
+    def _stage1_input(self, taking: dict[int, CyclePlan]) -> torch.Tensor:
+        """`[B, 1]` ids: each slot's seed, or the draft that entered with this step's message."""
+        ids = self.box.seed_input
+        if any(plan.draft_entered for plan in taking.values()):
+            ids.copy_(self.box.inbox[0, "draft_token"].view_as(ids))
+        for b, plan in taking.items():
+            if plan.seed_token >= 0:
+                ids[b, 0] = plan.seed_token
+        return ids
+
+    def _receive_draft_to_judge(self, live: dict[int, SlotSequence], fresh: dict[int, CyclePlan]) -> None:
+        """The verifier's copy of the drafts that entered stage 1, taken after its own forward."""
+        n = self.n
+        entered = [b for b, plan in fresh.items() if plan.draft_entered]
+        if not entered:
+            return
+        tokens = self._recv(n, n - 1, "draft_token")
+        q = self._recv(n, n - 1, "draft_q") if self._sampled(entered) else None
+        if tokens is None:
+            return
+        for b in entered:
+            seq = live[b]
+            if seq.wasted(self._awaited(b)) is False:
+                greedy = seq.request.sampling.greedy
+                seq.verifier.remember(fresh[b].stage_positions[0], tokens[b : b + 1], None if greedy else q[b])
+
+    def _draft(self, live: dict[int, SlotSequence]) -> None:
+        """Post-step, this step's anchor states reach the PDM first; the PDM learns the previous verdict, then
+        drafts for every slot whose step is real, in one forward."""
+        n = self.n
+        if self.drafter is not None:
+            self._take_verdict_of(self.steps_run - 1)
+        if self.geometry.schedule == "post_step":
+            self._send_anchors_during(live)
+        if self.drafter is None:
+            return
+        real = {b: seq for b, seq in live.items() if seq.wasted(self._awaited(b)) is False}
+        for b, seq in real.items():
+            plan = seq.step.plan
+            if plan.seed_token >= 0:
+                self.drafter.set_token(b, plan.stage_positions[0], plan.seed_token)
+        if not real:
+            return
+        drafts = self.drafter.draft(
+            {b: seq.step.plan.draft_view for b, seq in real.items()},
+            {b: seq.request.sampling for b, seq in real.items()},
+            {b: seq.draft_generator for b, seq in real.items()},
+        )
+        for b, (token, q) in drafts.items():
+            self._draft_tokens[b] = token[0]
+            if q is not None:
+                self._draft_q[b] = q
+        self.box.put(n, "draft_token", self._draft_tokens)
+        self.box.put(n, "draft_q", self._draft_q)
+
+    def _send_anchors_during(self, live: dict[int, SlotSequence]) -> None:
+        n = self.n
+        plans = {b: seq.step.plan for b, seq in live.items()}
+        for s in self._anchor_stages(plans, during=True):
+            self._send(s - 1, n, f"anchors{s}")
+            states = self._recv(s - 1, n, f"anchors{s}")
+            if states is None:
+                continue
+            for b, plan in plans.items():
+                if live[b].wasted(self._awaited(b)) is False:
+                    for stage, position in plan.anchors_during:
+                        if stage == s:
+                            self.drafter.store_anchors(b, s, position, states[b : b + 1])
+
+    def _verify(self, live: dict[int, SlotSequence], logits: torch.Tensor | None) -> None:
+        """The verifier judges each real slot's draft into its device row; one host read brings them all; one
+        `[B, 2]` message to every other rank, every step."""
+        step = self.steps_run
+        if self.hosts_verifier:
+            index = step % 2  # a row pair is rewritten two steps later, once its sends have settled
+            rows = self.box.verdict_rows[index]
+            for b, seq in live.items():
+                if seq.step.plan.judged_position >= 0 and seq.wasted(self._awaited(b)) is False:
+                    seq.judge(logits[b], rows[b])
+            self.verdicts[step] = self.box.verdict_to_host(index)
+            for r in range(self.n + 1):
+                if r != self.verifier_rank:
+                    self._send(self.verifier_rank, r, "verdict", self.box.verdict_host[index])
+        if self.listeners:
+            self._owed.append(step)
+
+    def _finish_step(self, live: dict[int, SlotSequence]) -> None:
+        """Every process takes the previous verdict (and this step's when it ends a slot's decode), then every
+        slot moves on to its next step."""
+        step = self.steps_run
+        self._take_verdict_of(step - 1)
+        if any(seq.step.final for seq in live.values()):
+            self._take_verdict_of(step)
+        rows = self.verdicts.get(step)
+        ran = False
+        for b, seq in live.items():
+            awaited = self._awaited(b) if seq.step.awaits else None
+            real = seq.wasted(awaited) is False
+            ran = ran or real
+            own = VerdictMessage(*rows[b]) if seq.step.final and real else None
+            seq.advance(awaited, own)
+        self.cycles += ran
+        self.verdicts = {s: v for s, v in self.verdicts.items() if s >= step}
+        self._retire_ended()
+
+    def _retire_ended(self) -> None:
+        for b, seq in enumerate(self.slots):
+            if seq is not None and seq.step is None:
+                self._finished.append((b, seq.result()))
+                self.slots[b] = None
+
+    # -- a whole workload -------------------------------------------------------------------------
+    def run(
+        self, requests: Iterable[Request], on_result: Callable[[int, DecodeResult], None] | None = None
+    ) -> list[DecodeResult]:
+        """Decode every request, each joining the first free slot between steps (a FIFO); results in order, and
+        `on_result(index, result)` as each ends."""
+        queue = deque(enumerate(requests))
+        results: dict[int, DecodeResult] = {}
+        owner: dict[int, int] = {}
+        while queue or self.busy:
+            while queue and self.free_slots:
+                index, request = queue.popleft()
+                owner[self.join(request)] = index
+            for b, result in self.step():
+                index = owner.pop(b)
+                results[index] = result
+                if on_result is not None:
+                    on_result(index, result)
+        self._take_verdict_of(self.steps_run)
+        self.transport.flush()
+        return [results[i] for i in sorted(results)]

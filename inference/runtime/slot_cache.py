@@ -1,0 +1,184 @@
+"""One stage's target cache over B slots (issue 26): static storage with a batch dimension, per-slot positions,
+per-slot reset and exact per-slot rollback.
+
+`StageCache` (cache.py) holds one sequence. Here every tensor has a slot dimension and every slot its own length,
+so B sequences at different positions share one forward per cycle:
+
+- attention layers: keys/values `[B, kv_heads, capacity, head_dim]`; a decode step writes row `b`'s key at that
+  row's own position (`index_put_` at a device position tensor) and the additive mask hides every key past it;
+- Gated DeltaNet layers: conv and recurrent states `[B, ...]`, and a snapshot ring `[window, B, ...]`: before a
+  decode step every row's states are copied into ring slot `position_b % window`; a rollback of slot `b` to `p`
+  copies ring slot `p % window` of row `b` back.
+
+A decode step runs every row (fixed shapes), also the rows whose slot has no token at this stage this cycle:
+such a row runs a dummy token at its own length. Its attention key lands past what it holds (masked, and
+overwritten when that position really runs), and its Gated DeltaNet states are put back from the snapshot taken
+just before the step (`keep_idle_rows`), so an idle row ends the step exactly as it began.
+
+The object is also the HF cache the decoder layers call (`update`, `get_conv_state`, ...): over all rows in a
+decode step, over one row (`SlotCache.row(b)`) in that slot's prefill.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import StaticCache
+from transformers.cache_utils import LinearAttentionLayer, StaticLayer
+
+from inference.runtime.cache import CacheError, round_capacity
+
+
+class SlotCache:
+    def __init__(self, config, layer_indices: range, window: int, slots: int):
+        self.layer_indices, self.window, self.slots = layer_indices, window, slots
+        kinds = StaticCache(config=config, max_cache_len=1).layers  # which layers are attention / linear
+        for i in layer_indices:
+            if type(kinds[i]) not in (StaticLayer, LinearAttentionLayer):
+                raise CacheError(
+                    f"target layer {i} uses a {type(kinds[i]).__name__} cache: the batched decoder supports "
+                    f"full attention and linear attention (Gated DeltaNet) layers only"
+                )
+        self.attention_layers = [i for i in layer_indices if type(kinds[i]) is StaticLayer]
+        self.linear_layers = [i for i in layer_indices if type(kinds[i]) is LinearAttentionLayer]
+        self.capacity = 0
+        self.lengths = [0] * slots  # positions each slot holds
+        self.keys: dict[int, torch.Tensor] = {}  # allocated at the first prefill (shapes come from the layer)
+        self.values: dict[int, torch.Tensor] = {}
+        self.conv: dict[int, torch.Tensor] = {}
+        self.recurrent: dict[int, torch.Tensor] = {}
+        self.conv_ring: dict[int, torch.Tensor] = {}
+        self.recurrent_ring: dict[int, torch.Tensor] = {}
+        self.positions: torch.Tensor | None = None  # [B] the position each row runs in the current decode step
+        self._rows: torch.Tensor | None = None
+
+    # -- per-slot bookkeeping -------------------------------------------------------------------
+    def reset(self, slot: int, capacity: int) -> None:
+        """Slot `slot` starts a new sequence of at most `capacity` positions (its prefill comes next)."""
+        self.reserve(capacity)
+        self.lengths[slot] = 0
+
+    def reserve(self, positions: int) -> None:
+        """Room for `positions` positions in every slot, keeping what each holds (a power-of-two bucket)."""
+        if positions <= self.capacity:
+            return
+        capacity = round_capacity(positions)
+        for store in (self.keys, self.values):
+            for i, old in store.items():
+                new = old.new_zeros(*old.shape[:2], capacity, old.shape[-1])
+                new[:, :, : old.shape[2]] = old
+                store[i] = new
+        self.capacity = capacity
+
+    def rollback(self, slot: int, keep: int) -> None:
+        """Discard slot `slot`'s positions `>= keep`; a no-op when it never ran them."""
+        drop = self.lengths[slot] - keep
+        if drop <= 0:
+            return
+        if drop >= self.window:
+            raise RuntimeError(f"cannot roll back {drop} positions: snapshots cover the last {self.window - 1} only")
+        for i in self.linear_layers:
+            self.conv[i][slot].copy_(self.conv_ring[i][keep % self.window, slot])
+            self.recurrent[i][slot].copy_(self.recurrent_ring[i][keep % self.window, slot])
+        self.lengths[slot] = keep
+
+    def row(self, slot: int) -> _RowView:
+        return _RowView(self, slot)
+
+    # -- one decode step over every row ---------------------------------------------------------
+    def before_step(self, positions: torch.Tensor, running: list[int]) -> None:
+        """`positions[B]` (device): row b's position, its length; `running`: the slots that run a real token."""
+        for b in running:
+            self.reserve(self.lengths[b] + 1)
+        self.positions = positions
+        if self._rows is None or self._rows.device != positions.device:
+            self._rows = torch.arange(self.slots, device=positions.device)
+        ring_slots = positions % self.window
+        for i in self.linear_layers:
+            self.conv_ring[i].index_put_((ring_slots, self._rows), self.conv[i])
+            self.recurrent_ring[i].index_put_((ring_slots, self._rows), self.recurrent[i])
+
+    def keep_idle_rows(self, running_mask: torch.Tensor, running: list[int]) -> None:
+        """After the step: the idle rows' Gated DeltaNet states back as they were; the running slots advance."""
+        ring_slots = self.positions % self.window
+        for i in self.linear_layers:
+            for state, ring in ((self.conv[i], self.conv_ring[i]), (self.recurrent[i], self.recurrent_ring[i])):
+                before = ring[ring_slots, self._rows]
+                mask = running_mask.view(-1, *([1] * (state.dim() - 1)))
+                state.copy_(torch.where(mask, state, before))
+        for b in running:
+            self.lengths[b] += 1
+
+    # HF cache interface, decode step (every row, one token each)
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys[self._rows, :, self.positions] = key_states[:, :, 0]  # row b at its own position
+        values[self._rows, :, self.positions] = value_states[:, :, 0]
+        return keys, values
+
+    def get_conv_state(self, layer_idx, state_idx=0):
+        return self.conv[layer_idx]
+
+    def get_recurrent_state(self, layer_idx, state_idx=0):
+        return self.recurrent[layer_idx]
+
+    def is_recording_past(self, layer_idx) -> bool:
+        return False
+
+    def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, **kwargs):
+        return self.recurrent[layer_idx].copy_(recurrent_states)
+
+    def update_conv_state(self, conv_states, layer_idx, state_idx=0, **kwargs):
+        raise RuntimeError("a one-token decode step updates the conv state in place (causal_conv1d_update)")
+
+    # -- storage, allocated when the first prefill shows the shapes -----------------------------
+    def _attention_storage(self, i: int, like: torch.Tensor) -> None:
+        if i not in self.keys:
+            shape = (self.slots, like.shape[1], self.capacity, like.shape[-1])
+            self.keys[i], self.values[i] = like.new_zeros(shape), like.new_zeros(shape)
+
+    def _linear_storage(self, store: dict, ring: dict, i: int, shape: torch.Size, like: torch.Tensor) -> None:
+        if i not in store:
+            store[i] = like.new_zeros(self.slots, *shape)
+            ring[i] = like.new_zeros(self.window, self.slots, *shape)
+
+
+class _RowView:
+    """Slot `slot`'s rows of a `SlotCache` as the HF cache of its prefill (an empty slot, the whole prompt)."""
+
+    def __init__(self, cache: SlotCache, slot: int):
+        self.cache, self.slot = cache, slot
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        c, b = self.cache, self.slot
+        c._attention_storage(layer_idx, key_states)
+        P = key_states.shape[-2]
+        c.keys[layer_idx][b, :, :P] = key_states[0]
+        c.values[layer_idx][b, :, :P] = value_states[0]
+        return c.keys[layer_idx][b : b + 1], c.values[layer_idx][b : b + 1]
+
+    def get_conv_state(self, layer_idx, state_idx=0):
+        return None  # a prefill starts from zero states
+
+    def get_recurrent_state(self, layer_idx, state_idx=0):
+        return None
+
+    def is_recording_past(self, layer_idx) -> bool:
+        return False
+
+    def update_conv_state(self, conv_states, layer_idx, state_idx=0, conv_kernel_size=None, **kwargs):
+        """As HF's `LinearAttentionLayer`: keep the last `conv_kernel_size` inputs (zero-padded on the left) and
+        return the inputs the causal conv runs over."""
+        c, b = self.cache, self.slot
+        width = conv_kernel_size or conv_states.shape[-1]
+        c._linear_storage(c.conv, c.conv_ring, layer_idx, (*conv_states.shape[1:-1], width), conv_states)
+        full = conv_states
+        if full.shape[-1] < width:
+            full = F.pad(full, (width - full.shape[-1], 0))
+        c.conv[layer_idx][b].copy_(full[0, ..., -width:])
+        return full
+
+    def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, **kwargs):
+        c, b = self.cache, self.slot
+        c._linear_storage(c.recurrent, c.recurrent_ring, layer_idx, recurrent_states.shape[1:], recurrent_states)
+        return c.recurrent[layer_idx][b].copy_(recurrent_states[0])
