@@ -110,16 +110,16 @@ class ChainResult:
         `alpha = N / K` is the tokens per target forward and `n * alpha` the speedup with a free drafter."""
         timing = {"totals": {"draft_s": self.draft_s, "verify_s": self.verify_s, "draft_steps": self.draft_steps}}
         return DecodeResult(
-            "eagle3",
-            1,
-            self.prompt_len,
-            list(self.tokens),
-            self.K,
-            self.stop_reason,
-            self.counters(),
-            self.prefill_s,
-            self.decode_s,
-            timing,
+            mode="eagle3",
+            n=1,
+            prompt_len=self.prompt_len,
+            tokens=list(self.tokens),
+            K=self.K,
+            stop_reason=self.stop_reason,
+            counters=self.counters(),
+            prefill_s=self.prefill_s,
+            decode_s=self.decode_s,
+            timing=timing,
         )
 
     def to_dict(self) -> dict:

@@ -71,7 +71,14 @@ def ar_decode_stages(
     stop = "eos" if tokens[-1] in eos else "max_new_tokens"
     # wall-clock of the whole decode (tokens/s); sample_token's host sync makes it real on a GPU too
     return DecodeResult(
-        "ar", len(stages), prompt.shape[1], tokens, len(tokens) - 1, stop, {}, prefill_s, time.perf_counter() - t_start
+        mode="ar",
+        n=len(stages),
+        prompt_len=prompt.shape[1],
+        tokens=tokens,
+        K=len(tokens) - 1,
+        stop_reason=stop,
+        prefill_s=prefill_s,
+        decode_s=time.perf_counter() - t_start,
     )
 
 

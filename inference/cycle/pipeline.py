@@ -234,15 +234,15 @@ class PipelineRunner:
         self.transport.flush()
         decode_s = time.perf_counter() - t_start
         return DecodeResult(
-            self.geometry.mode,
-            n,
-            prompt.shape[1],
-            list(schedule.tokens),
-            schedule.K,
-            schedule.stop_reason,
-            schedule.counters.to_dict(),
-            prefill_s,
-            decode_s,
+            mode=self.geometry.mode,
+            n=n,
+            prompt_len=prompt.shape[1],
+            tokens=list(schedule.tokens),
+            K=schedule.K,
+            stop_reason=schedule.stop_reason,
+            counters=schedule.counters.to_dict(),
+            prefill_s=prefill_s,
+            decode_s=decode_s,
         )
 
     def _start(self, prompt: torch.Tensor, capacity: int, seed: int) -> Step | None:

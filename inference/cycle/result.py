@@ -68,7 +68,7 @@ def _add_sharing_cost(
     totals["mean_sharing_cost_s"] = float(cost.mean()) if len(cost) else 0.0
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DecodeResult:
     mode: str  # spd | post_step | ppsd | ar
     n: int
@@ -128,15 +128,15 @@ class DecodeResult:
             if k in d
         }
         return cls(
-            d["mode"],
-            d["n"],
-            d["prompt_len"],
-            list(d["tokens"]),
-            d["K"],
-            d["stop_reason"],
-            counters,
-            d.get("prefill_s", 0.0),
-            d.get("decode_s", 0.0),
-            d.get("timing", {}),
-            d.get("text"),
+            mode=d["mode"],
+            n=d["n"],
+            prompt_len=d["prompt_len"],
+            tokens=list(d["tokens"]),
+            K=d["K"],
+            stop_reason=d["stop_reason"],
+            counters=counters,
+            prefill_s=d.get("prefill_s", 0.0),
+            decode_s=d.get("decode_s", 0.0),
+            timing=d.get("timing", {}),
+            text=d.get("text"),
         )
