@@ -15,9 +15,10 @@ from spd_lightning.pdm import PDMConfig, PipelineDraftModule
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def tiny_fit_args(target: str, root: str, *extra: str) -> list[str]:
+def fit_args(target: str, root, *extra: str) -> list[str]:
     """configs/tiny.yaml shrunk to seconds: 2 stages, 100 ShareGPT chats, batches of 2, no logger, everything under
-    `root` (data cache, checkpoints)."""
+    `root` (data cache, checkpoints; a str or a path)."""
+    root = os.fspath(root)
     return [
         "--config",
         os.path.join(REPO, "configs", "tiny.yaml"),
@@ -52,10 +53,17 @@ def tiny_fit_args(target: str, root: str, *extra: str) -> list[str]:
 
 
 def target_shaped_pdm(
-    config, geometry: Geometry, num_layers: int, d2t: torch.Tensor | None = None, draft_vocab: int | None = None
+    config,
+    geometry: Geometry,
+    num_layers: int,
+    d2t: torch.Tensor | None = None,
+    draft_vocab: int | None = None,
+    device=None,
+    dtype: torch.dtype | None = None,
 ) -> PipelineDraftModule:
-    """A random-init PDM of the target's width, heads and MLP (what a trained drafter of this target costs), over
-    `d2t` (or the first `draft_vocab` ids when no `d2t` is given). Seed the global RNG first for fixed weights."""
+    """A random-init PDM of the target's width, heads and MLP (`config`: the target's transformers config; what a
+    trained drafter of this target costs), over `d2t` (or the first `draft_vocab` ids when no `d2t` is given), in
+    eval mode on `device` in `dtype`. Seed the global RNG first for fixed weights."""
     cfg = PDMConfig(
         target_hidden_size=config.hidden_size,
         num_types=geometry.num_types,
@@ -67,7 +75,7 @@ def target_shaped_pdm(
         head_dim=config.head_dim,
         intermediate_size=config.intermediate_size,
     )
-    return PipelineDraftModule(cfg, d2t).eval()
+    return PipelineDraftModule(cfg, d2t).to(device=device, dtype=dtype).eval()
 
 
 class RandomChats(L.LightningDataModule):

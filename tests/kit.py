@@ -26,7 +26,7 @@ from spd_lightning.export import DrafterSpec, save_drafter
 from spd_lightning.geometry import Geometry
 from spd_lightning.pdm import PDMConfig, PipelineDraftModule
 from spd_lightning.target import Target
-from spd_lightning.testing import tiny_fit_args
+from spd_lightning.testing import fit_args  # noqa: F401 - the tests take it from the kit
 from spd_lightning.training.module import SPDModule
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -159,11 +159,6 @@ def make_tiny_model(arch: str, num_layers: int = 4, vocab_size: int = TINY_VOCAB
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8.0)
     return model.eval()
-
-
-def fit_args(target: str, root, *extra: str) -> list[str]:
-    """configs/tiny.yaml shrunk to seconds: 2 stages, 12 chats, a few steps, no logger."""
-    return tiny_fit_args(target, str(root), *extra)
 
 
 class SyntheticChat(L.LightningDataModule):
