@@ -117,20 +117,20 @@ def _decode(
     args,
     prompts: list[list[int]],
     sampling: Sampling,
-    stream: Callable[[int, list[int]], None] | None = None,
+    on_tokens: Callable[[int, list[int]], None] | None = None,
 ) -> list[DecodeResult] | None:
-    """Every prompt's result; `stream(prompt index, tokens)` as tokens are verified."""
+    """Every prompt's result; `on_tokens(prompt index, tokens)` as tokens are verified."""
     if args.simulate or setup.mode in ("ar", EAGLE3):
         return _in_process(
             make_backend(setup, args.device, compile=args.compile, profile=args.profile),
             args,
             prompts,
             sampling,
-            stream,
+            on_tokens,
         )
     job = decode_job(setup, args, prompts, sampling, profile=args.profile)
-    job.stream = stream is not None
-    return _distributed(job, stream)
+    job.stream = on_tokens is not None
+    return _distributed(job, on_tokens)
 
 
 def _in_process(
@@ -138,16 +138,16 @@ def _in_process(
     args,
     prompts: list[list[int]],
     sampling: Sampling,
-    stream: Callable[[int, list[int]], None] | None = None,
+    on_tokens: Callable[[int, list[int]], None] | None = None,
 ) -> list[DecodeResult]:
     return [
-        backend.generate(ids, args.max_new_tokens, sampling, args.seed + i, _for_prompt(stream, i))
+        backend.generate(ids, args.max_new_tokens, sampling, args.seed + i, _for_prompt(on_tokens, i))
         for i, ids in enumerate(prompts)
     ]
 
 
-def _for_prompt(stream: Callable[[int, list[int]], None] | None, i: int) -> Callable[[list[int]], None] | None:
-    return None if stream is None else (lambda tokens: stream(i, tokens))
+def _for_prompt(on_tokens: Callable[[int, list[int]], None] | None, i: int) -> Callable[[list[int]], None] | None:
+    return None if on_tokens is None else (lambda tokens: on_tokens(i, tokens))
 
 
 def _ar(setup: Setup, args, prompts: list[list[int]], sampling: Sampling) -> list[DecodeResult]:
@@ -156,7 +156,9 @@ def _ar(setup: Setup, args, prompts: list[list[int]], sampling: Sampling) -> lis
     return _in_process(make_backend(ar_setup, args.device), args, prompts, sampling)
 
 
-def _distributed(job: DecodeJob, stream: Callable[[int, list[int]], None] | None = None) -> list[DecodeResult] | None:
+def _distributed(
+    job: DecodeJob, on_tokens: Callable[[int, list[int]], None] | None = None
+) -> list[DecodeResult] | None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         if int(os.environ["WORLD_SIZE"]) != job.world_size:
             raise cli.UsageError(
@@ -166,12 +168,12 @@ def _distributed(job: DecodeJob, stream: Callable[[int, list[int]], None] | None
             )
         collected: list[DecodeResult] = []
         rank = int(os.environ["RANK"])
-        run_rank(job, rank, int(os.environ.get("LOCAL_RANK", rank)), lambda i, r: collected.append(r), stream)
+        run_rank(job, rank, int(os.environ.get("LOCAL_RANK", rank)), lambda i, r: collected.append(r), on_tokens)
         return collected if rank == job.n - 1 else None
     return launch(
         job,
         on_result=lambda i, r: print(f"prompt {i + 1}: {_counters(r)}", file=sys.stderr, flush=True),
-        on_tokens=stream,
+        on_tokens=on_tokens,
     )
 
 

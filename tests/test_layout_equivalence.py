@@ -3,7 +3,7 @@
 `layout: depth` (any `L_s`): copy `c < n`, position `i` is `x_i` as the `c`-th newest in-flight token of the
 view of drafting time `t = i + c` with fill `a(t)`; when active (`c < a(t)`) its output must equal a plain
 causal PDM forward over the explicit view `Geometry.view(t, a(t))` (positions `<= i`), read at `i`. Copy
-`n` is the verified stream: a causal forward over depth-`n` features. Inactive and padding tokens attend
+`n` is the verified sequence: a causal forward over depth-`n` features. Inactive and padding tokens attend
 only to themselves: their output is a one-token forward of their own feature.
 
 `layout: type` (`L_s = 1`): the loss block at `t` equals the forward over `Geometry.view(t, a)`; block

@@ -59,7 +59,7 @@ def _add_sharing_cost(
     per_cycle: dict, totals: dict, stage: torch.Tensor, draft: torch.Tensor, slowest: torch.Tensor
 ) -> None:
     """Stage 1's process also drafts: per cycle its busy time is its stage plus the draft's time on its
-    critical path (on a GPU the part of the draft that its own stream did not hide behind the forward,
+    critical path (on a GPU the part of the draft that its own CUDA stream did not hide behind the forward,
     `shared_stream`; on the CPU the whole draft). The cost is how far that exceeds the slowest stage."""
     shared = stage[:, 0] + draft
     cost = (shared - slowest).clamp(min=0)
