@@ -4,6 +4,7 @@ server, the evaluation or the command lines), and no test module importing anoth
 tests/kit.py and tests/conftest.py)."""
 
 import ast
+import functools
 import os
 import pathlib
 import re
@@ -34,8 +35,10 @@ def modules() -> dict[str, pathlib.Path]:
     return found
 
 
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
-    """Module -> the first-party modules it imports anywhere in its body (inside functions and TYPE_CHECKING too)."""
+    """Module -> the first-party modules it imports anywhere in its body (inside functions and TYPE_CHECKING too);
+    parsed once per session (read-only: callers must not change it)."""
     mods = modules()
     graph = {name: set() for name in mods}
     for name, path in mods.items():
