@@ -4,6 +4,8 @@ server process). Nothing here is a test or a fixture: test modules import it (py
 conftest.py builds its fixtures from it, and no test module imports another (tests/test_architecture.py). What
 scripts share with the tests lives in `spd_lightning.testing`."""
 
+import csv
+import glob
 import itertools
 import json
 import os
@@ -159,6 +161,29 @@ def make_tiny_model(arch: str, num_layers: int = 4, vocab_size: int = TINY_VOCAB
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8.0)
     return model.eval()
+
+
+# -- the staircase-evaluation callback of configs/tiny.yaml, and what a CSV logger wrote ---------------------
+DEMO_PROMPTS = os.path.join(REPO, "docs", "demo_prompts.jsonl")
+
+
+def callback_args(every: int = 2, **extra) -> list[str]:
+    init = {
+        "every_n_steps": every,
+        "num_prompts": 3,
+        "max_new_tokens": 12,
+        "prompts": DEMO_PROMPTS,
+        "num_batches": 1,
+        **extra,
+    }
+    # configs/tiny.yaml already has the callback: these override its settings.
+    return [f"--trainer.callbacks.init_args.{k}={v}" for k, v in init.items()]
+
+
+def csv_rows(root) -> list[dict]:
+    [path] = glob.glob(os.path.join(str(root), "**", "metrics.csv"), recursive=True)
+    with open(path) as f:
+        return list(csv.DictReader(f))
 
 
 class SyntheticChat(L.LightningDataModule):

@@ -65,6 +65,9 @@ def test_stages_split_across_two_nodes_decode_what_one_process_does(tmp_path_fac
     assert printed.count("### prompt 1") == 1 and expected in printed
 
 
+# Slow: test_stages_split_across_two_nodes_decode_what_one_process_does (two nodes, reports across them) and
+# test_serve.py's test_ranks_serve_many_requests_and_a_killed_rank_is_a_503_then_a_restart (one node) stay fast.
+@pytest.mark.slow
 def test_the_server_on_two_nodes_answers_as_decode_restarts_after_a_killed_rank_and_stops_on_sigterm(
     tmp_path_factory, tmp_path, capsys
 ):
