@@ -54,16 +54,6 @@ def micro_target(tmp_path_factory) -> str:
     return out
 
 
-@pytest.fixture(scope="session", autouse=True)
-def single_threaded_session():
-    """The whole suite runs torch single-threaded: its models are tiny, and on a shared 2-core machine OpenMP's
-    spinning threads made every in-process fit several times slower (child processes get OMP_NUM_THREADS=1)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture
 def one_thread():
     """Tiny models on a shared 2-core machine run ~10x faster single-threaded (no OpenMP spinning)."""
