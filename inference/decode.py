@@ -133,9 +133,9 @@ def _decode(
     args,
     prompts: list[list[int]],
     sampling: Sampling,
-    stream: Callable[[int, list[int]], None] | None = None,
+    on_tokens: Callable[[int, list[int]], None] | None = None,
 ) -> list[DecodeResult] | None:
-    """Every prompt's result; `stream(prompt index, tokens)` as tokens are verified."""
+    """Every prompt's result; `on_tokens(prompt index, tokens)` as tokens are verified."""
     if args.max_batch > 1 and setup.mode in ("ar", EAGLE3):
         raise cli.UsageError(f"--max-batch > 1 is pipeline decoding: --mode {setup.mode} decodes one prompt at a time")
     if args.simulate or setup.mode in ("ar", EAGLE3):
@@ -144,12 +144,12 @@ def _decode(
             args,
             prompts,
             sampling,
-            stream,
+            on_tokens,
         )
     job = decode_job(setup, args, prompts, sampling, profile=args.profile)
-    job.stream = stream is not None
+    job.stream = on_tokens is not None
     job.max_batch = args.max_batch
-    return _distributed(job, stream)
+    return _distributed(job, on_tokens)
 
 
 def _in_process(
@@ -157,16 +157,16 @@ def _in_process(
     args,
     prompts: list[list[int]],
     sampling: Sampling,
-    stream: Callable[[int, list[int]], None] | None = None,
+    on_tokens: Callable[[int, list[int]], None] | None = None,
 ) -> list[DecodeResult]:
     return [
-        backend.generate(ids, args.max_new_tokens, sampling, args.seed + i, _for_prompt(stream, i))
+        backend.generate(ids, args.max_new_tokens, sampling, args.seed + i, _for_prompt(on_tokens, i))
         for i, ids in enumerate(prompts)
     ]
 
 
-def _for_prompt(stream: Callable[[int, list[int]], None] | None, i: int) -> Callable[[list[int]], None] | None:
-    return None if stream is None else (lambda tokens: stream(i, tokens))
+def _for_prompt(on_tokens: Callable[[int, list[int]], None] | None, i: int) -> Callable[[list[int]], None] | None:
+    return None if on_tokens is None else (lambda tokens: on_tokens(i, tokens))
 
 
 def _ar(setup: Setup, args, prompts: list[list[int]], sampling: Sampling) -> list[DecodeResult]:
@@ -175,7 +175,9 @@ def _ar(setup: Setup, args, prompts: list[list[int]], sampling: Sampling) -> lis
     return _in_process(make_backend(ar_setup, args.device), args, prompts, sampling)
 
 
-def _distributed(job: DecodeJob, stream: Callable[[int, list[int]], None] | None = None) -> list[DecodeResult] | None:
+def _distributed(
+    job: DecodeJob, on_tokens: Callable[[int, list[int]], None] | None = None
+) -> list[DecodeResult] | None:
     work = decode_batched if job.max_batch > 1 else None  # None: `decode_prompts`, one prompt at a time
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         if int(os.environ["WORLD_SIZE"]) != job.world_size:
@@ -186,12 +188,12 @@ def _distributed(job: DecodeJob, stream: Callable[[int, list[int]], None] | None
             )
         collected: dict[int, DecodeResult] = {}  # batched, prompts end out of order
         rank = int(os.environ["RANK"])
-        run_rank(job, rank, int(os.environ.get("LOCAL_RANK", rank)), collected.__setitem__, stream, work=work)
+        run_rank(job, rank, int(os.environ.get("LOCAL_RANK", rank)), collected.__setitem__, on_tokens, work=work)
         return [collected[i] for i in sorted(collected)] if rank == job.n - 1 else None
     return launch(
         job,
         on_result=lambda i, r: print(f"prompt {i + 1}: {_counters(r)}", file=sys.stderr, flush=True),
-        on_tokens=stream,
+        on_tokens=on_tokens,
         work=work,
     )
 

@@ -25,6 +25,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from spd_lightning.errors import first_line
+from spd_lightning.testing import fit_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -101,7 +102,7 @@ PROG = {
 }
 
 DEC = ("--ckpt", "{drafter}", "--simulate")
-FIT = ("@fit",)  # replaced by the shrunk configs/tiny.yaml arguments (tests/conftest.py fit_args)
+FIT = ("@fit",)  # replaced by the shrunk configs/tiny.yaml arguments (spd_lightning.testing.fit_args)
 
 CASES = [
     # inference.decode
@@ -242,40 +243,6 @@ CASES = [
 ]
 
 
-def fit_argv(target: str, root: str) -> list[str]:
-    """configs/tiny.yaml shrunk to seconds (the same as tests/conftest.py fit_args)."""
-    return [
-        "--config",
-        os.path.join(REPO, "configs", "tiny.yaml"),
-        "--model.target",
-        target,
-        "--model.n",
-        "2",
-        "--data.sources",
-        "[{path: sharegpt, max_samples: 100}]",
-        "--data.max_length",
-        "1024",
-        "--data.draft_vocab_size",
-        "256",
-        "--data.batch_size",
-        "2",
-        "--data.val_size",
-        "4",
-        "--data.cache_dir",
-        os.path.join(root, "cache"),
-        "--trainer.logger",
-        "false",
-        "--trainer.enable_progress_bar",
-        "false",
-        "--trainer.enable_model_summary",
-        "false",
-        "--trainer.default_root_dir",
-        root,
-        "--checkpoint.dirpath",
-        os.path.join(root, "ckpt"),
-    ]
-
-
 def build_files(root: str) -> dict:
     """A tiny target (4 layers, 512 ids), two mismatching targets, a random drafter and the broken inputs."""
     import torch
@@ -372,7 +339,7 @@ def expand(case: Case, files: dict) -> list[str]:
     argv = []
     for a in case.argv:
         if a == "@fit":
-            argv += fit_argv(files["target"], os.path.join(files["root"], "fit_" + str(abs(hash(case.name)))))
+            argv += fit_args(files["target"], os.path.join(files["root"], "fit_" + str(abs(hash(case.name)))))
         else:
             argv.append(a.format(**files))
     return argv

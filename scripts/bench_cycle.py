@@ -49,8 +49,8 @@ from spd_lightning.export import (  # noqa: E402
     save_drafter,
 )
 from spd_lightning.geometry import Geometry  # noqa: E402
-from spd_lightning.pdm import PDMConfig, PipelineDraftModule  # noqa: E402
 from spd_lightning.target import Target  # noqa: E402
+from spd_lightning.testing import target_shaped_pdm  # noqa: E402
 
 TRAINED = "artifacts/tiny_run/drafter"
 
@@ -58,22 +58,10 @@ TRAINED = "artifacts/tiny_run/drafter"
 def random_drafter(target: Target, n: int, out_dir: str, draft_vocab: int = 2048, seed: int = 0) -> str:
     """A random-init PDM shaped like configs/tiny.yaml's, exported like a trained one."""
     geometry = Geometry.build(target.num_layers, n)
-    cfg = target.config
     torch.manual_seed(seed)
     d2t = torch.randperm(target.vocab_size)[: min(draft_vocab, target.vocab_size)].sort().values
-    pdm_cfg = PDMConfig(
-        target.hidden_size,
-        geometry.num_types,
-        len(d2t),
-        hidden_size=target.hidden_size,
-        num_layers=max(1, target.num_layers // n - 1),
-        num_heads=cfg.num_attention_heads,
-        num_kv_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim,
-        intermediate_size=cfg.intermediate_size,
-    )
-    pdm = PipelineDraftModule(pdm_cfg, d2t).eval()
-    return save_drafter(pdm, DrafterSpec(pdm_cfg, geometry, target.info), out_dir)
+    pdm = target_shaped_pdm(target.config, geometry, max(1, target.num_layers // n - 1), d2t=d2t)
+    return save_drafter(pdm, DrafterSpec(pdm.cfg, geometry, target.info), out_dir)
 
 
 def profile(results) -> dict:

@@ -23,9 +23,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gpu_check import RandomChats  # noqa: E402 - the same random chat batches as the GPU check
 
 from spd_lightning.estimate import Shape, estimate, target_config  # noqa: E402
+from spd_lightning.testing import RandomChats  # noqa: E402 - the same random chat batches as the GPU check
 from spd_lightning.training.memory_meter import LiveTensorBytes  # noqa: E402
 from spd_lightning.training.module import SPDModule  # noqa: E402
 

@@ -105,24 +105,12 @@ def measure(target: str, layout: str, n: int, num_layers: int, seq_len: int, bat
     import lightning as L
     import torch
 
+    from spd_lightning.testing import RandomChats
     from spd_lightning.training.attention import resolve_backend
     from spd_lightning.training.module import SPDModule
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-
-    class RandomBatches(L.LightningDataModule):
-        def __init__(self, vocab: int):
-            super().__init__()
-            self.d2t = torch.arange(min(2048, vocab))
-            ones = torch.ones(batch_size, seq_len, dtype=torch.long)
-            self.batches = [
-                {"input_ids": torch.randint(0, vocab, (batch_size, seq_len)), "attention_mask": ones, "loss_mask": ones}
-                for _ in range(steps)
-            ]
-
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(self.batches, batch_size=None)
 
     module = SPDModule(target, target_dtype="float32", n=n, layout=layout, num_layers=num_layers, lr=1e-4)
     timer = step_timer()
@@ -136,7 +124,8 @@ def measure(target: str, layout: str, n: int, num_layers: int, seq_len: int, bat
         enable_model_summary=False,
         callbacks=[timer],
     )
-    trainer.fit(module, datamodule=RandomBatches(module.target_config.vocab_size))
+    vocab = module.target_config.vocab_size  # every token a loss token, no padding
+    trainer.fit(module, datamodule=RandomChats(vocab, seq_len, batch_size, steps, min(2048, vocab), loss_from=0.0))
     step, fwd = statistics.median(timer.step_s[1:]), statistics.median(timer.target_s[1:])
     tokens = batch_size * seq_len
     return {

@@ -54,8 +54,8 @@ from inference.runtime.drafter import PDMDrafter  # noqa: E402
 from inference.runtime.stages import Stage  # noqa: E402
 from spd_lightning.estimate import Shape, estimate, target_config  # noqa: E402
 from spd_lightning.geometry import Geometry  # noqa: E402
-from spd_lightning.pdm import PDMConfig, PipelineDraftModule  # noqa: E402
 from spd_lightning.target import Target  # noqa: E402
+from spd_lightning.testing import RandomChats, target_shaped_pdm  # noqa: E402
 from spd_lightning.training.module import SPDModule  # noqa: E402
 
 ARCHS = {"qwen35_9b": "Qwen/Qwen3.5-9B", "qwen35_4b": "Qwen/Qwen3.5-4B"}  # the 9B first: its memory is the question
@@ -166,24 +166,6 @@ def build_target(arch: str, opts, device: torch.device, dtype: torch.dtype) -> t
     config_dir = tempfile.mkdtemp(prefix=f"gpu_check_{arch}_")
     config.save_pretrained(config_dir)
     return Target(model.eval(), config_dir), config_dir
-
-
-class RandomChats(L.LightningDataModule):
-    """Full-length random batches with a loss mask on the second half; `d2t` = the first V_d ids."""
-
-    def __init__(self, vocab: int, length: int, batch: int, steps: int, draft_vocab: int):
-        super().__init__()
-        self.vocab, self.length, self.batch, self.steps = vocab, length, batch, steps
-        self.d2t = torch.arange(draft_vocab)
-
-    def train_dataloader(self):
-        gen = torch.Generator().manual_seed(0)
-        batches = []
-        for _ in range(self.steps):
-            ids = torch.randint(0, self.vocab, (self.batch, self.length), generator=gen)
-            loss = (torch.arange(self.length) >= self.length // 2).expand(self.batch, -1)
-            batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": loss.clone()})
-        return torch.utils.data.DataLoader(batches, batch_size=None)  # the items are whole batches
 
 
 class StepTimer(L.Callback):
@@ -300,28 +282,17 @@ def one_token_steps(stage: Stage, token: torch.Tensor, start: int):
     return step
 
 
-@torch.no_grad()
-def target_shaped_pdm(target: Target, geometry: Geometry, num_layers: int, draft_vocab: int, device):
-    """A random-init PDM of the target's width, heads and MLP (what a trained drafter of this target costs)."""
-    c = target.config
-    cfg = PDMConfig(
-        target_hidden_size=c.hidden_size,
-        num_types=geometry.num_types,
-        draft_vocab_size=draft_vocab,
-        hidden_size=c.hidden_size,
-        num_layers=num_layers,
-        num_heads=c.num_attention_heads,
-        num_kv_heads=c.num_key_value_heads,
-        head_dim=c.head_dim,
-        intermediate_size=c.intermediate_size,
-    )
-    return PipelineDraftModule(cfg).to(device=device, dtype=target.lm_head.weight.dtype).eval()
-
-
 def draft_latency(target: Target, num_layers: int, opts, prompt: torch.Tensor, device) -> float:
     n = opts.n
     geometry = Geometry.build(target.num_layers, n)
-    pdm = target_shaped_pdm(target, geometry, num_layers, opts.draft_vocab, device)
+    pdm = target_shaped_pdm(
+        target.config,
+        geometry,
+        num_layers,
+        draft_vocab=opts.draft_vocab,
+        device=device,
+        dtype=target.lm_head.weight.dtype,
+    )
     drafter = PDMDrafter(pdm, geometry, target.embed_tokens, Sampling(), target.lm_head.weight.dtype)
     P = prompt.shape[1]
     drafter.start(prompt[0], P + n + 2)
@@ -333,7 +304,9 @@ def draft_latency(target: Target, num_layers: int, opts, prompt: torch.Tensor, d
 def decode_check(target: Target, opts, device) -> dict:
     geometry = Geometry.build(target.num_layers, opts.n)
     torch.manual_seed(1)
-    pdm = target_shaped_pdm(target, geometry, opts.ls, opts.draft_vocab, device)
+    pdm = target_shaped_pdm(
+        target.config, geometry, opts.ls, draft_vocab=opts.draft_vocab, device=device, dtype=target.lm_head.weight.dtype
+    )
     prompt = torch.randint(0, target.vocab_size, (opts.prompt,), generator=torch.Generator().manual_seed(2)).tolist()
     spd = simulate_decode(target, pdm, geometry, prompt, opts.new_tokens)
     ar = ar_decode(target, prompt, opts.new_tokens)

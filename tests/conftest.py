@@ -12,7 +12,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
 import torch
-from kit import chat_records, make_tiny_model
+from kit import chat_records, loss_target, make_tiny_model
 
 from spd_lightning.target import Target
 
@@ -87,3 +87,9 @@ def chat_target(tmp_path_factory) -> dict:
     make_tiny_model("qwen3_5", vocab_size=len(tokenizer)).save_pretrained(target)
     tokenizer.save_pretrained(target)
     return {"target": str(target), "data": str(data), "cache": str(root / "cache")}
+
+
+@pytest.fixture(scope="session")
+def loss_target_dir(tmp_path_factory) -> str:
+    """The saved tiny Qwen3 that `kit.loss_batch` runs through (tests/test_loss.py computes its loss by hand)."""
+    return loss_target(str(tmp_path_factory.mktemp("loss_target")))

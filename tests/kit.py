@@ -1,10 +1,20 @@
 """The test kit: builders every test module shares (tiny random targets, random PDMs, targets and drafters on disk,
-a tiny chat tokenizer, the shrunk `fit` arguments). Nothing here is a test or a fixture: test modules import it
-(pytest puts tests/ on sys.path) and conftest.py builds its fixtures from it."""
+a tiny chat tokenizer, the shrunk `fit` arguments, the hand-computed loss's batch, the data-order recorders, a
+server process). Nothing here is a test or a fixture: test modules import it (pytest puts tests/ on sys.path),
+conftest.py builds its fixtures from it, and no test module imports another (tests/test_architecture.py). What
+scripts share with the tests lives in `spd_lightning.testing`."""
 
+import csv
+import glob
 import itertools
+import json
 import os
+import signal
 import socket
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
 
 import lightning as L
 import numpy as np
@@ -18,6 +28,7 @@ from spd_lightning.export import DrafterSpec, save_drafter
 from spd_lightning.geometry import Geometry
 from spd_lightning.pdm import PDMConfig, PipelineDraftModule
 from spd_lightning.target import Target
+from spd_lightning.testing import fit_args  # noqa: F401 - the tests take it from the kit
 from spd_lightning.training.module import SPDModule
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -152,39 +163,27 @@ def make_tiny_model(arch: str, num_layers: int = 4, vocab_size: int = TINY_VOCAB
     return model.eval()
 
 
-def fit_args(target: str, root, *extra: str) -> list[str]:
-    """configs/tiny.yaml shrunk to seconds: 2 stages, 12 chats, a few steps, no logger."""
-    return [
-        "--config",
-        os.path.join(REPO, "configs", "tiny.yaml"),
-        "--model.target",
-        target,
-        "--model.n",
-        "2",
-        "--data.sources",
-        "[{path: sharegpt, max_samples: 100}]",
-        "--data.max_length",
-        "1024",
-        "--data.draft_vocab_size",
-        "256",
-        "--data.batch_size",
-        "2",
-        "--data.val_size",
-        "4",
-        "--data.cache_dir",
-        str(root / "cache"),
-        "--trainer.logger",
-        "false",
-        "--trainer.enable_progress_bar",
-        "false",
-        "--trainer.enable_model_summary",
-        "false",
-        "--trainer.default_root_dir",
-        str(root),
-        "--checkpoint.dirpath",
-        str(root / "ckpt"),
-        *extra,
-    ]
+# -- the staircase-evaluation callback of configs/tiny.yaml, and what a CSV logger wrote ---------------------
+DEMO_PROMPTS = os.path.join(REPO, "docs", "demo_prompts.jsonl")
+
+
+def callback_args(every: int = 2, **extra) -> list[str]:
+    init = {
+        "every_n_steps": every,
+        "num_prompts": 3,
+        "max_new_tokens": 12,
+        "prompts": DEMO_PROMPTS,
+        "num_batches": 1,
+        **extra,
+    }
+    # configs/tiny.yaml already has the callback: these override its settings.
+    return [f"--trainer.callbacks.init_args.{k}={v}" for k, v in init.items()]
+
+
+def csv_rows(root) -> list[dict]:
+    [path] = glob.glob(os.path.join(str(root), "**", "metrics.csv"), recursive=True)
+    with open(path) as f:
+        return list(csv.DictReader(f))
 
 
 class SyntheticChat(L.LightningDataModule):
@@ -365,3 +364,274 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# -- random anchor states and a PDM without a target (the layout tests) ------------------------------------
+ANCHOR_HIDDEN, ANCHOR_VOCAB, ANCHOR_BATCH = 24, 50, 3  # the stand-in target's width, V_d, sequences per batch
+
+
+def anchor_pdm(geometry: Geometry, num_layers: int, seed: int = 0) -> PipelineDraftModule:
+    """A random-init PDM fed by random anchor states of width ANCHOR_HIDDEN (no d2t: the layouts need none)."""
+    torch.manual_seed(seed)
+    cfg = PDMConfig(
+        target_hidden_size=ANCHOR_HIDDEN,
+        num_types=geometry.num_types,
+        draft_vocab_size=ANCHOR_VOCAB,
+        hidden_size=32,
+        num_layers=num_layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+    )
+    return PipelineDraftModule(cfg).eval()
+
+
+def padded_anchor_states(geometry: Geometry, T: int, seed: int):
+    """Random anchor states of ANCHOR_BATCH right-padded sequences (lengths T, 2T/3, T/5) with 1e4 garbage in the
+    padding; returns the states, the lengths and the generator (for the fill draws)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([T, T - T // 3, max(2, T // 5)])
+    states = torch.randn(ANCHOR_BATCH, T, geometry.num_types, ANCHOR_HIDDEN, generator=gen)
+    for b, length in enumerate(lengths.tolist()):
+        states[b, length:] = 1e4  # garbage in the padding must not reach any real token
+    return states, lengths, gen
+
+
+# -- the padded batch whose training loss tests/test_loss.py computes by hand ------------------------------
+TEACHER_T, LOSS_DRAFT_VOCAB = 1.7, 40
+LOSS_LENGTHS, LOSS_T = [12, 9, 5], 12
+# Assistant tokens per sequence (the loss mask); the second has a user turn between two assistant turns.
+LOSS_ASSISTANT = [range(4, 12), [2, 3, 4, 5, 8], range(1, 5)]
+
+
+def loss_target(directory: str, num_layers: int = 4) -> str:
+    """The tiny Qwen3 (TINY_VOCAB ids, seed 3) the loss batch runs through, saved to `directory`."""
+    make_tiny_model("qwen3", num_layers=num_layers, vocab_size=TINY_VOCAB, seed=3).save_pretrained(directory)
+    return directory
+
+
+def loss_batch() -> dict:
+    """Three right-padded sequences of LOSS_LENGTHS (garbage ids in the padding), loss mask on LOSS_ASSISTANT."""
+    gen = torch.Generator().manual_seed(11)
+    batch = {
+        "input_ids": torch.randint(1, TINY_VOCAB, (len(LOSS_LENGTHS), LOSS_T), generator=gen),
+        "attention_mask": torch.zeros(len(LOSS_LENGTHS), LOSS_T, dtype=torch.long),
+        "loss_mask": torch.zeros(len(LOSS_LENGTHS), LOSS_T, dtype=torch.bool),
+    }
+    for b, (length, assistant) in enumerate(zip(LOSS_LENGTHS, LOSS_ASSISTANT)):
+        batch["attention_mask"][b, :length] = 1
+        batch["loss_mask"][b, list(assistant)] = True
+    return batch
+
+
+def attached_module(target_dir: str, **overrides) -> SPDModule:
+    """An SPDModule set up as a Trainer would (setup, configure_model) with a stand-in trainer and no logging."""
+    args = dict(
+        target=target_dir,
+        target_dtype="float32",
+        n=3,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        teacher_temperature=TEACHER_T,
+        attention_backend="dense",
+        seed=5,
+    )
+    module = SPDModule(**{**args, **overrides})
+    gen = torch.Generator().manual_seed(2)
+    d2t = torch.randperm(TINY_VOCAB, generator=gen)[:LOSS_DRAFT_VOCAB].sort().values
+    module._trainer = SimpleNamespace(  # only what training_step and setup read
+        datamodule=SimpleNamespace(d2t=d2t),
+        strategy=SimpleNamespace(root_device=torch.device("cpu")),
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(total_batch_idx=0)),
+        global_rank=0,
+    )
+    module.log = lambda *args, **kwargs: None
+    module.optimizers = lambda: SimpleNamespace(param_groups=[{"lr": 0.0}])
+    module.setup("fit")
+    module.configure_model()
+    with torch.no_grad():  # a student that is neither the teacher nor uniform
+        for p in module.pdm.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    return module
+
+
+# -- what a run trained on, in order (tests/test_resume.py, also inside its DDP child processes) ------------
+NOT_RESUMABLE = "not resumable"
+
+
+def sample_keys(batch) -> list[tuple]:
+    """The samples of a batch, by content (padding removed)."""
+    return [tuple(ids[mask.bool()].tolist()) for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
+
+
+class Record(L.Callback):
+    """Per trained step: its global step, its samples and its loss."""
+
+    def __init__(self):
+        self.steps, self.batches, self.losses = [], [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps.append(trainer.global_step)
+        self.batches.append(sample_keys(batch))
+        self.losses.append(float(outputs["loss"]))
+
+
+class StopAt(L.Callback):
+    """An interruption: the run keeps its length (so its LR schedule) and stops early."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
+def not_resumable_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if NOT_RESUMABLE in str(w.message)]
+
+
+class RecordSamples(L.LightningModule):
+    """A model that trains on nothing but the data order (fast). Like SPDModule, it may size an LR schedule with
+    `estimated_stepping_batches`, which makes Lightning build the train loader inside `configure_optimizers`."""
+
+    def __init__(self, estimate_steps: bool = False):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.estimate_steps = estimate_steps
+
+    def training_step(self, batch, batch_idx):
+        return (self.w - batch["attention_mask"].float().mean()).pow(2).sum()
+
+    def configure_optimizers(self):
+        if self.estimate_steps:
+            assert self.trainer.estimated_stepping_batches > 0
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+# -- `python -m inference.serve` as a child process (tests/test_serve.py, tests/test_two_nodes.py) -----------
+SERVE_KEY = "sk-test"
+
+
+class Server:
+    def __init__(self, *args: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "inference.serve", "--port", str(self.port), *args],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def ready(self) -> "Server":
+        import httpx
+
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited: {self.process.stderr.read()}")
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                time.sleep(0.3)
+        self.stop()
+        raise RuntimeError("the server did not come up in 90 s")
+
+    def client(self, key: str = SERVE_KEY):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, timeout=60, max_retries=0)
+
+    def post(self, path: str, body, key: str | None = SERVE_KEY, **kw):
+        import httpx
+
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+        return httpx.post(f"{self.url}{path}", content=content, headers=headers, timeout=60, **kw)
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(20)
+
+
+def chat_reply(server: Server, prompt: str, max_tokens: int, stream: bool, model: str = "spd") -> str:
+    """A greedy chat completion's text, whole or assembled from its streamed chunks."""
+    client = server.client()
+    messages = [{"role": "user", "content": prompt}]
+    if not stream:
+        reply = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=max_tokens)
+        return reply.choices[0].message.content
+    chunks = client.chat.completions.create(
+        model=model, messages=messages, temperature=0, max_tokens=max_tokens, stream=True
+    )
+    return "".join(c.choices[0].delta.content or "" for c in chunks)
+
+
+def parent_pid(pid) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def descendant_pids(pid: int) -> list[int]:
+    children = [int(p) for p in os.listdir("/proc") if p.isdigit() and parent_pid(p) == pid]
+    return children + [d for c in children for d in descendant_pids(c)]
+
+
+def pid_alive(pid: int) -> bool:
+    """A process that exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+# -- an accepted drafter (test_lossless_accepted, test_batch_decode) ---------------------------------------------
+def nearly_bigram_target(arch: str, context: float) -> Target:
+    """A tiny target made nearly a bigram model: its attention and MLP outputs scaled by `context`, so the next
+    token depends mostly, not only, on the current one (the drafter below then agrees with it most of the time)."""
+    model = make_tiny_model(arch, num_layers=4, seed=1)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.split(".")[-1] in ("o_proj", "out_proj", "down_proj"):
+                module.weight.mul_(context)
+    return Target(model, f"nearly-bigram-{arch}")
+
+
+def agreeing_pdm(target: Target, geometry: Geometry, context: float) -> PipelineDraftModule:
+    """A PDM that reproduces `nearly_bigram_target`: its type projections pass the embedding anchor through (plus a
+    small term from the deeper anchors), its head is the target's LM head, its layers add a small context term."""
+    torch.manual_seed(0)
+    H = target.hidden_size
+    cfg = PDMConfig(
+        H,
+        geometry.num_types,
+        target.vocab_size,
+        hidden_size=H,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+    )
+    pdm = PipelineDraftModule(cfg).eval()
+    with torch.no_grad():
+        for proj in pdm.fusion.proj:  # g = RMSNorm(H^0) + a small term from the deeper anchors of its type
+            proj.weight.mul_(context)[:, :H] = torch.eye(H)
+        for layer in pdm.layers:
+            layer.self_attn.o_proj.weight.mul_(context)
+            layer.mlp.down_proj.weight.mul_(context)
+        pdm.init_head_from_target(target.lm_head.weight)
+    return pdm

@@ -1,10 +1,13 @@
 """The house rules a reader relies on, checked on the source: no import circle anywhere (lazy and type-only imports
 count), packages of a readable size, and the decoder's layers importing only downwards (the core never imports the
-server, the evaluation or the command lines)."""
+server, the evaluation or the command lines), and no test module importing another (what tests share lives in
+tests/kit.py and tests/conftest.py)."""
 
 import ast
+import functools
 import os
 import pathlib
+import re
 
 import pytest
 
@@ -32,8 +35,10 @@ def modules() -> dict[str, pathlib.Path]:
     return found
 
 
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
-    """Module -> the first-party modules it imports anywhere in its body (inside functions and TYPE_CHECKING too)."""
+    """Module -> the first-party modules it imports anywhere in its body (inside functions and TYPE_CHECKING too);
+    parsed once per session (read-only: callers must not change it)."""
     mods = modules()
     graph = {name: set() for name in mods}
     for name, path in mods.items():
@@ -112,3 +117,25 @@ def test_no_package_folder_is_a_flat_room():
         for folder, _, files in os.walk(REPO / package):
             count = len([f for f in files if f.endswith(".py") and f != "__init__.py"])
             assert count <= MAX_FILES_PER_PACKAGE, f"{folder} holds {count} modules: split it by concept"
+
+
+TEST_IMPORT = re.compile(r"^\s*(?:from\s+([\w.]+)\s+import|import\s+([\w., ]+))", re.MULTILINE)
+
+
+def imported_test_modules(source: str) -> set[str]:
+    """The `test_*` modules a source imports, on any line: inside functions, and in the scripts a test hands to a
+    child process as a string (which `ast` does not see as imports)."""
+    names = set()
+    for match in TEST_IMPORT.finditer(source):
+        names.update(n.strip().split(" ")[0] for n in (match[1] or match[2]).split(","))
+    return {name for name in names if name.split(".")[-1].startswith("test_")}
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "tests").glob("*.py")), ids=lambda p: p.name)
+def test_no_test_module_imports_another(path):
+    assert imported_test_modules(path.read_text()) == set(), f"{path.name}: move what is shared to tests/kit.py"
+
+
+def test_the_test_import_finder_finds_one():
+    source = 'import os, test_geometry\nfrom test_loss import x\nSCRIPT = """\n    import test_serve as s\n"""\n'
+    assert imported_test_modules(source) == {"test_geometry", "test_loss", "test_serve"}

@@ -11,8 +11,7 @@ import dataclasses
 
 import pytest
 import torch
-from kit import random_pdm
-from test_lossless_accepted import agreeing_pdm, nearly_bigram_target
+from kit import agreeing_pdm, nearly_bigram_target, random_pdm
 
 from inference.cycle.ar import ar_decode
 from inference.cycle.batch import BatchSimulator

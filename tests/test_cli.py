@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from kit import fit_args
+from kit import callback_args, csv_rows, fit_args
 
 from spd_lightning import cli
 from spd_lightning.errors import UserError
@@ -209,19 +209,15 @@ def test_a_subcommand_is_one_table_entry_and_shows_in_the_help(monkeypatch, caps
         assert re.search(rf"^ +{name} +\S", help_text, re.MULTILINE), name
 
 
-def help_text(*args: str) -> str:
-    result = subprocess.run(
-        [sys.executable, "-m", "spd_lightning", "fit", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": REPO, "COLUMNS": "10000"},
-        timeout=120,
-    )
-    return " ".join(result.stdout.split())
+def help_text(capsys, *args: str) -> str:
+    """What `fit ARGS` prints and exits 0 with, in this process (COLUMNS is set wide by the caller)."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["fit", *args])
+    assert exit_info.value.code == 0
+    return " ".join(capsys.readouterr().out.split())
 
 
-def test_fit_help_documents_every_model_and_data_option():
+def test_fit_help_documents_every_model_and_data_option(monkeypatch, capsys):
     """jsonargparse reads each option's help from the class's Google-style `Args:` (via docstring-parser): `fit
     --help` lists the data module's, `fit --model.help CLASS` each drafter module's."""
     import docstring_parser
@@ -230,10 +226,11 @@ def test_fit_help_documents_every_model_and_data_option():
     from spd_lightning.eagle3.module import Eagle3Module
     from spd_lightning.training.module import SPDModule
 
+    monkeypatch.setenv("COLUMNS", "10000")  # one option per line: its help unbroken
     for prefix, cls, text in (
-        ("model", SPDModule, help_text("--model.help", "SPDModule")),
-        ("model", Eagle3Module, help_text("--model.help", "Eagle3Module")),
-        ("data", ChatDataModule, help_text("--help")),
+        ("model", SPDModule, help_text(capsys, "--model.help", "SPDModule")),
+        ("model", Eagle3Module, help_text(capsys, "--model.help", "Eagle3Module")),
+        ("data", ChatDataModule, help_text(capsys, "--help")),
     ):
         documented = {p.arg_name: " ".join(p.description.split()) for p in docstring_parser.parse(cls.__doc__).params}
         parameters = [name for name in inspect.signature(cls.__init__).parameters if name != "self"]
@@ -282,7 +279,8 @@ def test_fit_validate_resume_and_export(micro_target, tmp_path):
 
 @pytest.mark.timeout(300)
 def test_ddp_two_cpu_processes(micro_target, tmp_path):
-    """Lightning's own DDP strategy (gloo on CPU), launched the way a user launches it."""
+    """Lightning's own DDP strategy (gloo on CPU), launched the way a user launches it; the staircase evaluation
+    at the end of the fit is logged once (tests/test_staircase.py checks its numbers in one process)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
     cmd = [
         sys.executable,
@@ -300,6 +298,10 @@ def test_ddp_two_cpu_processes(micro_target, tmp_path):
             "2",
             "--trainer.accelerator",
             "cpu",
+            "--trainer.logger",
+            "lightning.pytorch.loggers.CSVLogger",
+            f"--trainer.logger.init_args.save_dir={tmp_path}",
+            *callback_args(every=0, num_prompts=2, max_new_tokens=4),
         ),
     ]
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
@@ -308,3 +310,6 @@ def test_ddp_two_cpu_processes(micro_target, tmp_path):
     assert ckpt["global_step"] == 2 and "spd_drafter" in ckpt
     assert "distributed_backend=gloo" in result.stderr + result.stdout
     assert "Starting with 2 processes" in result.stderr + result.stdout
+    rows = [r for r in csv_rows(tmp_path) if r.get("staircase/alpha")]
+    assert len(rows) == 1 and int(rows[0]["step"]) == 2
+    assert 0.0 < float(rows[0]["staircase/alpha"]) <= 1.0

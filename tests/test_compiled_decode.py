@@ -255,6 +255,7 @@ def compiled_ranks_equal_eager(arch, tmp_path):
     assert any(r.counters["rejected_by_fill"] != [0, 0] for r in compiled)  # rollbacks were exercised
 
 
+@pytest.mark.slow  # fast: test_the_ranks_compile_what_the_job_asks_for (ranks), test_compiled_qwen35_decode_equals_eager
 @pytest.mark.timeout(300)
 def test_compiled_gloo_ranks_qwen3_equal_eager(tmp_path):
     compiled_ranks_equal_eager("qwen3", tmp_path)

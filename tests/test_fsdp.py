@@ -75,9 +75,8 @@ def fsdp_fit(target: str, root, *extra: str) -> list[dict]:
     return [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.mark.timeout(600)
-def test_fsdp_two_cpu_processes_evaluate_save_and_resume(micro_target, tmp_path):
-    """Per-layer FSDP units, the staircase evaluation of a sharded PDM, a full checkpoint, and a resume from it."""
+def fsdp_fit_and_save(micro_target, tmp_path):
+    """Per-layer FSDP units, the staircase evaluation of a sharded PDM and a full checkpoint; returns its path."""
     for report in fsdp_fit(micro_target, tmp_path, "--trainer.max_steps", "2"):
         assert report["strategy"] == "CPUFSDPStrategy" and report["root_is_fsdp"]
         assert report["fsdp_units"] == 2  # the root (fusion, norm, head) and the one PDM decoder layer
@@ -88,5 +87,18 @@ def test_fsdp_two_cpu_processes_evaluate_save_and_resume(micro_target, tmp_path)
     saved = torch.load(last, map_location="cpu", weights_only=False)
     assert saved["global_step"] == 2 and CKPT_KEY in saved and saved["optimizer_states"]
     assert all(k.startswith("pdm.") and "_fsdp" not in k for k in saved["state_dict"])  # what `export` reads
+    return last
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_two_cpu_processes_evaluate_and_save(micro_target, tmp_path):
+    fsdp_fit_and_save(micro_target, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_fsdp_two_cpu_processes_evaluate_save_and_resume(micro_target, tmp_path):
+    """The fast test's run, then a resume from its checkpoint (a third and fourth process: slow)."""
+    last = fsdp_fit_and_save(micro_target, tmp_path)
     resumed = fsdp_fit(micro_target, tmp_path, "--trainer.max_steps", "4", "--ckpt_path", str(last))
     assert all(r["global_step"] == 3 and r["staircase_alpha"] for r in resumed)  # one epoch is 3 steps per rank

@@ -3,7 +3,7 @@ in training every `full_vocab_metric_every_n_steps` steps; otherwise the head co
 
 import pytest
 import torch
-from test_loss import attached_module, make_batch, target_dir  # noqa: F401 - target_dir is a fixture
+from kit import attached_module, loss_batch
 
 
 class HeadCalls:
@@ -21,27 +21,27 @@ def logged_keys(module, steps: int) -> list[set]:
     for step in range(steps):
         keys.append(set())
         module._trainer.fit_loop.epoch_loop.total_batch_idx = step
-        module.training_step(make_batch(), step)
+        module.training_step(loss_batch(), step)
     return keys
 
 
 @pytest.mark.parametrize("every", [0, 2])
-def test_training_runs_the_full_head_only_on_the_metric_steps(target_dir, every):  # noqa: F811
-    module = attached_module(target_dir, full_vocab_metric_every_n_steps=every)
+def test_training_runs_the_full_head_only_on_the_metric_steps(loss_target_dir, every):
+    module = attached_module(loss_target_dir, full_vocab_metric_every_n_steps=every)
     calls = HeadCalls(module)
     keys = logged_keys(module, 4)
     metric_steps = [s for s, k in enumerate(keys) if "train/teacher_top1_outside_vd" in k]
     assert metric_steps == ([] if every == 0 else [0, 2])
     assert calls.count == len(metric_steps)
     assert all("train/agree" in k and "train/loss" in k for k in keys)
-    module.validation_step(make_batch(), 0)
+    module.validation_step(loss_batch(), 0)
     assert calls.count == len(metric_steps) + 1  # validation measures the metric: the full head runs
     assert torch.isfinite(module.val_outside.compute())
 
 
-def test_the_draft_vocabulary_head_gives_the_restricted_teacher(target_dir):  # noqa: F811
-    module = attached_module(target_dir)
-    batch, gen = make_batch(), module._fill_generator(0, 0)
+def test_the_draft_vocabulary_head_gives_the_restricted_teacher(loss_target_dir):
+    module = attached_module(loss_target_dir)
+    batch, gen = loss_batch(), module._fill_generator(0, 0)
     full = module._forward(batch, gen, full_vocab=True)
     rows = module._forward(batch, module._fill_generator(0, 0), full_vocab=False)
     assert rows.outside_vd is None and full.outside_vd is not None

@@ -145,7 +145,7 @@ def test_concurrent_conversions_produce_one_complete_directory(tiny_gguf, target
     env = {**os.environ, "SPD_TARGET_CACHE": target_cache, "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen([sys.executable, "-c", code, tiny_gguf], env=env, stdout=subprocess.PIPE, text=True)
-        for _ in range(3)
+        for _ in range(2)  # two racing processes prove it; each one more costs a transformers import
     ]
     outputs = [p.communicate(timeout=240)[0].strip() for p in procs]
     assert all(p.returncode == 0 for p in procs)

@@ -216,6 +216,7 @@ def test_debug_shows_the_traceback(files):
         main(["--ckpt", files["drafter"], "--prompt", "hi", "--temperature", "-1", "--debug"])
 
 
+@pytest.mark.slow  # fast: scripts/bad_inputs.py's "corrupt checkpoint" case (tests/test_bad_inputs.py), in-process
 def test_the_process_exits_non_zero_with_one_line(files):
     proc = subprocess.run(
         [sys.executable, "-m", "inference.decode", "--ckpt", files["corrupt"], "--prompt", "hi"],

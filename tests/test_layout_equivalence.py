@@ -3,7 +3,7 @@
 `layout: depth` (any `L_s`): copy `c < n`, position `i` is `x_i` as the `c`-th newest in-flight token of the
 view of drafting time `t = i + c` with fill `a(t)`; when active (`c < a(t)`) its output must equal a plain
 causal PDM forward over the explicit view `Geometry.view(t, a(t))` (positions `<= i`), read at `i`. Copy
-`n` is the verified stream: a causal forward over depth-`n` features. Inactive and padding tokens attend
+`n` is the verified sequence: a causal forward over depth-`n` features. Inactive and padding tokens attend
 only to themselves: their output is a one-token forward of their own feature.
 
 `layout: type` (`L_s = 1`): the loss block at `t` equals the forward over `Geometry.view(t, a)`; block
@@ -26,13 +26,13 @@ import itertools
 
 import pytest
 import torch
+from kit import ANCHOR_BATCH, anchor_pdm, padded_anchor_states
 
 from spd_lightning.geometry import Geometry
-from spd_lightning.pdm import PDMConfig, PipelineDraftModule
 from spd_lightning.training import attention
 from spd_lightning.training.layouts import DepthLayout, FillDistribution, TypeLayout
 
-H_TARGET, VOCAB, TARGET_LAYERS, BATCH = 24, 50, 16, 3
+TARGET_LAYERS = 16
 TOLERANCE = {"fp32": dict(atol=1e-5, rtol=1e-5), "bf16": dict(atol=0.2, rtol=0.05)}
 HAS_COMPILED_FLEX = "flex_compiled" in attention.BACKENDS
 BACKENDS = [
@@ -55,31 +55,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
     pytest.mark.usefixtures("one_thread"),
 ]
-
-
-def make_pdm(geometry: Geometry, num_layers: int, seed: int = 0) -> PipelineDraftModule:
-    torch.manual_seed(seed)
-    cfg = PDMConfig(
-        target_hidden_size=H_TARGET,
-        num_types=geometry.num_types,
-        draft_vocab_size=VOCAB,
-        hidden_size=32,
-        num_layers=num_layers,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        intermediate_size=48,
-    )
-    return PipelineDraftModule(cfg).eval()
-
-
-def padded_batch(geometry: Geometry, T: int, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.tensor([T, T - T // 3, max(2, T // 5)])
-    states = torch.randn(BATCH, T, geometry.num_types, H_TARGET, generator=gen)
-    for b, length in enumerate(lengths.tolist()):
-        states[b, length:] = 1e4  # garbage in the padding must not reach any real token
-    return states, lengths, gen
 
 
 class Explicit:
@@ -147,9 +122,9 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: str, what: str) -
 
 def check_depth(n: int, num_layers: int, T: int, backend: str, dtype: str, schedule: str = "pre_step") -> None:
     geometry = Geometry.build(TARGET_LAYERS, n, schedule=schedule)
-    pdm, layout = make_pdm(geometry, num_layers), DepthLayout(geometry, FillDistribution(full_prob=0.3))
-    states, lengths, gen = padded_batch(geometry, T, seed=n * 10 + num_layers)
-    fill = layout.draw_fill(BATCH, T, gen)
+    pdm, layout = anchor_pdm(geometry, num_layers), DepthLayout(geometry, FillDistribution(full_prob=0.3))
+    states, lengths, gen = padded_anchor_states(geometry, T, seed=n * 10 + num_layers)
+    fill = layout.draw_fill(ANCHOR_BATCH, T, gen)
     fill[0, :n] = torch.arange(1, n + 1)  # every fill level where the views are short, too
     logits, g, rep = replicated(pdm, layout, states, lengths, fill, backend, dtype)
     assert torch.isfinite(logits).all()
@@ -172,11 +147,13 @@ def check_depth(n: int, num_layers: int, T: int, backend: str, dtype: str, sched
 
 def check_type(n: int, T: int, backend: str, dtype: str, schedule: str = "pre_step") -> None:
     geometry = Geometry.build(TARGET_LAYERS, n, schedule=schedule)
-    pdm, layout = make_pdm(geometry, 1), TypeLayout(geometry)
-    states, lengths, _ = padded_batch(geometry, T, seed=n)
+    pdm, layout = anchor_pdm(geometry, 1), TypeLayout(geometry)
+    states, lengths, _ = padded_anchor_states(geometry, T, seed=n)
     levels = list(range(1, n + 1))
-    for fills in [levels[i : i + BATCH] for i in range(0, n, BATCH)]:  # one fill per sequence, all levels covered
-        fill = torch.tensor((fills * BATCH)[:BATCH])
+    for fills in [
+        levels[i : i + ANCHOR_BATCH] for i in range(0, n, ANCHOR_BATCH)
+    ]:  # one fill per sequence, all levels covered
+        fill = torch.tensor((fills * ANCHOR_BATCH)[:ANCHOR_BATCH])
         logits, g, rep = replicated(pdm, layout, states, lengths, fill, backend, dtype)
         assert torch.isfinite(logits).all()
         for b, length in enumerate(lengths.tolist()):

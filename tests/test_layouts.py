@@ -8,29 +8,14 @@ for a target: the property is about the mask and the feature placement, not abou
 
 import pytest
 import torch
+from kit import ANCHOR_HIDDEN, ANCHOR_VOCAB, anchor_pdm
 
 from spd_lightning.geometry import Geometry
 from spd_lightning.pdm import PDMConfig, PipelineDraftModule
 from spd_lightning.training.attention import dense_mask
 from spd_lightning.training.layouts import DepthLayout, FillDistribution, TypeLayout, build_layout
 
-H_TARGET, VOCAB, TOL = 24, 50, 1e-5
-
-
-def make_pdm(geometry: Geometry, num_layers: int, seed: int = 0) -> PipelineDraftModule:
-    torch.manual_seed(seed)
-    cfg = PDMConfig(
-        target_hidden_size=H_TARGET,
-        num_types=geometry.num_types,
-        draft_vocab_size=VOCAB,
-        hidden_size=32,
-        num_layers=num_layers,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        intermediate_size=48,
-    )
-    return PipelineDraftModule(cfg).eval()
+TOL = 1e-5
 
 
 def staircase_logits(pdm, geometry: Geometry, states: torch.Tensor, t: int, fill: int) -> torch.Tensor:
@@ -63,10 +48,10 @@ GEOMETRIES = {
 @pytest.mark.parametrize("variant", list(GEOMETRIES))
 def test_depth_layout_equals_explicit_staircase(num_layers, variant):
     geometry = Geometry.build(num_layers=8, n=4, **GEOMETRIES[variant])
-    pdm, layout = make_pdm(geometry, num_layers), DepthLayout(geometry)
+    pdm, layout = anchor_pdm(geometry, num_layers), DepthLayout(geometry)
     gen = torch.Generator().manual_seed(1)
     B, T = 2, 13
-    states = torch.randn(B, T, geometry.num_types, H_TARGET, generator=gen)
+    states = torch.randn(B, T, geometry.num_types, ANCHOR_HIDDEN, generator=gen)
     fill = layout.draw_fill(B, T, gen)
     fill[0, :5] = torch.tensor([1, 2, 3, 4, 4])  # every fill level at the start, where views are short
     with torch.no_grad():
@@ -80,10 +65,10 @@ def test_depth_layout_equals_explicit_staircase(num_layers, variant):
 @pytest.mark.parametrize("variant", list(GEOMETRIES))
 def test_type_layout_equals_explicit_staircase_for_one_layer(variant):
     geometry = Geometry.build(num_layers=8, n=4, **GEOMETRIES[variant])
-    pdm, layout = make_pdm(geometry, 1), TypeLayout(geometry)
+    pdm, layout = anchor_pdm(geometry, 1), TypeLayout(geometry)
     gen = torch.Generator().manual_seed(2)
     T = 11
-    states = torch.randn(1, T, geometry.num_types, H_TARGET, generator=gen)
+    states = torch.randn(1, T, geometry.num_types, ANCHOR_HIDDEN, generator=gen)
     with torch.no_grad():
         for a in range(1, geometry.n + 1):  # fill is one level per step in this layout
             fill = torch.tensor([a])
@@ -98,8 +83,8 @@ def test_type_layout_is_only_approximate_for_deeper_pdms():
     """Guards the test above against vacuity: with L_s = 3 the type layout's keys carry their
     representative depth's view, so some drafting times differ from inference."""
     geometry = Geometry.build(num_layers=8, n=4)
-    pdm, layout = make_pdm(geometry, 3), TypeLayout(geometry)
-    states = torch.randn(1, 9, geometry.num_types, H_TARGET, generator=torch.Generator().manual_seed(3))
+    pdm, layout = anchor_pdm(geometry, 3), TypeLayout(geometry)
+    states = torch.randn(1, 9, geometry.num_types, ANCHOR_HIDDEN, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         logits, _ = replicated_logits(pdm, layout, states, torch.tensor([9]), torch.tensor([4]))
         gaps = [(logits[0, t] - staircase_logits(pdm, geometry, states[0], t, 4)).abs().max() for t in range(9)]
@@ -109,10 +94,10 @@ def test_type_layout_is_only_approximate_for_deeper_pdms():
 @pytest.mark.parametrize("layout_name", ["depth", "type"])
 def test_padded_batch_equals_sequences_one_by_one(layout_name):
     geometry = Geometry.build(num_layers=8, n=4)
-    pdm, layout = make_pdm(geometry, 2), build_layout(layout_name, geometry)
+    pdm, layout = anchor_pdm(geometry, 2), build_layout(layout_name, geometry)
     gen = torch.Generator().manual_seed(4)
     lengths, T = torch.tensor([12, 7, 3]), 12
-    states = torch.randn(3, T, geometry.num_types, H_TARGET, generator=gen)
+    states = torch.randn(3, T, geometry.num_types, ANCHOR_HIDDEN, generator=gen)
     states[1, 7:] = 1e4  # garbage in the padding must not leak into real tokens
     fill = layout.draw_fill(3, T, gen)
     with torch.no_grad():
@@ -143,10 +128,10 @@ def test_two_part_plan_is_the_predicate(layout_name, variant):
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_attention_backends_agree(layout_name):
     geometry = Geometry.build(num_layers=8, n=3)
-    pdm, layout = make_pdm(geometry, 2), build_layout(layout_name, geometry)
+    pdm, layout = anchor_pdm(geometry, 2), build_layout(layout_name, geometry)
     gen = torch.Generator().manual_seed(6)
     lengths, T = torch.tensor([9, 5]), 9
-    states = torch.randn(2, T, geometry.num_types, H_TARGET, generator=gen)
+    states = torch.randn(2, T, geometry.num_types, ANCHOR_HIDDEN, generator=gen)
     fill = layout.draw_fill(2, T, gen)
     with torch.no_grad():
         dense, rep = replicated_logits(pdm, layout, states, lengths, fill, "dense")
@@ -161,11 +146,11 @@ def test_two_part_gradients_match_dense():
     geometry = Geometry.build(num_layers=8, n=4)
     layout = DepthLayout(geometry)
     gen = torch.Generator().manual_seed(7)
-    states = torch.randn(1, 8, geometry.num_types, H_TARGET, generator=gen)
+    states = torch.randn(1, 8, geometry.num_types, ANCHOR_HIDDEN, generator=gen)
     fill = layout.draw_fill(1, 8, gen)
     grads = []
     for backend in ("dense", "two_part"):
-        pdm = make_pdm(geometry, 2)
+        pdm = anchor_pdm(geometry, 2)
         logits, _ = replicated_logits(pdm, layout, states, torch.tensor([8]), fill, backend)
         logits.square().mean().backward()
         grads.append(torch.cat([p.grad.flatten() for p in pdm.parameters() if p.grad is not None]))
@@ -186,9 +171,9 @@ def test_fusion_by_position_types_equals_fusing_each_position_alone():
     """The decoder fuses a view's positions by types it holds on the host: one projection per type present,
     the same numbers as fusing each position with its own type."""
     torch.manual_seed(0)
-    cfg = PDMConfig(H_TARGET, 3, VOCAB, hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8)
+    cfg = PDMConfig(ANCHOR_HIDDEN, 3, ANCHOR_VOCAB, hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8)
     fusion = PipelineDraftModule(cfg).fusion
-    states = torch.randn(1, 5, 3, H_TARGET)
+    states = torch.randn(1, 5, 3, ANCHOR_HIDDEN)
     types = (3, 1, 2, 1, 3)
     one_by_one = torch.stack([fusion(states[:, i], t) for i, t in enumerate(types)], dim=1)
     torch.testing.assert_close(fusion(states, types), one_by_one)

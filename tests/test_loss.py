@@ -14,75 +14,16 @@ plain causal PDM forward over the explicit staircase view (`Geometry.view`), the
 the layout's draw. Batch: three sequences of different lengths, one with two assistant turns.
 """
 
-from types import SimpleNamespace
 from unittest import mock
 
 import numpy as np
 import pytest
 import torch
-from kit import make_tiny_model
+from kit import LOSS_LENGTHS, LOSS_T, TEACHER_T, attached_module, loss_batch
 
 from spd_lightning.training.module import SPDModule
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
-
-VOCAB, DRAFT_VOCAB, TEACHER_T = 97, 40, 1.7
-LENGTHS, T = [12, 9, 5], 12
-# Assistant tokens per sequence (the loss mask); the second has a user turn between two assistant turns.
-ASSISTANT = [range(4, 12), [2, 3, 4, 5, 8], range(1, 5)]
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("loss_target"))
-    make_tiny_model("qwen3", num_layers=4, vocab_size=VOCAB, seed=3).save_pretrained(path)
-    return path
-
-
-def make_batch() -> dict:
-    gen = torch.Generator().manual_seed(11)
-    batch = {
-        "input_ids": torch.randint(1, VOCAB, (len(LENGTHS), T), generator=gen),  # garbage ids in the padding
-        "attention_mask": torch.zeros(len(LENGTHS), T, dtype=torch.long),
-        "loss_mask": torch.zeros(len(LENGTHS), T, dtype=torch.bool),
-    }
-    for b, (length, assistant) in enumerate(zip(LENGTHS, ASSISTANT)):
-        batch["attention_mask"][b, :length] = 1
-        batch["loss_mask"][b, list(assistant)] = True
-    return batch
-
-
-def attached_module(target_dir: str, **overrides) -> SPDModule:
-    """An SPDModule set up as a Trainer would (setup, configure_model) with a stand-in trainer and no logging."""
-    args = dict(
-        target=target_dir,
-        target_dtype="float32",
-        n=3,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        intermediate_size=48,
-        teacher_temperature=TEACHER_T,
-        attention_backend="dense",
-        seed=5,
-    )
-    module = SPDModule(**{**args, **overrides})
-    d2t = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(2))[:DRAFT_VOCAB].sort().values
-    module._trainer = SimpleNamespace(  # only what training_step and setup read
-        datamodule=SimpleNamespace(d2t=d2t),
-        strategy=SimpleNamespace(root_device=torch.device("cpu")),
-        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(total_batch_idx=0)),
-        global_rank=0,
-    )
-    module.log = lambda *args, **kwargs: None
-    module.optimizers = lambda: SimpleNamespace(param_groups=[{"lr": 0.0}])
-    module.setup("fit")
-    module.configure_model()
-    with torch.no_grad():  # a student that is neither the teacher nor uniform
-        for p in module.pdm.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
-    return module
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -108,7 +49,7 @@ def view_outputs(module: SPDModule, states: torch.Tensor, view) -> np.ndarray:
 def hand_loss(module: SPDModule, model, batch: dict, fill: torch.Tensor, aux_weight: float) -> float:
     geometry, n, d2t = module.geometry, module.geometry.n, module.pdm.d2t.numpy()
     main, aux = [], []
-    for b, length in enumerate(LENGTHS):
+    for b, length in enumerate(LOSS_LENGTHS):
         ids = batch["input_ids"][b, :length][None]
         out = model(input_ids=ids, output_hidden_states=True)
         teacher = out.logits[0].double().numpy()  # row i: the target's logits for x_{i+1}
@@ -130,9 +71,9 @@ def hand_loss(module: SPDModule, model, batch: dict, fill: torch.Tensor, aux_wei
 
 
 @pytest.mark.parametrize("aux_weight", [0.0, 0.5])
-def test_training_loss_is_the_hand_computed_kl(target_dir, aux_weight):
-    module = attached_module(target_dir, aux_loss_weight=aux_weight)
-    batch = make_batch()
+def test_training_loss_is_the_hand_computed_kl(loss_target_dir, aux_weight):
+    module = attached_module(loss_target_dir, aux_loss_weight=aux_weight)
+    batch = loss_batch()
     draws = []
     real_draw = module.layout.draw_fill
 
@@ -143,7 +84,7 @@ def test_training_loss_is_the_hand_computed_kl(target_dir, aux_weight):
     with mock.patch.object(module.layout, "draw_fill", side_effect=spy):
         loss = module.training_step(batch, 0)
     (fill,) = draws
-    assert set(fill[:, :T].flatten().tolist()) == {1, 2, 3}  # every fill level occurs in this batch
+    assert set(fill[:, :LOSS_T].flatten().tolist()) == {1, 2, 3}  # every fill level occurs in this batch
     expected = hand_loss(module, module.target.model, batch, fill, aux_weight)
     assert loss.item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
     assert loss.requires_grad

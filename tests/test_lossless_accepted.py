@@ -18,54 +18,19 @@ from unittest import mock
 
 import pytest
 import torch
-from kit import make_tiny_model
+from kit import agreeing_pdm, nearly_bigram_target
 
 from inference.cycle.ar import ar_decode
 from inference.cycle.simulator import Simulator
 from inference.runtime.drafter import PDMDrafter
 from inference.sampling import Sampling, warp
 from spd_lightning.geometry import Geometry
-from spd_lightning.pdm import PDMConfig, PipelineDraftModule
 from spd_lightning.target import Target
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 
 PROMPTS = [[3, 14, 15, 92, 65, 35], [7, 7, 8], [40, 2]]
 TOKENS = 40
-
-
-def nearly_bigram_target(arch: str, context: float) -> Target:
-    model = make_tiny_model(arch, num_layers=4, seed=1)
-    with torch.no_grad():
-        for name, module in model.named_modules():
-            if name.split(".")[-1] in ("o_proj", "out_proj", "down_proj"):
-                module.weight.mul_(context)
-    return Target(model, f"nearly-bigram-{arch}")
-
-
-def agreeing_pdm(target: Target, geometry: Geometry, context: float) -> PipelineDraftModule:
-    torch.manual_seed(0)
-    H = target.hidden_size
-    cfg = PDMConfig(
-        H,
-        geometry.num_types,
-        target.vocab_size,
-        hidden_size=H,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        intermediate_size=64,
-    )
-    pdm = PipelineDraftModule(cfg).eval()
-    with torch.no_grad():
-        for proj in pdm.fusion.proj:  # g = RMSNorm(H^0) + a small term from the deeper anchors of its type
-            proj.weight.mul_(context)[:, :H] = torch.eye(H)
-        for layer in pdm.layers:
-            layer.self_attn.o_proj.weight.mul_(context)
-            layer.mlp.down_proj.weight.mul_(context)
-        pdm.init_head_from_target(target.lm_head.weight)
-    return pdm
 
 
 class DraftSpy:

@@ -13,9 +13,7 @@ import itertools
 
 import pytest
 import torch
-from kit import make_tiny_model
-from test_layout_equivalence import make_pdm, padded_batch
-from test_loss import attached_module, make_batch
+from kit import anchor_pdm, attached_module, loss_batch, loss_target, padded_anchor_states
 
 from spd_lightning.geometry import Geometry
 from spd_lightning.training import layouts
@@ -32,9 +30,9 @@ GRID = list(itertools.product(["depth", "type"], [1, 3], [2, 4, 8]))
 def forwards(layout_name: str, n: int, num_layers: int, backend: str):
     """Full and pruned hidden states of the loss copy, and the replication, on a right-padded batch."""
     geometry = Geometry.build(16, n)
-    pdm = make_pdm(geometry, num_layers)
+    pdm = anchor_pdm(geometry, num_layers)
     layout = build_layout(layout_name, geometry, FillDistribution(full_prob=0.3))
-    states, lengths, gen = padded_batch(geometry, T, seed=n + num_layers)
+    states, lengths, gen = padded_anchor_states(geometry, T, seed=n + num_layers)
     rep = layout.replicate(lengths, T, layout.draw_fill(len(lengths), T, gen))
     with torch.no_grad():
         g, positions = rep.features(pdm.fuse, states), rep.positions()
@@ -62,9 +60,7 @@ def test_pruned_forward_on_flex(layout_name, num_layers):
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("pruned_target"))
-    make_tiny_model("qwen3", num_layers=8, vocab_size=97, seed=3).save_pretrained(path)
-    return path
+    return loss_target(str(tmp_path_factory.mktemp("pruned_target")), num_layers=8)
 
 
 def full_loss(module, batch):
@@ -77,7 +73,7 @@ def full_loss(module, batch):
 @pytest.mark.parametrize("layout_name,num_layers,n", GRID)
 def test_training_loss_and_gradients_equal_the_full_forward(target_dir, layout_name, num_layers, n):
     module = attached_module(target_dir, layout=layout_name, n=n, num_layers=num_layers)
-    batch = make_batch()  # three right-padded sequences
+    batch = loss_batch()  # three right-padded sequences
     module.pdm.zero_grad()
     pruned = module.training_step(batch, 0)
     pruned.backward()
@@ -116,7 +112,7 @@ def test_last_layer_queries_only_the_loss_copy_unless_the_aux_loss_reads_the_oth
 ):
     rows = QueryRows(monkeypatch)
     module = attached_module(target_dir, layout="depth", n=4, num_layers=3, aux_loss_weight=aux_loss_weight)
-    batch = make_batch()
+    batch = loss_batch()
     T_batch, S = batch["input_ids"].shape[1], 5 * batch["input_ids"].shape[1]
     module.training_step(batch, 0)
     last = T_batch if aux_loss_weight == 0 else S  # the aux loss reads copies 1..n: every row is computed

@@ -14,47 +14,23 @@ import warnings
 import lightning as L
 import pytest
 import torch
-from kit import make_data, make_module, make_trainer
+from kit import (
+    REPO,
+    Record,
+    RecordSamples,
+    StopAt,
+    make_data,
+    make_module,
+    make_trainer,
+    not_resumable_warnings,
+    sample_keys,
+)
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from spd_lightning.data import ResumableSampler
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NOT_RESUMABLE = "not resumable"
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended")
-
-
-def sample_keys(batch) -> list[tuple]:
-    """The samples of a batch, by content (padding removed)."""
-    return [tuple(ids[mask.bool()].tolist()) for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
-
-
-class Record(L.Callback):
-    """Per trained step: its global step, its samples and its loss."""
-
-    def __init__(self):
-        self.steps, self.batches, self.losses = [], [], []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.steps.append(trainer.global_step)
-        self.batches.append(sample_keys(batch))
-        self.losses.append(float(outputs["loss"]))
-
-
-class StopAt(L.Callback):
-    """An interruption: the run keeps its length (so its LR schedule) and stops early."""
-
-    def __init__(self, step):
-        self.step = step
-
-    def on_train_batch_end(self, trainer, *args):
-        if trainer.global_step >= self.step:
-            trainer.should_stop = True
-
-
-def not_resumable_warnings(caught) -> list[str]:
-    return [str(w.message) for w in caught if NOT_RESUMABLE in str(w.message)]
 
 
 # -- the sampler ---------------------------------------------------------------------------------------
@@ -115,24 +91,6 @@ def test_loader_state_round_trips_through_a_checkpoint_dict(chat_target):
 
 
 # -- data order through Lightning ----------------------------------------------------------------------
-class RecordSamples(L.LightningModule):
-    """A model that trains on nothing but the data order (fast). Like SPDModule, it may size an LR schedule with
-    `estimated_stepping_batches`, which makes Lightning build the train loader inside `configure_optimizers`."""
-
-    def __init__(self, estimate_steps: bool = False):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.zeros(1))
-        self.estimate_steps = estimate_steps
-
-    def training_step(self, batch, batch_idx):
-        return (self.w - batch["attention_mask"].float().mean()).pow(2).sum()
-
-    def configure_optimizers(self):
-        if self.estimate_steps:
-            assert self.trainer.estimated_stepping_batches > 0
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
 class RestoreAfterSetup(SingleDeviceStrategy):
     """Restores checkpoints after `configure_optimizers`, like FSDP, DeepSpeed and ModelParallel do."""
 
@@ -244,7 +202,7 @@ torch.set_num_threads(1)
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 sys.path.insert(0, {tests!r})
-from test_resume import Record, RecordSamples, StopAt, make_data, not_resumable_warnings
+from kit import Record, RecordSamples, StopAt, make_data, not_resumable_warnings
 
 chat_target, out = json.loads(sys.argv[1]), sys.argv[2]
 
@@ -321,7 +279,7 @@ def test_resume_gives_the_same_losses_as_the_uninterrupted_run(chat_target, tmp_
 
 
 # -- (b) a killed `fit` leaves a loadable last.ckpt, and `--ckpt_path last` continues ---------------------
-def fit_args(chat_target, root, *extra: str) -> list[str]:
+def resume_fit_args(chat_target, root, *extra: str) -> list[str]:
     """A config of its own (configs/ change with the project): the tiny target and the local chats on CPU, a
     checkpoint every step, no validation, no logger."""
     config = root / "resume.yaml"
@@ -368,7 +326,13 @@ def saved_step(path) -> int:
 def fit_and_kill(chat_target, root, sig, after_step: int = 3, timeout: float = 120) -> subprocess.CompletedProcess:
     """`python -m spd_lightning fit` in a subprocess (one thread), sent `sig` once last.ckpt holds `after_step`."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "WANDB_MODE": "disabled"}
-    cmd = [sys.executable, "-m", "spd_lightning", "fit", *fit_args(chat_target, root, "--trainer.max_steps", "1000")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "spd_lightning",
+        "fit",
+        *resume_fit_args(chat_target, root, "--trainer.max_steps", "1000"),
+    ]
     last = root / "ckpt" / "last.ckpt"
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + timeout
@@ -413,7 +377,12 @@ def test_killed_fit_leaves_a_loadable_last_ckpt_and_resumes(chat_target, tmp_pat
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         resumed = cli.run_cli(
-            ["fit", *fit_args(chat_target, tmp_path, "--trainer.max_steps", str(step + 2)), "--ckpt_path", "last"]
+            [
+                "fit",
+                *resume_fit_args(chat_target, tmp_path, "--trainer.max_steps", str(step + 2)),
+                "--ckpt_path",
+                "last",
+            ]
         )
     assert resumed.trainer.global_step == step + 2 and not not_resumable_warnings(caught)
     assert torch.load(last, weights_only=True)["global_step"] == step + 2
@@ -471,7 +440,7 @@ def test_checkpoints_are_renamed_into_place(chat_target, tmp_path, monkeypatch, 
         sys._spd_audit_installed = True
     _WRITES = []
     try:
-        cli.run_cli(["fit", *fit_args(chat_target, tmp_path, "--trainer.max_steps", "2")])
+        cli.run_cli(["fit", *resume_fit_args(chat_target, tmp_path, "--trainer.max_steps", "2")])
         writes, _WRITES = _WRITES, None
     finally:
         _WRITES = None

@@ -7,64 +7,29 @@ target and random drafter as the decoder's tests.
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
-from kit import REPO, free_port, make_tiny_model, random_pdm, target_dir
+from kit import (
+    SERVE_KEY,
+    Server,
+    chat_reply,
+    descendant_pids,
+    make_tiny_model,
+    parent_pid,
+    pid_alive,
+    random_pdm,
+    target_dir,
+)
 
 from inference.decode import main as decode_main
 from spd_lightning.export import DrafterSpec, save_drafter
 from spd_lightning.geometry import Geometry
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_thread")]
-KEY = "sk-test"
 PROMPT = "hello world"
-
-
-class Server:
-    def __init__(self, *args: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "inference.serve", "--port", str(self.port), *args],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-
-    def ready(self) -> "Server":
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited: {self.process.stderr.read()}")
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                time.sleep(0.3)
-        self.stop()
-        raise RuntimeError("the server did not come up in 90 s")
-
-    def client(self, key: str = KEY):
-        import openai
-
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, timeout=60, max_retries=0)
-
-    def post(self, path: str, body, key: str | None = KEY, **kw) -> httpx.Response:
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        content = body if isinstance(body, (str, bytes)) else json.dumps(body)
-        return httpx.post(f"{self.url}{path}", content=content, headers=headers, timeout=60, **kw)
-
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(20)
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +45,9 @@ def files(tmp_path_factory):
 def servers(files):
     """SPD on the simulator and AR, started together (each takes seconds to import and load)."""
     spd = Server(
-        "--ckpt", files["drafter"], "--simulate", "--api-key", KEY, "--queue-size", "32", "--max-tokens-cap", "64"
+        "--ckpt", files["drafter"], "--simulate", "--api-key", SERVE_KEY, "--queue-size", "32", "--max-tokens-cap", "64"
     )
-    ar = Server("--ckpt", files["drafter"], "--mode", "ar", "--model-name", "spd", "--api-key", KEY)
+    ar = Server("--ckpt", files["drafter"], "--mode", "ar", "--model-name", "spd", "--api-key", SERVE_KEY)
     try:
         yield spd.ready(), ar.ready()
     finally:
@@ -99,35 +64,23 @@ def ar(servers):
     return servers[1]
 
 
-def _chat(server: Server, prompt: str, max_tokens: int, stream: bool, model: str = "spd") -> str:
-    client = server.client()
-    messages = [{"role": "user", "content": prompt}]
-    if not stream:
-        reply = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=max_tokens)
-        return reply.choices[0].message.content
-    chunks = client.chat.completions.create(
-        model=model, messages=messages, temperature=0, max_tokens=max_tokens, stream=True
-    )
-    return "".join(c.choices[0].delta.content or "" for c in chunks)
-
-
 def test_openai_client_greedy_matches_decode_and_ar(files, spd, ar, capsys):
     assert decode_main(["--ckpt", files["drafter"], "--prompt", PROMPT, "--max-new-tokens", "12", "--simulate"]) == 0
     decoded = capsys.readouterr().out.split(f"### prompt 1: {PROMPT}\n", 1)[1].split("\n(N=", 1)[0]
-    whole, streamed = _chat(spd, PROMPT, 12, stream=False), _chat(spd, PROMPT, 12, stream=True)
+    whole, streamed = chat_reply(spd, PROMPT, 12, stream=False), chat_reply(spd, PROMPT, 12, stream=True)
     assert whole == streamed == decoded and decoded.strip()
-    assert _chat(ar, PROMPT, 12, stream=False) == _chat(ar, PROMPT, 12, stream=True) == decoded
+    assert chat_reply(ar, PROMPT, 12, stream=False) == chat_reply(ar, PROMPT, 12, stream=True) == decoded
     completion = spd.client().completions.create(model="spd", prompt="the cat sat", temperature=0, max_tokens=8)
     assert completion.choices[0].finish_reason == "length" and completion.usage.completion_tokens == 8
 
 
 def test_twenty_concurrent_clients_each_get_their_own_answer(spd):
     prompts = [f"w{i + 10} w{2 * i + 30} cat" for i in range(20)]
-    expected = {p: _chat(spd, p, 8, stream=False) for p in prompts[:3]}  # sequential references
+    expected = {p: chat_reply(spd, p, 8, stream=False) for p in prompts[:3]}  # sequential references
     answers: dict[str, str] = {}
 
     def ask(prompt: str, stream: bool) -> None:
-        answers[prompt] = _chat(spd, prompt, 8, stream)
+        answers[prompt] = chat_reply(spd, prompt, 8, stream)
 
     threads = [threading.Thread(target=ask, args=(p, i % 2 == 0)) for i, p in enumerate(prompts)]
     for t in threads:
@@ -137,7 +90,7 @@ def test_twenty_concurrent_clients_each_get_their_own_answer(spd):
     assert sorted(answers) == sorted(prompts)
     for prompt, text in expected.items():
         assert answers[prompt] == text
-    references = {p: _chat(spd, p, 8, stream=False) for p in prompts[3:]}
+    references = {p: chat_reply(spd, p, 8, stream=False) for p in prompts[3:]}
     assert all(answers[p] == references[p] for p in references)
     assert len(set(answers.values())) > 1  # different prompts, different answers: none mixed up
 
@@ -145,17 +98,17 @@ def test_twenty_concurrent_clients_each_get_their_own_answer(spd):
 @pytest.mark.parametrize(
     "body, key, status, code",
     [
-        ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, KEY, 404, "model_not_found"),
-        ({"model": "spd", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, KEY, 400, None),
-        ({"model": "spd", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 65}, KEY, 400, None),
+        ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, SERVE_KEY, 404, "model_not_found"),
+        ({"model": "spd", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, SERVE_KEY, 400, None),
+        ({"model": "spd", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 65}, SERVE_KEY, 400, None),
         (
             {"model": "spd", "messages": [{"role": "user", "content": "cat " * 600}]},
-            KEY,
+            SERVE_KEY,
             400,
             "context_length_exceeded",
         ),
-        ('{"model": "spd", "messages": [', KEY, 400, "invalid_json"),
-        ({"model": "spd", "messages": []}, KEY, 400, "invalid_request"),
+        ('{"model": "spd", "messages": [', SERVE_KEY, 400, "invalid_json"),
+        ({"model": "spd", "messages": []}, SERVE_KEY, 400, "invalid_request"),
         ({"model": "spd", "messages": [{"role": "user", "content": "hi"}]}, "wrong", 401, "invalid_api_key"),
         ({"model": "spd", "messages": [{"role": "user", "content": "hi"}]}, None, 401, "invalid_api_key"),
     ],
@@ -177,7 +130,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(spd, body, 
     assert set(error) >= {"message", "type", "code"} and error["message"]
     if code is not None:
         assert error["code"] == code
-    assert _chat(spd, PROMPT, 4, stream=False)
+    assert chat_reply(spd, PROMPT, 4, stream=False)
 
 
 @pytest.mark.parametrize("seed", [-(2**63), 2**63 - 1, 2**64 - 1])
@@ -218,7 +171,8 @@ def test_developer_role_and_content_parts_render_as_system_and_text(spd):
 
 def test_models_health_and_metrics(spd):
     assert (
-        httpx.get(f"{spd.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"][0]["id"] == "spd"
+        httpx.get(f"{spd.url}/v1/models", headers={"Authorization": f"Bearer {SERVE_KEY}"}).json()["data"][0]["id"]
+        == "spd"
     )
     assert httpx.get(f"{spd.url}/health").json()["status"] == "ok"
     assert httpx.get(f"{spd.url}/ready").status_code == 200
@@ -240,18 +194,10 @@ def test_models_health_and_metrics(spd):
 def test_sigterm_stops_the_server_and_leaves_no_process(ar):
     server = ar  # the last test of the module: the server is done with
     assert server.post("/v1/completions", {"model": "spd", "prompt": "the cat", "max_tokens": 4}).status_code == 200
-    children = [p for p in os.listdir("/proc") if p.isdigit() and _parent(p) == server.process.pid]
+    children = [p for p in os.listdir("/proc") if p.isdigit() and parent_pid(p) == server.process.pid]
     assert server.stop() in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down
     assert "Traceback" not in server.process.stderr.read()
     assert not [p for p in children if os.path.exists(f"/proc/{p}")]
-
-
-def _parent(pid: str) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def test_ranks_serve_many_requests_and_a_killed_rank_is_a_503_then_a_restart(files, capsys):
@@ -265,8 +211,8 @@ def test_ranks_serve_many_requests_and_a_killed_rank_is_a_503_then_a_restart(fil
     finally:
         os.environ.pop("SPD_FAULT") if env_fault is None else os.environ.__setitem__("SPD_FAULT", env_fault)
     try:
-        first = _chat(server, PROMPT, 6, stream=False)  # a few steps each: the fault's count is not reached
-        assert _chat(server, PROMPT, 6, stream=True) == first == decoded
+        first = chat_reply(server, PROMPT, 6, stream=False)  # a few steps each: the fault's count is not reached
+        assert chat_reply(server, PROMPT, 6, stream=True) == first == decoded
         reply = server.post(
             "/v1/chat/completions",
             {"model": "spd", "max_tokens": 40, "temperature": 0, "messages": [{"role": "user", "content": PROMPT}]},
@@ -274,18 +220,18 @@ def test_ranks_serve_many_requests_and_a_killed_rank_is_a_503_then_a_restart(fil
         )
         assert reply.status_code == 503
         assert "rank 1 (stage 2) was killed by signal 9" in reply.json()["error"]["message"]
-        assert _chat(server, PROMPT, 6, stream=False) == first  # a fresh pipeline
-        ranks = _descendants(server.process.pid)
+        assert chat_reply(server, PROMPT, 6, stream=False) == first  # a fresh pipeline
+        ranks = descendant_pids(server.process.pid)
         assert len(ranks) >= 3  # the fork server and the 3 ranks
         _kill_a_rank_while_idle(server)
-        assert _chat(server, PROMPT, 6, stream=False) == first  # no 503: restarted before this request came
-        ranks = _descendants(server.process.pid)
+        assert chat_reply(server, PROMPT, 6, stream=False) == first  # no 503: restarted before this request came
+        ranks = descendant_pids(server.process.pid)
     finally:
         assert server.stop() in (0, -signal.SIGTERM)
     deadline = time.monotonic() + 15
-    while [p for p in ranks if _alive(p)] and time.monotonic() < deadline:
+    while [p for p in ranks if pid_alive(p)] and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not [p for p in ranks if _alive(p)]
+    assert not [p for p in ranks if pid_alive(p)]
 
 
 @pytest.mark.slow
@@ -343,7 +289,7 @@ def _kill_a_rank_while_idle(server: Server) -> None:
         return int(float(text.split("spd_pipeline_restarts_total{", 1)[1].split("} ", 1)[1].split()[0]))
 
     before = restarts()
-    rank = next(g for c in _descendants(server.process.pid) for g in _descendants(c))
+    rank = next(g for c in descendant_pids(server.process.pid) for g in descendant_pids(c))
     os.kill(rank, signal.SIGKILL)
     deadline = time.monotonic() + 60
     while restarts() == before and time.monotonic() < deadline:
@@ -353,16 +299,3 @@ def _kill_a_rank_while_idle(server: Server) -> None:
     while httpx.get(f"{server.url}/ready").status_code != 200 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert httpx.get(f"{server.url}/ready").status_code == 200
-
-
-def _descendants(pid: int) -> list[int]:
-    children = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(p) == pid]
-    return children + [d for c in children for d in _descendants(c)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

@@ -42,7 +42,9 @@ class SlowBackend:
             tokens += new
             self.generated[-1] += len(new)
             on_tokens(new)
-        return DecodeResult("ar", 1, len(prompt_ids), tokens, len(tokens), "max_new_tokens")
+        return DecodeResult(
+            mode="ar", n=1, prompt_len=len(prompt_ids), tokens=tokens, K=len(tokens), stop_reason="max_new_tokens"
+        )
 
     def close(self):
         pass

@@ -1,7 +1,6 @@
 """The staircase-evaluation callback: keys and values with CSV and offline W&B loggers, equality with the
 decoder CLI, checkpointed state, and a 2-process DDP fit that logs once per evaluation."""
 
-import csv
 import glob
 import json
 import math
@@ -12,32 +11,13 @@ import sys
 import pytest
 import torch
 import wandb
-from kit import REPO, fit_args
+from kit import DEMO_PROMPTS, REPO, callback_args, csv_rows, fit_args
 
 from callbacks import StaircaseEvaluation
+from inference.decode import main as decode_main
 from spd_lightning import cli
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended")
-PROMPTS = os.path.join(REPO, "docs", "demo_prompts.jsonl")
-
-
-def callback_args(every: int = 2, **extra) -> list[str]:
-    init = {
-        "every_n_steps": every,
-        "num_prompts": 3,
-        "max_new_tokens": 12,
-        "prompts": PROMPTS,
-        "num_batches": 1,
-        **extra,
-    }
-    # configs/tiny.yaml already has the callback: these override its settings.
-    return [f"--trainer.callbacks.init_args.{k}={v}" for k, v in init.items()]
-
-
-def csv_rows(root) -> list[dict]:
-    [path] = glob.glob(os.path.join(str(root), "**", "metrics.csv"), recursive=True)
-    with open(path) as f:
-        return list(csv.DictReader(f))
 
 
 @pytest.fixture(scope="module")
@@ -80,28 +60,22 @@ def test_alpha_equals_the_decoder_cli(csv_run, micro_target, tmp_path):
     ckpt = str(tmp_path / "now.ckpt")
     trained.trainer.save_checkpoint(ckpt)
     report = tmp_path / "decode.json"
-    subprocess.run(
+    code = decode_main(
         [
-            sys.executable,
-            "-m",
-            "inference.decode",
             "--ckpt",
             ckpt,
             "--target",
             micro_target,
             "--simulate",
             "--prompts",
-            PROMPTS,
+            DEMO_PROMPTS,
             "--max-new-tokens",
             "12",
             "--json",
             str(report),
-        ],
-        check=True,
-        cwd=REPO,
-        timeout=240,
-        capture_output=True,
+        ]
     )
+    assert code == 0  # in this process: the same `main` as `python -m inference.decode`
     with open(report) as f:
         totals = json.load(f)["totals"]
     # The callback evaluates 3 of the file's prompts; evaluate it now on all of them for the same set.
@@ -183,6 +157,7 @@ def test_bad_callback_settings_fail_with_one_line():
         StaircaseEvaluation(num_prompts=0)
 
 
+@pytest.mark.slow  # fast: test_cli.py's test_ddp_two_cpu_processes logs one evaluation over 2 DDP processes
 @pytest.mark.timeout(240)
 def test_ddp_fit_with_the_callback_logs_once_per_evaluation(micro_target, tmp_path):
     args = fit_args(

@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from test_loss import attached_module, make_batch, target_dir  # noqa: F401 - target_dir is a fixture
+from kit import attached_module, loss_batch
 
 from spd_lightning.geometry import Geometry
 from spd_lightning.host_syncs import HostSyncCounter
@@ -31,8 +31,8 @@ def project_syncs(counter: HostSyncCounter) -> list:
         dict(layout="depth", attention_backend="two_part", activation_checkpointing=True),
     ],
 )
-def test_no_sync_in_a_training_step_after_the_first_of_its_shape(target_dir, overrides):  # noqa: F811
-    module, batch = attached_module(target_dir, **overrides), make_batch()
+def test_no_sync_in_a_training_step_after_the_first_of_its_shape(loss_target_dir, overrides):
+    module, batch = attached_module(loss_target_dir, **overrides), loss_batch()
     counters = []
     for _ in range(3):
         with HostSyncCounter(device="cpu") as syncs:

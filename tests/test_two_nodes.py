@@ -9,8 +9,7 @@ import sys
 import time
 
 import pytest
-from kit import REPO, free_port, make_tiny_model, random_pdm, target_dir
-from test_serve import Server, _alive, _chat, _descendants
+from kit import REPO, Server, chat_reply, descendant_pids, free_port, make_tiny_model, pid_alive, random_pdm, target_dir
 
 from inference.decode import main as decode_main
 from spd_lightning.export import DrafterSpec, save_drafter
@@ -66,6 +65,9 @@ def test_stages_split_across_two_nodes_decode_what_one_process_does(tmp_path_fac
     assert printed.count("### prompt 1") == 1 and expected in printed
 
 
+# Slow: test_stages_split_across_two_nodes_decode_what_one_process_does (two nodes, reports across them) and
+# test_serve.py's test_ranks_serve_many_requests_and_a_killed_rank_is_a_503_then_a_restart (one node) stay fast.
+@pytest.mark.slow
 def test_the_server_on_two_nodes_answers_as_decode_restarts_after_a_killed_rank_and_stops_on_sigterm(
     tmp_path_factory, tmp_path, capsys
 ):
@@ -92,15 +94,15 @@ def test_the_server_on_two_nodes_answers_as_decode_restarts_after_a_killed_rank_
     )
     try:
         server.ready()
-        assert _chat(server, PROMPT, 8, stream=False) == _chat(server, PROMPT, 8, stream=True) == decoded
+        assert chat_reply(server, PROMPT, 8, stream=False) == chat_reply(server, PROMPT, 8, stream=True) == decoded
         long = {"model": "spd", "max_tokens": 40, "temperature": 0, "messages": [{"role": "user", "content": PROMPT}]}
         reply = server.post("/v1/chat/completions", long, key=None)
         assert reply.status_code == 503 and "rank 2 (PDM)" in reply.json()["error"]["message"], reply.text
-        assert _chat(server, PROMPT, 8, stream=True) == decoded  # a fresh pipeline on both nodes
+        assert chat_reply(server, PROMPT, 8, stream=True) == decoded  # a fresh pipeline on both nodes
         stop = decoded.split()[3]  # a stop string: the server cancels the request, the verifier on node 1 stops
         reply = server.post("/v1/chat/completions", {**long, "stop": [stop]}, key=None)
         assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == decoded.split(stop)[0]
-        ranks = _descendants(server.process.pid) + _descendants(worker.pid)
+        ranks = descendant_pids(server.process.pid) + descendant_pids(worker.pid)
         assert server.stop() in (0, -signal.SIGTERM)
         assert worker.wait(30) == 0, worker.stderr.read()[-2000:]
         assert "cycle(s) after the ranks saw it" in server.process.stderr.read()  # stopped on node 1, reported
@@ -109,6 +111,6 @@ def test_the_server_on_two_nodes_answers_as_decode_restarts_after_a_killed_rank_
             if process.poll() is None:
                 process.kill()
     deadline = time.monotonic() + 15
-    while [p for p in ranks if _alive(p)] and time.monotonic() < deadline:
+    while [p for p in ranks if pid_alive(p)] and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert len(ranks) >= 3 and not [p for p in ranks if _alive(p)]
+    assert len(ranks) >= 3 and not [p for p in ranks if pid_alive(p)]

@@ -29,7 +29,7 @@ import torch
 
 from inference.chain.drafter import Draft, Eagle3Runtime
 from inference.chain.target import ChainTarget
-from inference.cycle.pipeline import stream_seeds
+from inference.cycle.pipeline import generator_seeds
 from inference.cycle.result import DecodeResult
 from inference.cycle.schedule import Verdict, eos_set
 from inference.cycle.verify import judge
@@ -110,16 +110,16 @@ class ChainResult:
         `alpha = N / K` is the tokens per target forward and `n * alpha` the speedup with a free drafter."""
         timing = {"totals": {"draft_s": self.draft_s, "verify_s": self.verify_s, "draft_steps": self.draft_steps}}
         return DecodeResult(
-            "eagle3",
-            1,
-            self.prompt_len,
-            list(self.tokens),
-            self.K,
-            self.stop_reason,
-            self.counters(),
-            self.prefill_s,
-            self.decode_s,
-            timing,
+            mode="eagle3",
+            n=1,
+            prompt_len=self.prompt_len,
+            tokens=list(self.tokens),
+            K=self.K,
+            stop_reason=self.stop_reason,
+            counters=self.counters(),
+            prefill_s=self.prefill_s,
+            decode_s=self.decode_s,
+            timing=timing,
         )
 
     def to_dict(self) -> dict:
@@ -179,17 +179,17 @@ def chain_decode(
     eos_token_id: int | Sequence[int] | None = None,
     seed: int = 0,
     d2t: torch.Tensor | None = None,
-    stream: Callable[[list[int]], None] | None = None,
+    on_tokens: Callable[[list[int]], None] | None = None,
 ) -> ChainResult:
-    """Decode one prompt; `d2t` (the drafter's) is needed under sampling only; `stream(new tokens)` after the
-    prefill and after each verify forward (streaming; an exception it raises ends the decode)."""
+    """Decode one prompt; `d2t` (the drafter's) is needed under sampling only; `on_tokens(new tokens)` after the
+    prefill and after each verify forward (an exception it raises ends the decode)."""
     if max_new_tokens < 1 or k < 0 or not prompt_ids:
         raise ValueError(f"need max_new_tokens >= 1 (got {max_new_tokens}), k >= 0 (got {k}) and a non-empty prompt")
     if not sampling.greedy and d2t is None:
         raise ValueError("sampled chain decoding needs the drafter's d2t to judge its q")
     eos, device = eos_set(eos_token_id), target.device
     generator = torch.Generator(device=device)
-    generator.manual_seed(stream_seeds(seed)[0])  # the stream of AR's first token: same first token per seed
+    generator.manual_seed(generator_seeds(seed)[0])  # the seed of AR's first token: same first token per seed
     P = len(prompt_ids)
     t0 = time.perf_counter()
     capacity = P + max_new_tokens + k + 1  # a bound on the positions either cache ever holds
@@ -200,8 +200,8 @@ def chain_decode(
     tokens = [sample_token(logits[-1], sampling, generator)]
     drafter.commit(features, torch.tensor(list(prompt_ids[1:]) + tokens))
     result = ChainResult(k, P, tokens, [], "max_new_tokens", prefill_s=time.perf_counter() - t0)
-    if stream is not None:
-        stream(tokens[-1:])
+    if on_tokens is not None:
+        on_tokens(tokens[-1:])
     while tokens[-1] not in eos and len(tokens) < max_new_tokens:
         chain = min(k, max_new_tokens - len(tokens) - 1)  # never draft past the last token we may emit
         draft, dt = _timed(drafter.draft, chain, generator)
@@ -222,8 +222,8 @@ def chain_decode(
             tokens.append(token)
             if token in eos or len(tokens) >= max_new_tokens:
                 break
-        if stream is not None:
-            stream(tokens[before:])
+        if on_tokens is not None:
+            on_tokens(tokens[before:])
     result.stop_reason = "eos" if tokens[-1] in eos else "max_new_tokens"
     return result
 
@@ -267,7 +267,7 @@ class ChainDecoder:
         max_new_tokens: int,
         eos_token_id: int | Sequence[int] | None = None,
         seed: int = 0,
-        stream: Callable[[list[int]], None] | None = None,
+        on_tokens: Callable[[list[int]], None] | None = None,
     ) -> ChainResult:
         return chain_decode(
             self.target,
@@ -279,5 +279,5 @@ class ChainDecoder:
             eos_token_id,
             seed,
             self.runtime.drafter.d2t,
-            stream,
+            on_tokens,
         )

@@ -3,7 +3,7 @@
 The lossless reference: the stages run in sequence on one device, one token at a time after the
 prefill, with exactly the cache path of the pipeline (same `Stage.forward`, same dtype). Greedy SPD
 must reproduce these tokens exactly; under sampling it must match their distribution. Its first token
-uses the same generator stream as the pipeline's verifier, so the two agree on it for a given seed.
+uses the same generator seed as the pipeline's verifier, so the two agree on it for a given seed.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from inference.cycle.pipeline import stream_seeds
+from inference.cycle.pipeline import generator_seeds
 from inference.cycle.result import DecodeResult
 from inference.cycle.schedule import eos_set
 from inference.runtime.stages import Stage
@@ -46,7 +46,7 @@ def ar_decode_stages(
     eos = eos_set(eos_token_id)
     device = stages[0].device
     generator = torch.Generator(device=device)
-    generator.manual_seed(stream_seeds(seed)[0])
+    generator.manual_seed(generator_seeds(seed)[0])
 
     def forward(x: torch.Tensor, start: int) -> torch.Tensor:
         for stage in stages:
@@ -71,7 +71,14 @@ def ar_decode_stages(
     stop = "eos" if tokens[-1] in eos else "max_new_tokens"
     # wall-clock of the whole decode (tokens/s); sample_token's host sync makes it real on a GPU too
     return DecodeResult(
-        "ar", len(stages), prompt.shape[1], tokens, len(tokens) - 1, stop, {}, prefill_s, time.perf_counter() - t_start
+        mode="ar",
+        n=len(stages),
+        prompt_len=prompt.shape[1],
+        tokens=tokens,
+        K=len(tokens) - 1,
+        stop_reason=stop,
+        prefill_s=prefill_s,
+        decode_s=time.perf_counter() - t_start,
     )
 
 

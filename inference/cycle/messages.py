@@ -6,7 +6,7 @@ that send complete by step j + 3, when the slot is written again. So no message 
 decode, and a sent buffer is never rewritten in flight (the compiled step's own outputs, which its next
 replay overwrites, are never sent). The verdict lives twice: the verifier judges into a device row, and the
 message travels from host memory (`Transport.control_device`). On a GPU the host rows are pinned: the copy
-is asynchronous, and the host waits for an event recorded right after it, not for the whole stream. Prefill buffers, whose shape is the prompt's,
+is asynchronous, and the host waits for an event recorded right after it, not for the whole CUDA stream. Prefill buffers, whose shape is the prompt's,
 grow with the longest prompt seen. docs/DESIGN.md lists every message with its shape.
 """
 

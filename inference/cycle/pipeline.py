@@ -64,10 +64,10 @@ def role_name(rank: int, n: int) -> str:
     return f"stage {rank + 1}" if rank < n else "PDM"
 
 
-def stream_seeds(seed: int) -> tuple[int, int]:
+def generator_seeds(seed: int) -> tuple[int, int]:
     """Independent generator seeds for the verifier and the drafter, so each rank owns its randomness. Any
     integer works: it is taken modulo 2**63 first, so both stay within torch.manual_seed's 64-bit range
-    (the seeds 0 .. 2**63 - 1 keep the streams they always had)."""
+    (the seeds 0 .. 2**63 - 1 keep the random sequences they always had)."""
     seed %= 2**63
     return 2 * seed, 2 * seed + 1
 
@@ -240,20 +240,20 @@ class PipelineRunner:
         self.transport.flush()
         decode_s = time.perf_counter() - t_start
         return DecodeResult(
-            self.geometry.mode,
-            n,
-            prompt.shape[1],
-            list(schedule.tokens),
-            schedule.K,
-            schedule.stop_reason,
-            schedule.counters.to_dict(),
-            prefill_s,
-            decode_s,
+            mode=self.geometry.mode,
+            n=n,
+            prompt_len=prompt.shape[1],
+            tokens=list(schedule.tokens),
+            K=schedule.K,
+            stop_reason=schedule.stop_reason,
+            counters=schedule.counters.to_dict(),
+            prefill_s=prefill_s,
+            decode_s=decode_s,
         )
 
     def _start(self, prompt: torch.Tensor, capacity: int, seed: int) -> Step | None:
         """Seed the generators, prefill, and read the first token: the first step."""
-        verify_seed, draft_seed = stream_seeds(seed)
+        verify_seed, draft_seed = generator_seeds(seed)
         if self.verifier is not None:
             self.verifier.reset(verify_seed)
         self.draft_generator.manual_seed(draft_seed)

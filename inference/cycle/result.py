@@ -59,7 +59,7 @@ def _add_sharing_cost(
     per_cycle: dict, totals: dict, stage: torch.Tensor, draft: torch.Tensor, slowest: torch.Tensor
 ) -> None:
     """Stage 1's process also drafts: per cycle its busy time is its stage plus the draft's time on its
-    critical path (on a GPU the part of the draft that its own stream did not hide behind the forward,
+    critical path (on a GPU the part of the draft that its own CUDA stream did not hide behind the forward,
     `shared_stream`; on the CPU the whole draft). The cost is how far that exceeds the slowest stage."""
     shared = stage[:, 0] + draft
     cost = (shared - slowest).clamp(min=0)
@@ -68,7 +68,7 @@ def _add_sharing_cost(
     totals["mean_sharing_cost_s"] = float(cost.mean()) if len(cost) else 0.0
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DecodeResult:
     mode: str  # spd | post_step | ppsd | ar
     n: int
@@ -128,15 +128,15 @@ class DecodeResult:
             if k in d
         }
         return cls(
-            d["mode"],
-            d["n"],
-            d["prompt_len"],
-            list(d["tokens"]),
-            d["K"],
-            d["stop_reason"],
-            counters,
-            d.get("prefill_s", 0.0),
-            d.get("decode_s", 0.0),
-            d.get("timing", {}),
-            d.get("text"),
+            mode=d["mode"],
+            n=d["n"],
+            prompt_len=d["prompt_len"],
+            tokens=list(d["tokens"]),
+            K=d["K"],
+            stop_reason=d["stop_reason"],
+            counters=counters,
+            prefill_s=d.get("prefill_s", 0.0),
+            decode_s=d.get("decode_s", 0.0),
+            timing=d.get("timing", {}),
+            text=d.get("text"),
         )

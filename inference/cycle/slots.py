@@ -2,7 +2,7 @@
 its verifier and generators, and the verdicts it awaits.
 
 Each slot runs exactly what the batch-1 runner runs for its one sequence (`PipelineSchedule` and `Steps` of
-schedule.py, `Verifier` of verify.py, seeds from `pipeline.stream_seeds`): only the forwards are shared with the
+schedule.py, `Verifier` of verify.py, seeds from `pipeline.generator_seeds`): only the forwards are shared with the
 other slots. So a slot's tokens, N, K and counters are its batch-1 decode's, whatever the other slots do, and a
 seeded request draws the same randomness at any batch size.
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from inference.cycle.pipeline import stream_seeds
+from inference.cycle.pipeline import generator_seeds
 from inference.cycle.result import DecodeResult
 from inference.cycle.schedule import PipelineSchedule, Step, Steps, Verdict, VerdictMessage
 from inference.cycle.verify import Verifier
@@ -51,7 +51,7 @@ class SlotSequence:
         self.request, self.geometry = request, geometry
         self.schedule = PipelineSchedule(geometry, request.max_new_tokens, request.eos_token_ids)
         self.steps = Steps(self.schedule)
-        verify_seed, draft_seed = stream_seeds(request.seed)
+        verify_seed, draft_seed = generator_seeds(request.seed)
         self.verifier = verifier
         if verifier is not None:
             verifier.reset(verify_seed)

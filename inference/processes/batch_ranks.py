@@ -65,10 +65,11 @@ def decode_batched(
     device: torch.device,
     requests,
     report: Callable[[int, DecodeResult], None],
-    stream: Callable[[int, list[int]], None] | None,
+    on_tokens: Callable[[int, list[int]], None] | None,
 ) -> None:
     """A rank's part in decoding every prompt of the job, `job.max_batch` at a time (`requests` is unused: the
-    job brings the prompts). The verifier's rank reports the results, and with `stream` each cycle's tokens."""
+    job brings the prompts). The verifier's rank reports the results, and with `on_tokens(prompt index, tokens)`
+    the tokens each cycle verified."""
     runner = build_batch_runner(job, rank, device)
     reporter = rank == runner.verifier_rank
     sampling = Sampling(**job.sampling)
@@ -79,7 +80,7 @@ def decode_batched(
             frozenset(job.eos_token_ids),
             sampling,
             job.seed + i,
-            on_tokens=(lambda tokens, i=i: stream(i, tokens)) if stream is not None and reporter else None,
+            on_tokens=(lambda tokens, i=i: on_tokens(i, tokens)) if on_tokens is not None and reporter else None,
         )
         for i, prompt in enumerate(job.prompts)
     ]

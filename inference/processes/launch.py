@@ -50,7 +50,7 @@ from inference.runtime.stages import meta_target
 from spd_lightning.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
-# What a rank does between joining and leaving: (job, rank, device, requests, report, stream) -> None.
+# What a rank does between joining and leaving: (job, rank, device, requests, report, on_tokens) -> None.
 RankWork = Callable[[DecodeJob, int, torch.device, object, Callable, Callable | None], None]
 PEER_REPORT_GRACE_S = 1.0
 EXIT_ORPHANED = 4  # a rank's exit status when it ends because its launcher is gone
@@ -81,7 +81,7 @@ def run_rank(
     rank: int,
     local_rank: int,
     report: Callable[[int, DecodeResult], None],
-    stream: Callable[[int, list[int]], None] | None = None,
+    on_tokens: Callable[[int, list[int]], None] | None = None,
     requests=None,
     work: RankWork | None = None,
 ) -> None:
@@ -94,7 +94,7 @@ def run_rank(
     else:  # ranks share the CPU: oversubscribed threads make every rank slower
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.local_ranks))
     init_distributed("nccl" if device.type == "cuda" else "gloo", rank, job.world_size, job.timeout_s)
-    (work or decode_prompts)(job, rank, device, requests, report, stream)
+    (work or decode_prompts)(job, rank, device, requests, report, on_tokens)
     # Only a clean finish leaves the group here. After a failure the connections close when the process
     # exits, i.e. after the error was reported, so the launcher hears the cause before the peers' echoes.
     close_distributed()
@@ -106,15 +106,15 @@ def decode_prompts(
     device: torch.device,
     requests,
     report: Callable[[int, DecodeResult], None],
-    stream: Callable[[int, list[int]], None] | None,
+    on_tokens: Callable[[int, list[int]], None] | None,
 ) -> None:
     """A rank's part in decoding every prompt of the job. The last stage reports the results, and with
-    `stream` the tokens each cycle verified."""
+    `on_tokens(prompt index, tokens)` the tokens each cycle verified."""
     runner = build_runner(job, rank, device)
     n, reporter = runner.n, runner.verifier_rank
     for i, prompt in enumerate(job.prompts):
-        on_tokens = (lambda tokens, i=i: stream(i, tokens)) if stream is not None and rank == reporter else None
-        result = runner.decode(prompt, job.max_new_tokens, frozenset(job.eos_token_ids), job.seed + i, on_tokens)
+        for_prompt = (lambda tokens, i=i: on_tokens(i, tokens)) if on_tokens is not None and rank == reporter else None
+        result = runner.decode(prompt, job.max_new_tokens, frozenset(job.eos_token_ids), job.seed + i, for_prompt)
         if job.profile:  # every process's rows (those of the ranks it hosts, zeros elsewhere) to the reporter
             rows = runner.transport.gather(torch.from_numpy(runner.clock.rows).to(device), dst=reporter)
             if rank == reporter:
@@ -138,9 +138,9 @@ def _rank_main(job: DecodeJob, messages, launcher_pid: int, requests=None, work:
         _quiet_transformers()
     try:
         _check_world_size(job, int(os.environ["WORLD_SIZE"]))
-        stream = (lambda i, tokens: messages.put(Streamed(i, list(tokens)))) if job.stream else None
+        on_tokens = (lambda i, tokens: messages.put(Streamed(i, list(tokens)))) if job.stream else None
         report = lambda i, r: messages.put(Finished(rank, i, r.to_dict()))  # noqa: E731
-        run_rank(job, rank, local_rank, report, stream, requests, work)
+        run_rank(job, rank, local_rank, report, on_tokens, requests, work)
     except BaseException as e:  # noqa: BLE001 - whatever it was, the launcher must hear about it
         first = first_line(e)
         messages.put(

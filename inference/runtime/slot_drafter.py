@@ -11,7 +11,7 @@ this cycle, and the padding after a shorter segment, write keys past anything th
 overwritten before any draft reads them, as in-flight positions are.
 
 Sampling is per slot: each slot's warp (its temperature, top-k, top-p) and its own generator, so a seeded
-request draws exactly the randomness it draws alone (`stream_seeds`).
+request draws exactly the randomness it draws alone (`generator_seeds`).
 """
 
 from __future__ import annotations

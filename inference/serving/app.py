@@ -34,7 +34,7 @@ from inference.sampling import Sampling, SamplingError
 from inference.serving.engine import Engine, QueueFull, Request
 from spd_lightning.errors import first_line
 
-SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed takes (`pipeline.stream_seeds` keeps it there)
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed takes (`pipeline.generator_seeds` keeps it there)
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN = 1 << 20, 64  # a body that fills the context, JSON-escaped, fits
 MAX_BODY_BYTES = 64 << 20  # when the context is unknown

@@ -118,7 +118,7 @@ class Requests:
 
 
 def serve_requests(
-    job: DecodeJob, rank: int, device: torch.device, requests: Requests, report: Callable, stream: Callable
+    job: DecodeJob, rank: int, device: torch.device, requests: Requests, report: Callable, on_tokens: Callable
 ) -> None:
     """One rank's serving loop: load once, then decode each broadcast request until rank 0 reads None."""
     loaded: Loaded = load_role(job, rank, device)
@@ -132,9 +132,9 @@ def serve_requests(
         request_id, prompt, max_new_tokens, sampling, seed = item
         runner = runners.get(Sampling(**sampling))
         reporting = rank == runner.verifier_rank
-        on_tokens = (lambda tokens: stream(request_id, tokens)) if reporting else None  # noqa: B023 - used in this iteration
+        for_request = (lambda tokens: on_tokens(request_id, tokens)) if reporting else None  # noqa: B023 - used in this iteration
         stop = (lambda: requests.cancelled(request_id)) if reporting else None  # noqa: B023 - used in this iteration
-        result = runner.decode(prompt, max_new_tokens, frozenset(job.eos_token_ids), seed, on_tokens, stop)
+        result = runner.decode(prompt, max_new_tokens, frozenset(job.eos_token_ids), seed, for_request, stop)
         if reporting:
             if result.stop_reason == "cancelled":
                 requests.record(CancelReport(request_id, runner.stop_seen, result.K))

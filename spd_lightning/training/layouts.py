@@ -5,7 +5,7 @@ replicates the sequence so that ONE forward computes the last-position output of
 
 - `layout: depth` (exact for any `L_s`): `n+1` copies. Copy `c < n`, position `i` is `x_i` as the `c`-th
   newest in-flight token of the view of drafting time `t = i + c` (features of depth `inflight_depth(c)`);
-  copy `n` is the verified stream. Fill `a(t)` is drawn per drafting time.
+  copy `n` is the verified sequence (depth `n`). Fill `a(t)` is drawn per drafting time.
 - `layout: type` (the paper's; exact for `L_s = 1`): one block per aggregation type that a view uses.
   Fill is drawn once per step.
 
