@@ -22,6 +22,7 @@ import torch
 from scipy.stats import chi2, chisquare
 from torch.utils.data import DataLoader
 
+from inference.cycle.transport import Arrival, LocalTransport
 from inference.sampling import Sampling, warp
 from spd_lightning.data import ChatDataModule, DataSource
 from spd_lightning.export import DrafterSpec, save_drafter
@@ -635,3 +636,23 @@ def agreeing_pdm(target: Target, geometry: Geometry, context: float) -> Pipeline
             layer.mlp.down_proj.weight.mul_(context)
         pdm.init_head_from_target(target.lm_head.weight)
     return pdm
+
+
+# -- recorded runs of the decoder (test_hot_path, test_pdm_placement) -------------------------------------------
+class RecordingTransport(LocalTransport):
+    """The simulator's transport, keeping a copy of every message in the order it was sent."""
+
+    def __init__(self, world_size: int):
+        super().__init__(world_size)
+        self.log: list[tuple[int, int, str, torch.Tensor]] = []
+
+    def send(self, src, dst, tensor, kind) -> None:
+        super().send(src, dst, tensor, kind)
+        self.log.append((src, dst, kind, tensor.clone()))
+
+
+class LateArrival(Arrival):
+    """A message that has not arrived yet when first asked (a verdict later than the next step)."""
+
+    def ready(self) -> bool:
+        return False

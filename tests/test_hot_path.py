@@ -13,12 +13,12 @@ from collections import deque
 
 import pytest
 import torch
-from kit import forbid_device_sync, random_pdm
+from kit import LateArrival, RecordingTransport, forbid_device_sync, random_pdm
 
 from inference.cycle.ar import ar_decode
 from inference.cycle.pipeline import PipelineRunner
 from inference.cycle.simulator import Simulator
-from inference.cycle.transport import Arrival, LocalTransport, Transport
+from inference.cycle.transport import Arrival, Transport
 from inference.cycle.verify import Verifier
 from inference.runtime.drafter import ReplayDrafter
 from inference.runtime.stages import Stage
@@ -70,23 +70,6 @@ def check_only_verdict_reads(steps: list[list[HostSync]]) -> int:
     return sum(counts)
 
 
-class Recording(LocalTransport):
-    """The simulator's transport, keeping a copy of every message in the order it was sent."""
-
-    def __init__(self, world_size: int):
-        super().__init__(world_size)
-        self.log: list[tuple[int, int, str, torch.Tensor]] = []
-
-    def send(self, src, dst, tensor, kind) -> None:
-        super().send(src, dst, tensor, kind)
-        self.log.append((src, dst, kind, tensor.clone()))
-
-
-class _Late(Arrival):
-    def ready(self) -> bool:
-        return False
-
-
 class OneRank(Transport):
     """Hosts one rank of a recorded run: receives replay what that run delivered to it, sends go nowhere.
     `verdict_in_time`: whether a posted receive of the verdict is already in when the rank asks."""
@@ -112,7 +95,7 @@ class OneRank(Transport):
 
     def post(self, src, dst, tensor, kind) -> Arrival:
         self.recv(src, dst, tensor, kind)
-        return Arrival() if self.verdict_in_time else _Late()
+        return Arrival() if self.verdict_in_time else LateArrival()
 
 
 def recorded_run(target, geometry, sampling: Sampling):
@@ -123,7 +106,7 @@ def recorded_run(target, geometry, sampling: Sampling):
     else:
         drafter = random_pdm(target, geometry, num_layers=1)
     simulator = Simulator(target, drafter, geometry, sampling)
-    transport = Recording(geometry.n + 1)
+    transport = RecordingTransport(geometry.n + 1)
     simulator.runner.transport = transport
     return simulator, simulator.decode(PROMPT, 24, seed=3), transport.log
 
@@ -166,7 +149,7 @@ def test_the_pdm_rank_syncs_only_to_read_the_verdict_once_per_cycle(
 
     geometry = Geometry.build(tiny_qwen35.num_layers, 3)
     simulator = Simulator(tiny_qwen35, random_pdm(tiny_qwen35, geometry, num_layers=1), geometry, sampling)
-    transport = Recording(geometry.n + 1)
+    transport = RecordingTransport(geometry.n + 1)
     simulator.runner.transport = transport
     want = simulator.decode(PROMPT, 24, seed=3)
     pdm_rank, drafter = geometry.n, simulator.runner.drafter

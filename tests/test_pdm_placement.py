@@ -6,7 +6,7 @@ from contextlib import contextmanager, nullcontext
 
 import pytest
 import torch
-from kit import make_tiny_model, random_pdm, save_random_drafter, target_dir
+from kit import LateArrival, RecordingTransport, make_tiny_model, random_pdm, save_random_drafter, target_dir
 
 from inference.cycle.pipeline import PipelineRunner
 from inference.cycle.result import COMPUTE, TIMING_FIELDS, summarize_timing
@@ -134,9 +134,10 @@ class FakeDrafter:
         return FakeTensor("token", self.log), FakeTensor("q", self.log)
 
 
-def test_the_side_stream_waits_for_the_inputs_and_the_main_stream_for_the_draft(monkeypatch):
+@pytest.fixture
+def fake_streams(monkeypatch):
+    """A shared log, a main and a side `FakeStream`, and `use_stream` logging when a stream is entered and left."""
     log = []
-    main, side = FakeStream("main", log), FakeStream("side", log)
 
     @contextmanager
     def on(stream):
@@ -145,6 +146,11 @@ def test_the_side_stream_waits_for_the_inputs_and_the_main_stream_for_the_draft(
         log.append(("exit", stream.name))
 
     monkeypatch.setattr(shared_stream, "use_stream", on)
+    return log, FakeStream("main", log), FakeStream("side", log)
+
+
+def test_the_side_stream_waits_for_the_inputs_and_the_main_stream_for_the_draft(fake_streams):
+    log, main, side = fake_streams
     drafter = SideStreamDrafter(FakeDrafter(log), side, main_stream=lambda: main)
     drafter.start(None, 8)
     drafter.store_anchors(1, 0, None)
@@ -177,17 +183,8 @@ def test_without_a_stream_the_same_drafter_runs_in_line():
     assert log == [("store_anchors",), ("draft",)]
 
 
-def test_receiving_runs_on_the_side_stream_after_the_inputs_and_the_main_stream_waits_for_it(monkeypatch):
-    log = []
-    main, side = FakeStream("main", log), FakeStream("side", log)
-
-    @contextmanager
-    def on(stream):
-        log.append(("enter", stream.name))
-        yield
-        log.append(("exit", stream.name))
-
-    monkeypatch.setattr(shared_stream, "use_stream", on)
+def test_receiving_runs_on_the_side_stream_after_the_inputs_and_the_main_stream_waits_for_it(fake_streams):
+    log, main, side = fake_streams
     drafter = SideStreamDrafter(FakeDrafter(log), side, main_stream=lambda: main)
     drafter.set_token(3, 5)
     log.append(("forward",))  # stage 1's forward, launched on the main stream after the inputs
@@ -207,23 +204,6 @@ def test_receiving_runs_on_the_side_stream_after_the_inputs_and_the_main_stream_
         ("wait", "side", "e0"),
         ("enter", "side"),
     ]
-
-
-class _Late(Arrival):
-    def ready(self) -> bool:
-        return False
-
-
-class Recording(LocalTransport):
-    """The simulator's transport, keeping every message in the order it was sent."""
-
-    def __init__(self, world_size: int):
-        super().__init__(world_size)
-        self.log: list[tuple[int, int, str, torch.Tensor]] = []
-
-    def send(self, src, dst, tensor, kind) -> None:
-        super().send(src, dst, tensor, kind)
-        self.log.append((src, dst, kind, tensor.clone()))
 
 
 class SharedRank(Transport):
@@ -263,7 +243,7 @@ class SharedRank(Transport):
         if self.hosts(src):
             return self.local.post(src, dst, tensor, kind)
         self._replay(src, dst, tensor, kind)
-        return Arrival() if self.verdict_in_time else _Late()
+        return Arrival() if self.verdict_in_time else LateArrival()
 
 
 @pytest.mark.parametrize(
@@ -281,7 +261,7 @@ def test_the_shared_process_launches_stage_1_before_it_waits_for_another_process
     run sent (every draft identical), and decodes the same tokens."""
     geometry = Geometry.build(tiny_qwen35.num_layers, 3)
     simulator = Simulator(tiny_qwen35, random_pdm(tiny_qwen35, geometry, num_layers=1), geometry, sampling)
-    recording = Recording(geometry.n + 1)
+    recording = RecordingTransport(geometry.n + 1)
     simulator.runner.transport = recording
     want = simulator.decode(PROMPTS[0], 24, seed=3)
     assert want.K > want.N  # rejections and refills
