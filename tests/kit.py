@@ -426,6 +426,19 @@ def loss_batch() -> dict:
     return batch
 
 
+def attach_stub_trainer(module, datamodule) -> None:
+    """Give a module only what `setup`, `configure_model` and `training_step` read of a trainer (CPU, rank 0, step
+    0), with logging and the optimizer's lr stubbed: a training step can then run without a `Trainer`."""
+    module._trainer = SimpleNamespace(
+        datamodule=datamodule,
+        strategy=SimpleNamespace(root_device=torch.device("cpu")),
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(total_batch_idx=0)),
+        global_rank=0,
+    )
+    module.log = lambda *args, **kwargs: None
+    module.optimizers = lambda: SimpleNamespace(param_groups=[{"lr": 0.0}])
+
+
 def attached_module(target_dir: str, **overrides) -> SPDModule:
     """An SPDModule set up as a Trainer would (setup, configure_model) with a stand-in trainer and no logging."""
     args = dict(
@@ -444,14 +457,7 @@ def attached_module(target_dir: str, **overrides) -> SPDModule:
     module = SPDModule(**{**args, **overrides})
     gen = torch.Generator().manual_seed(2)
     d2t = torch.randperm(TINY_VOCAB, generator=gen)[:LOSS_DRAFT_VOCAB].sort().values
-    module._trainer = SimpleNamespace(  # only what training_step and setup read
-        datamodule=SimpleNamespace(d2t=d2t),
-        strategy=SimpleNamespace(root_device=torch.device("cpu")),
-        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(total_batch_idx=0)),
-        global_rank=0,
-    )
-    module.log = lambda *args, **kwargs: None
-    module.optimizers = lambda: SimpleNamespace(param_groups=[{"lr": 0.0}])
+    attach_stub_trainer(module, SimpleNamespace(d2t=d2t))
     module.setup("fit")
     module.configure_model()
     with torch.no_grad():  # a student that is neither the teacher nor uniform

@@ -11,11 +11,10 @@ the target, `fit --data.states DIR` trains from it without loading the target.
 import json
 import os
 import traceback
-from types import SimpleNamespace
 
 import pytest
 import torch
-from kit import REPO, chat_records, make_tiny_model
+from kit import REPO, attach_stub_trainer, chat_records, make_tiny_model
 from safetensors import safe_open
 
 from spd_lightning import cli, prepare, prepare_states
@@ -106,14 +105,7 @@ def attached_module(chats, data: ChatDataModule) -> SPDModule:
         init_layers_from=[1],
         attention_backend="dense",
     )
-    module._trainer = SimpleNamespace(  # only what setup, configure_model and training_step read
-        datamodule=data,
-        strategy=SimpleNamespace(root_device=torch.device("cpu")),
-        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(total_batch_idx=0)),
-        global_rank=0,
-    )
-    module.log = lambda *args, **kwargs: None
-    module.optimizers = lambda: SimpleNamespace(param_groups=[{"lr": 0.0}])
+    attach_stub_trainer(module, data)
     module.setup("fit")
     torch.manual_seed(0)  # the same random init of everything init_head / init_layers_from do not seed
     module.configure_model()
