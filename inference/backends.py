@@ -112,7 +112,7 @@ class SimulatorBackend:
 
     def __init__(self, setup: Setup, target: Target, device: str, compile: bool = False, profile: bool = False):
         self.setup, self.target, self.compile, self.profile = setup, target, compile, profile
-        self.pdm = load_drafter(setup.ckpt, map_location=device)[0].to(target.model.dtype)
+        self.pdm = load_drafter(setup.ckpt, device, target.lm_head.weight)[0].to(target.model.dtype)
         self._simulators: dict[Sampling, Simulator] = {}
 
     def generate(self, prompt_ids, max_new_tokens, sampling, seed, on_tokens=None) -> DecodeResult:

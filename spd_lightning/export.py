@@ -1,7 +1,8 @@
 """The drafter directory (docs/DESIGN.md, "Export") and loading a drafter from it or from a Lightning `.ckpt`.
 
     DIR/config.json        {"format_version", "pdm": PDMConfig, "geometry": Geometry, "target": TargetInfo}
-    DIR/model.safetensors  PDM weights, `d2t` included
+    DIR/model.safetensors  PDM weights, `d2t` included (the head too, unless the PDM reads the target's own:
+                           `head_from_target`, whose loader takes the target's LM head rows of `d2t`)
 
 A Lightning checkpoint carries the same description under `ckpt["spd_drafter"]` and the weights under
 `state_dict["pdm.*"]`, so `inference/` loads either without importing Lightning. Checkpoints are read
@@ -89,13 +90,13 @@ class DrafterSpec:
 
 
 def save_drafter(pdm: PipelineDraftModule, spec: DrafterSpec, out_dir: str) -> str:
-    return write_drafter_dir(pdm, spec.to_dict(), out_dir)
+    return write_drafter_dir(pdm.stored_state_dict(), spec.to_dict(), out_dir)
 
 
-def write_drafter_dir(module: torch.nn.Module, description: dict, out_dir: str) -> str:
+def write_drafter_dir(weights: dict[str, torch.Tensor], description: dict, out_dir: str) -> str:
     """`config.json` (the description) + `model.safetensors` (the weights, written atomically) in `out_dir`."""
     os.makedirs(out_dir, exist_ok=True)
-    state = {k: v.detach().to("cpu").contiguous() for k, v in module.state_dict().items()}
+    state = {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
     tmp = os.path.join(out_dir, WEIGHTS_FILE + ".tmp")
     save_file(state, tmp, metadata={"format": "pt"})
     os.replace(tmp, os.path.join(out_dir, WEIGHTS_FILE))  # never leave a half-written file
@@ -116,7 +117,16 @@ def load_weights(module: torch.nn.Module, state: dict, where: str) -> torch.nn.M
     return module.eval()
 
 
-def _build(spec: DrafterSpec, state: dict, where: str) -> PipelineDraftModule:
+def _build(spec: DrafterSpec, state: dict, where: str, target_head: torch.Tensor | None) -> PipelineDraftModule:
+    if spec.pdm.head_from_target and "lm_head.weight" not in state:
+        if target_head is None:
+            raise DrafterLoadError(
+                f"{where} reads its head from the target's LM head (head_from_target): load it with the target's "
+                f"head, load_drafter(path, target_head=target.lm_head.weight)"
+            )
+        if "d2t" not in state:
+            raise DrafterLoadError(f"{where} has no d2t tensor: the file is corrupt or from another build; re-export it")
+        state = {**state, "lm_head.weight": target_head.detach().index_select(0, state["d2t"].to(target_head.device))}
     return load_weights(PipelineDraftModule(spec.pdm), state, where)
 
 
@@ -195,7 +205,30 @@ def read_drafter_spec(path: str) -> tuple[DrafterSpec, torch.Tensor]:
     return spec, state["d2t"]
 
 
-def load_drafter(path: str, map_location: str | torch.device = "cpu") -> tuple[PipelineDraftModule, DrafterSpec]:
-    """Load an exported drafter directory or a Lightning `.ckpt` of the PDM."""
+def load_drafter(
+    path: str, map_location: str | torch.device = "cpu", target_head: torch.Tensor | None = None
+) -> tuple[PipelineDraftModule, DrafterSpec]:
+    """Load an exported drafter directory or a Lightning `.ckpt` of the PDM. `target_head`: the target's LM-head
+    weight `[vocab, H]`, which a `head_from_target` drafter directory needs (its rows of `d2t` are its head)."""
     spec, state = read_drafter(path, map_location)
-    return _build(spec, state, path), spec
+    return _build(spec, state, path, target_head), spec
+
+
+def seed_from_drafter(pdm: PipelineDraftModule, path: str) -> tuple[list[str], list[str]]:
+    """Warm start: copy into `pdm` every weight of the drafter at `path` whose name and shape agree; the head
+    only when both have the same draft vocabulary `d2t` and `pdm` trains its own (a row is a token: rows of
+    another `d2t` would be other tokens). Returns (copied, skipped) names."""
+    _, state = read_drafter(path)
+    own = pdm.state_dict()
+    same_vocab = "d2t" in state and torch.equal(state["d2t"].cpu(), own["d2t"].cpu())
+    copied, skipped = [], []
+    for name, tensor in own.items():
+        head = name == "lm_head.weight"
+        usable = name in state and state[name].shape == tensor.shape and name != "d2t"
+        if usable and (not head or (same_vocab and not pdm.cfg.head_from_target)):
+            with torch.no_grad():
+                tensor.copy_(state[name].to(tensor))
+            copied.append(name)
+        else:
+            skipped.append(name)
+    return copied, skipped

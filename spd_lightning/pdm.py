@@ -40,6 +40,10 @@ class PDMConfig:
     intermediate_size: int = 512
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
+    # The head is the target's own LM head restricted to V_d, frozen: the drafter file does not store it and the
+    # loader takes it from the target (EAGLE-1 reads the target's head the same way), so V_d can cover the
+    # vocabulary the data uses without growing the file (docs/DESIGN.md, "The PDM").
+    head_from_target: bool = False
 
     def __post_init__(self):
         for f in (
@@ -216,8 +220,16 @@ class PipelineDraftModule(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.lm_head.weight.requires_grad_(not cfg.head_from_target)
         self.register_buffer("d2t", draft_to_target(d2t, cfg.draft_vocab_size), persistent=True)
         self.apply(init_linear)
+
+    def stored_state_dict(self) -> dict[str, torch.Tensor]:
+        """What a drafter file holds: every weight, less the head when it is the target's own (`head_from_target`)."""
+        state = self.state_dict()
+        if self.cfg.head_from_target:
+            del state["lm_head.weight"]
+        return state
 
     def fuse(self, states: torch.Tensor, types: int | tuple[int, ...]) -> torch.Tensor:
         return self.fusion(states, types)

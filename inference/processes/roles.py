@@ -49,17 +49,19 @@ def load_role(job: DecodeJob, rank: int, device: torch.device) -> Loaded:
     hosts_pdm = rank == geometry.n or (rank == 0 and job.pdm_placement == "shared")
     if not hosts_pdm or job.replay is not None:
         return Loaded(stages)
-    pdm, _ = load_drafter(job.drafter_path, map_location=device)
-    embed = load_pieces(
+    head = read_drafter_spec(job.drafter_path)[0].pdm.head_from_target  # the drafter's head is the target's rows
+    pieces = load_pieces(
         job.target_path,
         range(0),
         embed=True,
-        head=False,
+        head=head,
         dtype=dtype,
         device=device,
         trust_remote_code=job.trust_remote_code,
-    ).embed_tokens
-    return Loaded(stages, pdm.to(dtype), embed)
+    )
+    target_head = pieces.lm_head.weight if head else None
+    pdm, _ = load_drafter(job.drafter_path, map_location=device, target_head=target_head)
+    return Loaded(stages, pdm.to(dtype), pieces.embed_tokens)
 
 
 def build_runner(

@@ -68,7 +68,7 @@ class Eagle3Spec:
 
 
 def save_eagle3(drafter: Eagle3Drafter, spec: Eagle3Spec, out_dir: str) -> str:
-    return write_drafter_dir(drafter, spec.to_dict(), out_dir)
+    return write_drafter_dir(drafter.state_dict(), spec.to_dict(), out_dir)
 
 
 def _build(spec: Eagle3Spec, state: dict, where: str) -> Eagle3Drafter:

@@ -39,7 +39,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from ..data.states import StateCache, target_identity
 from ..errors import ConfigError
-from ..export import CKPT_KEY, DrafterSpec
+from ..export import CKPT_KEY, DrafterSpec, seed_from_drafter
 from ..geometry import Features, Geometry, Schedule
 from ..pdm import DecoderLayer, PDMConfig, PipelineDraftModule
 from ..target import (
@@ -139,6 +139,10 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         intermediate_size: PDM MLP width; null takes the target's.
         init_layers_from: target layer index to seed each PDM layer from (one per PDM layer); null: random init.
         init_head: seed the draft head with the target LM-head rows of the draft vocabulary.
+        head_from_target: the head IS those rows, frozen; the exported drafter does not store it and its loader
+            takes it from the target, so a large V_d costs no file size (needs init_head).
+        init_from: a drafter directory or `.ckpt` to warm-start from: every weight whose name and shape agree
+            (the head only with the same draft vocabulary); null: the initialization above alone.
         fill_full_prob: probability of a full pipeline (fill n); other fill levels are uniform (docs/DESIGN.md, "Simulated fill levels").
         fill_probs: explicit weights of fill levels 1..n; overrides `fill_full_prob`.
         teacher_temperature: temperature of the teacher distribution in the KL.
@@ -174,6 +178,8 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         intermediate_size: int | None = None,
         init_layers_from: list[int] | None = None,
         init_head: bool = True,
+        head_from_target: bool = False,
+        init_from: str | None = None,
         fill_full_prob: float = 0.5,
         fill_probs: list[float] | None = None,
         teacher_temperature: float = 1.0,
@@ -237,6 +243,7 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
             intermediate_size=hp.intermediate_size or cfg.intermediate_size,
             rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
+            head_from_target=hp.head_from_target,
         )
 
     def _check_init_args(self) -> None:
@@ -248,6 +255,8 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
                 f"init_head needs the PDM width to equal the target's ({cfg.hidden_size}), got "
                 f"hidden_size={width}: drop hidden_size or set init_head: false"
             )
+        if hp.head_from_target and not hp.init_head:
+            raise ConfigError("head_from_target: true freezes the head at the target's rows: it needs init_head: true")
         if hp.init_layers_from is not None:
             idx = list(hp.init_layers_from)
             if len(idx) != hp.num_layers or any(not 0 <= i < cfg.num_hidden_layers for i in idx):
@@ -377,6 +386,9 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
             rank_zero_info(
                 f"PDM layer {i} seeded from target layer {layer}: {len(copied)} tensors ({', '.join(copied)})"
             )
+        if hp.init_from:
+            copied, skipped = seed_from_drafter(self.pdm, hp.init_from)
+            rank_zero_info(f"PDM warm-started from {hp.init_from}: {len(copied)} tensors, kept {skipped or 'none'}")
 
     def _head_rows(self) -> torch.Tensor:
         """`[V_d, H]`: the target head's rows of the draft vocabulary (the cached copy when training from states)."""
