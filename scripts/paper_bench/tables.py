@@ -10,6 +10,7 @@ import shlex
 
 from inference.evaluation.tables import fmt, grouped_bars, markdown_table, pyplot, save
 
+from .curves import plot_curves
 from .registry import EAGLE3_RUNS, Run
 from .runner import eagle3_eval_command
 
@@ -85,6 +86,13 @@ def table(runs: dict[str, tuple[dict, dict]], names: list[str], suite: dict[str,
     return "\n".join(markdown_table(head, rows))
 
 
+def evaluated_with(args: argparse.Namespace, report: dict) -> argparse.Namespace:
+    """`args` with the prompt sets, limit and length the report was evaluated with (its command, not the defaults)."""
+    paths = dict.fromkeys(r["path"] for r in report["eagle3_results"] if r["path"])
+    limits = {"limit": report["limit"], "max_new_tokens": report["max_new_tokens"]}
+    return argparse.Namespace(**{**vars(args), "sets": dict(enumerate(paths)), **limits})
+
+
 def eagle3_table(args: argparse.Namespace) -> list[str]:
     """The EAGLE-3 runs under --root, per k and T (pooled over the sets), and their commands: markdown lines,
     none when not run."""
@@ -96,7 +104,7 @@ def eagle3_table(args: argparse.Namespace) -> list[str]:
                 trained, report = json.load(f), json.load(g)
         except OSError:
             continue
-        commands += [trained["command"], shlex.join(eagle3_eval_command(name, args))]
+        commands += [trained["command"], shlex.join(eagle3_eval_command(name, evaluated_with(args, report)))]
         for r in sorted(report["eagle3_results"], key=lambda r: (r["temperature"], r["k"])):
             if r["set"] == "overall":
                 rows.append(
@@ -142,7 +150,9 @@ def write_tables(args: argparse.Namespace) -> None:
     print(f"wrote {args.out} ({len(runs)} runs)")
     if args.png and runs:
         plot(runs, args.png)
-        print(f"wrote {args.png}")
+        curves = args.png.removesuffix(".png") + "_curves.png"
+        drawn = plot_curves(args.root, [*args.runs, *EAGLE3_RUNS], curves)
+        print(f"wrote {args.png} and {curves} ({len(drawn)} validation curves)")
 
 
 def write_region(path: str, text: str, region: str) -> None:
