@@ -125,7 +125,9 @@ def _build(spec: DrafterSpec, state: dict, where: str, target_head: torch.Tensor
                 f"head, load_drafter(path, target_head=target.lm_head.weight)"
             )
         if "d2t" not in state:
-            raise DrafterLoadError(f"{where} has no d2t tensor: the file is corrupt or from another build; re-export it")
+            raise DrafterLoadError(
+                f"{where} has no d2t tensor: the file is corrupt or from another build; re-export it"
+            )
         state = {**state, "lm_head.weight": target_head.detach().index_select(0, state["d2t"].to(target_head.device))}
     return load_weights(PipelineDraftModule(spec.pdm), state, where)
 

@@ -13,8 +13,8 @@ from safetensors import safe_open
 from inference import decode
 from inference.processes.job import DecodeJob
 from inference.processes.roles import load_role
-from spd_lightning.export import DrafterLoadError, DrafterSpec, load_drafter, save_drafter, seed_from_drafter
 from spd_lightning.errors import ConfigError
+from spd_lightning.export import DrafterLoadError, DrafterSpec, load_drafter, save_drafter, seed_from_drafter
 from spd_lightning.geometry import Geometry
 from spd_lightning.pdm import PDMConfig, PipelineDraftModule
 
@@ -50,7 +50,9 @@ def test_loaders_take_the_head_from_the_target(trained, micro_target, tmp_path):
     assert "\n" not in str(failure.value)
     loaded, _ = load_drafter(out, target_head=module.target.lm_head.weight)
     geometry = module.geometry
-    states = torch.randn(1, 5, geometry.num_types, module.target.hidden_size, generator=torch.Generator().manual_seed(0))
+    states = torch.randn(
+        1, 5, geometry.num_types, module.target.hidden_size, generator=torch.Generator().manual_seed(0)
+    )
     types, positions = tuple([geometry.type_of(geometry.n)] * 5), torch.arange(5)[None]
     with torch.no_grad():
         want = module.pdm.eval()(states, types, positions)
@@ -84,7 +86,9 @@ def test_warm_start_copies_what_means_the_same(tiny_target, tmp_path):
     for name, tensor in same.state_dict().items():
         torch.testing.assert_close(tensor, source.state_dict()[name], rtol=0, atol=0)
 
-    other_vocab = PipelineDraftModule(PDMConfig(**{**source.cfg.to_dict(), "draft_vocab_size": 40}), source.d2t[:40] + 1)
+    other_vocab = PipelineDraftModule(
+        PDMConfig(**{**source.cfg.to_dict(), "draft_vocab_size": 40}), source.d2t[:40] + 1
+    )
     head = other_vocab.lm_head.weight.clone()
     copied, skipped = seed_from_drafter(other_vocab, path)
     assert set(skipped) == {"d2t", "lm_head.weight"} and "layers.0.mlp.up_proj.weight" in copied
