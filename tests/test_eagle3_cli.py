@@ -152,6 +152,12 @@ def test_eval_reports_spd_ppsd_and_eagle3_in_one_report(evaluated, files):
         assert r["S_eagle3"] == pytest.approx(r["tau"] / (1 + k * r["r"]))
         assert r["wall_clock_speedup"] == pytest.approx(r["decode_tokens_per_s"] / r["ar_decode_tokens_per_s"])
         assert r["ar_decode_tokens_per_s"] == spd[name]["ar_decode_tokens_per_s"]  # one AR baseline for all
+        positions = r["accept_by_position"]  # tau = 1 + the sum over positions of reaching and passing each
+        reach, expected_tau = 1.0, 1.0
+        for rate in positions:
+            reach *= rate or 0.0
+            expected_tau += reach
+        assert len(positions) == k and expected_tau == pytest.approx(r["tau"])
     assert [p["k"] for p in report["plan_inputs_eagle3"]] == [1, 3] and "plan_inputs" in report
     md = (evaluated / "eval.md").read_text()
     assert "| eagle3 k=3 | overall | 0 |" in md and "| spd n=2 L_s=2 | overall | 0 |" in md

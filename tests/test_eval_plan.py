@@ -303,3 +303,28 @@ def test_prompt_sets_can_be_datasets(tmp_path):
 def test_drafters_of_one_method_are_told_apart_by_their_run():
     assert spd_eval.drafter_name("runs/deep/type_n4_L3/checkpoints/last.ckpt") == "type_n4_L3"
     assert spd_eval.drafter_name("drafters/spd_n4/") == "spd_n4" == spd_eval.drafter_name("spd_n4")
+
+
+def test_acceptance_per_depth_and_per_draft_position():
+    """The benchmark tables' per-depth (SPD, PPSD) and per-position (EAGLE-3) acceptance, pooled by hand."""
+    from inference.cycle.result import DecodeResult
+    from inference.evaluation.totals import acceptance_by, acceptance_by_position
+
+    def result(accepted, rejected):
+        counters = {"accepted_by_depth": accepted, "rejected_by_depth": rejected}
+        return DecodeResult(mode="spd", n=3, prompt_len=1, tokens=[1], K=1, stop_reason="eos", counters=counters)
+
+    pooled = acceptance_by([result([1, 0, 2], [1, 0, 0]), result([2, 0, 0], [0, 0, 2])], "depth")
+    assert pooled == [3 / 4, None, 2 / 4]
+    # forwards accepting 0, 1, 3 and 0 of k = 3 drafts: position 1 reached 4 times (2 accepted), position 2 twice
+    # (1 accepted), position 3 once (accepted)
+    assert acceptance_by_position([1, 2, 4, 1], 3) == [0.5, 0.5, 1.0]
+    assert acceptance_by_position([1, 1], 2) == [0.0, None]
+
+
+def test_eval_reports_acceptance_per_depth(evaluated):
+    report = json.loads((evaluated / "eval.json").read_text())
+    for row in report["results"]:
+        rates = row["accept_by_depth"]
+        assert len(rates) >= report["n"] and any(r is not None for r in rates)
+        assert all(r is None or 0 <= r <= 1 for r in rates)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from inference.chain.decoder import ChainDecoder
 from inference.cycle.result import DecodeResult
-from inference.evaluation.totals import decode_rate
+from inference.evaluation.totals import acceptance_by_position, decode_rate
 from inference.sampling import Sampling
 from spd_lightning.target import Target
 
@@ -81,6 +81,7 @@ def summarize(k: int, results: list[DecodeResult], ar: list[DecodeResult]) -> di
         "decode_tokens_per_s": tps,
         "ar_decode_tokens_per_s": ar_tps,
         "wall_clock_speedup": tps / ar_tps if tps and ar_tps else None,
+        "accept_by_position": acceptance_by_position([t for r in results for t in r.counters["accept_lengths"]], k),
     }
 
 

@@ -47,7 +47,7 @@ from inference.cycle.ar import ar_decode
 from inference.cycle.result import DecodeResult
 from inference.evaluation import eagle3 as eval_eagle3
 from inference.evaluation.report import markdown, write_outputs
-from inference.evaluation.totals import decode_rate
+from inference.evaluation.totals import acceptance_by, decode_rate
 from inference.processes.launch import launch
 from inference.prompts import dataset_spec, read_prompts
 from inference.sampling import Sampling
@@ -122,6 +122,7 @@ def summarize(n: int, spd: list[DecodeResult], ar: list[DecodeResult]) -> dict:
         "decode_tokens_per_s": spd_tps,
         "ar_decode_tokens_per_s": ar_tps,
         "wall_clock_speedup": spd_tps / ar_tps if spd_tps and ar_tps else None,
+        "accept_by_depth": acceptance_by(spd, "depth"),
     }
     return out
 

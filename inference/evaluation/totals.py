@@ -14,6 +14,29 @@ def decode_rate(results: Sequence[DecodeResult]) -> float | None:
     return sum(r.N - 1 for r in results) / seconds if seconds > 0 else None
 
 
+def acceptance_by(results: Sequence[DecodeResult], kind: str) -> list[float | None]:
+    """Pooled acceptance of the judged drafts per `kind` (`depth` or `fill`): accepted / judged at each index,
+    None where none was judged (depth and fill: docs/DESIGN.md, "Terms")."""
+    rows = [(r.counters.get(f"accepted_by_{kind}"), r.counters.get(f"rejected_by_{kind}")) for r in results]
+    rows = [(a, b) for a, b in rows if a is not None and b is not None]
+    if not rows:
+        return []
+    accepted = [sum(col) for col in zip(*(a for a, _ in rows))]
+    rejected = [sum(col) for col in zip(*(b for _, b in rows))]
+    return [a / (a + b) if a + b else None for a, b in zip(accepted, rejected)]
+
+
+def acceptance_by_position(accept_lengths: Sequence[int], k: int) -> list[float | None]:
+    """Chain decoding (EAGLE-3): per draft position j = 1..k, the share of forwards that reached j whose draft j
+    was accepted (`accept_lengths` are accepted drafts + 1 per target forward)."""
+    accepted = [tau - 1 for tau in accept_lengths]
+    rates = []
+    for j in range(1, k + 1):
+        reached = sum(a >= j - 1 for a in accepted)
+        rates.append(sum(a >= j for a in accepted) / reached if reached else None)
+    return rates
+
+
 def pooled_totals(results: list[DecodeResult], references: list[DecodeResult] | None, n: int) -> dict:
     """Pooled N, K, alpha, n*alpha, tokens/s and repeated 4-grams of the outputs; with AR `references`,
     whether every output is identical to its reference and the wall-clock speedup."""

@@ -39,6 +39,11 @@ def adjusted(report: dict, row: dict) -> float | None:
     return row["S_spd"] if report["mode"] == "spd" else row["S_post"]
 
 
+def rates(values: list[float | None] | None) -> str:
+    """Acceptance per depth or draft position, compact (`-`: none judged there; an older eval did not record it)."""
+    return " ".join("-" if v is None else f"{v:.2f}" for v in values) if values else "-"
+
+
 def table(runs: dict[str, tuple[dict, dict]], names: list[str], suite: dict[str, Run]) -> str:
     sets = set_names(runs[names[0]][1])
     head = [
@@ -57,6 +62,7 @@ def table(runs: dict[str, tuple[dict, dict]], names: list[str], suite: dict[str,
         "S adj. T=0",
         "alpha T=1",
         "S adj. T=1",
+        "accept by depth T=0",
         "train min",
     ]
     rows = []
@@ -80,6 +86,7 @@ def table(runs: dict[str, tuple[dict, dict]], names: list[str], suite: dict[str,
                 fmt(adjusted(report, greedy), 2),
                 fmt(sampled["alpha"]),
                 fmt(adjusted(report, sampled), 2),
+                rates(greedy.get("accept_by_depth")),
                 fmt(trained["minutes"], 1),
             ]
         )
@@ -97,6 +104,7 @@ def eagle3_table(args: argparse.Namespace) -> list[str]:
     """The EAGLE-3 runs under --root, per k and T (pooled over the sets), and their commands: markdown lines,
     none when not run."""
     head = ["run", "k", "T", "steps", "val loss", "tokens per target forward", "tau", "r", "S_eagle3", "wall-clock"]
+    head.append("accept by position")
     rows, commands = [], []
     for name in EAGLE3_RUNS:
         try:
@@ -110,7 +118,7 @@ def eagle3_table(args: argparse.Namespace) -> list[str]:
                 rows.append(
                     [name, str(r["k"]), f"{r['temperature']:g}", str(trained.get("steps", "-"))]
                     + [fmt(trained.get("val/loss"), 2), fmt(r["alpha"], 2), fmt(r["tau"], 2), fmt(r["r"])]
-                    + [fmt(r["S_eagle3"], 2), fmt(r["wall_clock_speedup"], 2)]
+                    + [fmt(r["S_eagle3"], 2), fmt(r["wall_clock_speedup"], 2), rates(r.get("accept_by_position"))]
                 )
     if not rows:
         return []
