@@ -5,7 +5,9 @@ conftest.py builds its fixtures from it, and no test module imports another (tes
 scripts share with the tests lives in `spd_lightning.testing`."""
 
 import csv
+import functools
 import glob
+import importlib.util
 import itertools
 import json
 import os
@@ -110,6 +112,16 @@ def target_dir(tmp_path_factory, arch: str, make_model) -> tuple[str, Target]:
 def hf_logits(target: Target, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return target.model(torch.tensor([ids])).logits[0]
+
+
+@functools.cache
+def load_script(name: str):
+    """`scripts/NAME.py` as a module, once per session: its `main(argv)` then runs in the test's process, without
+    the few seconds of CPU a fresh interpreter spends importing torch (the whole-script runs are `slow` tests)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def env_without_threads() -> dict:

@@ -13,7 +13,9 @@ from spd_lightning.training import block_sparsity
 from spd_lightning.training.attention import dense_attend, dense_mask, make_attend
 from spd_lightning.training.layouts import build_layout
 
-LENGTHS = [16 * k for k in range(3, 13)]  # 10 distinct lengths (more than dynamo's recompile limit of 8), S >= 2 blocks
+# 4 distinct lengths with S >= 2 blocks: static shapes would compile 4 graphs per function, dynamic ones 1. (More
+# lengths than dynamo's recompile limit of 8 add no check: past it the unfused path still gives the right numbers.)
+LENGTHS = [48, 80, 144, 192]
 
 
 @pytest.fixture
@@ -25,7 +27,6 @@ def fresh_dynamo():
 
 
 def test_compiled_flex_does_not_recompile_per_length(fresh_dynamo):
-    assert torch._dynamo.config.recompile_limit < len(LENGTHS)
     layout = build_layout("depth", Geometry.build(8, 2, "uniform", "n_scaled", "pre_step", "spd"))
     gen = torch.Generator().manual_seed(0)
     heads, hd = 2, 16

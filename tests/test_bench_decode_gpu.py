@@ -2,41 +2,16 @@
 add up, and the planner fed from them."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+from kit import load_script
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-def test_tiny_cpu_smoke_run_writes_consistent_json_and_markdown(tmp_path):
+def test_tiny_cpu_smoke_run_writes_consistent_json_and_markdown(tmp_path, one_thread, capsys):
+    """Its `main` in this process; test_gpu_check.py runs the whole script as the GPU check does, in a child."""
     out, md, rows_path = tmp_path / "decode.json", tmp_path / "decode.md", tmp_path / "rows.jsonl"
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
-    done = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(REPO, "scripts", "bench_decode_gpu.py"),
-            "--tiny",
-            "--device",
-            "cpu",
-            "--no-compile",
-            "--json",
-            str(out),
-            "--md",
-            str(md),
-            "--alpha",
-            "4:2:0.5",
-            "--rows",
-            str(rows_path),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+    argv = ["--tiny", "--device", "cpu", "--no-compile", "--json", str(out), "--md", str(md), "--alpha", "4:2:0.5"]
+    assert load_script("bench_decode_gpu").main([*argv, "--rows", str(rows_path)]) == 0
     report = json.loads(out.read_text())["models"]["tiny"]
     stages = {r["stage"]: r for r in report["stages"]}
     assert set(stages) == {"first", "last"} and all(r["ms"] > 0 and not r["captured"] for r in report["stages"])
@@ -69,4 +44,4 @@ def test_tiny_cpu_smoke_run_writes_consistent_json_and_markdown(tmp_path):
     text = md.read_text()
     for section in ("stage forward", "PDM draft", "simulator per cycle", "planner"):
         assert f"tiny: {section}" in text
-    assert text.strip() in done.stdout
+    assert text.strip() in capsys.readouterr().out

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from kit import REPO, fit_args, make_tiny_model, save_random_drafter, target_dir
+from kit import REPO, fit_args, load_script, make_tiny_model, save_random_drafter, target_dir
 
 from inference import decode as spd_decode
 from inference.evaluation import plan as spd_plan
@@ -205,13 +205,9 @@ def test_serve_greedy_is_decode(exported, tmp_path):
 def test_a_pdm_config_becomes_an_eagle3_config(tmp_path, capsys):
     """What `scripts/bench_paper.py train eagle3_k7` trains: the benchmark config's data, trainer and optimizer
     settings with the EAGLE-3 module, the staircase callback (PDM only) dropped."""
-    import importlib.util
-
     import yaml
 
-    spec = importlib.util.spec_from_file_location("bench_paper", os.path.join(REPO, "scripts", "bench_paper.py"))
-    bench_paper = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_paper)
+    bench_paper = load_script("bench_paper")
     config_path = os.path.join(REPO, "configs", "bench_tiny.yaml")
     args = bench_paper.parse_args(["commands", "eagle3_k7", "--root", str(tmp_path), "--config", config_path])
     train, evaluate = bench_paper.train_command("eagle3_k7", args), bench_paper.eval_command("eagle3_k7", args)
