@@ -128,7 +128,7 @@ def serving(models, max_batch: int, queue_size: int = 16, gated: bool = False):
 def client(url: str):
     import openai
 
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=60, max_retries=0)
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=240, max_retries=0)  # B = 1: 19 ahead
 
 
 def complete(url: str, ask: dict, answers: dict, key) -> None:
@@ -178,6 +178,7 @@ def test_concurrent_mixed_requests_each_equal_their_batch_one_decode(models):
     assert any(step > 0 for kind, _, step in schedule.events if kind == "join")
 
 
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("B", [1, 4])
 def test_twenty_clients_wait_for_a_slot_not_for_the_others_decodes(models, B):
     """20 requests in the FIFO before the first joins (the schedule then depends on nothing but the code). At
@@ -201,7 +202,7 @@ def test_twenty_clients_wait_for_a_slot_not_for_the_others_decodes(models, B):
         assert queued()
         backend.gate.set()
         for t in threads:
-            t.join(120)
+            t.join(240)
     joins = [(prompt, step) for kind, prompt, step in schedule.events if kind == "join"]
     ends = [step for kind, _, step in schedule.events if kind == "end"]
     assert len(joins) == len(ends) == 20

@@ -19,7 +19,7 @@ from inference.cycle.result import DecodeResult
 from inference.cycle.slots import Request, SlotSequence
 from inference.sampling import Sampling
 from inference.serving.inflight import InFlight
-from inference.serving.slot_feed import IDLE_TICK_S, STOP, Ask, feed_slots
+from inference.serving.slot_feed import IDLE_TICK_S, Ask, feed_slots, waiting
 from inference.setup import Setup
 from spd_lightning.errors import first_line
 from spd_lightning.export import load_drafter
@@ -70,22 +70,7 @@ class BatchSimulatorBackend:
         self.in_flight.end(failure)
 
     def _take(self, free: int, idle: bool) -> list[Ask] | str:
-        asks: list[Ask] = []
-        try:
-            ask = self._asks.get(timeout=IDLE_TICK_S) if idle else self._asks.get_nowait()
-            while True:
-                if ask is None:
-                    return STOP if not asks else self._put_back_stop(asks)
-                asks.append(ask)
-                if len(asks) == free:
-                    return asks
-                ask = self._asks.get_nowait()
-        except queue.Empty:
-            return asks
-
-    def _put_back_stop(self, asks: list[Ask]) -> list[Ask]:
-        self._asks.put(None)  # the stop comes after the requests before it: at the next boundary
-        return asks
+        return waiting(self._asks, free, IDLE_TICK_S if idle else 0.0)
 
     def _start(self, ask: Ask) -> Request:
         request_id = ask.request_id

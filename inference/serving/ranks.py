@@ -51,7 +51,7 @@ from inference.processes.launch import launch, start_method
 from inference.processes.roles import Loaded, build_runner, load_role
 from inference.sampling import Sampling
 from inference.serving.inflight import InFlight
-from inference.serving.slot_feed import IDLE_TICK_S, STOP, Ask, feed_slots
+from inference.serving.slot_feed import IDLE_TICK_S, STOP, Ask, feed_slots, waiting
 from spd_lightning.errors import first_line
 
 log = logging.getLogger(__name__)
@@ -174,7 +174,7 @@ def serve_slots(
     verifier, eos = rank == runner.verifier_rank, frozenset(job.eos_token_ids)
 
     def take(free: int, idle: bool) -> list[Ask] | str:
-        box = [_queued(requests, free, IDLE_TICK_S if idle else 0.0) if rank == 0 else None]
+        box = [waiting(requests, free, IDLE_TICK_S if idle else 0.0) if rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
@@ -191,24 +191,6 @@ def serve_slots(
             report(ask.request_id, result)
 
     feed_slots(runner, take, start, ended)
-
-
-def _queued(requests: Requests, free: int, wait: float) -> list[Ask] | str:
-    """Up to `free` requests from the queue, waiting up to `wait` seconds for the first; STOP after the last."""
-    asks: list[Ask] = []
-    try:
-        item = requests.get(timeout=wait) if wait else requests.get_nowait()
-        while item is not None:
-            asks.append(Ask(*item))
-            if len(asks) == free:
-                return asks
-            item = requests.get_nowait()
-    except queue.Empty:
-        return asks
-    if asks:
-        requests.put(None)  # the stop comes after the requests before it: at the next boundary
-        return asks
-    return STOP
 
 
 class Runners:

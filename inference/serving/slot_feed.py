@@ -15,6 +15,7 @@ same requests into the same slots.
 
 from __future__ import annotations
 
+import queue
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -45,6 +46,25 @@ class Ask(NamedTuple):
         return Request(
             self.prompt, self.max_new_tokens, eos, Sampling(**self.sampling), self.seed, on_tokens=on_tokens, stop=stop
         )
+
+
+def waiting(source, free: int, wait: float) -> list[Ask] | str:
+    """Up to `free` requests from `source` (a queue of `Ask` tuples, None to stop: `get`, `get_nowait`, `put`),
+    waiting up to `wait` seconds for the first; STOP when the stop comes first."""
+    asks: list[Ask] = []
+    try:
+        item = source.get(timeout=wait) if wait else source.get_nowait()
+        while item is not None:
+            asks.append(Ask(*item))
+            if len(asks) == free:
+                return asks
+            item = source.get_nowait()
+    except queue.Empty:
+        return asks
+    if asks:
+        source.put(None)  # the stop comes after the requests before it: at the next boundary
+        return asks
+    return STOP
 
 
 def feed_slots(
