@@ -1,12 +1,14 @@
 """Load test of `python -m inference.serve`: N concurrent `openai` clients, each streaming requests one after
-another, then p50/p95 of TTFT and latency and the tokens per second (docs/SERVING.md, "Under load").
+another, then p50/p95 of TTFT and latency, the tokens per second of the whole run and per request (docs/SERVING.md,
+"Under load" and "Batched serving").
 
     python scripts/load_test.py --port 8000 --model drafter --clients 4 --requests 40 --max-tokens 64
 
 Loopback only (127.0.0.1, ::1 or localhost), and bounded: at most `--requests` requests (1..1000) and
 `--time-limit` seconds, after which no client starts another request. TTFT is the time from sending a request
 to its first non-empty text chunk; latency to its last chunk; completion tokens come from the server's
-usage (`stream_options.include_usage`). tok/s is all the completion tokens over the wall time of the run.
+usage (`stream_options.include_usage`). tok/s is all the completion tokens over the wall time of the run;
+tok/s per request the median of each request's completion tokens over its own latency.
 """
 
 from __future__ import annotations
@@ -130,11 +132,15 @@ def report(args: argparse.Namespace, samples: list[Sample], wall: float) -> str:
         ttft = [s.ttft * 1000 for s in ok]
         latency = [s.latency * 1000 for s in ok]
         tokens = sum(s.tokens for s in ok)
-        lines.append("| clients | requests | TTFT p50 | TTFT p95 | latency p50 | latency p95 | tok/s |")
-        lines.append("|---|---|---|---|---|---|---|")
+        per_request = statistics.median(s.tokens / s.latency for s in ok)
+        lines.append(
+            "| clients | requests | TTFT p50 | TTFT p95 | latency p50 | latency p95 | tok/s | tok/s per request |"
+        )
+        lines.append("|---|---|---|---|---|---|---|---|")
         lines.append(
             f"| {args.clients} | {len(ok)} | {percentile(ttft, 50):.0f} ms | {percentile(ttft, 95):.0f} ms "
-            f"| {percentile(latency, 50):.0f} ms | {percentile(latency, 95):.0f} ms | {tokens / wall:.0f} |"
+            f"| {percentile(latency, 50):.0f} ms | {percentile(latency, 95):.0f} ms | {tokens / wall:.0f} "
+            f"| {per_request:.1f} |"
         )
     return "\n".join(lines)
 

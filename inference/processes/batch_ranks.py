@@ -20,6 +20,7 @@ from inference.cycle.slots import Request
 from inference.cycle.transport import DistributedTransport
 from inference.processes.faults import step_hook
 from inference.processes.job import DecodeJob
+from inference.processes.launch import job_prompts
 from inference.processes.roles import load_role
 from inference.runtime.slot_drafter import SlotDrafter
 from inference.runtime.slot_stage import SlotStage
@@ -72,16 +73,9 @@ def decode_batched(
     the tokens each cycle verified."""
     runner = build_batch_runner(job, rank, device)
     reporter = rank == runner.verifier_rank
-    sampling = Sampling(**job.sampling)
+    sampling, eos = Sampling(**job.sampling), frozenset(job.eos_token_ids)
     work = [
-        Request(
-            prompt,
-            job.max_new_tokens if job.max_new_tokens_each is None else job.max_new_tokens_each[i],
-            frozenset(job.eos_token_ids),
-            sampling,
-            job.seed + i,
-            on_tokens=(lambda tokens, i=i: on_tokens(i, tokens)) if on_tokens is not None and reporter else None,
-        )
-        for i, prompt in enumerate(job.prompts)
+        Request(w.prompt, w.max_new_tokens, eos, sampling, w.seed, on_tokens=w.on_tokens)
+        for w in job_prompts(job, reporter, on_tokens)
     ]
     runner.run(work, on_result=report if reporter else None)

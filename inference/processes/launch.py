@@ -37,6 +37,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -100,6 +101,35 @@ def run_rank(
     close_distributed()
 
 
+class PromptWork(NamedTuple):
+    """Prompt `index` of a job as a rank decodes it, at any batch size."""
+
+    index: int
+    prompt: list[int]
+    max_new_tokens: int
+    seed: int
+    on_tokens: Callable[[list[int]], None] | None
+
+
+def job_prompts(
+    job: DecodeJob, reporting: bool, on_tokens: Callable[[int, list[int]], None] | None
+) -> list[PromptWork]:
+    """Every prompt of the job: its own `max_new_tokens` (`job.max_new_tokens_each`, else the job's), seed
+    `job.seed + i` (so its tokens do not depend on the batch size), and on the reporting rank its streamed
+    tokens as `on_tokens(i, tokens)`. The head of both rank works, `decode_prompts` and `decode_batched`."""
+    each = job.max_new_tokens_each or [job.max_new_tokens] * len(job.prompts)
+    return [
+        PromptWork(
+            i,
+            prompt,
+            each[i],
+            job.seed + i,
+            (lambda tokens, i=i: on_tokens(i, tokens)) if on_tokens is not None and reporting else None,
+        )
+        for i, prompt in enumerate(job.prompts)
+    ]
+
+
 def decode_prompts(
     job: DecodeJob,
     rank: int,
@@ -108,13 +138,13 @@ def decode_prompts(
     report: Callable[[int, DecodeResult], None],
     on_tokens: Callable[[int, list[int]], None] | None,
 ) -> None:
-    """A rank's part in decoding every prompt of the job. The last stage reports the results, and with
-    `on_tokens(prompt index, tokens)` the tokens each cycle verified."""
+    """A rank's part in decoding every prompt of the job, one at a time. The last stage reports the results,
+    and with `on_tokens(prompt index, tokens)` the tokens each cycle verified."""
     runner = build_runner(job, rank, device)
     n, reporter = runner.n, runner.verifier_rank
-    for i, prompt in enumerate(job.prompts):
-        for_prompt = (lambda tokens, i=i: on_tokens(i, tokens)) if on_tokens is not None and rank == reporter else None
-        result = runner.decode(prompt, job.max_new_tokens, frozenset(job.eos_token_ids), job.seed + i, for_prompt)
+    eos = frozenset(job.eos_token_ids)
+    for work in job_prompts(job, rank == reporter, on_tokens):
+        result = runner.decode(work.prompt, work.max_new_tokens, eos, work.seed, work.on_tokens)
         if job.profile:  # every process's rows (those of the ranks it hosts, zeros elsewhere) to the reporter
             rows = runner.transport.gather(torch.from_numpy(runner.clock.rows).to(device), dst=reporter)
             if rank == reporter:
@@ -126,7 +156,7 @@ def decode_prompts(
                     shared_pdm=job.pdm_placement == "shared",
                 )
         if rank == reporter:
-            report(i, result)
+            report(work.index, result)
 
 
 def _rank_main(job: DecodeJob, messages, launcher_pid: int, requests=None, work: RankWork | None = None) -> None:

@@ -1,17 +1,21 @@
-"""The server's engine: weights loaded once, one request decoding at a time, the rest in a bounded FIFO.
+"""The server's engine: weights loaded once, up to `max_batch` requests decoding at once, the rest in a FIFO.
 
-SPD is a batch-1 latency method, so the engine runs one decode at a time on one worker thread; requests
-wait in a FIFO of `queue_size` (`QueueFull` beyond it, HTTP 429). The worker feeds each request's
-verified tokens, as the decoder's per-cycle hook delivers them, through a `TextStream` (stop strings) to
-the request's event queue on the server's event loop.
+At `max_batch` 1 the engine runs one decode at a time on one worker thread; requests wait in a FIFO of
+`queue_size` (`QueueFull` beyond it, HTTP 429). A batched backend (`max_batch` B > 1: `--max-batch`) decodes
+B requests at once in B slots and keeps its own FIFO, which feeds the slots at step boundaries
+(`slot_feed`): the engine then has a worker thread for every request it admits (B + `queue_size`), each
+handing its request over at once and following it. Each worker feeds its request's verified tokens, as the
+decoder delivers them, through a `TextStream` (stop strings) to the request's event queue on the server's
+event loop.
 
 A request whose client has gone is cancelled at once: `Request.cancel` (the app calls it the moment it
 sees the disconnect) tells the backend, which stops the ranks at their next verdict (`RankBackend.cancel`);
 an in-process decoder stops when its next cycle's hook raises `Cancelled`. Either way it counts as
 `cancelled`.
 
-While idle the worker checks the backend every `HEALTH_POLL_S`: a pipeline whose ranks died is restarted
-then, before the next request comes, and `ready` (HTTP `/ready`) is false until the new one has loaded.
+While idle the workers check the backend every `HEALTH_POLL_S`: a pipeline whose ranks died is restarted
+then, before the next request comes, and `ready` (HTTP `/ready`) is false until the new one has loaded. When
+the backend fails with several requests in flight, each gets its 503 and the pipeline is restarted once.
 
 The backend (the decoder behind the engine) is one of `inference.backends` in this process, or the
 persistent ranks of `inference.serving.ranks`.
@@ -74,21 +78,31 @@ class Request:
 
 
 class Engine:
-    """The FIFO and the one worker thread that runs the backend."""
+    """The FIFO and the worker threads that run the backend (one, or one per admitted request when batched)."""
 
-    def __init__(self, make_backend: Callable[[], Backend], tokenizer, mode: str, queue_size: int = 16):
+    def __init__(
+        self, make_backend: Callable[[], Backend], tokenizer, mode: str, queue_size: int = 16, max_batch: int = 1
+    ):
         self.make_backend, self.tokenizer, self.mode = make_backend, tokenizer, mode
+        self.max_batch, self.capacity = max_batch, queue_size + max_batch  # requests admitted at most
         self.backend: Backend | None = make_backend()
         self.metrics = Metrics()
-        self._queue: queue.Queue[Request | None] = queue.Queue(maxsize=queue_size)
-        self._busy = False
+        self._queue: queue.Queue[Request | None] = queue.Queue()
+        self._admitted = 0  # waiting or decoding
+        self._lock = threading.Lock()  # the admitted count and the metrics, written by every worker
+        self._restarting = threading.Lock()  # held while the backend is replaced: workers wait for the new one
         self._restart_delay, self._next_restart = 0.0, 0.0
-        self._worker = threading.Thread(target=self._serve, name="spd-engine", daemon=True)
-        self._worker.start()
+        workers = 1 if max_batch == 1 else self.capacity
+        self._workers = [
+            threading.Thread(target=self._serve, name=f"spd-engine-{i}", daemon=True) for i in range(workers)
+        ]
+        for worker in self._workers:
+            worker.start()
 
     @property
     def queue_depth(self) -> int:
-        return self._queue.qsize() + int(self._busy)
+        """Requests waiting or decoding."""
+        return self._admitted
 
     @property
     def ready(self) -> bool:
@@ -102,18 +116,22 @@ class Engine:
         return histogram.sum / histogram.count if histogram.count else None
 
     def submit(self, request: Request) -> None:
-        try:
-            self._queue.put_nowait(request)
-        except queue.Full:
-            self.metrics.count("rejected_queue_full")
-            raise QueueFull from None
+        with self._lock:
+            if self._admitted >= self.capacity:
+                self.metrics.count("rejected_queue_full")
+                raise QueueFull
+            self._admitted += 1
+        self._queue.put(request)
 
     def close(self) -> None:
-        """After the request in progress; a second call does nothing."""
-        if not self._worker.is_alive():
+        """After the requests in progress; a second call does nothing."""
+        if not any(worker.is_alive() for worker in self._workers):
             return
-        self._queue.put(None)
-        self._worker.join(30)
+        for _ in self._workers:
+            self._queue.put(None)
+        deadline = time.monotonic() + 30
+        for worker in self._workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
         if self.backend is not None:
             self.backend.close()
 
@@ -126,23 +144,25 @@ class Engine:
                 continue
             if request is None:
                 return
-            self._busy = True
             try:
                 self._keep_alive()
                 self._run(request)
             finally:
-                self._busy = False
+                with self._lock:
+                    self._admitted -= 1
 
     def _keep_alive(self) -> None:
         """A backend that died (or never started) is replaced now, not when a request finds it dead; one that
         keeps dying before it is ready is retried after a delay that doubles each time."""
-        if (self.backend is None or not is_alive(self.backend)) and time.monotonic() >= self._next_restart:
-            self._restart("the pipeline is not running")
+        with self._restarting:
+            if (self.backend is None or not is_alive(self.backend)) and time.monotonic() >= self._next_restart:
+                self._restart("the pipeline is not running")
 
     def _run(self, request: Request) -> None:
-        backend = self.backend
+        with self._restarting:  # a restart in progress: wait for the new backend
+            backend = self.backend
         if backend is None:
-            self.metrics.count("failed")
+            self._count("failed")
             request.emit("error", 503, "the pipeline is restarting after a failure; retry")
             return
         stream = TextStream(self.tokenizer, request.stop)
@@ -162,51 +182,61 @@ class Engine:
         cancel = getattr(backend, "cancel", None)  # the in-process decoders stop at their next `on_tokens`
         request.on_cancel = (lambda: cancel(on_tokens)) if cancel is not None else None
         if request.cancelled.is_set():  # gone while it waited (or just now)
-            self.metrics.count("cancelled")
+            self._count("cancelled")
             return
         try:
             result = backend.generate(
                 request.prompt_ids, request.max_new_tokens, request.sampling, request.seed, on_tokens
             )
             finish = "stop" if result.stop_reason == "eos" else "length"
-            self.metrics.record(result)
+            with self._lock:
+                self.metrics.record(result)
         except StopString:
             finish = "stop"
         except Cancelled:
-            self.metrics.count("cancelled")
+            self._count("cancelled")
             return
         except Exception as e:  # noqa: BLE001 - the request fails; the engine restarts the backend
-            self._failed(request, e)
+            self._failed(request, e, backend)
             return
         finally:
             request.on_cancel = None
         rest = stream.finish()
         if rest:
             request.emit("text", rest)
-        self.metrics.count("ok")
+        self._count("ok")
         request.emit("done", finish, len(request.prompt_ids), stream.used_tokens)
+
+    def _count(self, outcome: str) -> None:
+        with self._lock:
+            self.metrics.count(outcome)
 
     def _timed(self, request: Request, started: float, last: list, count: int) -> None:
         """Tokens, TTFT (without and with the FIFO wait) and the time per token, for every outcome."""
         now = time.perf_counter()
-        self.metrics.tokens += count
-        if count == 0:
-            return
-        if last[0] is None:
-            self.metrics.ttft.observe(now - started)
-            self.metrics.ttft_queued.observe(now - request.enqueued)
-        else:
-            self.metrics.per_token.observe((now - last[0]) / count, count)
+        with self._lock:
+            self.metrics.tokens += count
+            if count == 0:
+                return
+            if last[0] is None:
+                self.metrics.ttft.observe(now - started)
+                self.metrics.ttft_queued.observe(now - request.enqueued)
+            else:
+                self.metrics.per_token.observe((now - last[0]) / count, count)
         last[0] = now
 
-    def _failed(self, request: Request, error: Exception) -> None:
+    def _failed(self, request: Request, error: Exception, backend: Backend) -> None:
+        """The request gets its 503; the first of the requests that shared the failed backend restarts it."""
         first = first_line(error)
         log.error("decode failed: %s; restarting the backend", first)
-        self.metrics.count("failed")
+        self._count("failed")
         request.emit("error", 503, f"the decoder failed: {first}; the pipeline is being restarted, retry")
-        self._restart(first)
+        with self._restarting:
+            if self.backend is backend:
+                self._restart(first)
 
     def _restart(self, why: str) -> None:
+        """Under `_restarting`."""
         log.warning("%s: starting a fresh pipeline", why)
         self.metrics.restarts += 1
         backend, self.backend = self.backend, None  # not ready while it restarts

@@ -1,25 +1,30 @@
 """The server's persistent pipeline: n + 1 ranks that load their weights once and serve request after request.
 
-`RankBackend` launches the ranks once (`inference.processes.launch.launch` with a request queue, on a launcher thread) and
-feeds them one request at a time; `serve_requests` is each rank's loop. Rank 0 takes the next request
-from the queue and broadcasts it over the process group, so every rank decodes the same prompt with the
-same sampling and seed; while no request comes it broadcasts a keep-alive every `IDLE_TICK_S`, so an idle
-pipeline never reaches the process-group timeout. The verifier's rank streams each cycle's tokens and the
-result back through the launcher's report queue. When a rank dies the launcher stops the others and
-names the rank; the request in flight fails with that message (HTTP 503) and the engine starts a fresh
-pipeline.
+`RankBackend` launches the ranks once (`inference.processes.launch.launch` with a request queue, on a launcher
+thread) and hands them each request through that queue. Rank 0 takes the requests from the queue and broadcasts
+them over the process group, so every rank decodes the same prompts with the same sampling and seeds; while no
+request comes it broadcasts a keep-alive every `IDLE_TICK_S`, so an idle pipeline never reaches the
+process-group timeout. The verifier's rank streams each cycle's tokens and each result back through the
+launcher's report queue, and `InFlight` routes them to the engine thread that waits for that request. When a
+rank dies the launcher stops the others and names the rank; every request in flight fails with that message
+(HTTP 503 each) and the engine starts a fresh pipeline.
+
+Two rank works: `serve_requests` decodes one request at a time (`--max-batch 1`, the `PipelineRunner`);
+`serve_slots` (`--max-batch B > 1`) runs the `BatchRunner` over B slots fed by the queue at step boundaries
+(`slot_feed.feed_slots`).
 
 A request the engine gives up on (its client disconnected, or a stop string ended it: the engine's
-`on_tokens` raises) is cancelled inside the ranks: the backend writes its id into shared memory
-(`Requests.cancel`), the verifier's rank reads that once per cycle (`PipelineRunner.decode(stop=...)`), and
-its next verdict is STOP, which ends the decode on every rank at the same cycle; the pipeline then takes
-the next request. The verifier's rank records the cycle it saw the cancel at and the cycle it stopped at
-(`last_cancel`). A verifier on another node gets each cancel from node 0's report listener instead
-(`nodes.RequestsOnNodeZero`), which the cancel notifies (`subscribe`).
+`on_tokens` raises) is cancelled inside the ranks: the backend writes its id into a ring of recent cancels in
+shared memory (`Requests.cancel`), the verifier's rank reads that once per cycle (the runner's `stop`), and
+its next verdict is STOP, which ends that decode on every rank at the same cycle. The verifier's rank records
+the cycle it saw the cancel at and the cycle it stopped at (`last_cancel`). A verifier on another node gets
+each cancel from node 0's report listener instead (`nodes.RequestsOnNodeZero`), which the cancel notifies
+(`subscribe`).
 
-Memory is bounded by configuration, not by what clients send: a rank keeps one runner (and its caches) per
-sampling setting for the `job.runners_kept` settings used most recently and drops the oldest beyond them.
-Once every rank has loaded its weights and met the others, rank 0 marks the pipeline ready (`/ready`).
+Memory is bounded by configuration, not by what clients send: at batch 1 a rank keeps one runner (and its
+caches) per sampling setting for the `job.runners_kept` settings used most recently and drops the oldest
+beyond them; batched, one runner with B slots serves every setting. Once every rank has loaded its weights and
+met the others, rank 0 marks the pipeline ready (`/ready`).
 """
 
 from __future__ import annotations
@@ -37,18 +42,20 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from inference.backends import BackendFailure, Cancelled
+from inference.backends import BackendFailure
 from inference.cycle.result import DecodeResult
+from inference.cycle.slots import Request, SlotSequence
+from inference.processes.batch_ranks import build_batch_runner
 from inference.processes.job import DecodeJob
 from inference.processes.launch import launch, start_method
 from inference.processes.roles import Loaded, build_runner, load_role
 from inference.sampling import Sampling
+from inference.serving.inflight import InFlight
+from inference.serving.slot_feed import IDLE_TICK_S, STOP, Ask, feed_slots, waiting
 from spd_lightning.errors import first_line
 
 log = logging.getLogger(__name__)
-IDLE_TICK_S = 1.0
 REPORT_WAIT_S = 1.0  # how long a cancelled result waits for its verifier's report from another node
-STOP = "stop"
 
 
 class CancelReport(NamedTuple):
@@ -62,18 +69,24 @@ class CancelReport(NamedTuple):
 
 class Requests:
     """What the server shares with its ranks: the FIFO of requests (rank 0 reads it) and, in shared memory,
-    the id of the request to cancel and the verifier's report of the last cancellation. Passed to the rank
-    processes when they start (`launch(requests=...)`)."""
+    the ids of the requests cancelled lately (a ring of `ring` ids: longer than the requests that can be in
+    flight, so none is overwritten before the verifier reads it) and the verifier's report of the last
+    cancellation. Passed to the rank processes when they start (`launch(requests=...)`)."""
 
-    def __init__(self, context):
+    def __init__(self, context, ring: int = 16):
         self.queue = context.Queue()
-        self._cancel = context.RawValue("q", -1)  # the id of the request to stop
+        self._cancels = context.RawArray("q", [-1] * ring)  # the ids of the requests to stop
+        self._written = context.RawValue("q", 0)  # cancels written so far (the next goes to this % ring)
         self._report = context.RawArray("q", [-1, -1, -1])  # CancelReport of the last cancelled decode
         self._ready = context.RawValue("b", 0)  # rank 0 sets it once every rank has loaded
         self._subscribers: list[Callable[[int], None]] = []  # in the server's process: other nodes' listener
+        self._lock = threading.Lock()  # the engine's threads cancel concurrently
 
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_subscribers": []}  # the ranks get the shared memory, not the server's hooks
+    def __getstate__(self) -> dict:  # the ranks get the shared memory, not the server's hooks
+        return {k: v for k, v in self.__dict__.items() if k not in ("_subscribers", "_lock")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _subscribers=[], _lock=threading.Lock())
 
     def subscribe(self, on_cancel: Callable[[int], None]) -> None:
         self._subscribers.append(on_cancel)
@@ -88,8 +101,14 @@ class Requests:
     def get(self, timeout: float):
         return self.queue.get(timeout=timeout)
 
+    def get_nowait(self):
+        return self.queue.get_nowait()
+
     def cancel(self, request_id: int) -> None:
-        self._cancel.value = request_id
+        with self._lock:
+            written = self._written.value
+            self._cancels[written % len(self._cancels)] = request_id
+            self._written.value = written + 1
         for on_cancel in self._subscribers:
             on_cancel(request_id)
 
@@ -100,11 +119,13 @@ class Requests:
         return bool(self._ready.value)
 
     def current_cancel(self) -> int:
-        return self._cancel.value
+        """The id cancelled last (-1: none yet)."""
+        written = self._written.value
+        return self._cancels[(written - 1) % len(self._cancels)] if written else -1
 
     def cancelled(self, request_id: int) -> bool:
-        """One read of shared memory: what the verifier's rank polls once per cycle."""
-        return self._cancel.value == request_id
+        """One read of shared memory: what the verifier's rank polls once per cycle for each request."""
+        return request_id in self._cancels[:]
 
     def record(self, report: CancelReport) -> None:
         self._report[:] = list(report)
@@ -141,6 +162,37 @@ def serve_requests(
             report(request_id, result)
 
 
+def serve_slots(
+    job: DecodeJob, rank: int, device: torch.device, requests: Requests, report: Callable, on_tokens: Callable
+) -> None:
+    """One rank's batched serving loop (`--max-batch B > 1`): load once, then `feed_slots` until rank 0 reads
+    None; the verifier's rank streams each slot's tokens, stops a cancelled one, and reports each result."""
+    runner = build_batch_runner(job, rank, device)
+    dist.barrier()  # every rank has loaded its weights
+    if rank == 0:
+        requests.mark_ready()
+    verifier, eos = rank == runner.verifier_rank, frozenset(job.eos_token_ids)
+
+    def take(free: int, idle: bool) -> list[Ask] | str:
+        box = [waiting(requests, free, IDLE_TICK_S if idle else 0.0) if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def start(ask: Ask) -> Request:
+        if not verifier:
+            return ask.request(eos, None, None)
+        request_id = ask.request_id
+        return ask.request(eos, lambda tokens: on_tokens(request_id, tokens), lambda: requests.cancelled(request_id))
+
+    def ended(ask: Ask, result: DecodeResult, seq: SlotSequence) -> None:
+        if verifier:
+            if result.stop_reason == "cancelled":
+                requests.record(CancelReport(ask.request_id, seq.stop_seen, result.K))
+            report(ask.request_id, result)
+
+    feed_slots(runner, take, start, ended)
+
+
 class Runners:
     """At most `kept` runners, one per sampling setting, the least recently used dropped first."""
 
@@ -173,14 +225,13 @@ def _next_request(rank: int, requests):
 
 
 class RankBackend:
-    """The engine's backend over a persistent pipeline of n + 1 processes (see the module docstring)."""
+    """The engine's backend over a persistent pipeline of n + 1 processes (see the module docstring);
+    `in_flight`: the most requests the engine hands it at once (its slots and its queue)."""
 
-    def __init__(self, job: DecodeJob):
+    def __init__(self, job: DecodeJob, in_flight: int = 1):
         self.job = job
-        self.requests = Requests(mp.get_context(start_method(job)))
-        self._events: queue.Queue = queue.Queue()
-        self._next_id = 0
-        self._current: tuple[int, object] | None = None  # the request decoding now: its id and its hook
+        self.requests = Requests(mp.get_context(start_method(job)), ring=max(16, 4 * in_flight))
+        self.in_flight = InFlight(self.requests.cancel)
         self.last_cancel: CancelReport | None = None
         self.pids: dict[int, int] = {}
         self.failure = "the pipeline is not running"
@@ -191,16 +242,16 @@ class RankBackend:
         try:
             launch(
                 self.job,
-                on_result=lambda i, r: self._events.put(("result", i, r)),
+                on_result=lambda i, r: self.in_flight.put("result", i, r),
                 on_start=lambda rank, pid: self.pids.__setitem__(rank, pid),
-                on_tokens=lambda i, tokens: self._events.put(("tokens", i, tokens)),
+                on_tokens=lambda i, tokens: self.in_flight.put("tokens", i, tokens),
                 requests=self.requests,
-                work=serve_requests,
+                work=serve_slots if self.job.max_batch > 1 else serve_requests,
             )
             self.failure = "the pipeline stopped"
         except Exception as e:  # noqa: BLE001 - LaunchError names the rank; anything else is reported as is
             self.failure = first_line(e)
-        self._events.put(("ended", None, self.failure))
+        self.in_flight.end(self.failure)
 
     def alive(self) -> bool:
         return self._launcher.is_alive()
@@ -211,44 +262,15 @@ class RankBackend:
 
     def cancel(self, on_tokens) -> None:
         """From any thread: stop the decode whose hook is `on_tokens` at the ranks' next verdict (a cancel that
-        comes after that decode has ended cannot reach the next one)."""
-        current = self._current
-        if current is not None and current[1] is on_tokens:
-            self._events.put(("cancel", current[0], None))  # wakes `generate`, which tells the ranks at once
+        comes after that decode has ended reaches no other)."""
+        self.in_flight.cancel(on_tokens)
 
     def generate(self, prompt_ids, max_new_tokens, sampling: Sampling, seed, on_tokens) -> DecodeResult:
         if not self._launcher.is_alive():
             raise BackendFailure(self.failure)
-        request_id, self._next_id = self._next_id, self._next_id + 1
-        self._current = (request_id, on_tokens)
-        try:
-            self.requests.put((request_id, list(prompt_ids), max_new_tokens, sampling.to_dict(), seed))
-            return self._follow(request_id, on_tokens)
-        finally:
-            self._current = None
-
-    def _follow(self, request_id: int, on_tokens) -> DecodeResult:
-        cancelled = None
-        while True:
-            kind, index, value = self._events.get()
-            if kind == "ended":
-                raise BackendFailure(value)
-            if index != request_id:
-                continue  # a cancelled request's late events
-            if kind == "result":
-                if cancelled is not None:
-                    self._cancelled(request_id, value)
-                    raise cancelled
-                return value
-            if cancelled is not None:
-                continue
-            try:
-                if kind == "cancel":
-                    raise Cancelled
-                on_tokens(value)
-            except Exception as e:  # noqa: BLE001 - Cancelled / StopString: the ranks stop at their next verdict
-                cancelled = e
-                self.requests.cancel(request_id)
+        request_id = self.in_flight.open(on_tokens)
+        self.requests.put((request_id, list(prompt_ids), max_new_tokens, sampling.to_dict(), seed))
+        return self.in_flight.follow(request_id, self._cancelled)
 
     def _cancelled(self, request_id: int, result: DecodeResult) -> None:
         """Keep (and log) the verifier's report when the ranks stopped the request before its end. A verifier on

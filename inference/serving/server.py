@@ -8,8 +8,10 @@
     python -m inference.serve --ckpt drafter/ --device cuda --nnodes 2 --node-rank 1 --nproc-per-node 4 --master-addr HOST0
 
 The weights are loaded once, at start: n + 1 rank processes that stay up between requests (in this
-process with `--simulate`; `--mode ar` runs the stages in sequence in this process). Requests are decoded one at a time (SPD is a batch-1 latency
-method) and wait in a FIFO of `--queue-size` (HTTP 429 beyond it). Endpoints: `POST /v1/chat/completions`,
+process with `--simulate`; `--mode ar` runs the stages in sequence in this process). `--max-batch B` requests
+decode at once, each in a slot of the batched pipeline (continuous batching: a request joins a free slot at a
+cycle boundary and leaves it when it ends; default 1 on the CPU, up to 8 on GPUs, see `serving.batching`); the
+others wait in a FIFO of `--queue-size` (HTTP 429 beyond it). Endpoints: `POST /v1/chat/completions`,
 `POST /v1/completions` (`stream: true` for server-sent events as tokens are verified; `temperature`,
 `top_p`, `top_k`, `max_tokens`, `seed`, `stop`), `GET /v1/models[/ID]`, `/health` (liveness), `/ready`
 (the pipeline can take a request now), `/metrics` (Prometheus, with latency histograms).
@@ -35,6 +37,7 @@ from inference.processes.job import DecodeJob
 from inference.processes.launch import LaunchError, RankInputError, launch
 from inference.processes.nodes import Nodes, RequestsOnNodeZero, join_pipeline
 from inference.sampling import Sampling
+from inference.serving.batching import GPU_BATCH, check_max_batch, default_max_batch
 from inference.serving.engine import Engine
 from inference.setup import Setup, decode_job, prepare
 from spd_lightning.errors import first_line
@@ -69,6 +72,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=4,
         help="sampling settings whose runners (and caches) each rank keeps; the oldest beyond it is dropped",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        help="requests decoding at once, each in a slot of the batched pipeline (continuous batching); "
+        f"default: 1 on the CPU, up to {GPU_BATCH} on GPUs as their memory allows (docs/SERVING.md)",
     )
     p.add_argument(
         "--threads",
@@ -127,9 +136,11 @@ def build(args: argparse.Namespace):
     from inference.serving.app import ServerConfig, build_app
 
     check_args(args)
-    setup = prepare(args)
+    setup = prepared(args)
     name = args.model_name or os.path.basename(os.path.normpath(setup.ckpt or setup.target_path))
-    engine = Engine(lambda: make_backend(setup, args), setup.tokenizer, setup.mode, args.queue_size)
+    engine = Engine(
+        lambda: make_backend(setup, args), setup.tokenizer, setup.mode, args.queue_size, max_batch=args.max_batch
+    )
     config = ServerConfig(
         name,
         args.max_tokens_cap,
@@ -140,16 +151,31 @@ def build(args: argparse.Namespace):
     return build_app(engine, config), engine
 
 
+def prepared(args: argparse.Namespace) -> Setup:
+    """The setup, and `--max-batch` checked against it (its default when not given)."""
+    setup = prepare(args)
+    check_max_batch(args, setup.mode)
+    if args.max_batch is None:
+        args.max_batch = default_max_batch(args, setup)
+        log.info("--max-batch %d (its default here)", args.max_batch)
+    return setup
+
+
 def make_backend(setup: Setup, args: argparse.Namespace):
     """n + 1 persistent ranks; in this process with --simulate, for --mode ar (the stages in sequence) and for
-    --mode eagle3 (chain decoding is a one-GPU method: draft and verify in one process)."""
+    --mode eagle3 (chain decoding is a one-GPU method: draft and verify in one process). Batched (--max-batch
+    > 1): the ranks' slot runner, or the batched simulator in this process."""
     if args.simulate or setup.mode in ("ar", "eagle3"):
         if args.threads:
             torch.set_num_threads(args.threads)
+        if args.max_batch > 1:
+            from inference.serving.batch_backend import BatchSimulatorBackend
+
+            return BatchSimulatorBackend.from_setup(setup, args.device, args.max_batch)
         return in_process_backend(setup, args.device)
     from inference.serving.ranks import RankBackend
 
-    return RankBackend(serving_job(setup, args))
+    return RankBackend(serving_job(setup, args), in_flight=args.max_batch + args.queue_size)
 
 
 def serving_job(setup: Setup, args: argparse.Namespace) -> DecodeJob:
@@ -157,6 +183,7 @@ def serving_job(setup: Setup, args: argparse.Namespace) -> DecodeJob:
     job = decode_job(setup, args, [], Sampling(), profile=False)
     job.stream = True
     job.runners_kept = args.runners_kept
+    job.max_batch = args.max_batch
     job.fault = os.environ.get("SPD_FAULT")  # test-only: see `faults.Fault`
     job.nodes = nodes_of(args)
     if job.nodes is not None and job.nodes.node_rank == 0:  # a name of its own for each pipeline (`nodes`)
@@ -171,7 +198,7 @@ def run_ranks_only(args: argparse.Namespace) -> int:
     from inference.serving.ranks import serve_requests
 
     check_args(args)
-    job = serving_job(prepare(args), args)
+    job = serving_job(prepared(args), args)
     where = f"node 0 at {args.master_addr}:{args.master_port}"
     nodes = job.nodes
     while True:

@@ -1,0 +1,85 @@
+"""The in-process batched backend of `serve --simulate --max-batch B`: a `BatchSimulator` fed by the server.
+
+One driver thread owns the simulator and runs `slot_feed.feed_slots` over it: the requests the engine's
+threads hand over (`generate`, one thread per request) wait in this backend's FIFO and join free slots at step
+boundaries; each request's tokens and result go back to its own thread through `InFlight`, where the engine's
+hook runs. A cancelled request (`cancel`, or its hook raised) is stopped at its next verdict (`Request.stop`
+reads the set of cancelled ids once per cycle). If the driver fails, every request in flight fails with its
+message and `alive` turns false, so the engine builds a fresh backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+from inference.cycle.batch import BatchSimulator
+from inference.cycle.result import DecodeResult
+from inference.cycle.slots import Request, SlotSequence
+from inference.sampling import Sampling
+from inference.serving.inflight import InFlight
+from inference.serving.slot_feed import IDLE_TICK_S, Ask, feed_slots, waiting
+from inference.setup import Setup
+from spd_lightning.errors import first_line
+from spd_lightning.export import load_drafter
+from spd_lightning.geometry import Geometry
+from spd_lightning.target import Target
+
+log = logging.getLogger(__name__)
+
+
+class BatchSimulatorBackend:
+    def __init__(self, target: Target, pdm, geometry: Geometry, eos: list[int], max_batch: int):
+        self.runner = BatchSimulator(target, pdm, geometry, max_batch)
+        self.eos = frozenset(eos)
+        self._cancelled: set[int] = set()
+        self.in_flight = InFlight(self._cancelled.add)
+        self._asks: queue.SimpleQueue[Ask | None] = queue.SimpleQueue()
+        self._driver = threading.Thread(target=self._drive, name="spd-batch-driver", daemon=True)
+        self._driver.start()
+
+    @classmethod
+    def from_setup(cls, setup: Setup, device: str, max_batch: int) -> BatchSimulatorBackend:
+        target = Target.load(setup.target_path, setup.dtype, device, setup.trust_remote_code)
+        pdm = load_drafter(setup.ckpt, map_location=device)[0].to(target.model.dtype)
+        return cls(target, pdm, setup.geometry, setup.eos, max_batch)
+
+    def generate(self, prompt_ids, max_new_tokens, sampling: Sampling, seed, on_tokens=None) -> DecodeResult:
+        request_id = self.in_flight.open(on_tokens)
+        self._asks.put(Ask(request_id, list(prompt_ids), max_new_tokens, sampling.to_dict(), seed))
+        return self.in_flight.follow(request_id)
+
+    def cancel(self, on_tokens) -> None:
+        self.in_flight.cancel(on_tokens)
+
+    def alive(self) -> bool:
+        return self._driver.is_alive()
+
+    def close(self) -> None:
+        self._asks.put(None)
+        self._driver.join(30)
+
+    def _drive(self) -> None:
+        try:
+            feed_slots(self.runner, self._take, self._start, self._ended)
+            failure = "the batched decoder stopped"
+        except Exception as e:  # noqa: BLE001 - every request in flight gets this message
+            log.exception("the batched decoder failed")
+            failure = first_line(e)
+        self.in_flight.end(failure)
+
+    def _take(self, free: int, idle: bool) -> list[Ask] | str:
+        return waiting(self._asks, free, IDLE_TICK_S if idle else 0.0)
+
+    def _start(self, ask: Ask) -> Request:
+        request_id = ask.request_id
+        return ask.request(
+            self.eos,
+            lambda tokens: self.in_flight.put("tokens", request_id, tokens),
+            lambda: request_id in self._cancelled,
+        )
+
+    def _ended(self, ask: Ask, result: DecodeResult, seq: SlotSequence) -> None:
+        self._cancelled.discard(ask.request_id)
+        self.in_flight.put("result", ask.request_id, result)

@@ -1,0 +1,85 @@
+"""`serve --max-batch`: how many requests share the pipeline, checked and defaulted before anything loads.
+
+The default (docs/SERVING.md, "Batched serving"):
+
+- the CPU: 1. A CPU stage's forward costs about its rows' compute, so batching there buys throughput with
+  every request's latency (measured in docs/SERVING.md); SPD is a latency method, batching is asked for.
+- GPUs: up to `GPU_BATCH` (8): a one-token stage step is bound by reading the weights, so 8 rows cost little
+  more than 1 (issue 26). Fewer when the slots' caches would not fit: B slots, each as long as the longest
+  request the server accepts (the target's context), must fit in `CACHE_SHARE` of one GPU's memory beside
+  its stage's weights. The caches are estimated as if every layer of the largest stage were attention (a
+  Gated DeltaNet layer's fixed state is smaller at long contexts), so the bound errs low.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+from inference.cli import UsageError
+from inference.setup import Setup
+from spd_lightning.target import resolve_dtype
+
+GPU_BATCH = 8
+CACHE_SHARE = 0.5  # of what a GPU has beside its stage's weights (the rest: activations, graphs, fragmentation)
+
+
+def check_max_batch(args: argparse.Namespace, mode: str) -> None:
+    """One line for what batched serving does not support (yet)."""
+    B = args.max_batch
+    if B is None or B == 1:
+        return
+    if B < 1:
+        raise UsageError(f"--max-batch {B} must be >= 1 (1: one request at a time)")
+    if mode in ("ar", "eagle3"):
+        raise UsageError(f"--max-batch {B}: --mode {mode} serves one request at a time; use --max-batch 1")
+    if args.pdm_placement != "separate":
+        raise UsageError(f"--max-batch {B} runs the PDM on a rank of its own: use --pdm-placement separate")
+    if args.nnodes > 1:
+        raise UsageError(f"--max-batch {B} serves on one node so far: use --nnodes 1 or --max-batch 1")
+    if args.compile:
+        raise UsageError(f"--max-batch {B} decodes eagerly so far: drop --compile or use --max-batch 1")
+
+
+def default_max_batch(args: argparse.Namespace, setup: Setup) -> int:
+    """`--max-batch` when it is not given (see the module docstring)."""
+    if not args.device.startswith("cuda") or setup.mode in ("ar", "eagle3") or args.nnodes > 1 or args.compile:
+        return 1
+    if args.pdm_placement != "separate" or not torch.cuda.is_available():
+        return 1
+    memory = min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+    return batch_that_fits(memory, stage_weight_bytes(setup), slot_cache_bytes(setup))
+
+
+def batch_that_fits(memory: int, weights: int, per_slot: int) -> int:
+    """At most GPU_BATCH slots, at least 1, whose caches take at most CACHE_SHARE of what the weights leave."""
+    if per_slot <= 0:
+        return GPU_BATCH
+    return max(1, min(GPU_BATCH, math.floor(CACHE_SHARE * max(0, memory - weights) / per_slot)))
+
+
+def stage_weight_bytes(setup: Setup) -> int:
+    """The largest stage's share of the target's weights (its layers; the ends' embedding and head counted whole)."""
+    model = setup.skeleton.model
+    element = torch.empty((), dtype=_dtype(setup)).element_size()
+    total = sum(p.numel() for p in model.parameters())
+    return math.ceil(total / setup.geometry.n) * element
+
+
+def slot_cache_bytes(setup: Setup) -> int:
+    """One slot's keys and values on the largest stage, at the target's whole context."""
+    config = setup.skeleton.model.config
+    config = getattr(config, "text_config", config)
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    layers = math.ceil(config.num_hidden_layers / setup.geometry.n)
+    positions = setup.info.max_position_embeddings or 32768
+    element = torch.empty((), dtype=_dtype(setup)).element_size()
+    return layers * 2 * kv_heads * head_dim * positions * element
+
+
+def _dtype(setup: Setup) -> torch.dtype:
+    return resolve_dtype(setup.dtype)
