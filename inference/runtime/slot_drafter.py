@@ -210,7 +210,8 @@ class SlotDrafter:
         if first > start:
             g[: first - start] = pdm.fuse(self.states[slot, start:first].to(self.dtype), geometry.type_of(geometry.n))
         types = tuple(geometry.type_of(d) for d, _ in view)
-        g[first - start : last + 1 - start] = pdm.fuse(self.states[slot, first : last + 1].to(self.dtype)[None], types)[0]
+        in_flight = self.states[slot, first : last + 1].to(self.dtype)[None]
+        g[first - start : last + 1 - start] = pdm.fuse(in_flight, types)[0]
         return last + 1 - start
 
     def _logits(self, g: torch.Tensor) -> torch.Tensor:
