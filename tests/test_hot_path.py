@@ -327,7 +327,9 @@ def recorded_batch_run(B: int):
 def test_every_batched_rank_syncs_only_to_read_the_verdict_once_per_step(monkeypatch, verdict_in_time):
     """B = 3 over a recorded `BatchSimulator` run: each stage rank and the PDM rank alone (their own slot caches,
     per-slot positions and PDM offsets kept on the device) make no sync but the one read of each `[B, 2]`
-    verdict, and decode what the recorded run decoded."""
+    verdict, and decode what the recorded run decoded. A late verdict does not hold the PDM's draft up: it drafts
+    for every slot not known to be wasted, discards the drafts of wasted ones, and sends exactly what the PDM of
+    the recorded run sent."""
     from inference.cycle.batch_runner import BatchRunner
     from inference.runtime.slot_drafter import SlotDrafter
     from inference.runtime.slot_stage import SlotStage
@@ -353,6 +355,11 @@ def test_every_batched_rank_syncs_only_to_read_the_verdict_once_per_step(monkeyp
         if rank == geometry.n - 1:  # the verifier's process knows every sequence's result
             assert [(r.tokens, r.K, r.counters) for r in got] == [(r.tokens, r.K, r.counters) for r in want]
         check_batch_verdict_reads(steps)
+        if rank == geometry.n:
+            recorded = [(dst, kind, t) for src, dst, kind, t in log if src == rank]
+            assert [(d, k) for d, k, _ in alone.sent] == [(d, k) for d, k, _ in recorded]
+            assert all(torch.equal(a, b) for (_, _, a), (_, _, b) in zip(alone.sent, recorded))
+            assert (runner.discarded_drafts > 0) == (not verdict_in_time)
 
 
 def test_the_batch_simulator_syncs_once_per_step(monkeypatch):

@@ -14,7 +14,7 @@ wasted step: its inputs came with it), the receive of the previous step's verdic
 every hosted stage's one forward over the slots with a token at it, the verifier's copy of the entering drafts,
 the draft, the verdicts. A process that does not know yet whether a slot's step is wasted (a stage rank before
 the verdict is in) runs it optimistically; the redo rolls it back per slot. The verifier's process knows, and
-skips wasted steps; the PDM waits for the verdict before it drafts (it never drafts for a wasted step). A step
+skips wasted steps; the PDM drafts without a verdict that is not in yet and discards a wasted slot's draft. A step
 ends with the previous step's verdict taken everywhere, and this step's too when it ends some slot's decode
 whatever it says (`Step.final`): so at a step boundary every process holds the same slots, and requests join
 free slots in the same order on every rank (`run`: a FIFO; a join's prefill is a step of its own).
@@ -89,6 +89,7 @@ class BatchRunner:
         self._draft_tokens = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         self._draft_q = torch.zeros(max_batch, config.draft_vocab_size, device=self.device)
         self.steps_run = 0
+        self.discarded_drafts = 0  # drafts the PDM made before learning that their slot's step was wasted
         self.cycles = 0  # steps in which some slot ran a real cycle
         self._finished: list[tuple[int, DecodeResult]] = []
 
@@ -319,34 +320,55 @@ class BatchRunner:
                 seq.verifier.remember(fresh[b].stage_positions[0], tokens[b : b + 1], None if greedy else q[b])
 
     def _draft(self, live: dict[int, SlotSequence], rows: int) -> None:
-        """Post-step, this step's anchor states reach the PDM first; the PDM learns the previous verdict, then
-        drafts for every slot whose step is real, in one forward."""
+        """Post-step, this step's anchor states reach the PDM first; the PDM learns the previous verdict if it is
+        in, then drafts for every slot whose step is real or not known to be wasted, in one forward. A verdict that
+        is late does not hold the draft up (as at batch 1, "The critical path"): the PDM drafts without it, then
+        waits for it, and a slot's draft for a step that turns out wasted is discarded: not sent, its randomness
+        given back to the slot's generator, so every draft is that of a PDM that knew in time."""
         n = self.n
-        if self.drafter is not None:
+        late = self.drafter is not None and self._verdict_late()
+        if self.drafter is not None and not late:
             self._take_verdict_of(self.steps_run - 1)
         if self.geometry.schedule == "post_step":
             self._send_anchors_during(live)
         if self.drafter is None:
             return
-        real = {b: seq for b, seq in live.items() if seq.wasted(self._awaited(b)) is False}
-        for b, seq in real.items():
+        drafting = {b: seq for b, seq in live.items() if seq.wasted(self._awaited(b)) is not True}
+        for b, seq in drafting.items():
             plan = seq.step.plan
             if plan.seed_token >= 0:
                 self.drafter.set_token(b, plan.stage_positions[0], plan.seed_token)
-        if not real:
+        if not drafting:
             return
+        randomness = {
+            b: seq.draft_generator.get_state()
+            for b, seq in drafting.items()
+            if seq.wasted(self._awaited(b)) is None and not seq.request.sampling.greedy
+        }
         drafts = self.drafter.draft(
-            {b: seq.step.plan.draft_view for b, seq in real.items()},
-            {b: seq.request.sampling for b, seq in real.items()},
-            {b: seq.draft_generator for b, seq in real.items()},
+            {b: seq.step.plan.draft_view for b, seq in drafting.items()},
+            {b: seq.request.sampling for b, seq in drafting.items()},
+            {b: seq.draft_generator for b, seq in drafting.items()},
             rows,
         )
+        if late:
+            self._take_verdict_of(self.steps_run - 1)
         for b, (token, q) in drafts.items():
+            if live[b].wasted(self._awaited(b)):  # its writes need no undo: see `PipelineRunner._draft`
+                self.discarded_drafts += 1
+                if b in randomness:
+                    live[b].draft_generator.set_state(randomness[b])
+                continue
             self._draft_tokens[b] = token[0]
             if q is not None:
                 self._draft_q[b] = q
         self.box.put(n, "draft_token", self._draft_tokens)
         self.box.put(n, "draft_q", self._draft_q)
+
+    def _verdict_late(self) -> bool:
+        """Whether the PDM's posted receive of the previous step's verdict is not in yet."""
+        arrival = self._arrivals.get(self.n)
+        return arrival is not None and not arrival.ready()
 
     def _send_anchors_during(self, live: dict[int, SlotSequence]) -> None:
         n = self.n
@@ -357,7 +379,7 @@ class BatchRunner:
             if states is None:
                 continue
             for b, plan in plans.items():
-                if live[b].wasted(self._awaited(b)) is False:
+                if live[b].wasted(self._awaited(b)) is not True:  # real, or drafted for before its verdict is in
                     for stage, position in plan.anchors_during:
                         if stage == s:
                             self.drafter.store_anchors(b, s, position, states[b : b + 1])
