@@ -5,8 +5,9 @@ The same requests (greedy, mixed prompt lengths) are decoded by `BatchSimulator`
 first checks every sequence against the first run (tokens and K). The stages run in sequence in one process,
 so the wall clock measures what batching saves per cycle (one forward over B slots instead of B forwards), not
 the pipeline's wall clock on n devices. What the planner needs (`python -m inference.plan --batch-times`) is
-timed per call: every stage's step and the PDM's draft, keyed by the rows the call ran (its batch bucket), and
-the whole step; a row of the JSON holds the means over the steps that ran the full bucket B.
+timed per call in process CPU time (the cost of a call on a shared machine, whatever else runs there; torch runs
+`--threads` threads, 1 by default): every stage's step and the PDM's draft, keyed by the rows the call ran (its
+batch bucket), and the whole step; a row of the JSON holds the means over the steps that ran the full bucket B.
 
     python scripts/bench_batch.py --requests 16 --max-new-tokens 48 --threads 1 --json batch_times.json
 """
@@ -43,7 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 class StepTimes:
-    """Wall time of each call of the wrapped methods, keyed by (what, rows the call ran)."""
+    """Process CPU time of each call of the wrapped methods, keyed by (what, rows the call ran)."""
 
     def __init__(self):
         self.calls: dict[tuple[str, int], list[float]] = defaultdict(list)
@@ -52,9 +53,9 @@ class StepTimes:
         call = getattr(owner, method)
 
         def timed(*args):
-            rows, t0 = rows_of(*args), time.perf_counter()
+            rows, t0 = rows_of(*args), time.process_time()
             out = call(*args)
-            self.calls[what, rows].append(time.perf_counter() - t0)
+            self.calls[what, rows].append(time.process_time() - t0)
             return out
 
         setattr(owner, method, timed)
@@ -148,6 +149,7 @@ def run(args) -> dict:
         "target": {"arch": args.arch, "layers": args.layers, "hidden": args.hidden},
         "n": geometry.n,
         "threads": args.threads,
+        "step_clock": "process CPU time",
         "rows": rows,
     }
 
