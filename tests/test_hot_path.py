@@ -272,3 +272,105 @@ def test_the_verifier_runs_its_forward_before_it_takes_the_draft(tiny_qwen35, mo
     steps = [step.split() for step in " ".join(events).split("step")[1:]]
     both = [step for step in steps if "forward" in step and "draft_token" in step]
     assert both and all(step.index("forward") < step.index("draft_token") for step in both), steps
+
+
+# -- batched decoding (issue 26): the same rule per step at B > 1 ------------------------------------------------
+BATCH_PROMPTS = [PROMPT, [7, 7, 8], [5], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
+
+
+def batch_requests():
+    """Greedy and sampled requests of mixed lengths, more than the slots: some join freed slots mid-run."""
+    from inference.cycle.slots import Request
+
+    settings = [Sampling(), Sampling(1.0, top_k=20), Sampling(), Sampling(0.8, top_p=0.9)]
+    return [Request(p, 10 + 3 * i, sampling=s, seed=i) for i, (p, s) in enumerate(zip(BATCH_PROMPTS, settings))]
+
+
+def batch_syncs_per_step(runner, counter: HostSyncCounter) -> list[list[HostSync]]:
+    """Wrap `runner.step`: the syncs of each batched step (a join's prefill is not a step)."""
+    steps, step = [], runner.step
+
+    def counted():
+        start = len(counter.records)
+        try:
+            return step()
+        finally:
+            steps.append([r for r in counter.records[start:] if is_sync(r)])
+
+    runner.step = counted
+    return steps
+
+
+def check_batch_verdict_reads(steps: list[list[HostSync]]) -> None:
+    """Only verdict reads: one `[B, 2]` read per step (two when a step ends a slot's decode and takes its own)."""
+    others = [r for syncs in steps for r in syncs if not is_verdict_read(r)]
+    assert not others, "\n".join(f"{r.kind} ({r.op}) at {r.site}" for r in others)
+    assert all(len(syncs) <= 2 for syncs in steps) and sum(map(len, steps)) <= len(steps)
+
+
+def recorded_batch_run(B: int):
+    """A `BatchSimulator` run of an often-accepted PDM (accepts and rejections, every fill level), its messages."""
+    from kit import agreeing_pdm, nearly_bigram_target
+
+    from inference.cycle.batch import BatchSimulator
+    from spd_lightning.geometry import Geometry
+
+    target = nearly_bigram_target("qwen3_5", 0.1)
+    geometry = Geometry.build(target.num_layers, 3)
+    simulator = BatchSimulator(target, agreeing_pdm(target, geometry, 0.1), geometry, B)
+    transport = RecordingTransport(geometry.n + 1)
+    simulator.transport = transport
+    return target, geometry, simulator, simulator.run(batch_requests()), transport.log
+
+
+@pytest.mark.parametrize("verdict_in_time", [True, False], ids=["verdict_early", "verdict_late"])
+def test_every_batched_rank_syncs_only_to_read_the_verdict_once_per_step(monkeypatch, verdict_in_time):
+    """B = 3 over a recorded `BatchSimulator` run: each stage rank and the PDM rank alone (their own slot caches,
+    per-slot positions and PDM offsets kept on the device) make no sync but the one read of each `[B, 2]`
+    verdict, and decode what the recorded run decoded. A late verdict does not hold the PDM's draft up: it drafts
+    for every slot not known to be wasted, discards the drafts of wasted ones, and sends exactly what the PDM of
+    the recorded run sent."""
+    from inference.cycle.batch_runner import BatchRunner
+    from inference.runtime.slot_drafter import SlotDrafter
+    from inference.runtime.slot_stage import SlotStage
+    from inference.runtime.stages import Stage
+
+    B = 3
+    target, geometry, simulator, want, log = recorded_batch_run(B)
+    assert sum(sum(r.counters["rejected_by_fill"]) for r in want) > 0
+    assert sum(sum(r.counters["accepted_by_fill"]) for r in want) > 0
+    for rank in range(geometry.n + 1):
+        stages, drafter = {}, None
+        if rank < geometry.n:
+            stages = {rank + 1: SlotStage(Stage.from_target(target, geometry, rank + 1), B)}
+        else:
+            pdm = simulator.drafter.pdm
+            drafter = SlotDrafter(pdm, geometry, target.embed_tokens, simulator.stages[1].stage.dtype, B)
+        alone = OneRank(rank, log, verdict_in_time)
+        runner = BatchRunner(geometry, alone, stages, drafter, simulator.config, B)
+        forbid_device_sync(monkeypatch)
+        with HostSyncCounter(device="cpu") as counter:
+            steps = batch_syncs_per_step(runner, counter)
+            got = runner.run(batch_requests())
+        if rank == geometry.n - 1:  # the verifier's process knows every sequence's result
+            assert [(r.tokens, r.K, r.counters) for r in got] == [(r.tokens, r.K, r.counters) for r in want]
+        check_batch_verdict_reads(steps)
+        if rank == geometry.n:
+            recorded = [(dst, kind, t) for src, dst, kind, t in log if src == rank]
+            assert [(d, k) for d, k, _ in alone.sent] == [(d, k) for d, k, _ in recorded]
+            assert all(torch.equal(a, b) for (_, _, a), (_, _, b) in zip(alone.sent, recorded))
+            assert (runner.discarded_drafts > 0) == (not verdict_in_time)
+
+
+def test_the_batch_simulator_syncs_once_per_step(monkeypatch):
+    """All ranks in one process at B = 3 and at B = 4 (no bucket padding): the verifier's one read of its
+    `[B, 2]` verdict rows is the only sync per step."""
+    for B in (3, 4):
+        _, _, simulator, want, _ = recorded_batch_run(B)
+        forbid_device_sync(monkeypatch)
+        with HostSyncCounter(device="cpu") as counter:
+            steps = batch_syncs_per_step(simulator, counter)
+            got = simulator.run(batch_requests())
+        assert [r.tokens for r in got] == [r.tokens for r in want]
+        check_batch_verdict_reads(steps)
+        assert all(r.site.endswith("in verdict_to_host") for syncs in steps for r in syncs)

@@ -40,13 +40,17 @@ class BatchSimulator(BatchRunner):
         geometry: Geometry,
         max_batch: int,
         replay_wasted_work: bool = False,
+        compile: bool = False,
     ):
         """`replay_wasted_work`: the stages before the last also run each slot's wasted steps, as distributed
-        stage ranks do when the verdict comes late (`Simulator`'s flag), and the redo rolls them back."""
+        stage ranks do when the verdict comes late (`Simulator`'s flag), and the redo rolls them back.
+        `compile`: the stage steps and the PDM's draft step through `torch.compile`, one graph per batch bucket."""
         geometry.check_target(target.num_layers)
-        stages = {s: SlotStage(Stage.from_target(target, geometry, s), max_batch) for s in range(1, geometry.n + 1)}
+        stages = {
+            s: SlotStage(Stage.from_target(target, geometry, s), max_batch, compile) for s in range(1, geometry.n + 1)
+        }
         first = stages[1].stage
-        drafter = SlotDrafter(pdm, geometry, target.embed_tokens, first.dtype, max_batch)
+        drafter = SlotDrafter(pdm, geometry, target.embed_tokens, first.dtype, max_batch, compile)
         config = RunnerConfig(
             Sampling(),  # unused: each request brings its own
             target.vocab_size,

@@ -14,7 +14,7 @@ wasted step: its inputs came with it), the receive of the previous step's verdic
 every hosted stage's one forward over the slots with a token at it, the verifier's copy of the entering drafts,
 the draft, the verdicts. A process that does not know yet whether a slot's step is wasted (a stage rank before
 the verdict is in) runs it optimistically; the redo rolls it back per slot. The verifier's process knows, and
-skips wasted steps; the PDM waits for the verdict before it drafts (it never drafts for a wasted step). A step
+skips wasted steps; the PDM drafts without a verdict that is not in yet and discards a wasted slot's draft. A step
 ends with the previous step's verdict taken everywhere, and this step's too when it ends some slot's decode
 whatever it says (`Step.final`): so at a step boundary every process holds the same slots, and requests join
 free slots in the same order on every rank (`run`: a FIFO; a join's prefill is a step of its own).
@@ -29,12 +29,14 @@ import torch
 
 from inference.cycle.messages import Mailboxes, MessageShapes
 from inference.cycle.pipeline import RunnerConfig
+from inference.cycle.prefill import prefill_stages
 from inference.cycle.result import DecodeResult
 from inference.cycle.schedule import CyclePlan, Verdict, VerdictMessage
 from inference.cycle.slots import Request, SlotSequence
 from inference.cycle.transport import Arrival, Transport
 from inference.cycle.verify import Verifier
 from inference.runtime.slot_drafter import SlotDrafter
+from inference.runtime.slot_rows import batch_bucket
 from inference.runtime.slot_stage import SlotStage
 from spd_lightning.geometry import Geometry
 
@@ -87,6 +89,7 @@ class BatchRunner:
         self._draft_tokens = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         self._draft_q = torch.zeros(max_batch, config.draft_vocab_size, device=self.device)
         self.steps_run = 0
+        self.discarded_drafts = 0  # drafts the PDM made before learning that their slot's step was wasted
         self.cycles = 0  # steps in which some slot ran a real cycle
         self._finished: list[tuple[int, DecodeResult]] = []
 
@@ -126,7 +129,11 @@ class BatchRunner:
             else:
                 arrival.wait()
         if not self.hosts_verifier:  # the verifier's process made them
-            self.verdicts[step] = self.box.inbox[self.listeners[0], "verdict"].tolist()
+            self.verdicts[step] = self._read_verdict(self.listeners[0])
+
+    def _read_verdict(self, rank: int) -> list[list[int]]:
+        """The `[B, 2]` verdict rows `rank` received, read once per message (host memory: no device sync)."""
+        return self.box.inbox[rank, "verdict"].tolist()
 
     def _take_verdict_of(self, step: int) -> None:
         while self._owed and self._owed[0] <= step:
@@ -160,41 +167,29 @@ class BatchRunner:
         return b
 
     def _prefill(self, b: int, seq: SlotSequence) -> int:
-        """Slot `b`'s prompt through every stage in order, its anchors to the PDM; the first token, which the
-        verifier samples and sends to every rank."""
-        n, H = self.n, self.config.hidden_size
+        """Slot `b`'s prompt through every stage in order, its anchors to the PDM (`prefill.prefill_stages`); the
+        first token, which the verifier samples and sends to every rank."""
         prompt = torch.tensor([list(seq.request.prompt_ids)], dtype=torch.long, device=self.device)
-        P = prompt.shape[1]
         if self.drafter is not None:
             self.drafter.start(b, prompt, seq.capacity)
-        hidden, anchors, token = None, {}, -1
-        for s in range(1, n + 1):
-            stage = self.stages.get(s)
-            if stage is not None:
-                out, anchors[s], logits = stage.prefill(b, prompt if s == 1 else hidden, seq.capacity)
-                self.box.outbox[s - 1, "act_prefill"] = out
-                if s == n:
-                    token = seq.verifier.first(logits)
-            if s < n:
-                self._send(s - 1, s, "act_prefill")
-                hidden = self._recv(s - 1, s, "act_prefill", self.box.prefill_buffer(s, "act", 1, 1, P, H))
-        for s, count in self.anchor_counts.items():
-            if count:
-                self._send(s - 1, n, "anchors_prefill", anchors.get(s))
-                states = self._recv(
-                    s - 1, n, "anchors_prefill", self.box.prefill_buffer(n, f"anchors{s}", 0, P, count, H)
-                )
-                if states is not None:
-                    self.drafter.store_anchors(b, s, 0, states)
+
+        def run_stage(s: int, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+            return self.stages[s].prefill(b, inputs, seq.capacity)
+
+        def store_anchors(s: int, states: torch.Tensor) -> None:
+            self.drafter.store_anchors(b, s, 0, states)
+
+        logits = prefill_stages(self, prompt, self.config.hidden_size, run_stage, store_anchors)
+        token = -1 if logits is None else seq.verifier.first(logits)
         first = torch.zeros(self.max_batch, 2, dtype=torch.long)  # its own buffer: joins come between settles
-        first[b] = torch.tensor([Verdict.FIRST, token])
-        for r in range(n + 1):
+        first[b, 0], first[b, 1] = Verdict.FIRST, token
+        for r in range(self.n + 1):
             if r != self.verifier_rank:
                 self._send(self.verifier_rank, r, "verdict", first)
         for r in self.listeners:
             self._recv(self.verifier_rank, r, "verdict")
             if not self.hosts_verifier:
-                verdict, token = self.box.inbox[r, "verdict"][b].tolist()
+                verdict, token = self._read_verdict(r)[b]
                 if verdict != Verdict.FIRST:
                     raise RuntimeError(f"protocol error: slot {b}'s first message is {Verdict(verdict).name}")
         return token
@@ -222,9 +217,10 @@ class BatchRunner:
         self._send_inputs(fresh)
         self._post_verdict()
         self._receive_inputs(fresh)
-        logits = self._compute(live)
+        rows = batch_bucket(max(live) + 1, self.max_batch)  # the forwards run the bucket of the live slots
+        logits = self._compute(live, rows)
         self._receive_draft_to_judge(live, fresh)
-        self._draft(live)
+        self._draft(live, rows)
         self._verify(live, logits)
         self._finish_step(live)
 
@@ -277,8 +273,9 @@ class BatchRunner:
         wasted = seq.wasted(self._awaited(b))
         return not wasted or (s < self.n and self.config.replay_wasted_work)
 
-    def _compute(self, live: dict[int, SlotSequence]) -> torch.Tensor | None:
-        """Every hosted stage: its slots' rollbacks, then one forward over the slots with a token at it."""
+    def _compute(self, live: dict[int, SlotSequence], rows: int) -> torch.Tensor | None:
+        """Every hosted stage: its slots' rollbacks, then one forward over the leading `rows` rows (the slots with
+        a token at it run it, the others idle)."""
         logits = None
         for s, stage in self.stages.items():
             taking = {b: seq.step.plan for b, seq in live.items() if self._runs(s, seq, b)}
@@ -288,10 +285,11 @@ class BatchRunner:
             tokens = {b: plan.stage_positions[s - 1] for b, plan in taking.items() if plan.stage_positions[s - 1] >= 0}
             if not tokens:
                 continue
-            out = stage.step(self._stage1_input(taking) if s == 1 else self.box.inbox[s - 1, "act"], tokens)
+            inputs = self._stage1_input(taking) if s == 1 else self.box.inbox[s - 1, "act"]
+            out = stage.step(inputs[:rows], tokens)
             if s < self.n:
-                self.box.put(s - 1, "act", out.hidden)
-            self.box.put(s - 1, f"anchors{s}", out.anchors)
+                self.box.put(s - 1, "act", out.hidden, rows)
+            self.box.put(s - 1, f"anchors{s}", out.anchors, rows)
             logits = out.logits if s == self.n else logits
         return logits
 
@@ -302,7 +300,7 @@ class BatchRunner:
             ids.copy_(self.box.inbox[0, "draft_token"].view_as(ids))
         for b, plan in taking.items():
             if plan.seed_token >= 0:
-                ids[b, 0] = plan.seed_token
+                ids[b].fill_(plan.seed_token)  # a kernel argument, not a copy of host memory
         return ids
 
     def _receive_draft_to_judge(self, live: dict[int, SlotSequence], fresh: dict[int, CyclePlan]) -> None:
@@ -321,34 +319,56 @@ class BatchRunner:
                 greedy = seq.request.sampling.greedy
                 seq.verifier.remember(fresh[b].stage_positions[0], tokens[b : b + 1], None if greedy else q[b])
 
-    def _draft(self, live: dict[int, SlotSequence]) -> None:
-        """Post-step, this step's anchor states reach the PDM first; the PDM learns the previous verdict, then
-        drafts for every slot whose step is real, in one forward."""
+    def _draft(self, live: dict[int, SlotSequence], rows: int) -> None:
+        """Post-step, this step's anchor states reach the PDM first; the PDM learns the previous verdict if it is
+        in, then drafts for every slot whose step is real or not known to be wasted, in one forward. A verdict that
+        is late does not hold the draft up (as at batch 1, "The critical path"): the PDM drafts without it, then
+        waits for it, and a slot's draft for a step that turns out wasted is discarded: not sent, its randomness
+        given back to the slot's generator, so every draft is that of a PDM that knew in time."""
         n = self.n
-        if self.drafter is not None:
+        late = self.drafter is not None and self._verdict_late()
+        if self.drafter is not None and not late:
             self._take_verdict_of(self.steps_run - 1)
         if self.geometry.schedule == "post_step":
             self._send_anchors_during(live)
         if self.drafter is None:
             return
-        real = {b: seq for b, seq in live.items() if seq.wasted(self._awaited(b)) is False}
-        for b, seq in real.items():
+        drafting = {b: seq for b, seq in live.items() if seq.wasted(self._awaited(b)) is not True}
+        for b, seq in drafting.items():
             plan = seq.step.plan
             if plan.seed_token >= 0:
                 self.drafter.set_token(b, plan.stage_positions[0], plan.seed_token)
-        if not real:
+        if not drafting:
             return
+        randomness = {
+            b: seq.draft_generator.get_state()
+            for b, seq in drafting.items()
+            if seq.wasted(self._awaited(b)) is None and not seq.request.sampling.greedy
+        }
         drafts = self.drafter.draft(
-            {b: seq.step.plan.draft_view for b, seq in real.items()},
-            {b: seq.request.sampling for b, seq in real.items()},
-            {b: seq.draft_generator for b, seq in real.items()},
+            {b: seq.step.plan.draft_view for b, seq in drafting.items()},
+            {b: seq.request.sampling for b, seq in drafting.items()},
+            {b: seq.draft_generator for b, seq in drafting.items()},
+            rows,
         )
+        if late:
+            self._take_verdict_of(self.steps_run - 1)
         for b, (token, q) in drafts.items():
+            if live[b].wasted(self._awaited(b)):  # its writes need no undo: see `PipelineRunner._draft`
+                self.discarded_drafts += 1
+                if b in randomness:
+                    live[b].draft_generator.set_state(randomness[b])
+                continue
             self._draft_tokens[b] = token[0]
             if q is not None:
                 self._draft_q[b] = q
         self.box.put(n, "draft_token", self._draft_tokens)
         self.box.put(n, "draft_q", self._draft_q)
+
+    def _verdict_late(self) -> bool:
+        """Whether the PDM's posted receive of the previous step's verdict is not in yet."""
+        arrival = self._arrivals.get(self.n)
+        return arrival is not None and not arrival.ready()
 
     def _send_anchors_during(self, live: dict[int, SlotSequence]) -> None:
         n = self.n
@@ -359,7 +379,7 @@ class BatchRunner:
             if states is None:
                 continue
             for b, plan in plans.items():
-                if live[b].wasted(self._awaited(b)) is False:
+                if live[b].wasted(self._awaited(b)) is not True:  # real, or drafted for before its verdict is in
                     for stage, position in plan.anchors_during:
                         if stage == s:
                             self.drafter.store_anchors(b, s, position, states[b : b + 1])

@@ -87,10 +87,13 @@ class Mailboxes:
     def next_step(self) -> None:
         self._step += 1
 
-    def put(self, rank: int, kind: str, value: torch.Tensor) -> None:
-        """Copy a computed output into this step's slot of its send ring; the next step sends it."""
+    def put(self, rank: int, kind: str, value: torch.Tensor, rows: int | None = None) -> None:
+        """Copy a computed output into this step's slot of its send ring; the next step sends it. `rows`: the
+        output covers the leading rows of a batched message only (a step over a bucket of the slots)."""
         slot = self.rings[rank, kind][self._step % SEND_RING]
-        self.outbox[rank, kind] = slot.copy_(value.view(slot.shape))
+        target = slot if rows is None else slot[:rows]
+        target.copy_(value.view(target.shape))
+        self.outbox[rank, kind] = slot
 
     def prefill_buffer(self, rank: int, kind: str, dim: int, *shape: int) -> torch.Tensor:
         """A receive buffer of `shape`, whose dimension `dim` counts the prompt's positions: a contiguous view of

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from inference.cycle.messages import Mailboxes, MessageShapes
+from inference.cycle.prefill import prefill_stages
 from inference.cycle.profiler import Profiler
 from inference.cycle.result import COMM, COMPUTE, VERIFY, WALL, DecodeResult, max_cycles, summarize_timing
 from inference.cycle.schedule import CyclePlan, PipelineSchedule, Step, Steps, Verdict, VerdictMessage
@@ -301,34 +302,25 @@ class PipelineRunner:
         return summarize_timing(torch.from_numpy(self.clock.rows[:, 1:]), K, self.n)
 
     def _prefill(self, prompt: torch.Tensor, capacity: int) -> None:
-        """The prompt through every stage in order; each stage fills its own cache and sends its anchors;
-        the verifier samples the first token and sends it to every rank."""
+        """The prompt through every stage in order (`prefill.prefill_stages`); the verifier samples the first
+        token and sends it to every rank."""
         if self.on_step is not None:
             self.on_step("prefill")
-        n, P, H = self.n, prompt.shape[1], self.config.hidden_size
-        hidden, anchors = None, {}
-        for s in range(1, n + 1):
-            stage = self.stages.get(s)
-            if stage is not None:
-                stage.cache.reset(capacity)
-                with self.clock.span(s - 1, COMPUTE, device_work=True):
-                    out = stage(prompt if s == 1 else hidden, 0)
-                self.outbox[s - 1, "act_prefill"] = out.hidden
-                anchors[s] = out.anchors
-                if s == n:
-                    row = self.verdict_rows[0]
-                    row[0], row[1] = Verdict.FIRST, self.verifier.first(out.logits)
-            if s < n:
-                self._send(s - 1, s, "act_prefill")
-                hidden = self._recv(s - 1, s, "act_prefill", self.box.prefill_buffer(s, "act", 1, 1, P, H))
-        for s, count in self.anchor_counts.items():
-            if count:
-                self._send(s - 1, n, "anchors_prefill", anchors.get(s))
-                states = self._recv(
-                    s - 1, n, "anchors_prefill", self.box.prefill_buffer(n, f"anchors{s}", 0, P, count, H)
-                )
-                if states is not None:
-                    self.drafter.store_anchors(s, 0, states)
+
+        def run_stage(s: int, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+            stage = self.stages[s]
+            stage.cache.reset(capacity)
+            with self.clock.span(s - 1, COMPUTE, device_work=True):
+                out = stage(inputs, 0)
+            return out.hidden, out.anchors, out.logits
+
+        def store_anchors(s: int, states: torch.Tensor) -> None:
+            self.drafter.store_anchors(s, 0, states)
+
+        logits = prefill_stages(self, prompt, self.config.hidden_size, run_stage, store_anchors)
+        if logits is not None:
+            row = self.verdict_rows[0]
+            row[0], row[1] = Verdict.FIRST, self.verifier.first(logits)
         self._send_verdict(0)
 
     # -- one step, phase by phase (see the module docstring) ---------------------------------------

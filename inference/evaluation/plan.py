@@ -41,6 +41,10 @@ each round drafts k tokens and verifies them in one target forward, so from the 
 printed per k beside SPD's best prediction at each n (SPD needs n GPUs with the PDM sharing stage 1's,
 n + 1 with its own). An eval with only an EAGLE-3 drafter needs no alpha.
 
+Batched decoding (`--batch-times batch_times.json` of `scripts/bench_batch.py --json`): tokens/s in total and
+per request at each measured B from the stage and draft step times at that B, and their weight-bound GPU reading
+(`inference/evaluation/batch_plan.py`); `--batch-alpha` overrides the measured tokens per cycle.
+
 Flags override the JSON. The recommendation is the (n, L_s) with the highest predicted speedup among
 those with an alpha (n must be <= L). Writes a markdown table to stdout and a plot (`--plot`, default
 plan.png); `--json` writes every row. Exit status 0, 2 on bad input (one line on stderr),
@@ -57,6 +61,7 @@ import sys
 from dataclasses import asdict, dataclass
 
 from inference import cli
+from inference.evaluation.batch_plan import batch_markdown, batch_rows
 from inference.evaluation.tables import markdown_table, pyplot, save
 from spd_lightning.errors import UserError, first_line
 
@@ -368,6 +373,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--alpha", action="append", default=[], help="N:L_S:ALPHA, repeatable")
     p.add_argument("--alphas", help='JSON: {"n,L_s": alpha}, [{n, L_s, alpha}], or an eval.json')
     p.add_argument("--schedule", choices=["pre_step", "post_step"], default="pre_step")
+    p.add_argument("--batch-times", help="JSON of scripts/bench_batch.py --json: step times per batch size B")
+    p.add_argument("--batch-alpha", type=float, help="tokens per cycle of one sequence (default: the bench's)")
     p.add_argument("--plot", default="plan.png", help="plot path ('' for none)")
     p.add_argument("--json", dest="json_out", help="write the rows and the recommendation here")
     cli.add_debug_argument(p)
@@ -385,7 +392,7 @@ def run(args: argparse.Namespace) -> dict:
         alphas.update([parse_alpha(spec)])
     eagle3_inputs = _eagle3_inputs(args.times)
     result: dict = {"rows": [], "markdown": ""}
-    if alphas or not eagle3_inputs:  # SPD's plan (an eval of an EAGLE-3 drafter alone needs no alpha)
+    if alphas or not (eagle3_inputs or args.batch_times):  # SPD's plan (EAGLE-3 or batch rows alone need no alpha)
         model = cost_model(args)
         rows, best = plan(model, alphas)
         if args.plot:
@@ -401,6 +408,11 @@ def run(args: argparse.Namespace) -> dict:
         t_full = result["model"]["t_full"] if result.get("model", {}).get("unit") == "s" else None
         result["eagle3"] = eagle3_rows(eagle3_inputs, t_full)
         result["markdown"] += ("\n" if result["markdown"] else "") + eagle3_markdown(result["eagle3"], result["rows"])
+    if args.batch_times:
+        report = _read_json(args.batch_times)
+        result["batch"] = batch_rows(report, args.batch_alpha, args.schedule, args.batch_times)
+        batch = batch_markdown(report, result["batch"], args.schedule)
+        result["markdown"] += ("\n" if result["markdown"] else "") + batch
     if args.json_out:
         with cli.writing(args.json_out), open(args.json_out, "w") as f:
             json.dump(result, f, indent=1)

@@ -5,12 +5,15 @@ per-slot reset and exact per-slot rollback.
 so B sequences at different positions share one forward per cycle:
 
 - attention layers: keys/values `[B, kv_heads, capacity, head_dim]`; a decode step writes row `b`'s key at that
-  row's own position (`index_put_` at a device position tensor) and the additive mask hides every key past it;
+  row's own position (`index_put_` at the device-resident positions, `DeviceInts` of slot_rows.py: advanced on
+  the device after each step, rolled back per slot by `fill_`, never copied from the host) and the additive mask
+  hides every key past it;
 - Gated DeltaNet layers: conv and recurrent states `[B, ...]`, and a snapshot ring `[window, B, ...]`: before a
   decode step every row's states are copied into ring slot `position_b % window`; a rollback of slot `b` to `p`
   copies ring slot `p % window` of row `b` back.
 
-A decode step runs every row (fixed shapes), also the rows whose slot has no token at this stage this cycle:
+A decode step runs the leading `rows` rows (`batch_bucket`: fixed shapes per bucket), also the rows whose slot
+has no token at this stage this cycle:
 such a row runs a dummy token at its own length. Its attention key lands past what it holds (masked, and
 overwritten when that position really runs), and its Gated DeltaNet states are put back from the snapshot taken
 just before the step (`keep_idle_rows`), so an idle row ends the step exactly as it began.
@@ -27,10 +30,11 @@ from transformers import StaticCache
 from transformers.cache_utils import LinearAttentionLayer, StaticLayer
 
 from inference.runtime.cache import CacheError, round_capacity
+from inference.runtime.slot_rows import DeviceInts, RowSets, mark_static
 
 
 class SlotCache:
-    def __init__(self, config, layer_indices: range, window: int, slots: int):
+    def __init__(self, config, layer_indices: range, window: int, slots: int, device: torch.device):
         self.layer_indices, self.window, self.slots = layer_indices, window, slots
         kinds = StaticCache(config=config, max_cache_len=1).layers  # which layers are attention / linear
         for i in layer_indices:
@@ -42,21 +46,27 @@ class SlotCache:
         self.attention_layers = [i for i in layer_indices if type(kinds[i]) is StaticLayer]
         self.linear_layers = [i for i in layer_indices if type(kinds[i]) is LinearAttentionLayer]
         self.capacity = 0
-        self.lengths = [0] * slots  # positions each slot holds
+        self.sets = RowSets(slots, device)
+        self.positions = DeviceInts(slots, device, self.sets)  # positions each slot holds = the one it runs next
+        self.rows = slots  # the rows the current decode step runs (a bucket)
+        self._rows = torch.arange(slots, device=device)
         self.keys: dict[int, torch.Tensor] = {}  # allocated at the first prefill (shapes come from the layer)
         self.values: dict[int, torch.Tensor] = {}
         self.conv: dict[int, torch.Tensor] = {}
         self.recurrent: dict[int, torch.Tensor] = {}
         self.conv_ring: dict[int, torch.Tensor] = {}
         self.recurrent_ring: dict[int, torch.Tensor] = {}
-        self.positions: torch.Tensor | None = None  # [B] the position each row runs in the current decode step
-        self._rows: torch.Tensor | None = None
+
+    @property
+    def lengths(self) -> list[int]:
+        """Positions each slot holds (the host mirror of `positions`)."""
+        return self.positions.host
 
     # -- per-slot bookkeeping -------------------------------------------------------------------
     def reset(self, slot: int, capacity: int) -> None:
         """Slot `slot` starts a new sequence of at most `capacity` positions (its prefill comes next)."""
         self.reserve(capacity)
-        self.lengths[slot] = 0
+        self.positions.assign({slot: 0})
 
     def reserve(self, positions: int) -> None:
         """Room for `positions` positions in every slot, keeping what each holds (a power-of-two bucket)."""
@@ -68,6 +78,7 @@ class SlotCache:
                 new = old.new_zeros(*old.shape[:2], capacity, old.shape[-1])
                 new[:, :, : old.shape[2]] = old
                 store[i] = new
+                mark_static(new)
         self.capacity = capacity
 
     def rollback(self, slot: int, keep: int) -> None:
@@ -80,53 +91,59 @@ class SlotCache:
         for i in self.linear_layers:
             self.conv[i][slot].copy_(self.conv_ring[i][keep % self.window, slot])
             self.recurrent[i][slot].copy_(self.recurrent_ring[i][keep % self.window, slot])
-        self.lengths[slot] = keep
+        self.positions.assign({slot: keep})
 
     def row(self, slot: int) -> _RowView:
         return _RowView(self, slot)
 
-    # -- one decode step over every row ---------------------------------------------------------
-    def before_step(self, positions: torch.Tensor, running: list[int]) -> None:
-        """`positions[B]` (device): row b's position, its length; `running`: the slots that run a real token."""
+    # -- one decode step over the leading rows -------------------------------------------------------
+    def before_step(self, rows: int, running: list[int]) -> None:
+        """On the host, before a decode step over rows `0..rows-1` in which the slots `running` run a real token."""
         for b in running:
             self.reserve(self.lengths[b] + 1)
-        self.positions = positions
-        if self._rows is None or self._rows.device != positions.device:
-            self._rows = torch.arange(self.slots, device=positions.device)
-        ring_slots = positions % self.window
-        for i in self.linear_layers:
-            self.conv_ring[i].index_put_((ring_slots, self._rows), self.conv[i])
-            self.recurrent_ring[i].index_put_((ring_slots, self._rows), self.recurrent[i])
+        self.rows = rows
 
-    def keep_idle_rows(self, running_mask: torch.Tensor, running: list[int]) -> None:
-        """After the step: the idle rows' Gated DeltaNet states back as they were; the running slots advance."""
-        ring_slots = self.positions % self.window
+    def snapshot(self) -> None:
+        """Inside the step: every row's Gated DeltaNet states into its ring slot `position % window`."""
+        rows = self._rows[: self.rows]
+        ring_slots = self.positions.device[: self.rows] % self.window
+        for i in self.linear_layers:
+            self.conv_ring[i].index_put_((ring_slots, rows), self.conv[i][: self.rows])
+            self.recurrent_ring[i].index_put_((ring_slots, rows), self.recurrent[i][: self.rows])
+
+    def keep_idle_rows(self, running_mask: torch.Tensor) -> None:
+        """Inside the step, after the layers: the idle rows' Gated DeltaNet states back as they were."""
+        rows = self._rows[: self.rows]
+        ring_slots = self.positions.device[: self.rows] % self.window
         for i in self.linear_layers:
             for state, ring in ((self.conv[i], self.conv_ring[i]), (self.recurrent[i], self.recurrent_ring[i])):
-                before = ring[ring_slots, self._rows]
+                state = state[: self.rows]
                 mask = running_mask.view(-1, *([1] * (state.dim() - 1)))
-                state.copy_(torch.where(mask, state, before))
-        for b in running:
-            self.lengths[b] += 1
+                state.copy_(torch.where(mask, state, ring[ring_slots, rows]))
+
+    def after_step(self, running: list[int], running_mask: torch.Tensor) -> None:
+        """After the step: the running slots advance by one position, on the device and on the host."""
+        self.positions.add_one(running, running_mask)
 
     # HF cache interface, decode step (every row, one token each)
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
-        keys[self._rows, :, self.positions] = key_states[:, :, 0]  # row b at its own position
-        values[self._rows, :, self.positions] = value_states[:, :, 0]
+        keys, values = self.keys[layer_idx][: self.rows], self.values[layer_idx][: self.rows]
+        rows, positions = self._rows[: self.rows], self.positions.device[: self.rows]
+        keys[rows, :, positions] = key_states[:, :, 0]  # row b at its own position
+        values[rows, :, positions] = value_states[:, :, 0]
         return keys, values
 
     def get_conv_state(self, layer_idx, state_idx=0):
-        return self.conv[layer_idx]
+        return self.conv[layer_idx][: self.rows]
 
     def get_recurrent_state(self, layer_idx, state_idx=0):
-        return self.recurrent[layer_idx]
+        return self.recurrent[layer_idx][: self.rows]
 
     def is_recording_past(self, layer_idx) -> bool:
         return False
 
     def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, **kwargs):
-        return self.recurrent[layer_idx].copy_(recurrent_states)
+        return self.recurrent[layer_idx][: self.rows].copy_(recurrent_states)
 
     def update_conv_state(self, conv_states, layer_idx, state_idx=0, **kwargs):
         raise RuntimeError("a one-token decode step updates the conv state in place (causal_conv1d_update)")
@@ -136,11 +153,13 @@ class SlotCache:
         if i not in self.keys:
             shape = (self.slots, like.shape[1], self.capacity, like.shape[-1])
             self.keys[i], self.values[i] = like.new_zeros(shape), like.new_zeros(shape)
+            mark_static(self.keys[i], self.values[i])
 
     def _linear_storage(self, store: dict, ring: dict, i: int, shape: torch.Size, like: torch.Tensor) -> None:
         if i not in store:
             store[i] = like.new_zeros(self.slots, *shape)
             ring[i] = like.new_zeros(self.window, self.slots, *shape)
+            mark_static(store[i], ring[i])
 
 
 class _RowView:

@@ -1,9 +1,14 @@
-"""A pipeline stage over B slots (issue 26): one slot's prefill, and one decode step over every slot at once.
+"""A pipeline stage over B slots (issue 26): one slot's prefill, and one decode step over the slots at once.
 
 `SlotStage` runs the layers of a `Stage` (the same modules, `Stage.run_layers`) over a `SlotCache`. A decode step
-takes one token per row, `[B, 1]` ids on stage 1 or `[B, 1, H]` states, each row at its slot's own position;
+takes one token per row, `[R, 1]` ids on stage 1 or `[R, 1, H]` states, over the leading `R` rows (a bucket,
+`slot_rows.batch_bucket`), each row at its slot's own position (device-resident: the step reads no host data);
 the rows of slots that have no token at this stage this cycle run a dummy input and leave their caches as they
-were (`SlotCache.keep_idle_rows`), so every step has the same shapes whatever the slots do.
+were (`SlotCache.keep_idle_rows`), so every step of a bucket has the same shapes whatever the slots do.
+
+`compile` (`--compile`, by default the `Stage`'s own setting, `Stage.use_compiled_decode`): the step (snapshot,
+layers, idle rows restored, head) through `CompiledStep`, one graph per bucket and cache capacity, eager from the
+first compile error on. Its outputs are cloned: a captured graph rewrites them on its next replay.
 """
 
 from __future__ import annotations
@@ -12,24 +17,28 @@ from dataclasses import dataclass
 
 import torch
 
+from inference.runtime.capture import CompiledStep
 from inference.runtime.slot_cache import SlotCache
+from inference.runtime.slot_rows import mark_static
 from inference.runtime.stages import Stage, attention_mask
 
 
 @dataclass
 class SlotStepOutput:
-    hidden: torch.Tensor  # [B, 1, H] every row's output (idle rows: meaningless)
-    anchors: torch.Tensor  # [B, A, H] the anchor states of each row's token
-    logits: torch.Tensor | None  # [B, V] last stage only
+    hidden: torch.Tensor  # [R, 1, H] every row's output (idle rows: meaningless)
+    anchors: torch.Tensor  # [R, A, H] the anchor states of each row's token
+    logits: torch.Tensor | None  # [R, V] last stage only
 
 
 class SlotStage:
-    def __init__(self, stage: Stage, slots: int):
+    def __init__(self, stage: Stage, slots: int, compile: bool | None = None):
         self.stage, self.slots = stage, slots
         self.index, self.first, self.last = stage.index, stage.first, stage.last
-        self.cache = SlotCache(stage.config, stage.layer_range, stage.geometry.n + 1, slots)
-        self.positions = torch.zeros(slots, dtype=torch.long, device=stage.device)
-        self.running = torch.zeros(slots, dtype=torch.bool, device=stage.device)
+        self.cache = SlotCache(stage.config, stage.layer_range, stage.geometry.n + 1, slots, stage.device)
+        self.running = self.cache.sets.mask()  # which rows run a real token this step
+        mark_static(self.running)
+        self.compiled = stage._compiled if compile is None else compile
+        self._step = CompiledStep(self._decode_step, stage.device) if self.compiled else self._decode_step
 
     @torch.no_grad()
     def prefill(
@@ -43,30 +52,42 @@ class SlotStage:
         x = stage.embed_tokens(inputs) if self.first else inputs
         mask = attention_mask(positions, self.cache.capacity, x.dtype) if self.cache.attention_layers else None
         x, anchors, normed = stage.run_layers(x, positions, self.cache.row(slot), mask, self.cache.attention_layers)
-        self.cache.lengths[slot] = P
+        self.cache.positions.assign({slot: P})
         logits = stage.lm_head(normed[:, -1])[0] if self.last else None
         return x, anchors[0], logits
 
     @torch.no_grad()
     def step(self, inputs: torch.Tensor, tokens: dict[int, int]) -> SlotStepOutput:
-        """One token per row: `tokens` maps each running slot to the position it runs (its cache length); every
-        other row idles. `inputs`: ids `[B, 1]` on stage 1, states `[B, 1, H]` otherwise."""
-        cache, stage = self.cache, self.stage
-        lengths = list(cache.lengths)
+        """One token per row over the leading `inputs.shape[0]` rows: `tokens` maps each running slot to the
+        position it runs (its cache length); every other row idles. `inputs`: ids `[R, 1]` on stage 1, states
+        `[R, 1, H]` otherwise."""
+        cache, rows = self.cache, inputs.shape[0]
         for b, position in tokens.items():
-            if position != lengths[b] or position == 0:
+            if position != cache.lengths[b] or position == 0 or b >= rows:
                 raise RuntimeError(
-                    f"stage {self.index}, slot {b}: the cache holds {lengths[b]} positions but is asked to run "
-                    f"position {position} as a single decoded token"
+                    f"stage {self.index}, slot {b}: the cache holds {cache.lengths[b]} positions but is asked to run "
+                    f"position {position} as a single decoded token in a step over {rows} rows"
                 )
-        self.positions.copy_(torch.tensor(lengths))
-        self.running.copy_(torch.tensor([b in tokens for b in range(self.slots)]))
         running = sorted(tokens)
-        cache.before_step(self.positions, running)
+        cache.before_step(rows, running)
+        mask = cache.sets.write(running, self.running)[:rows]
+        hidden, anchors, logits = self._step(inputs, mask)
+        if self.compiled:  # the captured graph owns its outputs and rewrites them on the next replay
+            hidden, anchors = hidden.clone(), anchors.clone()
+            logits = logits.clone() if logits is not None else None
+        cache.after_step(running, mask)
+        return SlotStepOutput(hidden, anchors, logits)
+
+    def _decode_step(
+        self, inputs: torch.Tensor, running: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The step over `cache.rows` rows, all on the device: no host reads, fixed shapes per bucket."""
+        cache, stage = self.cache, self.stage
+        cache.snapshot()
         x = stage.embed_tokens(inputs) if self.first else inputs
-        positions = self.positions[:, None]
+        positions = cache.positions.device[: cache.rows, None]
         mask = attention_mask(positions, cache.capacity, x.dtype) if cache.attention_layers else None
         x, anchors, normed = stage.run_layers(x, positions, cache, mask, cache.attention_layers)
-        cache.keep_idle_rows(self.running, running)
+        cache.keep_idle_rows(running)
         logits = stage.lm_head(normed[:, -1]) if self.last else None
-        return SlotStepOutput(x, anchors[:, 0], logits)
+        return x, anchors[:, 0], logits

@@ -1,0 +1,114 @@
+"""The planner per batch size (issue 26): tokens/s in total and per request at B = 1, 2, 4, 8, predicted from
+measured stage and draft step times at each B (`python -m inference.plan --batch-times batch_times.json`, the JSON
+of `scripts/bench_batch.py --json`).
+
+Every slot runs its own batch-1 schedule (docs/DESIGN.md, "Batched decoding"), so a sequence emits `alpha` tokens
+per cycle at any B (its N / K, measured; `--batch-alpha` overrides it) and what B changes is the cycle:
+
+    stage(B)      the slowest stage's step over B rows (measured)
+    draft(B)      the PDM's draft over B rows (measured)
+    cycle(B)      = max(stage(B), draft(B)) + overhead(B)     (pre-step: drafting overlaps the stages)
+                  = stage(B) + draft(B) + overhead(B)          (--schedule post_step)
+    per request   = alpha / cycle(B)   tokens/s of one sequence
+    total         = B * alpha / cycle(B)
+
+`overhead(B)` is each rank's share of a step's host work beyond the forwards (verify, schedule, messages), as the
+bench infers it from its one-process steps. The measured columns are this machine's prediction for the pipeline
+on n ranks of its kind. On a GPU a one-token stage step is bound by reading the weights, so its cost stays about
+flat in B until B approaches the GPU's FLOPs-to-bandwidth ratio (a B-row matmul does B flops per weight byte in
+bf16; an H100 has about 990 TFLOP/s over 3.35 TB/s, ~300: inferred from its datasheet, not measured): the
+weight-bound reading keeps every B at the first B's cycle, so the total grows as B and per request stays at the
+first B's. Both readings are predictions.
+"""
+
+from __future__ import annotations
+
+import math
+
+from inference.evaluation.tables import markdown_table
+from spd_lightning.errors import UserError
+
+
+class BatchPlanError(UserError):
+    """Bad batch-times input; one line."""
+
+
+def check_batch_times(report: object, path: str) -> list[dict]:
+    """The rows of a `bench_batch.py --json` report, each with B >= 1, its stage times, draft and alpha."""
+    rows = report.get("rows") if isinstance(report, dict) else None
+    if not isinstance(rows, list) or not rows:
+        raise BatchPlanError(f"{path}: no rows (expected the JSON of scripts/bench_batch.py --json)")
+    for i, row in enumerate(rows):
+        stages = row.get("stage_s") if isinstance(row, dict) else None
+        times = [*(stages or []), row.get("draft_s")] if isinstance(row, dict) else []
+        if not isinstance(row.get("B") if isinstance(row, dict) else None, int) or row["B"] < 1:
+            raise BatchPlanError(f"{path}: rows[{i}] has no batch size B >= 1")
+        if not stages or not all(isinstance(t, (int, float)) and math.isfinite(t) and t > 0 for t in times):
+            raise BatchPlanError(
+                f"{path}: rows[{i}] (B={row['B']}) lacks positive stage_s/draft_s times: rerun bench_batch.py with "
+                f"requests >= B so that full-bucket steps were timed"
+            )
+    return sorted(rows, key=lambda r: r["B"])
+
+
+def batch_rows(report: dict, alpha: float | None, schedule: str, path: str = "batch times") -> list[dict]:
+    """The predicted tokens/s at each measured B, and its weight-bound (GPU) reading."""
+    rows = check_batch_times(report, path)
+    if alpha is not None and not 0 < alpha <= 1:
+        raise BatchPlanError(f"--batch-alpha={alpha} must be in (0, 1] (alpha = N / K)")
+    out, base = [], None
+    for row in rows:
+        a = alpha if alpha is not None else row.get("alpha")
+        if not isinstance(a, (int, float)) or not 0 < a <= 1:
+            raise BatchPlanError(f"{path}: B={row['B']} has no alpha in (0, 1]: pass --batch-alpha")
+        stage, draft, overhead = max(row["stage_s"]), row["draft_s"], row.get("overhead_s") or 0.0
+        cycle = (max(stage, draft) if schedule == "pre_step" else stage + draft) + overhead
+        base = base if base is not None else (row["B"], cycle)
+        B = row["B"]
+        out.append(
+            {
+                "B": B,
+                "alpha": a,
+                "stage_s": stage,
+                "draft_s": draft,
+                "overhead_s": overhead,
+                "cycle_s": cycle,
+                "cycle_vs_first": cycle / base[1],
+                "per_request_tok_s": a / cycle,
+                "total_tok_s": B * a / cycle,
+                "weight_bound_per_request_tok_s": a / base[1],
+                "weight_bound_total_tok_s": B * a / base[1],
+            }
+        )
+    return out
+
+
+def batch_markdown(report: dict, rows: list[dict], schedule: str) -> str:
+    head = [
+        "B",
+        "alpha",
+        "stage (ms)",
+        "draft (ms)",
+        "overhead (ms)",
+        "cycle (ms)",
+        f"cycle / B={rows[0]['B']}",
+        "tok/s per request",
+        "tok/s total",
+        "GPU weight-bound: per request",
+        "GPU weight-bound: total",
+    ]
+    cells = [
+        [str(r["B"]), f"{r['alpha']:.3f}"]
+        + [f"{1e3 * r[k]:.3f}" for k in ("stage_s", "draft_s", "overhead_s", "cycle_s")]
+        + [f"{r['cycle_vs_first']:.2f}", f"{r['per_request_tok_s']:.1f}", f"{r['total_tok_s']:.1f}"]
+        + [f"{r['weight_bound_per_request_tok_s']:.1f}", f"{r['weight_bound_total_tok_s']:.1f}"]
+        for r in rows
+    ]
+    source = ", ".join(str(report[k]) for k in ("command", "machine", "date") if report.get(k))
+    title = f"Batched decoding per B ({schedule}; predicted from measured step times{': ' + source if source else ''})"
+    note = (
+        "Predictions: the measured columns are the pipeline on n ranks of the measuring machine; the weight-bound "
+        f"columns keep every B at the B={rows[0]['B']} cycle, as a GPU's one-token stage step reads its weights once "
+        "for all B rows."
+    )
+    return "\n".join([title, "", *markdown_table(head, cells), "", note]) + "\n"

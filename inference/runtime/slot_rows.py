@@ -1,0 +1,86 @@
+"""Per-slot values on the device without a host-to-device copy, and the batch buckets of the batched step (issue 26).
+
+The batched decoder's schedule runs on the host, one `SlotSequence` per slot; its forwards read per-slot values on
+the device: the position each row runs, which rows run a real token, where each slot's PDM segment starts and
+where its newest position lies. Building them as `torch.tensor(host_list)` each cycle would be a host-to-device
+copy per cycle (a sync on a GPU, which the batch-1 hot path does not have: docs/DESIGN.md, "The hot path"). So:
+
+- `RowSets`: the boolean mask of any set of rows is a row of a table built once per chunk of up to 8 rows
+  (every subset of the chunk), copied device to device into a mask buffer: one copy per chunk, no host data;
+- `DeviceInts`: a `[B]` vector of ints kept on the device with its host mirror, each write made on the device:
+  the rows that move by one (a position advancing, a segment growing by its newest token) in one add of a row
+  mask, any other change (a rollback, a join) by `fill_` of that row (the value is a kernel argument);
+- `batch_bucket`: the step over the slots runs the smallest power of two of rows that covers every live slot
+  (capped at the slot count), so a compiled step has one graph per bucket, as vLLM keys its CUDA graphs; the
+  rows of the bucket without a sequence run dummy inputs, as idle slots do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+
+CHUNK = 8  # rows per mask table: 2**8 subsets
+
+
+def batch_bucket(rows: int, slots: int) -> int:
+    """The rows a step over `rows` leading slots runs: the next power of two, at most `slots`."""
+    if not 0 < rows <= slots:
+        raise ValueError(f"a step over {rows} rows of {slots} slots: rows must be in 1..{slots}")
+    return min(slots, 1 << (rows - 1).bit_length())
+
+
+def mark_static(*tensors: torch.Tensor) -> None:
+    """Fixed addresses for a CUDA graph: tensors a compiled step reads or writes in place."""
+    for tensor in tensors:
+        torch._dynamo.mark_static_address(tensor)
+
+
+class RowSets:
+    """Device masks of host sets of rows (`write`), from tables of every subset of a chunk of rows."""
+
+    def __init__(self, rows: int, device: torch.device):
+        self.rows, self.width = rows, min(rows, CHUNK)
+        codes = torch.arange(2**self.width, device=device)[:, None]
+        self.table = (codes.bitwise_right_shift(torch.arange(self.width, device=device)) & 1).bool()
+
+    def mask(self) -> torch.Tensor:
+        """A mask buffer for `write` (allocated once by its owner)."""
+        return torch.zeros(self.rows, dtype=torch.bool, device=self.table.device)
+
+    def write(self, members: Iterable[int], out: torch.Tensor) -> torch.Tensor:
+        """`out[b]` = b in `members`, written device to device."""
+        members = set(members)
+        for start in range(0, self.rows, self.width):
+            width = min(self.width, self.rows - start)
+            code = sum(1 << (b - start) for b in members if start <= b < start + width)
+            out[start : start + width].copy_(self.table[code, :width])
+        return out
+
+
+class DeviceInts:
+    """A `[B]` long vector on the device (`device`) and its host mirror (`host`), written only on the device."""
+
+    def __init__(self, rows: int, device: torch.device, sets: RowSets):
+        self.host = [0] * rows
+        self.device = torch.zeros(rows, dtype=torch.long, device=device)
+        self.sets, self._ones = sets, sets.mask()
+        mark_static(self.device)
+
+    def assign(self, values: Mapping[int, int]) -> None:
+        """Rows `b` to `values[b]`: the ones that move by +1 in one masked add, the other changes by `fill_`."""
+        host = self.host
+        steps = [b for b, v in values.items() if v == host[b] + 1]
+        if steps:
+            self.add_one(steps, self.sets.write(steps, self._ones))
+        for b, v in values.items():
+            if v != host[b]:
+                self.device[b].fill_(v)
+                host[b] = v
+
+    def add_one(self, members: Iterable[int], mask: torch.Tensor) -> None:
+        """Rows `members` (whose device mask is `mask`, of any leading length) move by one."""
+        self.device[: mask.shape[0]].add_(mask)
+        for b in members:
+            self.host[b] += 1
