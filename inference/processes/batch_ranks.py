@@ -45,7 +45,9 @@ def build_batch_runner(job: DecodeJob, rank: int, device: torch.device) -> Batch
     spec, d2t = read_drafter_spec(job.drafter_path)
     loaded = load_role(job, rank, device)
     stages = {s: SlotStage(stage, B) for s, stage in loaded.stages.items()}
-    drafter = None if loaded.pdm is None else SlotDrafter(loaded.pdm, geometry, loaded.embed, dtype, B, compile=job.compile)
+    drafter = (
+        None if loaded.pdm is None else SlotDrafter(loaded.pdm, geometry, loaded.embed, dtype, B, compile=job.compile)
+    )
     config = RunnerConfig(
         Sampling(**job.sampling),
         job.vocab_size,
