@@ -229,10 +229,9 @@ def test_serve_runs_eagle3_in_its_own_process_without_simulate(files):
     """EAGLE-3 is a one-GPU method: the server decodes it in process, never on pipeline ranks."""
     from inference.backends import ChainBackend
     from inference.serving import server as serve
-    from inference.setup import prepare
 
     args = serve.parse_args(["--ckpt", files["eagle3"], "--mode", "eagle3", "--k", "2", "--port", "1"])
-    backend = serve.make_backend(prepare(args), args)
+    backend = serve.make_backend(serve.prepared(args), args)  # the server's own setup (it fills --max-batch)
     assert isinstance(backend, ChainBackend)
 
 
