@@ -44,3 +44,31 @@ def test_first_tokens_follow_the_target_distribution():
     observed2 = np.bincount(outputs[:, 2], minlength=V)
     assert merged_chisquare(observed01, joint01.flatten().numpy() * RUNS) > 1e-3
     assert merged_chisquare(observed2, marginal2.numpy() * RUNS) > 1e-3
+
+
+def test_batched_sequences_follow_the_target_distribution():
+    """Batched decoding (docs/DESIGN.md, "Batched decoding"): requests of two prompts under two sampling settings
+    share four slots, joining as others leave; each prompt's first tokens follow its own warped target distribution
+    whatever it shared the pipeline with."""
+    from inference.cycle.batch import BatchSimulator
+    from inference.cycle.slots import Request
+
+    model = make_tiny_model("qwen3", num_layers=2, vocab_size=V)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(0.3)
+    target = Target(model, "tiny-v8")
+    geometry = Geometry.build(2, 2)
+    pdm = random_pdm(target, geometry, draft_vocab=5, num_layers=1)
+    with torch.no_grad():
+        pdm.lm_head.weight.mul_(3.0)
+    settings = [(PROMPT, SAMPLING), ([4, 1], Sampling(1.0, top_k=5))]
+    requests = [Request(settings[i % 2][0], 3, sampling=settings[i % 2][1], seed=i) for i in range(2 * RUNS)]
+    results = BatchSimulator(target, pdm, geometry, 4).run(requests)
+    rejected = sum(sum(r.counters["rejected_by_fill"]) for r in results)
+    assert rejected > RUNS / 4  # the residual branch of the rejection sampler is exercised in the batch
+    for which, (prompt, sampling) in enumerate(settings):
+        outputs = np.array([r.tokens for r in results[which::2]])
+        joint01, marginal2 = exact_distributions(target, prompt, sampling)
+        observed01 = np.bincount(outputs[:, 0] * V + outputs[:, 1], minlength=V * V)
+        assert merged_chisquare(observed01, joint01.flatten().numpy() * RUNS) > 1e-3
+        assert merged_chisquare(np.bincount(outputs[:, 2], minlength=V), marginal2.numpy() * RUNS) > 1e-3
