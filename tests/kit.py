@@ -4,6 +4,7 @@ server process). Nothing here is a test or a fixture: test modules import it (py
 conftest.py builds its fixtures from it, and no test module imports another (tests/test_architecture.py). What
 scripts share with the tests lives in `spd_lightning.testing`."""
 
+import contextlib
 import csv
 import functools
 import glob
@@ -15,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -99,6 +101,35 @@ def save_random_drafter(target: Target, geometry: Geometry, directory: str, seed
     pdm = random_pdm(target, geometry, seed=seed)
     save_drafter(pdm, DrafterSpec(pdm.cfg, geometry, target.info), directory)
     return directory
+
+
+def target_with_random_drafter(tmp_path_factory) -> dict:
+    """The saved tiny Qwen3.5 and a random n = 2 drafter for it on disk: `{"target": dir, "drafter": dir}`."""
+    path, target = target_dir(tmp_path_factory, "qwen3_5", make_tiny_model)
+    geometry = Geometry.build(target.num_layers, 2)
+    pdm = random_pdm(target, geometry)
+    drafter = save_drafter(pdm, DrafterSpec(pdm.cfg, geometry, target.info), str(tmp_path_factory.mktemp("s") / "spd"))
+    return {"target": path, "drafter": drafter}
+
+
+@contextlib.contextmanager
+def served(app):
+    """`app` served by uvicorn on a free local port in a daemon thread; yields its base URL, stops it after."""
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    while not uv.started:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        uv.should_exit = True
+        thread.join(10)
 
 
 def target_dir(tmp_path_factory, arch: str, make_model) -> tuple[str, Target]:

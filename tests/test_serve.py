@@ -17,16 +17,12 @@ from kit import (
     Server,
     chat_reply,
     descendant_pids,
-    make_tiny_model,
     parent_pid,
     pid_alive,
-    random_pdm,
-    target_dir,
+    target_with_random_drafter,
 )
 
 from inference.decode import main as decode_main
-from spd_lightning.export import DrafterSpec, save_drafter
-from spd_lightning.geometry import Geometry
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_thread")]
 PROMPT = "hello world"
@@ -34,11 +30,7 @@ PROMPT = "hello world"
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    path, target = target_dir(tmp_path_factory, "qwen3_5", make_tiny_model)
-    geometry = Geometry.build(target.num_layers, 2)
-    pdm = random_pdm(target, geometry)
-    drafter = save_drafter(pdm, DrafterSpec(pdm.cfg, geometry, target.info), str(tmp_path_factory.mktemp("s") / "spd"))
-    return {"target": path, "drafter": drafter}
+    return target_with_random_drafter(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,12 @@ requests in flight.
 import contextlib
 import os
 import signal
-import socket
 import threading
 import time
 
 import httpx
 import pytest
-from kit import Server, chat_reply, make_tiny_model, random_pdm, target_dir
+from kit import Server, chat_reply, make_tiny_model, random_pdm, served, target_with_random_drafter
 
 from inference.cycle.simulator import Simulator
 from inference.decode import main as decode_main
@@ -25,7 +24,6 @@ from inference.sampling import Sampling
 from inference.serving.app import ServerConfig, build_app
 from inference.serving.batch_backend import BatchSimulatorBackend
 from inference.serving.engine import Engine
-from spd_lightning.export import DrafterSpec, save_drafter
 from spd_lightning.geometry import Geometry
 from spd_lightning.target import Target
 
@@ -93,7 +91,6 @@ class Schedule:
 def serving(models, max_batch: int, queue_size: int = 16, gated: bool = False):
     """(url, engine, backend, schedule) of an app over the batched simulator on a free port; `gated`: the
     backend takes no request before the test sets `backend.gate`."""
-    import uvicorn
 
     target, pdm, geometry = models
     backends = []
@@ -108,20 +105,13 @@ def serving(models, max_batch: int, queue_size: int = 16, gated: bool = False):
     if not gated:
         backend.gate.set()
     app = build_app(engine, ServerConfig("spd", 200, 16, 4096))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    while not uv.started:
-        time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{port}", engine, backend, schedule
+        with served(app) as url:
+            try:
+                yield url, engine, backend, schedule
+            finally:
+                backend.gate.set()  # before the server stops: a gated decode would hold its request open
     finally:
-        backend.gate.set()
-        uv.should_exit = True
-        thread.join(10)
         engine.close()
 
 
@@ -265,11 +255,7 @@ def test_max_batch_is_checked_and_defaults_to_one_on_the_cpu():
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    path, target = target_dir(tmp_path_factory, "qwen3_5", make_tiny_model)
-    geometry = Geometry.build(target.num_layers, 2)
-    pdm = random_pdm(target, geometry)
-    drafter = save_drafter(pdm, DrafterSpec(pdm.cfg, geometry, target.info), str(tmp_path_factory.mktemp("s") / "spd"))
-    return {"target": path, "drafter": drafter}
+    return target_with_random_drafter(tmp_path_factory)
 
 
 def decoded(files, prompt: str, max_tokens: int, capsys) -> str:

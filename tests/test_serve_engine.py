@@ -7,6 +7,7 @@ import time
 
 import httpx
 import pytest
+from kit import served
 
 from inference.cycle.result import DecodeResult
 from inference.serving.app import ServerConfig, build_app
@@ -52,23 +53,13 @@ class SlowBackend:
 
 @pytest.fixture
 def server(request):
-    import uvicorn
 
     params = getattr(request, "param", {})
     backend = SlowBackend(params.get("chunk", 1))
     engine = Engine(lambda: backend, Letters(), "ar", queue_size=params.get("queue_size", 1))
     app = build_app(engine, ServerConfig("fake", 100, 10, 200))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    while not uv.started:
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", engine, backend
-    uv.should_exit = True
-    thread.join(10)
+    with served(app) as url:
+        yield url, engine, backend
 
 
 def _complete(url, prompt, max_tokens, results, stream=False):
