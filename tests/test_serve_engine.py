@@ -1,7 +1,6 @@
 """The server's queue and cancellation, over a slow fake decoder (in this process, uvicorn on a thread)."""
 
 import json
-import socket
 import threading
 import time
 
@@ -219,7 +218,6 @@ class Pipeline(SlowBackend):
 
 
 def test_health_is_liveness_ready_follows_the_pipeline_and_an_idle_death_restarts_it():
-    import uvicorn
 
     started: list[Pipeline] = []
 
@@ -229,35 +227,27 @@ def test_health_is_liveness_ready_follows_the_pipeline_and_an_idle_death_restart
 
     engine = Engine(make_backend, Letters(), "ar", queue_size=1)
     app = build_app(engine, ServerConfig("fake", 100, 10, 200))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    while not uv.started:
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{port}"
     try:
-        assert httpx.get(f"{url}/health").status_code == 200  # the process is alive ...
-        assert httpx.get(f"{url}/ready").status_code == 503  # ... but the ranks are still loading
-        started[0].loaded.set()
-        assert httpx.get(f"{url}/ready").status_code == 200
-        started[0].dead = True  # a rank dies while no request is in flight
-        assert httpx.get(f"{url}/ready").status_code == 503
-        deadline = time.monotonic() + 10
-        while len(started) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(started) == 2 and engine.metrics.restarts == 1  # restarted with no request to notice it
-        assert httpx.get(f"{url}/health").status_code == 200 and httpx.get(f"{url}/ready").status_code == 503
-        started[1].loaded.set()
-        assert httpx.get(f"{url}/ready").status_code == 200
-        reply = httpx.post(f"{url}/v1/completions", json={"model": "fake", "prompt": "ab", "max_tokens": 3}, timeout=30)
-        assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == "aba"
-        assert started[1].generated == [3] and started[0].generated == []
+        with served(app) as url:
+            assert httpx.get(f"{url}/health").status_code == 200  # the process is alive ...
+            assert httpx.get(f"{url}/ready").status_code == 503  # ... but the ranks are still loading
+            started[0].loaded.set()
+            assert httpx.get(f"{url}/ready").status_code == 200
+            started[0].dead = True  # a rank dies while no request is in flight
+            assert httpx.get(f"{url}/ready").status_code == 503
+            deadline = time.monotonic() + 10
+            while len(started) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert len(started) == 2 and engine.metrics.restarts == 1  # restarted with no request to notice it
+            assert httpx.get(f"{url}/health").status_code == 200 and httpx.get(f"{url}/ready").status_code == 503
+            started[1].loaded.set()
+            assert httpx.get(f"{url}/ready").status_code == 200
+            reply = httpx.post(
+                f"{url}/v1/completions", json={"model": "fake", "prompt": "ab", "max_tokens": 3}, timeout=30
+            )
+            assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == "aba"
+            assert started[1].generated == [3] and started[0].generated == []
     finally:
-        uv.should_exit = True
-        thread.join(10)
         engine.close()
 
 
