@@ -12,6 +12,7 @@ with `torch.load(weights_only=True)`: loading a drafter never runs pickled code.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 
@@ -23,6 +24,8 @@ from .errors import UserError, first_line
 from .geometry import Geometry
 from .pdm import PDMConfig, PipelineDraftModule
 from .target import TargetInfo
+
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 CKPT_KEY = "spd_drafter"
@@ -217,20 +220,35 @@ def load_drafter(
 
 
 def seed_from_drafter(pdm: PipelineDraftModule, path: str) -> tuple[list[str], list[str]]:
-    """Warm start: copy into `pdm` every weight of the drafter at `path` whose name and shape agree; the head
-    only when both have the same draft vocabulary `d2t` and `pdm` trains its own (a row is a token: rows of
-    another `d2t` would be other tokens). Returns (copied, skipped) names."""
+    """Warm start: copy into `pdm` every weight of the drafter at `path` whose name and shape agree. A head row is
+    a token, so when `pdm` trains its own head the rows are matched by target id through both `d2t`s: the tokens
+    both vocabularies hold keep the source's row, the others keep `pdm`'s initialisation (grown or re-counted
+    data changes `d2t`). Returns (copied, skipped) names; the head counts as copied when any row was."""
     _, state = read_drafter(path)
-    own = pdm.state_dict()
-    same_vocab = "d2t" in state and torch.equal(state["d2t"].cpu(), own["d2t"].cpu())
     copied, skipped = [], []
-    for name, tensor in own.items():
-        head = name == "lm_head.weight"
-        usable = name in state and state[name].shape == tensor.shape and name != "d2t"
-        if usable and (not head or (same_vocab and not pdm.cfg.head_from_target)):
+    for name, tensor in pdm.state_dict().items():
+        if name == "lm_head.weight":
+            rows = 0 if pdm.cfg.head_from_target or name not in state else _copy_shared_rows(pdm, state)
+            (copied if rows else skipped).append(name)
+        elif name in state and state[name].shape == tensor.shape and name != "d2t":
             with torch.no_grad():
                 tensor.copy_(state[name].to(tensor))
             copied.append(name)
         else:
             skipped.append(name)
     return copied, skipped
+
+
+def _copy_shared_rows(pdm: PipelineDraftModule, state: dict[str, torch.Tensor]) -> int:
+    """Copy the source head's rows of the target tokens both `d2t`s hold into `pdm`'s head; returns how many."""
+    source_head, source_d2t = state["lm_head.weight"], state["d2t"].cpu().long()
+    if source_head.shape[1] != pdm.lm_head.weight.shape[1]:
+        return 0
+    row_of = torch.full((int(max(source_d2t.max(), pdm.d2t.max())) + 1,), -1, dtype=torch.long)
+    row_of[source_d2t] = torch.arange(len(source_d2t))
+    source_rows = row_of[pdm.d2t.cpu().long()]
+    shared = (source_rows >= 0).nonzero().squeeze(1)
+    with torch.no_grad():
+        pdm.lm_head.weight[shared] = source_head[source_rows[shared]].to(pdm.lm_head.weight)
+    log.info("PDM head: %d of %d rows warm-started (the tokens both draft vocabularies hold)", len(shared), len(pdm.d2t))
+    return len(shared)

@@ -86,10 +86,20 @@ def test_warm_start_copies_what_means_the_same(tiny_target, tmp_path):
     for name, tensor in same.state_dict().items():
         torch.testing.assert_close(tensor, source.state_dict()[name], rtol=0, atol=0)
 
-    other_vocab = PipelineDraftModule(
-        PDMConfig(**{**source.cfg.to_dict(), "draft_vocab_size": 40}), source.d2t[:40] + 1
-    )
+    # Grown data re-counts the vocabulary: 30 tokens both hold (in another order), 10 only the new one holds.
+    fresh = torch.tensor(sorted(set(range(tiny_target.vocab_size)) - set(source.d2t.tolist())))[:10]
+    d2t = torch.cat([source.d2t[10:40].flip(0), fresh])
+    other_vocab = PipelineDraftModule(PDMConfig(**{**source.cfg.to_dict(), "draft_vocab_size": 40}), d2t)
     head = other_vocab.lm_head.weight.clone()
     copied, skipped = seed_from_drafter(other_vocab, path)
-    assert set(skipped) == {"d2t", "lm_head.weight"} and "layers.0.mlp.up_proj.weight" in copied
-    torch.testing.assert_close(other_vocab.lm_head.weight, head, rtol=0, atol=0)  # rows of other tokens: not copied
+    assert skipped == ["d2t"] and {"lm_head.weight", "layers.0.mlp.up_proj.weight"} <= set(copied)
+    source_rows = {int(t): row for t, row in zip(source.d2t, source.lm_head.weight)}
+    for j, token in enumerate(d2t.tolist()):  # a row is a token: matched by target id, else left as initialised
+        expected = source_rows[token] if token in source_rows else head[j]
+        torch.testing.assert_close(other_vocab.lm_head.weight[j], expected, rtol=0, atol=0)
+
+    disjoint = PipelineDraftModule(PDMConfig(**{**source.cfg.to_dict(), "draft_vocab_size": 10}), fresh)
+    head = disjoint.lm_head.weight.clone()
+    copied, skipped = seed_from_drafter(disjoint, path)
+    assert set(skipped) == {"d2t", "lm_head.weight"}  # no token in common: nothing of the head is copied
+    torch.testing.assert_close(disjoint.lm_head.weight, head, rtol=0, atol=0)

@@ -142,7 +142,7 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         head_from_target: the head IS those rows, frozen; the exported drafter does not store it and its loader
             takes it from the target, so a large V_d costs no file size (needs init_head).
         init_from: a drafter directory or `.ckpt` to warm-start from: every weight whose name and shape agree
-            (the head only with the same draft vocabulary); null: the initialization above alone.
+            (the head's rows of the tokens both draft vocabularies hold); null: the initialization above alone.
         fill_full_prob: probability of a full pipeline (fill n); other fill levels are uniform (docs/DESIGN.md, "Simulated fill levels").
         fill_probs: explicit weights of fill levels 1..n; overrides `fill_full_prob`.
         teacher_temperature: temperature of the teacher distribution in the KL.
