@@ -87,16 +87,20 @@ class SPDLightningCLI(LightningCLI):
     """LightningCLI in subclass mode for the model (`class_path`), `SPDModule` by default; see the module docstring."""
 
     def __init__(self, args: Sequence[str], run: bool = True, **kwargs):
-        super().__init__(
-            L.LightningModule,
-            ChatDataModule,
-            subclass_mode_model=True,
-            args=list(args),
-            run=run,
-            seed_everything_default=0,
-            auto_configure_optimizers=False,  # the module's configure_optimizers owns AdamW + the linear schedule
-            **kwargs,
-        )
+        with warnings.catch_warnings():
+            # Our mains parse the command line themselves (`--debug`, `prepare`'s own options) and hand LightningCLI
+            # the rest; Lightning warns about `args` only to catch a script that also has a command line.
+            warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+            super().__init__(
+                L.LightningModule,
+                ChatDataModule,
+                subclass_mode_model=True,
+                args=list(args),
+                run=run,
+                seed_everything_default=0,
+                auto_configure_optimizers=False,  # the module's configure_optimizers owns AdamW + the linear schedule
+                **kwargs,
+            )
 
     @staticmethod
     def subcommands() -> dict:
@@ -166,27 +170,23 @@ def default_wandb_offline() -> None:
 def run_cli(args: Sequence[str]) -> SPDLightningCLI:
     """LightningCLI `fit` / `validate` over `args` (the command line without the program name)."""
     default_wandb_offline()
-    with warnings.catch_warnings():
-        # main() parses the command line itself (to take --debug out of it without editing sys.argv) and hands
-        # LightningCLI the rest; Lightning warns about `args` only to catch a script that also has a command line.
-        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
-        try:
-            return SPDLightningCLI(
-                args,
-                trainer_defaults={"logger": DEFAULT_LOGGER, "max_epochs": 1},
-                save_config_callback=LoggedConfigCallback,
-                save_config_kwargs={"overwrite": True},
-                parser_kwargs=parser_kwargs(),
-            )
-        except ArgumentError as e:  # a value the parser rejects (type, choice, unknown key, missing file)
-            raise ConfigError(one_line(e)) from e
-        except (MisconfigurationException, ValueError) as e:
-            cause = user_error_in(e)
-            if cause is not None and cause is not e:  # jsonargparse wraps what a module's __init__ raised
-                raise cause from e
-            if cause is None and raised_by_lightning(e):
-                raise ConfigError(f"a setting Lightning rejects: {one_line(e)}") from e
-            raise
+    try:
+        return SPDLightningCLI(
+            args,
+            trainer_defaults={"logger": DEFAULT_LOGGER, "max_epochs": 1},
+            save_config_callback=LoggedConfigCallback,
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs=parser_kwargs(),
+        )
+    except ArgumentError as e:  # a value the parser rejects (type, choice, unknown key, missing file)
+        raise ConfigError(one_line(e)) from e
+    except (MisconfigurationException, ValueError) as e:
+        cause = user_error_in(e)
+        if cause is not None and cause is not e:  # jsonargparse wraps what a module's __init__ raised
+            raise cause from e
+        if cause is None and raised_by_lightning(e):
+            raise ConfigError(f"a setting Lightning rejects: {one_line(e)}") from e
+        raise
 
 
 def user_error_in(error: BaseException) -> UserError | None:

@@ -250,5 +250,7 @@ def _copy_shared_rows(pdm: PipelineDraftModule, state: dict[str, torch.Tensor]) 
     shared = (source_rows >= 0).nonzero().squeeze(1)
     with torch.no_grad():
         pdm.lm_head.weight[shared] = source_head[source_rows[shared]].to(pdm.lm_head.weight)
-    log.info("PDM head: %d of %d rows warm-started (the tokens both draft vocabularies hold)", len(shared), len(pdm.d2t))
+    log.info(
+        "PDM head: %d of %d rows warm-started (the tokens both draft vocabularies hold)", len(shared), len(pdm.d2t)
+    )
     return len(shared)

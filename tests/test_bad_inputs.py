@@ -17,7 +17,6 @@ from spd_lightning.target import Target, TargetError  # noqa: E402
 
 pytestmark = [
     pytest.mark.timeout(300),
-    pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended"),
     pytest.mark.usefixtures("one_thread"),
 ]
 

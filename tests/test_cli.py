@@ -17,7 +17,6 @@ from spd_lightning import cli
 from spd_lightning.errors import UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended")
 CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
 
 

@@ -20,7 +20,6 @@ from spd_lightning.geometry import Geometry
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
     pytest.mark.timeout(300),
-    pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended"),
 ]
 
 

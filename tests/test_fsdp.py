@@ -19,7 +19,6 @@ from spd_lightning import cli
 from spd_lightning.export import CKPT_KEY
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended")
 
 
 def test_fsdp_resolves_from_a_shipped_config(capsys):

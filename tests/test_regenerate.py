@@ -14,7 +14,6 @@ from spd_lightning.data.regenerate import Generation, complete_records, regenera
 from spd_lightning.target import load_hf_causal_lm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended")
 
 PROMPTS = [[{"role": "user", "content": f"tell me about pears number {i}" + " please" * (i % 3)}] for i in range(5)]
 

@@ -30,8 +30,6 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from spd_lightning.data import ResumableSampler
 
-pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended")
-
 
 # -- the sampler ---------------------------------------------------------------------------------------
 def test_sampler_order_shards_and_resumes_exactly():

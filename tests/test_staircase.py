@@ -17,8 +17,6 @@ from callbacks import StaircaseEvaluation
 from inference.decode import main as decode_main
 from spd_lightning import cli
 
-pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended")
-
 
 @pytest.fixture(scope="module")
 def csv_run(micro_target, tmp_path_factory):

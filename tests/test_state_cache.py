@@ -25,7 +25,6 @@ from spd_lightning.training.module import SPDModule
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
-    pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended"),
 ]
 NUM_LAYERS, SHARD = 4, 8
 
