@@ -12,7 +12,6 @@ with `torch.load(weights_only=True)`: loading a drafter never runs pickled code.
 from __future__ import annotations
 
 import json
-import logging
 import os
 from dataclasses import dataclass
 
@@ -24,8 +23,6 @@ from .errors import UserError, first_line
 from .geometry import Geometry
 from .pdm import PDMConfig, PipelineDraftModule
 from .target import TargetInfo
-
-log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 CKPT_KEY = "spd_drafter"
@@ -223,13 +220,17 @@ def seed_from_drafter(pdm: PipelineDraftModule, path: str) -> tuple[list[str], l
     """Warm start: copy into `pdm` every weight of the drafter at `path` whose name and shape agree. A head row is
     a token, so when `pdm` trains its own head the rows are matched by target id through both `d2t`s: the tokens
     both vocabularies hold keep the source's row, the others keep `pdm`'s initialisation (grown or re-counted
-    data changes `d2t`). Returns (copied, skipped) names; the head counts as copied when any row was."""
+    data changes `d2t`). Returns (copied, skipped) names; a head of which only some rows were copied is named
+    `lm_head.weight[K/V_d rows]`."""
     _, state = read_drafter(path)
     copied, skipped = [], []
     for name, tensor in pdm.state_dict().items():
         if name == "lm_head.weight":
             rows = 0 if pdm.cfg.head_from_target or name not in state else _copy_shared_rows(pdm, state)
-            (copied if rows else skipped).append(name)
+            if not rows:
+                skipped.append(name)
+            else:
+                copied.append(name if rows == len(pdm.d2t) else f"{name}[{rows}/{len(pdm.d2t)} rows]")
         elif name in state and state[name].shape == tensor.shape and name != "d2t":
             with torch.no_grad():
                 tensor.copy_(state[name].to(tensor))
@@ -250,7 +251,4 @@ def _copy_shared_rows(pdm: PipelineDraftModule, state: dict[str, torch.Tensor]) 
     shared = (source_rows >= 0).nonzero().squeeze(1)
     with torch.no_grad():
         pdm.lm_head.weight[shared] = source_head[source_rows[shared]].to(pdm.lm_head.weight)
-    log.info(
-        "PDM head: %d of %d rows warm-started (the tokens both draft vocabularies hold)", len(shared), len(pdm.d2t)
-    )
     return len(shared)

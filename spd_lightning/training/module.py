@@ -388,7 +388,10 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
             )
         if hp.init_from:
             copied, skipped = seed_from_drafter(self.pdm, hp.init_from)
-            rank_zero_info(f"PDM warm-started from {hp.init_from}: {len(copied)} tensors, kept {skipped or 'none'}")
+            partial = "".join(f" ({name})" for name in copied if name.endswith("rows]"))
+            rank_zero_info(
+                f"PDM warm-started from {hp.init_from}: {len(copied)} tensors{partial}, kept {skipped or 'none'}"
+            )
 
     def _head_rows(self) -> torch.Tensor:
         """`[V_d, H]`: the target head's rows of the draft vocabulary (the cached copy when training from states)."""

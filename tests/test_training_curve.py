@@ -1,0 +1,37 @@
+"""`scripts/training_curve.py`: the legs of one drafter become one log whose steps keep counting, and its plot."""
+
+import csv
+
+from kit import load_script
+
+curve = load_script("training_curve")
+
+
+def log(path, rows):
+    fields = list(dict.fromkeys(key for row in rows for key in row))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    return str(path)
+
+
+def val(step, agree):
+    return {"step": str(step), "val/loss": "2.0", "val/agree": str(agree)}
+
+
+def test_a_resumed_leg_keeps_its_steps_and_a_warm_started_one_continues_the_count(tmp_path, capsys):
+    first = log(tmp_path / "a.csv", [val(49, 0.1), val(99, 0.2)])
+    resumed = log(tmp_path / "b.csv", [val(149, 0.3), {"step": "200", "staircase/alpha": "0.15"}])
+    warm = log(tmp_path / "c.csv", [val(49, 0.4), {"step": "99", "train/agree": "0.5"}])  # init_from: from 0 again
+    merged = tmp_path / "all.csv"
+    assert curve.main([first, resumed, warm, str(tmp_path / "curve.png"), "--csv", str(merged)]) == 0
+    rows = list(csv.DictReader(open(merged)))
+    assert [int(r["step"]) for r in rows] == [49, 99, 149, 200, 249, 299]
+    assert {"staircase/alpha", "train/agree", "val/agree"} <= set(rows[0])  # the union of the legs' columns
+    assert (tmp_path / "curve.png").stat().st_size > 0
+    table = capsys.readouterr().out
+    assert "| 249 | 2.000 | 0.400 |" in table and "| 149 | 2.000 | 0.300 |" in table
+
+    _, starts = curve.join_legs([curve.read_rows(p) for p in (first, resumed, warm)])
+    assert starts == [200]  # only the warm-started leg is marked
