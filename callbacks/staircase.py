@@ -30,7 +30,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.loggers import WandbLogger
-from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
 from inference.cycle.ar import target_eos
 from inference.cycle.simulator import Simulator
@@ -225,6 +225,10 @@ class StaircaseEvaluation(L.Callback):
     @rank_zero_only
     def _log(self, trainer, out: str, metrics: dict, rows: list, agreement: torch.Tensor | None) -> None:
         step = trainer.global_step
+        rank_zero_info(  # the console line a user watching `fit` reads; the loggers get every number below
+            f"staircase evaluation at step {step}: alpha {metrics['staircase/alpha']:.3f}, n*alpha "
+            f"{metrics['staircase/speedup']:.2f} over {metrics['staircase/N']:.0f} tokens (plots in {out})"
+        )
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
         os.makedirs(out, exist_ok=True)

@@ -3,6 +3,7 @@ decoder CLI, checkpointed state, and a 2-process DDP fit that logs once per eval
 
 import glob
 import json
+import logging
 import math
 import os
 import subprocess
@@ -31,12 +32,28 @@ def csv_run(micro_target, tmp_path_factory):
         f"--trainer.logger.init_args.save_dir={root}",
         *callback_args(),
     )
-    trained = cli.run_cli(["fit", *args])
-    return root, trained
+    console = ConsoleLines()
+    logging.getLogger("lightning.pytorch").addHandler(console)
+    try:
+        trained = cli.run_cli(["fit", *args])
+    finally:
+        logging.getLogger("lightning.pytorch").removeHandler(console)
+    return root, trained, console.lines
+
+
+class ConsoleLines(logging.Handler):
+    """What Lightning's console logger printed."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 def test_csv_logger_gets_plausible_staircase_metrics(csv_run):
-    root, trained = csv_run
+    root, trained, console = csv_run
     rows = [r for r in csv_rows(root) if r.get("staircase/alpha")]
     assert [int(r["step"]) for r in rows] == [2, 4]  # every 2 steps; the end of fit at step 4 is not repeated
     n = trained.model.geometry.n
@@ -50,10 +67,13 @@ def test_csv_logger_gets_plausible_staircase_metrics(csv_run):
     pictures = os.listdir(os.path.join(trained.trainer.log_dir, "staircase"))
     assert "alpha_vs_step.png" in pictures and "agreement_step4.png" in pictures
     assert float(trained.trainer.callback_metrics["staircase/alpha"]) == float(rows[-1]["staircase/alpha"])
+    said = [line for line in console if line.startswith("staircase evaluation at step")]
+    assert [line.split(":")[0] for line in said] == ["staircase evaluation at step 2", "staircase evaluation at step 4"]
+    assert f"alpha {float(rows[-1]['staircase/alpha']):.3f}," in said[-1]  # the console says what the loggers got
 
 
 def test_alpha_equals_the_decoder_cli(csv_run, micro_target, tmp_path):
-    root, trained = csv_run
+    root, trained, _ = csv_run
     [callback] = [c for c in trained.trainer.callbacks if isinstance(c, StaircaseEvaluation)]
     ckpt = str(tmp_path / "now.ckpt")
     trained.trainer.save_checkpoint(ckpt)
@@ -84,7 +104,7 @@ def test_alpha_equals_the_decoder_cli(csv_run, micro_target, tmp_path):
 
 
 def test_state_round_trips_through_a_checkpoint(csv_run, tmp_path):
-    _, trained = csv_run
+    _, trained, _ = csv_run
     [callback] = [c for c in trained.trainer.callbacks if isinstance(c, StaircaseEvaluation)]
     path = str(tmp_path / "c.ckpt")
     trained.trainer.save_checkpoint(path)
