@@ -81,6 +81,39 @@ def two_prompts(tmp_path):
     return prompts
 
 
+def trained_run(root) -> dict:
+    """spd_n2_L3's train.json, checked: the 2 steps ran and the command names the run's geometry."""
+    trained = json.loads((root / "spd_n2_L3" / "train.json").read_text())
+    assert trained["exit"] == 0 and trained["steps"] == 2 and 0 <= trained["val/agree"] <= 1
+    assert "--model.n 2 --model.num_layers 3" in trained["command"]
+    return trained
+
+
+def evaluated_run(root) -> dict:
+    report = json.loads((root / "spd_n2_L3" / "eval" / "eval.json").read_text())
+    assert (report["n"], report["L_s"], report["mode"]) == (2, 3, "spd")
+    return report
+
+
+def tables_files(tmp_path):
+    """A markdown file whose marked region `table` replaces, and the plot's path."""
+    out, png = tmp_path / "tables.md", tmp_path / "tables.png"
+    out.write_text("# Numbers\n\n<!-- paper-tables:begin -->\nold\n<!-- paper-tables:end -->\n\nkept\n")
+    return out, png
+
+
+def check_tables(out, png, report: dict, trained: dict) -> dict:
+    """The run's row (its greedy alpha), the missing run and the command are in the region, nothing else changed;
+    returns the greedy overall result."""
+    text = out.read_text()
+    greedy = next(r for r in report["results"] if r["set"] == "overall" and r["temperature"] == 0)
+    assert "| spd_n2_L3 | spd | 2 | 3 | depth | n_scaled | 2 |" in text and f"| {greedy['alpha']:.3f} |" in text
+    assert "Not run: spd_n4_L1" in text and trained["command"] in text
+    assert text.startswith("# Numbers\n") and text.endswith("\n\nkept\n") and "old" not in text  # only the region
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    return greedy
+
+
 def test_bench_paper_trains_evaluates_and_tabulates_a_run(micro_target, tmp_path, in_repo, capsys):
     """One run through train, eval, table and alphas (the slow whole-script test also trains a second run and
     checks the planner against the real pipeline)."""
@@ -90,27 +123,18 @@ def test_bench_paper_trains_evaluates_and_tabulates_a_run(micro_target, tmp_path
     code, out, err = bench_paper(capsys, "train", "spd_n2_L3", *common, "--extra", extra)
     assert code == 0, out[-2000:] + err[-2000:]
     assert "python -m spd_lightning fit --config" in out  # the command is printed before it runs
-    trained = json.loads((root / "spd_n2_L3" / "train.json").read_text())
-    assert trained["exit"] == 0 and trained["steps"] == 2 and 0 <= trained["val/agree"] <= 1
-    assert "--model.n 2 --model.num_layers 3" in trained["command"]
+    trained = trained_run(root)
 
     code, out, err = bench_paper(
         capsys, "eval", "spd_n2_L3", *common, "--sets", str(prompts), "--limit", "2", "--max-new-tokens", "6"
     )
     assert code == 0, out[-2000:] + err[-2000:]
-    report = json.loads((root / "spd_n2_L3" / "eval" / "eval.json").read_text())
-    assert (report["n"], report["L_s"], report["mode"]) == (2, 3, "spd")
+    report = evaluated_run(root)
 
-    out, png = tmp_path / "tables.md", tmp_path / "tables.png"
-    out.write_text("# Numbers\n\n<!-- paper-tables:begin -->\nold\n<!-- paper-tables:end -->\n\nkept\n")
+    out, png = tables_files(tmp_path)
     code, _, err = bench_paper(capsys, "table", "--root", str(root), "--out", str(out), "--png", str(png))
     assert code == 0, err[-2000:]
-    text = out.read_text()
-    greedy = next(r for r in report["results"] if r["set"] == "overall" and r["temperature"] == 0)
-    assert "| spd_n2_L3 | spd | 2 | 3 | depth | n_scaled | 2 |" in text and f"| {greedy['alpha']:.3f} |" in text
-    assert "Not run: spd_n4_L1" in text and trained["command"] in text
-    assert text.startswith("# Numbers\n") and text.endswith("\n\nkept\n") and "old" not in text  # only the region
-    assert png.read_bytes()[:4] == b"\x89PNG"
+    greedy = check_tables(out, png, report, trained)
 
     code, _, _ = bench_paper(capsys, "alphas", "--root", str(root), "--out", str(tmp_path / "alphas.json"))
     assert code == 0 and json.loads((tmp_path / "alphas.json").read_text()) == {"2,3": greedy["alpha"]}
@@ -126,27 +150,18 @@ def test_the_whole_bench_paper_script_trains_evaluates_tabulates_and_checks_the_
     done = _script("bench_paper.py", "train", "spd_n2_L3", "spd_n4_L1", *common, "--extra", extra)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "python -m spd_lightning fit --config" in done.stdout  # the command is printed before it runs
-    trained = json.loads((root / "spd_n2_L3" / "train.json").read_text())
-    assert trained["exit"] == 0 and trained["steps"] == 2 and 0 <= trained["val/agree"] <= 1
-    assert "--model.n 2 --model.num_layers 3" in trained["command"]
+    trained = trained_run(root)
 
     done = _script(
         "bench_paper.py", "eval", "spd_n2_L3", *common, "--sets", str(prompts), "--limit", "2", "--max-new-tokens", "6"
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    report = json.loads((root / "spd_n2_L3" / "eval" / "eval.json").read_text())
-    assert (report["n"], report["L_s"], report["mode"]) == (2, 3, "spd")
+    report = evaluated_run(root)
 
-    out, png = tmp_path / "tables.md", tmp_path / "tables.png"
-    out.write_text("# Numbers\n\n<!-- paper-tables:begin -->\nold\n<!-- paper-tables:end -->\n\nkept\n")
+    out, png = tables_files(tmp_path)
     done = _script("bench_paper.py", "table", "--root", str(root), "--out", str(out), "--png", str(png))
     assert done.returncode == 0, done.stderr[-2000:]
-    text = out.read_text()
-    greedy = next(r for r in report["results"] if r["set"] == "overall" and r["temperature"] == 0)
-    assert "| spd_n2_L3 | spd | 2 | 3 | depth | n_scaled | 2 |" in text and f"| {greedy['alpha']:.3f} |" in text
-    assert "Not run: spd_n4_L1" in text and trained["command"] in text
-    assert text.startswith("# Numbers\n") and text.endswith("\n\nkept\n") and "old" not in text  # only the region
-    assert png.read_bytes()[:4] == b"\x89PNG"
+    greedy = check_tables(out, png, report, trained)
 
     done = _script("bench_paper.py", "alphas", "--root", str(root), "--out", str(tmp_path / "alphas.json"))
     assert done.returncode == 0 and json.loads((tmp_path / "alphas.json").read_text()) == {"2,3": greedy["alpha"]}
