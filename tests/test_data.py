@@ -23,6 +23,7 @@ from spd_lightning.data import (
     count_assistant_tokens,
     iter_json_array_records,
     load_embedded_sharegpt,
+    load_source,
     normalize_conversation,
     plan_mixture,
     select_draft_vocab,
@@ -335,6 +336,22 @@ def test_jsonl_and_parquet_sources_load(tokenizer_dir, tmp_path):
     dm.setup()
     assert [s.kept for s in dm.stats] == [6, 6]
     assert len(dm.train_dataset) + len(dm.val_dataset) == 12
+
+
+def test_gzipped_jsonl_reads_like_the_plain_file(tmp_path):
+    """The regenerated answers are committed as .jsonl.gz: the same records as the plain file; other .gz refused."""
+    import gzip
+    import shutil
+
+    plain = write_jsonl(tmp_path / "a.jsonl", chat_records(6, "G"))
+    with open(plain, "rb") as f, gzip.open(tmp_path / "a.jsonl.gz", "wb") as g:
+        shutil.copyfileobj(f, g)
+    gz = DataSource(path=str(tmp_path / "a.jsonl.gz"))
+    assert gz.kind == "file"
+    assert load_source(gz, str(tmp_path / "raw"))[:] == load_source(DataSource(path=plain), str(tmp_path / "raw"))[:]
+    (tmp_path / "b.parquet.gz").write_bytes(b"")
+    with pytest.raises(DataError, match="unsupported extension"):
+        load_source(DataSource(path=str(tmp_path / "b.parquet.gz")), str(tmp_path / "raw"))
 
 
 # -- mixing and the split ------------------------------------------------------------------------------

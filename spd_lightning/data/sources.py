@@ -27,13 +27,24 @@ from .formats import DataError
 from .sharegpt import EMBEDDED_SHAREGPT, embedded_sharegpt_file, load_embedded_sharegpt
 
 LOCAL_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+# json files may be gzipped (`datasets` decompresses them): the regenerated answers are committed as .jsonl.gz
+COMPRESSED = ".gz"
+
+
+def local_builder(path: str) -> str | None:
+    """The `datasets` builder of a local file by its extension (`x.jsonl.gz` reads as jsonl), or None."""
+    stem, ext = os.path.splitext(path.lower())
+    if ext == COMPRESSED:
+        builder = LOCAL_FILE_BUILDERS.get(os.path.splitext(stem)[1])
+        return builder if builder == "json" else None
+    return LOCAL_FILE_BUILDERS.get(ext)
 
 
 @dataclass
 class DataSource:
     """One dataset of a mixture.
 
-    path: `sharegpt` (embedded), a local .json/.jsonl/.parquet file or dataset directory, or a hub name.
+    path: `sharegpt` (embedded), a local .json/.jsonl(.gz)/.parquet file or dataset directory, or a hub name.
     weight: share of this source in the training mixture (weights are normalized over sources).
     split: the split to read (local files have only `train`).
     subset: the hub configuration name, e.g. `all` for HuggingFaceTB/smoltalk.
@@ -68,7 +79,7 @@ class DataSource:
         local = os.path.expanduser(self.path)
         if os.path.isdir(local):
             return "directory"
-        if os.path.splitext(local)[1].lower() in LOCAL_FILE_BUILDERS or os.path.exists(local):
+        if local_builder(local) is not None or os.path.exists(local):
             return "file"
         return "hub"
 
@@ -101,9 +112,11 @@ def _load_file(source: DataSource, raw_cache_dir: str) -> datasets.Dataset:
             f"data file {source.path!r} does not exist: fix the path, or use `sharegpt` for the embedded "
             f"default or a hub dataset name"
         )
-    builder = LOCAL_FILE_BUILDERS.get(os.path.splitext(path)[1].lower())
+    builder = local_builder(path)
     if builder is None:
-        raise DataError(f"data file {source.path!r} has an unsupported extension: use .json, .jsonl or .parquet")
+        raise DataError(
+            f"data file {source.path!r} has an unsupported extension: use .json, .jsonl (either may be .gz) or .parquet"
+        )
     if source.split != "train":
         raise DataError(
             f"data file {source.path!r} is read as split `train`, got split={source.split!r}: "
