@@ -82,8 +82,10 @@ def test_eagle3_row_charges_k_drafts_and_a_verify_over_k_plus_1_in_ar_forwards()
 def test_bootstrap_is_seeded_and_covers_the_pooled_value():
     columns = {"N": [5, 9, 2, 7, 4, 8], "K": [10, 10, 10, 10, 10, 10], "r": [0.1, None, 0.3, 0.2, 0.2, 0.4]}
     stats = {"alpha": pooled_ratio("N", "K"), "r": median_of("r")}
-    a, b = bootstrap(columns, stats), bootstrap(columns, stats)
-    assert a == b  # seeded
+    a = bootstrap(columns, stats)
+    many = {"N": [(7 * i) % 23 + 1 for i in range(40)], "K": [30] * 40}
+    stats_many = {"alpha": pooled_ratio("N", "K")}
+    assert bootstrap(many, stats_many) == bootstrap(many, stats_many) != bootstrap(many, stats_many, seed=1)  # seeded
     assert a["alpha"][0] < 35 / 60 < a["alpha"][1] and 0.2 <= a["alpha"][1] - a["alpha"][0] <= 0.4
     assert 0.1 <= a["r"][0] <= 0.25 <= a["r"][1] <= 0.4
     assert bootstrap({"N": [1], "K": [2]}, stats | {"r": pooled_ratio("N", "K")})["alpha"] is None
