@@ -130,8 +130,10 @@ def eval_command(name: str, args: argparse.Namespace, pipeline: bool = False) ->
     ]
 
 
-def run_logged(name: str, command: list[str], threads: int, log: str) -> tuple[int, float]:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), WANDB_MODE="offline")
+def run_logged(name: str, command: list[str], threads: int, log: str, env: dict | None = None) -> tuple[int, float]:
+    env = dict(
+        os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), WANDB_MODE="offline", **(env or {})
+    )
     print(f"[{name}] {shlex.join(command)}", flush=True)
     start = time.time()
     os.makedirs(os.path.dirname(log), exist_ok=True)
