@@ -224,4 +224,4 @@ SUITES = {
 EAGLE3_RUNS = {"eagle3_k7": 7}
 
 
-EAGLE3_EVAL_K = ("3", "5", "7")
+EAGLE3_EVAL_K = ("1", "2", "3", "5", "7")
