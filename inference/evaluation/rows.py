@@ -9,6 +9,7 @@ prompts for both.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import numpy as np
@@ -17,6 +18,8 @@ from inference.cycle.result import DecodeResult
 from inference.evaluation import costs
 from inference.evaluation.intervals import bootstrap, median_of, pooled_ratio
 from inference.evaluation.totals import acceptance_by, acceptance_by_position, decode_rate
+
+log = logging.getLogger(__name__)
 
 
 def _timing_columns(results: Sequence[DecodeResult], ar: Sequence[DecodeResult]) -> dict[str, list]:
@@ -44,6 +47,13 @@ def _wall_and_times(results: Sequence[DecodeResult], ar: Sequence[DecodeResult])
 
 
 def _r_fields(prefix: str, spread: dict) -> dict:
+    if 0 < spread["repeats"] < costs.MIN_REPEATS:
+        log.warning(
+            "%s is the median of %d prompt(s), under %d: evaluate more prompts",
+            prefix,
+            spread["repeats"],
+            costs.MIN_REPEATS,
+        )
     return {
         prefix: spread["median"],
         f"{prefix}_min": spread["min"],
