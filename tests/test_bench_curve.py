@@ -104,12 +104,10 @@ def _store(root, name: str, budget: int, results: list[dict], eagle3: list[dict]
 
 def test_the_curve_report_from_stored_rows(tmp_path_factory, tmp_path, capsys):
     target, _ = target_dir(tmp_path_factory, "qwen3", make_tiny_model)
-    root, ar = (
-        tmp_path / "root",
-        [DecodeResult(mode="ar", n=1, prompt_len=3, tokens=[1] * 11, K=11, stop_reason="length", decode_s=1.0)] * 4,
-    )
+    root = tmp_path / "root"
+    ar = [DecodeResult(mode="ar", n=1, prompt_len=3, tokens=[1] * 11, K=11, stop_reason="length", decode_s=1.0)] * 4
     for budget, spd_tokens in ((1000, 12), (2000, 16), (3000, 9), (4000, 8)):
-        # SPD n=4: alpha = 4 tokens / 82 cycles, r = 0.1 (masked: 4 r < 1); PPSD n=4: alpha 24/82, / (1 + 0.4)
+        # SPD n=4: alpha = 4 x tokens / 82 cycles, r = 0.1 (masked: 4 r < 1); PPSD n=4: alpha 24/82, / (1 + 0.4)
         spd = pdm_row("spd", 4, 1, _pdm("spd", 4, spd_tokens, 20), ar)
         ppsd = pdm_row("ppsd", 4, 1, _pdm("ppsd", 4, 6, 20), ar)
         _store(root, "curve_spd_n4_L1", budget, [{**spd, "mode": "spd", "n": 4, "L_s": 1}], [])
@@ -117,7 +115,8 @@ def test_the_curve_report_from_stored_rows(tmp_path_factory, tmp_path, capsys):
         _store(root, "curve_eagle3", budget, [], [eagle3_row(k, _eagle3(k), ar) for k in (1, 2)])
     out, png = tmp_path / "doc.md", tmp_path / "curve.png"
     out.write_text("# Doc\n\n<!-- paper-tables-curve:begin -->\nold\n<!-- paper-tables-curve:end -->\nkept\n")
-    argv = ["curve", "--suite", "tiny", "--root", str(root), "--budgets", "1000", "2000", "3000", "4000", "--out", str(out)]
+    argv = ["curve", "--suite", "tiny", "--root", str(root), "--out", str(out)]
+    argv += ["--budgets", "1000", "2000", "3000", "4000"]
     argv += ["--png", str(png), "--extra", shlex.join(["--model.target", target])]
     assert load_script("bench_paper").main(argv) == 0, capsys.readouterr()
     text = out.read_text()
