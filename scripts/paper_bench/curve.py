@@ -15,6 +15,7 @@ state cache (`fit --data.states`); EAGLE-3 trains online on the same data (the c
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 
@@ -80,7 +81,7 @@ def max_steps(args: argparse.Namespace) -> int:
 def _budget_callback(out: str, args: argparse.Namespace) -> list[str]:
     spec = {"class_path": "paper_bench.budget.BudgetCheckpoints"}
     spec["init_args"] = {"budgets": list(budgets(args)), "dirpath": f"{out}/budgets"}
-    return [f"--trainer.callbacks+={spec}".replace("'", '"')]
+    return [f"--trainer.callbacks+={json.dumps(spec)}"]
 
 
 def curve_train_command(name: str, args: argparse.Namespace, resume: bool = True) -> list[str]:
