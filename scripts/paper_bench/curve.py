@@ -141,7 +141,16 @@ def curve_train(name: str, args: argparse.Namespace) -> int:
         print(f"[{name}] every budget saved already ({out}/budgets)", flush=True)
         return 0
     env = {"PYTHONPATH": os.pathsep.join(p for p in (args.scripts, os.environ.get("PYTHONPATH")) if p)}
-    return run_logged(name, curve_train_command(name, args), args.threads, f"{out}/train.log", env)[0]
+    code = run_logged(name, curve_train_command(name, args), args.threads, f"{out}/train.log", env)[0]
+    missing = sorted(set(budgets(args)) - set(read_reached(f"{out}/budgets")))
+    if code == 0 and missing:
+        print(
+            f"[{name}] max_steps {max_steps(args)} ended before budgets {missing}: the data has fewer loss tokens per "
+            f"step than --tokens-per-step {args.tokens_per_step}; retrain with a lower value",
+            flush=True,
+        )
+        return 1
+    return code
 
 
 def curve_eval(name: str, args: argparse.Namespace) -> int:
