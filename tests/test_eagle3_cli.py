@@ -221,7 +221,7 @@ def test_a_pdm_config_becomes_an_eagle3_config(tmp_path, capsys):
         assert eagle3["model"]["init_args"][key] == pdm["model"]["init_args"][key]
     assert eagle3["model"]["init_args"]["ttt_steps"] == 7 and eagle3["trainer"]["callbacks"] == []
     assert eagle3["data"] == pdm["data"] and eagle3["trainer"]["max_steps"] == pdm["trainer"]["max_steps"]
-    assert evaluate[evaluate.index("--k") + 1 : evaluate.index("--k") + 4] == ["3", "5", "7"]
+    assert evaluate[evaluate.index("--k") + 1 : evaluate.index("--k") + 6] == ["1", "2", "3", "5", "7"]
 
 
 def test_serve_runs_eagle3_in_its_own_process_without_simulate(files):
