@@ -32,9 +32,17 @@ def eagle3_train_command(name: str, args: argparse.Namespace) -> list[str]:
 
 
 def eagle3_eval_command(name: str, args: argparse.Namespace) -> list[str]:
-    """Chain decoding at each k of EAGLE3_EVAL_K, T = 0 and 1, beside AR in the same run, into NAME/eval."""
+    """Chain decoding at each k of EAGLE3_EVAL_K (or `args.eagle3_k`: the k a stored report was evaluated at), T = 0
+    and 1, beside AR in the same run, into NAME/eval."""
     return ["python", "-m", "inference.eval", "--ckpt", f"{args.root}/{name}/checkpoints/last.ckpt"] + [
-        *("--k", *EAGLE3_EVAL_K, "--prompts", *args.sets.values(), "--limit", str(args.limit)),
+        *(
+            "--k",
+            *getattr(args, "eagle3_k", EAGLE3_EVAL_K),
+            "--prompts",
+            *args.sets.values(),
+            "--limit",
+            str(args.limit),
+        ),
         *("--max-new-tokens", str(args.max_new_tokens), "--temperatures", "0", "1", "--no-progress"),
         *("--out", f"{args.root}/{name}/eval"),
     ]

@@ -12,7 +12,7 @@ from inference.evaluation import costs
 from inference.evaluation.tables import fmt, fmt_ci, fmt_spread, grouped_bars, markdown_table, pyplot, save
 
 from .curves import plot_curves
-from .registry import EAGLE3_RUNS, Run
+from .registry import EAGLE3_EVAL_K, EAGLE3_RUNS, Run
 from .runner import eagle3_eval_command
 
 
@@ -128,9 +128,10 @@ def eagle3_cell(row: dict) -> str:
 
 
 def evaluated_with(args: argparse.Namespace, report: dict) -> argparse.Namespace:
-    """`args` with the prompt sets, limit and length the report was evaluated with (its command, not the defaults)."""
+    """`args` with the prompt sets, limit, length and k the report was evaluated with (its command, not the defaults)."""
     paths = dict.fromkeys(r["path"] for r in report["eagle3_results"] if r["path"])
     limits = {"limit": report["limit"], "max_new_tokens": report["max_new_tokens"]}
+    limits["eagle3_k"] = [str(k) for k in report["k"]] if report.get("k") else EAGLE3_EVAL_K
     return argparse.Namespace(**{**vars(args), "sets": dict(enumerate(paths)), **limits})
 
 
