@@ -252,20 +252,36 @@ def test_bench_train_step_times_a_real_step(micro_target, tmp_path, in_repo, cap
     assert "| depth | 32 | 1 |" in capsys.readouterr().out
 
 
-def test_sharegpt_heldout_skips_the_training_records(tmp_path):
+def _record(*user: str) -> dict:
+    return {
+        "conversations": [
+            turn for text in user for turn in ({"from": "human", "value": text}, {"from": "gpt", "value": "ok"})
+        ]
+    }
+
+
+def test_sharegpt_heldout_drops_prompts_equal_by_content_to_a_training_prompt():
+    heldout = load_script("sharegpt_heldout")
+    records = [_record("test"), _record("hi", "write a  poem"), _record(" test\n"), _record("write a poem")]
+    records += [_record("tell me\ta joke"), _record("tell me a joke"), _record("hi there")]
+    # record 2 repeats record 0 (whitespace), 3 record 1's second user turn, 5 the pick 4 (whitespace)
+    assert heldout.heldout_prompts(records, 2, 2, 600) == [(4, "tell me\ta joke"), (6, "hi there")]
+    with pytest.raises(SystemExit, match="only 2 usable prompts"):
+        heldout.heldout_prompts(records, 2, 3, 600)
+
+
+def test_sharegpt_heldout_after_15000_training_records(tmp_path):
     out = tmp_path / "heldout.jsonl"
-    done = _script("sharegpt_heldout.py", "--skip", "100", "--count", "3", "--out", str(out))
-    assert done.returncode == 0, done.stderr[-2000:]
+    load_script("sharegpt_heldout").main(["--skip", "15000", "--count", "40", "--out", str(out)])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["question_id"] for r in rows] == [0, 1, 2] and all(r["turns"][0].strip() for r in rows)
-    from spd_lightning.data.formats import normalize_conversation
+    assert [r["question_id"] for r in rows] == list(range(40)) and min(r["record"] for r in rows) >= 15000
     from spd_lightning.data.sharegpt import load_embedded_sharegpt
 
-    firsts = set()
-    for record in load_embedded_sharegpt(max_samples=100):
-        messages = normalize_conversation(record["conversations"], "conversations", "test")
-        firsts.update(m["content"].strip() for m in messages if m["role"] == "user")
-    assert not firsts & {r["turns"][0] for r in rows}  # none of them is a training record's user message
+    heldout = load_script("sharegpt_heldout")
+    training = load_embedded_sharegpt(max_samples=15000)
+    keys = {heldout.content_key(m) for i, r in enumerate(training) for m in heldout.user_messages(r, i)}
+    assert "test" in keys and 15010 not in [r["record"] for r in rows]  # record 15,010 is "test", as 2,669 is
+    assert not keys & {heldout.content_key(r["turns"][0]) for r in rows}
 
 
 def test_repetition_counts_repeated_4grams(micro_target, tmp_path, in_repo, capsys):

@@ -148,7 +148,7 @@ def test_eval_reports_spd_ppsd_and_eagle3_in_one_report(evaluated, files):
     assert set(rows) == {(s, k) for s in ("set", "overall") for k in (1, 3)}
     for (name, k), r in rows.items():
         assert r["method"] == "eagle3" and r["alpha"] == pytest.approx(r["N"] / r["K"]) and r["S0"] == r["alpha"]
-        assert r["S_eagle3"] == pytest.approx(r["tau"] / (1 + k * r["r"]))
+        assert r["S_eagle3"] == pytest.approx(r["tau"] / (1 + k * r["r"] + r["verify_ratio"] - 1))
         assert r["wall_clock_speedup"] == pytest.approx(r["decode_tokens_per_s"] / r["ar_decode_tokens_per_s"])
         assert r["ar_decode_tokens_per_s"] == spd[name]["ar_decode_tokens_per_s"]  # one AR baseline for all
         positions = r["accept_by_position"]  # tau = 1 + the sum over positions of reaching and passing each
@@ -221,7 +221,7 @@ def test_a_pdm_config_becomes_an_eagle3_config(tmp_path, capsys):
         assert eagle3["model"]["init_args"][key] == pdm["model"]["init_args"][key]
     assert eagle3["model"]["init_args"]["ttt_steps"] == 7 and eagle3["trainer"]["callbacks"] == []
     assert eagle3["data"] == pdm["data"] and eagle3["trainer"]["max_steps"] == pdm["trainer"]["max_steps"]
-    assert evaluate[evaluate.index("--k") + 1 : evaluate.index("--k") + 4] == ["3", "5", "7"]
+    assert evaluate[evaluate.index("--k") + 1 : evaluate.index("--k") + 6] == ["1", "2", "3", "5", "7"]
 
 
 def test_serve_runs_eagle3_in_its_own_process_without_simulate(files):

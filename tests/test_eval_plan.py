@@ -7,6 +7,7 @@ import pytest
 import torch
 from kit import make_tiny_model, save_random_drafter, target_dir
 
+from inference.evaluation import costs
 from inference.evaluation import plan as spd_plan
 from inference.evaluation import run as spd_eval
 from spd_lightning.geometry import Geometry
@@ -92,7 +93,9 @@ def test_eval_writes_json_markdown_and_plot(evaluated):
             assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] > 0, (key, r)
         assert r["alpha"] == pytest.approx(r["N"] / r["K"]) and 0 < r["alpha"] <= 1
         assert r["S0"] == pytest.approx(n * r["alpha"])
-        assert r["r"] == pytest.approx(r["T_draft_s"] / r["T_full_s"])
+        assert r["r_min"] <= r["r"] <= r["r_max"] and r["r_repeats"] == r["prompts"]  # the median per-prompt r
+        assert r["S"] == r["S_spd"] and r["S_gpu"] == pytest.approx(n * r["alpha"])  # 2 x 0.035 < 1: masked
+        assert r["ci"]["alpha"][0] <= r["alpha"] <= r["ci"]["alpha"][1] and len(r["accept_by_fill"]) == n
         assert r["S_post"] == pytest.approx(n * r["alpha"] / (1 + n * r["r"]))
         assert r["S_spd"] == pytest.approx(n * r["alpha"] * min(1.0, 1.0 / (n * r["r"])))
         assert r["wall_clock_speedup"] == pytest.approx(r["decode_tokens_per_s"] / r["ar_decode_tokens_per_s"])
@@ -137,13 +140,6 @@ def test_plan_reads_the_eval_report(evaluated, tmp_path, capsys):
     assert "recommended: n=" in capsys.readouterr().out and (tmp_path / "p.png").stat().st_size > 0
 
 
-def test_speedup_formulas_by_hand():
-    s = spd_eval.speedups(4, 0.5, 0.5)  # n*r = 2: drafting is twice a stage
-    assert s["S0"] == 2.0 and s["S_post"] == pytest.approx(2 / 3) and s["S_spd"] == pytest.approx(1.0)
-    assert spd_eval.speedups(4, 0.5, 0.1)["S_spd"] == pytest.approx(2.0)  # masked: n*r < 1
-    assert spd_eval.speedups(4, 0.5, 0.0)["S_spd"] == 2.0 and spd_eval.speedups(4, None, 0.1)["S0"] is None
-
-
 def test_plan_cost_model_by_hand():
     m = spd_plan.CostModel(t_full=8.0, t_draft_layer=1.0, overhead=0.5, num_layers=8)
     a = m.predict(4, 1, 0.75)  # stage 2, draft 1: stage-bound, cycle 2.5
@@ -157,9 +153,8 @@ def test_plan_cost_model_by_hand():
     free = spd_plan.CostModel(t_full=8.0, t_draft_layer=1.0)
     post = spd_plan.CostModel(t_full=8.0, t_draft_layer=1.0, schedule="post_step")
     for n, L_s in ((4, 1), (8, 3), (2, 1)):
-        ref = spd_eval.speedups(n, 0.6, L_s / 8.0)
-        assert free.predict(n, L_s, 0.6)["speedup"] == pytest.approx(ref["S_spd"])
-        assert post.predict(n, L_s, 0.6)["speedup"] == pytest.approx(ref["S_post"])
+        assert free.predict(n, L_s, 0.6)["speedup"] == pytest.approx(costs.s_spd(n, 0.6, L_s / 8.0))
+        assert post.predict(n, L_s, 0.6)["speedup"] == pytest.approx(costs.s_ppsd(n, 0.6, L_s / 8.0))
 
 
 def test_plan_stage_fixed_cost_by_hand(tmp_path):

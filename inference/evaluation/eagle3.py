@@ -5,9 +5,10 @@ baseline (`inference/eval.py`); the AR time is the one the SPD rows use. Per row
 
 - `alpha = N / K`: tokens per target forward (`K` verify forwards after prefill; the prefill's token
   counted in `N`, as in SPD's alpha); `S0 = alpha` (n = 1: the speedup with a free drafter);
-- `tau`: mean accepted drafts + 1 per verify forward; `T_draft_step_s` (one chain step, the drafter's
-  commit of accepted rows included) and `T_verify_s` (one target forward over k + 1 positions);
-  `r = T_draft_step / T_verify` and `S_eagle3 = tau / (1 + k r)` (docs/DESIGN.md, "Speedup formulas");
+- `tau`: mean accepted drafts + 1 per verify forward; `r` = one chain step (the drafter's commit of
+  accepted rows included) over the same prompt's AR forward, `verify_ratio` = one target forward over
+  k + 1 positions over it (medians over prompts); `S_eagle3 = tau / (1 + k r + (verify_ratio - 1))`
+  (inference/evaluation/costs.py, the row built by inference/evaluation/rows.py);
 - wall-clock: decode-phase tokens/s over AR's.
 
 `plan_inputs(rows)` is what `inference.plan` reads to predict EAGLE-3's wall clock beside SPD's; the report
@@ -20,7 +21,6 @@ from collections.abc import Callable
 
 from inference.chain.decoder import ChainDecoder
 from inference.cycle.result import DecodeResult
-from inference.evaluation.totals import acceptance_by_position, decode_rate
 from inference.sampling import Sampling
 from spd_lightning.target import Target
 
@@ -51,38 +51,6 @@ class Eagle3Decoders:
             results.append(decoder.decode(ids, args.max_new_tokens, eos, args.seed + i).to_decode_result())
             progress(1)
         return results
-
-
-def summarize(k: int, results: list[DecodeResult], ar: list[DecodeResult]) -> dict:
-    """Pooled numbers of EAGLE-3 at `k` on a group of prompts, beside the AR baseline `ar` of the same prompts."""
-    N, K = sum(r.N for r in results), sum(r.K for r in results)
-    totals = [r.timing["totals"] for r in results]
-    draft_s, verify_s = sum(t["draft_s"] for t in totals), sum(t["verify_s"] for t in totals)
-    steps = sum(t["draft_steps"] for t in totals)
-    tau = sum(sum(r.counters["accept_lengths"]) for r in results) / K if K else None
-    t_step = draft_s / steps if steps else None
-    t_verify = verify_s / K if K else None
-    r_ratio = t_step / t_verify if t_step is not None and t_verify else None
-    ar_tps, tps = decode_rate(ar), decode_rate(results)
-    return {
-        "method": "eagle3",
-        "k": k,
-        "prompts": len(results),
-        "N": N,
-        "K": K,
-        "alpha": N / K if K else None,
-        "tau": tau,
-        "S0": N / K if K else None,
-        "r": r_ratio,
-        "T_full_s": 1.0 / ar_tps if ar_tps else None,
-        "T_draft_step_s": t_step,
-        "T_verify_s": t_verify,
-        "S_eagle3": tau / (1.0 + k * r_ratio) if tau is not None and r_ratio is not None else None,
-        "decode_tokens_per_s": tps,
-        "ar_decode_tokens_per_s": ar_tps,
-        "wall_clock_speedup": tps / ar_tps if tps and ar_tps else None,
-        "accept_by_position": acceptance_by_position([t for r in results for t in r.counters["accept_lengths"]], k),
-    }
 
 
 def plan_inputs(rows: list[dict]) -> list[dict]:

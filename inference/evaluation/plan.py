@@ -37,6 +37,7 @@ each round drafts k tokens and verifies them in one target forward, so from the 
 
     round(k)      = k * T_draft_step + T_verify(k)
     speedup       = (tokens per target forward) * T_full / round(k)
+                  = tau / (1 + k r + (T_verify/T_full - 1))   (inference/evaluation/costs.py, r = T_draft_step/T_full)
 
 printed per k beside SPD's best prediction at each n (SPD needs n GPUs with the PDM sharing stage 1's,
 n + 1 with its own). An eval with only an EAGLE-3 drafter needs no alpha.
@@ -61,6 +62,7 @@ import sys
 from dataclasses import asdict, dataclass
 
 from inference import cli
+from inference.evaluation import costs
 from inference.evaluation.batch_plan import batch_markdown, batch_rows
 from inference.evaluation.tables import markdown_table, pyplot, save
 from spd_lightning.errors import UserError, first_line
@@ -281,7 +283,7 @@ def eagle3_rows(inputs: list[dict], t_full: float | None) -> list[dict]:
                 "draft_step": p["T_draft_step_s"],
                 "verify": p["T_verify_s"],
                 "round": round_s,
-                "speedup": p["alpha"] * full / round_s,
+                "speedup": costs.s_eagle3(p["alpha"], p["k"], p["T_draft_step_s"] / full, p["T_verify_s"] / full),
             }
         )
     return rows

@@ -1,8 +1,9 @@
 """`inference.eval`'s report as people read it: `eval.md` (the PDM drafters' table, then every method side by
 side) and `eval.png`, from the `eval.json` dict (inference/eval.py). Side by side, every row is on one footing:
 tokens per target forward (`n * alpha` for a PDM drafter, `N / K` for EAGLE-3), the theoretical speedup with
-the draft cost (`S_spd`; `S_post` for post-step and PPSD; `S_eagle3`) and the wall-clock speedup over the AR
-decodes of the same run.
+the draft cost (`S_spd`; `S_post` for post-step and PPSD; `S_eagle3`; inference/evaluation/costs.py), the same
+at the paper's GPU r, and the wall-clock speedup over the AR decodes of the same run, each with its 95 %
+bootstrap interval over prompts.
 """
 
 from __future__ import annotations
@@ -11,26 +12,18 @@ import json
 import os
 
 from inference import cli
-from inference.evaluation.tables import fmt, grouped_bars, markdown_table, pyplot, save
+from inference.evaluation.costs import GPU_LABEL
+from inference.evaluation.tables import fmt, fmt_ci, fmt_spread, grouped_bars, markdown_table, pyplot, save
+
+
+def _ci(row: dict, key: str) -> list[float] | None:
+    return (row.get("ci") or {}).get(key)
 
 
 def _spd_table(report: dict) -> list[str]:
-    head = [
-        "method",
-        "set",
-        "T",
-        "prompts",
-        "N",
-        "K",
-        "alpha",
-        "S0 = n*alpha",
-        "r",
-        "S_spd",
-        "S_post/ppsd",
-        "tok/s",
-        "AR tok/s",
-        "wall-clock",
-    ]
+    head = ["method", "set", "T", "prompts", "N", "K", "alpha [95 %]", "S0 = n*alpha [95 %]"]
+    head += ["r (min-max, repeats)", "S_spd", "S_post/ppsd", "S own mode [95 %]", GPU_LABEL, "S at GPU r [95 %]"]
+    head += ["tok/s", "AR tok/s", "wall-clock [95 %]", "accept by fill"]
     rows = [
         [
             r["method"],
@@ -39,14 +32,18 @@ def _spd_table(report: dict) -> list[str]:
             str(r["prompts"]),
             str(r["N"]),
             str(r["K"]),
-            fmt(r["alpha"]),
-            fmt(r["S0"], 2),
-            fmt(r["r"]),
+            fmt_ci(r["alpha"], _ci(r, "alpha"), 3),
+            fmt_ci(r["S0"], _ci(r, "S0")),
+            fmt_spread(r),
             fmt(r["S_spd"], 2),
             fmt(r["S_post"], 2),
+            fmt_ci(r["S"], _ci(r, "S")),
+            fmt(r["r_gpu"], 3),
+            fmt_ci(r["S_gpu"], _ci(r, "S_gpu")),
             fmt(r["decode_tokens_per_s"], 1),
             fmt(r["ar_decode_tokens_per_s"], 1),
-            fmt(r["wall_clock_speedup"], 2),
+            fmt_ci(r["wall_clock_speedup"], _ci(r, "wall_clock_speedup")),
+            rates(r.get("accept_by_fill")),
         ]
         for r in report["results"]
     ]
@@ -57,34 +54,41 @@ def _spd_table(report: dict) -> list[str]:
     return [title, "", *markdown_table(head, rows)]
 
 
-THEORETICAL = {"spd": "S_spd", "post_step": "S_post", "ppsd": "S_ppsd"}
+def rates(values: list[float | None] | None) -> str:
+    """Acceptance per fill, depth or draft position, compact (`-`: none judged there or not recorded)."""
+    return " ".join("-" if v is None else f"{v:.2f}" for v in values) if values else "-"
 
 
 def side_by_side(report: dict) -> list[dict]:
     """Every method's rows on one footing: tokens per target forward, theoretical and wall-clock speedup."""
-    spd = [{**r, "theoretical": r[THEORETICAL[r["mode"]]]} for r in report["results"]]
-    eagle3 = [{**r, "method": f"eagle3 k={r['k']}", "theoretical": r["S_eagle3"]} for r in report["eagle3_results"]]
+    spd = list(report["results"])
+    eagle3 = [{**r, "method": f"eagle3 k={r['k']}"} for r in report["eagle3_results"]]
     return sorted(spd + eagle3, key=lambda r: (r["temperature"], r["set"] == "overall", r["set"]))
 
 
 def side_by_side_table(report: dict) -> list[str]:
-    head = ["method", "set", "T", "prompts", "tokens per target forward", "theoretical", "wall-clock"]
+    head = ["method", "set", "T", "prompts", "tokens per target forward [95 %]", "r (min-max, repeats)"]
+    head += ["theoretical [95 %]", GPU_LABEL, "theoretical at GPU r [95 %]", "wall-clock (CPU) [95 %]"]
     rows = [
         [
             r["method"],
             r["set"],
             f"{r['temperature']:g}",
             str(r["prompts"]),
-            fmt(r["S0"], 2),
-            fmt(r["theoretical"], 2),
-            fmt(r["wall_clock_speedup"], 2),
+            fmt_ci(r["S0"], _ci(r, "S0")),
+            fmt_spread(r),
+            fmt_ci(r["S"], _ci(r, "S")),
+            fmt(r["r_gpu"], 3),
+            fmt_ci(r["S_gpu"], _ci(r, "S_gpu")),
+            fmt_ci(r["wall_clock_speedup"], _ci(r, "wall_clock_speedup")),
         ]
         for r in side_by_side(report)
     ]
     eagle3 = f", EAGLE-3 drafter {report['eagle3_drafter']}" if report["eagle3_drafter"] else ""
     title = (
-        f"Side by side, speedups over AR measured in this run (tokens per target forward: n*alpha for SPD, "
-        f"N/K for EAGLE-3; theoretical: S_spd, S_post/S_ppsd, S_eagle3 = tau/(1+k*r)){eagle3}"
+        "Side by side, speedups over AR measured in this run (tokens per target forward: n*alpha for SPD, "
+        "N/K for EAGLE-3; theoretical: S_spd, S_post/S_ppsd, S_eagle3 = tau/(1 + k r + T_verify/T_full - 1), "
+        f"r in units of this process's AR forward, inference/evaluation/costs.py){eagle3}"
     )
     return [title, "", *markdown_table(head, rows)]
 
@@ -96,7 +100,7 @@ def plot_side_by_side(report: dict, path: str) -> None:
     x = grouped_bars(ax1, [("tokens per target forward", [r["S0"] for r in rows])])
     ax1.set_xticks(x, labels, fontsize=6)
     ax1.set_title("tokens per target forward")
-    keys = [("theoretical", "theoretical"), ("wall_clock_speedup", "wall-clock")]
+    keys = [("S", "theoretical"), ("S_gpu", "theoretical at GPU r"), ("wall_clock_speedup", "wall-clock (CPU)")]
     x = grouped_bars(ax2, [(label, [r[key] for r in rows]) for key, label in keys])
     ax2.axhline(1.0, color="gray", lw=0.8, ls="--")
     ax2.set_xticks(x, labels, fontsize=6)

@@ -9,19 +9,22 @@ decoder (`--simulate`: the one-process simulator; otherwise the n+1-process pipe
 decoding of the same target loaded in this process. Reported per set and overall (all sets pooled):
 
 - `alpha = N / K` (pooled over prompts) and `S0 = n * alpha`;
-- `r = T_draft / T_full`: `T_draft` is the decoder's mean per-cycle draft time, `T_full` the AR
-  baseline's mean per-token decode time (one full forward of the target);
-- the draft-cost-adjusted speedups of docs/DESIGN.md, "Speedup formulas": `S_spd = n*alpha*min(1, 1/(n*r))` (drafting masked while
-  it fits in one stage) and `S_post = S_ppsd = n*alpha / (1 + n*r)`;
+- the cost model of inference/evaluation/costs.py, one for every method: `r` = the drafter's time per
+  draft token over the AR baseline's time per token (one full target forward), per prompt in this process,
+  its median over the prompts (`r_min`, `r_max`, `r_repeats` beside it); `S_spd = n*alpha*min(1, 1/(n*r))`
+  (drafting masked while it fits in one stage), `S_post = S_ppsd = n*alpha / (1 + n*r)`, and `S` the
+  row's own mode's; `S_gpu` the same at `r_gpu`, the r a GPU has at the paper's shapes;
 - wall-clock: decode-phase tokens/s of the decoder over the AR baseline's (prefill excluded). Under
-  `--simulate` the stages run in sequence, so this number is not the pipeline's.
+  `--simulate` the stages run in sequence, so this number is not the pipeline's;
+- `ci`: 95 % bootstrap intervals over prompts (inference/evaluation/intervals.py) of alpha, `n*alpha`, r,
+  S, S_gpu and the wall-clock speedup; acceptance per depth and per fill.
 
 EAGLE-3 beside it: `--eagle3 DRAFTER` (or an EAGLE-3 drafter as `--ckpt`) adds chain decoding at each
 `--k` (default 7; e.g. `--k 3 5 7`) on the same target, prompts and AR baseline, in
 `eagle3_results` (inference/evaluation/eagle3.py: tokens per target forward, S_eagle3, wall-clock), and a
 side-by-side table of every method: tokens per target forward (`S0`: n*alpha for SPD, N/K for EAGLE-3),
-the theoretical speedup with the draft cost (S_spd, S_post for post-step/PPSD, S_eagle3) and the
-wall-clock speedup. More PDM drafters of the same target join the same report with `--compare CKPT ...`
+the theoretical speedup with the draft cost (S_spd, S_post for post-step/PPSD, S_eagle3), the same at the
+paper's GPU r, and the wall-clock speedup. More PDM drafters of the same target join the same report with `--compare CKPT ...`
 (e.g. a PPSD drafter, trained with first-stage features, or another n or L_s), each decoded in its own mode
 on the same prompts against the same AR decodes; their rows are in `results` beside `--ckpt`'s (each row
 names its `method`, `drafter`, `mode`, `n`, `L_s`). SPD, PPSD and EAGLE-3 in one report:
@@ -47,7 +50,7 @@ from inference.cycle.ar import ar_decode
 from inference.cycle.result import DecodeResult
 from inference.evaluation import eagle3 as eval_eagle3
 from inference.evaluation.report import markdown, write_outputs
-from inference.evaluation.totals import acceptance_by, decode_rate
+from inference.evaluation.rows import eagle3_row, pdm_row
 from inference.processes.launch import launch
 from inference.prompts import dataset_spec, read_prompts
 from inference.sampling import Sampling
@@ -80,51 +83,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     cli.add_decoder_arguments(p, max_new_tokens=512, with_ar=False, k_values=True)
     return p.parse_args(argv)
-
-
-def speedups(n: int, alpha: float | None, r: float | None) -> dict:
-    """The speedups of docs/DESIGN.md, "Speedup formulas", over single-device AR decoding for `n` stages, acceptance `alpha`, `r = T_draft/T_full`."""
-    if alpha is None:
-        return {"S0": None, "S_spd": None, "S_post": None, "S_ppsd": None}
-    s0 = n * alpha
-    if r is None:
-        return {"S0": s0, "S_spd": None, "S_post": None, "S_ppsd": None}
-    s_post = s0 / (1 + n * r)
-    s_spd = s0 * (min(1.0, 1.0 / (n * r)) if r > 0 else 1.0)
-    return {"S0": s0, "S_spd": s_spd, "S_post": s_post, "S_ppsd": s_post}
-
-
-def summarize(n: int, spd: list[DecodeResult], ar: list[DecodeResult]) -> dict:
-    """Pooled numbers of a group of prompts (one set, or all sets) at one temperature."""
-    N, K = sum(r.N for r in spd), sum(r.K for r in spd)
-    alpha = N / K if K else None
-    ar_tps = decode_rate(ar)
-    t_full = 1.0 / ar_tps if ar_tps else None
-    draft_s = sum(r.timing.get("totals", {}).get("draft_s", 0.0) for r in spd)
-    t_draft = draft_s / K if K else None
-    cycle_s = sum(r.timing.get("totals", {}).get("wall_s", 0.0) for r in spd) / K if K else None
-    slowest = sum(r.timing.get("totals", {}).get("mean_slowest_stage_s", 0.0) * r.K for r in spd) / K if K else None
-    stages_sum = sum(sum(r.timing.get("totals", {}).get("stage_compute_s", [])) for r in spd) / K if K else None
-    r_ratio = t_draft / t_full if t_draft is not None and t_full else None
-    spd_tps = decode_rate(spd)
-    out = {
-        "prompts": len(spd),
-        "N": N,
-        "K": K,
-        "alpha": alpha,
-        "r": r_ratio,
-        "T_full_s": t_full,
-        "T_draft_s": t_draft,
-        "mean_cycle_s": cycle_s,
-        "mean_slowest_stage_s": slowest,
-        "mean_stage_sum_s": stages_sum,
-        **speedups(n, alpha, r_ratio),
-        "decode_tokens_per_s": spd_tps,
-        "ar_decode_tokens_per_s": ar_tps,
-        "wall_clock_speedup": spd_tps / ar_tps if spd_tps and ar_tps else None,
-        "accept_by_depth": acceptance_by(spd, "depth"),
-    }
-    return out
 
 
 def check_args(args: argparse.Namespace) -> list[Sampling]:
@@ -177,6 +135,10 @@ class PdmDecoder:
         """What tells this drafter's rows from another's in one report."""
         n, num_layers = self.setup.geometry.n, self.setup.spec.pdm.num_layers
         return {"method": self.method, "drafter": self.setup.ckpt, "mode": self.setup.mode, "n": n, "L_s": num_layers}
+
+    def row(self, results: list[DecodeResult], ar: list[DecodeResult]) -> dict:
+        """This drafter's numbers on a group of prompts beside the AR decodes of the same prompts."""
+        return pdm_row(self.setup.mode, self.setup.geometry.n, self.setup.spec.pdm.num_layers, results, ar)
 
     def warm_up(self, sampling: Sampling, prompt: list[int]) -> None:
         if not self.args.simulate:
@@ -329,17 +291,16 @@ def _evaluate(decoders: Decoders, sampling: Sampling, sets: list[PromptSet], bar
         for pdm in decoders.pdms:
             spd = pdm.decode(sampling, prompt_set.prompts, bar.update)
             pooled[pdm] += spd
-            report["results"].append({**where, **pdm.identity, **summarize(pdm.setup.geometry.n, spd, ar)})
+            report["results"].append({**where, **pdm.identity, **pdm.row(spd, ar)})
         for k in ks:
             chain = decoders.eagle3.decode(k, sampling, prompt_set.prompts, args, decoders.setup.eos, bar.update)
             pooled[k] += chain
-            report["eagle3_results"].append({**where, **eval_eagle3.summarize(k, chain, ar)})
+            report["eagle3_results"].append({**where, **eagle3_row(k, chain, ar)})
     where = {"set": "overall", "path": None, **head}
     for pdm in decoders.pdms:
-        row = summarize(pdm.setup.geometry.n, pooled[pdm], pooled["ar"])
-        report["results"].append({**where, **pdm.identity, **row})
+        report["results"].append({**where, **pdm.identity, **pdm.row(pooled[pdm], pooled["ar"])})
     for k in ks:
-        report["eagle3_results"].append({**where, **eval_eagle3.summarize(k, pooled[k], pooled["ar"])})
+        report["eagle3_results"].append({**where, **eagle3_row(k, pooled[k], pooled["ar"])})
 
 
 def _progress(total: int, disable: bool):

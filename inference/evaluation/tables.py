@@ -17,6 +17,21 @@ def fmt(x, digits: int = 3) -> str:
     return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
 
+def fmt_ci(x, interval: Sequence[float] | None, digits: int = 2) -> str:
+    """A value with its 95 % interval, `1.23 [1.10, 1.35]`; the value alone when it has none."""
+    if interval is None or x is None:
+        return fmt(x, digits)
+    return f"{fmt(x, digits)} [{fmt(interval[0], digits)}, {fmt(interval[1], digits)}]"
+
+
+def fmt_spread(row: dict, key: str = "r", digits: int = 3) -> str:
+    """A median cost ratio with its min-max spread and repeats, `0.287 (0.25-0.31, 15x)`."""
+    if row.get(key) is None or row.get(f"{key}_repeats") is None:
+        return fmt(row.get(key), digits)
+    low, high, n = row[f"{key}_min"], row[f"{key}_max"], row[f"{key}_repeats"]
+    return f"{fmt(row[key], digits)} ({fmt(low, digits)}-{fmt(high, digits)}, {n}x)"
+
+
 def markdown_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     """The lines of a markdown table: the header, its rule, one line per row."""
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(r) + " |" for r in rows)]

@@ -8,6 +8,10 @@
     python scripts/bench_paper.py repetition                # how repetitive the target's greedy output is
     python scripts/bench_paper.py train all --suite deep    # the same on the 16-layer target (configs/bench_deep.yaml)
     python scripts/bench_paper.py train all --suite smollm2 # SmolLM2-135M-Instruct (configs/bench_smollm2.yaml)
+    python scripts/bench_paper.py curve-states --suite smollm2   # speedup against training budget, resumable:
+    python scripts/bench_paper.py curve-train all --suite smollm2    # scripts/paper_bench/curve.py
+    python scripts/bench_paper.py curve-eval all --suite smollm2
+    python scripts/bench_paper.py curve --suite smollm2 --out docs/BENCHMARKS.md --png docs/smollm2_curve.png
 
 Every run is an ordinary `python -m spd_lightning fit` / `python -m inference.eval` command; this script
 only names the runs, prints each command before running it (so the docs can quote it), runs up to
@@ -19,12 +23,18 @@ under `ROOT/NAME/` (`--root`, default `runs/bench`): `checkpoints/last.ckpt`, `l
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 from concurrent.futures import ThreadPoolExecutor
 
 from inference import cli
 
+SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CURVE_ACTIONS = ["curve-states", "curve-train", "curve-eval", "curve"]
+
 from .checks import plan_check, repetition
+from .curve import curve_eval, curve_names, curve_states, curve_train
+from .curve_report import write_curve
 from .registry import EAGLE3_RUNS, SETS, SUITES, BenchError
 from .runner import eval_command, evaluate, train, train_command
 from .tables import write_alphas, write_tables
@@ -32,7 +42,8 @@ from .tables import write_alphas, write_tables
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("action", choices=["train", "eval", "table", "alphas", "plancheck", "repetition", "commands"])
+    actions = ["train", "eval", "table", "alphas", "plancheck", "repetition", "commands"]
+    p.add_argument("action", choices=[*actions, *CURVE_ACTIONS])
     p.add_argument("names", nargs="*", help="run names or 'all' (each suite's names: --help of `commands`)")
     p.add_argument(
         "--suite", choices=SUITES, default="tiny", help="the target and its drafters (tiny: 8 layers, deep: 16)"
@@ -46,30 +57,49 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sets", nargs="+", help="eval: jsonl prompt sets (default: GSM8K, HumanEval, ShareGPT held-out)")
     p.add_argument("--jobs", type=int, default=1, help="runs at once")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run")
-    p.add_argument("--limit", type=int, default=10, help="eval: prompts per set")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="eval: tokens per prompt")
+    p.add_argument("--limit", type=int, help="eval: prompts per set (default 10; curve-eval: the curve's, 40)")
+    p.add_argument("--max-new-tokens", type=int, help="eval: tokens per prompt (default 64; curve-eval: 128)")
+    p.add_argument("--budgets", type=int, nargs="+", help="curve-*: loss-token budgets (default: the suite's)")
+    p.add_argument("--tokens-per-step", type=int, help="curve-train: loss tokens per step, an estimate for max_steps")
     p.add_argument(
         "--out",
         help="table: markdown file; its text between the paper-tables markers is replaced when it "
         "has them (default docs/BENCHMARKS.md); alphas: json (default ROOT/alphas.json)",
     )
-    p.add_argument("--png", default="docs/paper_tables.png", help="table: plot output ('' for none)")
+    p.add_argument(
+        "--png", help="table, curve: plot output ('' for none; default docs/paper_tables.png, docs/SUITE_curve.png)"
+    )
     p.add_argument("--target", help="repetition: the target to decode with (default: the suite's)")
     p.add_argument("--calibration", help="plancheck: the run whose measured times calibrate the planner")
     p.add_argument("--checks", nargs="+", help="plancheck: runs predicted and measured")
     p.add_argument("--debug", action="store_true", help="show tracebacks (also SPD_DEBUG=1)")
     args = p.parse_args(argv)
-    args.sets = dict(enumerate(args.sets)) if args.sets else SETS
     suite = SUITES[args.suite]
+    curve = args.action in CURVE_ACTIONS
+    args.curve, args.scripts = suite.curve, SCRIPTS
+    if curve and suite.curve is not None:
+        defaults = {"limit": suite.curve.limit, "max_new_tokens": suite.curve.max_new_tokens}
+        defaults["tokens_per_step"] = suite.curve.tokens_per_step
+    else:
+        defaults = {"limit": 10, "max_new_tokens": 64, "tokens_per_step": None}
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    root = args.root or suite.root
+    default_sets = {**SETS, "sharegpt": f"{root}/sharegpt.jsonl"} if curve else SETS
+    args.sets = dict(enumerate(args.sets)) if args.sets else default_sets
     for key in ("config", "root", "target", "calibration", "checks"):
         if getattr(args, key) is None:
             setattr(args, key, getattr(suite, key))
     args.runs, args.tables, args.region = suite.runs, suite.tables, suite.region
-    args.names = list(args.runs) if args.names in ([], ["all"]) else args.names
+    everything = curve_names(args) if curve and args.curve is not None else list(args.runs)
+    args.names = everything if args.names in ([], ["all"]) else args.names
     return args
 
 
 def run(args: argparse.Namespace) -> None:
+    if args.action in CURVE_ACTIONS:
+        return run_curve(args)
     known = [*args.runs, *EAGLE3_RUNS]
     unknown = [n for n in [*args.names, args.calibration, *args.checks] if n not in known]
     if unknown:
@@ -78,6 +108,7 @@ def run(args: argparse.Namespace) -> None:
         raise BenchError("--jobs and --threads must be >= 1")
     if args.action == "table":
         args.out = args.out or "docs/BENCHMARKS.md"
+        args.png = "docs/paper_tables.png" if args.png is None else args.png
         return write_tables(args)
     if args.action == "alphas":
         args.out = args.out or f"{args.root}/alphas.json"
@@ -92,6 +123,29 @@ def run(args: argparse.Namespace) -> None:
             print(shlex.join(eval_command(name, args)))
         return
     work = train if args.action == "train" else evaluate
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        codes = list(pool.map(lambda name: work(name, args), args.names))
+    failed = [n for n, c in zip(args.names, codes) if c != 0]
+    if failed:
+        raise BenchError(f"{args.action} failed for {', '.join(failed)} (see {args.root}/NAME/*.log)")
+
+
+def run_curve(args: argparse.Namespace) -> None:
+    known = curve_names(args)
+    unknown = [n for n in args.names if n not in known]
+    if unknown:
+        raise BenchError(f"unknown curve run {unknown[0]!r} in suite {args.suite!r}: choose from {', '.join(known)}")
+    if args.jobs < 1 or args.threads < 1 or (args.budgets and min(args.budgets) <= 0):
+        raise BenchError("--jobs and --threads must be >= 1, --budgets > 0")
+    if args.action == "curve":
+        args.out = args.out or "docs/BENCHMARKS.md"
+        args.png = f"docs/{args.suite}_curve.png" if args.png is None else args.png
+        return write_curve(args)
+    if args.action == "curve-states":
+        if curve_states(args) != 0:
+            raise BenchError(f"prepare --states failed (see {args.root}/states.log)")
+        return
+    work = curve_train if args.action == "curve-train" else curve_eval
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         codes = list(pool.map(lambda name: work(name, args), args.names))
     failed = [n for n, c in zip(args.names, codes) if c != 0]

@@ -123,6 +123,51 @@ SMOLLM2_TABLES = {
 }
 
 
+class Curve(NamedTuple):
+    """Speedup against training budget (scripts/paper_bench/curve.py): drafters trained once each on the same data
+    and seed, saved at every budget of loss tokens, evaluated on `limit` prompts per set, `max_new_tokens` each."""
+
+    runs: dict[str, Run]  # PDM drafters, trained from one state cache
+    eagle3: dict[str, int]  # EAGLE-3 drafters (one layer): name -> TTT steps
+    budgets: tuple[int, ...]  # loss tokens
+    tokens_per_step: int  # an estimate of the loss tokens per step, to set max_steps (--tokens-per-step)
+    ks: tuple[int, ...] = (1, 2, 3, 5, 7)
+    limit: int = 40
+    max_new_tokens: int = 128
+
+
+# SPD at n = 4 and 8 with L_s = 1 (the `type` layout, exact there) and L_s = 3 (`depth`), PPSD at n = 8, L_s = 1,
+# EAGLE-3 with 7 TTT steps. About 490 loss tokens per step on the regenerated data at batch 4 (inferred from
+# 4 M tokens ~ 1.3 CPU hours at 0.57 s per step).
+SMOLLM2_CURVE = Curve(
+    {
+        "curve_spd_n4_L1": Run(4, 1, "spd", layout="type"),
+        "curve_spd_n4_L3": Run(4, 3, "spd"),
+        "curve_spd_n8_L1": Run(8, 1, "spd", layout="type"),
+        "curve_spd_n8_L3": Run(8, 3, "spd"),
+        "curve_ppsd_n8_L1": Run(8, 1, "ppsd", layout="type"),
+    },
+    {"curve_eagle3": 7},
+    (200_000, 1_000_000, 4_000_000),
+    490,
+)
+# The same machinery at toy budgets on the 8-layer target (and the tests' 4-layer one): n <= 4.
+TINY_CURVE = Curve(
+    {
+        "curve_spd_n2_L1": Run(2, 1, "spd", layout="type"),
+        "curve_spd_n4_L1": Run(4, 1, "spd", layout="type"),
+        "curve_spd_n4_L2": Run(4, 2, "spd"),
+        "curve_ppsd_n4_L1": Run(4, 1, "ppsd", layout="type"),
+    },
+    {"curve_eagle3": 2},
+    (2_000, 5_000, 10_000),
+    100,
+    ks=(1, 2, 3),
+    limit=10,
+    max_new_tokens=32,
+)
+
+
 class Suite(NamedTuple):
     """A target and the drafters trained on it: defaults for --config/--root/--target/--calibration/--checks and
     the marked region of the docs its tables replace."""
@@ -135,6 +180,7 @@ class Suite(NamedTuple):
     region: str
     calibration: str
     checks: list[str]
+    curve: Curve | None = None
 
 
 SUITES = {
@@ -147,6 +193,7 @@ SUITES = {
         "paper-tables",
         "spd_n4_L1",
         ["spd_n4_L3", "spd_n2_L3"],
+        TINY_CURVE,
     ),
     "deep": Suite(
         "configs/bench_deep.yaml",
@@ -167,6 +214,7 @@ SUITES = {
         "smollm2-tables",
         "spd_n4_L1",
         ["spd_n4_L3", "spd_n8_L1"],
+        SMOLLM2_CURVE,
     ),
 }
 
@@ -176,4 +224,4 @@ SUITES = {
 EAGLE3_RUNS = {"eagle3_k7": 7}
 
 
-EAGLE3_EVAL_K = ("3", "5", "7")
+EAGLE3_EVAL_K = ("1", "2", "3", "5", "7")

@@ -32,9 +32,17 @@ def eagle3_train_command(name: str, args: argparse.Namespace) -> list[str]:
 
 
 def eagle3_eval_command(name: str, args: argparse.Namespace) -> list[str]:
-    """Chain decoding at each k of EAGLE3_EVAL_K, T = 0 and 1, beside AR in the same run, into NAME/eval."""
+    """Chain decoding at each k of EAGLE3_EVAL_K (or `args.eagle3_k`: the k a stored report was evaluated at), T = 0
+    and 1, beside AR in the same run, into NAME/eval."""
     return ["python", "-m", "inference.eval", "--ckpt", f"{args.root}/{name}/checkpoints/last.ckpt"] + [
-        *("--k", *EAGLE3_EVAL_K, "--prompts", *args.sets.values(), "--limit", str(args.limit)),
+        *(
+            "--k",
+            *getattr(args, "eagle3_k", EAGLE3_EVAL_K),
+            "--prompts",
+            *args.sets.values(),
+            "--limit",
+            str(args.limit),
+        ),
         *("--max-new-tokens", str(args.max_new_tokens), "--temperatures", "0", "1", "--no-progress"),
         *("--out", f"{args.root}/{name}/eval"),
     ]
@@ -130,8 +138,10 @@ def eval_command(name: str, args: argparse.Namespace, pipeline: bool = False) ->
     ]
 
 
-def run_logged(name: str, command: list[str], threads: int, log: str) -> tuple[int, float]:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), WANDB_MODE="offline")
+def run_logged(name: str, command: list[str], threads: int, log: str, env: dict | None = None) -> tuple[int, float]:
+    env = dict(
+        os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), WANDB_MODE="offline", **(env or {})
+    )
     print(f"[{name}] {shlex.join(command)}", flush=True)
     start = time.time()
     os.makedirs(os.path.dirname(log), exist_ok=True)

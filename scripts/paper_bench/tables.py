@@ -8,10 +8,11 @@ import json
 import os
 import shlex
 
-from inference.evaluation.tables import fmt, grouped_bars, markdown_table, pyplot, save
+from inference.evaluation import costs
+from inference.evaluation.tables import fmt, fmt_ci, fmt_spread, grouped_bars, markdown_table, pyplot, save
 
 from .curves import plot_curves
-from .registry import EAGLE3_RUNS, Run
+from .registry import EAGLE3_EVAL_K, EAGLE3_RUNS, Run
 from .runner import eagle3_eval_command
 
 
@@ -35,8 +36,31 @@ def set_names(report: dict) -> list[str]:
 
 
 def adjusted(report: dict, row: dict) -> float | None:
-    """The speedup that charges the measured draft cost the way the run's mode pays it (docs/DESIGN.md, "Speedup formulas")."""
+    """The speedup that charges the measured draft cost the way the run's mode pays it (inference/evaluation/costs.py;
+    a row from before the cost model has no `S`: its own mode's formula at its pooled r)."""
+    if "S" in row:
+        return row["S"]
     return row["S_spd"] if report["mode"] == "spd" else row["S_post"]
+
+
+def at_gpu_r(report: dict, row: dict) -> float | None:
+    """The speedup at the GPU r of the paper's times for this run's L_s (from alpha alone, so older rows have it)."""
+    if row.get("alpha") is None:
+        return None
+    return float(costs.pdm_speedup(report["mode"], report["n"], row["alpha"], costs.gpu_r(report["L_s"])))
+
+
+def eagle3_at_gpu_r(row: dict) -> float | None:
+    if row.get("tau") is None:
+        return None
+    return float(costs.s_eagle3(row["tau"], row["k"], costs.gpu_r(1), costs.GPU_VERIFY_RATIO))
+
+
+def with_ci(row: dict, key: str, value: float | None) -> str:
+    """A value with its interval; `(no CI)` marks a row evaluated before intervals existed."""
+    if "ci" not in row:
+        return f"{fmt(value, 2)} (no CI)" if value is not None else "-"
+    return fmt_ci(value, row["ci"].get(key))
 
 
 def rates(values: list[float | None] | None) -> str:
@@ -59,9 +83,10 @@ def table(runs: dict[str, tuple[dict, dict]], names: list[str], suite: dict[str,
         "alpha T=0",
         "n*alpha",
         "r",
-        "S adj. T=0",
+        "S adj. T=0 [95 %]",
+        "S at GPU r T=0",
         "alpha T=1",
-        "S adj. T=1",
+        "S adj. T=1 [95 %]",
         "accept by depth T=0",
         "train min",
     ]
@@ -82,10 +107,11 @@ def table(runs: dict[str, tuple[dict, dict]], names: list[str], suite: dict[str,
                 *(fmt(result_row(report, s, 0.0)["alpha"]) for s in sets),
                 fmt(greedy["alpha"]),
                 fmt(greedy["S0"], 2),
-                fmt(greedy["r"]),
-                fmt(adjusted(report, greedy), 2),
+                fmt_spread(greedy),
+                with_ci(greedy, "S", adjusted(report, greedy)),
+                fmt(at_gpu_r(report, greedy), 2),
                 fmt(sampled["alpha"]),
-                fmt(adjusted(report, sampled), 2),
+                with_ci(sampled, "S", adjusted(report, sampled)),
                 rates(greedy.get("accept_by_depth")),
                 fmt(trained["minutes"], 1),
             ]
@@ -93,17 +119,27 @@ def table(runs: dict[str, tuple[dict, dict]], names: list[str], suite: dict[str,
     return "\n".join(markdown_table(head, rows))
 
 
+def eagle3_cell(row: dict) -> str:
+    """S_eagle3 with its interval; a row from before the cost model charged r = T_draft_step / T_verify and no
+    verify cost, which flatters EAGLE-3: marked `(old r)`."""
+    if "verify_ratio" not in row:
+        return f"{fmt(row['S_eagle3'], 2)} (old r)"
+    return with_ci(row, "S", row["S_eagle3"])
+
+
 def evaluated_with(args: argparse.Namespace, report: dict) -> argparse.Namespace:
-    """`args` with the prompt sets, limit and length the report was evaluated with (its command, not the defaults)."""
+    """`args` with the prompt sets, limit, length and k the report was evaluated with (its command, not the defaults)."""
     paths = dict.fromkeys(r["path"] for r in report["eagle3_results"] if r["path"])
     limits = {"limit": report["limit"], "max_new_tokens": report["max_new_tokens"]}
+    limits["eagle3_k"] = [str(k) for k in report["k"]] if report.get("k") else EAGLE3_EVAL_K
     return argparse.Namespace(**{**vars(args), "sets": dict(enumerate(paths)), **limits})
 
 
 def eagle3_table(args: argparse.Namespace) -> list[str]:
     """The EAGLE-3 runs under --root, per k and T (pooled over the sets), and their commands: markdown lines,
     none when not run."""
-    head = ["run", "k", "T", "steps", "val loss", "tokens per target forward", "tau", "r", "S_eagle3", "wall-clock"]
+    head = ["run", "k", "T", "steps", "val loss", "tokens per target forward", "tau", "r", "S_eagle3 [95 %]"]
+    head += ["S at GPU r", "wall-clock (CPU)"]
     head.append("accept by position")
     rows, commands = [], []
     for name in EAGLE3_RUNS:
@@ -118,7 +154,8 @@ def eagle3_table(args: argparse.Namespace) -> list[str]:
                 rows.append(
                     [name, str(r["k"]), f"{r['temperature']:g}", str(trained.get("steps", "-"))]
                     + [fmt(trained.get("val/loss"), 2), fmt(r["alpha"], 2), fmt(r["tau"], 2), fmt(r["r"])]
-                    + [fmt(r["S_eagle3"], 2), fmt(r["wall_clock_speedup"], 2), rates(r.get("accept_by_position"))]
+                    + [eagle3_cell(r), fmt(eagle3_at_gpu_r(r), 2), fmt(r["wall_clock_speedup"], 2)]
+                    + [rates(r.get("accept_by_position"))]
                 )
     if not rows:
         return []

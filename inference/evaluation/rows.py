@@ -1,0 +1,171 @@
+"""One benchmark row per method and group of prompts, every method on one footing (inference/evaluation/costs.py):
+pooled acceptance, the draft cost `r` in units of the same process's AR forward (median over prompts, with
+its spread), the theoretical speedup at that `r` and at the paper's GPU `r`, the wall-clock speedup, and a
+95 % bootstrap interval over prompts for each of them (inference/evaluation/intervals.py).
+
+The decodes of a method and the AR baseline come in the same prompt order, so each resample draws the same
+prompts for both.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+
+from inference.cycle.result import DecodeResult
+from inference.evaluation import costs
+from inference.evaluation.intervals import bootstrap, median_of, pooled_ratio
+from inference.evaluation.totals import acceptance_by, acceptance_by_position, decode_rate
+
+log = logging.getLogger(__name__)
+
+
+def _timing_columns(results: Sequence[DecodeResult], ar: Sequence[DecodeResult]) -> dict[str, list]:
+    """Per prompt: decoded tokens and decode seconds of the method and of AR (the wall-clock speedup's parts)."""
+    return {
+        "tokens": [r.N - 1 for r in results],
+        "seconds": [r.decode_s for r in results],
+        "ar_tokens": [r.N - 1 for r in ar],
+        "ar_seconds": [r.decode_s for r in ar],
+    }
+
+
+def _wall_clock(c) -> np.ndarray:
+    return (c["tokens"].sum(1) / c["seconds"].sum(1)) / (c["ar_tokens"].sum(1) / c["ar_seconds"].sum(1))
+
+
+def _wall_and_times(results: Sequence[DecodeResult], ar: Sequence[DecodeResult]) -> dict:
+    tps, ar_tps = decode_rate(results), decode_rate(ar)
+    return {
+        "T_full_s": 1.0 / ar_tps if ar_tps else None,
+        "decode_tokens_per_s": tps,
+        "ar_decode_tokens_per_s": ar_tps,
+        "wall_clock_speedup": tps / ar_tps if tps and ar_tps else None,
+    }
+
+
+def _r_fields(prefix: str, spread: dict) -> dict:
+    if 0 < spread["repeats"] < costs.MIN_REPEATS:
+        log.warning(
+            "%s is the median of %d prompt(s), under %d: evaluate more prompts",
+            prefix,
+            spread["repeats"],
+            costs.MIN_REPEATS,
+        )
+    return {
+        prefix: spread["median"],
+        f"{prefix}_min": spread["min"],
+        f"{prefix}_max": spread["max"],
+        f"{prefix}_repeats": spread["repeats"],
+    }
+
+
+def pdm_row(mode: str, n: int, L_s: int, results: list[DecodeResult], ar: list[DecodeResult]) -> dict:
+    """A PDM drafter (SPD, post-step, PPSD) at `n` stages and `L_s` layers on a group of prompts."""
+    N, K = sum(r.N for r in results), sum(r.K for r in results)
+    alpha = N / K if K else None
+    r = costs.spread(costs.pdm_r(results, ar))
+    r_gpu = costs.gpu_r(L_s)
+    draft_s = sum(x.timing.get("totals", {}).get("draft_s", 0.0) for x in results)
+    row = {
+        "prompts": len(results),
+        "N": N,
+        "K": K,
+        "alpha": alpha,
+        **_r_fields("r", r),
+        "T_draft_s": draft_s / K if K else None,
+        **_cycle_times(results, K),
+        "S0": n * alpha if alpha is not None else None,
+        "S_spd": _maybe(costs.s_spd, n, alpha, r["median"]),
+        "S_post": _maybe(costs.s_ppsd, n, alpha, r["median"]),
+        "S_ppsd": _maybe(costs.s_ppsd, n, alpha, r["median"]),
+        "S": _maybe(lambda *a: costs.pdm_speedup(mode, *a), n, alpha, r["median"]),
+        "r_gpu": r_gpu,
+        "S_gpu": _maybe(lambda *a: costs.pdm_speedup(mode, *a), n, alpha, r_gpu),
+        **_wall_and_times(results, ar),
+        "accept_by_depth": acceptance_by(results, "depth"),
+        "accept_by_fill": acceptance_by(results, "fill"),
+    }
+    columns = {"N": [x.N for x in results], "K": [x.K for x in results], "r": costs.pdm_r(results, ar)}
+
+    def alpha_of(c):
+        return c["N"].sum(1) / c["K"].sum(1)
+
+    statistics = {
+        "alpha": pooled_ratio("N", "K"),
+        "S0": pooled_ratio("N", "K", n),
+        "r": median_of("r"),
+        "S": lambda c: costs.pdm_speedup(mode, n, alpha_of(c), np.nanmedian(c["r"], axis=1)),
+        "S_gpu": lambda c: costs.pdm_speedup(mode, n, alpha_of(c), r_gpu),
+        "wall_clock_speedup": _wall_clock,
+    }
+    row["ci"] = bootstrap({**columns, **_timing_columns(results, ar)}, statistics)
+    return row
+
+
+def _cycle_times(results: Sequence[DecodeResult], K: int) -> dict:
+    """Per-cycle means the planner reads (inference/evaluation/plan.py): wall, slowest stage, the stages' sum."""
+    if not K:
+        return {"mean_cycle_s": None, "mean_slowest_stage_s": None, "mean_stage_sum_s": None}
+    totals = [r.timing.get("totals", {}) for r in results]
+    return {
+        "mean_cycle_s": sum(t.get("wall_s", 0.0) for t in totals) / K,
+        "mean_slowest_stage_s": sum(t.get("mean_slowest_stage_s", 0.0) * r.K for t, r in zip(totals, results)) / K,
+        "mean_stage_sum_s": sum(sum(t.get("stage_compute_s", [])) for t in totals) / K,
+    }
+
+
+def eagle3_row(k: int, results: list[DecodeResult], ar: list[DecodeResult]) -> dict:
+    """EAGLE-3 chain decoding at `k` on a group of prompts: tokens per target forward `N / K`, `tau`, and
+    `S_eagle3` with k draft steps and one verify over k + 1 tokens, each in units of the AR forward."""
+    N, K = sum(r.N for r in results), sum(r.K for r in results)
+    accepted = [sum(r.counters["accept_lengths"]) for r in results]
+    tau = sum(accepted) / K if K else None
+    rs, vs = costs.eagle3_r(results, ar)
+    r, v = costs.spread(rs), costs.spread(vs)
+    totals = [x.timing["totals"] for x in results]
+    steps = sum(t["draft_steps"] for t in totals)
+    r_gpu = costs.gpu_r(1)
+    row = {
+        "method": "eagle3",
+        "k": k,
+        "prompts": len(results),
+        "N": N,
+        "K": K,
+        "alpha": N / K if K else None,
+        "tau": tau,
+        "S0": N / K if K else None,
+        **_r_fields("r", r),
+        **_r_fields("verify_ratio", v),
+        "T_draft_step_s": sum(t["draft_s"] for t in totals) / steps if steps else None,
+        "T_verify_s": sum(t["verify_s"] for t in totals) / K if K else None,
+        "S_eagle3": _maybe(costs.s_eagle3, tau, k, r["median"], v["median"]),
+        "r_gpu": r_gpu,
+        "S_gpu": _maybe(costs.s_eagle3, tau, k, r_gpu, costs.GPU_VERIFY_RATIO),
+        **_wall_and_times(results, ar),
+        "accept_by_position": acceptance_by_position([t for x in results for t in x.counters["accept_lengths"]], k),
+    }
+    row["S"] = row["S_eagle3"]
+    columns = {"N": [x.N for x in results], "K": [x.K for x in results], "accepted": accepted, "r": rs, "v": vs}
+
+    def tau_of(c):
+        return c["accepted"].sum(1) / c["K"].sum(1)
+
+    statistics = {
+        "alpha": pooled_ratio("N", "K"),
+        "S0": pooled_ratio("N", "K"),
+        "tau": pooled_ratio("accepted", "K"),
+        "r": median_of("r"),
+        "S": lambda c: costs.s_eagle3(tau_of(c), k, np.nanmedian(c["r"], 1), np.nanmedian(c["v"], 1)),
+        "S_gpu": lambda c: costs.s_eagle3(tau_of(c), k, r_gpu, costs.GPU_VERIFY_RATIO),
+        "wall_clock_speedup": _wall_clock,
+    }
+    row["ci"] = bootstrap({**columns, **_timing_columns(results, ar)}, statistics)
+    return row
+
+
+def _maybe(formula, *args) -> float | None:
+    """The formula's value as a float, None when an input is missing."""
+    return None if any(a is None for a in args) else float(formula(*args))
