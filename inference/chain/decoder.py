@@ -74,18 +74,12 @@ class ChainResult:
         return sum(self.accept_lengths) / self.K if self.K else None
 
     @property
-    def r(self) -> float | None:
-        """Measured cost of one draft step relative to one verify forward."""
+    def draft_over_verify(self) -> float | None:
+        """One draft step's time over one verify forward's, as measured here. Not the cost model's `r`, which is in
+        units of an AR forward that only evaluation times (inference/evaluation/costs.py gives the speedup)."""
         if not self.draft_steps or not self.verify_s:
             return None
         return (self.draft_s / self.draft_steps) / (self.verify_s / self.K)
-
-    @property
-    def theoretical_speedup(self) -> float | None:
-        """`S_eagle3 = tau / (1 + k r)` (docs/DESIGN.md, "Speedup formulas")."""
-        if self.tau is None or self.r is None:
-            return None
-        return self.tau / (1.0 + self.k * self.r)
 
     @property
     def decode_s(self) -> float:
@@ -101,8 +95,7 @@ class ChainResult:
             "k": self.k,
             "tau": self.tau,
             "accept_lengths": self.accept_lengths,
-            "r": self.r,
-            "S_eagle3": self.theoretical_speedup,
+            "draft_over_verify": self.draft_over_verify,
         }
 
     def to_decode_result(self) -> DecodeResult:
@@ -132,8 +125,8 @@ class ChainResult:
             "K": self.K,
             "tau": self.tau,
             "accept_lengths": self.accept_lengths,
-            "r": self.r,
-            "theoretical_speedup": self.theoretical_speedup,
+            "draft_over_verify": self.draft_over_verify,
+            "theoretical_speedup": self.tau,
             "stop_reason": self.stop_reason,
             "prefill_s": self.prefill_s,
             "draft_s": self.draft_s,
