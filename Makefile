@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 # `hf_internals` (those that drive transformers' layers, caches or GGUF reader directly) in it.
 VENV_MIN ?= .venv-min
 PY_MIN := $(VENV_MIN)/bin/python
-MIN_PINS ?= transformers==5.17.0 lightning==2.6.6
+MIN_PINS ?= transformers==5.15.0 lightning==2.6.6
 # a transformers older than the floor, which every command must refuse with one `error:` line
 BELOW_FLOOR ?= transformers==5.14.1
 

@@ -1,6 +1,6 @@
 """`python -m spd_lightning fit|validate|export ...` (see spd_lightning/cli.py)."""
 
-from .versions import TRAINING, require_supported
+from .environment.versions import TRAINING, require_supported
 
 require_supported(TRAINING)  # before .cli imports Lightning: an older release ends in one `error:` line
 

@@ -47,11 +47,11 @@ from .data import ChatDataModule
 from .eagle3.export import KIND as EAGLE3
 from .eagle3.export import load_eagle3, save_eagle3
 from .eagle3.module import Eagle3Module
+from .environment.versions import TRAINING, require_supported
 from .errors import ConfigError, Stopped, UserError, debug_requested, one_line, run_main
 from .export import drafter_kind, load_drafter, save_drafter
 from .training.checkpoint_io import AtomicCheckpointIO
 from .training.module import SPDModule
-from .versions import TRAINING, require_supported
 
 PROG = "python -m spd_lightning"
 WANDB_HOST = "api.wandb.ai"

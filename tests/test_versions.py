@@ -1,4 +1,4 @@
-"""The supported releases (spd_lightning/versions.py) and the HF cache adapter (inference/runtime/hf_compat.py).
+"""The supported releases (spd_lightning/environment/versions.py) and the HF cache adapter (inference/runtime/hf_compat.py).
 
 Whether the decoder really works on the lowest transformers is shown by the tests marked `hf_internals`, which
 `make test-min` runs there; these check the pieces: the floors pass here, a release below the floor ends a
@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from inference.runtime.hf_compat import cache_kwargs, rotary_positions
+from spd_lightning.environment.versions import FLOORS, INFERENCE, TRAINING, unsupported
 from spd_lightning.errors import TargetError
-from spd_lightning.versions import FLOORS, INFERENCE, TRAINING, unsupported
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

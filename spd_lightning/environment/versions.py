@@ -32,7 +32,7 @@ class Floor:
 
 FLOORS = {
     "torch": Floor("2.7", "torch._dynamo's recompile_limit settings"),
-    "transformers": Floor("5.17", "the linear-attention cache API the decoder drives"),
+    "transformers": Floor("5.15", "the linear-attention cache API the decoder drives"),
     "lightning": Floor("2.6.6", "the training CLI"),
     "datasets": Floor("3.0", "the tokenized-data cache"),
 }
