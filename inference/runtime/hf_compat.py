@@ -2,7 +2,7 @@
 (docs/DESIGN.md, "Supported versions").
 
 The decoder calls the target's HF decoder layers directly, with caches of its own (`StageCache` wraps HF's
-`StaticCache`; `SlotCache` and its row view implement the cache interface themselves). Two things changed
+`StaticCache`; `SlotCache` and its row view implement the cache interface themselves). Four things differ
 between the releases we support (transformers >= 5.15, see `spd_lightning.environment.versions`):
 
 - the keyword a decoder layer takes its cache by: `cache` from 5.24, `past_key_values` before. A layer
@@ -14,8 +14,8 @@ between the releases we support (transformers >= 5.15, see `spd_lightning.enviro
   implement the newer methods and inherit the older reads from `LegacyStateReads`, so whichever a release
   calls, it sees the same tensors;
 - a multimodal rotary embedding (Qwen3.5's mRoPE, recognised by its `mrope_section`) takes text positions
-  `[B, S]` from 5.24 on and only the `[3, B, S]` grid of its model's own text path before: `rotary_positions`
-  hands it the grid, which every release reads alike;
+  `[B, S]` in later releases (5.23 does) and only the `[3, B, S]` grid of its model's text path in 5.17 and
+  before: `rotary_positions` hands it the grid, which every release reads alike;
 - `StaticLayer.crop` exists from 5.24 only: `crop_static` moves the layer's device-side length itself.
 """
 
