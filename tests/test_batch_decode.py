@@ -45,6 +45,7 @@ def same(result, reference) -> bool:
 
 
 @pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.hf_internals
 def test_greedy_batch_equals_batch_one(tiny_target, n):
     """Mixed prompt lengths and max_new_tokens, more requests than slots (each joins when one frees up), B = 1
     and 4, on a Qwen3 and a hybrid Qwen3.5 target: each sequence is its batch-1 decode and AR's output, also when

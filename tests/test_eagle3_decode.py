@@ -86,6 +86,7 @@ def test_greedy_chain_with_a_trained_drafter_is_ar(family, k):
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.hf_internals
 def test_greedy_chain_with_a_never_accepted_drafter_is_ar(family, k):
     target, references, layers, _ = family
     unused = next(t for t in range(target.vocab_size) if all(t not in r for r in references))

@@ -60,6 +60,7 @@ def files(tmp_path_factory):
     }
 
 
+@pytest.mark.hf_internals
 def test_simulated_decode_writes_the_report(files, capsys):
     out = files["root"] / "report.json"
     rc = main(

@@ -152,6 +152,7 @@ def logical_run(geometry, max_new_tokens, prompt_len, reference, pattern, eos=fr
 
 
 @pytest.mark.parametrize("n,kind", [(2, "pre_step"), (3, "pre_step"), (4, "pre_step"), (3, "post_step")])
+@pytest.mark.hf_internals
 def test_optimistic_steps_roll_back_exactly(tiny_qwen35, n, kind):
     """Rejections right after a refill (WW), after accepts (RRW), at the last verdict: AR's tokens and the
     logical schedule's K and counters, both when the stages skip the wasted optimistic steps and when they

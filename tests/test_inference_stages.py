@@ -8,7 +8,8 @@ from inference.runtime.stages import Stage, load_pieces
 from spd_lightning.geometry import Geometry
 from spd_lightning.target import Target, TargetError
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
+# tiny models run fastest single-threaded
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.hf_internals]
 
 
 def run_through(stages, ids, start):

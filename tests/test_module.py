@@ -15,6 +15,7 @@ def pdm_numel(module: SPDModule) -> int:
     return sum(t.numel() for t in module.pdm.state_dict().values())
 
 
+@pytest.mark.hf_internals
 def test_fit_learns_and_logs_agreement(tiny_target_dir, tmp_path):
     module, data = make_module(tiny_target_dir), SyntheticChat(repeat_one=True)
     trainer = make_trainer(tmp_path, max_steps=30)

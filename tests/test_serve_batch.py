@@ -156,6 +156,7 @@ MIXED = {
 }
 
 
+@pytest.mark.hf_internals
 def test_concurrent_mixed_requests_each_equal_their_batch_one_decode(models):
     """Six concurrent requests at B = 4 (prompts of 1 to 12 tokens; greedy, temperature, top-k, top-p; seeds):
     each text is its batch-1 decode's (what B = 1 serves), whatever shares the pipeline, so a seeded sampled

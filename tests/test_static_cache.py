@@ -11,7 +11,8 @@ from inference.cycle.simulator import Simulator
 from inference.runtime.stages import Stage
 from spd_lightning.geometry import Geometry
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
+# tiny models run fastest single-threaded
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.hf_internals]
 
 
 def run_through(stages, ids, start):

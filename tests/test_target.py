@@ -8,6 +8,7 @@ from spd_lightning.target import Target, TargetError
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5", "llama"])
+@pytest.mark.hf_internals
 def test_anchor_states_equal_output_hidden_states(arch):
     model = make_tiny_model(arch)
     target = Target(model)
@@ -45,6 +46,7 @@ def test_local_round_trip_and_missing_path(tmp_path):
         Target.load(str(tmp_path / "nowhere" / "x"))
 
 
+@pytest.mark.hf_internals
 def test_conditional_generation_checkpoint_loads_text_model(tmp_path):
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 

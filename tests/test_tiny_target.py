@@ -75,6 +75,7 @@ def test_tokenizer_and_template_round_trip(built_qwen35):
     assert tokenizer.decode(ids, skip_special_tokens=True) == "<think>x</think>"
 
 
+@pytest.mark.hf_internals
 def test_loads_through_auto_classes_and_generates(built_qwen35):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

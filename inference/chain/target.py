@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from inference.runtime.cache import StageCache
+from inference.runtime.hf_compat import cache_kwargs, rotary_positions
 from inference.runtime.stages import TargetPieces, load_pieces
 from spd_lightning.target import Target
 
@@ -93,7 +94,7 @@ class ChainTarget:
         self.cache.reserve(start + S)  # before the mask: a regrow changes the capacity
         x = self.embed_tokens(tokens.to(self.device))
         positions = torch.arange(start, start + S, device=self.device)[None]
-        position_embeddings = self.rotary_emb(x, positions)
+        position_embeddings = self.rotary_emb(x, rotary_positions(self.rotary_emb, positions))
         mask = self._mask(positions, x.dtype)
         step = start > 0  # a prefill is never rolled back: no snapshots, one chunked pass per layer
         wanted = set(self.feature_layers)
@@ -114,7 +115,7 @@ class ChainTarget:
                     position_embeddings=position_embeddings,
                     attention_mask=None if i in self.linear else mask,
                     position_ids=positions,
-                    cache=self.cache.hf,
+                    **cache_kwargs(layer, self.cache.hf),
                     use_cache=True,
                 )
             if i + 1 in wanted:
@@ -135,6 +136,6 @@ class ChainTarget:
             position_embeddings=(cos[:, j : j + 1], sin[:, j : j + 1]),
             attention_mask=None,
             position_ids=positions[:, j : j + 1],
-            cache=self.cache.hf,
+            **cache_kwargs(layer, self.cache.hf),
             use_cache=True,
         )

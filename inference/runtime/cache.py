@@ -28,6 +28,7 @@ import torch
 from transformers import StaticCache
 from transformers.cache_utils import LinearAttentionLayer, StaticLayer
 
+from inference.runtime.hf_compat import crop_static
 from spd_lightning.errors import UserError
 
 CAPACITY_STEP = 256
@@ -142,7 +143,7 @@ class StageCache:
         if drop >= self.window:
             raise RuntimeError(f"cannot roll back {drop} positions: snapshots cover the last {self.window - 1} only")
         for i in self.attention_layers:
-            self.hf.layers[i].crop(-drop)  # moves the device-side length; the storage stays
+            crop_static(self.hf.layers[i], drop)  # moves the device-side length; the storage stays
         for i in self.linear_layers:
             conv, recurrent = self.states(i)
             conv_ring, recurrent_ring = self._ring[i]

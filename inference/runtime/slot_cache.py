@@ -30,10 +30,11 @@ from transformers import StaticCache
 from transformers.cache_utils import LinearAttentionLayer, StaticLayer
 
 from inference.runtime.cache import CacheError, round_capacity
+from inference.runtime.hf_compat import LegacyStateReads
 from inference.runtime.slot_rows import DeviceInts, RowSets, mark_static
 
 
-class SlotCache:
+class SlotCache(LegacyStateReads):
     def __init__(self, config, layer_indices: range, window: int, slots: int, device: torch.device):
         self.layer_indices, self.window, self.slots = layer_indices, window, slots
         kinds = StaticCache(config=config, max_cache_len=1).layers  # which layers are attention / linear
@@ -162,7 +163,7 @@ class SlotCache:
             mark_static(store[i], ring[i])
 
 
-class _RowView:
+class _RowView(LegacyStateReads):
     """Slot `slot`'s rows of a `SlotCache` as the HF cache of its prefill (an empty slot, the whole prompt)."""
 
     def __init__(self, cache: SlotCache, slot: int):

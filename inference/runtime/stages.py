@@ -22,6 +22,7 @@ from torch import nn
 
 from inference.runtime.cache import StageCache
 from inference.runtime.capture import CompiledStep
+from inference.runtime.hf_compat import cache_kwargs, rotary_positions
 from spd_lightning.errors import first_line
 from spd_lightning.geometry import Geometry
 from spd_lightning.target import Target, TargetError, resolve_dtype
@@ -278,7 +279,7 @@ class Stage(nn.Module):
         """The stage's layers over `x[B, S, H]` at `positions[B, S]` with `cache` (any object with HF's cache
         interface; the batched decoder passes its slot cache): the output, the anchor states `[B, S, A, H]`, and
         on the last stage the final-norm output."""
-        position_embeddings = self.rotary_emb(x, positions)
+        position_embeddings = self.rotary_emb(x, rotary_positions(self.rotary_emb, positions))
         L = self.geometry.num_layers
         captured = []
         for offset, layer in enumerate(self.layers):
@@ -287,7 +288,7 @@ class Stage(nn.Module):
                 x,
                 position_embeddings=position_embeddings,
                 position_ids=positions,
-                cache=cache,
+                **cache_kwargs(layer, cache),
                 attention_mask=mask if index in attention_layers else None,
                 use_cache=True,
             )

@@ -1,0 +1,91 @@
+"""The one place that knows how transformers' decoder-layer cache API differs between the supported releases
+(docs/DESIGN.md, "Supported versions").
+
+The decoder calls the target's HF decoder layers directly, with caches of its own (`StageCache` wraps HF's
+`StaticCache`; `SlotCache` and its row view implement the cache interface themselves). Four things differ
+between the releases we support (transformers >= 5.15, see `spd_lightning.environment.versions`):
+
+- the keyword a decoder layer takes its cache by: `cache` from 5.24, `past_key_values` before. A layer
+  of the other generation swallows the wrong one in its `**kwargs` and runs without a cache, so the keyword
+  is read off each layer class's own `forward` signature (`cache_kwargs`), never guessed from a version;
+- how a Gated DeltaNet layer reads its states: from 5.23 through `get_conv_state`, `get_recurrent_state`
+  and `is_recording_past`; before through `has_previous_state(layer_idx)` and the fields of
+  `cache.layers[layer_idx]` (`record_past`, `conv_states[0]`, `recurrent_states[0]`). Our own caches
+  implement the newer methods and inherit the older reads from `LegacyStateReads`, so whichever a release
+  calls, it sees the same tensors;
+- a multimodal rotary embedding (Qwen3.5's mRoPE, recognised by its `mrope_section`) takes text positions
+  `[B, S]` in later releases (5.23 does) and only the `[3, B, S]` grid of its model's text path in 5.17 and
+  before: `rotary_positions` hands it the grid, which every release reads alike;
+- `StaticLayer.crop` exists from 5.24 only: `crop_static` moves the layer's device-side length itself.
+"""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from spd_lightning.errors import TargetError
+
+# layer class -> the keyword its forward takes the cache by (filled on a layer's first, eager, call: a prefill)
+_KEYWORDS: dict[type, str] = {}
+
+
+@torch.compiler.disable
+def _detect_keyword(kind: type) -> str:
+    parameters = inspect.signature(kind.forward).parameters  # follows the wrappers' __wrapped__ (deprecate_kwarg)
+    for keyword in ("cache", "past_key_values"):
+        if keyword in parameters:
+            _KEYWORDS[kind] = keyword
+            return keyword
+    raise TargetError(
+        f"{kind.__name__}.forward takes neither `cache` nor `past_key_values`: the pipeline decoder cannot hand "
+        f"this target's layers a cache; use a transformers model class with a standard decoder layer"
+    )
+
+
+def cache_kwargs(layer: nn.Module, cache) -> dict:
+    """`{keyword: cache}` for calling HF decoder layer `layer` with `cache`: `layer(x, **cache_kwargs(layer, c))`."""
+    kind = type(layer)
+    return {_KEYWORDS.get(kind) or _detect_keyword(kind): cache}
+
+
+def rotary_positions(rotary_emb: nn.Module, positions: torch.Tensor) -> torch.Tensor:
+    """The position ids to call `rotary_emb` with for text positions `positions` `[B, S]`: the same positions on
+    each of the three mRoPE axes for a multimodal rotary embedding (what its model does for text), else as given."""
+    return positions[None].expand(3, -1, -1) if hasattr(rotary_emb, "mrope_section") else positions
+
+
+def crop_static(layer, drop: int) -> None:
+    """Forget the last `drop` positions of HF `StaticLayer` `layer`, in place (its storage stays; the next
+    update overwrites them): what `StaticLayer.crop(-drop)` does from 5.24, on every release."""
+    layer.cumulative_length.sub_(drop)
+
+
+class LegacyStateReads:
+    """The Gated DeltaNet state reads of transformers < 5.23, answered from the methods of 5.23 and later that
+    the class implements (`get_conv_state`, `get_recurrent_state`, `is_recording_past`)."""
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = 0) -> bool:
+        return self.get_conv_state(layer_idx, state_idx or 0) is not None
+
+    @property
+    def layers(self) -> _LayerStates:
+        return _LayerStates(self)
+
+
+class _LayerStates:
+    """`cache.layers[i]` as the older releases read it: one linear-attention layer's flag and states."""
+
+    def __init__(self, cache: LegacyStateReads):
+        self.cache = cache
+
+    def __getitem__(self, layer_idx: int) -> SimpleNamespace:
+        c = self.cache
+        return SimpleNamespace(
+            record_past=c.is_recording_past(layer_idx),
+            conv_states={0: c.get_conv_state(layer_idx, 0)},
+            recurrent_states={0: c.get_recurrent_state(layer_idx, 0)},
+        )

@@ -1,0 +1,1 @@
+"""What SPD-Lightning needs of the installed software: the lowest supported releases (`versions.py`)."""
