@@ -18,7 +18,7 @@ its start, about `n - 1` cycles, which this leaves out).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 
 def per_fill(acceptance: float | Sequence[float], n: int) -> list[float]:
@@ -51,3 +51,13 @@ def judged_acceptance(acceptance: float | Sequence[float], n: int) -> float:
 def predicted_n_alpha(acceptance: float | Sequence[float], n: int) -> float:
     """`n*alpha` of the refill model: `n / (1 + (n - 1)(1 - p_bar))`."""
     return n / (1.0 + (n - 1) * (1.0 - judged_acceptance(acceptance, n)))
+
+
+def measured_prediction(accept_by_fill: Mapping[int, float], n: int) -> tuple[float, float] | None:
+    """`(p_bar, n*alpha)` from acceptances measured per fill `k` (teacher-forced, say); a fill with no measurement
+    takes the mean of the others; None when none was measured."""
+    if not accept_by_fill:
+        return None
+    mean = sum(accept_by_fill.values()) / len(accept_by_fill)
+    p = [accept_by_fill.get(k, mean) for k in range(1, n + 1)]
+    return judged_acceptance(p, n), predicted_n_alpha(p, n)

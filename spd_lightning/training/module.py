@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import lightning as L
 import torch
@@ -40,7 +40,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from ..data.states import StateCache, target_identity
 from ..errors import ConfigError
 from ..export import CKPT_KEY, DrafterSpec, seed_from_drafter
-from ..fill_chain import judged_acceptance, predicted_n_alpha
+from ..fill_chain import measured_prediction
 from ..geometry import Features, Geometry, Schedule
 from ..pdm import DecoderLayer, PDMConfig, PipelineDraftModule
 from ..target import (
@@ -93,6 +93,17 @@ class ReplicatedForward:
     teacher: torch.Tensor  # [B, T, V_d] the target's logits over the draft vocabulary
     outside_vd: torch.Tensor | None  # [B, T] the full-vocabulary argmax lies outside V_d; None: not computed
     predicts_loss_token: torch.Tensor  # [B, T] output i drafts an assistant token x_{i+1}
+
+
+class ViewAgreement(NamedTuple):
+    """`SPDModule.staircase_agreement`: per output of every copy, top-1 agreement, depth and fill; per output of
+    the loss copy, whether greedy decoding would accept it (`Distilled.accepted`) and its fill."""
+
+    agree: torch.Tensor
+    depth: torch.Tensor
+    fill: torch.Tensor
+    loss_accepted: torch.Tensor
+    loss_fill: torch.Tensor
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -614,23 +625,23 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
                 self.val_accept_fill.update(d.accepted(), d.fill)
 
     @torch.no_grad()
-    def staircase_agreement(
-        self, batch: dict, seed: int = 0, pdm: PipelineDraftModule | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Teacher-forced top-1 agreement of every view output of every copy on `batch`, with fill draws
-        seeded by `seed`: `(agree, depth, fill)`, one entry per output (the staircase evaluation's heatmap).
-        `pdm`: the PDM to evaluate (`evaluation_pdm`), by default `self.pdm`. Every fill level in turn
-        (`layout.validation_fill`, offset by `seed`), whatever the training draws."""
+    def staircase_agreement(self, batch: dict, seed: int = 0, pdm: PipelineDraftModule | None = None) -> ViewAgreement:
+        """Teacher-forced top-1 agreement of every view output of every copy on `batch` (the staircase evaluation's
+        heatmap), and what greedy decoding would accept of the loss copy's (its prediction of `n*alpha`). Every fill
+        level in turn (`layout.validation_fill`, offset by `seed`), whatever the training draws. `pdm`: the PDM to
+        evaluate (`evaluation_pdm`), by default `self.pdm`."""
         check_right_padded(batch["attention_mask"])
         B, T = batch["input_ids"].shape
-        fwd = self._forward(batch, None, full_vocab=False, pdm=pdm, fill=self.layout.validation_fill(B, T, seed))
+        fwd = self._forward(batch, None, pdm=pdm, fill=self.layout.validation_fill(B, T, seed))
         agree, depth, fill = [], [], []
         for c in range(fwd.rep.num_copies):
             d = self._distill(fwd, c).selected()
             agree.append(d.student_top1.eq(d.teacher_top1))
             depth.append(torch.full_like(d.fill, fwd.rep.copy_depths[c]))
             fill.append(d.fill)
-        return torch.cat(agree), torch.cat(depth), torch.cat(fill)
+            if c == fwd.rep.loss_copy:
+                loss_accepted, loss_fill = d.accepted(), d.fill
+        return ViewAgreement(torch.cat(agree), torch.cat(depth), torch.cat(fill), loss_accepted, loss_fill)
 
     def on_validation_epoch_end(self) -> None:
         # compute() synchronizes across ranks, so every rank holds the same values and the same keys; the
@@ -666,15 +677,12 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
     def _decode_prediction(self, accept_by_fill: dict[int, float]) -> dict[str, float]:
         """`val/accept_fill{k}` (what greedy decoding would accept at fill k, teacher-forced) and what the refill
         chain predicts from them (spd_lightning/fill_chain.py): `val/accept_p` (per judged draft) and
-        `val/predicted_n_alpha`. A fill no output measured takes the mean of the others."""
-        n = self.geometry.n
-        if not accept_by_fill:
+        `val/predicted_n_alpha`."""
+        predicted = measured_prediction(accept_by_fill, self.geometry.n)
+        if predicted is None:
             return {}
-        mean = sum(accept_by_fill.values()) / len(accept_by_fill)
-        p = [accept_by_fill.get(k, mean) for k in range(1, n + 1)]
         values = {f"val/accept_fill{k}": v for k, v in accept_by_fill.items()}
-        values["val/accept_p"] = judged_acceptance(p, n)
-        values["val/predicted_n_alpha"] = predicted_n_alpha(p, n)
+        values["val/accept_p"], values["val/predicted_n_alpha"] = predicted
         return values
 
     # -- optimizer -------------------------------------------------------------------------------
