@@ -5,9 +5,10 @@ import os
 
 import torch
 from kit import SyntheticChat, make_module, make_trainer
+from safetensors import safe_open
 
 from spd_lightning import cli
-from spd_lightning.export import load_drafter
+from spd_lightning.export import WEIGHTS_FILE, load_drafter
 
 
 def test_export_round_trip(tiny_target_dir, tmp_path):
@@ -38,3 +39,15 @@ def test_export_round_trip(tiny_target_dir, tmp_path):
     assert config["geometry"]["n"] == 2 and config["geometry"]["split"] == [0, 2, 4]
     assert config["pdm"]["num_layers"] == 2 and config["pdm"]["draft_vocab_size"] == 64
     assert config["target"]["name_or_path"] == tiny_target_dir and config["target"]["num_layers"] == 4
+
+    # A trained head stored in bfloat16 (`--head-dtype`): only the head, half its bytes, cast back on load.
+    half = cli.export(["--ckpt", ckpt, "--out", str(tmp_path / "half"), "--head-dtype", "bfloat16"])
+    with safe_open(os.path.join(half, WEIGHTS_FILE), "pt") as f:
+        assert f.get_tensor("lm_head.weight").dtype == torch.bfloat16
+        assert f.get_tensor("layers.0.mlp.up_proj.weight").dtype == torch.float32
+    head = module.pdm.lm_head.weight.detach()
+    saved = os.path.getsize(os.path.join(out, WEIGHTS_FILE)) - os.path.getsize(os.path.join(half, WEIGHTS_FILE))
+    assert abs(saved - 2 * head.numel()) < 64  # the safetensors header differs by a few bytes
+    from_half, _ = load_drafter(half)
+    assert from_half.lm_head.weight.dtype == torch.float32
+    torch.testing.assert_close(from_half.lm_head.weight, head.to(torch.bfloat16).float(), rtol=0, atol=0)

@@ -50,6 +50,7 @@ from ..target import (
     TargetInfo,
     load_hf_config,
     rebuilt_layer,
+    resolve_dtype,
     restrict_to_draft_vocab,
 )
 from .attention import Backend
@@ -425,7 +426,7 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
     def _head_rows(self) -> torch.Tensor:
         """`[V_d, H]`: the target head's rows of the draft vocabulary (the cached copy when training from states)."""
         if self.state_cache is not None:
-            return self.state_cache.head_rows().to(self.device)
+            return self.state_cache.head_rows().to(self.device, resolve_dtype(self.hparams.target_dtype))
         return self.target.lm_head.weight.detach().index_select(0, self.pdm.d2t.to(self.target.lm_head.weight.device))
 
     def _target_layer(self, layer: int) -> torch.nn.Module:
@@ -523,7 +524,8 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
                     f"the batch carries {batch['states'].shape[2]} cached hidden states, the geometry reads anchors "
                     f"{list(self.geometry.anchors)}: build the loaders after the module's setup (the Trainer does)"
                 )
-            return batch["states"], self._vd_head()(batch["final_state"]), batch["outside_vd"]
+            head = self._vd_head()  # the target's dtype, whatever the cache stores the states in (bfloat16 by default)
+            return batch["states"], head(batch["final_state"].to(head.weight.dtype)), batch["outside_vd"]
         with self._teacher_head(full_vocab):
             states, logits = self.target.anchor_states(
                 batch["input_ids"], batch["attention_mask"], self.geometry.anchors
