@@ -59,7 +59,7 @@ class StaircaseEvaluation(L.Callback):
         temperature: sampling temperature (0: greedy).
         top_k: sample from the k most likely tokens (0: all).
         top_p: sample from the smallest set of tokens whose probability reaches p (1: all).
-        seed: seeds the sampling and the fill draws of the agreement batches.
+        seed: seeds the sampling and offsets the fill levels of the agreement batches (every level in turn).
         log_table: log the per-prompt table to W&B.
     """
 

@@ -248,10 +248,10 @@ def export(args: Sequence[str]) -> str:
     parser.add_argument("--ckpt", required=True, help="a Lightning .ckpt written by `fit` (or a drafter directory)")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument(
-        "--head-dtype",
+        "--dtype",
         choices=("float32", "bfloat16"),
         default="float32",
-        help="dtype of a trained PDM head in the file (bfloat16: half its bytes; loaders cast it back)",
+        help="dtype of the PDM's float weights in the file, a trained head included (bfloat16: half the bytes)",
     )
     opts = parser.parse_args(list(args))
     if drafter_kind(opts.ckpt) == EAGLE3:
@@ -260,7 +260,7 @@ def export(args: Sequence[str]) -> str:
         shape = f"EAGLE-3, features {list(spec.drafter.feature_layers)}, V_d={spec.drafter.draft_vocab_size}"
     else:
         pdm, spec = load_drafter(opts.ckpt)
-        out = save_drafter(pdm, spec, opts.out, getattr(torch, opts.head_dtype))
+        out = save_drafter(pdm, spec, opts.out, getattr(torch, opts.dtype))
         shape = f"n={spec.geometry.n}, L_s={spec.pdm.num_layers}, V_d={spec.pdm.draft_vocab_size}"
     print(f"exported the drafter of {opts.ckpt} to {out} ({shape}, target {spec.target.name_or_path})")
     return out
