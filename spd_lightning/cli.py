@@ -255,6 +255,8 @@ def export(args: Sequence[str]) -> str:
     )
     opts = parser.parse_args(list(args))
     if drafter_kind(opts.ckpt) == EAGLE3:
+        if opts.dtype != "float32":
+            parser.error(f"--dtype {opts.dtype} applies to PDM drafters; {opts.ckpt} holds an EAGLE-3 drafter")
         drafter, spec = load_eagle3(opts.ckpt)
         out = save_eagle3(drafter, spec, opts.out)
         shape = f"EAGLE-3, features {list(spec.drafter.feature_layers)}, V_d={spec.drafter.draft_vocab_size}"
