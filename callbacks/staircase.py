@@ -5,7 +5,10 @@ held-out prompt set with the single-process simulator (`inference.cycle.simulato
 pipeline ranks run) and the PDM as it is now, and reports
 
     staircase/alpha              N / K over all prompts (step acceptance)
-    staircase/speedup            n * alpha (the theoretical speedup, free drafter and links)
+    staircase/speedup            n * alpha (the theoretical speedup, free drafter and links), measured
+    staircase/predicted_n_alpha  n * alpha as the refill chain predicts it (spd_lightning/fill_chain.py) from the
+                                 teacher-forced acceptance per fill of the agreement batches: a gap between the
+                                 two says validation does not predict decoding
     staircase/accept_fill{a}     acceptance rate of drafts made at fill level a
     staircase/accept_depth{k}    acceptance rate by drafting depth
     staircase/mean_accept_run    accepted drafts per rejection (+1): the mean run of consecutive accepts
@@ -38,6 +41,7 @@ from inference.prompts import read_prompts
 from inference.sampling import Sampling
 from spd_lightning.data.chat import render_prompt
 from spd_lightning.errors import ConfigError
+from spd_lightning.fill_chain import measured_prediction
 from spd_lightning.training.metrics import GroupedAgreement
 
 from .plots import alpha_curve_png, heatmap_png
@@ -55,7 +59,7 @@ class StaircaseEvaluation(L.Callback):
         temperature: sampling temperature (0: greedy).
         top_k: sample from the k most likely tokens (0: all).
         top_p: sample from the smallest set of tokens whose probability reaches p (1: all).
-        seed: seeds the sampling and the fill draws of the agreement batches.
+        seed: seeds the sampling and offsets the fill levels of the agreement batches (every level in turn).
         log_table: log the per-prompt table to W&B.
     """
 
@@ -121,10 +125,13 @@ class StaircaseEvaluation(L.Callback):
             with pl_module.evaluation_pdm() as pdm:  # under FSDP: a plain copy of the gathered parameters
                 with pl_module.evaluation_target() as target:  # from a state cache: loaded now, freed after
                     decoded, rows = self._decode(trainer, pl_module, pdm, target)
-                agreement = self._agreement(trainer, pl_module, pdm) if self.num_batches else None
+                agreement, accepted = self._agreement(trainer, pl_module, pdm) if self.num_batches else (None, {})
         finally:
             pl_module.pdm.train(was_training)
         metrics = self._metrics(decoded, agreement, pl_module.geometry.n)
+        predicted = measured_prediction(accepted, pl_module.geometry.n)
+        if predicted is not None:
+            metrics["staircase/predicted_n_alpha"] = predicted[1]
         step = trainer.global_step
         self.history.append((step, metrics["staircase/alpha"]))
         trainer.callback_metrics.update({k: torch.tensor(v, dtype=torch.float64) for k, v in metrics.items()})
@@ -166,10 +173,12 @@ class StaircaseEvaluation(L.Callback):
             rows.append([i, text(ids), text(r.tokens), r.N, r.K, r.alpha])
         return self._sum(trainer, counts), self._gather(trainer, rows)
 
-    def _agreement(self, trainer, pl_module, pdm) -> torch.Tensor:
-        """Teacher-forced top-1 agreement `[n+1 depths, n fills]` over every rank's batches (NaN: no output)."""
+    def _agreement(self, trainer, pl_module, pdm) -> tuple[torch.Tensor, dict[int, float]]:
+        """Teacher-forced top-1 agreement `[n+1 depths, n fills]` over every rank's batches (NaN: no output), and
+        the loss copy's acceptance per fill."""
         n, world, rank = pl_module.geometry.n, trainer.world_size, trainer.global_rank
         metric = GroupedAgreement((n + 1) * n).to(pl_module.device)  # group: depth * n + (fill - 1)
+        accepted = GroupedAgreement(n + 1).to(pl_module.device)
         loader = trainer.datamodule.val_dataloader()
         for i, batch in enumerate(loader):
             if i >= self.num_batches:
@@ -177,12 +186,13 @@ class StaircaseEvaluation(L.Callback):
             if i % world != rank:
                 continue
             batch = {k: v.to(pl_module.device) if torch.is_tensor(v) else v for k, v in batch.items()}
-            agree, depth, fill = pl_module.staircase_agreement(batch, seed=self.seed + i, pdm=pdm)
-            metric.update(agree, depth * n + (fill - 1))
+            view = pl_module.staircase_agreement(batch, seed=self.seed + i, pdm=pdm)
+            metric.update(view.agree, view.depth * n + (view.fill - 1))
+            accepted.update(view.loss_accepted, view.loss_fill)
         rate = torch.full(((n + 1) * n,), torch.nan, dtype=torch.float64)
         for group, value in metric.compute().items():  # compute() sums the counts over the ranks
             rate[group] = value
-        return rate.view(n + 1, n)
+        return rate.view(n + 1, n), accepted.compute()
 
     @staticmethod
     def _sum(trainer, t: torch.Tensor) -> torch.Tensor:
@@ -225,9 +235,12 @@ class StaircaseEvaluation(L.Callback):
     @rank_zero_only
     def _log(self, trainer, out: str, metrics: dict, rows: list, agreement: torch.Tensor | None) -> None:
         step = trainer.global_step
+        predicted = metrics.get("staircase/predicted_n_alpha")
         rank_zero_info(  # the console line a user watching `fit` reads; the loggers get every number below
             f"staircase evaluation at step {step}: alpha {metrics['staircase/alpha']:.3f}, n*alpha "
-            f"{metrics['staircase/speedup']:.2f} over {metrics['staircase/N']:.0f} tokens (plots in {out})"
+            f"{metrics['staircase/speedup']:.2f} measured over {metrics['staircase/N']:.0f} tokens"
+            + ("" if predicted is None else f", {predicted:.2f} predicted by the teacher-forced acceptance per fill")
+            + f" (plots in {out})"
         )
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)

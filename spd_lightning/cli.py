@@ -35,6 +35,7 @@ import warnings
 from collections.abc import Sequence
 
 import lightning as L
+import torch
 import yaml
 from jsonargparse import ArgumentError, DefaultHelpFormatter
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -247,14 +248,22 @@ def export(args: Sequence[str]) -> str:
     parser = argparse.ArgumentParser(prog=f"{PROG} export", description=EXTRA_COMMANDS["export"][1])
     parser.add_argument("--ckpt", required=True, help="a Lightning .ckpt written by `fit` (or a drafter directory)")
     parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="dtype of the PDM's float weights in the file, a trained head included (bfloat16: half the bytes)",
+    )
     opts = parser.parse_args(list(args))
     if drafter_kind(opts.ckpt) == EAGLE3:
+        if opts.dtype != "float32":
+            parser.error(f"--dtype {opts.dtype} applies to PDM drafters; {opts.ckpt} holds an EAGLE-3 drafter")
         drafter, spec = load_eagle3(opts.ckpt)
         out = save_eagle3(drafter, spec, opts.out)
         shape = f"EAGLE-3, features {list(spec.drafter.feature_layers)}, V_d={spec.drafter.draft_vocab_size}"
     else:
         pdm, spec = load_drafter(opts.ckpt)
-        out = save_drafter(pdm, spec, opts.out)
+        out = save_drafter(pdm, spec, opts.out, getattr(torch, opts.dtype))
         shape = f"n={spec.geometry.n}, L_s={spec.pdm.num_layers}, V_d={spec.pdm.draft_vocab_size}"
     print(f"exported the drafter of {opts.ckpt} to {out} ({shape}, target {spec.target.name_or_path})")
     return out

@@ -2,7 +2,12 @@
 
     DIR/config.json        {"format_version", "pdm": PDMConfig, "geometry": Geometry, "target": TargetInfo}
     DIR/model.safetensors  PDM weights, `d2t` included (the head too, unless the PDM reads the target's own:
-                           `head_from_target`, whose loader takes the target's LM head rows of `d2t`)
+                           `head_from_target`, whose loader takes the target's LM head rows of `d2t`); `export
+                           --dtype bfloat16` stores the float weights, a trained head included, in bfloat16
+                           (half the bytes), and every loader casts them back
+
+A committed drafter is a plain git file of at most 20 MiB (tests/test_committed_drafter.py): what a clone fetches
+without LFS, and the budget that V_d, a trained head and its dtype are chosen within.
 
 A Lightning checkpoint carries the same description under `ckpt["spd_drafter"]` and the weights under
 `state_dict["pdm.*"]`, so `inference/` loads either without importing Lightning. Checkpoints are read
@@ -89,8 +94,13 @@ class DrafterSpec:
         self.geometry.check_target(target.num_layers)
 
 
-def save_drafter(pdm: PipelineDraftModule, spec: DrafterSpec, out_dir: str) -> str:
-    return write_drafter_dir(pdm.stored_state_dict(), spec.to_dict(), out_dir)
+def save_drafter(pdm: PipelineDraftModule, spec: DrafterSpec, out_dir: str, dtype: torch.dtype | None = None) -> str:
+    """The drafter directory of `pdm`. `dtype`: store its floating-point weights (a trained head included) in this
+    dtype: bfloat16 halves the file, and every loader casts them back to the PDM's dtype (`load_state_dict`)."""
+    state = pdm.stored_state_dict()
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    return write_drafter_dir(state, spec.to_dict(), out_dir)
 
 
 def write_drafter_dir(weights: dict[str, torch.Tensor], description: dict, out_dir: str) -> str:

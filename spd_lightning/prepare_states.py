@@ -9,7 +9,10 @@ same data (one cache serves one sample set and one `d2t`).
   and a rerun of the same command keeps it; `manifest.json` (written first, `complete: false`) records the plan, and
   a rerun whose plan differs (another target, data, layer set, dtype, shard size) stops with one line.
 - Idempotent: a complete cache that matches says so and does nothing (the target is not even loaded).
-- The target runs in the config's `target_dtype`; the states are stored in `--states-dtype` (default: that dtype).
+- The target runs in the config's `target_dtype`; the hidden states are stored in `--states-dtype` (default
+  bfloat16: half of float32's bytes, and the loss it gives equals float32's to 1e-3 relative on the tiny target,
+  tests/test_state_cache.py; float16 is refused where a state overflows it). `init.safetensors` (the head's rows
+  and the seed layers, small) keeps the target's dtype: the teacher's head and the seeds are exact.
 """
 
 from __future__ import annotations
@@ -48,7 +51,9 @@ def states_parser() -> argparse.ArgumentParser:
     parser.add_argument("--states", metavar="DIR", help="write the target-state cache that `fit --data.states` reads")
     parser.add_argument("--states-configs", nargs="+", default=[], metavar="CFG", help="more fit configs it serves")
     parser.add_argument("--states-layers", nargs="+", type=int, default=[], help="more HF hidden-state indices")
-    parser.add_argument("--states-dtype", default=None, help="dtype of the stored states (default: target_dtype)")
+    parser.add_argument(
+        "--states-dtype", default="bfloat16", help="dtype of the stored hidden states (bfloat16, float16, float32)"
+    )
     parser.add_argument("--states-shard-size", type=int, default=256, help="samples per safetensors shard")
     parser.add_argument("--states-batch-size", type=int, default=None, help="samples per target forward")
     return parser
@@ -87,7 +92,7 @@ def plan_manifest(data: ChatDataModule, needs: Needs, options: argparse.Namespac
     """The manifest this run writes (complete: false until every shard exists)."""
     if options.states_shard_size < 1:
         raise ConfigError(f"--states-shard-size={options.states_shard_size}: use a positive number of samples")
-    dtype = options.states_dtype or needs.target_dtype
+    dtype = options.states_dtype
     resolve_dtype(dtype)  # a one-line error for an unknown name, before anything runs
     target = target_identity(needs.target, needs.trust_remote_code)
     bad = sorted(b for b in needs.layers if not 0 <= b <= target["num_layers"])
@@ -152,7 +157,7 @@ class StateWriter:
         for layer in self.manifest["init_layers"]:
             state = self.target.layers[layer].state_dict()
             tensors.update({f"layer{layer}.{name}": t for name, t in state.items()})
-        save_atomic({k: v.to(self.dtype) for k, v in tensors.items()}, path)
+        save_atomic(tensors, path)  # in the target's dtype: the teacher's head and the seeds stay exact
 
     def write_shard(self, split: str, shard: int, samples, bar: tqdm) -> None:
         size = self.manifest["shard_size"]
@@ -179,6 +184,10 @@ class StateWriter:
             out[f"{index}.outside_vd"] = outside_vd[row, :T].to(torch.uint8).cpu()
             for a, layer in enumerate(layers):
                 out[f"{index}.h{layer}"] = states[row, :T, a].to(self.dtype).cpu()
+        if self.dtype == torch.float16 and not all(t.isfinite().all() for k, t in out.items() if ".h" in k):
+            raise ConfigError(
+                "--states-dtype float16: a hidden state of the target overflows float16 (max 65504): use bfloat16"
+            )
         return out
 
 

@@ -5,9 +5,10 @@ import os
 
 import torch
 from kit import SyntheticChat, make_module, make_trainer
+from safetensors import safe_open
 
 from spd_lightning import cli
-from spd_lightning.export import load_drafter
+from spd_lightning.export import WEIGHTS_FILE, load_drafter
 
 
 def test_export_round_trip(tiny_target_dir, tmp_path):
@@ -38,3 +39,19 @@ def test_export_round_trip(tiny_target_dir, tmp_path):
     assert config["geometry"]["n"] == 2 and config["geometry"]["split"] == [0, 2, 4]
     assert config["pdm"]["num_layers"] == 2 and config["pdm"]["draft_vocab_size"] == 64
     assert config["target"]["name_or_path"] == tiny_target_dir and config["target"]["num_layers"] == 4
+
+    # Float weights (the trained head included) stored in bfloat16 (`--dtype`): half the bytes, cast back on load.
+    half = cli.export(["--ckpt", ckpt, "--out", str(tmp_path / "half"), "--dtype", "bfloat16"])
+    with safe_open(os.path.join(half, WEIGHTS_FILE), "pt") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    assert stored["lm_head.weight"].dtype == torch.bfloat16 and stored["d2t"].dtype == torch.int64
+    assert all(v.dtype == torch.bfloat16 for k, v in stored.items() if k != "d2t")
+    floats = sum(v.numel() for v in module.pdm.state_dict().values() if v.is_floating_point())
+    saved = os.path.getsize(os.path.join(out, WEIGHTS_FILE)) - os.path.getsize(os.path.join(half, WEIGHTS_FILE))
+    assert abs(saved - 2 * floats) < 64  # the safetensors header differs by a few bytes
+    from_half, _ = load_drafter(half)
+    for name, tensor in module.pdm.state_dict().items():
+        loaded = from_half.state_dict()[name]
+        assert loaded.dtype == tensor.dtype, name
+        want = tensor.to(torch.bfloat16).to(tensor.dtype) if tensor.is_floating_point() else tensor
+        torch.testing.assert_close(loaded, want, rtol=0, atol=0, msg=name)

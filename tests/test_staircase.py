@@ -64,12 +64,14 @@ def test_csv_logger_gets_plausible_staircase_metrics(csv_run):
         for key in ("staircase/mean_accept_run", "staircase/accept_fill1", "staircase/agree_d0_f1"):
             assert math.isfinite(float(r[key])), key
         assert 0.0 <= float(r["staircase/agree_d0_f1"]) <= 1.0
+        assert 1.0 <= float(r["staircase/predicted_n_alpha"]) <= n  # the refill chain's range
     pictures = os.listdir(os.path.join(trained.trainer.log_dir, "staircase"))
     assert "alpha_vs_step.png" in pictures and "agreement_step4.png" in pictures
     assert float(trained.trainer.callback_metrics["staircase/alpha"]) == float(rows[-1]["staircase/alpha"])
     said = [line for line in console if line.startswith("staircase evaluation at step")]
     assert [line.split(":")[0] for line in said] == ["staircase evaluation at step 2", "staircase evaluation at step 4"]
     assert f"alpha {float(rows[-1]['staircase/alpha']):.3f}," in said[-1]  # the console says what the loggers got
+    assert f"{float(rows[-1]['staircase/predicted_n_alpha']):.2f} predicted" in said[-1]
 
 
 def test_alpha_equals_the_decoder_cli(csv_run, micro_target, tmp_path):

@@ -27,6 +27,7 @@ pytestmark = [
     pytest.mark.usefixtures("one_thread"),
 ]
 NUM_LAYERS, SHARD = 4, 8
+BF16_LOSS_RTOL = 2e-3  # bfloat16 keeps 8 bits of mantissa (states within 0.4 %); measured: 2.8e-4 at most
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,15 @@ def other_config(chats) -> str:
 def states(chats, other_config) -> str:
     directory = str(chats["root"] / "states")
     extra = ["--states", directory, "--states-configs", other_config, "--states-shard-size", str(SHARD)]
-    assert prepare.main(config_args(chats, *extra)) == 0
+    assert prepare.main(config_args(chats, *extra, "--states-dtype", "float32")) == 0  # exact: equality below
+    return directory
+
+
+@pytest.fixture(scope="module")
+def bf16_states(chats) -> str:
+    """The default cache: hidden states in bfloat16."""
+    directory = str(chats["root"] / "states_bf16")
+    assert prepare.main(config_args(chats, "--states", directory, "--states-shard-size", str(SHARD))) == 0
     return directory
 
 
@@ -152,6 +161,35 @@ def test_one_batch_gives_the_same_loss_and_gradients_online_and_from_the_cache(c
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=f"the gradient of {name} differs")
 
 
+def shard_bytes(directory: str) -> int:
+    return sum(
+        os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory) if f[:5] in ("train", "val-0")
+    )
+
+
+def test_a_bf16_cache_gives_the_fp32_loss_in_half_the_bytes(chats, states, bf16_states):
+    """bfloat16 states (the default) against float32 ones: the loss of every training batch within BF16_LOSS_RTOL
+    (the states are read into the PDM's dtype, the teacher's head keeps the target's), at about half the size."""
+    manifest = json.load(open(os.path.join(bf16_states, "manifest.json")))
+    assert manifest["dtype"] == "bfloat16"
+    with safe_open(os.path.join(bf16_states, "init.safetensors"), "pt") as f:
+        assert f.get_tensor("head_vd").dtype == torch.float32  # the teacher's head is exact
+    exact_data, bf16_data = (
+        data_module(chats, "--data.states", states),
+        data_module(chats, "--data.states", bf16_states),
+    )
+    exact, bf16 = attached_module(chats, exact_data), attached_module(chats, bf16_data)
+    gaps = []
+    with torch.no_grad():
+        for a, b in zip(exact_data.train_dataloader(), bf16_data.train_dataloader()):
+            assert b["states"].dtype == torch.bfloat16
+            want, got = exact.training_step(a, 0).item(), bf16.training_step(b, 0).item()
+            gaps.append(abs(got - want) / want)
+    assert max(gaps) < BF16_LOSS_RTOL, gaps
+    assert shard_bytes(bf16_states) < 0.55 * shard_bytes(states)  # the same 4 layers [0, 2, 3, 4] in both
+    print(f"bf16: loss gap {max(gaps):.2e}, shards {shard_bytes(bf16_states)} bytes (fp32 {shard_bytes(states)})")
+
+
 def test_validation_from_the_cache_reports_the_full_vocabulary_metric(chats, states):
     """`outside_vd` comes from the cache, so validation logs `val/teacher_top1_outside_vd` as the online run does."""
     online_data, cached_data = data_module(chats), data_module(chats, "--data.states", states)
@@ -165,7 +203,7 @@ def test_validation_from_the_cache_reports_the_full_vocabulary_metric(chats, sta
 
 def test_prepare_resumes_an_interrupted_run_and_keeps_its_shards(chats, states, tmp_path, monkeypatch):
     directory = str(tmp_path / "resumed")
-    args = config_args(chats, "--states", directory, "--states-shard-size", str(SHARD))
+    args = config_args(chats, "--states", directory, "--states-shard-size", str(SHARD), "--states-dtype", "float32")
     real_write = prepare_states.StateWriter.write_shard
     written = []
 

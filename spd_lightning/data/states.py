@@ -5,10 +5,12 @@ samples of a data module and writes, per sample `i` of a split, into sharded saf
 
     DIR/manifest.json                 what the cache was built from (target, data, d2t, layers); `complete` last
     DIR/init.safetensors              `head_vd` [V_d, H] (the target head's rows of V_d) and `layer{l}.*` (the
-                                      state dict of each target layer a PDM may be seeded from)
+                                      state dict of each target layer a PDM may be seeded from), in the
+                                      target's dtype
     DIR/{train,val}-{k:05d}.safetensors   samples k*S .. (k+1)*S-1 of the split:
         {i}.input_ids   int32 [T]     the sample's tokens (checked against the data module's on every read)
-        {i}.h{l}        dtype [T, H]  HF hidden state l (0 = embedding output, L = final-norm output)
+        {i}.h{l}        dtype [T, H]  HF hidden state l (0 = embedding output, L = final-norm output), in the
+                                      manifest's `dtype` (`prepare --states-dtype`, bfloat16 by default)
         {i}.outside_vd  uint8 [T]     the full-vocabulary argmax of the target's logits lies outside V_d
 
 The teacher is not stored as logits: `head_vd(h{L})` IS the restricted teacher, the very product the online

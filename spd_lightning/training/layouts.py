@@ -206,6 +206,12 @@ class DepthLayout:
         """`a(t)` for every drafting time a copy token can stand for: `t = i + c <= T - 1 + n`."""
         return self.fill_dist.sample(self.geometry.n, (batch, length + self.geometry.n), generator)
 
+    def validation_fill(self, batch: int, length: int, offset: int = 0) -> torch.Tensor:
+        """Every fill level in turn over the drafting times (`a(t) = (t + b + offset) mod n + 1`): validation
+        measures each fill on about `1/n` of the outputs of every sequence, whatever the training draws."""
+        t, b = torch.arange(length + self.geometry.n), torch.arange(batch)
+        return (t[None, :] + b[:, None] + offset) % self.geometry.n + 1
+
     def replicate(self, lengths: torch.Tensor, length: int, fill: torch.Tensor) -> Replication:
         n, T, device = self.geometry.n, length, lengths.device
         fill = to_device_async(fill, device)
@@ -314,6 +320,11 @@ class TypeLayout:
     def draw_fill(self, batch: int, length: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """One fill level for the whole step, repeated per sample."""
         return self.fill_dist.sample(self.geometry.n, (1,), generator).expand(batch).clone()
+
+    def validation_fill(self, batch: int, length: int, offset: int = 0) -> torch.Tensor:
+        """Every fill level in turn over the samples (`a(b) = (b + offset) mod n + 1`; the mask takes one fill per
+        sample): validation measures each fill whenever it sees at least `n` samples."""
+        return (torch.arange(batch) + offset) % self.geometry.n + 1
 
     def replicate(self, lengths: torch.Tensor, length: int, fill: torch.Tensor) -> Replication:
         T, device = length, lengths.device

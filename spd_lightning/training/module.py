@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import lightning as L
 import torch
@@ -40,6 +40,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from ..data.states import StateCache, target_identity
 from ..errors import ConfigError
 from ..export import CKPT_KEY, DrafterSpec, seed_from_drafter
+from ..fill_chain import measured_prediction
 from ..geometry import Features, Geometry, Schedule
 from ..pdm import DecoderLayer, PDMConfig, PipelineDraftModule
 from ..target import (
@@ -49,15 +50,18 @@ from ..target import (
     TargetInfo,
     load_hf_config,
     rebuilt_layer,
+    resolve_dtype,
     restrict_to_draft_vocab,
 )
 from .attention import Backend
+from .fill_estimate import REFRESH_STEPS, AcceptanceEstimate
 from .layouts import FillDistribution, LayoutName, Replication, build_layout
 from .metrics import GroupedAgreement
 
 # Compiled flex graphs a run may need per code object: {grad, no_grad, inference_mode} x {every copy's rows, the
 # loss copy's} x {a size specialized at 1 (one block, a last batch of 1) or not} (tests/test_recompile_limit.py).
 FLEX_RECOMPILE_LIMIT = 16
+FILL_ESTIMATE_KEY = "spd_fill_estimate"  # the running acceptance of `fill_probs: auto`, in a checkpoint
 
 
 def set_recompile_limit() -> tuple[int, bool]:
@@ -92,6 +96,17 @@ class ReplicatedForward:
     predicts_loss_token: torch.Tensor  # [B, T] output i drafts an assistant token x_{i+1}
 
 
+class ViewAgreement(NamedTuple):
+    """`SPDModule.staircase_agreement`: per output of every copy, top-1 agreement, depth and fill; per output of
+    the loss copy, whether greedy decoding would accept it (`Distilled.accepted`) and its fill."""
+
+    agree: torch.Tensor
+    depth: torch.Tensor
+    fill: torch.Tensor
+    loss_accepted: torch.Tensor
+    loss_fill: torch.Tensor
+
+
 @dataclass(frozen=True, kw_only=True)
 class Distilled:
     """One copy's outputs, `[B, T]` each; only the `counted` ones (active, predicting a loss token) enter the loss."""
@@ -102,6 +117,12 @@ class Distilled:
     teacher_top1: torch.Tensor
     fill: torch.Tensor
     outside_vd: torch.Tensor | None
+
+    def accepted(self) -> torch.Tensor:
+        """What greedy decoding would accept: the student's top-1 is the teacher's, and (where known) the target's
+        top-1 over the full vocabulary lies inside V_d."""
+        agree = self.student_top1.eq(self.teacher_top1)
+        return agree if self.outside_vd is None else agree & (self.outside_vd == 0)
 
     def mean(self, values: torch.Tensor) -> torch.Tensor:
         """The mean of `values` over the counted outputs, 0 (with a graph) when there are none; no host sync."""
@@ -143,8 +164,11 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
             takes it from the target, so a large V_d costs no file size (needs init_head).
         init_from: a drafter directory or `.ckpt` to warm-start from: every weight whose name and shape agree
             (the head's rows of the tokens both draft vocabularies hold); null: the initialization above alone.
-        fill_full_prob: probability of a full pipeline (fill n); other fill levels are uniform (docs/DESIGN.md, "Simulated fill levels").
-        fill_probs: explicit weights of fill levels 1..n; overrides `fill_full_prob`.
+        fill_probs: fill levels `a` the training views simulate (docs/DESIGN.md, "Simulated fill levels"): `auto`
+            draws them as decoding meets them, from the drafter's running acceptance per fill; a list gives fixed
+            weights of `a = 1..n`; null takes `fill_full_prob`.
+        fill_full_prob: with `fill_probs: null`, the probability of a full pipeline (fill n); the other fill
+            levels are uniform.
         teacher_temperature: temperature of the teacher distribution in the KL.
         aux_loss_weight: weight of the KL on the other active copies (depths > 0).
         lr: AdamW peak learning rate.
@@ -180,8 +204,8 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         init_head: bool = True,
         head_from_target: bool = False,
         init_from: str | None = None,
+        fill_probs: list[float] | Literal["auto"] | None = "auto",
         fill_full_prob: float = 0.5,
-        fill_probs: list[float] | None = None,
         teacher_temperature: float = 1.0,
         aux_loss_weight: float = 0.0,
         lr: float = 1e-4,
@@ -214,8 +238,13 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         config = load_hf_config(target, trust_remote_code)
         self.target_config = getattr(config, "text_config", None) or config
         self.geometry = Geometry.build(self.target_config.num_hidden_layers, n, split, anchors, schedule, features)
-        self.layout = build_layout(layout, self.geometry, FillDistribution(fill_full_prob, fill_probs))
+        self.fill_estimate = AcceptanceEstimate(n) if fill_probs == "auto" else None
+        if isinstance(fill_probs, str) and self.fill_estimate is None:
+            raise ConfigError(f"fill_probs={fill_probs!r}: use auto, a list of n={n} weights, or null")
+        fixed = FillDistribution(fill_full_prob, None if self.fill_estimate else fill_probs)
+        self.layout = build_layout(layout, self.geometry, fixed)
         self.layout.fill_dist.probabilities(n)  # validates the fill settings now, not at the first step
+        self._use_estimated_fills()
         self._check_init_args()
         self.pdm: PipelineDraftModule | None = None
         self._target: Target | None = None
@@ -226,6 +255,7 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         self.val_agree = torchmetrics.MeanMetric()
         self.val_loss, self.val_outside = torchmetrics.MeanMetric(), torchmetrics.MeanMetric()
         self.val_agree_depth, self.val_agree_fill = GroupedAgreement(n_groups), GroupedAgreement(n_groups)
+        self.val_accept_fill = GroupedAgreement(n_groups)  # agreement whose teacher top-1 is inside V_d
 
     def _pdm_config(self, draft_vocab_size: int, rope_theta: float) -> PDMConfig:
         """The PDM shape: the configured values, the target's where none is given."""
@@ -396,7 +426,7 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
     def _head_rows(self) -> torch.Tensor:
         """`[V_d, H]`: the target head's rows of the draft vocabulary (the cached copy when training from states)."""
         if self.state_cache is not None:
-            return self.state_cache.head_rows().to(self.device)
+            return self.state_cache.head_rows().to(self.device, resolve_dtype(self.hparams.target_dtype))
         return self.target.lm_head.weight.detach().index_select(0, self.pdm.d2t.to(self.target.lm_head.weight.device))
 
     def _target_layer(self, layer: int) -> torch.nn.Module:
@@ -421,6 +451,24 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         key = (self.hparams.seed, phase, index, self.global_rank)
         return torch.Generator().manual_seed(hash(key) % (2**63))
 
+    def _use_estimated_fills(self) -> None:
+        """With `fill_probs: auto`, the layout draws from the estimate's current weights."""
+        if self.fill_estimate is not None:
+            self.layout.fill_dist = FillDistribution(probs=self.fill_estimate.weights)
+
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        """`fill_probs: auto`: every `REFRESH_STEPS` steps the fill weights follow the running acceptance (one
+        device read, and under DDP one sum over the ranks, so that every rank draws from the same weights)."""
+        step = self.trainer.fit_loop.epoch_loop.total_batch_idx
+        if self.fill_estimate is None or step == 0 or step % REFRESH_STEPS:
+            return
+        totals = (self.fill_estimate.correct, self.fill_estimate.total)
+        if self.trainer.world_size > 1:
+            totals = tuple(self.trainer.strategy.reduce(t.clone(), reduce_op="sum") for t in totals)
+        logged = self.fill_estimate.refresh(totals)
+        self._use_estimated_fills()
+        self.log_dict(logged, batch_size=1)
+
     def on_before_batch_transfer(self, batch, dataloader_idx: int):
         """The right-padding check on the host, before the batch moves: on the device it would be a sync."""
         if isinstance(batch, dict) and "attention_mask" in batch:
@@ -430,20 +478,23 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
     def _forward(
         self,
         batch: dict,
-        generator: torch.Generator,
+        generator: torch.Generator | None,
         every_copy: bool = True,
         full_vocab: bool = True,
         pdm: PipelineDraftModule | None = None,
+        fill: torch.Tensor | None = None,
     ) -> ReplicatedForward:
         """The replicated forward. With `every_copy` False only the loss copy's outputs are computed (`hidden[B, T,
         d]`, the first `T` rows; the last PDM layer runs the other copies as keys and values only); otherwise every
         copy's (`hidden[B, S, d]`). With `full_vocab` False the target's head runs on the `V_d` rows only and
-        `outside_vd` is None. `pdm`: another PDM than `self.pdm` (`evaluation_pdm`)."""
+        `outside_vd` is None. `pdm`: another PDM than `self.pdm` (`evaluation_pdm`). `fill`: the fill levels to use
+        (`layout.validation_fill`) instead of a draw from `generator`."""
         pdm = pdm or self.pdm
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
         states, teacher, outside_vd = self._teacher_view(batch, full_vocab)
         B, T = input_ids.shape
-        rep = self.layout.replicate(attention_mask.sum(1), T, self.layout.draw_fill(B, T, generator))
+        fill = self.layout.draw_fill(B, T, generator) if fill is None else fill
+        rep = self.layout.replicate(attention_mask.sum(1), T, fill)
         g = rep.features(pdm.fuse, states.to(pdm.lm_head.weight.dtype))
         hidden = pdm.body(
             g,
@@ -473,7 +524,8 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
                     f"the batch carries {batch['states'].shape[2]} cached hidden states, the geometry reads anchors "
                     f"{list(self.geometry.anchors)}: build the loaders after the module's setup (the Trainer does)"
                 )
-            return batch["states"], self._vd_head()(batch["final_state"]), batch["outside_vd"]
+            head = self._vd_head()  # the target's dtype, whatever the cache stores the states in (bfloat16 by default)
+            return batch["states"], head(batch["final_state"].to(head.weight.dtype)), batch["outside_vd"]
         with self._teacher_head(full_vocab):
             states, logits = self.target.anchor_states(
                 batch["input_ids"], batch["attention_mask"], self.geometry.anchors
@@ -534,6 +586,8 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         full_vocab = self._full_vocab_due(step)
         fwd = self._forward(batch, self._fill_generator(0, step), every_copy, full_vocab)
         main = self._distill(fwd, fwd.rep.loss_copy)
+        if self.fill_estimate is not None:
+            self.fill_estimate.update(main.accepted(), main.counted, main.fill)
         loss = kl_draft = main.mean(main.kl)
         if every_copy:
             aux = [self._distill(fwd, c) for c in range(fwd.rep.num_copies) if c != fwd.rep.loss_copy]
@@ -557,7 +611,8 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         return self._device_scalars[name].fill_(value)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        fwd = self._forward(batch, self._fill_generator(1, batch_idx))  # same draws at every validation
+        B, T = batch["input_ids"].shape  # every fill level in turn, the same at every validation:
+        fwd = self._forward(batch, None, fill=self.layout.validation_fill(B, T, batch_idx * B))
         for c in range(fwd.rep.num_copies):
             d = self._distill(fwd, c).selected()
             if not d.kl.numel():
@@ -569,23 +624,26 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
                 self.val_agree.update(agree.float())
                 self.val_outside.update(d.outside_vd.float())
                 self.val_agree_fill.update(agree, d.fill)
+                self.val_accept_fill.update(d.accepted(), d.fill)
 
     @torch.no_grad()
-    def staircase_agreement(
-        self, batch: dict, seed: int = 0, pdm: PipelineDraftModule | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Teacher-forced top-1 agreement of every view output of every copy on `batch`, with fill draws
-        seeded by `seed`: `(agree, depth, fill)`, one entry per output (the staircase evaluation's heatmap).
-        `pdm`: the PDM to evaluate (`evaluation_pdm`), by default `self.pdm`."""
+    def staircase_agreement(self, batch: dict, seed: int = 0, pdm: PipelineDraftModule | None = None) -> ViewAgreement:
+        """Teacher-forced top-1 agreement of every view output of every copy on `batch` (the staircase evaluation's
+        heatmap), and what greedy decoding would accept of the loss copy's (its prediction of `n*alpha`). Every fill
+        level in turn (`layout.validation_fill`, offset by `seed`), whatever the training draws. `pdm`: the PDM to
+        evaluate (`evaluation_pdm`), by default `self.pdm`."""
         check_right_padded(batch["attention_mask"])
-        fwd = self._forward(batch, torch.Generator().manual_seed(seed), full_vocab=False, pdm=pdm)
+        B, T = batch["input_ids"].shape
+        fwd = self._forward(batch, None, pdm=pdm, fill=self.layout.validation_fill(B, T, seed))
         agree, depth, fill = [], [], []
         for c in range(fwd.rep.num_copies):
             d = self._distill(fwd, c).selected()
             agree.append(d.student_top1.eq(d.teacher_top1))
             depth.append(torch.full_like(d.fill, fwd.rep.copy_depths[c]))
             fill.append(d.fill)
-        return torch.cat(agree), torch.cat(depth), torch.cat(fill)
+            if c == fwd.rep.loss_copy:
+                loss_accepted, loss_fill = d.accepted(), d.fill
+        return ViewAgreement(torch.cat(agree), torch.cat(depth), torch.cat(fill), loss_accepted, loss_fill)
 
     def on_validation_epoch_end(self) -> None:
         # compute() synchronizes across ranks, so every rank holds the same values and the same keys; the
@@ -601,15 +659,33 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
                 values[f"val/{name}"] = value
         for prefix, metric in (("depth", self.val_agree_depth), ("fill", self.val_agree_fill)):
             values.update({f"val/agree_{prefix}{group}": value for group, value in metric.compute().items()})
-        self.log_dict(
-            {k: v for k, v in values.items() if k in ("val/loss", "val/agree")}, prog_bar=True, sync_dist=True
-        )
-        self.log_dict({k: v for k, v in values.items() if k not in ("val/loss", "val/agree")}, sync_dist=True)
+        values.update(self._decode_prediction(self.val_accept_fill.compute()))
+        shown = ("val/loss", "val/agree", "val/predicted_n_alpha")
+        self.log_dict({k: v for k, v in values.items() if k in shown}, prog_bar=True, sync_dist=True)
+        self.log_dict({k: v for k, v in values.items() if k not in shown}, sync_dist=True)
         # `validate` runs under inference mode; states reset there would be inference tensors that the
         # no-grad validation inside a later `fit` may not update in place.
         with torch.inference_mode(False):
-            for metric in (self.val_loss, self.val_agree, self.val_outside, self.val_agree_depth, self.val_agree_fill):
+            for metric in (
+                self.val_loss,
+                self.val_agree,
+                self.val_outside,
+                self.val_agree_depth,
+                self.val_agree_fill,
+                self.val_accept_fill,
+            ):
                 metric.reset()
+
+    def _decode_prediction(self, accept_by_fill: dict[int, float]) -> dict[str, float]:
+        """`val/accept_fill{k}` (what greedy decoding would accept at fill k, teacher-forced) and what the refill
+        chain predicts from them (spd_lightning/fill_chain.py): `val/accept_p` (per judged draft) and
+        `val/predicted_n_alpha`."""
+        predicted = measured_prediction(accept_by_fill, self.geometry.n)
+        if predicted is None:
+            return {}
+        values = {f"val/accept_fill{k}": v for k, v in accept_by_fill.items()}
+        values["val/accept_p"], values["val/predicted_n_alpha"] = predicted
+        return values
 
     # -- optimizer -------------------------------------------------------------------------------
     def configure_optimizers(self):
@@ -651,12 +727,17 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # What inference/ and `export` read; the frozen target is not in state_dict to begin with.
         checkpoint[CKPT_KEY] = self.drafter_spec().to_dict()
+        if self.fill_estimate is not None:
+            checkpoint[FILL_ESTIMATE_KEY] = self.fill_estimate.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if CKPT_KEY not in checkpoint:
             raise TargetError("this checkpoint has no drafter description: it was not written by SPDModule")
         spec = DrafterSpec.from_dict(checkpoint[CKPT_KEY], "checkpoint")
         self._target_info = self._target_info or spec.target
+        if self.fill_estimate is not None and FILL_ESTIMATE_KEY in checkpoint:  # a resume draws what the run would
+            self.fill_estimate.load_state_dict(checkpoint[FILL_ESTIMATE_KEY])
+            self._use_estimated_fills()
         if self.pdm is None:  # loaded without a trainer: build the PDM the checkpoint describes
             self.pdm = PipelineDraftModule(spec.pdm)
             self._freeze_unused_types()
