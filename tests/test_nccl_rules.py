@@ -15,6 +15,7 @@ from inference.cycle.nccl_rules import NcclRuleError, NcclRules
 from inference.cycle.peer_failures import failure_reason, nccl_error_handling
 from inference.cycle.simulator import simulate_decode
 from inference.cycle.transport import LocalTransport, _peer_error
+from inference.sampling import Sampling
 from spd_lightning.geometry import Geometry
 
 
@@ -32,9 +33,9 @@ def test_big_sends_head_to_head_deadlock_and_small_ones_do_not():
     for size, deadlocks in ((8, False), (32, True)):  # 8 or 32 float32 against an eager limit of 64 bytes
         t = rules()
         t.send(0, 1, torch.ones(size), "act")
-        t.send(1, 0, torch.ones(size), "draft_q")
+        t.send(1, 0, torch.ones(size), "anchors1")
         t.recv(0, 1, torch.empty(size), "act")
-        t.recv(1, 0, torch.empty(size), "draft_q")
+        t.recv(1, 0, torch.empty(size), "anchors1")
         if deadlocks:
             with pytest.raises(NcclRuleError, match="would deadlock on NCCL: rank 0's send of act to rank 1"):
                 t.flush()
@@ -91,19 +92,21 @@ def test_a_receive_of_another_shape_is_refused_even_where_a_copy_would_broadcast
         t.recv(0, 1, torch.empty(2, 4), "act")
 
 
-@pytest.mark.parametrize("eager", [0, 300])
-def test_the_simulator_holds_to_the_rules_with_prefill_messages_as_rendezvous(tiny_qwen3, eager, monkeypatch):
-    """Prefill messages (P x H floats) are rendezvous above 300 bytes; the one-token messages stay eager, as the
-    PDM <-> stage 1 pair needs: with every send a rendezvous their head-to-head sends deadlock, and the rules say so."""
+@pytest.mark.parametrize("eager", [0, nccl_rules.EAGER_BYTES])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_simulator_holds_to_the_rules_with_the_real_shapes_rendezvous(tiny_qwen3, eager, temperature, monkeypatch):
+    """The prefill messages and `draft_q` are rendezvous (as at the real shapes) and the decode goes through; with
+    every send a rendezvous, the PDM's and stage 1's one-token messages both ways on one stream deadlock, and the
+    rules say so: the decoder relies on those staying small."""
     monkeypatch.setenv(nccl_rules.EAGER_ENV, str(eager))
     geometry = Geometry.build(tiny_qwen3.num_layers, 2)
     pdm = random_pdm(tiny_qwen3, geometry)
-    prompt = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26]
+    prompt, sampling = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26], Sampling(temperature=temperature)
     if eager == 0:
         with pytest.raises(NcclRuleError, match="would deadlock on NCCL"):
-            simulate_decode(tiny_qwen3, pdm, geometry, prompt, 6)
+            simulate_decode(tiny_qwen3, pdm, geometry, prompt, 6, sampling)
     else:
-        assert simulate_decode(tiny_qwen3, pdm, geometry, prompt, 6).N == 6
+        assert simulate_decode(tiny_qwen3, pdm, geometry, prompt, 6, sampling).N == 6
 
 
 # -- a dead peer under NCCL reads as under gloo -------------------------------------------------------------------

@@ -8,8 +8,8 @@ NCCL raises here too:
   group, travels on the gloo group (`DistributedTransport` puts it there);
 - a send and its receive agree on kind, shape and dtype (NCCL reads bytes: a mismatch hangs or corrupts);
 - with every rank in view (the simulators' `LocalTransport`), `_StreamModel` replays the messages as NCCL runs them:
-  per pair one stream on each side, in FIFO order; a send of more than `eager_bytes` completes only once its
-  receive runs (rendezvous), a smaller one at once; a rank's later messages wait for each receive it waited on
+  per pair one stream on each side, in FIFO order; a send of more than `eager_bytes`, or of a kind that is large at
+  the real shapes (`LARGE_AT_REAL_SHAPES`), completes only once its receive runs (rendezvous), a smaller one at once; a rank's later messages wait for each receive it waited on
   and for each send `settle` waited on (on a GPU they queue behind those on its compute stream). At every `flush`
   (the end of a prompt) every message must have completed; if not, the stuck ones are named (`NcclRuleError`).
 - `guard_default_group` (installed in each rank process when the rules are on) refuses the object collectives on
@@ -44,6 +44,10 @@ EAGER_ENV = "SPD_NCCL_EAGER_BYTES"
 # the safe side (inferred, not measured). The decoder relies on it: its one-token messages go both ways between
 # the PDM and stage 1 on one stream, which deadlocks with every send a rendezvous (tests/test_nccl_rules.py).
 EAGER_BYTES = 64 * 1024
+# The kinds above EAGER_BYTES at the shipped shapes (Qwen3.5-9B, bf16 H = 4096, V_d = 32000): the prefill messages
+# ([P, H] and [P, A_s, H]) and `draft_q` (32000 float32, 128 KB). Tiny test models make them small, so the model
+# treats them as rendezvous whatever their size: the tests meet the real shapes' pattern of blocking sends.
+LARGE_AT_REAL_SHAPES = frozenset({"act_prefill", "anchors_prefill", "draft_q"})
 OBJECT_COLLECTIVES = ("broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list")
 
 
@@ -71,7 +75,8 @@ class NcclRules(Transport):
         self.device = device
         self.devices: dict[int, torch.device] = {}
         # The stream model needs every rank's messages: only a transport that hosts them all can give them.
-        self.model = _StreamModel(eager_bytes() if eager is None else eager) if type(inner) is LocalTransport else None
+        eager = eager_bytes() if eager is None else eager
+        self.model = _StreamModel(eager) if type(inner) is LocalTransport else None
 
     def __getattr__(self, name):  # the inner transport's other attributes (`gather`, `rank`, `local`, ...)
         if name == "inner":  # not set yet (a copy in the making): no recursion
@@ -187,7 +192,8 @@ class _StreamModel:
         control = kind in CONTROL_KINDS
         nbytes = tensor.numel() * tensor.element_size()
         op = _Op(src, dst, rank, kind, tuple(tensor.shape), tensor.dtype, nbytes, False)
-        op.rendezvous = op.is_send and not control and nbytes > self.eager  # gloo (control) sends never wait
+        big = nbytes > self.eager or kind in LARGE_AT_REAL_SHAPES
+        op.rendezvous = op.is_send and not control and big  # gloo (control) sends never wait
         gates = self.gates.setdefault(rank, [])
         gates[:] = [g for g in gates if not g.done]
         op.after = list(gates)
