@@ -405,7 +405,19 @@ def decode_command(opts) -> list[str]:
     shape, n 4 and 8, L_s 1 and 3)."""
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_decode_gpu.py")
     if opts.tiny:
-        plan = ["--tiny", "--device", "cpu", "--no-compile"]
+        plan = [
+            "--tiny",
+            "--device",
+            "cpu",
+            "--no-compile",
+            "--n",
+            "2",
+            "4",
+            "--alpha",
+            "2:2:0.5",
+            "--alpha",
+            "4:4:0.66",
+        ]
     else:  # compiling every (n, L_s) of both shapes would not fit the limit
         plan = ["--device", opts.device, "--models", "4b", "--n", "4", "8", "--draft-layers", "1", "3", "--iters", "30"]
     files = ["--rows", os.path.join(opts.out, "rows.jsonl"), "--json", os.path.join(opts.out, "decode_gpu.json")]

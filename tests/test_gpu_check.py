@@ -75,8 +75,9 @@ def test_gpu_check_rehearsal_on_cpu_without_optional_packages(tmp_path):
     assert between[0] == {"decode_stage", "decode_draft", "decode_simulator", "decode_cycle"}
     assert between[1] == {"arch", "train", "stage_latency", "draft_latency", "decode"}
     assert between[2] == {"flex_compile", "block_mask"}
-    first_cycle = kinds.index("decode_cycle")  # each n's cycle rows as soon as that n is measured
-    assert first_cycle < max(i for i, r in enumerate(rows) if r["kind"] == "decode_stage")
+    cycles_at = [(i, r["n"]) for i, r in enumerate(rows) if r["kind"] == "decode_cycle"]
+    assert {n for _, n in cycles_at} == {2, 4}  # each n's cycle rows as soon as that n is measured
+    assert cycles_at[0][0] < max(i for i, r in enumerate(rows) if r["kind"] == "decode_stage" and r["n"] == 4)
 
     report = json.loads((out / "gpu_check.json").read_text())
     (arch,) = report["archs"]

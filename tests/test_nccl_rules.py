@@ -1,6 +1,6 @@
 """NCCL's rules on the CPU (inference/cycle/nccl_rules.py): the check transport catches what NCCL would hang or
 refuse on, the server's control traffic stays off the default group, and a dead peer reads the same under NCCL as
-under gloo (inference/cycle/peer_failures.py)."""
+under gloo (inference/runtime/nccl_backend.py)."""
 
 import os
 from datetime import timedelta
@@ -12,9 +12,9 @@ from kit import free_port, make_tiny_model, random_pdm, save_random_drafter, tar
 
 from inference.cycle import nccl_rules
 from inference.cycle.nccl_rules import NcclRuleError, NcclRules
-from inference.cycle.peer_failures import failure_reason, nccl_error_handling
 from inference.cycle.simulator import simulate_decode
 from inference.cycle.transport import LocalTransport, _peer_error
+from inference.runtime.nccl_backend import OBJECT_COLLECTIVES, failure_reason, guard_default_group, nccl_error_handling
 from inference.sampling import Sampling
 from spd_lightning.geometry import Geometry
 
@@ -153,7 +153,7 @@ def test_nccl_failures_raise_instead_of_killing_the_rank_unless_the_user_chose()
 # -- the server's control traffic ---------------------------------------------------------------------------------
 @pytest.fixture
 def one_rank_group(monkeypatch):
-    for name in nccl_rules.OBJECT_COLLECTIVES:  # the guard patches torch.distributed: put it back afterwards
+    for name in OBJECT_COLLECTIVES:  # the guard patches torch.distributed: put it back afterwards
         monkeypatch.setattr(dist, name, getattr(dist, name))
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, timeout=timedelta(seconds=30)
@@ -163,7 +163,7 @@ def one_rank_group(monkeypatch):
 
 
 def test_the_guard_refuses_object_collectives_on_the_default_group(one_rank_group):
-    nccl_rules.guard_default_group()
+    guard_default_group()
     box = ["request"]
     with pytest.raises(NcclRuleError, match="broadcast_object_list on the default group"):
         dist.broadcast_object_list(box, src=0)

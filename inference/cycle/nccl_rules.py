@@ -12,7 +12,7 @@ NCCL raises here too:
   the real shapes (`LARGE_AT_REAL_SHAPES`), completes only once its receive runs (rendezvous), a smaller one at once; a rank's later messages wait for each receive it waited on
   and for each send `settle` waited on (on a GPU they queue behind those on its compute stream). At every `flush`
   (the end of a prompt) every message must have completed; if not, the stuck ones are named (`NcclRuleError`).
-- `guard_default_group` (installed in each rank process when the rules are on) refuses the object collectives on
+- `nccl_backend.guard_default_group` (installed in each rank process when the rules are on) refuses the object collectives on
   the default group, which on GPUs is NCCL: a pickled broadcast there is a host-device copy and a sync on every rank;
   control traffic goes over the gloo group (`control_group()`).
 The rules are on when `SPD_NCCL_RULES=1` (the test suite sets it, tests/conftest.py); `SPD_NCCL_EAGER_BYTES` sets
@@ -36,8 +36,8 @@ from inference.cycle.transport import (
     Transport,
     _control_group,
 )
+from inference.runtime.nccl_backend import RULES_ENV, NcclRuleError, enabled  # noqa: F401 - part of this API
 
-RULES_ENV = "SPD_NCCL_RULES"
 EAGER_ENV = "SPD_NCCL_EAGER_BYTES"
 # The largest send assumed to complete before its receive runs. NCCL guarantees none does; small ones fit in the
 # connection's buffers (`NCCL_BUFFSIZE`, 4 MiB by default, split in steps and channels), so 64 KiB is a guess on
@@ -48,15 +48,6 @@ EAGER_BYTES = 64 * 1024
 # ([P, H] and [P, A_s, H]) and `draft_q` (32000 float32, 128 KB). Tiny test models make them small, so the model
 # treats them as rendezvous whatever their size: the tests meet the real shapes' pattern of blocking sends.
 LARGE_AT_REAL_SHAPES = frozenset({"act_prefill", "anchors_prefill", "draft_q"})
-OBJECT_COLLECTIVES = ("broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list")
-
-
-class NcclRuleError(RuntimeError):
-    """The decoder's messages break a rule NCCL holds them to (see the module docstring)."""
-
-
-def enabled() -> bool:
-    return os.environ.get(RULES_ENV, "") == "1"
 
 
 def eager_bytes() -> int:
@@ -285,25 +276,3 @@ def control_group():
     """The gloo group of the control traffic (the verdict, the server's requests): created by the first transport
     or the first caller, on every rank at the same point of its program."""
     return _control_group()
-
-
-def guard_default_group() -> None:
-    """In a rank process with the rules on: an object collective on the default group raises `NcclRuleError`."""
-    for name in OBJECT_COLLECTIVES:
-        real = getattr(dist, name)
-        if getattr(real, "nccl_guarded", False):
-            continue
-        setattr(dist, name, _guarded(name, real))
-
-
-def _guarded(name: str, real):
-    def collective(*args, group=None, **kwargs):
-        if group is None or group is dist.group.WORLD:
-            raise NcclRuleError(
-                f"NCCL rule: {name} on the default group, which is NCCL on GPUs (a host-device copy and a sync of "
-                "every rank each call): send control traffic over the gloo group (nccl_rules.control_group())"
-            )
-        return real(*args, group=group, **kwargs)
-
-    collective.nccl_guarded = True
-    return collective

@@ -27,7 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from inference.cycle.peer_failures import failure_reason, nccl_error_handling
+from inference.runtime.nccl_backend import enabled, failure_reason, guard_default_group, nccl_error_handling
 
 # Control messages travel in host memory, over a gloo group of their own (`DistributedTransport`): a rank reads
 # them without waiting for its device. The verdict is the only one.
@@ -252,10 +252,8 @@ def init_distributed(
     if backend == "nccl":  # a dead peer raises PeerError, as under gloo, instead of the watchdog killing the rank
         nccl_error_handling()
     dist.init_process_group(**kwargs)
-    from inference.cycle import nccl_rules  # imports this module
-
-    if nccl_rules.enabled():
-        nccl_rules.guard_default_group()
+    if enabled():  # NCCL's rules (tests): no object collective on the default group
+        guard_default_group()
 
 
 def close_distributed() -> None:

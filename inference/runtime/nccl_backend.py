@@ -1,4 +1,7 @@
-"""A failed message as one line, the same under gloo and NCCL: what the `PeerError` naming the peer says.
+"""What choosing NCCL sets up in a rank process (`cycle/transport.init_distributed`), and a failed message as one line.
+It lies below the cycle layer so that the transport can use it.
+
+A failed message reads the same under gloo and NCCL: what the `PeerError` naming the peer says.
 
 Gloo raises at the call that failed, with `[file:line]` in front of its reason ("Connection closed by peer",
 "Timed out waiting ... for recv operation to complete"). NCCL fails differently: a receive whose sender died never
@@ -14,6 +17,20 @@ from __future__ import annotations
 
 import os
 import re
+
+import torch.distributed as dist
+
+RULES_ENV = "SPD_NCCL_RULES"  # "1": the decoder's transports and collectives are held to NCCL's rules (nccl_rules.py)
+OBJECT_COLLECTIVES = ("broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list")
+
+
+class NcclRuleError(RuntimeError):
+    """The decoder's messages break a rule NCCL holds them to (nccl_rules.py)."""
+
+
+def enabled() -> bool:
+    return os.environ.get(RULES_ENV, "") == "1"
+
 
 # What the rank does when NCCL or its watchdog sees an error: 2 aborts the communicators and lets the error raise
 # at the call that waits on the failed work (1 and 3, the default, kill the process from the watchdog thread).
@@ -46,3 +63,25 @@ def failure_reason(cause: BaseException) -> str:
     if "timed out" in reason.lower() or "timeout" in reason.lower():
         reason = f"{_TIMEOUT} ({reason[:160]})"
     return reason[:240]
+
+
+def guard_default_group() -> None:
+    """In a rank process with the rules on: an object collective on the default group raises `NcclRuleError`."""
+    for name in OBJECT_COLLECTIVES:
+        real = getattr(dist, name)
+        if getattr(real, "nccl_guarded", False):
+            continue
+        setattr(dist, name, _guarded(name, real))
+
+
+def _guarded(name: str, real):
+    def collective(*args, group=None, **kwargs):
+        if group is None or group is dist.group.WORLD:
+            raise NcclRuleError(
+                f"NCCL rule: {name} on the default group, which is NCCL on GPUs (a host-device copy and a sync of "
+                "every rank each call): send control traffic over the gloo group (nccl_rules.control_group())"
+            )
+        return real(*args, group=group, **kwargs)
+
+    collective.nccl_guarded = True
+    return collective
