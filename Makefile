@@ -56,3 +56,14 @@ test-slow: env
 lint: env
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+
+# The pure-Python wheels the GPU check carries to a stock GPU image, which has no package index (docs/DESIGN.md,
+# "The GPU check"): pinned in scripts/gpu_bundle.txt, downloaded for its Python 3.12 into gpu_bundle/ (about 1.5 MB;
+# the device machine takes 64 MiB in all); scripts/gpu_check.sh installs them offline beside the tree.
+GPU_BUNDLE ?= gpu_bundle
+.PHONY: gpu-bundle
+gpu-bundle: env
+	rm -rf $(GPU_BUNDLE)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d $(GPU_BUNDLE) -r scripts/gpu_bundle.txt
+	test "$$(du -sm $(GPU_BUNDLE) | cut -f1)" -lt 64
+	ls $(GPU_BUNDLE)

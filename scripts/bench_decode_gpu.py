@@ -371,23 +371,23 @@ def run(args) -> dict:
         def on_row(kind, model=model):
             return lambda row: emit(args.rows, kind, {"model": model, **row})
 
-        stage_rows = [r for n in args.n for r in bench_stages(shape, n, args, device, on_row("decode_stage"))]
+        # The draft line first (every n's plan needs it), then per n its stages, its simulator and at once its
+        # cycle rows: a run cut at its time limit keeps every n it finished.
         draft_rows = [
             r
             for L_s in args.draft_layers
             for r in bench_draft(shape, max(args.n), L_s, args, device, on_row("decode_draft"))
         ]
-        sim_rows = []
+        stage_rows, sim_rows, plans = [], [], []
         for n in args.n:
+            these = bench_stages(shape, n, args, device, on_row("decode_stage"))
+            stage_rows += these
             sim_rows.append(bench_simulator(shape, n, args, device))
             emit(args.rows, "decode_simulator", {"model": model, **sim_rows[-1]})
-        plans = [
-            p
-            for captured in ([False, True] if args.compile else [False])
-            for p in predict(model, shape, stage_rows, draft_rows, sim_rows, alphas, captured)
-        ]
-        for p in plans:
-            emit(args.rows, "decode_cycle", cycle_row(p, stage_rows, draft_rows))
+            for captured in [False, True] if args.compile else [False]:
+                for p in predict(model, shape, these, draft_rows, sim_rows, alphas, captured):
+                    plans.append(p)
+                    emit(args.rows, "decode_cycle", cycle_row(p, stage_rows, draft_rows))
         report["models"][model] = {
             "shape": shape,
             "stages": stage_rows,

@@ -3,25 +3,27 @@
 Run it on the device machine (through the session's `run` tool) from the repository root:
 
     bash scripts/gpu_check.sh                  # writes gpu_check/gpu_check.json and gpu_check/gpu_check.md
-    python scripts/gpu_check.py --tiny --device cpu --out DIR    # the CPU smoke test (seconds; tests/test_gpu_check.py)
+    python3 scripts/gpu_check.py --tiny --device cpu --out DIR   # the CPU rehearsal (tests/test_gpu_check.py)
 
-First, within seconds, the shipped attention path: compiled flex forward and backward for both layouts at the
-shipped shape (n = 8, head_dim 256, bf16, T = 2048; `flex_compile` rows; on CPU the dense path stands in).
-Then random-init Qwen3.5-4B and -9B targets of their real shapes (spd_lightning/archs, bf16) measure:
-1. training-step tokens/s, step time, peak memory next to `spd_lightning.estimate`'s prediction, and MFU (the
-   estimate's FLOPs per token x tokens / step time / the GPU's dense bf16 peak) at T=2048, n=8, L_s=3, both
-   layouts, with and without activation checkpointing, with the Gated DeltaNet kernel path of the target
-   (`fla` kernels or the torch fallback: rows without the `gpu` extra are marked so);
-2. per-stage forward latency (one token after a prefill) for n in {4, 8};
-3. PDM draft latency for L_s in 1..4 (the in-flight view of a full pipeline over a cached prefix);
-4. a simulator greedy decode, checked identical to AR decoding on the same GPU;
-5. last, the decoder at GPU speed (`scripts/bench_decode_gpu.py` in a child process with a time limit of its own,
-   `--decode-s`): eager vs captured stage and draft steps, whether CUDA graphs were captured (and why not, per
-   compiled step), and per planner row the ms per cycle, stage and draft ms.
-Every row (the decoder's included: the child appends to the same file) is appended to `rows.jsonl` the moment
-it is measured, so a run cut short keeps what it measured, and the decoder's tables in `gpu_check.md` are
-generated from those rows. Sections that would overrun the time budget are skipped and listed as skipped. Only torch, transformers,
-lightning, torchmetrics, safetensors and numpy are imported (no datasets, wandb, jsonargparse, ShareGPT).
+Three sections, each a child process with a time limit of its own, in the order of what matters most when a run
+is cut short:
+1. the decoder at GPU speed (`scripts/bench_decode_gpu.py`, `--decode-s`): eager vs captured stage and draft
+   steps, whether CUDA graphs were captured (and why not), and per planner row the ms per cycle, stage and draft
+   ms, each n's cycle rows written as soon as that n is measured;
+2. training and the decoder's parts on random-init Qwen3.5-4B and -9B targets of their real shapes
+   (spd_lightning/archs, bf16; `--section train`, `--train-s`): training-step tokens/s, step time, peak memory
+   next to `spd_lightning.estimate`'s prediction, and MFU (the estimate's FLOPs per token x tokens / step time /
+   the GPU's dense bf16 peak) at T=2048, n=8, L_s=3, both layouts, with and without activation checkpointing,
+   with the Gated DeltaNet kernel path of the target (`fla` kernels or the torch fallback); per-stage forward
+   latency for n in {4, 8}; PDM draft latency for L_s in 1..4; a simulator greedy decode checked identical to AR;
+3. the compile checks (`--section compile`, `--compile-s`): compiled flex forward and backward for both layouts
+   at the shipped shape (n = 8, head_dim 256, bf16, T = 2048; on CPU the dense path stands in), and the flex block
+   mask per step vs per shape.
+Every row is appended to `rows.jsonl` the moment it is measured, so a child cut at its limit keeps what it
+measured; gpu_check.json and gpu_check.md are built from those rows after each section. Within a section, rows
+that would overrun its limit are skipped and listed. Only torch, transformers, lightning, torchmetrics, safetensors
+and numpy are imported (no datasets, wandb, jsonargparse, ShareGPT), plus flash-linear-attention when the bundle
+of wheels brought it (`make gpu-bundle`, docs/DESIGN.md "The GPU check").
 """
 
 from __future__ import annotations
@@ -319,89 +321,160 @@ def decode_check(target: Target, opts, device) -> dict:
     }
 
 
-def check_arch(arch: str, opts, device, budget: Budget) -> dict:
+def check_arch(arch: str, opts, device, budget: Budget) -> None:
+    """Every row of one target, each appended to rows.jsonl as it is measured; a failed training row is a row
+    with its error, and the section goes on."""
     dtype = torch.bfloat16 if opts.dtype == "bfloat16" else torch.float32
     t0 = time.perf_counter()
     target, config_dir = build_target(arch, opts, device, dtype)
-    kernels = target.linear_attention_path
-    result = {
-        "arch": ARCHS[arch],
-        "layers": target.num_layers,
-        "linear_attention_path": kernels,
-        "gpu_extra": gpu_extra_installed(),
-        "params_b": sum(p.numel() for p in target.parameters()) / 1e9,
-        "build_s": time.perf_counter() - t0,
-        "train": [],
-        "stage_latency_ms": {},
-        "draft_latency_ms": {},
-    }
+    kernels, extra = target.linear_attention_path, gpu_extra_installed()
+    emit(
+        opts.out,
+        "arch",
+        {
+            "arch": ARCHS[arch],
+            "layers": target.num_layers,
+            "linear_attention_path": kernels,
+            "gpu_extra": extra,
+            "params_b": sum(p.numel() for p in target.parameters()) / 1e9,
+            "build_s": time.perf_counter() - t0,
+        },
+    )
     for layout in ("depth", "type"):
         for checkpointing in (False, True):
             if budget.allows(f"{arch} train {layout} ckpt={checkpointing}", opts.section_s):
-                row = train_row(target, config_dir, layout, checkpointing, opts, device)
-                row.update(arch=ARCHS[arch], fallback=not result["gpu_extra"], linear_attention_path=kernels)
+                try:
+                    row = train_row(target, config_dir, layout, checkpointing, opts, device)
+                except Exception as e:  # noqa: BLE001 - the row says what failed; the next rows still run
+                    row = {"layout": layout, "checkpointing": checkpointing, "error": f"{type(e).__name__}: {e}"[:300]}
+                row.update(arch=ARCHS[arch], fallback=not extra, linear_attention_path=kernels)
                 emit(opts.out, "train", row)
-                result["train"].append(row)
     prompt = torch.randint(0, target.vocab_size, (1, opts.prompt), device=device)
     for n in (4, 8):
         if budget.allows(f"{arch} stage latency n={n}", opts.section_s / 2):
-            result["stage_latency_ms"][n] = [1e3 * s for s in stage_latencies(target, n, prompt, opts.repeats, device)]
-            emit(opts.out, "stage_latency", {"arch": ARCHS[arch], "n": n, "ms": result["stage_latency_ms"][n]})
+            ms = [1e3 * s for s in stage_latencies(target, n, prompt, opts.repeats, device)]
+            emit(opts.out, "stage_latency", {"arch": ARCHS[arch], "n": n, "ms": ms})
     for ls in (1, 2, 3, 4):
         if budget.allows(f"{arch} draft latency L_s={ls}", opts.section_s / 4):
-            result["draft_latency_ms"][ls] = 1e3 * draft_latency(target, ls, opts, prompt, device)
-            emit(opts.out, "draft_latency", {"arch": ARCHS[arch], "ls": ls, "ms": result["draft_latency_ms"][ls]})
+            ms = 1e3 * draft_latency(target, ls, opts, prompt, device)
+            emit(opts.out, "draft_latency", {"arch": ARCHS[arch], "ls": ls, "ms": ms})
     if budget.allows(f"{arch} decode check", opts.section_s):
-        result["decode"] = decode_check(target, opts, device)
-        emit(opts.out, "decode", {"arch": ARCHS[arch], **result["decode"]})
+        emit(opts.out, "decode", {"arch": ARCHS[arch], **decode_check(target, opts, device)})
     del target
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return result
+
+
+def train_section(opts, device) -> None:
+    budget = Budget(opts.train_s - 5)  # a row that would end past the limit is skipped, not cut
+    if opts.layers:
+        print(f"note: targets cut to {opts.layers} layers (the real models have 32)", flush=True)
+    for arch in opts.archs:
+        check_arch(arch, opts, device, budget)
+    for what in budget.skipped:
+        emit(opts.out, "skipped", {"section": "train", "what": what})
+
+
+def compile_section(opts, device) -> None:
+    """The compile checks: compiled flex forward and backward, then the block mask per step vs per shape."""
+    flex_compile_check(opts, device)
+    for layout in ("depth", "type"):
+        row = block_mask_row(layout, opts.n, opts.length, opts.batch, str(device), 1 if opts.tiny else 5)
+        emit(opts.out, "block_mask", row)
 
 
 DECODE_KINDS = ("decode_stage", "decode_draft", "decode_simulator", "decode_cycle")
 
 
-def decode_bench(opts) -> dict:
-    """scripts/bench_decode_gpu.py in a child process, appending its rows to this run's rows.jsonl as it measures
-    them (the GPU check's plan: the 4B shape, n 4 and 8, L_s 1 and 3); the rows it wrote, read back from the file
-    even when it was cut short by `opts.decode_s` or failed."""
-    rows_path = os.path.join(opts.out, "rows.jsonl")
-    os.makedirs(opts.out, exist_ok=True)
-    start = os.path.getsize(rows_path) if os.path.exists(rows_path) else 0
+def run_section(opts, name: str, command: list[str], limit: float) -> dict:
+    """One section as a child process cut at `limit` seconds; what it measured is already in rows.jsonl."""
+    t0, result = time.perf_counter(), {"section": name, "command": command, "limit_s": limit}
+    try:
+        done = subprocess.run(command, timeout=limit)  # its log: our stdout and stderr
+        result["error"] = None if done.returncode == 0 else f"exit code {done.returncode}"
+    except subprocess.TimeoutExpired:
+        result["error"] = f"cut short at its {limit:.0f} s limit"
+    result["seconds"] = time.perf_counter() - t0
+    emit(opts.out, "section", result)
+    return result
+
+
+def decode_command(opts) -> list[str]:
+    """scripts/bench_decode_gpu.py appending its rows to this run's rows.jsonl (the GPU check's plan: the 4B
+    shape, n 4 and 8, L_s 1 and 3)."""
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_decode_gpu.py")
     if opts.tiny:
-        plan = ["--tiny", "--device", "cpu", "--no-compile"]
+        plan = [
+            "--tiny",
+            "--device",
+            "cpu",
+            "--no-compile",
+            "--n",
+            "2",
+            "4",
+            "--alpha",
+            "2:2:0.5",
+            "--alpha",
+            "4:4:0.66",
+        ]
     else:  # compiling every (n, L_s) of both shapes would not fit the limit
         plan = ["--device", opts.device, "--models", "4b", "--n", "4", "8", "--draft-layers", "1", "3", "--iters", "30"]
-    files = ["--rows", rows_path, "--json", os.path.join(opts.out, "decode_gpu.json")]
-    files += ["--md", os.path.join(opts.out, "decode_gpu.md")]
-    t0, result = time.perf_counter(), {"command": ["python", "scripts/bench_decode_gpu.py", *plan]}
-    try:
-        done = subprocess.run([sys.executable, script, *plan, *files], timeout=opts.decode_s)  # its log: stderr
-        result.update(
-            returncode=done.returncode, error=None if done.returncode == 0 else f"exit code {done.returncode}"
+    files = ["--rows", os.path.join(opts.out, "rows.jsonl"), "--json", os.path.join(opts.out, "decode_gpu.json")]
+    return [sys.executable, script, *plan, *files, "--md", os.path.join(opts.out, "decode_gpu.md")]
+
+
+def read_rows(out: str) -> list[dict]:
+    path = os.path.join(out, "rows.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:  # a line cut by a killed child is not a row
+        return [json.loads(line) for line in f.read().splitlines() if line.endswith("}")]
+
+
+def report_from_rows(rows: list[dict], opts, device_name: str, t0: float) -> dict:
+    """gpu_check.json's report, from the rows every section appended."""
+    of = lambda kind: [r for r in rows if r["kind"] == kind]  # noqa: E731
+    archs = []
+    for meta in of("arch"):
+        name = meta["arch"]
+        mine = lambda kind: [r for r in of(kind) if r["arch"] == name]  # noqa: E731, B023
+        decode = mine("decode")
+        archs.append(
+            {
+                **{k: v for k, v in meta.items() if k != "kind"},
+                "train": mine("train"),
+                "stage_latency_ms": {r["n"]: r["ms"] for r in mine("stage_latency")},
+                "draft_latency_ms": {r["ls"]: r["ms"] for r in mine("draft_latency")},
+                **({"decode": {k: v for k, v in decode[0].items() if k not in ("kind", "arch")}} if decode else {}),
+            }
         )
-    except subprocess.TimeoutExpired:
-        result.update(returncode=None, error=f"cut short at the {opts.decode_s:.0f} s limit (--decode-s)")
-    result["seconds"] = time.perf_counter() - t0
-    lines = []
-    if os.path.exists(rows_path):
-        with open(rows_path) as f:
-            f.seek(start)
-            lines = f.read().splitlines()
-    result["rows"] = [row for row in map(json.loads, lines) if row["kind"] in DECODE_KINDS]
-    return result
+    sections = {r["section"]: {k: v for k, v in r.items() if k != "kind"} for r in of("section")}
+    decode_rows = [r for r in rows if r["kind"] in DECODE_KINDS]
+    skipped = [r["what"] for r in of("skipped")]
+    skipped += [f"{s['section']} ({s['error']})" for s in sections.values() if s["error"] and "cut short" in s["error"]]
+    return {
+        "device": device_name,
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "torch": torch.__version__,
+        "options": dict(vars(opts)),
+        "sections": list(sections.values()),
+        "decode_gpu": None if "decode" not in sections else {**sections["decode"], "rows": decode_rows},
+        "archs": archs,
+        "flex_compile": of("flex_compile"),
+        "block_mask": of("block_mask"),
+        "skipped": skipped,
+        "total_s": time.perf_counter() - t0,
+    }
 
 
 def decode_markdown(decode: dict) -> list[str]:
     """The decoder's tables, from the rows it appended to rows.jsonl."""
-    rows = decode["rows"]
+    rows, command = decode["rows"], decode["command"]
+    plan = command[2 : command.index("--rows")]
     lines = [
         "",
-        f"Decoder at GPU speed (`{' '.join(decode['command'])}`, {decode['seconds']:.0f} s"
+        f"Decoder at GPU speed (`scripts/bench_decode_gpu.py {' '.join(plan)}`, {decode['seconds']:.0f} s"
         + ("" if decode["error"] is None else f"; did not finish: {decode['error'].splitlines()[-1]}")
         + "): per planner row, the measured stage and draft steps and the simulator's overhead.",
         "",
@@ -437,19 +510,15 @@ def decode_markdown(decode: dict) -> list[str]:
 
 
 def markdown(report: dict) -> str:
-    """The tables for docs/BENCHMARKS.md."""
+    """The tables for docs/BENCHMARKS.md, in the order the sections ran."""
     o = report["options"]
     lines = [
         f"GPU check: `bash scripts/gpu_check.sh` on {report['device']}, {report['date']}; random-init targets "
         f"({o['dtype']}), T={o['length']}, B={o['batch']}, n={o['n']}, L_s={o['ls']}, "
         f"V_d={o['draft_vocab']}.",
-        "",
-        "| layout | attention path | forward + backward | seconds |",
-        "| --- | --- | --- | --- |",
     ]
-    for c in report.get("flex_compile", []):
-        result = "ok" if c["ok"] else f"FAILED: {c['error']}"
-        lines.append(f"| {c['layout']} | {c['backend']}, head_dim {c['head_dim']} | {result} | {c['seconds']:.1f} |")
+    if report.get("decode_gpu") is not None:
+        lines += decode_markdown(report["decode_gpu"])
     lines += [
         "",
         "| target | layers | layout | checkpointing | tokens/s | step s | first step s | peak GiB | estimate GiB "
@@ -458,9 +527,12 @@ def markdown(report: dict) -> str:
     ]
     for r in report["archs"]:
         for t in r["train"]:
+            head = f"| {r['arch']} | {r['layers']} | {t['layout']} | {'yes' if t['checkpointing'] else 'no'} |"
+            if "error" in t:
+                lines.append(f"{head} FAILED: {t['error']} | | | | | | |")
+                continue
             lines.append(
-                f"| {r['arch']} | {r['layers']} | {t['layout']} | {'yes' if t['checkpointing'] else 'no'} | "
-                f"{t['tokens_per_s']:.0f} | {t['step_s']:.3f} | {t['first_step_s']:.1f} | "
+                f"{head} {t['tokens_per_s']:.0f} | {t['step_s']:.3f} | {t['first_step_s']:.1f} | "
                 f"{'n/a' if t['peak_gib'] is None else format(t['peak_gib'], '.1f')} | "
                 f"{t['estimate_gib']:.1f} | {'n/a' if t['mfu'] is None else format(t['mfu'], '.1%')} | "
                 f"{(t['linear_attention_path'] or 'none').split(' (')[0]}{' (no gpu extra)' if t['fallback'] else ''} |"
@@ -478,13 +550,15 @@ def markdown(report: dict) -> str:
         )
         for n, ms in sorted(r["stage_latency_ms"].items()):
             lines.append(f"| {r['arch']} | {n} | {', '.join(f'{x:.2f}' for x in ms)} | {drafts} | {same} |")
+    lines += ["", "| layout | attention path | forward + backward | seconds |", "| --- | --- | --- | --- |"]
+    for c in report.get("flex_compile", []):
+        result = "ok" if c["ok"] else f"FAILED: {c['error']}"
+        lines.append(f"| {c['layout']} | {c['backend']}, head_dim {c['head_dim']} | {result} | {c['seconds']:.1f} |")
     if report.get("block_mask"):
         lines += ["", "FlexAttention block mask per step (`scripts/bench_block_mask.py`):", ""]
-        lines += [block_mask_markdown(report["block_mask"])]
-    if report.get("decode_gpu") is not None:
-        lines += decode_markdown(report["decode_gpu"])
+        lines += [block_mask_markdown([{k: v for k, v in r.items() if k != "kind"} for r in report["block_mask"]])]
     if report["skipped"]:
-        lines += ["", f"Skipped to stay within the time budget: {', '.join(report['skipped'])}."]
+        lines += ["", f"Skipped to stay within the time limits: {', '.join(report['skipped'])}."]
     return "\n".join(lines) + "\n"
 
 
@@ -513,64 +587,61 @@ def parse(argv):
     p.add_argument("--prompt", type=int, default=256, help="prompt length for the latency and decode checks")
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--budget-s", type=float, default=400, help="skip sections that would overrun this")
+    p.add_argument("--decode-s", type=float, default=150, help="time limit of the decoder section (0: skip it)")
+    p.add_argument("--train-s", type=float, default=190, help="time limit of the training section (0: skip it)")
+    p.add_argument("--compile-s", type=float, default=60, help="time limit of the compile checks (0: skip them)")
     p.add_argument("--section-s", type=float, default=40, help="time one training row is assumed to need")
-    p.add_argument(
-        "--decode-s", type=float, default=130, help="time limit of the decoder benchmark, beyond --budget-s (0: skip)"
-    )
+    p.add_argument("--section", choices=["train", "compile"], help=argparse.SUPPRESS)  # a child's own section
     opts = p.parse_args(argv)
     if opts.tiny:
         opts.length, opts.draft_vocab, opts.steps, opts.prompt, opts.new_tokens, opts.repeats = 32, 64, 2, 16, 4, 2
         opts.layers, opts.n, opts.head_dim = opts.layers or 8, 4, 16
+        # a rehearsal on a shared CPU: the limits guard the GPU's 8 minutes, not this
+        opts.decode_s, opts.train_s, opts.compile_s = (
+            600 if s else 0 for s in (opts.decode_s, opts.train_s, opts.compile_s)
+        )
     opts.dtype = "bfloat16" if opts.device.startswith("cuda") else "float32"
     return opts
 
 
+def section_main(opts, device) -> int:
+    """In a child: run one section (`--section`), every row appended to rows.jsonl as it is measured."""
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # one line per section is enough
+    if opts.section == "train":
+        train_section(opts, device)
+    else:
+        compile_section(opts, device)
+    return 0
+
+
 def main(argv=None) -> int:
     opts = parse(argv)
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # one line per section is enough
     device = torch.device(opts.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("error: no CUDA device; run with --device cpu --tiny for the smoke test", file=sys.stderr)
+        print("error: no CUDA device; run with --device cpu --tiny for the CPU rehearsal", file=sys.stderr)
         return 2
-    budget = Budget(opts.budget_s)
+    if opts.section:
+        return section_main(opts, device)
+    t0 = time.perf_counter()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or 'cpu'})"
-    report = {
-        "device": name,
-        "date": time.strftime("%Y-%m-%d", time.gmtime()),
-        "torch": torch.__version__,
-        "options": {k: v for k, v in vars(opts).items()},
-        "archs": [],
-    }
-    if opts.layers:
-        print(f"note: targets cut to {opts.layers} layers (the real models have 32)", flush=True)
-    report["flex_compile"] = flex_compile_check(opts, device)  # first: the shipped attention path, in seconds
-    report["skipped"], report["total_s"] = budget.skipped, time.perf_counter() - budget.start
-    write(report, opts.out)
-    if not all(c["ok"] for c in report["flex_compile"]):
-        print(markdown(report), flush=True)
-        return 1  # fail fast: training would only fail on the same path
-    for arch in opts.archs:
-        report["archs"].append(check_arch(arch, opts, device, budget))
-        print(json.dumps(report["archs"][-1], default=str), flush=True)
-        report["skipped"], report["total_s"] = budget.skipped, time.perf_counter() - budget.start
-        write(report, opts.out)  # after every target: a run cut short still leaves its figures
-    if budget.allows("block mask", opts.section_s):  # last: the flex block mask per step vs per shape
-        report["block_mask"] = [
-            block_mask_row(layout, opts.n, opts.length, opts.batch, str(device), 1 if opts.tiny else 5)
-            for layout in ("depth", "type")
-        ]
-        report["skipped"], report["total_s"] = budget.skipped, time.perf_counter() - budget.start
-        write(report, opts.out)
-    if opts.decode_s > 0:  # last, with its own time limit: the decoder's steps eager and captured
-        report["decode_gpu"] = decode_bench(opts)
-        report["total_s"] = time.perf_counter() - budget.start
-        write(report, opts.out)
-    else:
-        budget.skipped.append("decoder benchmark (--decode-s 0)")
+    os.makedirs(opts.out, exist_ok=True)
+    open(os.path.join(opts.out, "rows.jsonl"), "w").close()  # this run's rows only
+    self_command = [sys.executable, os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:])]
+    sections = [  # the decoder first, then training, then the compile checks
+        ("decode", decode_command(opts), opts.decode_s),
+        ("train", [*self_command, "--section", "train"], opts.train_s),
+        ("compile", [*self_command, "--section", "compile"], opts.compile_s),
+    ]
+    for name_, command, limit in sections:
+        if limit > 0:
+            run_section(opts, name_, command, limit)
+        else:
+            emit(opts.out, "skipped", {"section": name_, "what": f"{name_} section (limit 0)"})
+        report = report_from_rows(read_rows(opts.out), opts, name, t0)
+        write(report, opts.out)  # after every section: a run cut short still leaves its figures
     print(markdown(report), flush=True)
-    ok = all(r.get("decode", {}).get("identical", True) for r in report["archs"])
-    return 0 if ok else 1
+    same = all(r.get("decode", {}).get("identical", True) for r in report["archs"])
+    return 0 if same and all(c["ok"] for c in report["flex_compile"]) else 1
 
 
 if __name__ == "__main__":

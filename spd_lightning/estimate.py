@@ -153,10 +153,6 @@ def _flops_per_token(tcfg, c, target_params: int, pdm: PipelineDraftModule, layo
     aggregation type, every copy through layers 0..L_s-2, and in its last layer every copy's keys and values
     but the loss copy's queries, output, MLP and head only (every copy when `aux_loss_weight` reads the others:
     `SPDModule._forward`)."""
-    full_layers = sum(
-        t == "full_attention" for t in getattr(tcfg, "layer_types", None) or ["full_attention"] * tcfg.num_hidden_layers
-    )
-    target_attn = full_layers * 4 * tcfg.num_attention_heads * getattr(tcfg, "head_dim", 128) * T / 2
     passes = 8 if opts["checkpointing"] else 6
     copies = len(layout.copy_types)
     fusion = sum(pdm.fusion.proj[tau - 1].weight.numel() for tau in set(layout.copy_types))
@@ -168,16 +164,52 @@ def _flops_per_token(tcfg, c, target_params: int, pdm: PipelineDraftModule, layo
     layer_rows = (c.num_layers - 1) * copies * layer + copies * kv + rows_out * (layer - kv)
     query_rows = (c.num_layers - 1) * copies + rows_out
     pdm_attn = query_rows * 4 * c.num_heads * c.head_dim * T / 2 * passes / 2
-    # The target's head runs on the V_d rows, its full vocabulary only every `full_vocab_metric_every_n_steps`.
-    every = opts["full_vocab_every"]
-    head = tcfg.hidden_size * (c.draft_vocab_size + (tcfg.vocab_size / every if every else 0))
     return (
-        2 * (target_params - tcfg.vocab_size * tcfg.hidden_size + head)
-        + target_attn
+        _target_flops_per_token(tcfg, c, target_params, T, opts["full_vocab_every"])
         + passes * (fusion + layer_rows)
         + pdm_attn
         + 6 * c.draft_vocab_size * c.hidden_size
     )
+
+
+def _layer_kinds(tcfg) -> tuple[int, int]:
+    """(linear-attention layers, full-attention layers) of the target."""
+    types = getattr(tcfg, "layer_types", None) or ["full_attention"] * tcfg.num_hidden_layers
+    full = sum(t == "full_attention" for t in types)
+    return len(types) - full, full
+
+
+def _target_flops_per_token(tcfg, c, target_params: int, T: int, every: int) -> float:
+    """The target's no-grad forward per token: 2 per weight, its head over V_d (the full vocabulary only every
+    `full_vocab_metric_every_n_steps`), plus causal attention over T/2 keys on its full-attention layers."""
+    target_attn = _layer_kinds(tcfg)[1] * 4 * tcfg.num_attention_heads * getattr(tcfg, "head_dim", 128) * T / 2
+    head = tcfg.hidden_size * (c.draft_vocab_size + (tcfg.vocab_size / every if every else 0))
+    return 2 * (target_params - tcfg.vocab_size * tcfg.hidden_size + head) + target_attn
+
+
+def deltanet_kernels_here() -> bool:
+    """Whether this environment has the fast Gated DeltaNet kernels (flash-linear-attention, causal-conv1d)."""
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is not None for m in ("fla", "causal_conv1d"))
+
+
+def step_seconds(est: dict, shape: Shape, tcfg, tflops: float, mfu: float, fallback: bool) -> dict:
+    """A training step's time on one GPU of `tflops` dense peak at `mfu` (an assumption, not a measurement), with
+    the target's forward slowed by the Gated DeltaNet torch fallback when `fallback` and the target has such
+    layers (`deltanet_fallback.FALLBACK_SLOWDOWN`, a CPU proxy)."""
+    from .training.deltanet_fallback import FALLBACK_SLOWDOWN, target_slowdown
+
+    linear, full = _layer_kinds(tcfg)
+    slowdown = target_slowdown(linear, full) if fallback and linear else 1.0
+    flops = est["flops_per_token"] + (slowdown - 1.0) * est["target_flops_per_token"]
+    return {
+        "step_s": shape.batch * shape.length * flops / (tflops * 1e12 * mfu),
+        "target_slowdown": slowdown,
+        "fallback_factor": FALLBACK_SLOWDOWN if fallback and linear else None,
+        "mfu": mfu,
+        "gpu_tflops": tflops,
+    }
 
 
 # The CUDA context plus NCCL's communicator buffers per rank, outside PyTorch's allocator (inferred: a CUDA 12
@@ -262,6 +294,7 @@ def estimate(shape: Shape, tcfg, gpus: int = 1) -> dict:
         "full_vocab_every": shape.module_args.get("full_vocab_metric_every_n_steps", 0),
     }
     out["flops_per_token"] = _flops_per_token(tcfg, c, target_params, pdm, layout, T, opts)
+    out["target_flops_per_token"] = _target_flops_per_token(tcfg, c, target_params, T, opts["full_vocab_every"])
     out.update(target_params=target_params, pdm_params=pdm_params, gpus=gpus, replicated_length=S)
     return out
 
@@ -302,6 +335,17 @@ def report(path: str, shape: Shape, est: dict, gpu_mem: float) -> str:
         f"  {'peak per GPU, activation checkpointing':<52} {gib(est['total_checkpointed'])}",
         f"  {'training FLOPs per token':<52} {est['flops_per_token'] / 1e9:7.1f} GFLOP",
     ]
+    if "step_s" in est:
+        slow = (
+            f"; the Gated DeltaNet torch fallback makes the target's forward {est['target_slowdown']:.2f}x slower "
+            f"(its layers {est['fallback_factor']:.2f}x, a CPU proxy: pass --deltanet fast if the GPUs have the kernels)"
+            if est["fallback_factor"]
+            else ""
+        )
+        lines.append(
+            f"  {'step time per GPU':<52} {est['step_s']:7.2f} s   (assumed {est['mfu']:.0%} MFU of "
+            f"{est['gpu_tflops']:g} TFLOP/s{slow})"
+        )
     chosen = est["total_device"]
     verdict = "fits" if chosen <= gpu_mem * GIB else "does NOT fit"
     lines.append(
@@ -318,10 +362,21 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--config", required=True, help="a `fit` config (YAML)")
     parser.add_argument("--gpus", type=int, default=8, help="GPUs the run uses (FSDP shards the PDM state over them)")
     parser.add_argument("--gpu-mem", type=float, default=80.0, help="memory of one GPU in GiB")
+    parser.add_argument("--gpu-tflops", type=float, default=989.0, help="dense bf16 peak of one GPU (H200: 989)")
+    parser.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilization for the step time")
+    parser.add_argument(
+        "--deltanet",
+        choices=["auto", "fast", "fallback"],
+        default="auto",
+        help="Gated DeltaNet kernels on the GPUs (auto: whether this environment has flash-linear-attention)",
+    )
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
     opts = parser.parse_args(list(argv))
     shape = read_config(opts.config)
-    est = estimate(shape, target_config(shape.module_args["target"], shape.module_args["trust_remote_code"]), opts.gpus)
+    tcfg = target_config(shape.module_args["target"], shape.module_args["trust_remote_code"])
+    est = estimate(shape, tcfg, opts.gpus)
+    fallback = opts.deltanet == "fallback" or (opts.deltanet == "auto" and not deltanet_kernels_here())
+    est.update(step_seconds(est, shape, tcfg, opts.gpu_tflops, opts.mfu, fallback))
     print(
         json.dumps({"shape": {k: v for k, v in asdict(shape).items() if k != "module_args"}, **est}, indent=1)
         if opts.json

@@ -21,6 +21,7 @@ never depend on who joins or leaves: every row of a forward is its own slot's co
 from __future__ import annotations
 
 from inference.cycle.batch_runner import BatchRunner
+from inference.cycle.nccl_rules import checked
 from inference.cycle.pipeline import RunnerConfig
 from inference.cycle.transport import LocalTransport
 from inference.runtime.slot_drafter import SlotDrafter
@@ -61,4 +62,4 @@ class BatchSimulator(BatchRunner):
             pdm.d2t,
             replay_wasted_work=replay_wasted_work,
         )
-        super().__init__(geometry, LocalTransport(geometry.n + 1), stages, drafter, config, max_batch)
+        super().__init__(geometry, checked(LocalTransport(geometry.n + 1)), stages, drafter, config, max_batch)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from inference.cycle.nccl_rules import checked
 from inference.cycle.pipeline import PipelineRunner, RunnerConfig
 from inference.cycle.result import DecodeResult
 from inference.cycle.schedule import eos_set
@@ -67,7 +68,7 @@ class Simulator:
             replay_wasted_work=replay_wasted_work,
             profile=profile,
         )
-        self.runner = PipelineRunner(geometry, LocalTransport(geometry.n + 1), stages, drafter, config)
+        self.runner = PipelineRunner(geometry, checked(LocalTransport(geometry.n + 1)), stages, drafter, config)
 
     def decode(
         self,

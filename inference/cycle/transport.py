@@ -20,13 +20,14 @@ raises `PeerError` naming the peer.
 from __future__ import annotations
 
 import queue
-import re
 import threading
 from collections import deque
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from inference.runtime.nccl_backend import enabled, failure_reason, guard_default_group, nccl_error_handling
 
 # Control messages travel in host memory, over a gloo group of their own (`DistributedTransport`): a rank reads
 # them without waiting for its device. The verdict is the only one.
@@ -238,11 +239,7 @@ def _watch(watched: queue.SimpleQueue) -> None:
 
 
 def _peer_error(what: str, peer: int, cause: Exception) -> PeerError:
-    text = str(cause).strip().splitlines()
-    reason = re.sub(r"^\[[^\]]*\]\s*", "", text[-1]) if text else type(cause).__name__  # drop gloo's [file:line]
-    if "timed out" in reason.lower() or "timeout" in reason.lower():
-        reason = f"timed out, so it stalled or waits on a stalled rank ({reason[:160]})"
-    return PeerError(f"{what}: {reason[:240]}", peer)
+    return PeerError(f"{what}: {failure_reason(cause)}", peer)  # one line, gloo's or NCCL's
 
 
 def init_distributed(
@@ -252,7 +249,11 @@ def init_distributed(
     kwargs = dict(backend=backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
     if init_method is not None:
         kwargs["init_method"] = init_method
+    if backend == "nccl":  # a dead peer raises PeerError, as under gloo, instead of the watchdog killing the rank
+        nccl_error_handling()
     dist.init_process_group(**kwargs)
+    if enabled():  # NCCL's rules (tests): no object collective on the default group
+        guard_default_group()
 
 
 def close_distributed() -> None:

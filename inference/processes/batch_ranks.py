@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from inference.cycle.batch_runner import BatchRunner
+from inference.cycle.nccl_rules import checked
 from inference.cycle.pipeline import RunnerConfig, role_name
 from inference.cycle.result import DecodeResult
 from inference.cycle.slots import Request
@@ -59,7 +60,7 @@ def build_batch_runner(job: DecodeJob, rank: int, device: torch.device) -> Batch
         on_step=step_hook(job.fault, rank),
     )
     transport = DistributedTransport([role_name(r, geometry.n) for r in range(geometry.n + 1)])
-    return BatchRunner(geometry, transport, stages, drafter, config, B)
+    return BatchRunner(geometry, checked(transport, device), stages, drafter, config, B)
 
 
 def decode_batched(

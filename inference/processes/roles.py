@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from inference.cycle.nccl_rules import checked
 from inference.cycle.pipeline import PipelineRunner, RunnerConfig, role_name
 from inference.cycle.shared_transport import SharedTransport
 from inference.cycle.transport import DistributedTransport
@@ -99,7 +100,7 @@ def build_runner(
     )
     names = [role_name(r, n) for r in range(n + 1)]
     transport = SharedTransport(n, names) if shared else DistributedTransport(names)
-    return PipelineRunner(geometry, transport, stages, drafter, config)
+    return PipelineRunner(geometry, checked(transport, device), stages, drafter, config)
 
 
 def _draft_vocabulary(drafter_path: str) -> tuple[torch.Tensor, int]:

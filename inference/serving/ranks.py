@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from inference.backends import BackendFailure
+from inference.cycle.nccl_rules import control_group
 from inference.cycle.result import DecodeResult
 from inference.cycle.slots import Request, SlotSequence
 from inference.processes.batch_ranks import build_batch_runner
@@ -175,7 +176,7 @@ def serve_slots(
 
     def take(free: int, idle: bool) -> list[Ask] | str:
         box = [waiting(requests, free, IDLE_TICK_S if idle else 0.0) if rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=control_group())  # host memory, never the NCCL group
         return box[0]
 
     def start(ask: Ask) -> Request:
@@ -220,7 +221,7 @@ def _next_request(rank: int, requests):
             box[0] = STOP if item is None else item
         except queue.Empty:
             pass
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=control_group())  # host memory, never the NCCL group
     return box[0]
 
 

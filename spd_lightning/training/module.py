@@ -35,7 +35,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 import torchmetrics
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from ..data.states import StateCache, target_identity
 from ..errors import ConfigError
@@ -54,6 +54,7 @@ from ..target import (
     restrict_to_draft_vocab,
 )
 from .attention import Backend
+from .deltanet_fallback import fallback_warning
 from .fill_estimate import REFRESH_STEPS, AcceptanceEstimate
 from .layouts import FillDistribution, LayoutName, Replication, build_layout
 from .metrics import GroupedAgreement
@@ -315,6 +316,9 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
                 rank_zero_info(
                     f"target {self.hparams.target}: Gated DeltaNet layers run the {target.linear_attention_path}"
                 )
+            slow = fallback_warning(target.linear_attention_path, device, self.hparams.target)
+            if slow is not None:  # loud: a long run at a fraction of its speed
+                rank_zero_warn(slow)
             # object.__setattr__ keeps the target out of nn.Module registration (params, state_dict, .to()).
             object.__setattr__(self, "_target", target)
             self._target_info = target.info
