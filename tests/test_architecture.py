@@ -13,7 +13,7 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("spd_lightning", "inference", "callbacks")
-MAX_FILES_PER_PACKAGE = 15
+MAX_FILES_PER_PACKAGE = 16  # the bar the decoder refactor set: no package folder over 16 modules
 # inference's layers, lowest first: a module may import its own layer and the layers below, never above.
 LAYERS = [
     ("inference.sampling",),
