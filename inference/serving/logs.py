@@ -24,8 +24,12 @@ class _RequestId(logging.Filter):
 
 def configure() -> None:
     """Every handler of the root logger (set up by `cli.configure_logging`) writes lines in `FORMAT`."""
+    for handler in logging.getLogger().handlers:
+        configure_handler(handler)
+
+
+def configure_handler(handler: logging.Handler) -> None:
     formatter = logging.Formatter(FORMAT, datefmt="%Y-%m-%dT%H:%M:%S")
     formatter.converter = time.gmtime
-    for handler in logging.getLogger().handlers:
-        handler.setFormatter(formatter)
-        handler.addFilter(_RequestId())
+    handler.setFormatter(formatter)
+    handler.addFilter(_RequestId())
