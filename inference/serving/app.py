@@ -195,14 +195,13 @@ class ApiKey:
         scheme, _, token = values[0].partition(b" ") if values else (b"", b"", b"")
         if scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(b" "), self.key):
             return None
-        reply = error_response(
+        return error_response(
             401,
             "missing or wrong API key: send `Authorization: Bearer KEY`",
             "invalid_request_error",
             "invalid_api_key",
             headers={"WWW-Authenticate": 'Bearer error="invalid_token"' if values else "Bearer"},
         )
-        return reply
 
 
 class AccessLog:
@@ -284,7 +283,7 @@ async def _body(http: HttpRequest, limit: int) -> bytes:
     """The body, read no further than `limit` bytes (refused at once when its declared length is over it): what
     a client sends never sizes the server's memory."""
     declared = http.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit or not declared.isdigit() and declared:
+    if declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"the request body is over {limit} bytes", code="request_too_large")
     chunks, size = [], 0
     async for chunk in http.stream():

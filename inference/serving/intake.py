@@ -28,6 +28,7 @@ MAX_BODY_BYTES = 64 << 20  # when the context is unknown
 MAX_JSON_DEPTH = 32  # a chat body nests 5 deep; Python's parsers recurse, and 1000 levels overflow them
 INTAKE_WORKERS = 2  # parse + template + tokenize threads: a big body never blocks the event loop
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
 
 
 class ApiError(Exception):
@@ -165,7 +166,7 @@ def parse(raw: bytes, schema: type[ChatRequest] | type[CompletionRequest]):
 
 def json_depth(raw: bytes) -> int:
     """The deepest nesting of `[` and `{` outside strings, in C-speed passes (a regex and a cumulative sum)."""
-    brackets = _JSON_STRING.sub(b"", raw).translate(None, delete=bytes(set(range(256)) - set(b"[]{}")))
+    brackets = _JSON_STRING.sub(b"", raw).translate(None, delete=_NOT_BRACKETS)
     if not brackets:
         return 0
     codes = torch.frombuffer(bytearray(brackets), dtype=torch.uint8)
