@@ -20,6 +20,14 @@ class SamplingError(UserError):
     """An impossible sampling setting; the message names the value and the allowed range."""
 
 
+# Below these a setting is greedy (documented in docs/SERVING.md): dividing float32 logits by a temperature under
+# float32's smallest normal (1e-38) overflows or divides by 0.0, and a top_p that rounds to 0.0 in float32 drops
+# every token. At 1e-4 the sampled distribution is already the argmax's one-hot for any logit gap above 0.01
+# (exp(-100) vanishes), so the greedy limit changes nothing a client could tell apart.
+GREEDY_TEMPERATURE = 1e-4
+GREEDY_TOP_P = 1e-4
+
+
 @dataclass(frozen=True)
 class Sampling:
     temperature: float = 0.0
@@ -36,22 +44,26 @@ class Sampling:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or a temperature or top_p below the greedy thresholds (their limit is the argmax)."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_p < GREEDY_TOP_P
 
     def to_dict(self) -> dict:
         return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
 
 
+def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+
+
 def warp(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """The sampling distribution over the last dimension: temperature, then top-k, then top-p (float32).
 
-    Greedy returns the one-hot of the argmax, so verification and sampling share one code path. The logits
-    are shifted so their maximum is 0 BEFORE dividing by the temperature: as T -> 0 the others go to -inf
-    and the maximum stays 0, so a tiny T is the argmax limit instead of inf - inf = NaN."""
-    logits = logits.float()
+    Greedy returns the one-hot of the argmax, so verification and sampling share one code path. Otherwise it is
+    finite and sums to 1 for any logits (`_scaled`) and any setting `Sampling` accepts: the top token always
+    survives top-k and top-p, and it has probability > 0."""
     if sampling.greedy:
-        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    logits = (logits - logits.amax(-1, keepdim=True)) / sampling.temperature
+        return one_hot_argmax(logits)
+    logits = _scaled(logits.float(), sampling.temperature)
     if 0 < sampling.top_k < logits.shape[-1]:
         kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -60,10 +72,23 @@ def warp(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # Drop a token when the tokens ranked above it already reach top_p; the top token always stays.
         drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= sampling.top_p
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """`logits / temperature` shifted so each row's maximum is exactly 0 and nothing is NaN: NaN counts as -inf,
+    +inf as the largest float (so +inf tokens share the mass), and a row without a finite logit as uniform.
+    The shift comes BEFORE the division, so a small temperature sends the others to -inf, never to inf - inf;
+    a -inf logit stays -inf under a temperature that is inf in float32 (-inf / inf would be NaN)."""
+    big = torch.finfo(torch.float32).max
+    logits = logits.nan_to_num(nan=float("-inf"), posinf=big, neginf=float("-inf"))
+    top = logits.amax(-1, keepdim=True)
+    logits = torch.where(top == float("-inf"), torch.zeros_like(logits), logits - top.clamp_min(-big))
+    return torch.where(logits == float("-inf"), logits, logits / min(temperature, big))
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:

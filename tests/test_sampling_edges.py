@@ -8,7 +8,9 @@ import torch
 from kit import random_pdm
 
 from inference.cycle.ar import ar_decode
+from inference.cycle.batch import BatchSimulator
 from inference.cycle.simulator import Simulator
+from inference.cycle.slots import Request
 from inference.runtime.drafter import ReplayDrafter
 from inference.sampling import Sampling, SamplingError, sample_token, warp
 from spd_lightning.errors import UserError
@@ -47,6 +49,25 @@ def test_vanishing_temperature_decodes_like_greedy_ar(tiny_qwen3):
         tiny_qwen3, random_pdm(tiny_qwen3, geometry), geometry, Sampling(SUBNORMAL_T, top_k=10, top_p=0.9)
     )
     assert simulator.decode(prompt, 16, seed=1).tokens == ar_decode(tiny_qwen3, prompt, 16).tokens
+
+
+def test_a_hostile_setting_in_one_slot_leaves_its_neighbours_alone(tiny_qwen35):
+    """Settings the API accepts at their extremes (a temperature or top_p of 1e-50: greedy; 1e300: uniform over
+    the finite logits) decode in a batch beside ordinary sampled requests: every request finishes, the
+    greedy-limit ones with greedy AR's tokens, and the neighbours with their batch-1 tokens."""
+    geometry = Geometry.build(tiny_qwen35.num_layers, 2)
+    pdm = random_pdm(tiny_qwen35, geometry)
+    prompt, sampled = [3, 14, 15, 92], Sampling(0.8, top_k=20, top_p=0.9)
+    hostile = [Sampling(1e-50), Sampling(1.0, top_p=1e-50), Sampling(1e300, top_k=3)]
+    requests = [Request(prompt, 10, sampling=s, seed=i) for i, s in enumerate([sampled, *hostile, sampled])]
+    results = BatchSimulator(tiny_qwen35, pdm, geometry, 3).run(requests)
+    greedy = ar_decode(tiny_qwen35, prompt, 10).tokens
+    assert [r.tokens for r in results[1:3]] == [greedy, greedy]
+    assert all(len(r.tokens) == 10 for r in results)
+    for request, result in zip(requests, results):
+        if request.sampling is sampled:
+            alone = Simulator(tiny_qwen35, pdm, geometry, sampled).decode(prompt, 10, seed=request.seed)
+            assert result.tokens == alone.tokens
 
 
 @pytest.mark.parametrize("temperature", [math.inf, -math.inf, -0.5, math.nan])

@@ -218,16 +218,25 @@ def test_a_cancelled_request_frees_its_slot_and_the_others_finish(models):
         answers: dict = {}
         first = threading.Thread(target=complete, args=(url, long, answers, "long"))
         first.start()
+        wait_for(lambda: ("join", (9, 8, 7)) in [(kind, prompt) for kind, prompt, _ in schedule.events])
         body = {"model": "spd", "prompt": "6 5", "max_tokens": 60, "temperature": 0, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as reply:
             lines = reply.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))
         complete(url, waiting, answers, "waiting")
         first.join(120)
-        assert engine.metrics.requests.get("cancelled") == 1
+        wait_for(lambda: engine.metrics.requests.get("cancelled") == 1)
     order = [(kind, prompt) for kind, prompt, _ in schedule.events]
     assert order.index(("end", (6, 5))) < order.index(("join", (4, 4))) < order.index(("end", (9, 8, 7)))
     assert answers == {"long": reference(models, "9 8 7", 60), "waiting": reference(models, "4 4", 6)}
+
+
+def wait_for(condition, timeout: float = 60) -> None:
+    """Until `condition()` holds (the test then asserts on a state it has seen, not on thread timing)."""
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert condition()
 
 
 def test_max_batch_is_checked_and_defaults_to_one_on_the_cpu():

@@ -8,6 +8,7 @@ import httpx
 import pytest
 from kit import served
 
+from inference.backends import Cancelled
 from inference.cycle.result import DecodeResult
 from inference.serving.app import ServerConfig, build_app
 from inference.serving.engine import Engine
@@ -79,6 +80,7 @@ def test_a_full_queue_is_a_429_and_the_queued_requests_complete(server):
         time.sleep(0.01)
     refused = httpx.post(f"{url}/v1/completions", json={"model": "fake", "prompt": "q", "max_tokens": 2})
     assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
+    assert 1 <= int(refused.headers["Retry-After"]) <= 60
     running.join(30), waiting.join(30)
     assert results["abc"].json()["choices"][0]["text"] == "abc" * 6 + "ab"
     assert results["xy"].json()["choices"][0]["text"] == "xyx"
@@ -302,3 +304,72 @@ def test_a_pipeline_that_dies_before_it_is_ready_is_retried_ever_less_often():
         assert len(started) == 4 and engine._restart_delay == 0.0
     finally:
         engine.close()
+
+
+class OneSlotBackend:
+    """Like the ranks: one slot, the requests beyond it wait inside the backend, and `cancel(hook)` is how the
+    backend hears of a client gone: the only way for a request that has no slot yet (no token to refuse)."""
+
+    def __init__(self):
+        self.slot = threading.Lock()
+        self.started: list[list[int]] = []  # the prompts that got the slot
+        self.waiting = 0
+        self.cancelled: list = []  # the hooks the engine forwarded a cancel for
+        self._stops: dict = {}
+
+    def generate(self, prompt_ids, max_new_tokens, sampling, seed, on_tokens):
+        stop = self._stops.setdefault(on_tokens, threading.Event())
+        self.waiting += 1
+        while not self.slot.acquire(timeout=TOKEN_S):
+            if stop.is_set():
+                raise Cancelled
+        self.waiting -= 1
+        if stop.is_set():  # cancelled while it waited: it never starts
+            self.slot.release()
+            raise Cancelled
+        self.started.append(list(prompt_ids))
+        try:
+            for _ in range(max_new_tokens):
+                if stop.is_set():
+                    raise Cancelled
+                time.sleep(TOKEN_S)
+                on_tokens([0])
+        finally:
+            self.slot.release()
+        return DecodeResult(mode="ar", n=1, prompt_len=len(prompt_ids), tokens=[0] * max_new_tokens, K=max_new_tokens)
+
+    def cancel(self, on_tokens) -> None:
+        if on_tokens not in self.cancelled:  # the app may cancel twice (disconnect, then the stream's end)
+            self.cancelled.append(on_tokens)
+        self._stops.setdefault(on_tokens, threading.Event()).set()
+
+    def close(self):
+        pass
+
+
+def test_a_cancel_reaches_the_backend_also_for_a_request_waiting_for_a_slot():
+    """Two clients, one slot: the second waits inside the backend. When its client goes, the engine tells the
+    backend at once (it never gets the slot); when the first client goes, the backend hears of it too, not
+    just the engine's hook at the next token."""
+    backend = OneSlotBackend()
+    engine = Engine(lambda: backend, Letters(), "ar", queue_size=2, max_batch=2)
+    body = {"model": "fake", "max_tokens": 200, "stream": True}
+    with served(build_app(engine, ServerConfig("fake", 1000, 10, 2000))) as url:
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "prompt": "ab"}, timeout=30) as first:
+            lines = first.iter_lines()  # kept: a dropped line iterator closes the response
+            assert next(lines)
+            with httpx.stream("POST", f"{url}/v1/completions", json={**body, "prompt": "cd"}, timeout=30):
+                deadline = time.monotonic() + 10
+                while backend.waiting < 1 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert backend.waiting == 1
+            deadline = time.monotonic() + 10
+            while len(backend.cancelled) < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert len(backend.cancelled) == 1 and backend.started == [[0, 1]]
+        while len(backend.cancelled) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(backend.cancelled) == 2
+        while engine.metrics.requests.get("cancelled", 0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert engine.metrics.requests == {"cancelled": 2} and backend.started == [[0, 1]]

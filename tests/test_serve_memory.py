@@ -1,11 +1,15 @@
-"""The ranks' memory is bounded by `--runners-kept`, not by what clients send (issue 25, defect 3): 50
-requests with 50 distinct sampling settings leave the ranks' resident memory flat after the first few."""
+"""The ranks' memory is bounded by `--runners-kept`, not by what clients send: the runners of the least
+recently used settings are freed (fast), and 50 requests with 50 distinct sampling settings leave the ranks'
+resident memory flat after the first few (slow)."""
+
+import weakref
 
 import pytest
 from kit import make_tiny_model, save_random_drafter, target_dir
 
 from inference.processes.job import DecodeJob
 from inference.sampling import Sampling
+from inference.serving.ranks import Runners
 from spd_lightning.geometry import Geometry
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
@@ -21,6 +25,27 @@ def rss_bytes(pids) -> int:
         with open(f"/proc/{pid}/status") as f:
             total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
     return total
+
+
+class Runner:
+    """Stands for a rank's runner (its weights' views and caches): only whether it is still referenced matters."""
+
+
+def test_the_runner_of_the_least_recently_used_setting_is_freed():
+    built: list[Sampling] = []
+
+    def build(sampling: Sampling) -> Runner:
+        built.append(sampling)
+        return Runner()
+
+    runners = Runners(2, build)
+    greedy, warm, hot = Sampling(), Sampling(0.5), Sampling(1.0)
+    kept, dropped = weakref.ref(runners.get(greedy)), weakref.ref(runners.get(warm))
+    assert runners.get(greedy) is kept()  # greedy is now the most recently used
+    runners.get(hot)  # a third setting: warm's runner goes
+    assert dropped() is None and kept() is not None
+    runners.get(warm)  # built again; greedy, the oldest now, goes
+    assert built == [greedy, warm, hot, warm] and kept() is None
 
 
 @pytest.mark.slow

@@ -47,6 +47,7 @@ from inference.processes.job import DecodeJob
 from inference.processes.nodes import ReportListener, ReportSender, agent_rendezvous
 from inference.processes.reports import Failed, Finished, Inbox, Started, Streamed, blamed_report, failure_message
 from inference.processes.roles import build_runner, rank_device
+from inference.processes.store_binding import store_host, stores_listen_on
 from inference.runtime.stages import meta_target
 from spd_lightning.errors import UserError, first_line
 
@@ -251,6 +252,7 @@ def launch(
             _quiet_agent(job.debug),
             _callers_signal_handlers(),
             _listening(job, inbox, requests),
+            stores_listen_on(store_host(job)),  # never on every interface
         ):
             elastic_launch(_agent_config(job, method, logs), _rank_main)(
                 job, _report_channel(job, inbox), os.getpid(), requests, work

@@ -2,105 +2,43 @@
 
 `POST /v1/chat/completions` and `/v1/completions`, streamed (server-sent events, one chunk per verified
 piece of text, then `data: [DONE]`) or not; `GET /v1/models`, `/v1/models/{id}`, `/health` (liveness),
-`/ready` (readiness), `/metrics`. Every error is a JSON body in OpenAI's shape, `{"error": {"message",
-"type", "param", "code"}}`, with a 4xx status for the client's mistakes (401 key, 400 request, 404 model or
-path, 405 method, 429 queue full) and 503 when the decoder failed.
+`/ready` (readiness), `/metrics`, and `/openapi.json`, the schema of exactly what it accepts and answers
+(`api_models`). Every error is a JSON body in OpenAI's shape, `{"error": {"message", "type", "param",
+"code"}}`, with a 4xx status for the client's mistakes (400 request, 401 key, 404 model or path, 405 method,
+413 body, 429 queue full, with `Retry-After`) and 503 when the decoder failed or the server is stopping.
 
-Every field is checked here against what the ranks accept (seeds in torch's 64-bit range, finite sampling
-values, text that is valid Unicode, prompt + max_tokens within the context), so no request can reach the
-pipeline and fail there. A request whose client disconnects is cancelled the moment the disconnect arrives
-(`_watch`), streamed or not, even while its events keep coming.
+The event loop only moves bytes: a body is read up to its size limit, then checked and tokenized on the
+intake's worker threads (`intake`), so a big prompt never stalls `/health` or another stream. Every field is
+checked there against what the ranks accept, so no request can reach the pipeline and fail there. A request
+whose client disconnects is cancelled the moment the disconnect arrives (`_watch`), streamed or not, even
+while its events keep coming.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import math
 import os
 import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Annotated, Literal
 
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
-from inference.sampling import Sampling, SamplingError
+from inference.serving import api_models as models
 from inference.serving.engine import Engine, QueueFull, Request
-from spd_lightning.errors import first_line
+from inference.serving.intake import ApiError, Intake, Limits
+from inference.serving.logs import request_id
 
-SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed takes (`pipeline.generator_seeds` keeps it there)
-MAX_STOP_STRINGS = 4  # as OpenAI's API
-MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN = 1 << 20, 64  # a body that fills the context, JSON-escaped, fits
-MAX_BODY_BYTES = 64 << 20  # when the context is unknown
-MAX_STOP_CHARS = 256  # the text stream checks every prefix of a stop string at each cycle
-StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
-
-
-class ApiError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        kind: str = "invalid_request_error",
-        code: str | None = None,
-        param: str | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
-
-    def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, self.kind, self.code, self.param)
-
-
-def error_response(status: int, message: str, kind: str, code: str | None = None, param: str | None = None):
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status)
-
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class Message(BaseModel):
-    role: Literal["system", "developer", "user", "assistant"]  # developer: OpenAI's newer name for system
-    content: str | list[TextPart]
-
-    def rendered(self) -> dict:
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
-
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False  # a last chunk with no choices and the usage, as OpenAI's API
-
-
-class _Sampled(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-    model: str
-    stream: bool = False
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, le=2**31 - 1)  # an extension of OpenAI's API; 0 keeps every token
-    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
-    stop: StopText | list[StopText] | None = Field(None, max_length=MAX_STOP_STRINGS)
-    n: int = Field(1, ge=1, le=1)
-    stream_options: StreamOptions | None = None
-
-
-class ChatRequest(_Sampled):
-    messages: list[Message] = Field(min_length=1)
-
-
-class CompletionRequest(_Sampled):
-    prompt: str
+log = logging.getLogger("inference.serve")
+MAX_RETRY_AFTER_S = 60
 
 
 @dataclass
@@ -110,82 +48,204 @@ class ServerConfig:
     default_max_tokens: int
     context: int  # the target's context length (0: unknown)
     api_key: str | None = None
+    access_log: bool = False  # one line per HTTP request (method, path, status, seconds, request id)
+
+
+def error_response(
+    status: int, message: str, kind: str, code: str | None = None, param: str | None = None, headers=None
+) -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
     """The OpenAI-compatible app over `engine`: auth, info routes, and the two completion routes."""
+    limits = Limits(config.model, config.max_tokens_cap, config.default_max_tokens, config.context)
+    intake = Intake(engine.tokenizer, limits)
 
     @asynccontextmanager
     async def lifespan(_):
         yield
+        intake.close()
         await asyncio.to_thread(engine.close)  # on SIGTERM too: the ranks leave cleanly before the process exits
 
     app = FastAPI(title="SPD-Lightning", docs_url=None, redoc_url=None, lifespan=lifespan)
-    tokenizer = engine.tokenizer
     _add_errors_and_auth(app, config)
     _add_info_routes(app, engine, config)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **_operation(models.ChatRequest, models.ChatCompletion, config))
     async def chat(http: HttpRequest):
-        body = await _parse(http, ChatRequest, config)
-        ids = _tokenized(lambda: _render_chat(tokenizer, [m.rendered() for m in body.messages]))
-        return await _complete(engine, config, body, ids, http, chat=True)
+        accepted = await intake.accept(await _body(http, limits.body_bytes), chat=True)
+        return await _complete(engine, config, accepted, http, chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **_operation(models.CompletionRequest, models.Completion, config))
     async def completions(http: HttpRequest):
-        body = await _parse(http, CompletionRequest, config)
-        ids = _tokenized(lambda: tokenizer(body.prompt)["input_ids"])
-        return await _complete(engine, config, body, ids, http, chat=False)
+        accepted = await intake.accept(await _body(http, limits.body_bytes), chat=False)
+        return await _complete(engine, config, accepted, http, chat=False)
 
+    _publish_schema(app, config)
     return app
+
+
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}  # one event
+ERRORS = {
+    400: "a malformed body or a bad or unsupported field",
+    401: "a missing or wrong API key",
+    404: "an unknown model",
+    413: "a body over the size limit",
+    429: "the queue is full (see Retry-After)",
+    503: "the decoder failed or the server is stopping",
+}
+
+
+def _operation(request: type, reply: type, config: ServerConfig) -> dict:
+    """What the schema says of a completion route: its JSON body, its answers (JSON, or server-sent events when
+    `stream` is true) and its errors. The handler reads the body itself (size first, then off the loop)."""
+    errors = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
+    statuses = [s for s in ERRORS if s != 401 or config.api_key]
+    return {
+        "openapi_extra": {
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{request.__name__}"}}},
+            },
+        },
+        "responses": {
+            200: {
+                "model": reply,
+                "content": {"text/event-stream": {"schema": SSE_EVENT}},
+                "description": "the completion, or its chunks as server-sent events",
+            },
+            **{s: {**errors, "description": ERRORS[s]} for s in statuses},
+        },
+    }
+
+
+def _publish_schema(app: FastAPI, config: ServerConfig) -> None:
+    """`/openapi.json` with the request and error models FastAPI cannot see (the handlers parse the body), the
+    one model name accepted, and the key, when one is set, as a bearer scheme."""
+    default = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = default()
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in (models.ChatRequest, models.CompletionRequest, models.ErrorBody):
+            found = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(found.pop("$defs", {}))
+            if "model" in found["properties"]:
+                found["properties"]["model"] = {"type": "string", "enum": [config.model]}
+                for name in ("max_tokens", "max_completion_tokens"):
+                    limited = {"type": "integer", "minimum": 1, "maximum": config.max_tokens_cap}
+                    found["properties"][name] = {"anyOf": [limited, {"type": "null"}], "default": None}
+            components[model.__name__] = found
+        if config.api_key:
+            schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+            for path, item in schema["paths"].items():
+                if path.startswith("/v1/"):
+                    for operation in item.values():
+                        operation["security"] = [{"bearer": []}]
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi
 
 
 def _add_errors_and_auth(app: FastAPI, config: ServerConfig) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_, e: ApiError):
-        return e.response()
+        return error_response(e.status, e.message, e.kind, e.code, e.param, e.headers)
 
     @app.exception_handler(HTTPException)
     async def _http_error(_, e: HTTPException):  # unknown path (404), wrong method (405)
         return error_response(
-            e.status_code, str(e.detail), "invalid_request_error", "not_found" if e.status_code == 404 else None
+            e.status_code,
+            str(e.detail),
+            "invalid_request_error",
+            "not_found" if e.status_code == 404 else None,
+            headers=e.headers,
         )
 
     if config.api_key:
         app.add_middleware(ApiKey, key=config.api_key)
+    if config.access_log:
+        app.add_middleware(AccessLog)
 
 
 class ApiKey:
-    """`Authorization: Bearer KEY` on /v1/*. A pure ASGI middleware: it leaves `receive` alone, so a handler
-    still sees its client's disconnect (`_watch`). The header is compared as bytes: it may hold any byte."""
+    """`Authorization: Bearer KEY` on /v1/*, per RFC 6750: the scheme in any case, one space or more, exactly one
+    such header (two are a 400). A pure ASGI middleware: it leaves `receive` alone, so a handler still sees its
+    client's disconnect (`_watch`). The key is compared as bytes, in constant time: it may hold any byte."""
 
     def __init__(self, app, key: str):
         self.app, self.key = app, key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            given = dict(scope["headers"]).get(b"authorization", b"").removeprefix(b"Bearer ").strip()
-            if not secrets.compare_digest(given, self.key):
-                reply = error_response(
-                    401,
-                    "missing or wrong API key: send `Authorization: Bearer KEY`",
-                    "invalid_request_error",
-                    "invalid_api_key",
-                )
-                await reply(scope, receive, send)
+            refusal = self._refusal([v for k, v in scope["headers"] if k == b"authorization"])
+            if refusal is not None:
+                await refusal(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+    def _refusal(self, values: list[bytes]) -> JSONResponse | None:
+        if len(values) > 1:
+            return error_response(400, "send one Authorization header, not several", "invalid_request_error")
+        scheme, _, token = values[0].partition(b" ") if values else (b"", b"", b"")
+        if scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(b" "), self.key):
+            return None
+        return error_response(
+            401,
+            "missing or wrong API key: send `Authorization: Bearer KEY`",
+            "invalid_request_error",
+            "invalid_api_key",
+            headers={"WWW-Authenticate": 'Bearer error="invalid_token"' if values else "Bearer"},
+        )
+
+
+class AccessLog:
+    """One line per HTTP request once it is answered: method, path, status, seconds, and the completion id."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started, status = time.perf_counter(), [0]
+
+        async def sending(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        token = request_id.set("-")
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            client = scope.get("client") or ("-", 0)
+            log.info(
+                "%s %s %s %d %.3f s",
+                client[0],
+                scope["method"],
+                scope["path"],
+                status[0],
+                time.perf_counter() - started,
+            )
+            request_id.reset(token)
 
 
 def _add_info_routes(app: FastAPI, engine: Engine, config: ServerConfig) -> None:
     model = {"id": config.model, "object": "model", "created": 0, "owned_by": "spd-lightning"}
 
-    @app.get("/health")
+    @app.get("/health", response_model=models.Health)
     async def health():
         """Liveness: the server answers (a restarting pipeline is not a reason to restart the server)."""
         return {"status": "ok", "ready": engine.ready, "queue_depth": engine.queue_depth}
 
-    @app.get("/ready")
+    @app.get("/ready", response_model=models.Readiness, responses={503: {"model": models.Readiness}})
     async def ready():
         """Readiness: the pipeline is up and loaded and can take a request now."""
         ok = engine.ready
@@ -193,15 +253,21 @@ def _add_info_routes(app: FastAPI, engine: Engine, config: ServerConfig) -> None
             {"status": "ready" if ok else "starting", "queue_depth": engine.queue_depth}, status_code=200 if ok else 503
         )
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         return PlainTextResponse(engine.metrics.render(engine.queue_depth, engine.mode, engine.ready))
 
-    @app.get("/v1/models")
-    async def models():
+    auth = {401: {"model": models.ErrorBody, "description": ERRORS[401]}} if config.api_key else {}
+
+    @app.get("/v1/models", response_model=models.ModelList, responses=auth)
+    async def list_models():
         return {"object": "list", "data": [model]}
 
-    @app.get("/v1/models/{name:path}")
+    @app.get(
+        "/v1/models/{name}",
+        response_model=models.Model,
+        responses={**auth, 404: {"model": models.ErrorBody, "description": ERRORS[404]}},
+    )
     async def one_model(name: str):
         if name != config.model:
             raise ApiError(
@@ -214,7 +280,11 @@ def _add_info_routes(app: FastAPI, engine: Engine, config: ServerConfig) -> None
 
 
 async def _body(http: HttpRequest, limit: int) -> bytes:
-    """The body, read no further than `limit` bytes: what a client sends never sizes the server's memory."""
+    """The body, read no further than `limit` bytes (refused at once when its declared length is over it): what
+    a client sends never sizes the server's memory."""
+    declared = http.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body is over {limit} bytes", code="request_too_large")
     chunks, size = [], 0
     async for chunk in http.stream():
         size += len(chunk)
@@ -224,109 +294,39 @@ async def _body(http: HttpRequest, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _parse(http: HttpRequest, schema: type[_Sampled], config: ServerConfig) -> _Sampled:
-    """The JSON body (whatever its content type says: `curl -d` sends no JSON type) checked against `schema`."""
-    limit = max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * config.context) if config.context else MAX_BODY_BYTES
-    try:
-        data = json.loads(await _body(http, limit))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
-    _check_unicode(data, "")
-    try:
-        return schema.model_validate(data)
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ApiError(400, f"{where or 'body'}: {first['msg']}", code="invalid_request", param=where or None) from None
-
-
-def _check_unicode(value, where: str) -> None:
-    """JSON may escape a lone surrogate (`"\\ud800"`), which no tokenizer can encode: a 400, not a crash."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ApiError(
-                400, f"{where or 'body'}: not valid Unicode (a lone surrogate)", param=where or None
-            ) from None
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_unicode(item, f"{where}.{key}" if where else str(key))
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            _check_unicode(item, f"{where}.{i}")
-
-
-def _tokenized(tokenize) -> list[int]:
-    try:
-        return list(tokenize())
-    except (ValueError, TypeError, UnicodeError) as e:  # e.g. a template that refuses the conversation
-        raise ApiError(
-            400,
-            f"the prompt cannot be tokenized: {first_line(e)}",
-            param="messages",
-        ) from None
-
-
-def _render_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """The conversation with the chat template, as `prompts.render` renders one user turn."""
-    if not getattr(tokenizer, "chat_template", None):
-        return tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
-def _check(config: ServerConfig, body: _Sampled, ids: list[int]) -> tuple[int, Sampling]:
-    if body.model != config.model:
-        raise ApiError(
-            404,
-            f"model {body.model!r} does not exist: this server serves {config.model!r}",
-            code="model_not_found",
-            param="model",
-        )
-    max_tokens = next(
-        (m for m in (body.max_completion_tokens, body.max_tokens) if m is not None), config.default_max_tokens
-    )
-    if not 1 <= max_tokens <= config.max_tokens_cap:
-        raise ApiError(400, f"max_tokens={max_tokens} must be in [1, {config.max_tokens_cap}]", param="max_tokens")
-    if not ids:
-        raise ApiError(400, "the prompt is empty", param="prompt")
-    if config.context and len(ids) + max_tokens > config.context:
-        raise ApiError(
-            400,
-            f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: together more than the target's "
-            f"context of {config.context}; shorten the prompt or lower max_tokens",
-            code="context_length_exceeded",
-            param="messages",
-        )
-    try:
-        return max_tokens, Sampling(body.temperature, body.top_k, body.top_p)
-    except SamplingError as e:
-        raise ApiError(400, str(e)) from None
-
-
-async def _complete(
-    engine: Engine, config: ServerConfig, body: _Sampled, ids: list[int], http: HttpRequest, chat: bool
-):
-    max_tokens, sampling = _check(config, body, ids)
+async def _complete(engine: Engine, config: ServerConfig, accepted, http: HttpRequest, chat: bool):
+    body = accepted.body
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     seed = body.seed if body.seed is not None else int.from_bytes(os.urandom(4), "little")
-    request = Request(list(ids), max_tokens, sampling, seed, stop, asyncio.get_running_loop())
-    try:
-        engine.submit(request)
-    except QueueFull:
-        raise ApiError(
-            429, "the server is busy: every place in its queue is taken, retry later", "rate_limit_error", "queue_full"
-        ) from None
     head = {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
         "created": int(time.time()),
         "model": config.model,
     }
+    request_id.set(head["id"])
+    loop = asyncio.get_running_loop()
+    request = Request(list(accepted.ids), accepted.max_tokens, accepted.sampling, seed, stop, loop, head["id"])
+    try:
+        engine.submit(request)
+    except QueueFull:
+        raise ApiError(
+            429,
+            "the server is busy: every place in its queue is taken, retry later",
+            "rate_limit_error",
+            "queue_full",
+            headers={"Retry-After": str(_retry_after(engine, config))},
+        ) from None
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(_sse(request, head, chat, http, usage), media_type="text/event-stream")
     return await _whole(request, head, chat, http)
+
+
+def _retry_after(engine: Engine, config: ServerConfig) -> int:
+    """Seconds until a place frees up, roughly: the queue ahead of it, a default decode each, over the slots."""
+    per_token = engine.seconds_per_token() or 0.05
+    wait = per_token * config.default_max_tokens * engine.queue_depth / engine.max_batch
+    return max(1, min(MAX_RETRY_AFTER_S, math.ceil(wait)))
 
 
 async def _events(request: Request, http: HttpRequest):

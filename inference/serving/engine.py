@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from inference.backends import Backend, Cancelled, is_alive, is_ready
 from inference.sampling import Sampling
+from inference.serving.logs import request_id
 from inference.serving.metrics import Metrics
 from inference.textstream import TextStream
 from spd_lightning.errors import first_line
@@ -51,7 +52,7 @@ class QueueFull(Exception):
     """Every place in the FIFO is taken."""
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: the admitted set holds it
 class Request:
     """One generation request and the channel its events go back on (to the event loop that waits)."""
 
@@ -61,10 +62,12 @@ class Request:
     seed: int
     stop: list[str]
     loop: asyncio.AbstractEventLoop
+    name: str = "-"  # the id its client sees (`chatcmpl-...`), on every log line about it
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     enqueued: float = field(default_factory=time.perf_counter)
     on_cancel: Callable[[], None] | None = None  # set by the engine while the request decodes
+    generated: int = 0  # tokens verified so far
 
     def emit(self, *event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -88,7 +91,7 @@ class Engine:
         self.backend: Backend | None = make_backend()
         self.metrics = Metrics()
         self._queue: queue.Queue[Request | None] = queue.Queue()
-        self._admitted = 0  # waiting or decoding
+        self._admitted: set[Request] = set()  # waiting or decoding
         self._lock = threading.Lock()  # the admitted count and the metrics, written by every worker
         self._restarting = threading.Lock()  # held while the backend is replaced: workers wait for the new one
         self._restart_delay, self._next_restart = 0.0, 0.0
@@ -102,7 +105,22 @@ class Engine:
     @property
     def queue_depth(self) -> int:
         """Requests waiting or decoding."""
-        return self._admitted
+        return len(self._admitted)
+
+    def tokens_left(self) -> int:
+        """The tokens the admitted requests may still ask for, per slot: what stopping gracefully waits for."""
+        with self._lock:
+            left = sum(r.max_new_tokens - r.generated for r in self._admitted)
+        return -(-left // self.max_batch)
+
+    def cut(self, message: str) -> None:
+        """Every admitted request ends now with a 503 (an SSE error event when streamed) and is cancelled."""
+        with self._lock:
+            admitted = list(self._admitted)
+        for request in admitted:
+            log.warning("%s: cutting %s after %d token(s)", message, request.name, request.generated)
+            request.emit("error", 503, message)
+            request.cancel()
 
     @property
     def ready(self) -> bool:
@@ -117,10 +135,10 @@ class Engine:
 
     def submit(self, request: Request) -> None:
         with self._lock:
-            if self._admitted >= self.capacity:
+            if len(self._admitted) >= self.capacity:
                 self.metrics.count("rejected_queue_full")
                 raise QueueFull
-            self._admitted += 1
+            self._admitted.add(request)
         self._queue.put(request)
 
     def close(self) -> None:
@@ -144,12 +162,14 @@ class Engine:
                 continue
             if request is None:
                 return
+            request_id.set(request.name)
             try:
                 self._keep_alive()
                 self._run(request)
             finally:
                 with self._lock:
-                    self._admitted -= 1
+                    self._admitted.discard(request)
+                request_id.set("-")
 
     def _keep_alive(self) -> None:
         """A backend that died (or never started) is replaced now, not when a request finds it dead; one that
@@ -182,7 +202,7 @@ class Engine:
         cancel = getattr(backend, "cancel", None)  # the in-process decoders stop at their next `on_tokens`
         request.on_cancel = (lambda: cancel(on_tokens)) if cancel is not None else None
         if request.cancelled.is_set():  # gone while it waited (or just now)
-            self._count("cancelled")
+            self._cancelled(request)
             return
         try:
             result = backend.generate(
@@ -194,7 +214,7 @@ class Engine:
         except StopString:
             finish = "stop"
         except Cancelled:
-            self._count("cancelled")
+            self._cancelled(request)
             return
         except Exception as e:  # noqa: BLE001 - the request fails; the engine restarts the backend
             self._failed(request, e, backend)
@@ -207,6 +227,10 @@ class Engine:
         self._count("ok")
         request.emit("done", finish, len(request.prompt_ids), stream.used_tokens)
 
+    def _cancelled(self, request: Request) -> None:
+        log.info("cancelled after %d token(s)", request.generated)
+        self._count("cancelled")
+
     def _count(self, outcome: str) -> None:
         with self._lock:
             self.metrics.count(outcome)
@@ -216,6 +240,7 @@ class Engine:
         now = time.perf_counter()
         with self._lock:
             self.metrics.tokens += count
+            request.generated += count
             if count == 0:
                 return
             if last[0] is None:

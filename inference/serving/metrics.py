@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 from inference.cycle.result import DecodeResult
 
-TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Up to 10 minutes: a request queued behind many long decodes waits minutes for its first token.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -83,19 +84,22 @@ class Metrics:
         self.cycles += max(result.K, result.N - 1) if result.alpha is not None else result.N - 1
 
     def render(self, queue_depth: int, mode: str, ready: bool) -> str:
-        lines = ["# TYPE spd_requests_total counter"]
+        lines = [
+            "# HELP spd_requests_total requests answered, by outcome (ok, cancelled, failed, rejected_queue_full)",
+            "# TYPE spd_requests_total counter",
+        ]
         lines += [f'spd_requests_total{{outcome="{k}"}} {v}' for k, v in sorted(self.requests.items())]
         alpha = self.verified / self.drafts if self.drafts else 0.0
         cycle = self.decode_seconds / self.cycles if self.cycles else 0.0
-        for name, kind, value in (
-            ("spd_generated_tokens_total", "counter", self.tokens),
-            ("spd_pipeline_restarts_total", "counter", self.restarts),
-            ("spd_alpha", "gauge", alpha),
-            ("spd_cycle_seconds", "gauge", cycle),
-            ("spd_queue_depth", "gauge", queue_depth),
-            ("spd_ready", "gauge", int(ready)),
+        for name, kind, value, help_text in (
+            ("spd_generated_tokens_total", "counter", self.tokens, "tokens verified, whatever became of their request"),
+            ("spd_pipeline_restarts_total", "counter", self.restarts, "fresh pipelines started after a failure"),
+            ("spd_alpha", "gauge", alpha, "verified over drafted tokens (N / K) of the decodes that ran to their end"),
+            ("spd_cycle_seconds", "gauge", cycle, "mean cycle time of the decodes that ran to their end"),
+            ("spd_queue_depth", "gauge", queue_depth, "requests waiting or decoding"),
+            ("spd_ready", "gauge", int(ready), "1 while the pipeline can take a request"),
         ):
-            lines += [f"# TYPE {name} {kind}", f'{name}{{mode="{mode}"}} {value}']
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f'{name}{{mode="{mode}"}} {value}']
         for histogram in (self.ttft, self.ttft_queued, self.per_token):
             lines += histogram.render(mode)
         return "\n".join(lines) + "\n"

@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import socket
 import sys
 import uuid
 
@@ -43,7 +44,7 @@ from inference.setup import Setup, decode_job, prepare
 from spd_lightning.errors import first_line
 
 DEFAULT_CAP = 1024
-MIN_GRACE_S = 30.0
+MIN_GRACE_S, MAX_GRACE_S = 10.0, 120.0  # the default --graceful-timeout's bounds
 UNMEASURED_S_PER_TOKEN = 0.25  # before any decode: a slow GPU pipeline's time per token, generously
 log = logging.getLogger("inference.serve")
 
@@ -63,10 +64,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--graceful-timeout",
         type=float,
-        help="seconds SIGTERM waits for the requests in progress before it cuts them (default: the time "
-        "--max-tokens-cap tokens take at the rate measured so far, twice over, and at least "
-        f"{MIN_GRACE_S:.0f} s; {UNMEASURED_S_PER_TOKEN} s per token before the first decode)",
+        help="seconds SIGTERM waits for the requests in progress before it cuts them (503, an SSE error "
+        "event on a stream); default: twice the time the tokens they may still ask for take at the rate "
+        f"measured so far ({UNMEASURED_S_PER_TOKEN} s per token before the first decode), between "
+        f"{MIN_GRACE_S:.0f} and {MAX_GRACE_S:.0f} s",
     )
+    p.add_argument("--access-log", action="store_true", help="log one line per HTTP request")
     p.add_argument(
         "--runners-kept",
         type=int,
@@ -147,6 +150,7 @@ def build(args: argparse.Namespace):
         min(args.max_new_tokens, args.max_tokens_cap),
         setup.info.max_position_embeddings or 0,
         args.api_key,
+        args.access_log,
     )
     return build_app(engine, config), engine
 
@@ -220,30 +224,58 @@ def run_ranks_only(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM or Ctrl-C (exit 0). The port is taken before the weights load, so a port in use is
+    a one-line error at once, not after the loading."""
     import uvicorn
 
+    from inference.serving import logs
     from inference.serving.shutdown import GracefulServer
 
+    logs.configure()
     if args.node_rank > 0:
         return run_ranks_only(args)
-    app, engine = build(args)
-    config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level="debug" if cli.debugging(args) else "warning"
-    )
+    check_args(args)
+    listening = bound_socket(args.host, args.port)
     try:
-        GracefulServer(config, lambda: graceful_timeout(args, engine)).run()
+        app, engine = build(args)
+        config = uvicorn.Config(app, log_config=None, log_level="debug" if cli.debugging(args) else "warning")
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        server = GracefulServer(
+            config, lambda: graceful_timeout(args, engine), engine.cut, f"http://{host}:{args.port}"
+        )
+        try:
+            server.run(sockets=[listening])
+        finally:
+            engine.close()
     finally:
-        engine.close()
+        listening.close()
     return 0
 
 
+def bound_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise cli.UsageError(
+            f"cannot listen on {host}:{port}: {e.strerror or e}; choose another --port or stop what holds it"
+        ) from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
 def graceful_timeout(args: argparse.Namespace, engine: Engine) -> float:
-    """How long SIGTERM waits for the requests in progress: --graceful-timeout, or long enough for a whole
-    --max-tokens-cap decode at the rate measured so far (docs/SERVING.md, "One node", Stopping)."""
+    """How long SIGTERM waits for the requests in progress: --graceful-timeout, or twice the time the tokens they
+    may still ask for take at the rate measured so far, within [MIN_GRACE_S, MAX_GRACE_S] (docs/SERVING.md,
+    "One node", Stopping)."""
     if args.graceful_timeout is not None:
         return args.graceful_timeout
     per_token = engine.seconds_per_token() or UNMEASURED_S_PER_TOKEN
-    return max(MIN_GRACE_S, 2 * args.max_tokens_cap * per_token)
+    return min(MAX_GRACE_S, max(MIN_GRACE_S, 2 * engine.tokens_left() * per_token))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,150 @@
+"""What an operator meets in the first hour, over the slow fake decoder of `test_serve_engine` (in this process):
+an edge that never blocks, a stop that cuts with an error event, log lines that name the client's id, metrics
+that describe themselves, cancels that reach the backend, and a port in use refused before any loading."""
+
+import hashlib
+import json
+import logging
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from kit import REPO, served
+from test_serve_engine import TOKEN_S, Letters, SlowBackend
+
+from inference.serving import logs
+from inference.serving.app import ServerConfig, build_app
+from inference.serving.engine import Engine
+from inference.serving.metrics import Metrics
+from inference.serving.shutdown import GracefulServer
+
+pytestmark = pytest.mark.timeout(120)
+MIB = 1 << 20
+
+
+class SlowLetters(Letters):
+    """A tokenizer that takes about a second for 1 MiB and, like a Rust one, works without holding the GIL:
+    hashing stands for its work (hashlib releases the GIL on big buffers)."""
+
+    def __call__(self, text):
+        data = text.encode()
+        digest = hashlib.sha256()
+        for _ in range(200):
+            digest.update(data)
+        return {"input_ids": list(data)}
+
+
+def test_health_answers_while_four_one_mib_bodies_are_tokenized():
+    """Four bodies of 1 MiB each tokenize (about a second each on this machine) while /health is probed: every
+    probe answers within a generous 0.5 s (the goal is 50 ms); on the event loop they waited seconds."""
+    engine = Engine(SlowBackend, SlowLetters(), "ar", queue_size=8)
+    app = build_app(engine, ServerConfig("fake", 4, 1, 1 << 22))  # a context of 4 Mi tokens: the body limit 256 MiB
+    body = json.dumps({"model": "fake", "prompt": "abcd" * (MIB // 4), "max_tokens": 1}).encode()
+    with served(app) as url:
+        replies = []
+        posts = [
+            threading.Thread(
+                target=lambda: replies.append(httpx.post(f"{url}/v1/completions", content=body, timeout=90))
+            )
+            for _ in range(4)
+        ]
+        for post in posts:
+            post.start()
+        waits = []
+        with httpx.Client(timeout=30) as probe:  # one client: a fresh one costs tens of ms on a busy machine
+            while any(post.is_alive() for post in posts):
+                started = time.perf_counter()
+                assert probe.get(f"{url}/health").status_code == 200
+                waits.append(time.perf_counter() - started)
+                time.sleep(0.02)
+        for post in posts:
+            post.join()
+    assert [r.status_code for r in replies] == [200] * 4
+    assert len(waits) >= 5 and max(waits) < 0.5, (len(waits), max(waits))
+
+
+def test_a_stop_that_runs_out_of_time_ends_each_stream_with_an_error_event():
+    """SIGTERM's wait (here 0.3 s) runs out mid-stream: the stream ends with an SSE error event naming the stop,
+    the server closes, and the request counts as cancelled."""
+    import uvicorn
+
+    engine = Engine(SlowBackend, Letters(), "ar", queue_size=2)
+    app = build_app(engine, ServerConfig("fake", 1000, 10, 2000))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = GracefulServer(uvicorn.Config(app, host="127.0.0.1", port=port), lambda: 0.3, engine.cut, "url")
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    body = {"model": "fake", "prompt": "abc", "max_tokens": 1000, "stream": True}
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30) as reply:
+        lines = (line for line in reply.iter_lines() if line.startswith("data: "))
+        assert next(lines)
+        server.should_exit = True
+        rest = list(lines)
+    thread.join(30)
+    assert not thread.is_alive()
+    error = json.loads(rest[-1].removeprefix("data: "))["error"]
+    assert "stopping" in error["message"] and error["type"] == "server_error"
+    assert engine.metrics.requests == {"cancelled": 1}
+
+
+def test_every_log_line_about_a_request_names_its_client_id():
+    """The cancel line of a request whose client went away carries the `cmpl-` id the client was sent."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(logs.FORMAT))
+    lines: list[str] = []
+    handler.emit = lambda record: lines.append(handler.format(record))
+    logs.configure_handler(handler)
+    logger = logging.getLogger("inference")
+    logger.addHandler(handler)
+    level, logger.level = logger.level, logging.INFO
+    try:
+        engine = Engine(SlowBackend, Letters(), "ar", queue_size=2)
+        with served(build_app(engine, ServerConfig("fake", 1000, 10, 2000))) as url:
+            body = {"model": "fake", "prompt": "abc", "max_tokens": 100, "stream": True}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as reply:
+                first = json.loads(next(reply.iter_lines()).removeprefix("data: "))
+            deadline = time.monotonic() + 10
+            while not any("cancelled after" in line for line in lines) and time.monotonic() < deadline:
+                time.sleep(TOKEN_S)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    cancel = next(line for line in lines if "cancelled after" in line)
+    assert first["id"].startswith("cmpl-") and f" {first['id']} " in cancel
+    assert cancel[:4].isdigit() and cancel[10] == "T"  # 2026-12-02T08:10:11.123Z ...
+
+
+def test_every_metric_has_help_and_type_and_latency_buckets_reach_ten_minutes():
+    metrics = Metrics()
+    metrics.count("ok")
+    text = metrics.render(0, "spd", True)
+    names = {line.split("{")[0].split()[0] for line in text.splitlines() if not line.startswith("#")}
+    for name in names:
+        family = next(f for f in (name, name.rsplit("_", 1)[0]) if f"# TYPE {f} " in text)
+        assert f"# HELP {family} " in text, family
+    assert 'spd_time_to_first_token_with_queue_seconds_bucket{mode="spd",le="600.0"}' in text
+
+
+def test_a_port_in_use_is_refused_before_the_weights_load(tmp_path):
+    """Exit 2 with one line naming the port, before any setup (no --max-batch default is worked out)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        run = subprocess.run(
+            [sys.executable, "-m", "inference.serve", "--ckpt", str(tmp_path / "none"), "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO,
+        )
+    assert run.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in run.stderr, run.stderr
+    assert "does not exist" not in run.stderr  # refused before the drafter was even looked at
