@@ -250,13 +250,14 @@ def bench_draft(shape: dict, n: int, L_s: int, args, device: torch.device, on_ro
     view = [(depth, P + i) for i, depth in enumerate(range(n - 1, -1, -1))]  # pre-step: the newest at depth 0
     rows = []
     for compiled in [False, True] if args.compile else [False]:
-        drafter = PDMDrafter(pdm, geometry, embed, Sampling(), args.dtype, compile=compiled)
-        drafter.start(torch.randint(0, shape["vocab_size"], (1, P), device=device), P + n + 2)
+        drafter = PDMDrafter(pdm, geometry, embed, args.dtype, 1, compile=compiled)
+        drafter.start(0, torch.randint(0, shape["vocab_size"], (1, P), device=device), P + n + 2)
         drafter.states.normal_()
-        drafter.draft(view, None)  # appends the prompt: later calls draft the in-flight positions only
-        ms = median_ms(lambda: drafter.draft(view, None), args.iters, args.warmup, device)  # noqa: B023 - timed here
+        draft = lambda: drafter.draft({0: view}, {0: Sampling()}, {})  # noqa: B023, E731 - timed here
+        draft()  # appends the prompt: later calls draft the in-flight positions only
+        ms = median_ms(draft, args.iters, args.warmup, device)
         log.info("draft L_s=%d fill=%d captured=%s: %.3f ms", L_s, n, compiled, ms)
-        rows.append({"n": n, "L_s": L_s, "fill": n, "captured": compiled, "ms": ms, **cuda_graphs(drafter._in_flight)})
+        rows.append({"n": n, "L_s": L_s, "fill": n, "captured": compiled, "ms": ms, **cuda_graphs(drafter._step)})
         if on_row is not None:
             on_row(rows[-1])
     return rows

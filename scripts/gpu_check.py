@@ -293,11 +293,11 @@ def draft_latency(target: Target, num_layers: int, opts, prompt: torch.Tensor, d
         device=device,
         dtype=target.lm_head.weight.dtype,
     )
-    drafter = PDMDrafter(pdm, geometry, target.embed_tokens, Sampling(), target.lm_head.weight.dtype)
+    drafter = PDMDrafter(pdm, geometry, target.embed_tokens, target.lm_head.weight.dtype, 1)
     P = prompt.shape[1]
-    drafter.start(prompt[0], P + n + 2)
+    drafter.start(0, prompt[0], P + n + 2)
     view = geometry.view(P - 1, n)
-    return median_time(lambda: drafter.draft(view, None), device, opts.repeats)
+    return median_time(lambda: drafter.draft({0: view}, {0: Sampling()}, {}), device, opts.repeats)
 
 
 @torch.no_grad()

@@ -60,10 +60,10 @@ def test_replay_tokens_live_on_the_runner_device():
     """The pipeline starts the drafter with the prompt on its own device; drafts must be created there (on
     CUDA a CPU tensor cannot go into an NCCL send). The meta device stands in for CUDA on a CPU machine."""
     drafter = ReplayDrafter([[5, 6, 7]], "RW", vocab_size=10)
-    drafter.start(torch.zeros(1, 4, dtype=torch.long, device="meta"), capacity=16)
+    drafter.start(0, torch.zeros(1, 4, dtype=torch.long, device="meta"), capacity=16)
     for position in (3, 4):
-        token, q = drafter.draft([(0, position)], None)
+        token, q = drafter.draft({0: [(0, position)]}, {0: Sampling()}, {})[0]
         assert token.device.type == "meta" and token.shape == (1,) and q is None
     cpu = ReplayDrafter([[5, 6, 7]], "RW", vocab_size=10)
-    cpu.start(torch.zeros(1, 4, dtype=torch.long), capacity=16)
-    assert [int(cpu.draft([(0, p)], None)[0]) for p in (3, 4, 5)] == [5, 7, 7]
+    cpu.start(0, torch.zeros(1, 4, dtype=torch.long), capacity=16)
+    assert [int(cpu.draft({0: [(0, p)]}, {0: Sampling()}, {})[0][0]) for p in (3, 4, 5)] == [5, 7, 7]

@@ -96,10 +96,10 @@ def test_the_pdm_cache_holds_kv_heads_unexpanded_in_power_of_two_buckets(tiny_qw
     simulator = Simulator(tiny_qwen35, pdm, geometry)
     result = simulator.decode([7, 8, 9], 12)
     assert result.tokens == ar_decode(tiny_qwen35, [7, 8, 9], 12, geometry=geometry).tokens
-    cache = simulator.runner.drafter.cache
+    cache = simulator.drafter.cache
     assert cache.keys.shape[2] == pdm.cfg.num_kv_heads and cache.values.shape == cache.keys.shape
-    capacity = simulator.runner.drafter.capacity
+    capacity = simulator.drafter.capacity
     assert capacity & (capacity - 1) == 0 and capacity >= 3 + 12
     keys = cache.keys.data_ptr()
     simulator.decode([5 + i % 40 for i in range(capacity // 2)], 12)
-    assert simulator.runner.drafter.cache.keys.data_ptr() == keys
+    assert simulator.drafter.cache.keys.data_ptr() == keys

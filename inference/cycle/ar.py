@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from inference.cycle.pipeline import generator_seeds
 from inference.cycle.result import DecodeResult
 from inference.cycle.schedule import eos_set
+from inference.cycle.slots import generator_seeds
 from inference.runtime.stages import Stage
 from inference.sampling import Sampling, sample_token
 from spd_lightning.geometry import Geometry
