@@ -189,22 +189,19 @@ def bench_stages(shape: dict, n: int, args, device: torch.device, on_row=None) -
     k = shape["num_hidden_layers"] // n
     target = make_target(shape, 2 * k, device, args.dtype)
     geometry = Geometry.build(2 * k, 2)
-    stages = [Stage.from_target(target, geometry, s) for s in (1, 2)]
     P = args.context
-    for stage in stages:
-        stage.cache.reset(P + 8)
     prompt = torch.randint(0, shape["vocab_size"], (1, P), device=device)
-    hidden = stages[0](prompt, 0).hidden
-    stages[1](hidden, 0)
-    inputs = [torch.randint(0, shape["vocab_size"], (1, 1), device=device), hidden[:, -1:].clone()]
     rows = []
     for compiled in [False, True] if args.compile else [False]:
+        stages = [Stage.from_target(target, geometry, s, compile=compiled) for s in (1, 2)]
+        hidden = stages[0].prefill(0, prompt, P + 8)[0]
+        stages[1].prefill(0, hidden, P + 8)
+        inputs = [torch.randint(0, shape["vocab_size"], (1, 1), device=device), hidden[:, -1:].clone()]
         for stage, x, role in zip(stages, inputs, ("first", "last")):
-            stage.use_compiled_decode(compiled)
 
             def one_token(stage=stage, x=x):
-                stage(x, P)
-                stage.cache.rollback(P)
+                stage.step(x, {0: P})
+                stage.cache.rollback(0, P)
 
             ms = median_ms(one_token, args.iters, args.warmup, device)
             bandwidth_ms = weight_bytes(stage) / (args.hbm_tbps * 1e12) * 1e3
@@ -218,7 +215,7 @@ def bench_stages(shape: dict, n: int, args, device: torch.device, on_row=None) -
                     "ms": ms,
                     "weights_ms": bandwidth_ms,
                     "vs_weights": ms / bandwidth_ms,
-                    **cuda_graphs(stage._decode_step),
+                    **cuda_graphs(stage._step),
                 }
             )
             if on_row is not None:

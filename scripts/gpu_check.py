@@ -264,7 +264,7 @@ def stage_latencies(target: Target, n: int, prompt: torch.Tensor, repeats: int, 
     x = prompt
     for s in range(1, n + 1):
         stage = Stage.from_target(target, geometry, s)
-        hidden = stage(x, 0).hidden
+        hidden = stage.prefill(0, x, 0)[0]
         token = prompt[:, -1:] if s == 1 else hidden[:, -1:]
         out.append(median_time(one_token_steps(stage, token, prompt.shape[1]), device, repeats))
         x = hidden
@@ -276,7 +276,7 @@ def one_token_steps(stage: Stage, token: torch.Tensor, start: int):
     position = [start]
 
     def step():
-        stage(token, position[0])
+        stage.step(token, {0: position[0]})
         position[0] += 1
 
     return step

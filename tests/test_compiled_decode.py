@@ -216,7 +216,7 @@ def test_the_ranks_compile_what_the_job_asks_for(tmp_path, monkeypatch, placemen
             compile=compile_,
         )
         loaded = roles.load_role(job, 0, torch.device("cpu"))
-        assert isinstance(loaded.stages[1]._decode_step, CompiledStep) is compile_
+        assert isinstance(loaded.stages[1]._step, CompiledStep) is compile_
         roles.build_runner(job, drafter_rank, torch.device("cpu"))
         assert drafter_compile[-1] is compile_
 

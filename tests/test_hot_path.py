@@ -22,7 +22,6 @@ from inference.cycle.slots import Request
 from inference.cycle.transport import Arrival, Transport
 from inference.cycle.verify import Verifier
 from inference.runtime.drafter import ReplayDrafter
-from inference.runtime.slot_stage import SlotStage
 from inference.runtime.stages import Stage
 from inference.sampling import Sampling
 from spd_lightning.host_syncs import HostSync, HostSyncCounter
@@ -54,7 +53,7 @@ def syncs_per_step(runner: PipelineRunner, counter: HostSyncCounter) -> list[lis
 
 def one_rank_runner(geometry, transport, stages: dict, drafter, config) -> PipelineRunner:
     """A batch-1 runner of the ranks `transport` hosts."""
-    return PipelineRunner(geometry, transport, {s: SlotStage(stage, 1) for s, stage in stages.items()}, drafter, config)
+    return PipelineRunner(geometry, transport, stages, drafter, config)
 
 
 def decode_alone(runner: PipelineRunner, sampling: Sampling):
@@ -334,7 +333,6 @@ def test_every_batched_rank_syncs_only_to_read_the_verdict_once_per_step(monkeyp
     the recorded run sent."""
     from inference.cycle.pipeline import PipelineRunner
     from inference.runtime.drafter import PDMDrafter
-    from inference.runtime.slot_stage import SlotStage
     from inference.runtime.stages import Stage
 
     B = 3
@@ -344,10 +342,10 @@ def test_every_batched_rank_syncs_only_to_read_the_verdict_once_per_step(monkeyp
     for rank in range(geometry.n + 1):
         stages, drafter = {}, None
         if rank < geometry.n:
-            stages = {rank + 1: SlotStage(Stage.from_target(target, geometry, rank + 1), B)}
+            stages = {rank + 1: Stage.from_target(target, geometry, rank + 1, B)}
         else:
             pdm = simulator.drafter.pdm
-            drafter = PDMDrafter(pdm, geometry, target.embed_tokens, simulator.stages[1].stage.dtype, B)
+            drafter = PDMDrafter(pdm, geometry, target.embed_tokens, simulator.stages[1].dtype, B)
         alone = OneRank(rank, log, verdict_in_time)
         runner = PipelineRunner(geometry, alone, stages, drafter, simulator.config, B)
         forbid_device_sync(monkeypatch)

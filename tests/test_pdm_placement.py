@@ -17,7 +17,6 @@ from inference.processes.job import DecodeJob
 from inference.processes.launch import launch
 from inference.runtime import shared_stream
 from inference.runtime.shared_stream import SideStreamDrafter, draft_stream, use_stream
-from inference.runtime.slot_stage import SlotStage
 from inference.runtime.stages import Stage
 from inference.sampling import Sampling
 from spd_lightning.export import load_drafter
@@ -281,7 +280,7 @@ def test_the_shared_process_launches_stage_1_before_it_waits_for_another_process
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda tensor, stream: None, raising=False)
     pdm = simulator.drafter
     drafter = SideStreamDrafter(pdm, side, main_stream=lambda: main)
-    stage = SlotStage(Stage.from_target(tiny_qwen35, geometry, 1), 1)
+    stage = Stage.from_target(tiny_qwen35, geometry, 1)
     transport = SharedRank(geometry.n, recording.log, events, verdict_in_time)
     runner = PipelineRunner(geometry, transport, {1: stage}, drafter, simulator.config)
     forward, draft, cycle = stage.step, pdm.draft, runner.step

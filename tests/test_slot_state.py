@@ -13,7 +13,6 @@ from kit import random_pdm
 from inference.cycle.ar import ar_decode
 from inference.cycle.simulator import Simulator
 from inference.cycle.slots import Request
-from inference.runtime.slot_stage import SlotStage
 from inference.runtime.stages import Stage
 from inference.sampling import Sampling
 from spd_lightning.geometry import Geometry
@@ -29,7 +28,7 @@ class Pipe:
 
     def __init__(self, target, geometry: Geometry, B: int):
         self.B = B
-        self.stages = [SlotStage(Stage.from_target(target, geometry, s), B) for s in range(1, geometry.n + 1)]
+        self.stages = [Stage.from_target(target, geometry, s, B) for s in range(1, geometry.n + 1)]
 
     def prefill(self, slot: int, ids: list[int]) -> None:
         x = torch.tensor([ids])

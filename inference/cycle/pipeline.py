@@ -45,7 +45,7 @@ from inference.cycle.transport import Arrival, Transport
 from inference.cycle.verify import Verifier
 from inference.runtime.drafter import Drafter
 from inference.runtime.slot_rows import batch_bucket
-from inference.runtime.slot_stage import SlotStage
+from inference.runtime.stages import Stage
 from spd_lightning.geometry import Geometry
 
 
@@ -84,7 +84,7 @@ class PipelineRunner:
         self,
         geometry: Geometry,
         transport: Transport,
-        stages: dict[int, SlotStage],
+        stages: dict[int, Stage],
         drafter: Drafter | None,
         config: RunnerConfig,
         max_batch: int = 1,

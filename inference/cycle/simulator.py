@@ -25,7 +25,6 @@ from inference.cycle.schedule import eos_set
 from inference.cycle.slots import Request
 from inference.cycle.transport import LocalTransport
 from inference.runtime.drafter import Drafter, PDMDrafter
-from inference.runtime.slot_stage import SlotStage
 from inference.runtime.stages import Stage
 from inference.sampling import Sampling
 from spd_lightning.geometry import Geometry
@@ -53,10 +52,8 @@ class Simulator(PipelineRunner):
         `decode` result's `timing` (empty otherwise). `compile`: the one-token stage steps and the PDM's draft step
         through `torch.compile`, one graph per batch bucket (prefill stays eager)."""
         geometry.check_target(target.num_layers)
-        stages = {
-            s: SlotStage(Stage.from_target(target, geometry, s), max_batch, compile) for s in range(1, geometry.n + 1)
-        }
-        first = stages[1].stage
+        stages = {s: Stage.from_target(target, geometry, s, max_batch, compile) for s in range(1, geometry.n + 1)}
+        first = stages[1]
         if isinstance(drafter, PipelineDraftModule):
             d2t, draft_vocab = drafter.d2t, drafter.cfg.draft_vocab_size
             drafter = PDMDrafter(drafter, geometry, target.embed_tokens, first.dtype, max_batch, compile)

@@ -19,7 +19,6 @@ from inference.processes.faults import step_hook
 from inference.processes.job import DecodeJob
 from inference.runtime.drafter import PDMDrafter, ReplayDrafter
 from inference.runtime.shared_stream import SideStreamDrafter, draft_stream
-from inference.runtime.slot_stage import SlotStage
 from inference.runtime.stages import Stage, load_pieces
 from inference.sampling import Sampling
 from spd_lightning.export import load_drafter, read_drafter_spec
@@ -45,8 +44,9 @@ def load_role(job: DecodeJob, rank: int, device: torch.device) -> Loaded:
     geometry, dtype = Geometry.from_dict(job.geometry), resolve_dtype(job.dtype)
     stages = {}
     if rank < geometry.n:
-        stages[rank + 1] = Stage.load(job.target_path, geometry, rank + 1, dtype, device, job.trust_remote_code)
-        stages[rank + 1].use_compiled_decode(job.compile)
+        stages[rank + 1] = Stage.load(
+            job.target_path, geometry, rank + 1, dtype, device, job.trust_remote_code, job.max_batch, job.compile
+        )
     hosts_pdm = rank == geometry.n or (rank == 0 and job.pdm_placement == "shared")
     if not hosts_pdm or job.replay is not None:
         return Loaded(stages)
@@ -74,7 +74,7 @@ def build_runner(job: DecodeJob, rank: int, device: torch.device, loaded: Loaded
         raise ValueError("a replay drafter has no draft distribution: use it with greedy decoding only")
     d2t, draft_vocab = (None, 1) if job.replay is not None else _draft_vocabulary(job.drafter_path)
     loaded = loaded or load_role(job, rank, device)
-    stages = {s: SlotStage(stage, B) for s, stage in loaded.stages.items()}
+    stages = loaded.stages
     drafter = None
     shared = job.pdm_placement == "shared"
     if rank == n or (shared and rank == 0):
