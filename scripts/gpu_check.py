@@ -296,7 +296,7 @@ def draft_latency(target: Target, num_layers: int, opts, prompt: torch.Tensor, d
     drafter = PDMDrafter(pdm, geometry, target.embed_tokens, target.lm_head.weight.dtype, 1)
     P = prompt.shape[1]
     drafter.start(0, prompt[0], P + n + 2)
-    view = geometry.view(P - 1, n)
+    view = geometry.view(P - 1, n)[-n:]  # the in-flight tokens, as the runner drafts (the prompt: committed once)
     return median_time(lambda: drafter.draft({0: view}, {0: Sampling()}, {}), device, opts.repeats)
 
 
