@@ -28,7 +28,6 @@ from spd_lightning.eagle3.export import KIND as EAGLE3
 from spd_lightning.export import load_drafter
 from spd_lightning.target import Target
 
-SIMULATORS_KEPT = 4  # one simulator per sampling setting seen recently (they share the target's weights)
 OnTokens = Callable[[list[int]], None]
 
 
@@ -70,6 +69,7 @@ def make_backend(
     target: Target | None = None,
     compile: bool = False,
     profile: bool = False,
+    max_batch: int = 1,
 ) -> Backend:
     """The in-process decoder of `setup.mode` (see the module docstring); `target`: weights already loaded."""
     target = target or Target.load(setup.target_path, setup.dtype, device, setup.trust_remote_code)
@@ -77,7 +77,7 @@ def make_backend(
         return ChainBackend(setup, target)
     if setup.mode == "ar":
         return ARBackend(setup, target)
-    return SimulatorBackend(setup, target, device, compile=compile, profile=profile)
+    return SimulatorBackend(setup, target, device, compile=compile, profile=profile, max_batch=max_batch)
 
 
 class ARBackend:
@@ -108,29 +108,31 @@ class ChainBackend:
 
 
 class SimulatorBackend:
-    """One simulator per sampling setting, the `SIMULATORS_KEPT` most recent kept (they share the weights)."""
+    """One simulator: each decode brings its own sampling. A decode that fails leaves its messages half-delivered,
+    so the next one gets a fresh simulator (over the same weights)."""
 
-    def __init__(self, setup: Setup, target: Target, device: str, compile: bool = False, profile: bool = False):
-        self.setup, self.target, self.compile, self.profile = setup, target, compile, profile
-        self.pdm = load_drafter(setup.ckpt, device, target.lm_head.weight)[0].to(target.model.dtype)
-        self._simulators: dict[Sampling, Simulator] = {}
+    def __init__(
+        self,
+        setup: Setup,
+        target: Target,
+        device: str,
+        compile: bool = False,
+        profile: bool = False,
+        max_batch: int = 1,
+    ):
+        pdm = load_drafter(setup.ckpt, device, target.lm_head.weight)[0].to(target.model.dtype)
+        self.eos = setup.eos
+        self._build = lambda: Simulator(
+            target, pdm, setup.geometry, profile=profile, compile=compile, max_batch=max_batch
+        )
+        self.simulator = self._build()
 
     def generate(self, prompt_ids, max_new_tokens, sampling, seed, on_tokens=None) -> DecodeResult:
-        simulator = self._simulator(sampling)
         try:
-            return simulator.decode(prompt_ids, max_new_tokens, self.setup.eos, seed, on_tokens)
+            return self.simulator.decode(prompt_ids, max_new_tokens, self.eos, seed, on_tokens, sampling=sampling)
         except BaseException:
-            del self._simulators[sampling]  # its messages are half-delivered: build a fresh one next time
+            self.simulator = self._build()
             raise
 
-    def _simulator(self, sampling: Sampling) -> Simulator:
-        if sampling not in self._simulators:
-            if len(self._simulators) >= SIMULATORS_KEPT:
-                self._simulators.pop(next(iter(self._simulators)))
-            self._simulators[sampling] = Simulator(
-                self.target, self.pdm, self.setup.geometry, sampling, profile=self.profile, compile=self.compile
-            )
-        return self._simulators[sampling]
-
     def close(self) -> None:
-        self._simulators.clear()
+        pass

@@ -33,10 +33,10 @@ from collections.abc import Callable
 from inference import cli
 from inference.backends import Backend, make_backend
 from inference.cycle.result import DecodeResult
+from inference.cycle.slots import Request
 from inference.evaluation.repetition import repeated_share
 from inference.evaluation.tables import fmt
 from inference.evaluation.totals import pooled_totals
-from inference.processes.batch_ranks import decode_batched
 from inference.processes.job import DecodeJob
 from inference.processes.launch import launch, run_rank
 from inference.prompts import read_prompts
@@ -80,11 +80,8 @@ def check_args(args: argparse.Namespace) -> Sampling:
         raise cli.UsageError("--check-lossless compares tokens and needs greedy decoding (--temperature 0)")
     if args.max_batch < 1:
         raise cli.UsageError(f"--max-batch={args.max_batch} must be >= 1")
-    if args.max_batch > 1 and (args.simulate or args.profile or args.pdm_placement != "separate"):
-        raise cli.UsageError(
-            "--max-batch > 1 decodes through the ranks with the PDM on its own rank: drop --simulate and "
-            "--profile, keep --pdm-placement separate"
-        )
+    if args.max_batch > 1 and args.profile:
+        raise cli.UsageError("--profile times the cycles of one prompt at a time: use --max-batch 1")
     return sampling
 
 
@@ -139,13 +136,16 @@ def _decode(
     if args.max_batch > 1 and setup.mode in ("ar", EAGLE3):
         raise cli.UsageError(f"--max-batch > 1 is pipeline decoding: --mode {setup.mode} decodes one prompt at a time")
     if args.simulate or setup.mode in ("ar", EAGLE3):
-        return _in_process(
-            make_backend(setup, args.device, compile=args.compile, profile=args.profile),
-            args,
-            prompts,
-            sampling,
-            on_tokens,
-        )
+        backend = make_backend(setup, args.device, compile=args.compile, profile=args.profile, max_batch=args.max_batch)
+        if args.max_batch > 1:  # every prompt a request of the one simulator, B at a time
+            requests = [
+                Request(
+                    ids, args.max_new_tokens, frozenset(setup.eos), sampling, args.seed + i, _for_prompt(on_tokens, i)
+                )
+                for i, ids in enumerate(prompts)
+            ]
+            return backend.simulator.run(requests)
+        return _in_process(backend, args, prompts, sampling, on_tokens)
     job = decode_job(setup, args, prompts, sampling, profile=args.profile)
     job.stream = on_tokens is not None
     job.max_batch = args.max_batch
@@ -178,7 +178,6 @@ def _ar(setup: Setup, args, prompts: list[list[int]], sampling: Sampling) -> lis
 def _distributed(
     job: DecodeJob, on_tokens: Callable[[int, list[int]], None] | None = None
 ) -> list[DecodeResult] | None:
-    work = decode_batched if job.max_batch > 1 else None  # None: `decode_prompts`, one prompt at a time
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         if int(os.environ["WORLD_SIZE"]) != job.world_size:
             raise cli.UsageError(
@@ -188,13 +187,12 @@ def _distributed(
             )
         collected: dict[int, DecodeResult] = {}  # batched, prompts end out of order
         rank = int(os.environ["RANK"])
-        run_rank(job, rank, int(os.environ.get("LOCAL_RANK", rank)), collected.__setitem__, on_tokens, work=work)
+        run_rank(job, rank, int(os.environ.get("LOCAL_RANK", rank)), collected.__setitem__, on_tokens)
         return [collected[i] for i in sorted(collected)] if rank == job.n - 1 else None
     return launch(
         job,
         on_result=lambda i, r: print(f"prompt {i + 1}: {_counters(r)}", file=sys.stderr, flush=True),
         on_tokens=on_tokens,
-        work=work,
     )
 
 

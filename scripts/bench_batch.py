@@ -1,7 +1,7 @@
 """Batched decoding in the one-process simulator (issue 26): tokens/s and the step cost of each stage and the draft
 per batch size B = 1, 2, 4, 8.
 
-The same requests (greedy, mixed prompt lengths) are decoded by `BatchSimulator` at each batch size; each run
+The same requests (greedy, mixed prompt lengths) are decoded by `Simulator` at each batch size; each run
 first checks every sequence against the first run (tokens and K). The stages run in sequence in one process,
 so the wall clock measures what batching saves per cycle (one forward over B slots instead of B forwards), not
 the pipeline's wall clock on n devices. What the planner needs (`python -m inference.plan --batch-times`) is
@@ -109,7 +109,7 @@ def run(args) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from kit import make_tiny_model, random_pdm  # the test fixtures' random models
 
-    from inference.cycle.batch import BatchSimulator
+    from inference.cycle.simulator import Simulator
     from spd_lightning.geometry import Geometry
     from spd_lightning.target import Target
 
@@ -119,7 +119,7 @@ def run(args) -> dict:
     requests = requests_of(args)
     rows, reference = [], None
     for B in args.batch:
-        simulator = BatchSimulator(target, pdm, geometry, B)
+        simulator = Simulator(target, pdm, geometry, max_batch=B)
         times = instrument(simulator)
         t0 = time.perf_counter()
         results = simulator.run(requests)

@@ -189,22 +189,19 @@ def bench_stages(shape: dict, n: int, args, device: torch.device, on_row=None) -
     k = shape["num_hidden_layers"] // n
     target = make_target(shape, 2 * k, device, args.dtype)
     geometry = Geometry.build(2 * k, 2)
-    stages = [Stage.from_target(target, geometry, s) for s in (1, 2)]
     P = args.context
-    for stage in stages:
-        stage.cache.reset(P + 8)
     prompt = torch.randint(0, shape["vocab_size"], (1, P), device=device)
-    hidden = stages[0](prompt, 0).hidden
-    stages[1](hidden, 0)
-    inputs = [torch.randint(0, shape["vocab_size"], (1, 1), device=device), hidden[:, -1:].clone()]
     rows = []
     for compiled in [False, True] if args.compile else [False]:
+        stages = [Stage.from_target(target, geometry, s, compile=compiled) for s in (1, 2)]
+        hidden = stages[0].prefill(0, prompt, P + 8)[0]
+        stages[1].prefill(0, hidden, P + 8)
+        inputs = [torch.randint(0, shape["vocab_size"], (1, 1), device=device), hidden[:, -1:].clone()]
         for stage, x, role in zip(stages, inputs, ("first", "last")):
-            stage.use_compiled_decode(compiled)
 
             def one_token(stage=stage, x=x):
-                stage(x, P)
-                stage.cache.rollback(P)
+                stage.step(x, {0: P})
+                stage.cache.rollback(0, P)
 
             ms = median_ms(one_token, args.iters, args.warmup, device)
             bandwidth_ms = weight_bytes(stage) / (args.hbm_tbps * 1e12) * 1e3
@@ -218,7 +215,7 @@ def bench_stages(shape: dict, n: int, args, device: torch.device, on_row=None) -
                     "ms": ms,
                     "weights_ms": bandwidth_ms,
                     "vs_weights": ms / bandwidth_ms,
-                    **cuda_graphs(stage._decode_step),
+                    **cuda_graphs(stage._step),
                 }
             )
             if on_row is not None:
@@ -250,13 +247,14 @@ def bench_draft(shape: dict, n: int, L_s: int, args, device: torch.device, on_ro
     view = [(depth, P + i) for i, depth in enumerate(range(n - 1, -1, -1))]  # pre-step: the newest at depth 0
     rows = []
     for compiled in [False, True] if args.compile else [False]:
-        drafter = PDMDrafter(pdm, geometry, embed, Sampling(), args.dtype, compile=compiled)
-        drafter.start(torch.randint(0, shape["vocab_size"], (1, P), device=device), P + n + 2)
+        drafter = PDMDrafter(pdm, geometry, embed, args.dtype, 1, compile=compiled)
+        drafter.start(0, torch.randint(0, shape["vocab_size"], (1, P), device=device), P + n + 2)
         drafter.states.normal_()
-        drafter.draft(view, None)  # appends the prompt: later calls draft the in-flight positions only
-        ms = median_ms(lambda: drafter.draft(view, None), args.iters, args.warmup, device)  # noqa: B023 - timed here
+        draft = lambda: drafter.draft({0: view}, {0: Sampling()}, {})  # noqa: B023, E731 - timed here
+        draft()  # appends the prompt: later calls draft the in-flight positions only
+        ms = median_ms(draft, args.iters, args.warmup, device)
         log.info("draft L_s=%d fill=%d captured=%s: %.3f ms", L_s, n, compiled, ms)
-        rows.append({"n": n, "L_s": L_s, "fill": n, "captured": compiled, "ms": ms, **cuda_graphs(drafter._in_flight)})
+        rows.append({"n": n, "L_s": L_s, "fill": n, "captured": compiled, "ms": ms, **cuda_graphs(drafter._step)})
         if on_row is not None:
             on_row(rows[-1])
     return rows

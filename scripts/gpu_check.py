@@ -266,7 +266,7 @@ def stage_latencies(target: Target, n: int, prompt: torch.Tensor, repeats: int, 
     x = prompt
     for s in range(1, n + 1):
         stage = Stage.from_target(target, geometry, s)
-        hidden = stage(x, 0).hidden
+        hidden = stage.prefill(0, x, 0)[0]
         token = prompt[:, -1:] if s == 1 else hidden[:, -1:]
         out.append(median_time(one_token_steps(stage, token, prompt.shape[1]), device, repeats))
         x = hidden
@@ -278,7 +278,7 @@ def one_token_steps(stage: Stage, token: torch.Tensor, start: int):
     position = [start]
 
     def step():
-        stage(token, position[0])
+        stage.step(token, {0: position[0]})
         position[0] += 1
 
     return step
@@ -295,11 +295,11 @@ def draft_latency(target: Target, num_layers: int, opts, prompt: torch.Tensor, d
         device=device,
         dtype=target.lm_head.weight.dtype,
     )
-    drafter = PDMDrafter(pdm, geometry, target.embed_tokens, Sampling(), target.lm_head.weight.dtype)
+    drafter = PDMDrafter(pdm, geometry, target.embed_tokens, target.lm_head.weight.dtype, 1)
     P = prompt.shape[1]
-    drafter.start(prompt[0], P + n + 2)
-    view = geometry.view(P - 1, n)
-    return median_time(lambda: drafter.draft(view, None), device, opts.repeats)
+    drafter.start(0, prompt[0], P + n + 2)
+    view = geometry.view(P - 1, n)[-n:]  # the in-flight tokens, as the runner drafts (the prompt: committed once)
+    return median_time(lambda: drafter.draft({0: view}, {0: Sampling()}, {}), device, opts.repeats)
 
 
 @torch.no_grad()

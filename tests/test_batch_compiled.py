@@ -1,6 +1,6 @@
 """Compiled batched steps (`--compile` at B > 1, issue 26): one graph per batch bucket, the same tokens as eager.
 
-`BatchSimulator(compile=True)` runs every stage step and the PDM's draft step through `CompiledStep` (inductor on
+`Simulator(compile=True)` runs every stage step and the PDM's draft step through `CompiledStep` (inductor on
 the CPU). Three requests of different lengths in four slots make the live slots cover buckets 4 (three rows and a
 dummy row), 2 and 1 as they end; each bucket is one more graph of the same step. Every sequence's tokens, K and
 counters (which depend on every draft) equal the eager batched decode's. A step whose compile fails runs eagerly,
@@ -11,7 +11,7 @@ import pytest
 from kit import make_tiny_model, random_pdm
 from torch._dynamo.exc import Unsupported
 
-from inference.cycle.batch import BatchSimulator
+from inference.cycle.simulator import Simulator
 from inference.cycle.slots import Request
 from inference.sampling import Sampling
 from spd_lightning.geometry import Geometry
@@ -30,7 +30,7 @@ def summary(results) -> list[tuple]:
     return [(r.tokens, r.K, r.counters, r.stop_reason) for r in results]
 
 
-def compiled_steps(simulator: BatchSimulator) -> list:
+def compiled_steps(simulator: Simulator) -> list:
     return [stage._step for stage in simulator.stages.values()] + [simulator.drafter._step]
 
 
@@ -44,8 +44,8 @@ def setup(arch: str):
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
 def test_compiled_batched_decode_equals_eager_over_every_bucket(arch):
     target, geometry, pdm = setup(arch)
-    eager = BatchSimulator(target, pdm, geometry, 4).run(REQUESTS)
-    compiled = BatchSimulator(target, pdm, geometry, 4, compile=True)
+    eager = Simulator(target, pdm, geometry, max_batch=4).run(REQUESTS)
+    compiled = Simulator(target, pdm, geometry, max_batch=4, compile=True)
     got = compiled.run(REQUESTS)
     assert summary(got) == summary(eager)
     assert sum(r.counters["rejected_by_fill"][0] for r in got) > 0  # rollbacks per slot were exercised
@@ -55,8 +55,8 @@ def test_compiled_batched_decode_equals_eager_over_every_bucket(arch):
 def test_a_batched_step_that_fails_to_compile_runs_eagerly(caplog):
     """Every compiled step raises as dynamo does on an untraceable step: each runs eagerly, same tokens."""
     target, geometry, pdm = setup("qwen3")
-    eager = BatchSimulator(target, pdm, geometry, 3).run(REQUESTS)
-    compiled = BatchSimulator(target, pdm, geometry, 3, compile=True)
+    eager = Simulator(target, pdm, geometry, max_batch=3).run(REQUESTS)
+    compiled = Simulator(target, pdm, geometry, max_batch=3, compile=True)
 
     def untraceable(*args):
         raise Unsupported("a host read inside the step")

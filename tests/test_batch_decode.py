@@ -14,7 +14,6 @@ import torch
 from kit import agreeing_pdm, nearly_bigram_target, random_pdm
 
 from inference.cycle.ar import ar_decode
-from inference.cycle.batch import BatchSimulator
 from inference.cycle.simulator import Simulator
 from inference.cycle.slots import Request
 from inference.sampling import Sampling
@@ -57,7 +56,7 @@ def test_greedy_batch_equals_batch_one(tiny_target, n):
     for r, reference in zip(requests, references):
         assert reference.tokens == ar_decode(tiny_target, r.prompt_ids, r.max_new_tokens).tokens
     for B, replay in ((1, False), (4, False), (4, True)):
-        results = BatchSimulator(tiny_target, pdm, geometry, B, replay_wasted_work=replay).run(requests)
+        results = Simulator(tiny_target, pdm, geometry, max_batch=B, replay_wasted_work=replay).run(requests)
         assert [same(x, ref) for x, ref in zip(results, references)] == [True] * len(requests), (B, replay)
 
 
@@ -75,7 +74,7 @@ def test_accepted_drafts_and_mixed_sampling(arch, n):
     accepted = torch.tensor([r.counters["accepted_by_fill"] for r in references]).sum(0)
     assert (accepted > 0).all(), accepted.tolist()
     for B in (3, 5):
-        results = BatchSimulator(target, pdm, geometry, B).run(requests)
+        results = Simulator(target, pdm, geometry, max_batch=B).run(requests)
         assert [same(x, ref) for x, ref in zip(results, references)] == [True] * len(requests), B
 
 
@@ -83,8 +82,8 @@ def test_seeded_sampling_is_the_same_at_batch_one_and_three(tiny_qwen35):
     geometry = Geometry.build(tiny_qwen35.num_layers, 3)
     pdm = random_pdm(tiny_qwen35, geometry)
     requests = [Request(p, 12, sampling=SAMPLED, seed=s) for p, s in zip(PROMPTS[:3], (0, 1, 2**70))]
-    one = BatchSimulator(tiny_qwen35, pdm, geometry, 1).run(requests)
-    three = BatchSimulator(tiny_qwen35, pdm, geometry, 3).run(requests)
+    one = Simulator(tiny_qwen35, pdm, geometry, max_batch=1).run(requests)
+    three = Simulator(tiny_qwen35, pdm, geometry, max_batch=3).run(requests)
     assert [r.tokens for r in one] == [r.tokens for r in three]
     assert [r.tokens for r in one] == [alone(tiny_qwen35, pdm, geometry, r).tokens for r in requests]
     assert len({tuple(r.tokens) for r in one}) == 3
@@ -114,7 +113,7 @@ def test_joins_and_leaves_mid_flight(arch, n):
         Request(PROMPTS[4], 8),
     ]
     joins = {0: 0, 2: 1, 3: 2, 5: 3, 24: 4}  # cycle -> the request that joins before it
-    batch = BatchSimulator(target, pdm, geometry, 4)
+    batch = Simulator(target, pdm, geometry, max_batch=4)
     owners, results = {}, {}
     for cycle in range(200):
         if cycle in joins:

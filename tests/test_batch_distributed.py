@@ -1,6 +1,6 @@
 """Batched decoding over the ranks (issue 26 (b)): n stage ranks + 1 PDM rank as real gloo processes, B = 3.
 
-Each sequence of a batch decoded through the ranks is its batch-1 simulator decode and its `BatchSimulator`
+Each sequence of a batch decoded through the ranks is its batch-1 simulator decode and its `Simulator`
 decode: tokens, N, K and the acceptance counters, which depend on every draft, so equal counters mean every
 slot's drafts and verdicts were its batch-1 ones. A random PDM is rejected almost always: the stage ranks run
 wasted optimistic steps per slot and roll them back (a hybrid target at n = 3: Gated DeltaNet states restored).
@@ -15,11 +15,9 @@ import time
 import pytest
 from kit import make_tiny_model, save_random_drafter, target_dir
 
-from inference.cycle.batch import BatchSimulator
 from inference.cycle.simulator import Simulator
 from inference.cycle.slots import Request
 from inference.decode import main
-from inference.processes.batch_ranks import decode_batched
 from inference.processes.job import DecodeJob
 from inference.processes.launch import LaunchError, launch
 from inference.sampling import Sampling
@@ -73,10 +71,10 @@ def test_batched_ranks_equal_batch_one_and_the_batch_simulator(targets, tmp_path
     geometry = Geometry.build(target.num_layers, n)
     drafter = save_random_drafter(target, geometry, str(tmp_path / "drafter"))
     pdm = load_drafter(drafter)[0]
-    ranks = launch(batched_job(path, target, geometry, drafter, 3), work=decode_batched)
+    ranks = launch(batched_job(path, target, geometry, drafter, 3))
     simulator = Simulator(target, pdm, geometry)
     alone = [simulator.decode(r.prompt_ids, r.max_new_tokens, seed=r.seed) for r in requests()]
-    simulated = BatchSimulator(target, pdm, geometry, 3).run(requests())
+    simulated = Simulator(target, pdm, geometry, max_batch=3).run(requests())
     assert summary(ranks) == summary(alone) == summary(simulated)
     assert [r.N for r in ranks] == MAX_NEW
     assert sum(r.counters["rejected_by_fill"][0] for r in ranks) > 0  # rollbacks happened
@@ -87,8 +85,8 @@ def test_batched_ranks_sample_the_same_tokens_at_batch_one_and_three(targets, tm
     path, target = targets["qwen3"]
     geometry = Geometry.build(target.num_layers, 2)
     drafter = save_random_drafter(target, geometry, str(tmp_path / "drafter"))
-    one = launch(batched_job(path, target, geometry, drafter, 1, SAMPLED), work=decode_batched)
-    three = launch(batched_job(path, target, geometry, drafter, 3, SAMPLED), work=decode_batched)
+    one = launch(batched_job(path, target, geometry, drafter, 1, SAMPLED))
+    three = launch(batched_job(path, target, geometry, drafter, 3, SAMPLED))
     simulator = Simulator(target, load_drafter(drafter)[0], geometry, SAMPLED)
     alone = [simulator.decode(r.prompt_ids, r.max_new_tokens, seed=r.seed) for r in requests(SAMPLED)]
     assert summary(one) == summary(three) == summary(alone)
@@ -105,7 +103,7 @@ def test_a_rank_killed_with_requests_in_flight_ends_every_rank(targets, tmp_path
     pids, reported = {}, []
     start = time.monotonic()
     with pytest.raises(LaunchError, match=r"rank 0 \(stage 1\) was killed by signal 9") as info:
-        launch(job, on_start=pids.__setitem__, on_result=lambda i, r: reported.append(i), work=decode_batched)
+        launch(job, on_start=pids.__setitem__, on_result=lambda i, r: reported.append(i))
     assert time.monotonic() - start < TIMEOUT_S
     assert reported == []  # every request was in flight or queued: each ends with the launch's error
     assert info.value.failed and all(code != 0 for code in info.value.failed.values())

@@ -42,10 +42,10 @@ def test_a_stop_ends_the_simulated_decode_at_the_next_verdict(tiny_qwen35, polic
         client = CancelAfter(at)
         result = simulator.decode(PROMPT, 40, on_tokens=client.on_tokens, stop=client.stop)
         assert result.stop_reason == "cancelled" and result.tokens == references[0][: result.N]
-        seen = simulator.runner.stop_seen
+        seen = simulator.stop_seen
         assert 1 <= seen and result.K - seen <= (bound if at > 1 else geometry.n - 1) and result.N < 40
-        simulator.runner.drafter._next = 0  # replay the same references again
-    simulator.runner.drafter._next = 1
+        simulator.drafter._next = 0  # replay the same references again
+    simulator.drafter._next = 1
     for prompt in (OTHER, PROMPT):
         want, got = fresh.decode(prompt, 12), simulator.decode(prompt, 12)
         assert (got.tokens, got.K, got.counters, got.stop_reason) == (

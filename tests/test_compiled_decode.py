@@ -18,13 +18,13 @@ PROMPTS = [[3, 14, 15, 92, 65, 35], [7]]
 
 def record_drafts(simulator) -> list[int]:
     """The drafter's proposals, in order (a random PDM is rarely accepted: N and K alone would hide a bad draft)."""
-    drafter, proposals = simulator.runner.drafter, []
+    drafter, proposals = simulator.drafter, []
     draft = drafter.draft
 
-    def recording(view, generator):
-        token, q = draft(view, generator)
-        proposals.append(int(token))
-        return token, q
+    def recording(views, samplings, generators, rows=None):
+        drafts = draft(views, samplings, generators, rows)
+        proposals.extend(int(token) for token, _ in drafts.values())
+        return drafts
 
     drafter.draft = recording
     return proposals
@@ -43,8 +43,12 @@ def compare_compiled_with_eager(arch, monkeypatch):
         assert (got.tokens, got.N, got.K, got.counters) == (want.tokens, want.N, want.K, want.counters)
         assert got_drafts == want_drafts and len(set(got_drafts)) > 1
         assert 2 <= got.K and got.counters["rejected_by_fill"] != [0, 0]  # rollbacks were exercised
-    stage = compiled.runner.stages[1]
-    assert stage._compiled and stage._decode_step is not stage._step and compiled.runner.drafter.cache.static
+    stage = compiled.stages[1]
+    assert (
+        stage.compiled
+        and stage._step is not stage._decode_step
+        and compiled.drafter._step is not compiled.drafter._logits
+    )
 
 
 def test_compiled_qwen35_decode_equals_eager_without_device_sync(monkeypatch):
@@ -139,8 +143,8 @@ def test_the_recompile_limit_falls_back_to_eager_with_one_warning(
             want = eager.generate(prompt, 6, Sampling(), 0)
             got = compiled.generate(prompt, 6, Sampling(), 0)
             assert (got.tokens, got.N, got.K) == (want.tokens, want.N, want.K)
-    runner = compiled._simulators[Sampling()].runner
-    steps = [stage._decode_step for stage in runner.stages.values()] + [runner.drafter._in_flight]
+    runner = compiled.simulator
+    steps = [stage._step for stage in runner.stages.values()] + [runner.drafter._step]
     assert not any(step.compiled for step in steps)
     warnings = [r for r in caplog.records if "runs eagerly" in r.getMessage()]
     assert 1 <= len(warnings) <= len(steps) and "recompile" in caplog.text.lower()
@@ -171,8 +175,8 @@ def test_twenty_growing_prompts_reuse_bucketed_graphs(tmp_path, monkeypatch):
     before = unique_graphs()
     for prompt in growing_prompts(20, target.vocab_size):
         compiled.generate(prompt, 6, Sampling(), 0)
-    runner = compiled._simulators[Sampling()].runner
-    steps = [stage._decode_step for stage in runner.stages.values()] + [runner.drafter._in_flight]
+    runner = compiled.simulator
+    steps = [stage._step for stage in runner.stages.values()] + [runner.drafter._step]
     assert all(step.compiled for step in steps)
     assert 0 < unique_graphs() - before <= 16
 
@@ -212,7 +216,7 @@ def test_the_ranks_compile_what_the_job_asks_for(tmp_path, monkeypatch, placemen
             compile=compile_,
         )
         loaded = roles.load_role(job, 0, torch.device("cpu"))
-        assert isinstance(loaded.stages[1]._decode_step, CompiledStep) is compile_
+        assert isinstance(loaded.stages[1]._step, CompiledStep) is compile_
         roles.build_runner(job, drafter_rank, torch.device("cpu"))
         assert drafter_compile[-1] is compile_
 

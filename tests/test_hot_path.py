@@ -18,6 +18,7 @@ from kit import LateArrival, RecordingTransport, forbid_device_sync, random_pdm
 from inference.cycle.ar import ar_decode
 from inference.cycle.pipeline import PipelineRunner
 from inference.cycle.simulator import Simulator
+from inference.cycle.slots import Request
 from inference.cycle.transport import Arrival, Transport
 from inference.cycle.verify import Verifier
 from inference.runtime.drafter import ReplayDrafter
@@ -46,18 +47,17 @@ def is_sync(sync: HostSync) -> bool:
 
 
 def syncs_per_step(runner: PipelineRunner, counter: HostSyncCounter) -> list[list[HostSync]]:
-    """Wrap `runner._cycle`: the syncs of each step (the drafter's, on the PDM rank, included)."""
-    steps, cycle = [], runner._cycle
+    """Wrap `runner.step`: the syncs of each step (the drafter's, on the PDM rank, included)."""
+    return batch_syncs_per_step(runner, counter)
 
-    def counted(step):
-        start = len(counter.records)
-        try:
-            return cycle(step)
-        finally:
-            steps.append([r for r in counter.records[start:] if is_sync(r)])
 
-    runner._cycle = counted
-    return steps
+def one_rank_runner(geometry, transport, stages: dict, drafter, config) -> PipelineRunner:
+    """A batch-1 runner of the ranks `transport` hosts."""
+    return PipelineRunner(geometry, transport, stages, drafter, config)
+
+
+def decode_alone(runner: PipelineRunner, sampling: Sampling):
+    return runner.run_one(Request(PROMPT, 24, frozenset(), sampling, seed=3))
 
 
 def check_only_verdict_reads(steps: list[list[HostSync]]) -> int:
@@ -107,7 +107,7 @@ def recorded_run(target, geometry, sampling: Sampling):
         drafter = random_pdm(target, geometry, num_layers=1)
     simulator = Simulator(target, drafter, geometry, sampling)
     transport = RecordingTransport(geometry.n + 1)
-    simulator.runner.transport = transport
+    simulator.transport = transport
     return simulator, simulator.decode(PROMPT, 24, seed=3), transport.log
 
 
@@ -123,12 +123,12 @@ def test_a_stage_rank_syncs_only_to_read_the_verdict_once_per_cycle(
     assert want.counters["rejected_by_fill"] != [0, 0, 0] and sum(want.counters["accepted_by_fill"]) > 0
     for rank in range(geometry.n):
         stage = Stage.from_target(tiny_qwen35, geometry, rank + 1)
-        config = simulator.runner.config
-        runner = PipelineRunner(geometry, OneRank(rank, log, verdict_in_time), {rank + 1: stage}, None, config)
+        config = simulator.config
+        runner = one_rank_runner(geometry, OneRank(rank, log, verdict_in_time), {rank + 1: stage}, None, config)
         forbid_device_sync(monkeypatch)
         with HostSyncCounter(device="cpu") as counter:
             steps = syncs_per_step(runner, counter)
-            got = runner.decode(PROMPT, 24, frozenset(), seed=3)
+            got = decode_alone(runner, sampling)
         assert (got.tokens, got.K, got.counters) == (want.tokens, want.K, want.counters)
         # one read per verdict this rank learns in a cycle: every judged cycle's (N - 1 of them) plus the
         # verdict of each rejection's wasted step, which is the rejection itself, read once
@@ -150,15 +150,15 @@ def test_the_pdm_rank_syncs_only_to_read_the_verdict_once_per_cycle(
     geometry = Geometry.build(tiny_qwen35.num_layers, 3)
     simulator = Simulator(tiny_qwen35, random_pdm(tiny_qwen35, geometry, num_layers=1), geometry, sampling)
     transport = RecordingTransport(geometry.n + 1)
-    simulator.runner.transport = transport
+    simulator.transport = transport
     want = simulator.decode(PROMPT, 24, seed=3)
-    pdm_rank, drafter = geometry.n, simulator.runner.drafter
+    pdm_rank, drafter = geometry.n, simulator.drafter
     alone = OneRank(pdm_rank, transport.log, verdict_in_time)
-    runner = PipelineRunner(geometry, alone, {}, drafter, simulator.runner.config)
+    runner = one_rank_runner(geometry, alone, {}, drafter, simulator.config)
     forbid_device_sync(monkeypatch)
     with HostSyncCounter(device="cpu") as counter:
         steps = syncs_per_step(runner, counter)
-        got = runner.decode(PROMPT, 24, frozenset(), seed=3)
+        got = decode_alone(runner, sampling)
     assert (got.tokens, got.K) == (want.tokens, want.K)
     assert want.K > want.N  # rejections: the PDM seeded corrections (`set_token`) in this run
     assert 0 < check_only_verdict_reads(steps) <= want.N
@@ -178,7 +178,7 @@ def test_the_simulator_syncs_once_per_judged_cycle(tiny_qwen35, monkeypatch, sam
     want = simulator.decode(PROMPT, 16, seed=1)
     forbid_device_sync(monkeypatch)
     with HostSyncCounter(device="cpu") as counter:
-        steps = syncs_per_step(simulator.runner, counter)
+        steps = syncs_per_step(simulator, counter)
         got = simulator.decode(PROMPT, 16, seed=1)
     assert got.tokens == want.tokens and got.K == want.K
     assert check_only_verdict_reads(steps) == got.N - 1
@@ -212,7 +212,7 @@ def test_every_message_travels_in_a_buffer_allocated_once(tiny_qwen35):
 
     geometry = Geometry.build(tiny_qwen35.num_layers, 3)
     simulator = Simulator(tiny_qwen35, random_pdm(tiny_qwen35, geometry, num_layers=1), geometry, Sampling(1.0))
-    runner, transport = simulator.runner, simulator.runner.transport
+    runner, transport = simulator, simulator.transport
     box = runner.box
     owners = [*box.rings.values(), box.verdict_host]
     sent, received, send, recv = [], [], transport.send, transport.recv
@@ -249,8 +249,9 @@ def test_the_verifier_runs_its_forward_before_it_takes_the_draft(tiny_qwen35, mo
     verifier_rank = geometry.n - 1
     stage = Stage.from_target(tiny_qwen35, geometry, geometry.n)
     alone = OneRank(verifier_rank, log, True)
-    runner = PipelineRunner(geometry, alone, {geometry.n: stage}, None, simulator.runner.config)
-    events, recv, forward = [], alone.recv, stage.forward
+    runner = one_rank_runner(geometry, alone, {geometry.n: stage}, None, simulator.config)
+    stage = runner.stages[geometry.n]
+    events, recv, forward = [], alone.recv, stage.step
 
     def logged_recv(src, dst, tensor, kind):
         events.append(kind)
@@ -260,14 +261,14 @@ def test_the_verifier_runs_its_forward_before_it_takes_the_draft(tiny_qwen35, mo
         events.append("forward")
         return forward(*args, **kwargs)
 
-    def logged_cycle(step, _cycle=runner._cycle):
+    def logged_step(_step=runner.step):
         events.append("step")
-        return _cycle(step)
+        return _step()
 
     monkeypatch.setattr(alone, "recv", logged_recv)
-    monkeypatch.setattr(stage, "forward", logged_forward)
-    monkeypatch.setattr(runner, "_cycle", logged_cycle)
-    got = runner.decode(PROMPT, 24, frozenset(), seed=3)
+    monkeypatch.setattr(stage, "step", logged_forward)
+    monkeypatch.setattr(runner, "step", logged_step)
+    got = decode_alone(runner, Sampling(1.0, top_k=20))
     assert (got.tokens, got.K) == (want.tokens, want.K)
     steps = [step.split() for step in " ".join(events).split("step")[1:]]
     both = [step for step in steps if "forward" in step and "draft_token" in step]
@@ -309,15 +310,15 @@ def check_batch_verdict_reads(steps: list[list[HostSync]]) -> None:
 
 
 def recorded_batch_run(B: int):
-    """A `BatchSimulator` run of an often-accepted PDM (accepts and rejections, every fill level), its messages."""
+    """A `Simulator` run of an often-accepted PDM (accepts and rejections, every fill level), its messages."""
     from kit import agreeing_pdm, nearly_bigram_target
 
-    from inference.cycle.batch import BatchSimulator
+    from inference.cycle.simulator import Simulator
     from spd_lightning.geometry import Geometry
 
     target = nearly_bigram_target("qwen3_5", 0.1)
     geometry = Geometry.build(target.num_layers, 3)
-    simulator = BatchSimulator(target, agreeing_pdm(target, geometry, 0.1), geometry, B)
+    simulator = Simulator(target, agreeing_pdm(target, geometry, 0.1), geometry, max_batch=B)
     transport = RecordingTransport(geometry.n + 1)
     simulator.transport = transport
     return target, geometry, simulator, simulator.run(batch_requests()), transport.log
@@ -325,14 +326,13 @@ def recorded_batch_run(B: int):
 
 @pytest.mark.parametrize("verdict_in_time", [True, False], ids=["verdict_early", "verdict_late"])
 def test_every_batched_rank_syncs_only_to_read_the_verdict_once_per_step(monkeypatch, verdict_in_time):
-    """B = 3 over a recorded `BatchSimulator` run: each stage rank and the PDM rank alone (their own slot caches,
+    """B = 3 over a recorded `Simulator` run: each stage rank and the PDM rank alone (their own slot caches,
     per-slot positions and PDM offsets kept on the device) make no sync but the one read of each `[B, 2]`
     verdict, and decode what the recorded run decoded. A late verdict does not hold the PDM's draft up: it drafts
     for every slot not known to be wasted, discards the drafts of wasted ones, and sends exactly what the PDM of
     the recorded run sent."""
-    from inference.cycle.batch_runner import BatchRunner
-    from inference.runtime.slot_drafter import SlotDrafter
-    from inference.runtime.slot_stage import SlotStage
+    from inference.cycle.pipeline import PipelineRunner
+    from inference.runtime.drafter import PDMDrafter
     from inference.runtime.stages import Stage
 
     B = 3
@@ -342,12 +342,12 @@ def test_every_batched_rank_syncs_only_to_read_the_verdict_once_per_step(monkeyp
     for rank in range(geometry.n + 1):
         stages, drafter = {}, None
         if rank < geometry.n:
-            stages = {rank + 1: SlotStage(Stage.from_target(target, geometry, rank + 1), B)}
+            stages = {rank + 1: Stage.from_target(target, geometry, rank + 1, B)}
         else:
             pdm = simulator.drafter.pdm
-            drafter = SlotDrafter(pdm, geometry, target.embed_tokens, simulator.stages[1].stage.dtype, B)
+            drafter = PDMDrafter(pdm, geometry, target.embed_tokens, simulator.stages[1].dtype, B)
         alone = OneRank(rank, log, verdict_in_time)
-        runner = BatchRunner(geometry, alone, stages, drafter, simulator.config, B)
+        runner = PipelineRunner(geometry, alone, stages, drafter, simulator.config, B)
         forbid_device_sync(monkeypatch)
         with HostSyncCounter(device="cpu") as counter:
             steps = batch_syncs_per_step(runner, counter)

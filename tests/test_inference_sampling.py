@@ -50,7 +50,7 @@ def test_batched_sequences_follow_the_target_distribution():
     """Batched decoding (docs/DESIGN.md, "Batched decoding"): requests of two prompts under two sampling settings
     share four slots, joining as others leave; each prompt's first tokens follow its own warped target distribution
     whatever it shared the pipeline with."""
-    from inference.cycle.batch import BatchSimulator
+    from inference.cycle.simulator import Simulator
     from inference.cycle.slots import Request
 
     model = make_tiny_model("qwen3", num_layers=2, vocab_size=V)
@@ -63,7 +63,7 @@ def test_batched_sequences_follow_the_target_distribution():
         pdm.lm_head.weight.mul_(3.0)
     settings = [(PROMPT, SAMPLING), ([4, 1], Sampling(1.0, top_k=5))]
     requests = [Request(settings[i % 2][0], 3, sampling=settings[i % 2][1], seed=i) for i in range(2 * RUNS)]
-    results = BatchSimulator(target, pdm, geometry, 4).run(requests)
+    results = Simulator(target, pdm, geometry, max_batch=4).run(requests)
     rejected = sum(sum(r.counters["rejected_by_fill"]) for r in results)
     assert rejected > RUNS / 4  # the residual branch of the rejection sampler is exercised in the batch
     for which, (prompt, sampling) in enumerate(settings):

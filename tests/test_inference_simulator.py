@@ -69,7 +69,7 @@ def test_pdm_cache_computes_the_explicit_staircase(tiny_qwen35):
     n = 3
     geometry = Geometry.build(tiny_qwen35.num_layers, n)
     pdm = random_pdm(tiny_qwen35, geometry, num_layers=2)
-    drafter = PDMDrafter(pdm, geometry, tiny_qwen35.embed_tokens, Sampling(1.0), torch.float32)
+    drafter = PDMDrafter(pdm, geometry, tiny_qwen35.embed_tokens, torch.float32, 1)
     g = torch.Generator().manual_seed(0)
     T, H, m = 14, tiny_qwen35.hidden_size, geometry.num_types
     tokens = torch.randint(0, tiny_qwen35.vocab_size, (T,), generator=g)
@@ -77,16 +77,16 @@ def test_pdm_cache_computes_the_explicit_staircase(tiny_qwen35):
     with torch.no_grad():
         states[:, 0] = tiny_qwen35.embed_tokens(tokens)
     prompt_len = 4
-    drafter.start(tokens[:prompt_len][None], T + 1)
+    drafter.start(0, tokens[:prompt_len][None], T + 1)
     for s in range(1, n + 1):
         drafter.store_anchors(
-            s, 0, states[:, [i for i, b in enumerate(geometry.anchors) if b > 0 and geometry.stage_of_layer(b) == s]]
+            0, s, 0, states[:, [i for i, b in enumerate(geometry.anchors) if b > 0 and geometry.stage_of_layer(b) == s]]
         )
     for t, fill in zip(range(prompt_len, T - 1), [1, 2, 3, 3, 1, 2, 3, 2, 3]):
         for p in range(prompt_len, t + 1):
-            drafter.set_token(p, int(tokens[p]))
+            drafter.set_token(0, p, int(tokens[p]))
         view = geometry.view(t, fill)
-        _, q = drafter.draft(view[-fill:], g)
+        _, q = drafter.draft({0: view[-fill:]}, {0: Sampling(1.0)}, {0: g})[0]
         explicit = torch.stack([states[p] * (torch.arange(m) < geometry.type_of(d))[:, None] for d, p in view])[None]
         types = tuple(geometry.type_of(d) for d, _ in view)
         with torch.no_grad():

@@ -13,11 +13,15 @@ pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.hf_internals]
 
 
 def run_through(stages, ids, start):
+    """The stages in sequence on slot 0: the prefill at `start` 0, else one token; the last stage's logits."""
     x = torch.tensor([ids]) if start == 0 else torch.tensor([[ids[0]]])
     for stage in stages:
-        out = stage(x, start)
-        x = out.hidden
-    return out.logits
+        if start == 0:
+            x, _, logits = stage.prefill(0, x, 64)
+        else:
+            out = stage.step(x, {0: start})
+            x, logits = out.hidden, None if out.logits is None else out.logits[0]
+    return logits
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
@@ -36,23 +40,22 @@ def test_anchor_states_are_hf_hidden_states(tiny_qwen35):
     stages = [Stage.from_target(tiny_qwen35, geometry, s) for s in (1, 2)]
     ids = torch.tensor([[5, 17, 3, 44]])
     hidden = tiny_qwen35.model(ids, output_hidden_states=True).hidden_states
-    out1 = stages[0](ids, 0)
-    out2 = stages[1](out1.hidden, 0)
+    hidden1, anchors1, _ = stages[0].prefill(0, ids, 8)
+    _, anchors2, _ = stages[1].prefill(0, hidden1, 8)
     assert stages[0].anchor_layers == (1, 2) and stages[1].anchor_layers == (3, 4)  # anchor 0: the PDM embeds itself
-    got = torch.cat([out1.anchors, out2.anchors], dim=1)
+    got = torch.cat([anchors1, anchors2], dim=1)
     want = torch.stack([hidden[b][0] for b in (1, 2, 3, 4)], dim=1)
     assert torch.allclose(got, want, atol=1e-5)
 
 
 def cache_snapshot(stage):
     """Every tensor a stage's cache holds, by name (keys/values of attention, conv/recurrent of linear layers)."""
-    out = {}
-    for i in stage.cache.attention_layers:
-        keys, values = stage.cache.keys_values(i)  # the positions held (the static tail is stale storage)
-        out[f"k{i}"], out[f"v{i}"] = keys.clone(), values.clone()
-    for i in stage.cache.linear_layers:
-        layer = stage.cache.hf.layers[i]
-        out[f"conv{i}"], out[f"rec{i}"] = layer.conv_states[0].clone(), layer.recurrent_states[0].clone()
+    out, cache = {}, stage.cache
+    held = cache.lengths[0]  # the positions held (the static tail is stale storage)
+    for i in cache.attention_layers:
+        out[f"k{i}"], out[f"v{i}"] = cache.keys[i][0, :, :held].clone(), cache.values[i][0, :, :held].clone()
+    for i in cache.linear_layers:
+        out[f"conv{i}"], out[f"rec{i}"] = cache.conv[i][0].clone(), cache.recurrent[i][0].clone()
     return out
 
 
@@ -75,7 +78,7 @@ def test_rollback_is_bit_exact(arch):
     for i, t in enumerate(discarded):
         run_through(stage_a, [t], keep + i)
     for s in stage_a:
-        s.cache.rollback(keep)
+        s.cache.rollback(0, keep)
     for restored, fresh in zip([cache_snapshot(s) for s in stage_a], clean):
         assert restored.keys() == fresh.keys()
         for name in fresh:
@@ -101,7 +104,8 @@ def test_a_rank_loads_only_its_own_stage(tmp_path):
     assert torch.equal(pieces.embed_tokens.weight, model.get_input_embeddings().weight)
     ids = torch.tensor([[4, 8, 15, 16]])
     first = Stage.load(str(tmp_path), geometry, 1)
-    assert torch.allclose(loaded(first(ids, 0).hidden, 0).logits, hf_logits(target, ids[0].tolist())[-1], atol=1e-5)
+    hidden = first.prefill(0, ids, 8)[0]
+    assert torch.allclose(loaded.prefill(0, hidden, 8)[2], hf_logits(target, ids[0].tolist())[-1], atol=1e-5)
 
 
 def test_incomplete_checkpoint_is_named(tmp_path):

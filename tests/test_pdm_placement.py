@@ -11,6 +11,7 @@ from kit import LateArrival, RecordingTransport, make_tiny_model, random_pdm, sa
 from inference.cycle.pipeline import PipelineRunner
 from inference.cycle.result import COMPUTE, TIMING_FIELDS, summarize_timing
 from inference.cycle.simulator import Simulator
+from inference.cycle.slots import Request
 from inference.cycle.transport import Arrival, LocalTransport, Transport
 from inference.processes.job import DecodeJob
 from inference.processes.launch import launch
@@ -120,18 +121,18 @@ class FakeDrafter:
     def __init__(self, log: list):
         self.log = log
 
-    def start(self, prompt_ids, capacity):
+    def start(self, slot, prompt_ids, capacity):
         self.log.append(("start",))
 
-    def set_token(self, position, token):
+    def set_token(self, slot, position, token):
         self.log.append(("set_token",))
 
-    def store_anchors(self, stage, start, states):
+    def store_anchors(self, slot, stage, start, states):
         self.log.append(("store_anchors",))
 
-    def draft(self, view, generator):
+    def draft(self, views, samplings, generators, rows=None):
         self.log.append(("draft",))
-        return FakeTensor("token", self.log), FakeTensor("q", self.log)
+        return {0: (FakeTensor("token", self.log), FakeTensor("q", self.log))}
 
 
 @pytest.fixture
@@ -152,10 +153,10 @@ def fake_streams(monkeypatch):
 def test_the_side_stream_waits_for_the_inputs_and_the_main_stream_for_the_draft(fake_streams):
     log, main, side = fake_streams
     drafter = SideStreamDrafter(FakeDrafter(log), side, main_stream=lambda: main)
-    drafter.start(None, 8)
-    drafter.store_anchors(1, 0, None)
-    drafter.set_token(3, 5)
-    token, q = drafter.draft([(0, 3)], None)
+    drafter.start(0, None, 8)
+    drafter.store_anchors(0, 1, 0, None)
+    drafter.set_token(0, 3, 5)
+    token, q = drafter.draft({0: [(0, 3)]}, {0: Sampling()}, {})[0]
     assert (token.name, q.name) == ("token", "q")
     assert log == [
         ("start",),
@@ -178,19 +179,19 @@ def test_the_side_stream_waits_for_the_inputs_and_the_main_stream_for_the_draft(
 def test_without_a_stream_the_same_drafter_runs_in_line():
     log = []
     drafter = SideStreamDrafter(FakeDrafter(log), None)
-    drafter.store_anchors(1, 0, None)
-    drafter.draft([(0, 3)], None)
+    drafter.store_anchors(0, 1, 0, None)
+    drafter.draft({0: [(0, 3)]}, {0: Sampling()}, {})
     assert log == [("store_anchors",), ("draft",)]
 
 
 def test_receiving_runs_on_the_side_stream_after_the_inputs_and_the_main_stream_waits_for_it(fake_streams):
     log, main, side = fake_streams
     drafter = SideStreamDrafter(FakeDrafter(log), side, main_stream=lambda: main)
-    drafter.set_token(3, 5)
+    drafter.set_token(0, 3, 5)
     log.append(("forward",))  # stage 1's forward, launched on the main stream after the inputs
     with drafter.receiving():
-        drafter.store_anchors(2, 2, None)  # no event on the main stream: it is written on the side stream
-    drafter.draft([(0, 3)], None)
+        drafter.store_anchors(0, 2, 2, None)  # no event on the main stream: it is written on the side stream
+    drafter.draft({0: [(0, 3)]}, {0: Sampling()}, {})
     assert log[: log.index(("draft",))] == [
         ("set_token",),
         ("record", "main", "e0"),
@@ -262,7 +263,7 @@ def test_the_shared_process_launches_stage_1_before_it_waits_for_another_process
     geometry = Geometry.build(tiny_qwen35.num_layers, 3)
     simulator = Simulator(tiny_qwen35, random_pdm(tiny_qwen35, geometry, num_layers=1), geometry, sampling)
     recording = RecordingTransport(geometry.n + 1)
-    simulator.runner.transport = recording
+    simulator.transport = recording
     want = simulator.decode(PROMPTS[0], 24, seed=3)
     assert want.K > want.N  # rejections and refills
 
@@ -277,12 +278,12 @@ def test_the_shared_process_launches_stage_1_before_it_waits_for_another_process
 
     monkeypatch.setattr(shared_stream, "use_stream", on)
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda tensor, stream: None, raising=False)
-    pdm = simulator.runner.drafter
+    pdm = simulator.drafter
     drafter = SideStreamDrafter(pdm, side, main_stream=lambda: main)
     stage = Stage.from_target(tiny_qwen35, geometry, 1)
     transport = SharedRank(geometry.n, recording.log, events, verdict_in_time)
-    runner = PipelineRunner(geometry, transport, {1: stage}, drafter, simulator.runner.config)
-    forward, draft, cycle = stage.forward, pdm.draft, runner._cycle
+    runner = PipelineRunner(geometry, transport, {1: stage}, drafter, simulator.config)
+    forward, draft, cycle = stage.step, pdm.draft, runner.step
 
     def logged(name, fn):
         def call(*args, **kwargs):
@@ -291,11 +292,11 @@ def test_the_shared_process_launches_stage_1_before_it_waits_for_another_process
 
         return call
 
-    monkeypatch.setattr(stage, "forward", logged("forward", forward))
+    monkeypatch.setattr(stage, "step", logged("forward", forward))
     monkeypatch.setattr(pdm, "draft", logged("draft", draft))
-    monkeypatch.setattr(runner, "_cycle", logged("step", cycle))
+    monkeypatch.setattr(runner, "step", logged("step", cycle))
     with HostSyncCounter(device="cpu") as counter:
-        got = runner.decode(PROMPTS[0], 24, frozenset(), seed=3)
+        got = runner.run_one(Request(PROMPTS[0], 24, frozenset(), sampling, seed=3))
     assert (got.tokens, got.K, got.counters) == (want.tokens, want.K, want.counters)
     recorded = [(s, d, k, t) for s, d, k, t in recording.log if transport.hosts(s)]
     assert [m[:3] for m in transport.sent] == [m[:3] for m in recorded]

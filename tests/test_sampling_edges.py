@@ -8,7 +8,6 @@ import torch
 from kit import random_pdm
 
 from inference.cycle.ar import ar_decode
-from inference.cycle.batch import BatchSimulator
 from inference.cycle.simulator import Simulator
 from inference.cycle.slots import Request
 from inference.runtime.drafter import ReplayDrafter
@@ -60,7 +59,7 @@ def test_a_hostile_setting_in_one_slot_leaves_its_neighbours_alone(tiny_qwen35):
     prompt, sampled = [3, 14, 15, 92], Sampling(0.8, top_k=20, top_p=0.9)
     hostile = [Sampling(1e-50), Sampling(1.0, top_p=1e-50), Sampling(1e300, top_k=3)]
     requests = [Request(prompt, 10, sampling=s, seed=i) for i, s in enumerate([sampled, *hostile, sampled])]
-    results = BatchSimulator(tiny_qwen35, pdm, geometry, 3).run(requests)
+    results = Simulator(tiny_qwen35, pdm, geometry, max_batch=3).run(requests)
     greedy = ar_decode(tiny_qwen35, prompt, 10).tokens
     assert [r.tokens for r in results[1:3]] == [greedy, greedy]
     assert all(len(r.tokens) == 10 for r in results)
@@ -81,10 +80,10 @@ def test_replay_tokens_live_on_the_runner_device():
     """The pipeline starts the drafter with the prompt on its own device; drafts must be created there (on
     CUDA a CPU tensor cannot go into an NCCL send). The meta device stands in for CUDA on a CPU machine."""
     drafter = ReplayDrafter([[5, 6, 7]], "RW", vocab_size=10)
-    drafter.start(torch.zeros(1, 4, dtype=torch.long, device="meta"), capacity=16)
+    drafter.start(0, torch.zeros(1, 4, dtype=torch.long, device="meta"), capacity=16)
     for position in (3, 4):
-        token, q = drafter.draft([(0, position)], None)
+        token, q = drafter.draft({0: [(0, position)]}, {0: Sampling()}, {})[0]
         assert token.device.type == "meta" and token.shape == (1,) and q is None
     cpu = ReplayDrafter([[5, 6, 7]], "RW", vocab_size=10)
-    cpu.start(torch.zeros(1, 4, dtype=torch.long), capacity=16)
-    assert [int(cpu.draft([(0, p)], None)[0]) for p in (3, 4, 5)] == [5, 7, 7]
+    cpu.start(0, torch.zeros(1, 4, dtype=torch.long), capacity=16)
+    assert [int(cpu.draft({0: [(0, p)]}, {0: Sampling()}, {})[0][0]) for p in (3, 4, 5)] == [5, 7, 7]

@@ -1,15 +1,12 @@
-"""The ranks' memory is bounded by `--runners-kept`, not by what clients send: the runners of the least
-recently used settings are freed (fast), and 50 requests with 50 distinct sampling settings leave the ranks'
-resident memory flat after the first few (slow)."""
-
-import weakref
+"""The ranks' memory is bounded by configuration, not by what clients send: one runner per rank serves every
+sampling setting, so 50 requests with 50 distinct settings leave the ranks' resident memory flat after the
+first few (slow)."""
 
 import pytest
 from kit import make_tiny_model, save_random_drafter, target_dir
 
 from inference.processes.job import DecodeJob
 from inference.sampling import Sampling
-from inference.serving.ranks import Runners
 from spd_lightning.geometry import Geometry
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
@@ -27,32 +24,11 @@ def rss_bytes(pids) -> int:
     return total
 
 
-class Runner:
-    """Stands for a rank's runner (its weights' views and caches): only whether it is still referenced matters."""
-
-
-def test_the_runner_of_the_least_recently_used_setting_is_freed():
-    built: list[Sampling] = []
-
-    def build(sampling: Sampling) -> Runner:
-        built.append(sampling)
-        return Runner()
-
-    runners = Runners(2, build)
-    greedy, warm, hot = Sampling(), Sampling(0.5), Sampling(1.0)
-    kept, dropped = weakref.ref(runners.get(greedy)), weakref.ref(runners.get(warm))
-    assert runners.get(greedy) is kept()  # greedy is now the most recently used
-    runners.get(hot)  # a third setting: warm's runner goes
-    assert dropped() is None and kept() is not None
-    runners.get(warm)  # built again; greedy, the oldest now, goes
-    assert built == [greedy, warm, hot, warm] and kept() is None
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_fifty_sampling_settings_leave_the_ranks_memory_flat(tmp_path_factory, tmp_path):
-    """Each setting builds a runner whose caches hold ~1.2 MB here (3 ranks); kept without bound they add
-    ~50 MB over these 50 requests. With 2 kept, what remains after the 10th request is allocator noise."""
+    """A runner per setting would hold ~1.2 MB of caches each here (3 ranks), ~50 MB over these 50 requests; with
+    one runner what remains after the 10th request is allocator noise."""
     import time
 
     from inference.serving.ranks import RankBackend
@@ -72,7 +48,6 @@ def test_fifty_sampling_settings_leave_the_ranks_memory_flat(tmp_path_factory, t
         drafter_path=drafter,
         timeout_s=60,
         stream=True,
-        runners_kept=2,
     )
     backend = RankBackend(job)
     try:

@@ -15,11 +15,16 @@ from spd_lightning.geometry import Geometry
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.hf_internals]
 
 
-def run_through(stages, ids, start):
+def run_through(stages, ids, start, capacity=0):
+    """The stages in sequence on slot 0: the prefill (for `capacity` positions) at `start` 0, else one token."""
     x = torch.tensor([ids])
     for stage in stages:
-        x = stage(x, start).hidden if stage is not stages[-1] else x
-    return stages[-1](x, start).logits
+        if start == 0:
+            x, _, logits = stage.prefill(0, x, capacity)
+        else:
+            out = stage.step(x, {0: start})
+            x, logits = out.hidden, None if out.logits is None else out.logits[0]
+    return logits
 
 
 @pytest.mark.parametrize("arch_fixture", ["tiny_qwen3", "tiny_qwen35"])
@@ -36,36 +41,30 @@ def storage(stages):
     """data_ptr of every tensor the stage caches hold, snapshot rings included."""
     ptrs = {}
     for s, stage in enumerate(stages):
-        for i in stage.cache.attention_layers:
-            layer = stage.cache.hf.layers[i]
-            ptrs[s, i, "k"], ptrs[s, i, "v"] = layer.keys.data_ptr(), layer.values.data_ptr()
-            ptrs[s, i, "len"] = layer.cumulative_length.data_ptr()
-        for i in stage.cache.linear_layers:
-            conv, recurrent = stage.cache.states(i)
-            ptrs[s, i, "conv"], ptrs[s, i, "rec"] = conv.data_ptr(), recurrent.data_ptr()
-            ring = stage.cache._ring[i]
-            ptrs[s, i, "ring"] = (ring[0].data_ptr(), ring[1].data_ptr())
+        cache = stage.cache
+        for i in cache.attention_layers:
+            ptrs[s, i, "k"], ptrs[s, i, "v"] = cache.keys[i].data_ptr(), cache.values[i].data_ptr()
+            ptrs[s, i, "len"] = cache.positions.device.data_ptr()
+        for i in cache.linear_layers:
+            ptrs[s, i, "conv"], ptrs[s, i, "rec"] = cache.conv[i].data_ptr(), cache.recurrent[i].data_ptr()
+            ptrs[s, i, "ring"] = (cache.conv_ring[i].data_ptr(), cache.recurrent_ring[i].data_ptr())
     return ptrs
 
 
 def test_decode_rollback_and_a_new_prompt_allocate_no_cache_storage(tiny_qwen35):
     geometry = Geometry.build(tiny_qwen35.num_layers, 2)
     stages = [Stage.from_target(tiny_qwen35, geometry, s) for s in (1, 2)]
-    for stage in stages:
-        stage.cache.reset(64)
-    run_through(stages, [3, 9, 27], 0)
+    run_through(stages, [3, 9, 27], 0, capacity=64)
     run_through(stages, [5], 3)
     before = storage(stages)
     assert any(k[2] == "ring" for k in before) and any(k[2] == "k" for k in before)
     for position, token in enumerate([11, 12, 13], start=4):
         run_through(stages, [token], position)
     for stage in stages:
-        stage.cache.rollback(5)
+        stage.cache.rollback(0, 5)
     run_through(stages, [40], 5)
     assert storage(stages) == before
-    for stage in stages:  # a new prompt within the budget reuses everything
-        stage.cache.reset(32)
-    run_through(stages, [1, 2], 0)
+    run_through(stages, [1, 2], 0, capacity=32)  # a new prompt within the budget reuses everything
     run_through(stages, [4], 2)
     assert storage(stages) == before
 
@@ -76,12 +75,10 @@ def test_a_forward_past_the_budget_regrows_and_keeps_the_cache(arch_fixture, req
     geometry = Geometry.build(target.num_layers, 2)
     ids = [5, 17, 3, 44, 9, 81, 2, 60, 61, 62, 63]
     big = [Stage.from_target(target, geometry, s) for s in (1, 2)]
+    run_through(big, ids[:3], 0)
     monkeypatch.setattr(inference.runtime.cache, "CAPACITY_STEP", 4)
     small = [Stage.from_target(target, geometry, s) for s in (1, 2)]
-    for stage in small:
-        stage.cache.reset(4)
-    for stages in (big, small):
-        run_through(stages, ids[:3], 0)
+    run_through(small, ids[:3], 0, capacity=4)
     for i in range(3, len(ids)):
         assert torch.allclose(run_through(small, ids[i : i + 1], i), run_through(big, ids[i : i + 1], i), atol=1e-5)
     assert small[0].cache.capacity >= len(ids) and small[0].cache.capacity < big[0].cache.capacity
@@ -97,10 +94,10 @@ def test_the_pdm_cache_holds_kv_heads_unexpanded_in_power_of_two_buckets(tiny_qw
     simulator = Simulator(tiny_qwen35, pdm, geometry)
     result = simulator.decode([7, 8, 9], 12)
     assert result.tokens == ar_decode(tiny_qwen35, [7, 8, 9], 12, geometry=geometry).tokens
-    cache = simulator.runner.drafter.cache
+    cache = simulator.drafter.cache
     assert cache.keys.shape[2] == pdm.cfg.num_kv_heads and cache.values.shape == cache.keys.shape
-    capacity = simulator.runner.drafter.capacity
+    capacity = simulator.drafter.capacity
     assert capacity & (capacity - 1) == 0 and capacity >= 3 + 12
     keys = cache.keys.data_ptr()
     simulator.decode([5 + i % 40 for i in range(capacity // 2)], 12)
-    assert simulator.runner.drafter.cache.keys.data_ptr() == keys
+    assert simulator.drafter.cache.keys.data_ptr() == keys

@@ -29,9 +29,9 @@ import torch
 
 from inference.chain.drafter import Draft, Eagle3Runtime
 from inference.chain.target import ChainTarget
-from inference.cycle.pipeline import generator_seeds
 from inference.cycle.result import DecodeResult
 from inference.cycle.schedule import Verdict, eos_set
+from inference.cycle.slots import generator_seeds
 from inference.cycle.verify import judge
 from inference.runtime.stages import meta_target
 from inference.sampling import Sampling, draft_distribution, sample_token, warp

@@ -4,15 +4,15 @@
 norm, LM head) over a block of tokens at `start..start+S-1` on top of its cache and returns the logits of
 every position plus the EAGLE-3 feature states (`hidden_states[l]` for the drafter's feature layers).
 
-The cache is an inference/runtime/cache.py `StageCache` over every layer: static storage written in place, so
+The cache is a `ChainCache` (cache.py) over every layer: static storage written in place, so
 every forward passes attention layers the additive mask of `stages.attention_mask`, over the storage's
 whole capacity (causal, the unwritten tail hidden).
 
-- Prefill (`start == 0`): one causal forward, exactly the path of `Stage.forward` (and of AR).
+- Prefill (`start == 0`): one causal forward, the path of a stage's prefill (and of AR).
 - Verify (`start > 0`, the last committed token plus k drafts): attention layers run all S tokens at once;
   linear-attention (Gated DeltaNet) layers step through the block one token at a time, each token's conv
-  and recurrent states snapshotted first with `StageCache.snapshot_layer` (the per-token states SGLang's
-  verify kernel keeps). `rollback(keep)` is `StageCache.rollback`: it moves the attention length back
+  and recurrent states snapshotted first with `ChainCache.snapshot_layer` (the per-token states SGLang's
+  verify kernel keeps). `rollback(keep)` is `ChainCache.rollback`: it moves the attention length back
   (the next forward overwrites the rejected slots) and restores the linear states of position `keep`, so
   the cache holds exactly the accepted positions, as if the rejected drafts had never been run.
 """
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from inference.runtime.cache import StageCache
+from inference.chain.cache import ChainCache
 from inference.runtime.hf_compat import cache_kwargs, rotary_positions
 from inference.runtime.stages import TargetPieces, load_pieces
 from spd_lightning.target import Target
@@ -42,7 +42,7 @@ class ChainTarget:
         self.feature_layers = [int(b) for b in feature_layers]
         if any(not 0 <= b <= L for b in self.feature_layers):
             raise ValueError(f"feature layers {self.feature_layers} are outside 0..L={L}")
-        self.cache = StageCache(pieces.config, range(L), window=max_block + 1)
+        self.cache = ChainCache(pieces.config, range(L), window=max_block + 1)
         self.linear = set(self.cache.linear_layers)
 
     @classmethod

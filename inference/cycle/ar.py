@@ -1,7 +1,8 @@
 """Plain autoregressive decoding through the same stage modules (docs/DESIGN.md, "Baselines and ablations" for `ar`, "Lossless" for the reference).
 
 The lossless reference: the stages run in sequence on one device, one token at a time after the
-prefill, with exactly the cache path of the pipeline (same `Stage.forward`, same dtype). Greedy SPD
+prefill, with exactly the cache path of the pipeline (the same `Stage.prefill` and `Stage.step` of one slot, same
+dtype). Greedy SPD
 must reproduce these tokens exactly; under sampling it must match their distribution. Its first token
 uses the same generator seed as the pipeline's verifier, so the two agree on it for a given seed.
 """
@@ -13,9 +14,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from inference.cycle.pipeline import generator_seeds
 from inference.cycle.result import DecodeResult
 from inference.cycle.schedule import eos_set
+from inference.cycle.slots import generator_seeds
 from inference.runtime.stages import Stage
 from inference.sampling import Sampling, sample_token
 from spd_lightning.geometry import Geometry
@@ -48,15 +49,18 @@ def ar_decode_stages(
     generator = torch.Generator(device=device)
     generator.manual_seed(generator_seeds(seed)[0])
 
+    capacity = len(prompt_ids) + max_new_tokens
+
     def forward(x: torch.Tensor, start: int) -> torch.Tensor:
         for stage in stages:
-            out = stage(x, start)
-            x = out.hidden
-        return out.logits
+            if start == 0:
+                x, _, logits = stage.prefill(0, x, capacity)
+            else:
+                out = stage.step(x, {0: start})
+                x, logits = out.hidden, None if out.logits is None else out.logits[0]
+        return logits
 
     t0 = time.perf_counter()
-    for stage in stages:
-        stage.cache.reset(len(prompt_ids) + max_new_tokens)
     prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
     tokens = [sample_token(forward(prompt, 0), sampling, generator)]
     prefill_s = time.perf_counter() - t0

@@ -33,15 +33,15 @@ class MessageShapes:
     greedy: bool
     device: torch.device
     control_device: torch.device  # where the verdict travels from (host memory when the transport needs it)
-    slots: int | None = None  # batched decoding (`batch_runner`): every message carries one row per slot
+    slots: int  # every message carries one row per slot
 
 
 class Mailboxes:
     def __init__(self, shapes: MessageShapes):
         n, H, dev, dtype = shapes.n, shapes.hidden_size, shapes.device, shapes.state_dtype
         long, control = dict(dtype=torch.long, device=dev), shapes.control_device
-        rows = shapes.slots or 1  # the leading dimension of activations, tokens and anchors
-        lead = () if shapes.slots is None else (shapes.slots,)  # of `q` and the verdict, unbatched at batch 1
+        rows = shapes.slots  # the leading dimension of every message
+        lead = (rows,)
         self.dtype, self.device = dtype, dev
         self.inbox: dict[tuple[int, str], torch.Tensor] = {}
         self.rings: dict[tuple[int, str], torch.Tensor] = {}
@@ -68,7 +68,9 @@ class Mailboxes:
         # Two rows in turn (one verdict per cycle), so a row is rewritten only after its sends have settled.
         self.verdict_rows = torch.zeros(2, *lead, 2, **long)
         pinned = dev.type == "cuda" and control.type == "cpu"
-        self.verdict_host = torch.zeros(2, *lead, 2, dtype=torch.long, device=control, pin_memory=pinned)
+        # ... and a third host row for the first tokens of joins (each join writes only its own slot's row)
+        self.verdict_host = torch.zeros(3, *lead, 2, dtype=torch.long, device=control, pin_memory=pinned)
+        self.first_host = self.verdict_host[2]
         self._verdict_copied = torch.cuda.Event() if pinned else None
         self.seed_input = torch.zeros(rows, 1, **long)  # stage 1's input when it runs a seed (first token, correction)
         self._step = 0
@@ -76,7 +78,7 @@ class Mailboxes:
     def verdict_to_host(self, index: int) -> list:
         """The verifier's verdict row `index` copied to its host row (the message it sends) and read: the
         decode's one device-to-host read per judged cycle. Pinned memory and an event: the host waits for
-        this copy alone. `[verdict, token]`, or one such row per slot when batched."""
+        this copy alone. One `[verdict, token]` row per slot."""
         host = self.verdict_host[index]
         host.copy_(self.verdict_rows[index], non_blocking=self._verdict_copied is not None)
         if self._verdict_copied is not None:

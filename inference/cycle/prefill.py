@@ -1,8 +1,7 @@
-"""A prompt's prefill through the ranks, shared by the batch-1 runner and the batched one (`PipelineRunner`,
-`BatchRunner`): every stage in order fills its own cache and sends its output on, then each stage with anchor
-states sends them to the PDM, which stores them. The runners differ only in what a stage runs (a `Stage` over its
-cache, or one slot of a `SlotStage`) and where the PDM keeps the states (its one sequence, or the slot's row):
-`run_stage` and `store_anchors`. The first token is the caller's: it samples it from the returned logits.
+"""A prompt's prefill through the ranks (`PipelineRunner.join`): every stage in order fills its own cache and
+sends its output on, then each stage with anchor states sends them to the PDM, which stores them. The caller says
+what a stage runs (one slot of a stage) and where the PDM keeps the states (`run_stage`, `store_anchors`); the
+first token is the caller's: it samples it from the returned logits.
 """
 
 from __future__ import annotations

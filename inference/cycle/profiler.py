@@ -42,6 +42,10 @@ class Profiler:
         """Time the block into `field` of the current cycle of `ranks` (one rank or several)."""
         if not self.enabled:
             return _OFF
+        if self.cycle >= self._rows.shape[1]:  # several requests in flight: more cycles than one bounds
+            grown = np.zeros((self._rows.shape[0], 2 * self.cycle + 1, TIMING_FIELDS))
+            grown[:, : self._rows.shape[1]] = self._rows
+            self._rows = grown
         ranks = (ranks,) if isinstance(ranks, int) else tuple(ranks)
         return self._device_span(ranks, field) if device_work and self._events else self._host_span(ranks, field)
 

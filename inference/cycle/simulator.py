@@ -1,11 +1,16 @@
 """The one-process simulator: every rank's role in this process, the stages run in sequence.
 
-It runs the same `PipelineRunner` as the distributed decoder over a `LocalTransport`, so its tokens, N,
-K and counters are the distributed decoder's. It takes an in-memory target and PDM, which is what the
-staircase-evaluation callback and the benchmarks need:
+`Simulator` is the `PipelineRunner` (pipeline.py) with every rank in this process (`LocalTransport`): the same
+per-slot scheduling and the same messages as the distributed ranks, so its tokens, N, K and counters are the
+distributed decoder's, and it checks their protocol too. It takes an in-memory target and PDM (or a
+`ReplayDrafter`), which is what the staircase-evaluation callback and the benchmarks need:
 
     result = simulate_decode(target, pdm, geometry, prompt_ids, max_new_tokens=128)
     result.alpha, result.theoretical_speedup, result.counters
+
+Up to `max_batch` sequences share every stage forward and the draft (`run`, `join`, `step`); a slot whose step is
+wasted (its awaited verdict rejected, or ended it) idles in that cycle and redoes it in the next. The other slots'
+tokens never depend on who joins or leaves: every row of a forward is its own slot's computation.
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ from inference.cycle.nccl_rules import checked
 from inference.cycle.pipeline import PipelineRunner, RunnerConfig
 from inference.cycle.result import DecodeResult
 from inference.cycle.schedule import eos_set
+from inference.cycle.slots import Request
 from inference.cycle.transport import LocalTransport
-from inference.runtime.drafter import Drafter, PDMDrafter, ReplayDrafter
+from inference.runtime.drafter import Drafter, PDMDrafter
 from inference.runtime.stages import Stage
 from inference.sampling import Sampling
 from spd_lightning.geometry import Geometry
@@ -27,7 +33,7 @@ from spd_lightning.pdm import PipelineDraftModule
 from spd_lightning.target import Target
 
 
-class Simulator:
+class Simulator(PipelineRunner):
     """Stages, drafter and verifier of one pipeline, built once and reused across prompts."""
 
     def __init__(
@@ -39,36 +45,35 @@ class Simulator:
         replay_wasted_work: bool = False,
         profile: bool = False,
         compile: bool = False,
+        max_batch: int = 1,
     ):
-        """`replay_wasted_work`: the stages also run the optimistic steps that a rejection wastes, as the
-        distributed stage ranks do (they learn of it only afterwards), instead of skipping them.
-        `profile`: per-cycle timing in each result's `timing` (empty otherwise).
-        `compile`: the one-token stage steps and the PDM draft through `torch.compile` (prefill stays eager)."""
+        """`sampling`: what `decode` samples with unless told otherwise (a request of `run` brings its own).
+        `replay_wasted_work`: the stages before the last also run each slot's wasted steps, as distributed stage
+        ranks do when the verdict comes late, and the redo rolls them back. `profile`: per-cycle timing in each
+        `decode` result's `timing` (empty otherwise). `compile`: the one-token stage steps and the PDM's draft step
+        through `torch.compile`, one graph per batch bucket (prefill stays eager)."""
         geometry.check_target(target.num_layers)
-        self.geometry, self.sampling = geometry, sampling
-        stages = {s: Stage.from_target(target, geometry, s) for s in range(1, geometry.n + 1)}
-        device = stages[1].device
-        for stage in stages.values():
-            stage.use_compiled_decode(compile)
+        stages = {s: Stage.from_target(target, geometry, s, max_batch, compile) for s in range(1, geometry.n + 1)}
+        first = stages[1]
         if isinstance(drafter, PipelineDraftModule):
             d2t, draft_vocab = drafter.d2t, drafter.cfg.draft_vocab_size
-            drafter = PDMDrafter(drafter, geometry, target.embed_tokens, sampling, stages[1].dtype, compile=compile)
+            drafter = PDMDrafter(drafter, geometry, target.embed_tokens, first.dtype, max_batch, compile)
         else:
-            if isinstance(drafter, ReplayDrafter) and not sampling.greedy:
+            if not sampling.greedy:
                 raise ValueError("a replay drafter has no draft distribution: use it with greedy decoding only")
             d2t, draft_vocab = None, 1
+        self.sampling = sampling
         config = RunnerConfig(
-            sampling,
             target.vocab_size,
             draft_vocab,
             target.hidden_size,
-            stages[1].dtype,
-            device,
+            first.dtype,
+            first.device,
             d2t,
             replay_wasted_work=replay_wasted_work,
             profile=profile,
         )
-        self.runner = PipelineRunner(geometry, checked(LocalTransport(geometry.n + 1)), stages, drafter, config)
+        super().__init__(geometry, checked(LocalTransport(geometry.n + 1)), stages, drafter, config, max_batch)
 
     def decode(
         self,
@@ -78,13 +83,18 @@ class Simulator:
         seed: int = 0,
         on_tokens: Callable[[list[int]], None] | None = None,
         stop: Callable[[], bool] | None = None,
+        sampling: Sampling | None = None,
     ) -> DecodeResult:
         """Decode one prompt; `eos_token_id=None` never stops early (see `ar.target_eos` for the target's).
-        `on_tokens`, `stop` (a clean cancellation): see `PipelineRunner.decode`."""
-        if not prompt_ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        result = self.runner.decode(prompt_ids, max_new_tokens, eos_set(eos_token_id), seed, on_tokens, stop)
-        result.timing = self.runner.timing(result.K)
+        `on_tokens(new)` is called with the newly verified tokens after each cycle that verified some (for
+        streaming); an exception it raises ends the decode, leaving this simulator's messages half-delivered: it
+        must then be rebuilt. `stop()` cancels cleanly instead: polled once per cycle, from its first True the next
+        verdict is STOP (stop reason "cancelled"; `stop_seen` the cycle it first said so)."""
+        request = Request(
+            prompt_ids, max_new_tokens, eos_set(eos_token_id), sampling or self.sampling, seed, on_tokens, stop
+        )
+        result = self.run_one(request)
+        result.timing = self.timing(result.K)
         return result
 
 

@@ -1,14 +1,14 @@
-"""One sequence in a slot of the batched decoder (issue 26): its request, its own schedule and optimistic steps,
-its verifier and generators, and the verdicts it awaits.
+"""One sequence in a slot of the decoder: its request, its own schedule and optimistic steps, its verifier and
+generators, and the verdicts it awaits.
 
-Each slot runs exactly what the batch-1 runner runs for its one sequence (`PipelineSchedule` and `Steps` of
-schedule.py, `Verifier` of verify.py, seeds from `pipeline.generator_seeds`): only the forwards are shared with the
-other slots. So a slot's tokens, N, K and counters are its batch-1 decode's, whatever the other slots do, and a
-seeded request draws the same randomness at any batch size.
+Each slot runs the schedule of one sequence (`PipelineSchedule` and `Steps` of schedule.py, `Verifier` of
+verify.py, seeds from `generator_seeds`): only the forwards are shared with the other slots. So a slot's tokens,
+N, K and counters are those of its decode alone (batch 1), whatever the other slots do, and a seeded request draws
+the same randomness at any batch size.
 
-A slot's physical step (`Step`) is the batch-1 runner's: after a judged cycle the slot runs the cycle an ACCEPT
-gives before its verdict is known; a REJECT, an EOS or a STOP makes that step wasted for this slot alone (it
-idles in that step; the other slots run on), and the next one redoes the cycle.
+A slot's physical step (`Step`) is optimistic: after a judged cycle the slot runs the cycle an ACCEPT gives before
+its verdict is known; a REJECT, an EOS or a STOP makes that step wasted for this slot alone (it idles in that
+step; the other slots run on), and the next one redoes the cycle.
 """
 
 from __future__ import annotations
@@ -19,12 +19,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from inference.cycle.pipeline import generator_seeds
 from inference.cycle.result import DecodeResult
 from inference.cycle.schedule import PipelineSchedule, Step, Steps, Verdict, VerdictMessage
 from inference.cycle.verify import Verifier
 from inference.sampling import Sampling
 from spd_lightning.geometry import Geometry
+
+
+def generator_seeds(seed: int) -> tuple[int, int]:
+    """Independent generator seeds for the verifier and the drafter, so each rank owns its randomness. Any
+    integer works: it is taken modulo 2**63 first, so both stay within torch.manual_seed's 64-bit range
+    (the seeds 0 .. 2**63 - 1 keep the random sequences they always had)."""
+    seed %= 2**63
+    return 2 * seed, 2 * seed + 1
 
 
 @dataclass(frozen=True)

@@ -42,9 +42,8 @@ class DecodeJob:
     pdm_placement: str = "separate"  # or "shared": the PDM in stage 1's process (`shared_transport`)
     compile: bool = False  # one-token stage steps and PDM drafts through torch.compile (`capture.CompiledStep`)
     nodes: Nodes | None = None  # this node's share of the ranks when they span several nodes (`nodes`)
-    runners_kept: int = 4  # a serving rank's runners, one per recent sampling setting (`serving.ranks`)
-    max_batch: int = 1  # > 1: the prompts decode that many at a time (`batch_ranks.decode_batched`)
-    max_new_tokens_each: list[int] | None = None  # batched: prompt i's own max_new_tokens (else the job's)
+    max_batch: int = 1  # the slots: the prompts decode that many at a time (`launch.decode_prompts`)
+    max_new_tokens_each: list[int] | None = None  # prompt i's own max_new_tokens (else the job's)
 
     def __post_init__(self):
         if self.replay is not None:

@@ -37,11 +37,11 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 
 from inference.cycle.result import DecodeResult, summarize_timing
+from inference.cycle.slots import Request
 from inference.cycle.transport import PeerError, close_distributed, init_distributed
 from inference.processes.job import DecodeJob
 from inference.processes.nodes import ReportListener, ReportSender, agent_rendezvous
@@ -49,6 +49,7 @@ from inference.processes.reports import Failed, Finished, Inbox, Started, Stream
 from inference.processes.roles import build_runner, rank_device
 from inference.processes.store_binding import store_host, stores_listen_on
 from inference.runtime.stages import meta_target
+from inference.sampling import Sampling
 from spd_lightning.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
@@ -102,30 +103,20 @@ def run_rank(
     close_distributed()
 
 
-class PromptWork(NamedTuple):
-    """Prompt `index` of a job as a rank decodes it, at any batch size."""
-
-    index: int
-    prompt: list[int]
-    max_new_tokens: int
-    seed: int
-    on_tokens: Callable[[list[int]], None] | None
-
-
-def job_prompts(
-    job: DecodeJob, reporting: bool, on_tokens: Callable[[int, list[int]], None] | None
-) -> list[PromptWork]:
-    """Every prompt of the job: its own `max_new_tokens` (`job.max_new_tokens_each`, else the job's), seed
-    `job.seed + i` (so its tokens do not depend on the batch size), and on the reporting rank its streamed
-    tokens as `on_tokens(i, tokens)`. The head of both rank works, `decode_prompts` and `decode_batched`."""
+def job_requests(job: DecodeJob, reporting: bool, on_tokens: Callable[[int, list[int]], None] | None) -> list[Request]:
+    """Every prompt of the job as a request: its own `max_new_tokens` (`job.max_new_tokens_each`, else the
+    job's), seed `job.seed + i` (so its tokens do not depend on the batch size), and on the reporting rank its
+    streamed tokens as `on_tokens(i, tokens)`."""
     each = job.max_new_tokens_each or [job.max_new_tokens] * len(job.prompts)
+    sampling, eos = Sampling(**job.sampling), frozenset(job.eos_token_ids)
     return [
-        PromptWork(
-            i,
+        Request(
             prompt,
             each[i],
+            eos,
+            sampling,
             job.seed + i,
-            (lambda tokens, i=i: on_tokens(i, tokens)) if on_tokens is not None and reporting else None,
+            on_tokens=(lambda tokens, i=i: on_tokens(i, tokens)) if on_tokens is not None and reporting else None,
         )
         for i, prompt in enumerate(job.prompts)
     ]
@@ -139,25 +130,29 @@ def decode_prompts(
     report: Callable[[int, DecodeResult], None],
     on_tokens: Callable[[int, list[int]], None] | None,
 ) -> None:
-    """A rank's part in decoding every prompt of the job, one at a time. The last stage reports the results,
-    and with `on_tokens(prompt index, tokens)` the tokens each cycle verified."""
+    """A rank's part in decoding every prompt of the job, `job.max_batch` at a time (`requests` is unused: the
+    job brings the prompts): every rank runs the same FIFO, so every rank joins the same prompt into the same
+    slot at the same step. The verifier's rank reports the results, and with `on_tokens(prompt index, tokens)`
+    the tokens each cycle verified. `job.profile` (batch 1): each prompt's timing rows of every process, gathered
+    on the reporter."""
     runner = build_runner(job, rank, device)
-    n, reporter = runner.n, runner.verifier_rank
-    eos = frozenset(job.eos_token_ids)
-    for work in job_prompts(job, rank == reporter, on_tokens):
-        result = runner.decode(work.prompt, work.max_new_tokens, eos, work.seed, work.on_tokens)
-        if job.profile:  # every process's rows (those of the ranks it hosts, zeros elsewhere) to the reporter
-            rows = runner.transport.gather(torch.from_numpy(runner.clock.rows).to(device), dst=reporter)
-            if rank == reporter:
-                result.timing = summarize_timing(
-                    torch.stack(rows).sum(0).cpu()[:, 1:],
-                    result.K,
-                    n,
-                    has_drafter=job.replay is None,
-                    shared_pdm=job.pdm_placement == "shared",
-                )
+    reporter = runner.verifier_rank
+    work = job_requests(job, rank == reporter, on_tokens)
+    if not job.profile:
+        runner.run(work, on_result=report if rank == reporter else None)
+        return
+    for index, request in enumerate(work):
+        result = runner.run_one(request)
+        rows = runner.transport.gather(torch.from_numpy(runner.clock.rows).to(device), dst=reporter)
         if rank == reporter:
-            report(work.index, result)
+            result.timing = summarize_timing(
+                torch.stack(rows).sum(0).cpu()[:, 1:],
+                result.K,
+                runner.n,
+                has_drafter=job.replay is None,
+                shared_pdm=job.pdm_placement == "shared",
+            )
+            report(index, result)
 
 
 def _rank_main(job: DecodeJob, messages, launcher_pid: int, requests=None, work: RankWork | None = None) -> None:

@@ -2,8 +2,8 @@
 
 A stage rank loads only its layer range (plus the embedding or the head at the ends), the PDM rank the
 drafter and the target's embedding table; with the shared PDM placement process 0 loads both stage 1 and
-the PDM (`shared_transport`). The weights are loaded once (`load_role`); a runner over them is cheap to
-build, so the server builds one per sampling setting (`build_runner`).
+the PDM (`shared_transport`). The weights are loaded once (`load_role`); `build_runner` puts the runner of the
+rank's roles over them.
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ def load_role(job: DecodeJob, rank: int, device: torch.device) -> Loaded:
     geometry, dtype = Geometry.from_dict(job.geometry), resolve_dtype(job.dtype)
     stages = {}
     if rank < geometry.n:
-        stages[rank + 1] = Stage.load(job.target_path, geometry, rank + 1, dtype, device, job.trust_remote_code)
-        stages[rank + 1].use_compiled_decode(job.compile)
+        stages[rank + 1] = Stage.load(
+            job.target_path, geometry, rank + 1, dtype, device, job.trust_remote_code, job.max_batch, job.compile
+        )
     hosts_pdm = rank == geometry.n or (rank == 0 and job.pdm_placement == "shared")
     if not hosts_pdm or job.replay is not None:
         return Loaded(stages)
@@ -65,42 +66,39 @@ def load_role(job: DecodeJob, rank: int, device: torch.device) -> Loaded:
     return Loaded(stages, pdm.to(dtype), pieces.embed_tokens)
 
 
-def build_runner(
-    job: DecodeJob, rank: int, device: torch.device, loaded: Loaded | None = None, sampling: Sampling | None = None
-) -> PipelineRunner:
-    """The roles of `rank`: a stage (the last one also verifies) or the drafter; over `loaded` weights
-    (loaded here when None), sampling with `sampling` (default: the job's)."""
+def build_runner(job: DecodeJob, rank: int, device: torch.device, loaded: Loaded | None = None) -> PipelineRunner:
+    """The roles of `rank` over `job.max_batch` slots: a stage (the last one also verifies) or the drafter (a PDM,
+    or a replay drafter), over `loaded` weights (loaded here when None)."""
     geometry = Geometry.from_dict(job.geometry)
-    n, dtype = geometry.n, resolve_dtype(job.dtype)
-    sampling = sampling or Sampling(**job.sampling)
-    if job.replay is not None and not sampling.greedy:
+    n, dtype, B = geometry.n, resolve_dtype(job.dtype), job.max_batch
+    if job.replay is not None and not Sampling(**job.sampling).greedy:
         raise ValueError("a replay drafter has no draft distribution: use it with greedy decoding only")
     d2t, draft_vocab = (None, 1) if job.replay is not None else _draft_vocabulary(job.drafter_path)
     loaded = loaded or load_role(job, rank, device)
-    stages, drafter = loaded.stages, None
+    stages = loaded.stages
+    drafter = None
     shared = job.pdm_placement == "shared"
     if rank == n or (shared and rank == 0):
         drafter = (
             ReplayDrafter(job.replay.references, job.replay.policy, job.vocab_size)
             if job.replay is not None
-            else PDMDrafter(loaded.pdm, geometry, loaded.embed, sampling, dtype, compile=job.compile)
+            else PDMDrafter(loaded.pdm, geometry, loaded.embed, dtype, B, compile=job.compile)
         )
         if shared:  # beside stage 1's forward on their one GPU (`shared_stream`)
             drafter = SideStreamDrafter(drafter, draft_stream(device))
     config = RunnerConfig(
-        sampling,
         job.vocab_size,
         draft_vocab,
         job.hidden_size,
         dtype,
         device,
-        d2t,
+        None if d2t is None else d2t.to(device),
         on_step=step_hook(job.fault, rank),
         profile=job.profile,
     )
     names = [role_name(r, n) for r in range(n + 1)]
     transport = SharedTransport(n, names) if shared else DistributedTransport(names)
-    return PipelineRunner(geometry, checked(transport, device), stages, drafter, config)
+    return PipelineRunner(geometry, checked(transport, device), stages, drafter, config, B)
 
 
 def _draft_vocabulary(drafter_path: str) -> tuple[torch.Tensor, int]:

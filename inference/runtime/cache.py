@@ -1,34 +1,40 @@
-"""A stage's target cache: static storage written in place, with exact rollback (docs/DESIGN.md, "The decode schedule": hybrid targets).
+"""A stage's target cache over B slots: static storage with a slot dimension, per-slot positions, per-slot reset and
+exact per-slot rollback (docs/DESIGN.md, "The decoder"). Batch 1 is one slot.
 
-Each stage keeps a Hugging Face `StaticCache(config=...)` that holds state only for its own layers (the
-HF layers are called with their global `layer_idx`). Storage is allocated once and then only written:
+Every tensor has a slot dimension and every slot its own length, so B sequences at different positions share one
+forward per cycle:
 
-- attention layers (`StaticLayer`): keys/values preallocated to `capacity` positions (the prompt's
-  context budget, rounded up to a power of two of at least `CAPACITY_STEP`, so that a compiled decode step
-  sees few shapes: requests of growing length reuse its graphs, a new one only at each doubling), written
-  in place at the layer's device-side length; the stage masks the unwritten tail. A rollback moves that
-  length back and the next token overwrites the discarded slots. A new prompt reuses the storage when it
-  fits; a forward past `capacity` (a caller that gave no budget) regrows it, doubling;
-- linear-attention layers (Gated DeltaNet, `LinearAttentionLayer`) fold every token into a conv state and
-  a recurrent state, updated in place, that cannot be cropped: before a stage runs the single token at
-  position `p` it copies them into slot `p % window` of a ring allocated once per model; a rollback to
-  `p` copies them back. Tokens that can still be rejected are at most `n` positions behind the newest,
-  so a ring of `n + 1` slots suffices.
+- attention layers: keys/values `[B, kv_heads, capacity, head_dim]`, `capacity` a power of two of at least
+  `CAPACITY_STEP` (a compiled step sees few shapes: longer requests reuse its graphs, a new one only at each
+  doubling); a decode step writes row `b`'s key at that row's own position (`index_put_` at the device-resident
+  positions, `DeviceInts` of slot_rows.py: advanced on the device after each step, rolled back per slot by
+  `fill_`, never copied from the host) and the additive mask hides every key past it;
+- Gated DeltaNet layers fold every token into conv and recurrent states `[B, ...]` that cannot be cropped: a
+  snapshot ring `[window, B, ...]` keeps them; before a decode step every row's states are copied into ring slot
+  `position_b % window`; a rollback of slot `b` to `p` copies ring slot `p % window` of row `b` back. Tokens that
+  can still be rejected are at most `n` positions behind the newest, so a ring of `n + 1` suffices.
 
-The prompt is never rolled back (the first generated token is always verified), so prefill takes no
-snapshot, and position 0 is always a prefill (of one token or more).
+A decode step runs the leading `rows` rows (`batch_bucket`: fixed shapes per bucket), also the rows whose slot
+has no token at this stage this cycle: such a row runs a dummy token at its own length. Its attention key lands
+past what it holds (masked, and overwritten when that position really runs), and its Gated DeltaNet states are put
+back from the snapshot taken just before the step (`keep_idle_rows`), so an idle row ends the step exactly as it
+began. The prompt is never rolled back (the first generated token is always verified), and a prefill starts from
+zero states. A rejection discards every position from `rollback_to` on, and the slot's cache must then equal, bit
+for bit over the positions it holds, the cache of a run that never saw them (tests/test_slot_state.py).
 
-A rejection discards every position from `rollback_to` on, and the cache must then equal, bit for bit
-over the positions it holds, the cache of a run that never saw them.
+The object is also the HF cache the decoder layers call (`update`, `get_conv_state`, ...): over all rows in a
+decode step, over one row (`StageCache.row(b)`) in that slot's prefill.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers import StaticCache
 from transformers.cache_utils import LinearAttentionLayer, StaticLayer
 
-from inference.runtime.hf_compat import crop_static
+from inference.runtime.hf_compat import LegacyStateReads
+from inference.runtime.slot_rows import DeviceInts, RowSets, mark_static
 from spd_lightning.errors import UserError
 
 CAPACITY_STEP = 256
@@ -44,109 +50,171 @@ def round_capacity(positions: int) -> int:
     return max(CAPACITY_STEP, 1 << max(0, positions - 1).bit_length())
 
 
-class StageCache:
-    def __init__(self, config, layer_indices: range, window: int):
-        self.config = config
-        self.layer_indices = layer_indices
-        self.window = window
-        self.capacity = CAPACITY_STEP  # positions the attention storage holds (allocated at the first prefill)
-        self.hf = StaticCache(config=config, max_cache_len=self.capacity)
-        self._check_layer_types()
-        self.attention_layers = [i for i in layer_indices if type(self.hf.layers[i]) is StaticLayer]
-        self.linear_layers = [i for i in layer_indices if type(self.hf.layers[i]) is LinearAttentionLayer]
-        self.length = 0  # positions held (the same for every layer of the stage)
-        self._ring: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (conv ring, recurrent ring)
-
-    def _check_layer_types(self) -> None:
-        for i in self.layer_indices:
-            layer = self.hf.layers[i]
-            if type(layer) not in (StaticLayer, LinearAttentionLayer):
+class StageCache(LegacyStateReads):
+    def __init__(self, config, layer_indices: range, window: int, slots: int, device: torch.device):
+        self.layer_indices, self.window, self.slots = layer_indices, window, slots
+        kinds = StaticCache(config=config, max_cache_len=1).layers  # which layers are attention / linear
+        for i in layer_indices:
+            if type(kinds[i]) not in (StaticLayer, LinearAttentionLayer):
                 raise CacheError(
-                    f"target layer {i} uses a {type(layer).__name__} cache: the pipeline decoder supports "
+                    f"target layer {i} uses a {type(kinds[i]).__name__} cache: the pipeline decoder supports "
                     f"full attention and linear attention (Gated DeltaNet) layers only"
                 )
+        self.attention_layers = [i for i in layer_indices if type(kinds[i]) is StaticLayer]
+        self.linear_layers = [i for i in layer_indices if type(kinds[i]) is LinearAttentionLayer]
+        self.capacity = 0
+        self.sets = RowSets(slots, device)
+        self.positions = DeviceInts(slots, device, self.sets)  # positions each slot holds = the one it runs next
+        self.rows = slots  # the rows the current decode step runs (a bucket)
+        self._rows = torch.arange(slots, device=device)
+        self.keys: dict[int, torch.Tensor] = {}  # allocated at the first prefill (shapes come from the layer)
+        self.values: dict[int, torch.Tensor] = {}
+        self.conv: dict[int, torch.Tensor] = {}
+        self.recurrent: dict[int, torch.Tensor] = {}
+        self.conv_ring: dict[int, torch.Tensor] = {}
+        self.recurrent_ring: dict[int, torch.Tensor] = {}
 
-    def reset(self, capacity: int = 0) -> None:
-        """Forget everything (a new prompt of at most `capacity` positions); the next forward is a prefill.
-        Storage is kept when it is large enough, allocated (lazily, at prefill) when not."""
-        self.length = 0
-        if capacity > self.capacity:
-            self.capacity = round_capacity(capacity)
-            for i in self.attention_layers:
-                self.hf.layers[i] = StaticLayer(max_cache_len=self.capacity)
-        else:
-            for i in self.attention_layers:
-                layer = self.hf.layers[i]
-                if layer.is_initialized:
-                    layer.cumulative_length.zero_()  # stale keys stay: masked, then overwritten
-        for i in self.linear_layers:
-            self.hf.layers[i].reset()  # zeroes the states in place; the next update is a prefill
+    @property
+    def lengths(self) -> list[int]:
+        """Positions each slot holds (the host mirror of `positions`)."""
+        return self.positions.host
+
+    # -- per-slot bookkeeping -------------------------------------------------------------------
+    def reset(self, slot: int, capacity: int) -> None:
+        """Slot `slot` starts a new sequence of at most `capacity` positions (its prefill comes next)."""
+        self.reserve(capacity)
+        self.positions.assign({slot: 0})
 
     def reserve(self, positions: int) -> None:
-        """Make room for `positions` positions, keeping what is held (a regrow: only without a budget)."""
+        """Room for `positions` positions in every slot, keeping what each holds (a power-of-two bucket)."""
         if positions <= self.capacity:
             return
-        capacity = round_capacity(max(positions, 2 * self.capacity))
-        for i in self.attention_layers:
-            old, new = self.hf.layers[i], StaticLayer(max_cache_len=capacity)
-            if old.is_initialized:
-                new.lazy_initialization(old.keys, old.values)
-                new.keys[:, :, : self.length] = old.keys[:, :, : self.length]
-                new.values[:, :, : self.length] = old.values[:, :, : self.length]
-                new.cumulative_length.fill_(self.length)
-            self.hf.layers[i] = new
+        capacity = round_capacity(positions)
+        for store in (self.keys, self.values):
+            for i, old in store.items():
+                new = old.new_zeros(*old.shape[:2], capacity, old.shape[-1])
+                new[:, :, : old.shape[2]] = old
+                store[i] = new
+                mark_static(new)
         self.capacity = capacity
 
-    def keys_values(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention layer `i`'s keys and values of the positions held."""
-        layer = self.hf.layers[i]
-        return layer.keys[:, :, : self.length], layer.values[:, :, : self.length]
-
-    def states(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Linear-attention layer `i`'s conv and recurrent states."""
-        layer = self.hf.layers[i]
-        return layer.conv_states[0], layer.recurrent_states[0]
-
-    def before_token(self, position: int) -> None:
-        """Called before the stage runs the single token at `position` (== `length` > 0, after a prefill)."""
-        if position != self.length or position == 0:
-            raise RuntimeError(
-                f"stage cache holds {self.length} positions but is asked to run position {position} "
-                f"as a single decoded token"
-            )
-        self.reserve(position + 1)
-        for i in self.linear_layers:
-            self.snapshot_layer(i, position)
-
-    def snapshot_layer(self, i: int, position: int) -> None:
-        """Keep linear-attention layer `i`'s states as they are before it runs the token at `position`, so
-        that `rollback(position)` restores them. A caller that runs a block layer by layer (the chain
-        verify forward) calls it per layer and token; `before_token` calls it for every layer."""
-        conv, recurrent = self.states(i)
-        if i not in self._ring:  # once per model: the states' shapes never change
-            self._ring[i] = (
-                conv.new_empty((self.window, *conv.shape)),
-                recurrent.new_empty((self.window, *recurrent.shape)),
-            )
-        conv_ring, recurrent_ring = self._ring[i]
-        conv_ring[position % self.window].copy_(conv)
-        recurrent_ring[position % self.window].copy_(recurrent)
-
-    def advance(self, count: int) -> None:
-        self.length += count
-
-    def rollback(self, keep: int) -> None:
-        """Discard every position `>= keep`; a no-op when the stage never ran them."""
-        drop = self.length - keep
+    def rollback(self, slot: int, keep: int) -> None:
+        """Discard slot `slot`'s positions `>= keep`; a no-op when it never ran them."""
+        drop = self.lengths[slot] - keep
         if drop <= 0:
             return
         if drop >= self.window:
             raise RuntimeError(f"cannot roll back {drop} positions: snapshots cover the last {self.window - 1} only")
-        for i in self.attention_layers:
-            crop_static(self.hf.layers[i], drop)  # moves the device-side length; the storage stays
         for i in self.linear_layers:
-            conv, recurrent = self.states(i)
-            conv_ring, recurrent_ring = self._ring[i]
-            conv.copy_(conv_ring[keep % self.window])  # in place: the HF layer keeps its tensors
-            recurrent.copy_(recurrent_ring[keep % self.window])
-        self.length = keep
+            self.conv[i][slot].copy_(self.conv_ring[i][keep % self.window, slot])
+            self.recurrent[i][slot].copy_(self.recurrent_ring[i][keep % self.window, slot])
+        self.positions.assign({slot: keep})
+
+    def row(self, slot: int) -> _RowView:
+        return _RowView(self, slot)
+
+    # -- one decode step over the leading rows -------------------------------------------------------
+    def before_step(self, rows: int, running: list[int]) -> None:
+        """On the host, before a decode step over rows `0..rows-1` in which the slots `running` run a real token."""
+        for b in running:
+            self.reserve(self.lengths[b] + 1)
+        self.rows = rows
+
+    def snapshot(self) -> None:
+        """Inside the step: every row's Gated DeltaNet states into its ring slot `position % window`."""
+        rows = self._rows[: self.rows]
+        ring_slots = self.positions.device[: self.rows] % self.window
+        for i in self.linear_layers:
+            self.conv_ring[i].index_put_((ring_slots, rows), self.conv[i][: self.rows])
+            self.recurrent_ring[i].index_put_((ring_slots, rows), self.recurrent[i][: self.rows])
+
+    def keep_idle_rows(self, running_mask: torch.Tensor) -> None:
+        """Inside the step, after the layers: the idle rows' Gated DeltaNet states back as they were."""
+        rows = self._rows[: self.rows]
+        ring_slots = self.positions.device[: self.rows] % self.window
+        for i in self.linear_layers:
+            for state, ring in ((self.conv[i], self.conv_ring[i]), (self.recurrent[i], self.recurrent_ring[i])):
+                state = state[: self.rows]
+                mask = running_mask.view(-1, *([1] * (state.dim() - 1)))
+                state.copy_(torch.where(mask, state, ring[ring_slots, rows]))
+
+    def after_step(self, running: list[int], running_mask: torch.Tensor) -> None:
+        """After the step: the running slots advance by one position, on the device and on the host."""
+        self.positions.add_one(running, running_mask)
+
+    # HF cache interface, decode step (every row, one token each)
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        keys, values = self.keys[layer_idx][: self.rows], self.values[layer_idx][: self.rows]
+        rows, positions = self._rows[: self.rows], self.positions.device[: self.rows]
+        keys[rows, :, positions] = key_states[:, :, 0]  # row b at its own position
+        values[rows, :, positions] = value_states[:, :, 0]
+        return keys, values
+
+    def get_conv_state(self, layer_idx, state_idx=0):
+        return self.conv[layer_idx][: self.rows]
+
+    def get_recurrent_state(self, layer_idx, state_idx=0):
+        return self.recurrent[layer_idx][: self.rows]
+
+    def is_recording_past(self, layer_idx) -> bool:
+        return False
+
+    def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, **kwargs):
+        return self.recurrent[layer_idx][: self.rows].copy_(recurrent_states)
+
+    def update_conv_state(self, conv_states, layer_idx, state_idx=0, **kwargs):
+        raise RuntimeError("a one-token decode step updates the conv state in place (causal_conv1d_update)")
+
+    # -- storage, allocated when the first prefill shows the shapes -----------------------------
+    def _attention_storage(self, i: int, like: torch.Tensor) -> None:
+        if i not in self.keys:
+            shape = (self.slots, like.shape[1], self.capacity, like.shape[-1])
+            self.keys[i], self.values[i] = like.new_zeros(shape), like.new_zeros(shape)
+            mark_static(self.keys[i], self.values[i])
+
+    def _linear_storage(self, store: dict, ring: dict, i: int, shape: torch.Size, like: torch.Tensor) -> None:
+        if i not in store:
+            store[i] = like.new_zeros(self.slots, *shape)
+            ring[i] = like.new_zeros(self.window, self.slots, *shape)
+            mark_static(store[i], ring[i])
+
+
+class _RowView(LegacyStateReads):
+    """Slot `slot`'s rows of a `StageCache` as the HF cache of its prefill (an empty slot, the whole prompt)."""
+
+    def __init__(self, cache: StageCache, slot: int):
+        self.cache, self.slot = cache, slot
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        c, b = self.cache, self.slot
+        c._attention_storage(layer_idx, key_states)
+        P = key_states.shape[-2]
+        c.keys[layer_idx][b, :, :P] = key_states[0]
+        c.values[layer_idx][b, :, :P] = value_states[0]
+        return c.keys[layer_idx][b : b + 1], c.values[layer_idx][b : b + 1]
+
+    def get_conv_state(self, layer_idx, state_idx=0):
+        return None  # a prefill starts from zero states
+
+    def get_recurrent_state(self, layer_idx, state_idx=0):
+        return None
+
+    def is_recording_past(self, layer_idx) -> bool:
+        return False
+
+    def update_conv_state(self, conv_states, layer_idx, state_idx=0, conv_kernel_size=None, **kwargs):
+        """As HF's `LinearAttentionLayer`: keep the last `conv_kernel_size` inputs (zero-padded on the left) and
+        return the inputs the causal conv runs over."""
+        c, b = self.cache, self.slot
+        width = conv_kernel_size or conv_states.shape[-1]
+        c._linear_storage(c.conv, c.conv_ring, layer_idx, (*conv_states.shape[1:-1], width), conv_states)
+        full = conv_states
+        if full.shape[-1] < width:
+            full = F.pad(full, (width - full.shape[-1], 0))
+        c.conv[layer_idx][b].copy_(full[0, ..., -width:])
+        return full
+
+    def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, **kwargs):
+        c, b = self.cache, self.slot
+        c._linear_storage(c.recurrent, c.recurrent_ring, layer_idx, recurrent_states.shape[1:], recurrent_states)
+        return c.recurrent[layer_idx][b].copy_(recurrent_states[0])

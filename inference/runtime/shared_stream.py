@@ -28,12 +28,12 @@ event is recorded, so the CPU runs exactly this code, in the same order, with th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 
 import torch
 
-from inference.runtime.drafter import Drafter
+from inference.runtime.drafter import Draft, Drafter
 
 
 def draft_stream(device: torch.device) -> torch.cuda.Stream | None:
@@ -60,16 +60,16 @@ class SideStreamDrafter:
         self.inputs_ready = None  # the event of the latest input written on the main stream
         self._on_side = False  # inside `receiving()`: inputs are written on the side stream
 
-    def start(self, prompt_ids: torch.Tensor, capacity: int) -> None:
-        self.drafter.start(prompt_ids, capacity)
+    def start(self, slot: int, prompt_ids: torch.Tensor, capacity: int) -> None:
+        self.drafter.start(slot, prompt_ids, capacity)
         self._inputs_written()
 
-    def set_token(self, position: int, token: int) -> None:
-        self.drafter.set_token(position, token)
+    def set_token(self, slot: int, position: int, token: int) -> None:
+        self.drafter.set_token(slot, position, token)
         self._inputs_written()
 
-    def store_anchors(self, stage: int, start: int, states: torch.Tensor) -> None:
-        self.drafter.store_anchors(stage, start, states)
+    def store_anchors(self, slot: int, stage: int, start: int, states: torch.Tensor) -> None:
+        self.drafter.store_anchors(slot, stage, start, states)
         self._inputs_written()
 
     @contextmanager
@@ -89,20 +89,18 @@ class SideStreamDrafter:
             self._on_side = False
             self.main_stream().wait_event(self.stream.record_event())
 
-    def draft(
-        self, view: Sequence[tuple[int, int]], generator: torch.Generator | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def draft(self, views, samplings, generators, rows: int | None = None) -> dict[int, Draft]:
         if self.stream is not None and self.inputs_ready is not None:
             self.stream.wait_event(self.inputs_ready)
         with use_stream(self.stream):
-            token, q = self.drafter.draft(view, generator)
+            drafts = self.drafter.draft(views, samplings, generators, rows)
         if self.stream is not None:
             main = self.main_stream()
             main.wait_event(self.stream.record_event())
-            for tensor in (token, q):
+            for tensor in (t for draft in drafts.values() for t in draft):
                 if tensor is not None:
                     tensor.record_stream(main)
-        return token, q
+        return drafts
 
     def _inputs_written(self) -> None:
         if self.stream is not None and not self._on_side:

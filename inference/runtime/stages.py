@@ -1,7 +1,7 @@
 """Pipeline stages built from the target by layer range (docs/DESIGN.md, "Terms", "Processes", "Pitfalls we avoid").
 
 Stage `s` runs the HF decoder layers `e_{s-1}+1 .. e_s` (global indices `e_{s-1} .. e_s - 1`) directly,
-with the target's rotary embedding and its own `StageCache`; stage 1 also owns the embedding, stage `n`
+with the target's rotary embedding and its own `StageCache` over B slots (batch 1: one slot); stage 1 also owns the embedding, stage `n`
 the final norm and the LM head. A stage returns the anchor states it produces (HF hidden-state indices:
 `l < L` is the residual after layer `l`, `L` the final-norm output) so the PDM rank can read them.
 
@@ -23,6 +23,7 @@ from torch import nn
 from inference.runtime.cache import StageCache
 from inference.runtime.capture import CompiledStep
 from inference.runtime.hf_compat import cache_kwargs, rotary_positions
+from inference.runtime.slot_rows import mark_static
 from spd_lightning.errors import first_line
 from spd_lightning.geometry import Geometry
 from spd_lightning.target import Target, TargetError, resolve_dtype
@@ -166,18 +167,27 @@ def stage_layers(geometry: Geometry, stage: int) -> range:
 
 
 @dataclass
-class StageOutput:
-    hidden: torch.Tensor  # [1, S, H] residual after the stage's last layer (the next stage's input)
-    anchors: torch.Tensor  # [S, A, H] anchor states this stage produces (A may be 0)
-    logits: torch.Tensor | None  # [V] at the last position, last stage only
+class StepOutput:
+    hidden: torch.Tensor  # [R, 1, H] every row's output (idle rows: meaningless)
+    anchors: torch.Tensor  # [R, A, H] the anchor states of each row's token
+    logits: torch.Tensor | None  # [R, V] last stage only
 
 
 class Stage(nn.Module):
-    """One pipeline stage: layer range + its cache; stage 1 embeds tokens, stage n returns logits."""
+    """One pipeline stage over `slots` sequences: layer range + its cache; stage 1 embeds tokens, stage n returns
+    logits. A slot's prefill runs its prompt alone; a decode step takes one token per row, `[R, 1]` ids on stage 1
+    or `[R, 1, H]` states, over the leading `R` rows (a bucket, `slot_rows.batch_bucket`), each row at its slot's
+    own position (device-resident: the step reads no host data); the rows of slots that have no token at this
+    stage this cycle run a dummy input and leave their caches as they were (`StageCache.keep_idle_rows`), so every
+    step of a bucket has the same shapes whatever the slots do.
 
-    def __init__(self, geometry: Geometry, index: int, pieces: TargetPieces):
+    `compile` (`--compile`): the step (snapshot, layers, idle rows restored, head) through `CompiledStep`, one
+    graph per bucket and cache capacity, eager from the first compile error on. Its outputs are cloned: a captured
+    graph rewrites them on its next replay. Prefill is always eager."""
+
+    def __init__(self, geometry: Geometry, index: int, pieces: TargetPieces, slots: int = 1, compile: bool = False):
         super().__init__()
-        self.geometry, self.index = geometry, index
+        self.geometry, self.index, self.slots = geometry, index, slots
         self.first = index == 1
         self.last = index == geometry.n
         self.layer_range = stage_layers(geometry, index)
@@ -193,28 +203,36 @@ class Stage(nn.Module):
         self.anchor_layers = tuple(b for b in geometry.anchors_of_stage(index) if b > 0)
         # n + 1 snapshots: a rejection discards at most n positions on stage 1 (n - 1 in flight plus the
         # draft it ran optimistically before the verdict arrived).
-        self.cache = StageCache(pieces.config, self.layer_range, window=geometry.n + 1)
-        self._positions = torch.arange(0)  # 0, 1, 2, ... sliced per prefill; regrown when too short
-        self._position = torch.zeros(1, 1, dtype=torch.long)  # the decoded token's position, written per token
-        self.use_compiled_decode(False)
+        self.cache = StageCache(pieces.config, self.layer_range, geometry.n + 1, slots, self.device)
+        self.running = self.cache.sets.mask()  # which rows run a real token this step
+        mark_static(self.running)
+        self.compiled = compile
+        self._step = CompiledStep(self._decode_step, self.device) if compile else self._decode_step
 
     @classmethod
-    def from_target(cls, target: Target, geometry: Geometry, index: int) -> Stage:
+    def from_target(
+        cls, target: Target, geometry: Geometry, index: int, slots: int = 1, compile: bool = False
+    ) -> Stage:
         geometry.check_target(target.num_layers)
-        return cls(
-            geometry,
-            index,
-            TargetPieces.from_target(target, stage_layers(geometry, index), index == 1, index == geometry.n),
-        )
+        pieces = TargetPieces.from_target(target, stage_layers(geometry, index), index == 1, index == geometry.n)
+        return cls(geometry, index, pieces, slots, compile)
 
     @classmethod
     def load(
-        cls, path: str, geometry: Geometry, index: int, dtype="float32", device="cpu", trust_remote_code: bool = False
+        cls,
+        path: str,
+        geometry: Geometry,
+        index: int,
+        dtype="float32",
+        device="cpu",
+        trust_remote_code: bool = False,
+        slots: int = 1,
+        compile: bool = False,
     ) -> Stage:
         pieces = load_pieces(
             path, stage_layers(geometry, index), index == 1, index == geometry.n, dtype, device, trust_remote_code
         )
-        return cls(geometry, index, pieces)
+        return cls(geometry, index, pieces, slots, compile)
 
     @property
     def hidden_size(self) -> int:
@@ -228,57 +246,63 @@ class Stage(nn.Module):
     def device(self) -> torch.device:
         return next(self.layers.parameters()).device
 
-    def use_compiled_decode(self, enabled: bool) -> None:
-        """Run the one-token decode step through `torch.compile` (CUDA graphs on a GPU, inductor on the
-        CPU) or eagerly; prefill is always eager."""
-        self._decode_step = CompiledStep(self._step, self.device) if enabled else self._step
-        self._compiled = enabled
-
     @torch.no_grad()
-    def forward(self, inputs: torch.Tensor, start: int) -> StageOutput:
-        """Run `inputs` (token ids [1, S] on stage 1, hidden states [1, S, H] otherwise) at positions
-        `start..start+S-1`, appending to the cache. Position 0 starts a prefill of an empty cache (any S);
-        after it, one token at a time."""
-        S = inputs.shape[1]
-        if start == 0:
-            if self.cache.length != 0:
-                raise RuntimeError(f"stage {self.index}: a prefill needs an empty cache (reset it first)")
-            self.cache.reserve(S)
-            if len(self._positions) < S or self._positions.device != inputs.device:
-                self._positions = torch.arange(max(S, 1024), device=inputs.device)
-            hidden, anchors, logits = self._step(inputs, self._positions[None, :S])
-        elif S == 1:
-            self.cache.before_token(start)
-            if self._position.device != inputs.device:
-                self._position = self._position.to(inputs.device)
-            self._position.fill_(start)  # a device tensor: the step's shapes and code do not depend on it
-            hidden, anchors, logits = self._decode_step(inputs, self._position)
-            if self._compiled:  # the captured graph owns its outputs and rewrites them on the next replay
-                hidden, anchors = hidden.clone(), anchors.clone()
-                logits = logits.clone() if logits is not None else None
-        else:
-            raise RuntimeError(
-                f"stage {self.index}: {S} tokens at position {start}: only a prefill runs several tokens"
-            )
-        self.cache.advance(S)
-        return StageOutput(hidden, anchors, logits)
-
-    def _step(
-        self, inputs: torch.Tensor, positions: torch.Tensor
+    def prefill(
+        self, slot: int, inputs: torch.Tensor, capacity: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The stage on `positions` ([1, S], consecutive, the first one == the cache length): no host reads."""
+        """Slot `slot` starts a new sequence: `inputs` (ids `[1, P]` or states `[1, P, H]`) at positions 0..P-1.
+        Returns the output `[1, P, H]`, the anchors `[P, A, H]` and (last stage) the logits `[V]` of position P-1."""
+        P = inputs.shape[1]
+        self.cache.reset(slot, max(capacity, P))
+        positions = torch.arange(P, device=inputs.device)[None]
         x = self.embed_tokens(inputs) if self.first else inputs
         mask = attention_mask(positions, self.cache.capacity, x.dtype) if self.cache.attention_layers else None
-        x, anchors, normed = self.run_layers(x, positions, self.cache.hf, mask, self.cache.attention_layers)
+        x, anchors, normed = self.run_layers(x, positions, self.cache.row(slot), mask, self.cache.attention_layers)
+        self.cache.positions.assign({slot: P})
         logits = self.lm_head(normed[:, -1])[0] if self.last else None
         return x, anchors[0], logits
+
+    @torch.no_grad()
+    def step(self, inputs: torch.Tensor, tokens: dict[int, int]) -> StepOutput:
+        """One token per row over the leading `inputs.shape[0]` rows: `tokens` maps each running slot to the
+        position it runs (its cache length); every other row idles."""
+        cache, rows = self.cache, inputs.shape[0]
+        for b, position in tokens.items():
+            if position != cache.lengths[b] or position == 0 or b >= rows:
+                raise RuntimeError(
+                    f"stage {self.index}, slot {b}: the cache holds {cache.lengths[b]} positions but is asked to run "
+                    f"position {position} as a single decoded token in a step over {rows} rows"
+                )
+        running = sorted(tokens)
+        cache.before_step(rows, running)
+        mask = cache.sets.write(running, self.running)[:rows]
+        hidden, anchors, logits = self._step(inputs, mask)
+        if self.compiled:  # the captured graph owns its outputs and rewrites them on the next replay
+            hidden, anchors = hidden.clone(), anchors.clone()
+            logits = logits.clone() if logits is not None else None
+        cache.after_step(running, mask)
+        return StepOutput(hidden, anchors, logits)
+
+    def _decode_step(
+        self, inputs: torch.Tensor, running: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The step over `cache.rows` rows, all on the device: no host reads, fixed shapes per bucket."""
+        cache = self.cache
+        cache.snapshot()
+        x = self.embed_tokens(inputs) if self.first else inputs
+        positions = cache.positions.device[: cache.rows, None]
+        mask = attention_mask(positions, cache.capacity, x.dtype) if cache.attention_layers else None
+        x, anchors, normed = self.run_layers(x, positions, cache, mask, cache.attention_layers)
+        cache.keep_idle_rows(running)
+        logits = self.lm_head(normed[:, -1]) if self.last else None
+        return x, anchors[:, 0], logits
 
     def run_layers(
         self, x: torch.Tensor, positions: torch.Tensor, cache, mask: torch.Tensor | None, attention_layers
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The stage's layers over `x[B, S, H]` at `positions[B, S]` with `cache` (any object with HF's cache
-        interface; the batched decoder passes its slot cache): the output, the anchor states `[B, S, A, H]`, and
-        on the last stage the final-norm output."""
+        """The stage's layers over `x[B, S, H]` at `positions[B, S]` with `cache` (HF's cache interface: the stage
+        cache over every row, or one slot's row view): the output, the anchor states `[B, S, A, H]`, and on the last
+        stage the final-norm output."""
         position_embeddings = self.rotary_emb(x, rotary_positions(self.rotary_emb, positions))
         L = self.geometry.num_layers
         captured = []

@@ -1,4 +1,4 @@
-"""The in-process batched backend of `serve --simulate --max-batch B`: a `BatchSimulator` fed by the server.
+"""The in-process batched backend of `serve --simulate --max-batch B`: a `Simulator` of B slots fed by the server.
 
 One driver thread owns the simulator and runs `slot_feed.feed_slots` over it: the requests the engine's
 threads hand over (`generate`, one thread per request) wait in this backend's FIFO and join free slots at step
@@ -14,8 +14,8 @@ import logging
 import queue
 import threading
 
-from inference.cycle.batch import BatchSimulator
 from inference.cycle.result import DecodeResult
+from inference.cycle.simulator import Simulator
 from inference.cycle.slots import Request, SlotSequence
 from inference.sampling import Sampling
 from inference.serving.inflight import InFlight
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 class BatchSimulatorBackend:
     def __init__(self, target: Target, pdm, geometry: Geometry, eos: list[int], max_batch: int):
-        self.runner = BatchSimulator(target, pdm, geometry, max_batch)
+        self.runner = Simulator(target, pdm, geometry, max_batch=max_batch)
         self.eos = frozenset(eos)
         self._cancelled: set[int] = set()
         self.in_flight = InFlight(self._cancelled.add)

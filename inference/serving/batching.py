@@ -5,7 +5,7 @@ The default (docs/SERVING.md, "Batched serving"):
 - the CPU: 1. A CPU stage's forward costs about its rows' compute, so batching there buys throughput with
   every request's latency (measured in docs/SERVING.md); SPD is a latency method, batching is asked for.
 - GPUs: up to `GPU_BATCH` (8): a one-token stage step is bound by reading the weights, so 8 rows cost little
-  more than 1 (issue 26). Fewer when the slots' caches would not fit: B slots, each as long as the longest
+  more than 1. Fewer when the slots' caches would not fit: B slots, each as long as the longest
   request the server accepts (the target's context), must fit in `CACHE_SHARE` of one GPU's memory beside
   its stage's weights. The caches are estimated as if every layer of the largest stage were attention (a
   Gated DeltaNet layer's fixed state is smaller at long contexts), so the bound errs low.
@@ -35,19 +35,15 @@ def check_max_batch(args: argparse.Namespace, mode: str) -> None:
         raise UsageError(f"--max-batch {B} must be >= 1 (1: one request at a time)")
     if mode in ("ar", "eagle3"):
         raise UsageError(f"--max-batch {B}: --mode {mode} serves one request at a time; use --max-batch 1")
-    if args.pdm_placement != "separate":
-        raise UsageError(f"--max-batch {B} runs the PDM on a rank of its own: use --pdm-placement separate")
     if args.nnodes > 1:
         raise UsageError(f"--max-batch {B} serves on one node so far: use --nnodes 1 or --max-batch 1")
-    if args.compile:
-        raise UsageError(f"--max-batch {B} decodes eagerly so far: drop --compile or use --max-batch 1")
 
 
 def default_max_batch(args: argparse.Namespace, setup: Setup) -> int:
     """`--max-batch` when it is not given (see the module docstring)."""
-    if not args.device.startswith("cuda") or setup.mode in ("ar", "eagle3") or args.nnodes > 1 or args.compile:
+    if not args.device.startswith("cuda") or setup.mode in ("ar", "eagle3") or args.nnodes > 1:
         return 1
-    if args.pdm_placement != "separate" or not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         return 1
     memory = min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
     return batch_that_fits(memory, stage_weight_bytes(setup), slot_cache_bytes(setup))

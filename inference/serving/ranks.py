@@ -9,9 +9,8 @@ launcher's report queue, and `InFlight` routes them to the engine thread that wa
 rank dies the launcher stops the others and names the rank; every request in flight fails with that message
 (HTTP 503 each) and the engine starts a fresh pipeline.
 
-Two rank works: `serve_requests` decodes one request at a time (`--max-batch 1`, the `PipelineRunner`);
-`serve_slots` (`--max-batch B > 1`) runs the `BatchRunner` over B slots fed by the queue at step boundaries
-(`slot_feed.feed_slots`).
+The rank work, `serve_requests`, runs the `PipelineRunner` over `--max-batch` B slots (1 included) fed by the
+queue at step boundaries (`slot_feed.feed_slots`).
 
 A request the engine gives up on (its client disconnected, or a stop string ended it: the engine's
 `on_tokens` raises) is cancelled inside the ranks: the backend writes its id into a ring of recent cancels in
@@ -21,21 +20,17 @@ the cycle it saw the cancel at and the cycle it stopped at (`last_cancel`). A ve
 each cancel from node 0's report listener instead (`nodes.RequestsOnNodeZero`), which the cancel notifies
 (`subscribe`).
 
-Memory is bounded by configuration, not by what clients send: at batch 1 a rank keeps one runner (and its
-caches) per sampling setting for the `job.runners_kept` settings used most recently and drops the oldest
-beyond them; batched, one runner with B slots serves every setting. Once every rank has loaded its weights and
+Memory is bounded by configuration, not by what clients send: one runner with B slots serves every sampling
+setting. Once every rank has loaded its weights and
 met the others, rank 0 marks the pipeline ready (`/ready`).
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 import multiprocessing as mp
-import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -46,13 +41,12 @@ from inference.backends import BackendFailure
 from inference.cycle.nccl_rules import control_group
 from inference.cycle.result import DecodeResult
 from inference.cycle.slots import Request, SlotSequence
-from inference.processes.batch_ranks import build_batch_runner
 from inference.processes.job import DecodeJob
 from inference.processes.launch import launch, start_method
-from inference.processes.roles import Loaded, build_runner, load_role
+from inference.processes.roles import build_runner
 from inference.sampling import Sampling
 from inference.serving.inflight import InFlight
-from inference.serving.slot_feed import IDLE_TICK_S, STOP, Ask, feed_slots, waiting
+from inference.serving.slot_feed import IDLE_TICK_S, Ask, feed_slots, waiting
 from spd_lightning.errors import first_line
 
 log = logging.getLogger(__name__)
@@ -142,33 +136,9 @@ class Requests:
 def serve_requests(
     job: DecodeJob, rank: int, device: torch.device, requests: Requests, report: Callable, on_tokens: Callable
 ) -> None:
-    """One rank's serving loop: load once, then decode each broadcast request until rank 0 reads None."""
-    loaded: Loaded = load_role(job, rank, device)
-    runners = Runners(job.runners_kept, lambda sampling: build_runner(job, rank, device, loaded, sampling))
-    dist.barrier()  # every rank has loaded its weights
-    if rank == 0:
-        requests.mark_ready()
-    while (item := _next_request(rank, requests)) != STOP:
-        if item is None:  # keep-alive
-            continue
-        request_id, prompt, max_new_tokens, sampling, seed = item
-        runner = runners.get(Sampling(**sampling))
-        reporting = rank == runner.verifier_rank
-        for_request = (lambda tokens: on_tokens(request_id, tokens)) if reporting else None  # noqa: B023 - used in this iteration
-        stop = (lambda: requests.cancelled(request_id)) if reporting else None  # noqa: B023 - used in this iteration
-        result = runner.decode(prompt, max_new_tokens, frozenset(job.eos_token_ids), seed, for_request, stop)
-        if reporting:
-            if result.stop_reason == "cancelled":
-                requests.record(CancelReport(request_id, runner.stop_seen, result.K))
-            report(request_id, result)
-
-
-def serve_slots(
-    job: DecodeJob, rank: int, device: torch.device, requests: Requests, report: Callable, on_tokens: Callable
-) -> None:
-    """One rank's batched serving loop (`--max-batch B > 1`): load once, then `feed_slots` until rank 0 reads
-    None; the verifier's rank streams each slot's tokens, stops a cancelled one, and reports each result."""
-    runner = build_batch_runner(job, rank, device)
+    """One rank's serving loop: load once, then `feed_slots` over `job.max_batch` slots until rank 0 reads None;
+    the verifier's rank streams each slot's tokens, stops a cancelled one, and reports each result."""
+    runner = build_runner(job, rank, device)
     dist.barrier()  # every rank has loaded its weights
     if rank == 0:
         requests.mark_ready()
@@ -194,37 +164,6 @@ def serve_slots(
     feed_slots(runner, take, start, ended)
 
 
-class Runners:
-    """At most `kept` runners, one per sampling setting, the least recently used dropped first."""
-
-    def __init__(self, kept: int, build: Callable[[Sampling], object]):
-        self.kept, self.build = kept, build
-        self._runners: OrderedDict[Sampling, object] = OrderedDict()
-
-    def get(self, sampling: Sampling):
-        if sampling in self._runners:
-            self._runners.move_to_end(sampling)
-        else:
-            if len(self._runners) >= self.kept:
-                while len(self._runners) >= self.kept:
-                    self._runners.popitem(last=False)
-                gc.collect()  # a runner holds reference cycles: free its caches now, not at some later collection
-            self._runners[sampling] = self.build(sampling)
-        return self._runners[sampling]
-
-
-def _next_request(rank: int, requests):
-    box = [None]
-    if rank == 0:
-        try:
-            item = requests.get(timeout=IDLE_TICK_S)
-            box[0] = STOP if item is None else item
-        except queue.Empty:
-            pass
-    dist.broadcast_object_list(box, src=0, group=control_group())  # host memory, never the NCCL group
-    return box[0]
-
-
 class RankBackend:
     """The engine's backend over a persistent pipeline of n + 1 processes (see the module docstring);
     `in_flight`: the most requests the engine hands it at once (its slots and its queue)."""
@@ -247,7 +186,7 @@ class RankBackend:
                 on_start=lambda rank, pid: self.pids.__setitem__(rank, pid),
                 on_tokens=lambda i, tokens: self.in_flight.put("tokens", i, tokens),
                 requests=self.requests,
-                work=serve_slots if self.job.max_batch > 1 else serve_requests,
+                work=serve_requests,
             )
             self.failure = "the pipeline stopped"
         except Exception as e:  # noqa: BLE001 - LaunchError names the rank; anything else is reported as is

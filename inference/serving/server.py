@@ -17,7 +17,7 @@ others wait in a FIFO of `--queue-size` (HTTP 429 beyond it). Endpoints: `POST /
 (the pipeline can take a request now), `/metrics` (Prometheus, with latency histograms).
 The model name is the drafter's directory name (or the target's for `--mode ar`), or `--model-name`.
 SIGTERM or Ctrl-C stops the server after the requests in progress (waiting up to `--graceful-timeout`), and
-with it the ranks of every node. Each rank keeps the runners of `--runners-kept` sampling settings.
+with it the ranks of every node.
 """
 
 from __future__ import annotations
@@ -71,12 +71,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--access-log", action="store_true", help="log one line per HTTP request")
     p.add_argument(
-        "--runners-kept",
-        type=int,
-        default=4,
-        help="sampling settings whose runners (and caches) each rank keeps; the oldest beyond it is dropped",
-    )
-    p.add_argument(
         "--max-batch",
         type=int,
         help="requests decoding at once, each in a slot of the batched pipeline (continuous batching); "
@@ -109,8 +103,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise cli.UsageError(f"--port {args.port} must be in 1..65535")
     if args.threads is not None and args.threads < 1:
         raise cli.UsageError(f"--threads {args.threads} must be >= 1")
-    if args.queue_size < 1 or args.max_tokens_cap < 1 or args.runners_kept < 1:
-        raise cli.UsageError("--queue-size, --max-tokens-cap and --runners-kept must be >= 1")
+    if args.queue_size < 1 or args.max_tokens_cap < 1:
+        raise cli.UsageError("--queue-size and --max-tokens-cap must be >= 1")
     if args.graceful_timeout is not None and not args.graceful_timeout >= 0:
         raise cli.UsageError(f"--graceful-timeout {args.graceful_timeout} must be >= 0 seconds")
     check_node_args(args)
@@ -186,7 +180,6 @@ def serving_job(setup: Setup, args: argparse.Namespace) -> DecodeJob:
     """The ranks' job: requests instead of prompts, each cycle's tokens streamed to node 0."""
     job = decode_job(setup, args, [], Sampling(), profile=False)
     job.stream = True
-    job.runners_kept = args.runners_kept
     job.max_batch = args.max_batch
     job.fault = os.environ.get("SPD_FAULT")  # test-only: see `faults.Fault`
     job.nodes = nodes_of(args)

@@ -1,10 +1,10 @@
-"""Continuous batching (docs/SERVING.md, "Batched serving"): the server's FIFO feeds a `BatchRunner`'s free slots.
+"""Continuous batching (docs/SERVING.md, "Batched serving"): the server's FIFO feeds the runner's free slots.
 
 `feed_slots` is the one loop, in the ranks (`ranks.serve_slots`) and in this process (`batch_backend`): at
 every step boundary with a free slot it takes the requests waiting (`take(free, idle)`, at most `free`, FIFO
 order; it waits for one only while no slot is busy), joins each to a free slot (its prefill and first token),
 then runs one step over every slot; a sequence that ends (EOS, `max_new_tokens`, a cancel's STOP) frees its
-slot for the next boundary. The scheduling itself is the runner's (`BatchRunner.join` and `step`). So a request
+slot for the next boundary. The scheduling itself is the runner's (`PipelineRunner.join` and `step`). So a request
 waits only for a free slot, never for the other requests' whole decodes, and its first token comes with its
 join, before the next step.
 
@@ -19,7 +19,7 @@ import queue
 from collections.abc import Callable
 from typing import NamedTuple
 
-from inference.cycle.batch_runner import BatchRunner
+from inference.cycle.pipeline import PipelineRunner
 from inference.cycle.result import DecodeResult
 from inference.cycle.slots import Request, SlotSequence
 from inference.sampling import Sampling
@@ -68,7 +68,7 @@ def waiting(source, free: int, wait: float) -> list[Ask] | str:
 
 
 def feed_slots(
-    runner: BatchRunner,
+    runner: PipelineRunner,
     take: Callable[[int, bool], list[Ask] | str],
     start: Callable[[Ask], Request],
     on_result: Callable[[Ask, DecodeResult, SlotSequence], None],
