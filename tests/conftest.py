@@ -14,8 +14,10 @@ os.environ.setdefault("SPD_NCCL_RULES", "1")  # every transport the decoder buil
 import pytest
 import torch
 from kit import chat_records, loss_target, make_tiny_model
+from torch._dynamo.utils import counters
 
 from spd_lightning.target import Target
+from spd_lightning.training.module import set_recompile_limit
 
 
 @pytest.fixture(scope="session", params=["qwen3", "qwen3_5"])
@@ -94,3 +96,15 @@ def chat_target(tmp_path_factory) -> dict:
 def loss_target_dir(tmp_path_factory) -> str:
     """The saved tiny Qwen3 that `kit.loss_batch` runs through (tests/test_loss.py computes its loss by hand)."""
     return loss_target(str(tmp_path_factory.mktemp("loss_target")))
+
+
+@pytest.fixture
+def limited_dynamo():
+    """Dynamo reset, with the recompile limit `fit` sets (an error when hit); the old settings restored after."""
+    limit, fail = torch._dynamo.config.recompile_limit, torch._dynamo.config.fail_on_recompile_limit_hit
+    torch._dynamo.reset()
+    counters.clear()
+    set_recompile_limit()
+    yield
+    torch._dynamo.reset()
+    torch._dynamo.config.recompile_limit, torch._dynamo.config.fail_on_recompile_limit_hit = limit, fail

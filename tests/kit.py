@@ -26,6 +26,7 @@ import torch
 from scipy.stats import chi2, chisquare
 from torch.utils.data import DataLoader
 
+from inference.cycle.result import DecodeResult
 from inference.cycle.transport import Arrival, LocalTransport
 from inference.sampling import Sampling, warp
 from spd_lightning.data import ChatDataModule, DataSource
@@ -705,3 +706,41 @@ class LateArrival(Arrival):
 
     def ready(self) -> bool:
         return False
+
+
+# -- a slow fake decoder and a letter tokenizer behind the server's engine (test_serve_engine, test_serve_operator)
+TOKEN_S = 0.05
+
+
+class Letters:
+    """Token i is the letter chr(97 + i % 26); a prompt is its letters."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+    def __call__(self, text):
+        return {"input_ids": [ord(c) - 97 for c in text]}
+
+
+class SlowBackend:
+    """`chunk` tokens every TOKEN_S: the prompt's letters, cycled."""
+
+    def __init__(self, chunk: int = 1):
+        self.chunk = chunk
+        self.generated: list[int] = []  # tokens made per request
+
+    def generate(self, prompt_ids, max_new_tokens, sampling, seed, on_tokens):
+        tokens = []
+        self.generated.append(0)
+        while len(tokens) < max_new_tokens:
+            time.sleep(TOKEN_S)
+            new = [prompt_ids[i % len(prompt_ids)] for i in range(len(tokens), len(tokens) + self.chunk)]
+            tokens += new
+            self.generated[-1] += len(new)
+            on_tokens(new)
+        return DecodeResult(
+            mode="ar", n=1, prompt_len=len(prompt_ids), tokens=tokens, K=len(tokens), stop_reason="max_new_tokens"
+        )
+
+    def close(self):
+        pass

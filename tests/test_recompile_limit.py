@@ -18,18 +18,7 @@ from torch._dynamo.utils import counters
 from spd_lightning.geometry import Geometry
 from spd_lightning.training.attention import dense_attend, dense_mask, make_attend
 from spd_lightning.training.layouts import build_layout
-from spd_lightning.training.module import FLEX_RECOMPILE_LIMIT, set_recompile_limit
-
-
-@pytest.fixture
-def limited_dynamo():
-    limit, fail = torch._dynamo.config.recompile_limit, torch._dynamo.config.fail_on_recompile_limit_hit
-    torch._dynamo.reset()
-    counters.clear()
-    set_recompile_limit()
-    yield
-    torch._dynamo.reset()
-    torch._dynamo.config.recompile_limit, torch._dynamo.config.fail_on_recompile_limit_hit = limit, fail
+from spd_lightning.training.module import FLEX_RECOMPILE_LIMIT
 
 
 def run_variant(layout, mode, rows_of, batch: int, length: int, gen) -> None:

@@ -6,7 +6,7 @@ import time
 
 import httpx
 import pytest
-from kit import served
+from kit import TOKEN_S, Letters, SlowBackend, served
 
 from inference.backends import Cancelled
 from inference.cycle.result import DecodeResult
@@ -14,41 +14,6 @@ from inference.serving.app import ServerConfig, build_app
 from inference.serving.engine import Engine
 
 pytestmark = pytest.mark.timeout(60)
-TOKEN_S = 0.05
-
-
-class Letters:
-    """Token i is the letter chr(97 + i % 26); a prompt is its letters."""
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(97 + i % 26) for i in ids)
-
-    def __call__(self, text):
-        return {"input_ids": [ord(c) - 97 for c in text]}
-
-
-class SlowBackend:
-    """`chunk` tokens every TOKEN_S: the prompt's letters, cycled."""
-
-    def __init__(self, chunk: int = 1):
-        self.chunk = chunk
-        self.generated: list[int] = []  # tokens made per request
-
-    def generate(self, prompt_ids, max_new_tokens, sampling, seed, on_tokens):
-        tokens = []
-        self.generated.append(0)
-        while len(tokens) < max_new_tokens:
-            time.sleep(TOKEN_S)
-            new = [prompt_ids[i % len(prompt_ids)] for i in range(len(tokens), len(tokens) + self.chunk)]
-            tokens += new
-            self.generated[-1] += len(new)
-            on_tokens(new)
-        return DecodeResult(
-            mode="ar", n=1, prompt_len=len(prompt_ids), tokens=tokens, K=len(tokens), stop_reason="max_new_tokens"
-        )
-
-    def close(self):
-        pass
 
 
 @pytest.fixture

@@ -13,8 +13,7 @@ import time
 
 import httpx
 import pytest
-from kit import REPO, served
-from test_serve_engine import TOKEN_S, Letters, SlowBackend
+from kit import REPO, TOKEN_S, Letters, SlowBackend, served
 
 from inference.serving import logs
 from inference.serving.app import ServerConfig, build_app

@@ -6,7 +6,7 @@ import torch
 from kit import random_pdm
 
 import inference.runtime.cache
-from inference.cycle.ar import ar_decode
+from inference.cycle.ar import ar_decode, run_slot_zero
 from inference.cycle.simulator import Simulator
 from inference.runtime.stages import Stage
 from spd_lightning.geometry import Geometry
@@ -16,15 +16,7 @@ pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.hf_internals]
 
 
 def run_through(stages, ids, start, capacity=0):
-    """The stages in sequence on slot 0: the prefill (for `capacity` positions) at `start` 0, else one token."""
-    x = torch.tensor([ids])
-    for stage in stages:
-        if start == 0:
-            x, _, logits = stage.prefill(0, x, capacity)
-        else:
-            out = stage.step(x, {0: start})
-            x, logits = out.hidden, None if out.logits is None else out.logits[0]
-    return logits
+    return run_slot_zero(stages, torch.tensor([ids]), start, capacity)
 
 
 @pytest.mark.parametrize("arch_fixture", ["tiny_qwen3", "tiny_qwen35"])

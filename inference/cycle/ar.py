@@ -29,6 +29,19 @@ def target_eos(target_config, generation_config=None) -> int | list[int] | None:
     return eos if eos is not None else getattr(target_config, "eos_token_id", None)
 
 
+def run_slot_zero(stages: Sequence[Stage], x: torch.Tensor, start: int, capacity: int = 0) -> torch.Tensor | None:
+    """The stages in sequence on slot 0: the prefill of `x` (ids, caches for `capacity` positions) at `start` 0,
+    else one token at position `start`; the last stage's logits of the newest position."""
+    logits = None
+    for stage in stages:
+        if start == 0:
+            x, _, logits = stage.prefill(0, x, capacity)
+        else:
+            out = stage.step(x, {0: start})
+            x, logits = out.hidden, None if out.logits is None else out.logits[0]
+    return logits
+
+
 @torch.no_grad()
 def ar_decode_stages(
     stages: Sequence[Stage],
@@ -52,13 +65,7 @@ def ar_decode_stages(
     capacity = len(prompt_ids) + max_new_tokens
 
     def forward(x: torch.Tensor, start: int) -> torch.Tensor:
-        for stage in stages:
-            if start == 0:
-                x, _, logits = stage.prefill(0, x, capacity)
-            else:
-                out = stage.step(x, {0: start})
-                x, logits = out.hidden, None if out.logits is None else out.logits[0]
-        return logits
+        return run_slot_zero(stages, x, start, capacity)
 
     t0 = time.perf_counter()
     prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
