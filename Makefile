@@ -47,7 +47,7 @@ demo-tiny: env
 	PY=$(PY) TARGET=$(TARGET) bash scripts/demo.sh
 
 test: env
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 test-slow: env
 	$(PY) -m pytest -q -m slow

@@ -70,9 +70,9 @@ def warp(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     probs = torch.softmax(logits, dim=-1)
     if sampling.top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # Drop a token when the tokens ranked above it already reach top_p; the top token always stays.
+        # Drop a token when the tokens ranked above it already reach top_p. The top token always stays: the mass
+        # above it is exactly 0 and top_p > 0 (no in-place write of a Python scalar: that would be a device copy).
         drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= sampling.top_p
-        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)

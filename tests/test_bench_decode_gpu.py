@@ -26,13 +26,14 @@ def test_tiny_cpu_smoke_run_writes_consistent_json_and_markdown(tmp_path, one_th
     assert row["overhead"] == pytest.approx(max(sim["overhead_ms"], 0.0))
     assert row["speedup"] == pytest.approx(0.5 * t_full / row["cycle"])
     rows = [json.loads(line) for line in rows_path.read_text().splitlines()]  # appended as measured
-    assert [r["kind"] for r in rows] == ["decode_stage"] * 2 + ["decode_draft"] * 4 + [
+    # the draft line first (every n's plan needs it), then n's stages, its simulator and its cycle row
+    assert [r["kind"] for r in rows] == ["decode_draft"] * 4 + ["decode_stage"] * 2 + [
         "decode_simulator",
         "decode_cycle",
     ]
     assert [{k: v for k, v in r.items() if k not in ("kind", "model")} for r in rows[:6]] == [
-        *report["stages"],
         *report["drafts"],
+        *report["stages"],
     ]
     cycle = rows[-1]
     assert (cycle["n"], cycle["L_s"], cycle["cycle_ms"], cycle["stage_ms"]) == (4, 2, row["cycle"], row["stage"])

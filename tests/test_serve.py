@@ -135,7 +135,7 @@ def test_extreme_seeds_decode_and_repeat(spd, seed):
     sampled = [client.completions.create(**ask, temperature=1.0).choices[0].text for _ in range(2)]
     assert sampled[0] == sampled[1]
     assert client.completions.create(**ask, temperature=0).choices[0].text
-    assert "failed" not in httpx.get(f"{spd.url}/metrics").text
+    assert 'outcome="failed"' not in httpx.get(f"{spd.url}/metrics").text
 
 
 def test_a_non_ascii_key_is_a_401_and_a_lone_surrogate_a_400(spd):
