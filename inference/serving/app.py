@@ -42,11 +42,9 @@ MAX_RETRY_AFTER_S = 60
 
 
 @dataclass
-class ServerConfig:
-    model: str  # the name /v1/models lists and requests must use
-    max_tokens_cap: int
-    default_max_tokens: int
-    context: int  # the target's context length (0: unknown)
+class ServerConfig(Limits):
+    """What the intake checks (`Limits`: model name, token caps, context), plus the server's own settings."""
+
     api_key: str | None = None
     access_log: bool = False  # one line per HTTP request (method, path, status, seconds, request id)
 
@@ -60,8 +58,7 @@ def error_response(
 
 def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
     """The OpenAI-compatible app over `engine`: auth, info routes, and the two completion routes."""
-    limits = Limits(config.model, config.max_tokens_cap, config.default_max_tokens, config.context)
-    intake = Intake(engine.tokenizer, limits)
+    intake = Intake(engine.tokenizer, config)
 
     @asynccontextmanager
     async def lifespan(_):
@@ -75,12 +72,12 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions", **_operation(models.ChatRequest, models.ChatCompletion, config))
     async def chat(http: HttpRequest):
-        accepted = await intake.accept(await _body(http, limits.body_bytes), chat=True)
+        accepted = await intake.accept(await _body(http, config.body_bytes), chat=True)
         return await _complete(engine, config, accepted, http, chat=True)
 
     @app.post("/v1/completions", **_operation(models.CompletionRequest, models.Completion, config))
     async def completions(http: HttpRequest):
-        accepted = await intake.accept(await _body(http, limits.body_bytes), chat=False)
+        accepted = await intake.accept(await _body(http, config.body_bytes), chat=False)
         return await _complete(engine, config, accepted, http, chat=False)
 
     _publish_schema(app, config)
