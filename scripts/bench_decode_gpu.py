@@ -45,7 +45,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from inference.cycle.simulator import Simulator  # noqa: E402
-from inference.cycle.verify import Sampling  # noqa: E402
 from inference.evaluation.plan import CostModel, parse_alpha, plan  # noqa: E402
 from inference.evaluation.tables import fmt, markdown_table  # noqa: E402
 from inference.runtime.capture import CompiledStep  # noqa: E402
@@ -250,7 +249,7 @@ def bench_draft(shape: dict, n: int, L_s: int, args, device: torch.device, on_ro
         drafter = PDMDrafter(pdm, geometry, embed, args.dtype, 1, compile=compiled)
         drafter.start(0, torch.randint(0, shape["vocab_size"], (1, P), device=device), P + n + 2)
         drafter.states.normal_()
-        draft = lambda: drafter.draft({0: view}, {0: Sampling()}, {})  # noqa: B023, E731 - timed here
+        draft = lambda: drafter.draft({0: view})  # noqa: B023, E731 - timed here
         draft()  # appends the prompt: later calls draft the in-flight positions only
         ms = median_ms(draft, args.iters, args.warmup, device)
         log.info("draft L_s=%d fill=%d captured=%s: %.3f ms", L_s, n, compiled, ms)

@@ -51,7 +51,6 @@ from bench_block_mask import measure as block_mask_row  # noqa: E402
 
 from inference.cycle.ar import ar_decode  # noqa: E402
 from inference.cycle.simulator import simulate_decode  # noqa: E402
-from inference.cycle.verify import Sampling  # noqa: E402
 from inference.runtime.drafter import PDMDrafter  # noqa: E402
 from inference.runtime.stages import Stage  # noqa: E402
 from spd_lightning.estimate import Shape, estimate, target_config  # noqa: E402
@@ -299,7 +298,7 @@ def draft_latency(target: Target, num_layers: int, opts, prompt: torch.Tensor, d
     P = prompt.shape[1]
     drafter.start(0, prompt[0], P + n + 2)
     view = geometry.view(P - 1, n)[-n:]  # the in-flight tokens, as the runner drafts (the prompt: committed once)
-    return median_time(lambda: drafter.draft({0: view}, {0: Sampling()}, {}), device, opts.repeats)
+    return median_time(lambda: drafter.draft({0: view}), device, opts.repeats)
 
 
 @torch.no_grad()

@@ -11,7 +11,7 @@ frame outside torch and this file):
 | `scalar_read` | `aten._local_scalar_dense`: `.item()`, `bool(t)`, `int(t)`, `float(t)` | the host reads a device value |
 | `data_dependent_shape` | `nonzero`, `masked_select`, `unique`, `repeat_interleave` without `output_size`, boolean-mask indexing (`x[mask]`, `x[mask] = v`) | the output size lives on the device |
 | `to_host` | copies to the host: `.cpu()`, `.tolist()`, `.numpy()`, `.to("cpu")` of a device tensor | the host waits for the copy |
-| `to_device` | `.to(device)` / `.cuda()` of a host tensor | a host-to-device copy per call |
+| `to_device` | `.to(device)` / `.cuda()` of a host tensor (not a `non_blocking` copy from pinned memory) | a host-to-device copy per call |
 | `fresh_index` | indexing with an index tensor made from Python data in the same region (or, on a GPU, an index that lives on the host) | the index is copied to the device first |
 
 **On a GPU** (`device="cuda"`, the default when one is present) the copies are told by the devices of the
@@ -146,6 +146,12 @@ def _index_kind(counter: HostSyncCounter, self_tensor: torch.Tensor, indices) ->
     return None
 
 
+def _asynchronous(args, kwargs) -> bool:
+    """A non-blocking copy from pinned host memory: the host does not wait for it."""
+    non_blocking = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
+    return bool(non_blocking) and args[1].device.type == "cpu" and args[1].is_pinned()
+
+
 def _copy_kind(source: torch.device, target: torch.device | None) -> str | None:
     if target is None or source.type == target.type:
         return None
@@ -185,6 +191,8 @@ class _DispatchWatcher(TorchDispatchMode):
             target = kwargs.get("device")
             return _copy_kind(args[0].device, None if target is None else torch.device(target))
         if func is _aten.copy_.default:
+            if _asynchronous(args, kwargs):
+                return None
             return _copy_kind(args[1].device, args[0].device)
         return None
 

@@ -14,7 +14,7 @@ decoder's KV cache pass their own. The math stays here, once.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -179,6 +179,19 @@ class Fusion(nn.Module):
         out = states.new_zeros(*states.shape[:-2], self.proj[0].out_features)
         for tau, at in self.groups(types, states.device):
             out[..., at, :] = self._one(states[..., at, :, :], tau)
+        return out
+
+    def by_type(self, states: torch.Tensor, types: torch.Tensor, present: Sequence[int]) -> torch.Tensor:
+        """The same fusion with the type of each token as a device tensor (`types`, the shape of `states[..., m,
+        H]` less its last two dims): every type in `present` is projected over every token and each token keeps
+        its own type's. A fixed number of ops for any number of tokens and any mix of types (the decoder's
+        batched draft); a token whose type is not in `present` gets the first one's."""
+        H = states.shape[-1]
+        normed = torch.cat([self.norms[j](states[..., j, :]) for j in range(max(present))], dim=-1)
+        out = None
+        for tau in present:
+            y = self.proj[tau - 1](normed[..., : tau * H])
+            out = y if out is None else torch.where((types == tau)[..., None], y, out)
         return out
 
     def groups(self, types: tuple[int, ...], device: torch.device) -> list[tuple[int, torch.Tensor]]:

@@ -77,7 +77,7 @@ def test_pdm_cache_computes_the_explicit_staircase(tiny_qwen35):
     with torch.no_grad():
         states[:, 0] = tiny_qwen35.embed_tokens(tokens)
     prompt_len = 4
-    drafter.start(0, tokens[:prompt_len][None], T + 1)
+    drafter.start(0, tokens[:prompt_len][None], T + 1, Sampling(1.0), seed=0)
     for s in range(1, n + 1):
         drafter.store_anchors(
             0, s, 0, states[:, [i for i, b in enumerate(geometry.anchors) if b > 0 and geometry.stage_of_layer(b) == s]]
@@ -86,7 +86,7 @@ def test_pdm_cache_computes_the_explicit_staircase(tiny_qwen35):
         for p in range(prompt_len, t + 1):
             drafter.set_token(0, p, int(tokens[p]))
         view = geometry.view(t, fill)
-        _, q = drafter.draft({0: view[-fill:]}, {0: Sampling(1.0)}, {0: g})[0]
+        q = drafter.draft({0: view[-fill:]}).q[0]
         explicit = torch.stack([states[p] * (torch.arange(m) < geometry.type_of(d))[:, None] for d, p in view])[None]
         types = tuple(geometry.type_of(d) for d, _ in view)
         with torch.no_grad():

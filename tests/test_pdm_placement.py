@@ -16,6 +16,7 @@ from inference.cycle.transport import Arrival, LocalTransport, Transport
 from inference.processes.job import DecodeJob
 from inference.processes.launch import launch
 from inference.runtime import shared_stream
+from inference.runtime.drafter import DraftBatch
 from inference.runtime.shared_stream import SideStreamDrafter, draft_stream, use_stream
 from inference.runtime.stages import Stage
 from inference.sampling import Sampling
@@ -121,7 +122,7 @@ class FakeDrafter:
     def __init__(self, log: list):
         self.log = log
 
-    def start(self, slot, prompt_ids, capacity):
+    def start(self, slot, prompt_ids, capacity, sampling, seed):
         self.log.append(("start",))
 
     def set_token(self, slot, position, token):
@@ -130,9 +131,9 @@ class FakeDrafter:
     def store_anchors(self, slot, stage, start, states):
         self.log.append(("store_anchors",))
 
-    def draft(self, views, samplings, generators, rows=None):
+    def draft(self, views, rows=None):
         self.log.append(("draft",))
-        return {0: (FakeTensor("token", self.log), FakeTensor("q", self.log))}
+        return DraftBatch(FakeTensor("token", self.log), FakeTensor("q", self.log))
 
 
 @pytest.fixture
@@ -153,10 +154,10 @@ def fake_streams(monkeypatch):
 def test_the_side_stream_waits_for_the_inputs_and_the_main_stream_for_the_draft(fake_streams):
     log, main, side = fake_streams
     drafter = SideStreamDrafter(FakeDrafter(log), side, main_stream=lambda: main)
-    drafter.start(0, None, 8)
+    drafter.start(0, None, 8, Sampling(), 0)
     drafter.store_anchors(0, 1, 0, None)
     drafter.set_token(0, 3, 5)
-    token, q = drafter.draft({0: [(0, 3)]}, {0: Sampling()}, {})[0]
+    token, q = drafter.draft({0: [(0, 3)]})
     assert (token.name, q.name) == ("token", "q")
     assert log == [
         ("start",),
@@ -180,7 +181,7 @@ def test_without_a_stream_the_same_drafter_runs_in_line():
     log = []
     drafter = SideStreamDrafter(FakeDrafter(log), None)
     drafter.store_anchors(0, 1, 0, None)
-    drafter.draft({0: [(0, 3)]}, {0: Sampling()}, {})
+    drafter.draft({0: [(0, 3)]})
     assert log == [("store_anchors",), ("draft",)]
 
 
@@ -191,7 +192,7 @@ def test_receiving_runs_on_the_side_stream_after_the_inputs_and_the_main_stream_
     log.append(("forward",))  # stage 1's forward, launched on the main stream after the inputs
     with drafter.receiving():
         drafter.store_anchors(0, 2, 2, None)  # no event on the main stream: it is written on the side stream
-    drafter.draft({0: [(0, 3)]}, {0: Sampling()}, {})
+    drafter.draft({0: [(0, 3)]})
     assert log[: log.index(("draft",))] == [
         ("set_token",),
         ("record", "main", "e0"),

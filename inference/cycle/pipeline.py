@@ -40,11 +40,11 @@ from inference.cycle.prefill import prefill_stages
 from inference.cycle.profiler import Profiler
 from inference.cycle.result import COMM, COMPUTE, VERIFY, WALL, DecodeResult, max_cycles, summarize_timing
 from inference.cycle.schedule import CyclePlan, Steps, Verdict, VerdictMessage
-from inference.cycle.slots import Request, SlotSequence
+from inference.cycle.slots import Request, SlotSequence, generator_seeds
 from inference.cycle.transport import Arrival, Transport
 from inference.cycle.verify import Verifier
 from inference.runtime.drafter import Drafter
-from inference.runtime.slot_rows import batch_bucket
+from inference.runtime.slot_rows import RowSets, batch_bucket
 from inference.runtime.stages import Stage
 from spd_lightning.geometry import Geometry
 
@@ -133,6 +133,8 @@ class PipelineRunner:
         self._arrivals: dict[int, Arrival] = {}  # listener rank -> its posted receive of the oldest owed verdict
         self._draft_tokens = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         self._draft_q = torch.zeros(max_batch, config.draft_vocab_size, device=self.device)
+        self._kept_rows = RowSets(max_batch, self.device)  # which rows of a draft the step sends
+        self._kept_mask = self._kept_rows.mask()
         self.steps_run = 0
         self.discarded_drafts = 0  # drafts the PDM made before learning that their slot's step was wasted
         self.cycles = 0  # steps in which some slot ran a real cycle
@@ -241,7 +243,7 @@ class PipelineRunner:
         first token, which the verifier samples and sends to every rank."""
         prompt = torch.tensor([list(seq.request.prompt_ids)], dtype=torch.long, device=self.device)
         if self.drafter is not None:
-            self.drafter.start(b, prompt, seq.capacity)
+            self.drafter.start(b, prompt, seq.capacity, seq.request.sampling, generator_seeds(seq.request.seed)[1])
 
         def run_stage(s: int, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
             with self.clock.span(s - 1, COMPUTE, device_work=True):
@@ -422,8 +424,10 @@ class PipelineRunner:
         """Post-step, this step's anchor states reach the PDM first; the PDM learns the previous verdict if it is
         in, then drafts for every slot whose step is real or not known to be wasted, in one forward. A verdict that
         is late does not hold the draft up (as at batch 1, "The critical path"): the PDM drafts without it, then
-        waits for it, and a slot's draft for a step that turns out wasted is discarded: not sent, its randomness
-        given back to the slot's generator, so every draft is that of a PDM that knew in time."""
+        waits for it, and a slot's draft for a step that turns out wasted is discarded: its row of the outgoing
+        message keeps what it held (a redo's input travelled with it). A draft's randomness is a function of its
+        request and position (`drafter`), so a discarded draft spends none: every draft is that of a PDM that knew
+        in time."""
         n = self.n
         late = self.drafter is not None and self._verdict_late()
         if self.drafter is not None and not late:
@@ -432,35 +436,22 @@ class PipelineRunner:
             self._send_anchors_during(live)
         if self.drafter is None:
             return
-        drafting = {b: seq for b, seq in live.items() if seq.wasted(self._awaited(b)) is not True}
+        drafting = [b for b, seq in live.items() if seq.wasted(self._awaited(b)) is not True]
         if not drafting:
             return
-        randomness = {
-            b: seq.draft_generator.get_state()
-            for b, seq in drafting.items()
-            if seq.wasted(self._awaited(b)) is None and not seq.request.sampling.greedy
-        }
         with self.clock.span(n, COMPUTE, device_work=True):
-            drafts = self.drafter.draft(
-                {b: seq.step.plan.draft_view for b, seq in drafting.items()},
-                {b: seq.request.sampling for b, seq in drafting.items()},
-                {b: seq.draft_generator for b, seq in drafting.items()},
-                rows,
-            )
+            drafts = self.drafter.draft({b: live[b].step.plan.draft_view for b in drafting}, rows)
         if late:
             self._take_verdict_of(self.steps_run - 1)
-        for b, (token, q) in drafts.items():
-            if live[b].wasted(self._awaited(b)):
-                # Its writes need no undo: the positions it appended to the KV cache as verified left the last
-                # stage before the rejected token did, and the rows it wrote are rewritten before any draft reads
-                # them.
-                self.discarded_drafts += 1
-                if b in randomness:
-                    live[b].draft_generator.set_state(randomness[b])
-                continue
-            self._draft_tokens[b] = token[0]
-            if q is not None:
-                self._draft_q[b] = q
+        kept = [b for b in drafting if not live[b].wasted(self._awaited(b))]
+        # Its writes need no undo: the positions a discarded draft appended to the KV cache as verified left the
+        # last stage before the rejected token did, and the rows it wrote are rewritten before any draft reads them.
+        self.discarded_drafts += len(drafting) - len(kept)
+        R = drafts.tokens.shape[0]
+        keep = self._kept_rows.write(kept, self._kept_mask)[:R]
+        self._draft_tokens[:R] = torch.where(keep, drafts.tokens, self._draft_tokens[:R])
+        if drafts.q is not None:
+            self._draft_q[:R] = torch.where(keep[:, None], drafts.q, self._draft_q[:R])
         self.box.put(n, "draft_token", self._draft_tokens)
         self.box.put(n, "draft_q", self._draft_q)
 

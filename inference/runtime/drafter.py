@@ -6,21 +6,27 @@ anchor 0 is the embedding, which this rank computes itself from the token id) an
 verified positions (`SlotDraftKV`, one length per slot): their depth-n view never changes, so they are cached once.
 A draft of slot `b` covers the consecutive positions from its cached length up to its newest in-flight token: the
 newly verified ones (read at depth n, committed to the cache afterwards) and the in-flight ones (at the depths of
-its view, recomputed every cycle). The slots' segments are fused per slot (each its own depth types, one
-projection per type present), laid left-aligned into one `[R, W]` batch over the step's leading rows (a bucket,
-`slot_rows.batch_bucket`) and run through the body once; each slot's logits are read at its newest column.
-`W = n + 1` is fixed: a cycle verifies at most one position, so a segment holds at most one newly verified
-position and `n` in flight; a longer one (a join's prompt) first commits its oldest positions alone. Rows of slots
-that do not draft this cycle, and the columns after a shorter segment, write keys past anything their slot holds:
-masked, and overwritten before any draft reads them, as in-flight positions are.
+its view, recomputed every cycle). `W = n + 1` columns hold any segment: a cycle verifies at most one position, so
+a segment holds at most one newly verified position and `n` in flight; a longer one (a join's prompt) first
+commits its oldest positions alone.
 
-Where each slot's segment starts (its cached length) and its newest column are device-resident (`DeviceInts`):
-written on the device as the slots move, never copied from the host, so a draft makes no host sync.
-`compile` (`--compile`): the body and head over the fixed `[R, W]` shape through `CompiledStep`, one graph per
-bucket and capacity; the fusion and the commits stay eager.
+A draft is batched tensor work, a fixed number of ops for any number of slots: the host writes each slot's
+segment (where it starts, its newest column, the type of each column, the position drafted, a pending seed
+token) into one `[R, C]` table (`HostTable`) that reaches the device in one copy; the gather of the segments'
+states, the fusion (`Fusion.by_type`: each column its own type), the body, the head, the warp of every row under
+its own settings (`warp_rows`, the settings `[B]` tensors written when a request joins), the draw and the
+embedding write of the drafted tokens then run over all `R` rows of the step's bucket (`slot_rows.batch_bucket`)
+at once. Rows that do not draft this cycle, and the columns after a shorter segment, write keys past anything
+their slot holds: masked, and overwritten before any draft reads them, as in-flight positions are.
 
-Sampling is per slot: each slot's warp (its temperature, top-k, top-p) and its own generator, so a seeded
-request draws exactly the randomness it draws alone (`slots.generator_seeds`).
+A sampled draft is the inverse CDF of its `q` at a counter-based uniform of the request's seed and the drafted
+position (`sampling.counter_uniforms`): the same draw whichever slot, batch or step makes it, so a seeded request
+drafts exactly what it drafts alone, and a draft the runner discards (its step turned out wasted) needs no
+randomness given back. Reusing the uniform when a position is drafted again after a rejection keeps every draft
+distributed as its `q`: the uniform is independent of everything that made the new `q`.
+
+`compile` (`--compile`): the gather, fusion, body and head over the fixed `[R, W]` shape through `CompiledStep`,
+one graph per bucket and capacity (every type projected); eager steps project only the types present.
 
 `ReplayDrafter` proposes from a known continuation instead (always right, always wrong, or right by an exact
 pattern): it measures the pipeline without a model (the closed forms of the schedule, oracle timing) and drives
@@ -30,7 +36,7 @@ it through chosen accept/reject sequences.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -38,35 +44,39 @@ from torch import nn
 
 from inference.runtime.cache import round_capacity
 from inference.runtime.capture import CompiledStep
-from inference.runtime.slot_rows import DeviceInts, RowSets, batch_bucket, mark_static
-from inference.sampling import Sampling, warp
+from inference.runtime.slot_rows import HostTable, batch_bucket, mark_static
+from inference.sampling import Sampling, counter_uniforms, draw_rows, seed_keys, warp_rows
 from spd_lightning.export import DrafterLoadError
 from spd_lightning.geometry import Geometry
 from spd_lightning.pdm import PipelineDraftModule
 
-Draft = tuple[torch.Tensor, torch.Tensor | None]  # (target id `[1]` on the drafter's device, `q` or None if greedy)
+# The columns of the per-step table: where a row's segment starts (its cached length), its newest column, the
+# position it drafts, whether it drafts, a seed token entering at a position (-1: none), then one type per column.
+START, NEWEST, NEXT, DRAFTING, SEED_POSITION, SEED_TOKEN, TYPES = range(7)
+
+
+class DraftBatch(NamedTuple):
+    """One draft per row of the step's bucket: target ids `[R]` on the drafter's device, and the draft
+    distributions `q[R, V_d]` (None when every drafting slot is greedy). Rows of slots that did not draft hold
+    nothing to read."""
+
+    tokens: torch.Tensor
+    q: torch.Tensor | None
 
 
 class Drafter(Protocol):
-    """What the PDM rank runs, per slot. `draft` returns slot -> (target id, the draft distribution `q` over the
-    draft vocabulary or None when that slot is greedy)."""
+    """What the PDM rank runs over its slots."""
 
-    def start(self, slot: int, prompt_ids: torch.Tensor, capacity: int) -> None: ...
+    def start(self, slot: int, prompt_ids: torch.Tensor, capacity: int, sampling: Sampling, seed: int) -> None: ...
     def set_token(self, slot: int, position: int, token: int) -> None: ...
     def store_anchors(self, slot: int, stage: int, start: int, states: torch.Tensor) -> None: ...
-    def draft(
-        self,
-        views: Mapping[int, Sequence[tuple[int, int]]],
-        samplings: Mapping[int, Sampling],
-        generators: Mapping[int, torch.Generator],
-        rows: int | None = None,
-    ) -> dict[int, Draft]: ...
+    def draft(self, views: Mapping[int, Sequence[tuple[int, int]]], rows: int | None = None) -> DraftBatch: ...
 
 
 class SlotDraftKV:
     """The PDM's body keys/values per slot, the `attend` of its batched forward: row `b`'s `S` new keys are
     written at `[offsets_b, offsets_b + S)` and its queries attend causally over `[0, offsets_b + i]`; `offsets`
-    is the drafter's device-resident vector of cached lengths."""
+    is the device column of the step's table with each row's cached length."""
 
     def __init__(self, num_layers: int, slots: int, heads: int, head_dim: int, capacity: int, dtype, offsets):
         device = offsets.device
@@ -74,8 +84,8 @@ class SlotDraftKV:
         self.values = torch.zeros_like(self.keys)
         self.offsets = offsets
         self.rows = torch.arange(slots, device=device)
-        self.slots = torch.arange(capacity, device=device)
-        mark_static(self.keys, self.values, self.rows, self.slots)
+        self.positions = torch.arange(capacity, device=device)
+        mark_static(self.keys, self.values, self.rows, self.positions)
 
     def grown(self, capacity: int) -> SlotDraftKV:
         L, B, heads, _, dim = self.keys.shape
@@ -91,7 +101,7 @@ class SlotDraftKV:
         keys, values = self.keys[layer][:R], self.values[layer][:R]
         keys[rows, :, written] = k.transpose(1, 2)  # [R, S, heads, dim] at (row, position)
         values[rows, :, written] = v.transpose(1, 2)
-        mask = self.slots[None, None, None, :] <= written[:, None, :, None]  # [R, 1, S, capacity]
+        mask = self.positions[None, None, None, :] <= written[:, None, :, None]  # [R, 1, S, capacity]
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
     def row_attend(self, slot: int, start: int) -> Callable:
@@ -110,6 +120,35 @@ class SlotDraftKV:
         return attend
 
 
+class SlotSampling:
+    """Each slot's sampling settings and seed keys as `[B]` device tensors, written when a request joins."""
+
+    def __init__(self, slots: int, device: torch.device):
+        self.temperature = torch.zeros(slots, device=device)
+        self.top_k = torch.zeros(slots, dtype=torch.long, device=device)
+        self.top_p = torch.ones(slots, device=device)
+        self.keys = torch.zeros(2, slots, dtype=torch.long, device=device)
+        self.greedy = [True] * slots  # the host's copy: a step of greedy slots only skips the warp
+        mark_static(self.temperature, self.top_k, self.top_p, self.keys)
+
+    def set(self, slot: int, sampling: Sampling, seed: int) -> None:
+        self.temperature[slot].fill_(sampling.temperature)  # kernel arguments: no host memory copied
+        self.top_k[slot].fill_(sampling.top_k)
+        self.top_p[slot].fill_(sampling.top_p)
+        for row, key in zip(self.keys, seed_keys(seed)):
+            row[slot].fill_(key)
+        self.greedy[slot] = sampling.greedy
+
+    def choose(self, logits: torch.Tensor, drafted: torch.Tensor, sampled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft ids `[R]` and `q[R, V_d]` (None when `sampled` is False: argmax) for the leading rows; `drafted`
+        is each row's drafted position, the counter of its uniform."""
+        if not sampled:
+            return logits.argmax(-1), None
+        R = logits.shape[0]
+        q = warp_rows(logits, self.temperature[:R], self.top_k[:R], self.top_p[:R])
+        return draw_rows(q, counter_uniforms(self.keys[0, :R], self.keys[1, :R], drafted)), q
+
+
 class PDMDrafter:
     def __init__(
         self,
@@ -125,95 +164,123 @@ class PDMDrafter:
         p = next(pdm.parameters())
         self.device, self.dtype, self.state_dtype = p.device, p.dtype, state_dtype
         self.capacity, self.width = 0, geometry.n + 1
-        self._seed = torch.zeros(1, dtype=torch.long, device=self.device)
-        anchor_slot = {b: i for i, b in enumerate(geometry.anchors)}
-        self._stage_slots = {
-            s: [anchor_slot[b] for b in geometry.anchors_of_stage(s) if b > 0] for s in range(1, geometry.n + 1)
+        anchor_index = {b: i for i, b in enumerate(geometry.anchors)}
+        self._stage_anchors = {
+            s: [anchor_index[b] for b in geometry.anchors_of_stage(s) if b > 0] for s in range(1, geometry.n + 1)
         }
-        sets = RowSets(slots, self.device)
-        self.offsets = DeviceInts(slots, self.device, sets)  # each slot's cached (verified) length
-        self.newest = DeviceInts(slots, self.device, sets)  # each slot's newest column in its segment
+        self.lengths = [0] * slots  # each slot's cached (verified) positions
+        self.table = HostTable(slots, TYPES + self.width, self.device)
+        self.sampling = SlotSampling(slots, self.device)
+        self._seeds: dict[int, tuple[int, int]] = {}  # slot -> (position, token) entering before its next draft
         self._columns = torch.arange(self.width, device=self.device)
         self._row_ids = torch.arange(slots, device=self.device)
-        self._g = torch.zeros(slots, self.width, pdm.cfg.hidden_size, dtype=self.dtype, device=self.device)
-        mark_static(self._columns, self._row_ids, self._g)
+        mark_static(self._columns, self._row_ids)
         self.compiled = compile
+        self._all_types = tuple(range(1, geometry.num_types + 1))
         self._step = CompiledStep(self._logits, self.device) if compile else self._logits
         self._reserve(1)
-
-    @property
-    def lengths(self) -> list[int]:
-        """Each slot's cached (verified) positions (the host mirror of `offsets`)."""
-        return self.offsets.host
 
     def _reserve(self, positions: int) -> None:
         """Room for `positions` positions in every slot, keeping what each holds (a power-of-two bucket)."""
         if positions <= self.capacity:
             return
         capacity, cfg = round_capacity(positions), self.pdm.cfg
-        states = torch.zeros(
-            self.slots,
-            capacity,
-            self.geometry.num_types,
-            cfg.target_hidden_size,
-            dtype=self.state_dtype,
-            device=self.device,
-        )
+        shape = (self.slots, capacity, self.geometry.num_types, cfg.target_hidden_size)
+        states = torch.zeros(shape, dtype=self.state_dtype, device=self.device)
         if self.capacity:
             states[:, : self.capacity] = self.states
             self.cache = self.cache.grown(capacity)
         else:
+            offsets = self.table.device[:, START]
             self.cache = SlotDraftKV(
-                cfg.num_layers, self.slots, cfg.num_kv_heads, cfg.head_dim, capacity, self.dtype, self.offsets.device
+                cfg.num_layers, self.slots, cfg.num_kv_heads, cfg.head_dim, capacity, self.dtype, offsets
             )
         self.states, self.capacity = states, capacity
 
     @torch.no_grad()
-    def start(self, slot: int, prompt_ids: torch.Tensor, capacity: int) -> None:
-        """Slot `slot` starts a sequence of at most `capacity` positions: the prompt's own embeddings."""
+    def start(
+        self, slot: int, prompt_ids: torch.Tensor, capacity: int, sampling: Sampling = Sampling(), seed: int = 0
+    ) -> None:
+        """Slot `slot` starts a sequence of at most `capacity` positions: the prompt's own embeddings; its draws
+        follow `sampling` and `seed` (the request's draft seed)."""
         P = prompt_ids.shape[-1]
         self._reserve(capacity)
-        self.offsets.assign({slot: 0})
+        self.lengths[slot] = 0
+        self._seeds.pop(slot, None)
         self.states[slot].zero_()
         self.states[slot, :P, 0] = self.embed_tokens(prompt_ids.reshape(1, P).to(self.device))[0]
+        self.sampling.set(slot, sampling, seed)
 
-    @torch.no_grad()
     def set_token(self, slot: int, position: int, token: int) -> None:
-        self.states[slot, position, 0] = self.embed_tokens(self._seed.fill_(token))[0]
+        """A seed token (a first token, a correction) enters at `position`: embedded with the next draft."""
+        self._seeds[slot] = (position, token)
 
     def store_anchors(self, slot: int, stage: int, start: int, states: torch.Tensor) -> None:
         """`states[S, A, H]`: the anchors stage `stage` produced for slot `slot`'s positions `start..start+S-1`."""
-        anchors = self._stage_slots[stage]
+        anchors = self._stage_anchors[stage]
         if anchors:
             self.states[slot, start : start + states.shape[0], anchors[0] : anchors[-1] + 1] = states
 
     @torch.no_grad()
-    def draft(
-        self,
-        views: Mapping[int, Sequence[tuple[int, int]]],
-        samplings: Mapping[int, Sampling],
-        generators: Mapping[int, torch.Generator],
-        rows: int | None = None,
-    ) -> dict[int, Draft]:
+    def draft(self, views: Mapping[int, Sequence[tuple[int, int]]], rows: int | None = None) -> DraftBatch:
         """Draft the token after each view's newest position, for every slot in `views` (its (depth, position)
-        pairs of in-flight tokens, oldest first), in one body forward over the leading `rows` rows (default: the
-        bucket of the last drafting slot). Returns slot -> (target id `[1]`, `q` over the draft vocabulary or
-        None when that slot is greedy)."""
-        rows = rows or batch_bucket(max(views) + 1, self.slots)
+        pairs of in-flight tokens, oldest first), in one forward over the leading `rows` rows (default: the
+        bucket of the last drafting or seeded slot)."""
+        rows = max(rows or 0, batch_bucket(max([*views, *self._seeds]) + 1, self.slots))
         for b, view in views.items():
             self._commit_overflow(b, view)
         self._reserve(max(self.lengths[:rows]) + self.width + 1)
-        self.newest.assign({b: self._write_segment(b, view) - 1 for b, view in views.items()})
-        logits = self._step(self._g[:rows])
+        width, present = self._write_table(views, rows)
+        table = self.table.upload(rows)
+        self._enter_seeds(table)
+        logits = self._step(table, width, present)
         if self.compiled:  # the captured graph owns its output
             logits = logits.clone()
-        self.offsets.assign({b: view[0][1] for b, view in views.items()})  # newly verified: cached for good
-        greedy = self.pdm.d2t[logits.argmax(-1)] if any(s.greedy for s in samplings.values()) else None
-        drafts = {}
         for b, view in views.items():
-            drafts[b] = self._choose(b, logits[b], greedy, samplings[b], generators.get(b))
-            self.states[b, view[-1][1] + 1, 0] = self.embed_tokens(drafts[b][0])[0]  # H^0 of the new token
-        return drafts
+            self.lengths[b] = view[0][1]  # newly verified: cached for good
+        ids, q = self.sampling.choose(logits, table[:, NEXT], not all(self.sampling.greedy[b] for b in views))
+        tokens = self.pdm.d2t[ids]
+        self._write_embedding(table, tokens)
+        return DraftBatch(tokens, q)
+
+    def _write_table(self, views: Mapping[int, Sequence[tuple[int, int]]], rows: int) -> tuple[int, tuple[int, ...]]:
+        """Each row's segment into the host table (idle rows: an empty segment at their cached length). Returns
+        the columns and the types the step runs: every column always (the shapes of a draft never depend on what
+        the PDM knew of a verdict, so a draft it discards leaves the next one bit for bit as it would be), every
+        type when compiled (one graph), else the types present."""
+        geometry, table = self.geometry, self.table.writable()
+        verified_type = geometry.type_of(geometry.n)
+        table[:rows] = 0
+        table[:rows, SEED_TOKEN] = -1
+        table[:rows, TYPES:] = verified_type
+        table[:rows, START] = self.lengths[:rows]
+        table[:rows, NEXT] = self.lengths[:rows]
+        present = {verified_type}
+        for b, view in views.items():
+            start, first, last = self.lengths[b], view[0][1], view[-1][1]
+            types = [geometry.type_of(d) for d, _ in view]
+            row = table[b]
+            row[NEWEST], row[NEXT], row[DRAFTING] = last - start, last + 1, 1
+            row[TYPES + first - start : TYPES + last + 1 - start] = types
+            present.update(types)
+        for b, (position, token) in self._seeds.items():
+            table[b, SEED_POSITION], table[b, SEED_TOKEN] = position, token
+        self._seeds.clear()
+        return self.width, self._all_types if self.compiled else tuple(sorted(present))
+
+    def _enter_seeds(self, table: torch.Tensor) -> None:
+        """The seed tokens' embeddings (anchor 0) at their positions, in every row that has one."""
+        rows, positions = self._row_ids[: table.shape[0]], table[:, SEED_POSITION]
+        seeded = table[:, SEED_TOKEN] >= 0
+        embedded = self.embed_tokens(table[:, SEED_TOKEN].clamp(min=0)).to(self.state_dtype)
+        self.states[rows, positions, 0] = torch.where(seeded[:, None], embedded, self.states[rows, positions, 0])
+
+    def _write_embedding(self, table: torch.Tensor, tokens: torch.Tensor) -> None:
+        """H^0 of each drafted token at the position it was drafted for (rows that did not draft keep theirs)."""
+        rows, positions = self._row_ids[: table.shape[0]], table[:, NEXT]
+        drafting = table[:, DRAFTING].bool()[:, None]
+        embedded = self.embed_tokens(tokens).to(self.state_dtype)
+        self.states[rows, positions, 0] = torch.where(drafting, embedded, self.states[rows, positions, 0])
 
     def _commit_overflow(self, slot: int, view: Sequence[tuple[int, int]]) -> None:
         """A segment longer than `width` (a join's prompt) first commits its oldest verified positions alone."""
@@ -227,39 +294,17 @@ class PDMDrafter:
         g = pdm.fuse(self.states[slot, start : start + count].to(self.dtype), self.geometry.type_of(self.geometry.n))
         positions = torch.arange(start, start + count, device=self.device)[None]
         pdm.body(g[None], positions, self.cache.row_attend(slot, start))
-        self.offsets.assign({slot: start + count})
+        self.lengths[slot] = start + count
 
-    def _write_segment(self, slot: int, view: Sequence[tuple[int, int]]) -> int:
-        """Slot `slot`'s fused inputs into its row of the step: its newly verified positions at depth n, then its
-        in-flight ones. Returns the segment's length."""
-        geometry, pdm, start, g = self.geometry, self.pdm, self.lengths[slot], self._g[slot]
-        first, last = view[0][1], view[-1][1]
-        if first > start:
-            g[: first - start] = pdm.fuse(self.states[slot, start:first].to(self.dtype), geometry.type_of(geometry.n))
-        types = tuple(geometry.type_of(d) for d, _ in view)
-        in_flight = self.states[slot, first : last + 1].to(self.dtype)[None]
-        g[first - start : last + 1 - start] = pdm.fuse(in_flight, types)[0]
-        return last + 1 - start
-
-    def _logits(self, g: torch.Tensor) -> torch.Tensor:
-        """Draft logits `[R, V_d]` at each row's newest column, from the fused segments `g[R, W, d]`."""
-        R = g.shape[0]
-        positions = self.offsets.device[:R, None] + self._columns
-        hidden = self.pdm.body(g, positions, self.cache)  # [R, W, d]
-        return self.pdm.lm_head(hidden[self._row_ids[:R], self.newest.device[:R]])
-
-    def _choose(
-        self,
-        slot: int,
-        logits: torch.Tensor,
-        greedy: torch.Tensor | None,
-        sampling: Sampling,
-        generator: torch.Generator | None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if sampling.greedy:
-            return greedy[slot : slot + 1], None
-        q = warp(logits, sampling)
-        return self.pdm.d2t[torch.multinomial(q, 1, generator=generator)], q
+    def _logits(self, table: torch.Tensor, width: int, present: tuple[int, ...]) -> torch.Tensor:
+        """Draft logits `[R, V_d]` at each row's newest column: its segment's states gathered and fused (each
+        column at its type), through the body."""
+        R = table.shape[0]
+        positions = table[:, START, None] + self._columns[:width]  # [R, width]
+        states = self.states[self._row_ids[:R, None], positions].to(self.dtype)  # [R, width, m, H]
+        g = self.pdm.fusion.by_type(states, table[:, TYPES : TYPES + width], present)
+        hidden = self.pdm.body(g, positions, self.cache)  # [R, width, d]
+        return self.pdm.lm_head(hidden[self._row_ids[:R], table[:, NEWEST]])
 
 
 def check_drafter(pdm: PipelineDraftModule, geometry: Geometry, embed_tokens: nn.Module) -> None:
@@ -299,7 +344,11 @@ class ReplayDrafter:
         self._replaying: dict[int, tuple[list[int], int]] = {}  # slot -> (its reference, its prompt's length)
         self.device = torch.device("cpu")
 
-    def start(self, slot: int, prompt_ids: torch.Tensor, capacity: int) -> None:
+    def start(
+        self, slot: int, prompt_ids: torch.Tensor, capacity: int, sampling: Sampling = Sampling(), seed: int = 0
+    ) -> None:
+        if not sampling.greedy:
+            raise ValueError("a replay drafter has no draft distribution: use it with greedy decoding only")
         if self._next >= len(self.references):
             raise ValueError(f"the replay drafter has {len(self.references)} references and no more prompts to replay")
         self._replaying[slot] = (self.references[self._next], prompt_ids.shape[-1])
@@ -312,14 +361,15 @@ class ReplayDrafter:
     def store_anchors(self, slot: int, stage: int, start: int, states: torch.Tensor) -> None:
         pass
 
-    def draft(self, views, samplings, generators, rows=None) -> dict[int, Draft]:
-        if not all(sampling.greedy for sampling in samplings.values()):
-            raise ValueError("a replay drafter has no draft distribution: use it with greedy decoding only")
-        return {b: (self._propose(b, view[-1][1] + 1), None) for b, view in views.items()}
+    def draft(self, views: Mapping[int, Sequence[tuple[int, int]]], rows: int | None = None) -> DraftBatch:
+        proposals = [0] * max(rows or 0, max(views) + 1)
+        for b, view in views.items():
+            proposals[b] = self._propose(b, view[-1][1] + 1)
+        return DraftBatch(torch.tensor(proposals, device=self.device), None)
 
-    def _propose(self, slot: int, position: int) -> torch.Tensor:
+    def _propose(self, slot: int, position: int) -> int:
         reference, prompt_len = self._replaying[slot]
         index = position - prompt_len
         right = reference[index] if index < len(reference) else 0
         wrong = self.pattern[index % len(self.pattern)] == "W"
-        return torch.tensor([(right + 1) % self.vocab_size if wrong else right], device=self.device)
+        return (right + 1) % self.vocab_size if wrong else right

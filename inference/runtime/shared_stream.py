@@ -33,7 +33,8 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from inference.runtime.drafter import Draft, Drafter
+from inference.runtime.drafter import DraftBatch, Drafter
+from inference.sampling import Sampling
 
 
 def draft_stream(device: torch.device) -> torch.cuda.Stream | None:
@@ -60,8 +61,8 @@ class SideStreamDrafter:
         self.inputs_ready = None  # the event of the latest input written on the main stream
         self._on_side = False  # inside `receiving()`: inputs are written on the side stream
 
-    def start(self, slot: int, prompt_ids: torch.Tensor, capacity: int) -> None:
-        self.drafter.start(slot, prompt_ids, capacity)
+    def start(self, slot: int, prompt_ids: torch.Tensor, capacity: int, sampling: Sampling, seed: int) -> None:
+        self.drafter.start(slot, prompt_ids, capacity, sampling, seed)
         self._inputs_written()
 
     def set_token(self, slot: int, position: int, token: int) -> None:
@@ -89,15 +90,15 @@ class SideStreamDrafter:
             self._on_side = False
             self.main_stream().wait_event(self.stream.record_event())
 
-    def draft(self, views, samplings, generators, rows: int | None = None) -> dict[int, Draft]:
+    def draft(self, views, rows: int | None = None) -> DraftBatch:
         if self.stream is not None and self.inputs_ready is not None:
             self.stream.wait_event(self.inputs_ready)
         with use_stream(self.stream):
-            drafts = self.drafter.draft(views, samplings, generators, rows)
+            drafts = self.drafter.draft(views, rows)
         if self.stream is not None:
             main = self.main_stream()
             main.wait_event(self.stream.record_event())
-            for tensor in (t for draft in drafts.values() for t in draft):
+            for tensor in drafts:
                 if tensor is not None:
                     tensor.record_stream(main)
         return drafts

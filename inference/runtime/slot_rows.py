@@ -1,4 +1,4 @@
-"""Per-slot values on the device without a host-to-device copy, and the batch buckets of the batched step (issue 26).
+"""Per-slot values on the device without a host-to-device copy, and the batch buckets of the batched step.
 
 The batched decoder's schedule runs on the host, one `SlotSequence` per slot; its forwards read per-slot values on
 the device: the position each row runs, which rows run a real token, where each slot's PDM segment starts and
@@ -10,6 +10,9 @@ copy per cycle (a sync on a GPU, which the batch-1 hot path does not have: docs/
 - `DeviceInts`: a `[B]` vector of ints kept on the device with its host mirror, each write made on the device:
   the rows that move by one (a position advancing, a segment growing by its newest token) in one add of a row
   mask, any other change (a rollback, a join) by `fill_` of that row (the value is a kernel argument);
+- `HostTable`: a `[B, C]` table of ints the host writes in full each step (the PDM's per-slot segment geometry)
+  and the device receives in ONE copy, from pinned memory without waiting (vLLM's input staging): a fixed
+  number of ops for any B, where per-slot writes would grow with it;
 - `batch_bucket`: the step over the slots runs the smallest power of two of rows that covers every live slot
   (capped at the slot count), so a compiled step has one graph per bucket, as vLLM keys its CUDA graphs; the
   rows of the bucket without a sequence run dummy inputs, as idle slots do.
@@ -84,3 +87,31 @@ class DeviceInts:
         self.device[: mask.shape[0]].add_(mask)
         for b in members:
             self.host[b] += 1
+
+
+class HostTable:
+    """A `[rows, columns]` int64 table: the host fills `host` (a NumPy view: no torch op per entry) and
+    `upload` copies the leading rows to `device` in one copy, asynchronous from pinned memory on a GPU. Before
+    the host writes again it waits for the previous copy to have read the table (`writable`), which it has long
+    done by the next step."""
+
+    def __init__(self, rows: int, columns: int, device: torch.device):
+        pinned = device.type == "cuda"
+        self._host = torch.zeros(rows, columns, dtype=torch.long, pin_memory=pinned)
+        self.host = self._host.numpy()
+        self.device = torch.zeros(rows, columns, dtype=torch.long, device=device)
+        self._copied = torch.cuda.Event() if pinned else None
+        mark_static(self.device)
+
+    def writable(self):
+        """The host table, once the last upload has read it."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self.host
+
+    def upload(self, rows: int) -> torch.Tensor:
+        """The leading `rows` rows on the device."""
+        self.device[:rows].copy_(self._host[:rows], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        return self.device[:rows]

@@ -276,7 +276,8 @@ class Stage(nn.Module):
         running = sorted(tokens)
         cache.before_step(rows, running)
         mask = cache.sets.write(running, self.running)[:rows]
-        hidden, anchors, logits = self._step(inputs, mask)
+        # Eagerly a step in which every row runs skips restoring idle rows; a compiled one always restores (one graph).
+        hidden, anchors, logits = self._step(inputs, mask, self.compiled or len(running) < rows)
         if self.compiled:  # the captured graph owns its outputs and rewrites them on the next replay
             hidden, anchors = hidden.clone(), anchors.clone()
             logits = logits.clone() if logits is not None else None
@@ -284,7 +285,7 @@ class Stage(nn.Module):
         return StepOutput(hidden, anchors, logits)
 
     def _decode_step(
-        self, inputs: torch.Tensor, running: torch.Tensor
+        self, inputs: torch.Tensor, running: torch.Tensor, idle_rows: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The step over `cache.rows` rows, all on the device: no host reads, fixed shapes per bucket."""
         cache = self.cache
@@ -293,7 +294,8 @@ class Stage(nn.Module):
         positions = cache.positions.device[: cache.rows, None]
         mask = attention_mask(positions, cache.capacity, x.dtype) if cache.attention_layers else None
         x, anchors, normed = self.run_layers(x, positions, cache, mask, cache.attention_layers)
-        cache.keep_idle_rows(running)
+        if idle_rows:
+            cache.keep_idle_rows(running)
         logits = self.lm_head(normed[:, -1]) if self.last else None
         return x, anchors[:, 0], logits
 
