@@ -96,11 +96,11 @@ def _top_p(probs: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
     device copy). With `top_p` 1 nothing is dropped (the mass above any token is below 1 up to rounding)."""
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
-    if isinstance(top_p, torch.Tensor):  # rows at 1.0 keep every token, whatever the float rounding
-        drop_sorted &= top_p < 1.0
     drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
-    probs = probs.masked_fill(drop, 0.0)
-    return probs / probs.sum(-1, keepdim=True)
+    kept = probs.masked_fill(drop, 0.0)
+    kept = kept / kept.sum(-1, keepdim=True)
+    # rows at 1.0 keep their softmax untouched, bit for bit, whatever the rounding of the cumulative sum
+    return torch.where(top_p < 1.0, kept, probs) if isinstance(top_p, torch.Tensor) else kept
 
 
 def _scaled(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:

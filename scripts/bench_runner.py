@@ -7,7 +7,8 @@
 `Simulator(target, pdm, geometry).decode(prompt, max_new_tokens)` it can call. It decodes the same prompts
 through the tiny hybrid Qwen3.5 target of the tests (n = 3, a random PDM: rejections and refills, every fill
 level) after one warm-up pass, `--repeat` times, and prints one JSON line: the median over the repeats of the
-decode seconds per cycle (prefill excluded). The tiny target makes the runner's host work most of a cycle, so
+decode seconds per cycle (prefill excluded), and of the process's CPU seconds per cycle over whole decodes
+(prefill included: on a shared machine the CPU clock ignores other jobs' time slices). The tiny target makes the runner's host work most of a cycle, so
 this is where a slower runner shows most. Interleave the versions' runs on a shared machine and compare medians.
 """
 
@@ -18,6 +19,7 @@ import json
 import os
 import statistics
 import sys
+import time
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,12 +44,21 @@ def main(argv: list[str] | None = None) -> int:
     geometry = Geometry.build(target.num_layers, 3)
     simulator = Simulator(target, random_pdm(target, geometry, num_layers=1), geometry)
     prompts = [[3, 14, 15, 92, 65], [7, 7, 8], [11, 12, 13, 14, 15, 16]]
-    per_cycle = []
+    per_cycle, cpu_per_cycle = [], []
     for attempt in range(args.repeat + 1):
+        cpu = time.process_time()
         results = [simulator.decode(prompt, args.max_new_tokens) for prompt in prompts]
+        cpu = time.process_time() - cpu
         if attempt:  # the first pass warms up
-            per_cycle.append(sum(r.decode_s for r in results) / sum(r.K for r in results))
-    row = {"label": args.label, "s_per_cycle": statistics.median(per_cycle), "K": sum(r.K for r in results)}
+            K = sum(r.K for r in results)
+            per_cycle.append(sum(r.decode_s for r in results) / K)
+            cpu_per_cycle.append(cpu / K)
+    row = {
+        "label": args.label,
+        "s_per_cycle": statistics.median(per_cycle),
+        "cpu_s_per_cycle": statistics.median(cpu_per_cycle),
+        "K": K,
+    }
     print(json.dumps(row))
     return 0
 

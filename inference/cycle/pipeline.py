@@ -448,10 +448,15 @@ class PipelineRunner:
         # last stage before the rejected token did, and the rows it wrote are rewritten before any draft reads them.
         self.discarded_drafts += len(drafting) - len(kept)
         R = drafts.tokens.shape[0]
-        keep = self._kept_rows.write(kept, self._kept_mask)[:R]
-        self._draft_tokens[:R] = torch.where(keep, drafts.tokens, self._draft_tokens[:R])
-        if drafts.q is not None:
-            self._draft_q[:R] = torch.where(keep[:, None], drafts.q, self._draft_q[:R])
+        if len(kept) == R:  # every row of the draft is sent
+            self._draft_tokens[:R] = drafts.tokens
+            if drafts.q is not None:
+                self._draft_q[:R] = drafts.q
+        elif kept:
+            keep = self._kept_rows.write(kept, self._kept_mask)[:R]
+            self._draft_tokens[:R] = torch.where(keep, drafts.tokens, self._draft_tokens[:R])
+            if drafts.q is not None:
+                self._draft_q[:R] = torch.where(keep[:, None], drafts.q, self._draft_q[:R])
         self.box.put(n, "draft_token", self._draft_tokens)
         self.box.put(n, "draft_q", self._draft_q)
 

@@ -230,9 +230,11 @@ class PDMDrafter:
         for b, view in views.items():
             self._commit_overflow(b, view)
         self._reserve(max(self.lengths[:rows]) + self.width + 1)
+        seeded = bool(self._seeds)
         width, present = self._write_table(views, rows)
         table = self.table.upload(rows)
-        self._enter_seeds(table)
+        if seeded:
+            self._enter_seeds(table)
         logits = self._step(table, width, present)
         if self.compiled:  # the captured graph owns its output
             logits = logits.clone()
@@ -240,7 +242,7 @@ class PDMDrafter:
             self.lengths[b] = view[0][1]  # newly verified: cached for good
         ids, q = self.sampling.choose(logits, table[:, NEXT], not all(self.sampling.greedy[b] for b in views))
         tokens = self.pdm.d2t[ids]
-        self._write_embedding(table, tokens)
+        self._write_embedding(table, tokens, every_row=len(views) == rows)
         return DraftBatch(tokens, q)
 
     def _write_table(self, views: Mapping[int, Sequence[tuple[int, int]]], rows: int) -> tuple[int, tuple[int, ...]]:
@@ -275,12 +277,13 @@ class PDMDrafter:
         embedded = self.embed_tokens(table[:, SEED_TOKEN].clamp(min=0)).to(self.state_dtype)
         self.states[rows, positions, 0] = torch.where(seeded[:, None], embedded, self.states[rows, positions, 0])
 
-    def _write_embedding(self, table: torch.Tensor, tokens: torch.Tensor) -> None:
+    def _write_embedding(self, table: torch.Tensor, tokens: torch.Tensor, every_row: bool) -> None:
         """H^0 of each drafted token at the position it was drafted for (rows that did not draft keep theirs)."""
         rows, positions = self._row_ids[: table.shape[0]], table[:, NEXT]
-        drafting = table[:, DRAFTING].bool()[:, None]
         embedded = self.embed_tokens(tokens).to(self.state_dtype)
-        self.states[rows, positions, 0] = torch.where(drafting, embedded, self.states[rows, positions, 0])
+        if not every_row:
+            embedded = torch.where(table[:, DRAFTING, None].bool(), embedded, self.states[rows, positions, 0])
+        self.states[rows, positions, 0] = embedded
 
     def _commit_overflow(self, slot: int, view: Sequence[tuple[int, int]]) -> None:
         """A segment longer than `width` (a join's prompt) first commits its oldest verified positions alone."""
