@@ -21,9 +21,9 @@ def record_drafts(simulator) -> list[int]:
     drafter, proposals = simulator.drafter, []
     draft = drafter.draft
 
-    def recording(views, samplings, generators, rows=None):
-        drafts = draft(views, samplings, generators, rows)
-        proposals.extend(int(token) for token, _ in drafts.values())
+    def recording(views, rows=None):
+        drafts = draft(views, rows)
+        proposals.extend(int(drafts.tokens[b]) for b in sorted(views))
         return drafts
 
     drafter.draft = recording

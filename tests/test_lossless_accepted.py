@@ -42,24 +42,25 @@ class DraftSpy:
         self.drafts: list[tuple[list, list[int], torch.Tensor, torch.Tensor | None]] = []
         self.real = {name: getattr(PDMDrafter, name) for name in ("start", "set_token", "draft")}
 
-    def start(self, drafter, slot, prompt_ids, capacity):
+    def start(self, drafter, slot, prompt_ids, capacity, sampling, seed):
         self.tokens = prompt_ids.flatten().tolist() + [-1] * capacity
-        return self.real["start"](drafter, slot, prompt_ids, capacity)
+        return self.real["start"](drafter, slot, prompt_ids, capacity, sampling, seed)
 
     def set_token(self, drafter, slot, position, token):
         self.tokens[position] = int(token)
         return self.real["set_token"](drafter, slot, position, token)
 
-    def draft(self, drafter, views, samplings, generators, rows=None):
+    def draft(self, drafter, views, rows=None):
         captured = []
         hook = drafter.pdm.lm_head.register_forward_hook(lambda m, i, out: captured.append(out.detach().clone()))
         try:
-            drafts = self.real["draft"](drafter, views, samplings, generators, rows)
+            drafts = self.real["draft"](drafter, views, rows)
         finally:
             hook.remove()
-        ((slot, view),), ((token, q),) = views.items(), drafts.values()  # one slot: batch 1
+        ((slot, view),) = views.items()  # one slot: batch 1
+        token, q = drafts.tokens[slot], None if drafts.q is None else drafts.q[slot].clone()
         t = view[-1][1]
-        self.drafts.append((list(view), self.tokens[: t + 1], captured[-1][slot], None if q is None else q.clone()))
+        self.drafts.append((list(view), self.tokens[: t + 1], captured[-1][slot], q))
         self.tokens[t + 1] = int(token)
         return drafts
 

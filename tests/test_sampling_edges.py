@@ -82,8 +82,8 @@ def test_replay_tokens_live_on_the_runner_device():
     drafter = ReplayDrafter([[5, 6, 7]], "RW", vocab_size=10)
     drafter.start(0, torch.zeros(1, 4, dtype=torch.long, device="meta"), capacity=16)
     for position in (3, 4):
-        token, q = drafter.draft({0: [(0, position)]}, {0: Sampling()}, {})[0]
+        token, q = drafter.draft({0: [(0, position)]})
         assert token.device.type == "meta" and token.shape == (1,) and q is None
     cpu = ReplayDrafter([[5, 6, 7]], "RW", vocab_size=10)
     cpu.start(0, torch.zeros(1, 4, dtype=torch.long), capacity=16)
-    assert [int(cpu.draft({0: [(0, p)]}, {0: Sampling()}, {})[0][0]) for p in (3, 4, 5)] == [5, 7, 7]
+    assert [int(cpu.draft({0: [(0, p)]}).tokens[0]) for p in (3, 4, 5)] == [5, 7, 7]

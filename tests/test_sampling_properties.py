@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from inference.cycle.verify import accept_or_correct, acceptance_probability, residual
-from inference.sampling import GREEDY_TEMPERATURE, GREEDY_TOP_P, Sampling, sample_token, warp
+from inference.sampling import GREEDY_TEMPERATURE, GREEDY_TOP_P, Sampling, sample_token, warp, warp_rows
 
 F32_MAX = 3.4028234663852886e38
 SPECIAL = [-math.inf, math.inf, math.nan, F32_MAX, -F32_MAX, 1e-45, -1e-45, 0.0, 1.0, 1e30, -1e30]
@@ -45,6 +45,22 @@ def test_warp_is_a_distribution_for_any_logits_and_setting(logits, setting):
     assert_distribution(batched)
     for row, probs in zip(logits, batched):  # a row warps alike alone and in a batch (the slots warp per row)
         assert torch.equal(warp(row, setting), probs)
+
+
+@PROPERTY
+@given(rows(3), st.lists(sampling, min_size=3, max_size=3))
+def test_warp_rows_is_warp_of_each_row_under_its_own_setting(logits, settings_):
+    """The PDM's batched warp (one setting per row, as tensors clamped as the drafter writes them) equals `warp`
+    of each row alone, bit for bit, for any logits and any accepted settings."""
+    logits = torch.tensor(logits, dtype=torch.float32)
+    batched = warp_rows(
+        logits,
+        torch.tensor([min(s.temperature, F32_MAX) for s in settings_], dtype=torch.float32),
+        torch.tensor([s.top_k for s in settings_]),
+        torch.tensor([s.top_p for s in settings_], dtype=torch.float32),
+    )
+    for row, setting, probs in zip(logits, settings_, batched):
+        assert torch.equal(warp(row, setting), probs), setting
 
 
 @PROPERTY

@@ -132,8 +132,10 @@ class SlotSampling:
         mark_static(self.temperature, self.top_k, self.top_p, self.keys)
 
     def set(self, slot: int, sampling: Sampling, seed: int) -> None:
-        self.temperature[slot].fill_(sampling.temperature)  # kernel arguments: no host memory copied
-        self.top_k[slot].fill_(sampling.top_k)
+        # kernel arguments, no host memory copied; clamped to what the tensors hold, which `warp` treats alike
+        # (a temperature above float32's largest is that largest; a top-k of 2**62 keeps every token)
+        self.temperature[slot].fill_(min(sampling.temperature, torch.finfo(torch.float32).max))
+        self.top_k[slot].fill_(min(sampling.top_k, 2**62))
         self.top_p[slot].fill_(sampling.top_p)
         for row, key in zip(self.keys, seed_keys(seed)):
             row[slot].fill_(key)
