@@ -75,7 +75,7 @@ def instrument(simulator) -> StepTimes:
     times = StepTimes()
     for s, stage in simulator.stages.items():
         times.wrap(stage, "step", f"stage{s}", lambda inputs, tokens: inputs.shape[0])
-    times.wrap(simulator.drafter, "draft", "draft", lambda views, samplings, generators, rows: rows)
+    times.wrap(simulator.drafter, "draft", "draft", lambda views, rows: rows)
 
     def live_bucket() -> int:
         live = [b for b, seq in enumerate(simulator.slots) if seq is not None and seq.step is not None]
