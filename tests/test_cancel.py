@@ -1,4 +1,4 @@
-"""Cancelling a request inside the pipeline (issue 13): a STOP verdict ends the decode on every rank at the
+"""Cancelling a request inside the pipeline: a STOP verdict ends the decode on every rank at the
 same cycle, within the cycles until the next judged verdict, and the pipeline serves the next request as if
 fresh. In the simulator (cycle-exact) and through the server's rank backend over gloo."""
 
