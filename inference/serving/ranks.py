@@ -43,6 +43,7 @@ from inference.cycle.result import DecodeResult
 from inference.cycle.slots import Request, SlotSequence
 from inference.processes.job import DecodeJob
 from inference.processes.launch import launch, start_method
+from inference.processes.nodes import RemoteRequestChannel
 from inference.processes.roles import build_runner
 from inference.sampling import Sampling
 from inference.serving.inflight import InFlight
@@ -63,9 +64,9 @@ class CancelReport(NamedTuple):
 
 
 class RequestChannel:
-    """What the server shares with its ranks: the FIFO of `QueuedRequest`s (rank 0 reads it) and, in shared memory,
-    the ids of the requests cancelled lately (a ring of `ring` ids: longer than the requests that can be in
-    flight, so none is overwritten before the verifier reads it) and the verifier's report of the last
+    """What the server shares with its ranks: the FIFO of `QueuedRequest`s (rank 0 reads it) and, in shared
+    memory, the ids of the requests cancelled lately (a ring of `ring` ids: longer than the requests that can be
+    in flight, so none is overwritten before the verifier reads it) and the verifier's report of the last
     cancellation. Passed to the rank processes when they start (`launch(request_channel=...)`)."""
 
     def __init__(self, context, ring: int = 16):
@@ -134,10 +135,16 @@ class RequestChannel:
 
 
 def serve_requests(
-    job: DecodeJob, rank: int, device: torch.device, channel: RequestChannel, report: Callable, on_tokens: Callable
+    job: DecodeJob,
+    rank: int,
+    device: torch.device,
+    channel: RequestChannel | RemoteRequestChannel,
+    report: Callable,
+    on_tokens: Callable,
 ) -> None:
     """One rank's serving loop: load once, then `feed_slots` over `job.max_batch` slots until rank 0 reads None;
-    the verifier's rank streams each slot's tokens, stops a cancelled one, and reports each result."""
+    the verifier's rank streams each slot's tokens, stops a cancelled one, and reports each result. `channel`:
+    the server's, or on another node its `RemoteRequestChannel`."""
     runner = build_runner(job, rank, device)
     dist.barrier()  # every rank has loaded its weights
     if rank == 0:
