@@ -131,13 +131,13 @@ def decode_job(
     info = setup.info
     return DecodeJob(
         setup.target_path,
-        setup.geometry.to_dict(),
+        setup.geometry,
         prompts,
         args.max_new_tokens,
         setup.eos,
         info.vocab_size,
         info.hidden_size,
-        sampling.to_dict(),
+        sampling,
         drafter_path=setup.ckpt,
         seed=args.seed,
         dtype=setup.dtype,

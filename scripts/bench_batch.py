@@ -1,4 +1,4 @@
-"""Batched decoding in the one-process simulator (issue 26): tokens/s and the step cost of each stage and the draft
+"""Batched decoding in the one-process simulator: tokens/s and the step cost of each stage and the draft
 per batch size B = 1, 2, 4, 8.
 
 The same requests (greedy, mixed prompt lengths) are decoded by `Simulator` at each batch size; each run

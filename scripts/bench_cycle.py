@@ -178,13 +178,13 @@ def measure(args) -> dict:
                     path = random_drafter(target, n, os.path.join(tmp, f"pdm_n{n}"))
             job = DecodeJob(
                 args.target,
-                geometry.to_dict(),
+                geometry,
                 prompts,
                 args.max_new_tokens,
                 eos,
                 target.vocab_size,
                 target.hidden_size,
-                Sampling().to_dict(),
+                Sampling(),
                 drafter_path=path,
                 replay=replay,
                 profile=True,

@@ -1,4 +1,4 @@
-"""Batched decoding over the ranks (issue 26 (b)): n stage ranks + 1 PDM rank as real gloo processes, B = 3.
+"""Batched decoding over the ranks: n stage ranks + 1 PDM rank as real gloo processes, B = 3.
 
 Each sequence of a batch decoded through the ranks is its batch-1 simulator decode and its `Simulator`
 decode: tokens, N, K and the acceptance counters, which depend on every draft, so equal counters mean every
@@ -39,14 +39,14 @@ def targets(tmp_path_factory):
 def batched_job(path, target, geometry, drafter, B, sampling=Sampling(), **overrides) -> DecodeJob:
     fields = dict(
         target_path=path,
-        geometry=geometry.to_dict(),
+        geometry=geometry,
         prompts=PROMPTS,
         max_new_tokens=max(MAX_NEW),
         max_new_tokens_each=MAX_NEW,
         eos_token_ids=[],
         vocab_size=target.vocab_size,
         hidden_size=target.hidden_size,
-        sampling=sampling.to_dict(),
+        sampling=sampling,
         drafter_path=drafter,
         seed=5,
         timeout_s=TIMEOUT_S,

@@ -1,4 +1,4 @@
-"""Cancelling a request inside the pipeline (issue 13): a STOP verdict ends the decode on every rank at the
+"""Cancelling a request inside the pipeline: a STOP verdict ends the decode on every rank at the
 same cycle, within the cycles until the next judged verdict, and the pipeline serves the next request as if
 fresh. In the simulator (cycle-exact) and through the server's rank backend over gloo."""
 
@@ -71,13 +71,13 @@ def test_the_rank_backend_cancels_inside_the_ranks_and_serves_on(tmp_path_factor
     drafter = save_random_drafter(target, geometry, str(tmp_path / "drafter"))
     job = DecodeJob(
         path,
-        geometry.to_dict(),
+        geometry,
         [],
         400,
         [],
         target.vocab_size,
         target.hidden_size,
-        Sampling().to_dict(),
+        Sampling(),
         drafter_path=drafter,
         timeout_s=60,
         stream=True,

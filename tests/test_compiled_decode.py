@@ -204,7 +204,7 @@ def test_the_ranks_compile_what_the_job_asks_for(tmp_path, monkeypatch, placemen
     for compile_ in (False, True):
         job = DecodeJob(
             target_path,
-            geometry.to_dict(),
+            geometry,
             [[3, 4]],
             4,
             [],
@@ -239,13 +239,13 @@ def compiled_ranks_equal_eager(arch, tmp_path):
     drafter = save_random_drafter(target, geometry, str(tmp_path / "drafter"))
     job = DecodeJob(
         target_path,
-        geometry.to_dict(),
+        geometry,
         PROMPTS,
         16,
         [],
         target.vocab_size,
         target.hidden_size,
-        Sampling().to_dict(),
+        Sampling(),
         drafter_path=drafter,
         timeout_s=120,
         compile=True,

@@ -11,6 +11,7 @@ and a launcher that dies takes its ranks with it. The replay pattern makes rejec
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 import time
@@ -42,13 +43,13 @@ def job_for(qwen3, n: int, fault: str | None, timeout_s: float = TIMEOUT_S, repe
     path, target, references = qwen3
     return DecodeJob(
         target_path=path,
-        geometry=Geometry.build(target.num_layers, n).to_dict(),
+        geometry=Geometry.build(target.num_layers, n),
         prompts=PROMPTS * repeat,
         max_new_tokens=24,
         eos_token_ids=[],
         vocab_size=target.vocab_size,
         hidden_size=target.hidden_size,
-        sampling=Sampling().to_dict(),
+        sampling=Sampling(),
         replay=(PATTERN, references * repeat),
         timeout_s=timeout_s,
         fault=fault,
@@ -141,23 +142,26 @@ def test_a_stalled_stage_right_after_a_rejection(qwen3):
 
 
 LAUNCHER = """
-import json, sys
-from inference.processes.job import DecodeJob
+import json, pickle, sys
 from inference.processes.launch import launch
 pids = {}
 def decoding(index, result):
     if index == 0:  # decoding is under way: tell the test which processes to watch
         print(json.dumps(list(pids.values())), flush=True)
-launch(DecodeJob(**json.loads(sys.argv[1])), on_result=decoding, on_start=pids.__setitem__)
+with open(sys.argv[1], "rb") as f:
+    job = pickle.load(f)  # typed settings inside: the job travels as the ranks get it
+launch(job, on_result=decoding, on_start=pids.__setitem__)
 """
 
 
 @pytest.mark.slow
-def test_a_dead_launcher_takes_its_ranks_with_it(qwen3):
+def test_a_dead_launcher_takes_its_ranks_with_it(qwen3, tmp_path):
     """SIGKILL the launching process mid-decode: its ranks (and its fork server) exit on their own."""
     job = job_for(qwen3, 2, None, repeat=200)
+    pickled = tmp_path / "job.pkl"
+    pickled.write_bytes(pickle.dumps(job))
     launcher = subprocess.Popen(
-        [sys.executable, "-c", LAUNCHER, json.dumps(job.__dict__)],
+        [sys.executable, "-c", LAUNCHER, str(pickled)],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -176,7 +180,7 @@ def test_a_dead_launcher_takes_its_ranks_with_it(qwen3):
 
 def test_the_failure_message_follows_the_chain_of_blame():
     """Without processes: the reports the launcher reads, and the rank it names (n = 3, ranks 0..3)."""
-    job = DecodeJob("unused", Geometry.build(4, 3).to_dict(), [[1]], 4, [], 10, 8, {})
+    job = DecodeJob("unused", Geometry.build(4, 3), [[1]], 4, [], 10, 8, Sampling())
     lost = lambda rank, peer: Failed(rank, f"PeerError: waiting on rank {peer} timed out", "trace", peer, False)  # noqa: E731
     chain = {3: lost(3, 2), 2: lost(2, 0)}  # the PDM waited on stage 3, which waited on the silent stage 1
     assert failure_message(job, {3: 1}, chain).startswith(

@@ -13,6 +13,7 @@ from safetensors import safe_open
 from inference import decode
 from inference.processes.job import DecodeJob
 from inference.processes.roles import load_role
+from inference.sampling import Sampling
 from spd_lightning.errors import ConfigError
 from spd_lightning.export import DrafterLoadError, DrafterSpec, load_drafter, save_drafter, seed_from_drafter
 from spd_lightning.geometry import Geometry
@@ -58,8 +59,8 @@ def test_loaders_take_the_head_from_the_target(trained, micro_target, tmp_path):
         want = module.pdm.eval()(states, types, positions)
         torch.testing.assert_close(loaded(states, types, positions), want, rtol=0, atol=0)
 
-    fields = dict(prompts=[], max_new_tokens=1, eos_token_ids=[], vocab_size=1, hidden_size=1, sampling={})
-    job = DecodeJob(target_path=micro_target, drafter_path=out, geometry=geometry.to_dict(), **fields)
+    fields = dict(prompts=[], max_new_tokens=1, eos_token_ids=[], vocab_size=1, hidden_size=1, sampling=Sampling())
+    job = DecodeJob(target_path=micro_target, drafter_path=out, geometry=geometry, **fields)
     pdm_rank = load_role(job, geometry.n, torch.device("cpu")).pdm  # what the PDM's process loads
     torch.testing.assert_close(pdm_rank.lm_head.weight, module.pdm.lm_head.weight, rtol=0, atol=0)
 

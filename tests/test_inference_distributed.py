@@ -36,13 +36,13 @@ def targets(tmp_path_factory):
 def job_for(path, target, geometry, **overrides) -> DecodeJob:
     fields = dict(
         target_path=path,
-        geometry=geometry.to_dict(),
+        geometry=geometry,
         prompts=PROMPTS,
         max_new_tokens=20,
         eos_token_ids=[],
         vocab_size=target.vocab_size,
         hidden_size=target.hidden_size,
-        sampling=Sampling().to_dict(),
+        sampling=Sampling(),
         timeout_s=TIMEOUT_S,
     )
     fields.update(overrides)
@@ -148,7 +148,7 @@ def test_gloo_sampling_draws_the_simulators_tokens(targets, tmp_path):
     geometry = Geometry.build(target.num_layers, 2)
     drafter = save_random_drafter(target, geometry, str(tmp_path / "drafter"))
     sampling = Sampling(1.0, top_k=30, top_p=0.95)
-    results = launch(job_for(path, target, geometry, drafter_path=drafter, sampling=sampling.to_dict(), seed=5))
+    results = launch(job_for(path, target, geometry, drafter_path=drafter, sampling=sampling, seed=5))
     simulator = Simulator(target, load_drafter(drafter)[0], geometry, sampling)
     for i, (prompt, result) in enumerate(zip(PROMPTS, results)):
         simulated = simulator.decode(prompt, 20, seed=5 + i)

@@ -184,7 +184,7 @@ def test_the_batched_servers_feed_of_every_step_travels_on_the_gloo_group(tmp_pa
     geometry = Geometry.build(target.num_layers, 2)
     drafter = save_random_drafter(target, geometry, str(tmp_path / "drafter"))
     job = DecodeJob(
-        path, geometry.to_dict(), [], 8, [], target.vocab_size, target.hidden_size, Sampling().to_dict(),
+        path, geometry, [], 8, [], target.vocab_size, target.hidden_size, Sampling(),
         drafter_path=drafter, timeout_s=60, max_batch=2, stream=True,
     )  # fmt: skip
     backend = RankBackend(job, in_flight=2)

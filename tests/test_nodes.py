@@ -17,13 +17,15 @@ from inference.processes.launch import Failed, NodesMismatch, Started, Streamed,
 from inference.processes.nodes import (
     Nodes,
     NodeZeroUnreachable,
+    RemoteRequestChannel,
     ReportListener,
     ReportSender,
-    RequestsOnNodeZero,
     agent_rendezvous,
     join_pipeline,
 )
+from inference.sampling import Sampling
 from inference.serving import server as serve
+from spd_lightning.geometry import Geometry
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -114,36 +116,36 @@ def eventually(condition, timeout_s: float = 10) -> bool:
 
 def test_a_verifier_on_another_node_sees_the_servers_cancels_and_reports_back():
     """Node 0's cancel reaches a verifier on node 1 over its watch connection (one sent before it watched
-    included); its cancel report comes back into the server's `Requests`."""
+    included); its cancel report comes back into the server's `RequestChannel`."""
     import multiprocessing as mp
 
-    from inference.serving.ranks import CancelReport, Requests
+    from inference.serving.ranks import CancelReport, RequestChannel
 
     port = free_port()
-    requests = Requests(mp.get_context("spawn"))
-    listener = ReportListener(nodes(0, port), LocalQueue(), requests)
+    channel = RequestChannel(mp.get_context("spawn"))
+    listener = ReportListener(nodes(0, port), LocalQueue(), channel)
     try:
-        requests.cancel(3)  # before node 1's verifier watches: sent when it does
-        verifier = RequestsOnNodeZero(nodes(1, port))
+        channel.cancel(3)  # before node 1's verifier watches: sent when it does
+        verifier = RemoteRequestChannel(nodes(1, port))
         assert eventually(lambda: verifier.cancelled(3))
         assert not verifier.cancelled(4)
-        requests.cancel(4)
+        channel.cancel(4)
         assert eventually(lambda: verifier.cancelled(4)) and not verifier.cancelled(3)
         verifier.record(CancelReport(4, 10, 11))
-        assert eventually(lambda: requests.last_cancel() == CancelReport(4, 10, 11))
+        assert eventually(lambda: channel.last_cancel() == CancelReport(4, 10, 11))
     finally:
         listener.close()
-        requests.close()
-    assert requests._subscribers == []
+        channel.close()
+    assert channel._subscribers == []
 
 
 def test_only_rank_0_on_node_0_reads_requests():
     with pytest.raises(RuntimeError, match="only rank 0, on node 0"):
-        RequestsOnNodeZero(nodes(1, free_port())).get(timeout=1)
+        RemoteRequestChannel(nodes(1, free_port())).get(timeout=1)
 
 
 def test_the_nodes_must_start_the_pipelines_number_of_ranks():
-    job = DecodeJob("t", {"n": 2}, [], 4, [], 10, 8, {}, pdm_placement="shared")
+    job = DecodeJob("t", Geometry.build(2, 2), [], 4, [], 10, 8, Sampling(), pdm_placement="shared")
     _check_world_size(job, 2)
     with pytest.raises(NodesMismatch, match="need 2: make the nodes' --nproc-per-node add up to it"):
         _check_world_size(job, 3)

@@ -43,13 +43,13 @@ def test_shared_placement_decodes_what_the_separate_one_and_the_simulator_do(
     def job(placement: str) -> DecodeJob:
         return DecodeJob(
             path,
-            geometry.to_dict(),
+            geometry,
             PROMPTS,
             16,
             [],
             target.vocab_size,
             target.hidden_size,
-            sampling.to_dict(),
+            sampling,
             drafter_path=drafter,
             seed=5,
             timeout_s=60,

@@ -185,7 +185,7 @@ def test_twenty_clients_wait_for_a_slot_not_for_the_others_decodes(models, B):
             t.start()
 
         def queued() -> bool:  # at B = 1 the engine holds them (one worker); batched, the backend's FIFO
-            return engine.queue_depth == 20 and (B == 1 or backend._asks.qsize() == 20)
+            return engine.queue_depth == 20 and (B == 1 or backend._queue.qsize() == 20)
 
         deadline = time.monotonic() + 60
         while not queued() and time.monotonic() < deadline:

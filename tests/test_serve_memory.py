@@ -38,13 +38,13 @@ def test_fifty_sampling_settings_leave_the_ranks_memory_flat(tmp_path_factory, t
     drafter = save_random_drafter(target, geometry, str(tmp_path / "drafter"))
     job = DecodeJob(
         path,
-        geometry.to_dict(),
+        geometry,
         [],
         8,
         [],
         target.vocab_size,
         target.hidden_size,
-        Sampling().to_dict(),
+        Sampling(),
         drafter_path=drafter,
         timeout_s=60,
         stream=True,

@@ -1,9 +1,9 @@
-"""The planner per batch size (issue 26): tokens/s in total and per request at B = 1, 2, 4, 8, predicted from
+"""The planner per batch size: tokens/s in total and per request at B = 1, 2, 4, 8, predicted from
 measured stage and draft step times at each B (`python -m inference.plan --batch-times batch_times.json`, the JSON
 of `scripts/bench_batch.py --json`).
 
-Every slot runs its own batch-1 schedule (docs/DESIGN.md, "Batched decoding"), so a sequence emits `alpha` tokens
-per cycle at any B (its N / K, measured; `--batch-alpha` overrides it) and what B changes is the cycle:
+Every slot runs its own batch-1 schedule (docs/DESIGN.md, "One cycle over B slots"), so a sequence emits `alpha`
+tokens per cycle at any B (its N / K, measured; `--batch-alpha` overrides it) and what B changes is the cycle:
 
     stage(B)      the slowest stage's step over B rows (measured)
     draft(B)      the PDM's draft over B rows (measured)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from inference.processes.nodes import Nodes
+from inference.sampling import Sampling
+from spd_lightning.geometry import Geometry
 
 
 class Replay(NamedTuple):
@@ -18,16 +20,17 @@ class Replay(NamedTuple):
 
 @dataclass
 class DecodeJob:
-    """Everything a rank needs, picklable for the rank processes."""
+    """Everything a rank needs, picklable for the rank processes. Geometry and sampling travel as the typed
+    settings the CLI or server built once: no rank re-reads them from a dict."""
 
     target_path: str
-    geometry: dict
+    geometry: Geometry
     prompts: list[list[int]]
     max_new_tokens: int
     eos_token_ids: list[int]
     vocab_size: int
     hidden_size: int
-    sampling: dict
+    sampling: Sampling
     drafter_path: str | None = None  # an exported drafter dir or a Lightning .ckpt
     replay: Replay | None = None
     seed: int = 0
@@ -51,7 +54,7 @@ class DecodeJob:
 
     @property
     def n(self) -> int:
-        return self.geometry["n"]
+        return self.geometry.n
 
     @property
     def world_size(self) -> int:

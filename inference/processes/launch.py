@@ -49,11 +49,10 @@ from inference.processes.reports import Failed, Finished, Inbox, Started, Stream
 from inference.processes.roles import build_runner, rank_device
 from inference.processes.store_binding import store_host, stores_listen_on
 from inference.runtime.stages import meta_target
-from inference.sampling import Sampling
 from spd_lightning.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
-# What a rank does between joining and leaving: (job, rank, device, requests, report, on_tokens) -> None.
+# What a rank does between joining and leaving: (job, rank, device, request_channel, report, on_tokens) -> None.
 RankWork = Callable[[DecodeJob, int, torch.device, object, Callable, Callable | None], None]
 PEER_REPORT_GRACE_S = 1.0
 EXIT_ORPHANED = 4  # a rank's exit status when it ends because its launcher is gone
@@ -85,19 +84,19 @@ def run_rank(
     local_rank: int,
     report: Callable[[int, DecodeResult], None],
     on_tokens: Callable[[int, list[int]], None] | None = None,
-    requests=None,
+    request_channel=None,
     work: RankWork | None = None,
 ) -> None:
     """One rank's whole life: join (the `torchrun`/elastic environment), load and do its `work` (by default
-    `decode_prompts`: every prompt of the job), leave. A server passes its own `work`, which reads `requests`
-    (`inference.serving.ranks`); the decoder never imports the server."""
+    `decode_prompts`: every prompt of the job), leave. A server passes its own `work`, which reads the
+    `request_channel` (`inference.serving.ranks`); the decoder never imports the server."""
     device = rank_device(job, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:  # ranks share the CPU: oversubscribed threads make every rank slower
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.local_ranks))
     init_distributed("nccl" if device.type == "cuda" else "gloo", rank, job.world_size, job.timeout_s)
-    (work or decode_prompts)(job, rank, device, requests, report, on_tokens)
+    (work or decode_prompts)(job, rank, device, request_channel, report, on_tokens)
     # Only a clean finish leaves the group here. After a failure the connections close when the process
     # exits, i.e. after the error was reported, so the launcher hears the cause before the peers' echoes.
     close_distributed()
@@ -108,7 +107,7 @@ def job_requests(job: DecodeJob, reporting: bool, on_tokens: Callable[[int, list
     job's), seed `job.seed + i` (so its tokens do not depend on the batch size), and on the reporting rank its
     streamed tokens as `on_tokens(i, tokens)`."""
     each = job.max_new_tokens_each or [job.max_new_tokens] * len(job.prompts)
-    sampling, eos = Sampling(**job.sampling), frozenset(job.eos_token_ids)
+    sampling, eos = job.sampling, frozenset(job.eos_token_ids)
     return [
         Request(
             prompt,
@@ -126,12 +125,12 @@ def decode_prompts(
     job: DecodeJob,
     rank: int,
     device: torch.device,
-    requests,
+    request_channel,
     report: Callable[[int, DecodeResult], None],
     on_tokens: Callable[[int, list[int]], None] | None,
 ) -> None:
-    """A rank's part in decoding every prompt of the job, `job.max_batch` at a time (`requests` is unused: the
-    job brings the prompts): every rank runs the same FIFO, so every rank joins the same prompt into the same
+    """A rank's part in decoding every prompt of the job, `job.max_batch` at a time (`request_channel` is unused:
+    the job brings the prompts): every rank runs the same FIFO, so every rank joins the same prompt into the same
     slot at the same step. The verifier's rank reports the results, and with `on_tokens(prompt index, tokens)`
     the tokens each cycle verified. `job.profile` (batch 1): each prompt's timing rows of every process, gathered
     on the reporter."""
@@ -155,7 +154,7 @@ def decode_prompts(
             report(index, result)
 
 
-def _rank_main(job: DecodeJob, messages, launcher_pid: int, requests=None, work: RankWork | None = None) -> None:
+def _rank_main(job: DecodeJob, messages, launcher_pid: int, request_channel=None, work: RankWork | None = None) -> None:
     """A rank process under the elastic agent: any failure becomes one report and a non-zero exit."""
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     _exit_with(launcher_pid, rank)
@@ -165,8 +164,8 @@ def _rank_main(job: DecodeJob, messages, launcher_pid: int, requests=None, work:
     try:
         _check_world_size(job, int(os.environ["WORLD_SIZE"]))
         on_tokens = (lambda i, tokens: messages.put(Streamed(i, list(tokens)))) if job.stream else None
-        report = lambda i, r: messages.put(Finished(rank, i, r.to_dict()))  # noqa: E731
-        run_rank(job, rank, local_rank, report, on_tokens, requests, work)
+        report = lambda i, r: messages.put(Finished(rank, i, r))  # noqa: E731
+        run_rank(job, rank, local_rank, report, on_tokens, request_channel, work)
     except BaseException as e:  # noqa: BLE001 - whatever it was, the launcher must hear about it
         first = first_line(e)
         messages.put(
@@ -226,14 +225,14 @@ def launch(
     on_result: Callable[[int, DecodeResult], None] | None = None,
     on_start: Callable[[int, int], None] | None = None,
     on_tokens: Callable[[int, list[int]], None] | None = None,
-    requests=None,
+    request_channel=None,
     work: RankWork | None = None,
 ) -> list[DecodeResult]:
     """Run `job` on `n + 1` local processes; results in prompt order. `on_result(prompt index, result)` as
     each prompt is done, `on_start(rank, pid)` as each rank starts, with `job.stream` `on_tokens(prompt
-    index, tokens)` as each cycle verifies tokens (all on a helper thread). With `requests` (a queue of this
-    launcher's start method) and `work` (a module-level function, see `run_rank`) the ranks serve what it
-    brings until it brings None (`inference.serving.ranks`). Raises
+    index, tokens)` as each cycle verifies tokens (all on a helper thread). With `request_channel` (the server's
+    `RequestChannel`, made with this launcher's start method) and `work` (a module-level function, see
+    `run_rank`) the ranks serve what it brings until it brings None (`inference.serving.ranks`). Raises
     `LaunchError` naming the rank that caused a failure, after every rank has ended."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
@@ -246,11 +245,11 @@ def launch(
             tempfile.TemporaryDirectory(prefix="spd_launch_") as logs,
             _quiet_agent(job.debug),
             _callers_signal_handlers(),
-            _listening(job, inbox, requests),
+            _listening(job, inbox, request_channel),
             stores_listen_on(store_host(job)),  # never on every interface
         ):
             elastic_launch(_agent_config(job, method, logs), _rank_main)(
-                job, _report_channel(job, inbox), os.getpid(), requests, work
+                job, _reports_to(job, inbox), os.getpid(), request_channel, work
             )
     except ChildFailedError as e:
         inbox.close()
@@ -260,7 +259,7 @@ def launch(
         raise cls(failure_message(job, failed, inbox.failures), inbox.pid_list(), failed) from None
     finally:
         inbox.close()
-    if requests is not None:
+    if request_channel is not None:
         return []
     missing = [i for i in range(len(job.prompts)) if i not in inbox.results]
     if missing:
@@ -268,7 +267,7 @@ def launch(
     return [inbox.results[i] for i in range(len(job.prompts))]
 
 
-def _report_channel(job: DecodeJob, inbox: Inbox):
+def _reports_to(job: DecodeJob, inbox: Inbox):
     """Where this node's ranks report: the local queue, but node 0's listener from the other nodes (`nodes`)."""
     if job.nodes is None or job.nodes.node_rank == 0:
         return inbox.messages
@@ -276,13 +275,13 @@ def _report_channel(job: DecodeJob, inbox: Inbox):
 
 
 @contextlib.contextmanager
-def _listening(job: DecodeJob, inbox: Inbox, requests):
+def _listening(job: DecodeJob, inbox: Inbox, request_channel):
     """On node 0 of a multi-node run, the other nodes' reports come into the inbox while the ranks run, and
-    the server's cancels (`requests`) go out to a verifier on another node."""
+    the server's cancels (`request_channel`) go out to a verifier on another node."""
     if job.nodes is None or job.nodes.node_rank != 0:
         yield
         return
-    listener = ReportListener(job.nodes, inbox.messages, requests)
+    listener = ReportListener(job.nodes, inbox.messages, request_channel)
     try:
         yield
     finally:

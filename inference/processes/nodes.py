@@ -11,7 +11,7 @@ other nodes send the same reports (their pid, each cycle's verified tokens, each
 ends them) over one TCP connection each to node 0's `ReportListener`, at `--master-addr:--report-port`,
 which puts them into that queue: to the launcher of node 0 every rank reports alike, wherever it runs.
 A verifier rank on another node also watches for cancels over a connection of its own to that listener
-(`RequestsOnNodeZero.cancelled`), so a cancelled request stops on every node within a cycle or two.
+(`RemoteRequestChannel.cancelled`), so a cancelled request stops on every node within a cycle or two.
 These ports, like torchrun's, carry no secret: the nodes must share a private network. The connection's
 key only keeps two runs on one network from mixing.
 
@@ -68,11 +68,12 @@ class Cancel:
     request_id: int
 
 
-class RequestsOnNodeZero:
-    """What the ranks of the other nodes get for the request queue: only rank 0 (on node 0) reads it. The
-    verifier's rank, wherever it runs, stops a cancelled request: here it learns of cancels over a
-    connection of its own to node 0's listener, opened at its first poll (node 0 then sends the current
-    cancel, so none is missed), and sends back its report of each cancelled decode."""
+class RemoteRequestChannel:
+    """The server's request channel (`serving.ranks.RequestChannel`, on node 0) as the ranks of the other nodes
+    see it: only rank 0, on node 0, reads its queue. The verifier's rank, wherever it runs, stops a cancelled
+    request: here it learns of cancels over a connection of its own to node 0's listener, opened at its first
+    poll (node 0 then sends the current cancel, so none is missed), and sends back its report of each cancelled
+    decode."""
 
     def __init__(self, nodes: Nodes):
         self.nodes = nodes
@@ -92,7 +93,7 @@ class RequestsOnNodeZero:
         return self._cancel == request_id
 
     def record(self, report) -> None:
-        """The verifier's `CancelReport`, for node 0's `Requests.last_cancel`."""
+        """The verifier's `CancelReport`, for node 0's `RequestChannel.last_cancel`."""
         if self._connection is not None:
             self._connection.send(report)
 
@@ -126,18 +127,17 @@ class ReportSender:
 
 class ReportListener:
     """On node 0: accepts the other nodes' ranks and puts every report they send into `messages`; sends the
-    server's cancels (`requests`, the server's `Requests`) to the verifier ranks that watch for them. It
-    binds when built, before any rank starts; `close` stops accepting (connections already made end with
-    their rank)."""
+    cancels of the server's `request_channel` to the verifier ranks that watch for them. It binds when built,
+    before any rank starts; `close` stops accepting (connections already made end with their rank)."""
 
-    def __init__(self, nodes: Nodes, messages, requests=None):
-        self.nodes, self.messages, self.requests = nodes, messages, requests
+    def __init__(self, nodes: Nodes, messages, request_channel=None):
+        self.nodes, self.messages, self.channel = nodes, messages, request_channel
         self._listener = Listener(nodes.report_address, authkey=nodes.authkey)
         self._closed = False
         self._watchers: list = []
         self._lock = threading.Lock()
-        if requests is not None:
-            requests.subscribe(self.cancel)
+        if request_channel is not None:
+            request_channel.subscribe(self.cancel)
         threading.Thread(target=self._accept, name="spd-report-listener", daemon=True).start()
 
     def cancel(self, request_id: int) -> None:
@@ -171,7 +171,7 @@ class ReportListener:
                     message = connection.recv()
                 except (EOFError, OSError):
                     return
-                if isinstance(message, JoinRequest):
+                if isinstance(message, PipelineQuery):
                     if message.previous != self.nodes.pipeline:
                         connection.send(self.nodes.pipeline)
                     return
@@ -183,30 +183,30 @@ class ReportListener:
         """A verifier's connection: cancels go out (`cancel`), its cancel reports come in, until its rank ends."""
         with self._lock:
             self._watchers.append(connection)
-            if self.requests is not None and self.requests.current_cancel() >= 0:
-                connection.send(Cancel(self.requests.current_cancel()))
+            if self.channel is not None and self.channel.current_cancel() >= 0:
+                connection.send(Cancel(self.channel.current_cancel()))
         while True:
             try:
                 report = connection.recv()
             except (EOFError, OSError):
                 break
-            if self.requests is not None:
-                self.requests.record(report)
+            if self.channel is not None:
+                self.channel.record(report)
         with self._lock:
             if connection in self._watchers:
                 self._watchers.remove(connection)
 
     def close(self) -> None:
         self._closed = True
-        if self.requests is not None:
-            self.requests.unsubscribe(self.cancel)
+        if self.channel is not None:
+            self.channel.unsubscribe(self.cancel)
         with contextlib.suppress(OSError):  # wakes the accepting thread, which then sees `_closed`
             Client(self.nodes.report_address, authkey=self.nodes.authkey).close()
         self._listener.close()
 
 
 @dataclass(frozen=True)
-class JoinRequest:
+class PipelineQuery:
     """Another node's question to node 0's listener: the pipeline to join, which is not `previous`."""
 
     previous: str
@@ -223,7 +223,7 @@ def join_pipeline(nodes: Nodes, previous: str, timeout_s: float) -> str:
     while time.monotonic() < deadline:
         try:
             with Client(nodes.report_address, authkey=nodes.authkey) as connection:
-                connection.send(JoinRequest(previous))
+                connection.send(PipelineQuery(previous))
                 return connection.recv()
         except (OSError, EOFError):
             time.sleep(0.2)

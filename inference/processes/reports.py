@@ -25,7 +25,7 @@ class Started(NamedTuple):
 class Finished(NamedTuple):
     rank: int
     index: int  # the prompt
-    result: dict  # DecodeResult.to_dict()
+    result: DecodeResult  # pickled as it is, also over the connection from another node
 
 
 class Streamed(NamedTuple):
@@ -68,7 +68,7 @@ class Inbox:
                 if self.on_tokens is not None:
                     self.on_tokens(message.index, message.tokens)
             elif isinstance(message, Finished):
-                self.results[message.index] = result = DecodeResult.from_dict(message.result)
+                self.results[message.index] = result = message.result
                 if self.on_result is not None:
                     self.on_result(message.index, result)
             else:

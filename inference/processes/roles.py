@@ -21,9 +21,7 @@ from inference.processes.job import DecodeJob
 from inference.runtime.drafter import PDMDrafter, ReplayDrafter
 from inference.runtime.shared_stream import SideStreamDrafter, draft_stream
 from inference.runtime.stages import Stage, load_pieces
-from inference.sampling import Sampling
 from spd_lightning.export import load_drafter, read_drafter_spec
-from spd_lightning.geometry import Geometry
 from spd_lightning.target import resolve_dtype
 
 
@@ -42,7 +40,7 @@ class Loaded:
 
 def load_role(job: DecodeJob, rank: int, device: torch.device) -> Loaded:
     """What process `rank` loads: its stage, or the PDM's pieces, or both for process 0 of a shared placement."""
-    geometry, dtype = Geometry.from_dict(job.geometry), resolve_dtype(job.dtype)
+    geometry, dtype = job.geometry, resolve_dtype(job.dtype)
     stages = {}
     if rank < geometry.n:
         stages[rank + 1] = Stage.load(
@@ -69,9 +67,9 @@ def load_role(job: DecodeJob, rank: int, device: torch.device) -> Loaded:
 def build_runner(job: DecodeJob, rank: int, device: torch.device, loaded: Loaded | None = None) -> PipelineRunner:
     """The roles of `rank` over `job.max_batch` slots: a stage (the last one also verifies) or the drafter (a PDM,
     or a replay drafter), over `loaded` weights (loaded here when None)."""
-    geometry = Geometry.from_dict(job.geometry)
+    geometry = job.geometry
     n, dtype, B = geometry.n, resolve_dtype(job.dtype), job.max_batch
-    if job.replay is not None and not Sampling(**job.sampling).greedy:
+    if job.replay is not None and not job.sampling.greedy:
         raise ValueError("a replay drafter has no draft distribution: use it with greedy decoding only")
     d2t, draft_vocab = (None, 1) if job.replay is not None else _draft_vocabulary(job.drafter_path)
     loaded = loaded or load_role(job, rank, device)

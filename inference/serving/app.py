@@ -33,9 +33,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from inference.serving import api_models as models
-from inference.serving.engine import Engine, QueueFull, Request
+from inference.serving.engine import Engine, Generation, QueueFull
 from inference.serving.intake import ApiError, Intake, Limits
-from inference.serving.logs import request_id
+from inference.serving.logs import completion_id
 
 log = logging.getLogger("inference.serve")
 MAX_RETRY_AFTER_S = 60
@@ -46,7 +46,7 @@ class ServerConfig(Limits):
     """What the intake checks (`Limits`: model name, token caps, context), plus the server's own settings."""
 
     api_key: str | None = None
-    access_log: bool = False  # one line per HTTP request (method, path, status, seconds, request id)
+    access_log: bool = False  # one line per HTTP request (method, path, status, seconds, completion id)
 
 
 def error_response(
@@ -95,7 +95,7 @@ ERRORS = {
 }
 
 
-def _operation(request: type, reply: type, config: ServerConfig) -> dict:
+def _operation(body_model: type, reply: type, config: ServerConfig) -> dict:
     """What the schema says of a completion route: its JSON body, its answers (JSON, or server-sent events when
     `stream` is true) and its errors. The handler reads the body itself (size first, then off the loop)."""
     errors = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
@@ -104,7 +104,7 @@ def _operation(request: type, reply: type, config: ServerConfig) -> dict:
         "openapi_extra": {
             "requestBody": {
                 "required": True,
-                "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{request.__name__}"}}},
+                "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{body_model.__name__}"}}},
             },
         },
         "responses": {
@@ -218,7 +218,7 @@ class AccessLog:
                 status[0] = message["status"]
             await send(message)
 
-        token = request_id.set("-")
+        token = completion_id.set("-")
         try:
             await self.app(scope, receive, sending)
         finally:
@@ -231,7 +231,7 @@ class AccessLog:
                 status[0],
                 time.perf_counter() - started,
             )
-            request_id.reset(token)
+            completion_id.reset(token)
 
 
 def _add_info_routes(app: FastAPI, engine: Engine, config: ServerConfig) -> None:
@@ -300,11 +300,11 @@ async def _complete(engine: Engine, config: ServerConfig, accepted, http: HttpRe
         "created": int(time.time()),
         "model": config.model,
     }
-    request_id.set(head["id"])
+    completion_id.set(head["id"])
     loop = asyncio.get_running_loop()
-    request = Request(list(accepted.ids), accepted.max_tokens, accepted.sampling, seed, stop, loop, head["id"])
+    generation = Generation(list(accepted.ids), accepted.max_tokens, accepted.sampling, seed, stop, loop, head["id"])
     try:
-        engine.submit(request)
+        engine.submit(generation)
     except QueueFull:
         raise ApiError(
             429,
@@ -315,8 +315,8 @@ async def _complete(engine: Engine, config: ServerConfig, accepted, http: HttpRe
         ) from None
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(_sse(request, head, chat, http, usage), media_type="text/event-stream")
-    return await _whole(request, head, chat, http)
+        return StreamingResponse(_sse(generation, head, chat, http, usage), media_type="text/event-stream")
+    return await _whole(generation, head, chat, http)
 
 
 def _retry_after(engine: Engine, config: ServerConfig) -> int:
@@ -326,32 +326,32 @@ def _retry_after(engine: Engine, config: ServerConfig) -> int:
     return max(1, min(MAX_RETRY_AFTER_S, math.ceil(wait)))
 
 
-async def _events(request: Request, http: HttpRequest):
-    """The request's events until `done`; cancels the request the moment the client disconnects."""
-    watcher = asyncio.create_task(_watch(request, http))
+async def _events(generation: Generation, http: HttpRequest):
+    """The generation's events until `done`; cancels it the moment the client disconnects."""
+    watcher = asyncio.create_task(_watch(generation, http))
     try:
         while True:
-            event = await request.events.get()
+            event = await generation.events.get()
             yield event
             if event[0] in ("done", "error"):
                 return
     finally:
         watcher.cancel()
-        request.cancel()  # a no-op once the decode has finished
+        generation.cancel()  # a no-op once the decode has finished
 
 
-async def _watch(request: Request, http: HttpRequest) -> None:
+async def _watch(generation: Generation, http: HttpRequest) -> None:
     """Wait for the disconnect (the body is read, so `receive` returns only when the client goes), then
-    cancel, whatever the request's events are doing meanwhile; the waiting handler sees an `error`."""
+    cancel, whatever the generation's events are doing meanwhile; the waiting handler sees an `error`."""
     while (await http.receive())["type"] != "http.disconnect":
         pass
-    request.cancel()
-    request.emit("error", 499, "the client disconnected")
+    generation.cancel()
+    generation.emit("error", 499, "the client disconnected")
 
 
-async def _whole(request: Request, head: dict, chat: bool, http: HttpRequest):
+async def _whole(generation: Generation, head: dict, chat: bool, http: HttpRequest):
     text, finish, usage = [], None, None
-    async for event in _events(request, http):
+    async for event in _events(generation, http):
         if event[0] == "text":
             text.append(event[1])
         elif event[0] == "error":
@@ -371,7 +371,7 @@ def _usage(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def _sse(request: Request, head: dict, chat: bool, http: HttpRequest, usage: bool) -> AsyncIterator[str]:
+async def _sse(generation: Generation, head: dict, chat: bool, http: HttpRequest, usage: bool) -> AsyncIterator[str]:
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(text: str | None, finish: str | None, role: bool = False) -> str:
@@ -384,7 +384,7 @@ async def _sse(request: Request, head: dict, chat: bool, http: HttpRequest, usag
 
     if chat:
         yield chunk(None, None, role=True)
-    async for event in _events(request, http):
+    async for event in _events(generation, http):
         if event[0] == "text":
             yield chunk(event[1], None)
         elif event[0] == "error":

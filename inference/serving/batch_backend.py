@@ -19,7 +19,7 @@ from inference.cycle.simulator import Simulator
 from inference.cycle.slots import Request, SlotSequence
 from inference.sampling import Sampling
 from inference.serving.inflight import InFlight
-from inference.serving.slot_feed import IDLE_TICK_S, Ask, feed_slots, waiting
+from inference.serving.slot_feed import IDLE_TICK_S, QueuedRequest, feed_slots, waiting
 from inference.setup import Setup
 from spd_lightning.errors import first_line
 from spd_lightning.export import load_drafter
@@ -35,7 +35,7 @@ class BatchSimulatorBackend:
         self.eos = frozenset(eos)
         self._cancelled: set[int] = set()
         self.in_flight = InFlight(self._cancelled.add)
-        self._asks: queue.SimpleQueue[Ask | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[QueuedRequest | None] = queue.SimpleQueue()
         self._driver = threading.Thread(target=self._drive, name="spd-batch-driver", daemon=True)
         self._driver.start()
 
@@ -47,7 +47,7 @@ class BatchSimulatorBackend:
 
     def generate(self, prompt_ids, max_new_tokens, sampling: Sampling, seed, on_tokens=None) -> DecodeResult:
         request_id = self.in_flight.open(on_tokens)
-        self._asks.put(Ask(request_id, list(prompt_ids), max_new_tokens, sampling.to_dict(), seed))
+        self._queue.put(QueuedRequest(request_id, list(prompt_ids), max_new_tokens, sampling, seed))
         return self.in_flight.follow(request_id)
 
     def cancel(self, on_tokens) -> None:
@@ -57,7 +57,7 @@ class BatchSimulatorBackend:
         return self._driver.is_alive()
 
     def close(self) -> None:
-        self._asks.put(None)
+        self._queue.put(None)
         self._driver.join(30)
 
     def _drive(self) -> None:
@@ -69,17 +69,17 @@ class BatchSimulatorBackend:
             failure = first_line(e)
         self.in_flight.end(failure)
 
-    def _take(self, free: int, idle: bool) -> list[Ask] | str:
-        return waiting(self._asks, free, IDLE_TICK_S if idle else 0.0)
+    def _take(self, free: int, idle: bool) -> list[QueuedRequest] | str:
+        return waiting(self._queue, free, IDLE_TICK_S if idle else 0.0)
 
-    def _start(self, ask: Ask) -> Request:
-        request_id = ask.request_id
-        return ask.request(
+    def _start(self, queued: QueuedRequest) -> Request:
+        request_id = queued.request_id
+        return queued.as_request(
             self.eos,
             lambda tokens: self.in_flight.put("tokens", request_id, tokens),
             lambda: request_id in self._cancelled,
         )
 
-    def _ended(self, ask: Ask, result: DecodeResult, seq: SlotSequence) -> None:
-        self._cancelled.discard(ask.request_id)
-        self.in_flight.put("result", ask.request_id, result)
+    def _ended(self, queued: QueuedRequest, result: DecodeResult, seq: SlotSequence) -> None:
+        self._cancelled.discard(queued.request_id)
+        self.in_flight.put("result", queued.request_id, result)

@@ -1,6 +1,7 @@
 """The server's engine: weights loaded once, up to `max_batch` requests decoding at once, the rest in a FIFO.
 
-At `max_batch` 1 the engine runs one decode at a time on one worker thread; requests wait in a FIFO of
+Each client request becomes a `Generation`: its prompt and settings, and the channel its events go back on. At
+`max_batch` 1 the engine runs one decode at a time on one worker thread; requests wait in a FIFO of
 `queue_size` (`QueueFull` beyond it, HTTP 429). A batched backend (`max_batch` B > 1: `--max-batch`) decodes
 B requests at once in B slots and keeps its own FIFO, which feeds the slots at step boundaries
 (`slot_feed`): the engine then has a worker thread for every request it admits (B + `queue_size`), each
@@ -8,7 +9,7 @@ handing its request over at once and following it. Each worker feeds its request
 decoder delivers them, through a `TextStream` (stop strings) to the request's event queue on the server's
 event loop.
 
-A request whose client has gone is cancelled at once: `Request.cancel` (the app calls it the moment it
+A request whose client has gone is cancelled at once: `Generation.cancel` (the app calls it the moment it
 sees the disconnect) tells the backend, which stops the ranks at their next verdict (`RankBackend.cancel`);
 an in-process decoder stops when its next cycle's hook raises `Cancelled`. Either way it counts as
 `cancelled`.
@@ -33,12 +34,12 @@ from dataclasses import dataclass, field
 
 from inference.backends import Backend, Cancelled, is_alive, is_ready
 from inference.sampling import Sampling
-from inference.serving.logs import request_id
+from inference.serving.logs import completion_id
 from inference.serving.metrics import Metrics
 from inference.textstream import TextStream
 from spd_lightning.errors import first_line
 
-__all__ = ["Cancelled", "Engine", "QueueFull", "Request", "StopString"]
+__all__ = ["Cancelled", "Engine", "Generation", "QueueFull", "StopString"]
 log = logging.getLogger(__name__)
 HEALTH_POLL_S = 0.5
 MAX_RESTART_DELAY_S = 30.0  # a pipeline that keeps dying before it is ready is retried at most this seldom
@@ -53,8 +54,9 @@ class QueueFull(Exception):
 
 
 @dataclass(eq=False)  # hashed by identity: the admitted set holds it
-class Request:
-    """One generation request and the channel its events go back on (to the event loop that waits)."""
+class Generation:
+    """One client's request as the engine runs it: its prompt and settings, and the channel its events go back on
+    (to the event loop that waits)."""
 
     prompt_ids: list[int]
     max_new_tokens: int
@@ -62,11 +64,11 @@ class Request:
     seed: int
     stop: list[str]
     loop: asyncio.AbstractEventLoop
-    name: str = "-"  # the id its client sees (`chatcmpl-...`), on every log line about it
+    completion_id: str = "-"  # the id its client sees (`chatcmpl-...`), on every log line about it
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     enqueued: float = field(default_factory=time.perf_counter)
-    on_cancel: Callable[[], None] | None = None  # set by the engine while the request decodes
+    on_cancel: Callable[[], None] | None = None  # set by the engine while the generation decodes
     generated: int = 0  # tokens verified so far
 
     def emit(self, *event) -> None:
@@ -81,7 +83,7 @@ class Request:
 
 
 class Engine:
-    """The FIFO and the worker threads that run the backend (one, or one per admitted request when batched)."""
+    """The FIFO and the worker threads that run the backend (one, or one per admitted generation when batched)."""
 
     def __init__(
         self, make_backend: Callable[[], Backend], tokenizer, mode: str, queue_size: int = 16, max_batch: int = 1
@@ -90,8 +92,8 @@ class Engine:
         self.max_batch, self.capacity = max_batch, queue_size + max_batch  # requests admitted at most
         self.backend: Backend | None = make_backend()
         self.metrics = Metrics()
-        self._queue: queue.Queue[Request | None] = queue.Queue()
-        self._admitted: set[Request] = set()  # waiting or decoding
+        self._queue: queue.Queue[Generation | None] = queue.Queue()
+        self._admitted: set[Generation] = set()  # waiting or decoding
         self._lock = threading.Lock()  # the admitted count and the metrics, written by every worker
         self._restarting = threading.Lock()  # held while the backend is replaced: workers wait for the new one
         self._restart_delay, self._next_restart = 0.0, 0.0
@@ -104,7 +106,7 @@ class Engine:
 
     @property
     def queue_depth(self) -> int:
-        """Requests waiting or decoding."""
+        """Generations waiting or decoding."""
         return len(self._admitted)
 
     def tokens_left(self) -> int:
@@ -114,13 +116,13 @@ class Engine:
         return -(-left // self.max_batch)
 
     def cut(self, message: str) -> None:
-        """Every admitted request ends now with a 503 (an SSE error event when streamed) and is cancelled."""
+        """Every admitted generation ends now with a 503 (an SSE error event when streamed) and is cancelled."""
         with self._lock:
             admitted = list(self._admitted)
-        for request in admitted:
-            log.warning("%s: cutting %s after %d token(s)", message, request.name, request.generated)
-            request.emit("error", 503, message)
-            request.cancel()
+        for generation in admitted:
+            log.warning("%s: cutting %s after %d token(s)", message, generation.completion_id, generation.generated)
+            generation.emit("error", 503, message)
+            generation.cancel()
 
     @property
     def ready(self) -> bool:
@@ -133,13 +135,13 @@ class Engine:
         histogram = self.metrics.per_token
         return histogram.sum / histogram.count if histogram.count else None
 
-    def submit(self, request: Request) -> None:
+    def submit(self, generation: Generation) -> None:
         with self._lock:
             if len(self._admitted) >= self.capacity:
                 self.metrics.count("rejected_queue_full")
                 raise QueueFull
-            self._admitted.add(request)
-        self._queue.put(request)
+            self._admitted.add(generation)
+        self._queue.put(generation)
 
     def close(self) -> None:
         """After the requests in progress; a second call does nothing."""
@@ -156,57 +158,57 @@ class Engine:
     def _serve(self) -> None:
         while True:
             try:
-                request = self._queue.get(timeout=HEALTH_POLL_S)
+                generation = self._queue.get(timeout=HEALTH_POLL_S)
             except queue.Empty:
                 self._keep_alive()
                 continue
-            if request is None:
+            if generation is None:
                 return
-            request_id.set(request.name)
+            completion_id.set(generation.completion_id)
             try:
                 self._keep_alive()
-                self._run(request)
+                self._run(generation)
             finally:
                 with self._lock:
-                    self._admitted.discard(request)
-                request_id.set("-")
+                    self._admitted.discard(generation)
+                completion_id.set("-")
 
     def _keep_alive(self) -> None:
-        """A backend that died (or never started) is replaced now, not when a request finds it dead; one that
+        """A backend that died (or never started) is replaced now, not when a generation finds it dead; one that
         keeps dying before it is ready is retried after a delay that doubles each time."""
         with self._restarting:
             if (self.backend is None or not is_alive(self.backend)) and time.monotonic() >= self._next_restart:
                 self._restart("the pipeline is not running")
 
-    def _run(self, request: Request) -> None:
+    def _run(self, generation: Generation) -> None:
         with self._restarting:  # a restart in progress: wait for the new backend
             backend = self.backend
         if backend is None:
             self._count("failed")
-            request.emit("error", 503, "the pipeline is restarting after a failure; retry")
+            generation.emit("error", 503, "the pipeline is restarting after a failure; retry")
             return
-        stream = TextStream(self.tokenizer, request.stop)
+        stream = TextStream(self.tokenizer, generation.stop)
         started = time.perf_counter()
         last = [None]
 
         def on_tokens(tokens: list[int]) -> None:
-            self._timed(request, started, last, len(tokens))
-            if request.cancelled.is_set():
+            self._timed(generation, started, last, len(tokens))
+            if generation.cancelled.is_set():
                 raise Cancelled
             delta = stream.feed(tokens)
             if delta:
-                request.emit("text", delta)
+                generation.emit("text", delta)
             if stream.stopped:
                 raise StopString
 
         cancel = getattr(backend, "cancel", None)  # the in-process decoders stop at their next `on_tokens`
-        request.on_cancel = (lambda: cancel(on_tokens)) if cancel is not None else None
-        if request.cancelled.is_set():  # gone while it waited (or just now)
-            self._cancelled(request)
+        generation.on_cancel = (lambda: cancel(on_tokens)) if cancel is not None else None
+        if generation.cancelled.is_set():  # gone while it waited (or just now)
+            self._cancelled(generation)
             return
         try:
             result = backend.generate(
-                request.prompt_ids, request.max_new_tokens, request.sampling, request.seed, on_tokens
+                generation.prompt_ids, generation.max_new_tokens, generation.sampling, generation.seed, on_tokens
             )
             finish = "stop" if result.stop_reason == "eos" else "length"
             with self._lock:
@@ -214,48 +216,48 @@ class Engine:
         except StopString:
             finish = "stop"
         except Cancelled:
-            self._cancelled(request)
+            self._cancelled(generation)
             return
-        except Exception as e:  # noqa: BLE001 - the request fails; the engine restarts the backend
-            self._failed(request, e, backend)
+        except Exception as e:  # noqa: BLE001 - the generation fails; the engine restarts the backend
+            self._failed(generation, e, backend)
             return
         finally:
-            request.on_cancel = None
+            generation.on_cancel = None
         rest = stream.finish()
         if rest:
-            request.emit("text", rest)
+            generation.emit("text", rest)
         self._count("ok")
-        request.emit("done", finish, len(request.prompt_ids), stream.used_tokens)
+        generation.emit("done", finish, len(generation.prompt_ids), stream.used_tokens)
 
-    def _cancelled(self, request: Request) -> None:
-        log.info("cancelled after %d token(s)", request.generated)
+    def _cancelled(self, generation: Generation) -> None:
+        log.info("cancelled after %d token(s)", generation.generated)
         self._count("cancelled")
 
     def _count(self, outcome: str) -> None:
         with self._lock:
             self.metrics.count(outcome)
 
-    def _timed(self, request: Request, started: float, last: list, count: int) -> None:
+    def _timed(self, generation: Generation, started: float, last: list, count: int) -> None:
         """Tokens, TTFT (without and with the FIFO wait) and the time per token, for every outcome."""
         now = time.perf_counter()
         with self._lock:
             self.metrics.tokens += count
-            request.generated += count
+            generation.generated += count
             if count == 0:
                 return
             if last[0] is None:
                 self.metrics.ttft.observe(now - started)
-                self.metrics.ttft_queued.observe(now - request.enqueued)
+                self.metrics.ttft_queued.observe(now - generation.enqueued)
             else:
                 self.metrics.per_token.observe((now - last[0]) / count, count)
         last[0] = now
 
-    def _failed(self, request: Request, error: Exception, backend: Backend) -> None:
-        """The request gets its 503; the first of the requests that shared the failed backend restarts it."""
+    def _failed(self, generation: Generation, error: Exception, backend: Backend) -> None:
+        """The generation gets its 503; the first of the requests that shared the failed backend restarts it."""
         first = first_line(error)
         log.error("decode failed: %s; restarting the backend", first)
         self._count("failed")
-        request.emit("error", 503, f"the decoder failed: {first}; the pipeline is being restarted, retry")
+        generation.emit("error", 503, f"the decoder failed: {first}; the pipeline is being restarted, retry")
         with self._restarting:
             if self.backend is backend:
                 self._restart(first)

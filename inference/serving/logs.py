@@ -1,6 +1,7 @@
-"""The server's log lines: a UTC timestamp, the level, the request's id (the `chatcmpl-`/`cmpl-` id its client
-sees, `-` outside a request), the logger, the message. The id follows the request from its HTTP handler to the
-engine thread that decodes it (`request_id`, set in each), so a cancel or a failure names the client's id.
+"""The server's log lines: a UTC timestamp, the level, the request's completion id (the `chatcmpl-`/`cmpl-`
+id its client sees, `-` outside a request), the logger, the message. The id follows the request from its HTTP
+handler to the engine thread that decodes it (`completion_id`, set in each), so a cancel or a failure names the
+client's id.
 
     2026-12-02T08:10:11.123Z INFO chatcmpl-5f3a... inference.serve: cancelled after 2 token(s)
 """
@@ -11,14 +12,14 @@ import contextvars
 import logging
 import time
 
-request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
-FORMAT = "%(asctime)s.%(msecs)03dZ %(levelname)s %(request_id)s %(name)s: %(message)s"
+completion_id: contextvars.ContextVar[str] = contextvars.ContextVar("completion_id", default="-")
+FORMAT = "%(asctime)s.%(msecs)03dZ %(levelname)s %(completion_id)s %(name)s: %(message)s"
 
 
-class _RequestId(logging.Filter):
+class _CompletionId(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        if not hasattr(record, "request_id"):
-            record.request_id = request_id.get()
+        if not hasattr(record, "completion_id"):
+            record.completion_id = completion_id.get()
         return True
 
 
@@ -32,4 +33,4 @@ def configure_handler(handler: logging.Handler) -> None:
     formatter = logging.Formatter(FORMAT, datefmt="%Y-%m-%dT%H:%M:%S")
     formatter.converter = time.gmtime
     handler.setFormatter(formatter)
-    handler.addFilter(_RequestId())
+    handler.addFilter(_CompletionId())

@@ -14,11 +14,11 @@ queue at step boundaries (`slot_feed.feed_slots`).
 
 A request the engine gives up on (its client disconnected, or a stop string ended it: the engine's
 `on_tokens` raises) is cancelled inside the ranks: the backend writes its id into a ring of recent cancels in
-shared memory (`Requests.cancel`), the verifier's rank reads that once per cycle (the runner's `stop`), and
-its next verdict is STOP, which ends that decode on every rank at the same cycle. The verifier's rank records
-the cycle it saw the cancel at and the cycle it stopped at (`last_cancel`). A verifier on another node gets
-each cancel from node 0's report listener instead (`nodes.RequestsOnNodeZero`), which the cancel notifies
-(`subscribe`).
+shared memory (`RequestChannel.cancel`), the verifier's rank reads that once per cycle (the runner's `stop`),
+and its next verdict is STOP, which ends that decode on every rank at the same cycle. The verifier's rank
+records the cycle it saw the cancel at and the cycle it stopped at (`last_cancel`). A verifier on another node
+gets each cancel from node 0's report listener instead (`nodes.RemoteRequestChannel`), which the cancel
+notifies (`subscribe`).
 
 Memory is bounded by configuration, not by what clients send: one runner with B slots serves every sampling
 setting. Once every rank has loaded its weights and
@@ -43,10 +43,11 @@ from inference.cycle.result import DecodeResult
 from inference.cycle.slots import Request, SlotSequence
 from inference.processes.job import DecodeJob
 from inference.processes.launch import launch, start_method
+from inference.processes.nodes import RemoteRequestChannel
 from inference.processes.roles import build_runner
 from inference.sampling import Sampling
 from inference.serving.inflight import InFlight
-from inference.serving.slot_feed import IDLE_TICK_S, Ask, feed_slots, waiting
+from inference.serving.slot_feed import IDLE_TICK_S, QueuedRequest, feed_slots, waiting
 from spd_lightning.errors import first_line
 
 log = logging.getLogger(__name__)
@@ -62,11 +63,11 @@ class CancelReport(NamedTuple):
     stop_cycle: int
 
 
-class Requests:
-    """What the server shares with its ranks: the FIFO of requests (rank 0 reads it) and, in shared memory,
-    the ids of the requests cancelled lately (a ring of `ring` ids: longer than the requests that can be in
-    flight, so none is overwritten before the verifier reads it) and the verifier's report of the last
-    cancellation. Passed to the rank processes when they start (`launch(requests=...)`)."""
+class RequestChannel:
+    """What the server shares with its ranks: the FIFO of `QueuedRequest`s (rank 0 reads it) and, in shared
+    memory, the ids of the requests cancelled lately (a ring of `ring` ids: longer than the requests that can be
+    in flight, so none is overwritten before the verifier reads it) and the verifier's report of the last
+    cancellation. Passed to the rank processes when they start (`launch(request_channel=...)`)."""
 
     def __init__(self, context, ring: int = 16):
         self.queue = context.Queue()
@@ -134,32 +135,40 @@ class Requests:
 
 
 def serve_requests(
-    job: DecodeJob, rank: int, device: torch.device, requests: Requests, report: Callable, on_tokens: Callable
+    job: DecodeJob,
+    rank: int,
+    device: torch.device,
+    channel: RequestChannel | RemoteRequestChannel,
+    report: Callable,
+    on_tokens: Callable,
 ) -> None:
     """One rank's serving loop: load once, then `feed_slots` over `job.max_batch` slots until rank 0 reads None;
-    the verifier's rank streams each slot's tokens, stops a cancelled one, and reports each result."""
+    the verifier's rank streams each slot's tokens, stops a cancelled one, and reports each result. `channel`:
+    the server's, or on another node its `RemoteRequestChannel`."""
     runner = build_runner(job, rank, device)
     dist.barrier()  # every rank has loaded its weights
     if rank == 0:
-        requests.mark_ready()
+        channel.mark_ready()
     verifier, eos = rank == runner.verifier_rank, frozenset(job.eos_token_ids)
 
-    def take(free: int, idle: bool) -> list[Ask] | str:
-        box = [waiting(requests, free, IDLE_TICK_S if idle else 0.0) if rank == 0 else None]
+    def take(free: int, idle: bool) -> list[QueuedRequest] | str:
+        box = [waiting(channel, free, IDLE_TICK_S if idle else 0.0) if rank == 0 else None]
         dist.broadcast_object_list(box, src=0, group=control_group())  # host memory, never the NCCL group
         return box[0]
 
-    def start(ask: Ask) -> Request:
+    def start(queued: QueuedRequest) -> Request:
         if not verifier:
-            return ask.request(eos, None, None)
-        request_id = ask.request_id
-        return ask.request(eos, lambda tokens: on_tokens(request_id, tokens), lambda: requests.cancelled(request_id))
+            return queued.as_request(eos, None, None)
+        request_id = queued.request_id
+        return queued.as_request(
+            eos, lambda tokens: on_tokens(request_id, tokens), lambda: channel.cancelled(request_id)
+        )
 
-    def ended(ask: Ask, result: DecodeResult, seq: SlotSequence) -> None:
+    def ended(queued: QueuedRequest, result: DecodeResult, seq: SlotSequence) -> None:
         if verifier:
             if result.stop_reason == "cancelled":
-                requests.record(CancelReport(ask.request_id, seq.stop_seen, result.K))
-            report(ask.request_id, result)
+                channel.record(CancelReport(queued.request_id, seq.stop_seen, result.K))
+            report(queued.request_id, result)
 
     feed_slots(runner, take, start, ended)
 
@@ -170,8 +179,8 @@ class RankBackend:
 
     def __init__(self, job: DecodeJob, in_flight: int = 1):
         self.job = job
-        self.requests = Requests(mp.get_context(start_method(job)), ring=max(16, 4 * in_flight))
-        self.in_flight = InFlight(self.requests.cancel)
+        self.channel = RequestChannel(mp.get_context(start_method(job)), ring=max(16, 4 * in_flight))
+        self.in_flight = InFlight(self.channel.cancel)
         self.last_cancel: CancelReport | None = None
         self.pids: dict[int, int] = {}
         self.failure = "the pipeline is not running"
@@ -185,7 +194,7 @@ class RankBackend:
                 on_result=lambda i, r: self.in_flight.put("result", i, r),
                 on_start=lambda rank, pid: self.pids.__setitem__(rank, pid),
                 on_tokens=lambda i, tokens: self.in_flight.put("tokens", i, tokens),
-                requests=self.requests,
+                request_channel=self.channel,
                 work=serve_requests,
             )
             self.failure = "the pipeline stopped"
@@ -198,7 +207,7 @@ class RankBackend:
 
     def ready(self) -> bool:
         """Every rank has loaded and met the others (true from then on; `alive` says whether they still run)."""
-        return self.requests.is_ready()
+        return self.channel.is_ready()
 
     def cancel(self, on_tokens) -> None:
         """From any thread: stop the decode whose hook is `on_tokens` at the ranks' next verdict (a cancel that
@@ -209,17 +218,17 @@ class RankBackend:
         if not self._launcher.is_alive():
             raise BackendFailure(self.failure)
         request_id = self.in_flight.open(on_tokens)
-        self.requests.put((request_id, list(prompt_ids), max_new_tokens, sampling.to_dict(), seed))
+        self.channel.put(QueuedRequest(request_id, list(prompt_ids), max_new_tokens, sampling, seed))
         return self.in_flight.follow(request_id, self._cancelled)
 
     def _cancelled(self, request_id: int, result: DecodeResult) -> None:
         """Keep (and log) the verifier's report when the ranks stopped the request before its end. A verifier on
         another node sends the report and the result over two connections: the report may come a moment later."""
-        report = self.requests.last_cancel()
+        report = self.channel.last_cancel()
         deadline = time.monotonic() + REPORT_WAIT_S
         while result.stop_reason == "cancelled" and report.request_id != request_id and time.monotonic() < deadline:
             time.sleep(0.005)
-            report = self.requests.last_cancel()
+            report = self.channel.last_cancel()
         self.last_cancel = report if result.stop_reason == "cancelled" and report.request_id == request_id else None
         if self.last_cancel is not None:
             log.info(
@@ -231,6 +240,6 @@ class RankBackend:
 
     def close(self) -> None:
         if self._launcher.is_alive():
-            self.requests.put(None)
+            self.channel.put(None)
             self._launcher.join(30)
-        self.requests.close()
+        self.channel.close()

@@ -36,7 +36,7 @@ from inference import cli
 from inference.backends import make_backend as in_process_backend
 from inference.processes.job import DecodeJob
 from inference.processes.launch import LaunchError, RankInputError, launch
-from inference.processes.nodes import Nodes, RequestsOnNodeZero, join_pipeline
+from inference.processes.nodes import Nodes, RemoteRequestChannel, join_pipeline
 from inference.sampling import Sampling
 from inference.serving.batching import GPU_BATCH, check_max_batch, default_max_batch
 from inference.serving.engine import Engine
@@ -208,7 +208,7 @@ def run_ranks_only(args: argparse.Namespace) -> int:
             where,
         )
         try:
-            launch(job, requests=RequestsOnNodeZero(job.nodes), work=serve_requests)
+            launch(job, request_channel=RemoteRequestChannel(job.nodes), work=serve_requests)
             return 0
         except RankInputError:
             raise
