@@ -8,13 +8,13 @@ HF layers are called with their global `layer_idx`). Storage is allocated once a
   context budget, rounded up to a power of two of at least `CAPACITY_STEP`, so that a compiled decode step
   sees few shapes: requests of growing length reuse its graphs, a new one only at each doubling), written
   in place at the layer's device-side length; the stage masks the unwritten tail. A rollback moves that
-  length back and the next token overwrites the discarded slots. A new prompt reuses the storage when it
+  length back and the next token overwrites the discarded positions. A new prompt reuses the storage when it
   fits; a forward past `capacity` (a caller that gave no budget) regrows it, doubling;
 - linear-attention layers (Gated DeltaNet, `LinearAttentionLayer`) fold every token into a conv state and
   a recurrent state, updated in place, that cannot be cropped: before a stage runs the single token at
-  position `p` it copies them into slot `p % window` of a ring allocated once per model; a rollback to
+  position `p` it copies them into entry `p % window` of a ring allocated once per model; a rollback to
   `p` copies them back. Tokens that can still be rejected are at most `n` positions behind the newest,
-  so a ring of `n + 1` slots suffices.
+  so a ring of `n + 1` entries suffices.
 
 The prompt is never rolled back (the first generated token is always verified), so prefill takes no
 snapshot, and position 0 is always a prefill (of one token or more).

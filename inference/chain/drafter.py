@@ -39,8 +39,8 @@ class DraftKVCache:
         self.length = 0
         self.static = static
         self.offset = torch.zeros(1, dtype=torch.long, device=device)
-        self.slots = torch.arange(max_len, device=device)
-        for tensor in (self.keys, self.values, self.offset, self.slots):  # fixed addresses for a CUDA graph
+        self.positions = torch.arange(max_len, device=device)
+        for tensor in (self.keys, self.values, self.offset, self.positions):  # fixed addresses for a CUDA graph
             torch._dynamo.mark_static_address(tensor)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -61,7 +61,7 @@ class DraftKVCache:
         written = self.offset + torch.arange(q.shape[-2], device=q.device)
         self.keys[layer].index_copy_(2, written, k)
         self.values[layer].index_copy_(2, written, v)
-        mask = self.slots[None, :] <= written[:, None]
+        mask = self.positions[None, :] <= written[:, None]
         return F.scaled_dot_product_attention(q, self.keys[layer], self.values[layer], attn_mask=mask, enable_gqa=True)
 
     def commit(self, count: int) -> None:

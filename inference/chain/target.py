@@ -13,7 +13,7 @@ whole capacity (causal, the unwritten tail hidden).
   linear-attention (Gated DeltaNet) layers step through the block one token at a time, each token's conv
   and recurrent states snapshotted first with `ChainCache.snapshot_layer` (the per-token states SGLang's
   verify kernel keeps). `rollback(keep)` is `ChainCache.rollback`: it moves the attention length back
-  (the next forward overwrites the rejected slots) and restores the linear states of position `keep`, so
+  (the next forward overwrites the rejected positions) and restores the linear states of position `keep`, so
   the cache holds exactly the accepted positions, as if the rejected drafts had never been run.
 """
 

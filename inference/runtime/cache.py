@@ -10,8 +10,8 @@ forward per cycle:
   positions, `DeviceInts` of slot_rows.py: advanced on the device after each step, rolled back per slot by
   `fill_`, never copied from the host) and the additive mask hides every key past it;
 - Gated DeltaNet layers fold every token into conv and recurrent states `[B, ...]` that cannot be cropped: a
-  snapshot ring `[window, B, ...]` keeps them; before a decode step every row's states are copied into ring slot
-  `position_b % window`; a rollback of slot `b` to `p` copies ring slot `p % window` of row `b` back. Tokens that
+  snapshot ring `[window, B, ...]` keeps them; before a decode step every row's states are copied into ring entry
+  `position_b % window`; a rollback of slot `b` to `p` copies ring entry `p % window` of row `b` back. Tokens that
   can still be rejected are at most `n` positions behind the newest, so a ring of `n + 1` suffices.
 
 A decode step runs the leading `rows` rows (`batch_bucket`: fixed shapes per bucket), also the rows whose slot
@@ -121,22 +121,22 @@ class StageCache(LegacyStateReads):
         self.rows = rows
 
     def snapshot(self) -> None:
-        """Inside the step: every row's Gated DeltaNet states into its ring slot `position % window`."""
+        """Inside the step: every row's Gated DeltaNet states into its ring entry `position % window`."""
         rows = self._rows[: self.rows]
-        ring_slots = self.positions.device[: self.rows] % self.window
+        ring_entries = self.positions.device[: self.rows] % self.window
         for i in self.linear_layers:
-            self.conv_ring[i].index_put_((ring_slots, rows), self.conv[i][: self.rows])
-            self.recurrent_ring[i].index_put_((ring_slots, rows), self.recurrent[i][: self.rows])
+            self.conv_ring[i].index_put_((ring_entries, rows), self.conv[i][: self.rows])
+            self.recurrent_ring[i].index_put_((ring_entries, rows), self.recurrent[i][: self.rows])
 
     def keep_idle_rows(self, running_mask: torch.Tensor) -> None:
         """Inside the step, after the layers: the idle rows' Gated DeltaNet states back as they were."""
         rows = self._rows[: self.rows]
-        ring_slots = self.positions.device[: self.rows] % self.window
+        ring_entries = self.positions.device[: self.rows] % self.window
         for i in self.linear_layers:
             for state, ring in ((self.conv[i], self.conv_ring[i]), (self.recurrent[i], self.recurrent_ring[i])):
                 state = state[: self.rows]
                 mask = running_mask.view(-1, *([1] * (state.dim() - 1)))
-                state.copy_(torch.where(mask, state, ring[ring_slots, rows]))
+                state.copy_(torch.where(mask, state, ring[ring_entries, rows]))
 
     def after_step(self, running: list[int], running_mask: torch.Tensor) -> None:
         """After the step: the running slots advance by one position, on the device and on the host."""
