@@ -226,7 +226,9 @@ def print_report(report: dict) -> None:
     if t["alpha"] is not None and report["mode"] == EAGLE3:
         parts.append(f"K={t['K']} tokens/forward={t['alpha']:.3f}")
     elif t["alpha"] is not None:
-        parts.append(f"K={t['K']} alpha={t['alpha']:.3f} n*alpha={t['theoretical_speedup']:.2f}")
+        interval = t.get("theoretical_speedup_interval")
+        within = f" [{interval[0]:.2f}, {interval[1]:.2f}]" if interval else ""
+        parts.append(f"K={t['K']} alpha={t['alpha']:.3f} n*alpha={t['theoretical_speedup']:.2f}{within}")
     parts.append(f"repeated_4grams={fmt(t['repeated_4gram_share'], 2)}")
     if t.get("decode_tokens_per_s"):
         parts.append(f"{t['decode_tokens_per_s']:.1f} tok/s")

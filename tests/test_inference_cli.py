@@ -80,7 +80,8 @@ def test_simulated_decode_writes_the_report(files, capsys):
         ]
     )
     assert rc == 0
-    assert "lossless=yes" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "lossless=yes" in printed
     report = json.loads(out.read_text())
     assert report["mode"] == "spd" and report["n"] == 2 and report["totals"]["lossless"] is True
     first = report["prompts"][0]
@@ -104,6 +105,8 @@ def test_simulated_decode_writes_the_report(files, capsys):
     assert first["theoretical_speedup"] == pytest.approx(2 * first["alpha"])
     assert set(first["timing"]["per_cycle"]) == {"stage_compute_s", "draft_s", "verify_s", "comm_s", "wall_s"}
     assert report["totals"]["alpha"] == pytest.approx(report["totals"]["N"] / report["totals"]["K"])
+    low, high = report["totals"]["theoretical_speedup_interval"]  # over the prompts, printed beside n*alpha
+    assert low <= report["totals"]["theoretical_speedup"] <= high and f"[{low:.2f}, {high:.2f}]" in printed
 
 
 def test_multi_process_decode_from_a_lightning_checkpoint(files, capsys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from inference.cycle.result import DecodeResult
+from inference.evaluation.intervals import bootstrap, pooled_ratio
 from inference.evaluation.repetition import repeated_share
 
 
@@ -38,8 +39,9 @@ def acceptance_by_position(accept_lengths: Sequence[int], k: int) -> list[float 
 
 
 def pooled_totals(results: list[DecodeResult], references: list[DecodeResult] | None, n: int) -> dict:
-    """Pooled N, K, alpha, n*alpha, tokens/s and repeated 4-grams of the outputs; with AR `references`,
-    whether every output is identical to its reference and the wall-clock speedup."""
+    """Pooled N, K, alpha, n*alpha (with its 95 % bootstrap interval over the prompts), tokens/s and repeated
+    4-grams of the outputs; with AR `references`, whether every output is identical to its reference and the
+    wall-clock speedup."""
     N, K = sum(r.N for r in results), sum(r.K for r in results)
     alpha = N / K if K and results[0].mode != "ar" else None
     out = {
@@ -47,9 +49,13 @@ def pooled_totals(results: list[DecodeResult], references: list[DecodeResult] | 
         "K": K,
         "alpha": alpha,
         "theoretical_speedup": n * alpha if alpha is not None else None,
+        "theoretical_speedup_interval": None,
         "decode_tokens_per_s": decode_rate(results),
         "repeated_4gram_share": repeated_share([r.tokens for r in results]),
     }
+    if alpha is not None:
+        per_prompt = {"N": [r.N for r in results], "K": [r.K for r in results]}
+        out["theoretical_speedup_interval"] = bootstrap(per_prompt, {"n_alpha": pooled_ratio("N", "K", n)})["n_alpha"]
     if references is not None:
         out["lossless"] = all(a.tokens == b.tokens for a, b in zip(results, references))
         out["ar_decode_tokens_per_s"] = decode_rate(references)
