@@ -1,0 +1,182 @@
+"""The runner's message traffic: what a step sends and receives between the ranks this process hosts and the
+others, in the order every rank derives from the same plans (docs/DESIGN.md, "One cycle over B slots").
+
+Every message has one shape, sized by B (`Mailboxes` with `slots`): draft tokens `[B]` and `q` `[B, V_d]`,
+activations `[B, 1, H]`, anchors `[B, A_s, H]`; each is sent in a step when any slot's plan needs it, from the
+sender's output of the previous step (post-step anchors: of this step). Which rows of a message are valid never
+travels: every process derives it from the slots' plans. There is no barrier: sends never block and a rank waits
+only for the messages it needs. A slot that redoes a wasted step sends nothing for it: its inputs came with it.
+Every send and receive is timed on its hosted end (`Profiler`, `COMM`); the verdict channel (`verdicts.py`) and
+the prefill (`prefill.py`) send through the same `send` and `recv`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from inference.cycle.messages import Mailboxes, MessageShapes
+from inference.cycle.profiler import Profiler
+from inference.cycle.result import COMM
+from inference.cycle.schedule import CyclePlan
+from inference.cycle.slots import SlotSequence
+from inference.cycle.transport import Arrival, Transport
+from inference.runtime.drafter import DraftBatch, Drafter
+from inference.runtime.slot_rows import RowSets
+from spd_lightning.geometry import Geometry
+
+
+class Traffic:
+    """The messages of one process's ranks, over `transport` (which tests may swap for a recording one)."""
+
+    def __init__(
+        self,
+        geometry: Geometry,
+        transport: Transport,
+        clock: Profiler,
+        drafter: Drafter | None,
+        *,
+        hidden_size: int,
+        state_dtype: torch.dtype,
+        draft_vocab_size: int,
+        slots: int,
+        device: torch.device,
+    ):
+        """The messages' buffers (`box`) for `slots` slots; `drafter`: where the anchor states land (where the PDM
+        is hosted)."""
+        n = self.n = geometry.n
+        self.pre_step = geometry.schedule == "pre_step"
+        self.transport, self.clock, self.drafter = transport, clock, drafter
+        # stage -> the anchor states it sends the PDM per step (anchor 0, the embedding output, is not sent)
+        self.anchor_counts = {s: len([b for b in geometry.anchors_of_stage(s) if b > 0]) for s in range(1, n + 1)}
+        self.shapes = MessageShapes(
+            n=n,
+            hosted=[r for r in range(n + 1) if transport.hosts(r)],
+            anchor_counts=self.anchor_counts,
+            hidden_size=hidden_size,
+            state_dtype=state_dtype,
+            draft_vocab_size=draft_vocab_size,
+            greedy=False,  # requests bring their own sampling: `q` travels whenever one is sampled
+            device=device,
+            control_device=transport.control_device(device),
+            slots=slots,
+        )
+        self.box = Mailboxes(self.shapes)
+        # the PDM's outgoing drafts: a discarded draft's row keeps what the slot sent last (`put_drafts`)
+        self._draft_tokens = torch.zeros(slots, dtype=torch.long, device=device)
+        self._draft_q = torch.zeros(slots, draft_vocab_size, device=device)
+        self._kept_rows = RowSets(slots, device)  # which rows of a draft the step sends
+        self._kept_mask = self._kept_rows.mask()
+
+    def hosts(self, rank: int) -> bool:
+        return self.transport.hosts(rank)
+
+    def send(self, src: int, dst: int, kind: str, tensor: torch.Tensor | None = None) -> None:
+        """Send `tensor` (else what `src` put in its outbox) when this process hosts `src`."""
+        if self.transport.hosts(src):
+            with self.clock.span(src, COMM):
+                self.transport.send(src, dst, self.box.outbox[src, kind] if tensor is None else tensor, kind)
+
+    def recv(self, src: int, dst: int, kind: str, buffer: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Receive when this process hosts `dst`; returns the buffer (None elsewhere)."""
+        if not self.transport.hosts(dst):
+            return None
+        buffer = self.box.inbox[dst, kind] if buffer is None else buffer
+        with self.clock.span(dst, COMM):
+            self.transport.recv(src, dst, buffer, kind)
+        return buffer
+
+    def post(self, src: int, dst: int, kind: str) -> Arrival:
+        """Start receiving into `dst`'s inbox without waiting (`wait` finishes it)."""
+        return self.transport.post(src, dst, self.box.inbox[dst, kind], kind)
+
+    def wait(self, dst: int, arrival: Arrival) -> None:
+        with self.clock.span(dst, COMM):
+            arrival.wait()
+
+    def send_inputs(self, live: Mapping[int, SlotSequence], fresh: Mapping[int, CyclePlan]) -> None:
+        """The previous step's outputs that this step's `fresh` plans take, in the order the receivers take them:
+        the verifier takes the draft after the activation it runs (they share a channel when the PDM shares stage
+        1's process)."""
+        n = self.n
+        entered = [b for b, plan in fresh.items() if plan.draft_entered]
+        if entered:
+            self.send(n, 0, "draft_token")
+        for s in range(1, n):
+            if any(plan.stage_positions[s] >= 0 for plan in fresh.values()):
+                self.send(s - 1, s, "act")
+        if entered:
+            self.send(n, n - 1, "draft_token")
+            if sampled(live, entered):
+                self.send(n, n - 1, "draft_q")
+        if self.pre_step:
+            for s in self.anchor_stages(fresh, during=False):
+                self.send(s - 1, n, f"anchors{s}")
+
+    def receive_inputs(self, fresh: Mapping[int, CyclePlan]) -> None:
+        """Stage 1's drafts, the activations, and pre-step the anchor states of the stages in this process."""
+        n = self.n
+        if any(plan.draft_entered for plan in fresh.values()):
+            self.recv(n, 0, "draft_token")
+        for s in range(1, n):
+            if any(plan.stage_positions[s] >= 0 for plan in fresh.values()):
+                self.recv(s - 1, s, "act")
+        if self.pre_step:
+            self.receive_anchors_before(fresh, from_here=True)
+
+    def receive_anchors_before(self, fresh: Mapping[int, CyclePlan], from_here: bool) -> None:
+        """Pre-step, the PDM's anchor states of the previous step, which it stores even for a slot whose step
+        turns out wasted (they are its previous, real cycle's): those of a stage in this process (`from_here`)
+        with this step's inputs, those of other processes after this process's stage forward was launched, so
+        that forward never waits for them (the shared placement's stage 1)."""
+        if not self.transport.hosts(self.n):
+            return
+        for s in self.anchor_stages(fresh, during=False):
+            if self.transport.hosts(s - 1) != from_here:
+                continue
+            states = self.recv(s - 1, self.n, f"anchors{s}")
+            for b, plan in fresh.items():
+                for stage, position in plan.anchors_before:
+                    if stage == s:
+                        self.drafter.store_anchors(b, s, position, states[b : b + 1])
+
+    def exchange_anchors_during(self, plans: Mapping[int, CyclePlan], drafting: list[int]) -> None:
+        """Post-step, this step's anchor states to the PDM, which stores those of the `drafting` slots (real, or
+        drafted for before their verdict is in)."""
+        n = self.n
+        for s in self.anchor_stages(plans, during=True):
+            self.send(s - 1, n, f"anchors{s}")
+            states = self.recv(s - 1, n, f"anchors{s}")
+            if states is None:
+                continue
+            for b in drafting:
+                for stage, position in plans[b].anchors_during:
+                    if stage == s:
+                        self.drafter.store_anchors(b, s, position, states[b : b + 1])
+
+    def put_drafts(self, drafts: DraftBatch, kept: list[int]) -> None:
+        """The PDM's outgoing draft message: the rows of the `kept` slots' drafts; the row of a discarded draft
+        keeps what it held (a redo's input travelled with it)."""
+        R = drafts.tokens.shape[0]
+        if len(kept) == R:  # every row of the draft is sent
+            self._draft_tokens[:R] = drafts.tokens
+            if drafts.q is not None:
+                self._draft_q[:R] = drafts.q
+        elif kept:
+            keep = self._kept_rows.write(kept, self._kept_mask)[:R]
+            self._draft_tokens[:R] = torch.where(keep, drafts.tokens, self._draft_tokens[:R])
+            if drafts.q is not None:
+                self._draft_q[:R] = torch.where(keep[:, None], drafts.q, self._draft_q[:R])
+        self.box.put(self.n, "draft_token", self._draft_tokens)
+        self.box.put(self.n, "draft_q", self._draft_q)
+
+    def anchor_stages(self, plans: Mapping[int, CyclePlan], during: bool) -> list[int]:
+        """The stages whose anchor states some plan needs (this step's, or the previous step's)."""
+        pairs = [pair for plan in plans.values() for pair in (plan.anchors_during if during else plan.anchors_before)]
+        return sorted({s for s, _ in pairs if self.anchor_counts[s]})
+
+
+def sampled(live: Mapping[int, SlotSequence], slots: list[int]) -> bool:
+    """Whether any of those slots samples (its draft travels with its distribution `q`)."""
+    return any(not live[b].request.sampling.greedy for b in slots)
