@@ -273,10 +273,9 @@ class PipelineRunner:
         late = self.drafter is not None and self.verdicts.late(n)
         if self.drafter is not None and not late:
             self.verdicts.take_through(self.steps_run - 1)
-        # the slots whose step is real, or not known yet to be wasted
-        drafting = (
-            [] if self.drafter is None else [b for b, s in live.items() if s.wasted(self._awaited(b)) is not True]
-        )
+        drafting = []  # the slots whose step is real, or not known yet to be wasted
+        if self.drafter is not None:
+            drafting = [b for b, seq in live.items() if seq.wasted(self._awaited(b)) is not True]
         if self.geometry.schedule == "post_step":
             self.traffic.exchange_anchors_during({b: seq.step.plan for b, seq in live.items()}, drafting)
         if not drafting:
@@ -329,7 +328,7 @@ class PipelineRunner:
             own = VerdictMessage(*rows[b]) if seq.step.final and real else None
             seq.advance(awaited, own)
         self.cycles += ran
-        self.verdicts.keep_from(step - 1)  # the next step's `_due` reads both
+        self.verdicts.keep_from(step - 1)  # the next step's `VerdictChannel._due` reads both
         self._retire_ended()
 
     def _retire_ended(self) -> None:

@@ -5,7 +5,7 @@ Every message has one shape, sized by B (`Mailboxes` with `slots`): draft tokens
 activations `[B, 1, H]`, anchors `[B, A_s, H]`; each is sent in a step when any slot's plan needs it, from the
 sender's output of the previous step (post-step anchors: of this step). Which rows of a message are valid never
 travels: every process derives it from the slots' plans. There is no barrier: sends never block and a rank waits
-only for the messages it needs. A slot that redoes a wasted step sends nothing for it: its inputs came with it.
+only for the messages it needs. Nothing travels for a slot that redoes a wasted step: its inputs came with it.
 Every send and receive is timed on its hosted end (`Profiler`, `COMM`); the verdict channel (`verdicts.py`) and
 the prefill (`prefill.py`) send through the same `send` and `recv`.
 """
