@@ -33,12 +33,12 @@ import torch
 
 from inference.cycle.prefill import prefill_slot
 from inference.cycle.profiler import Profiler
-from inference.cycle.result import COMPUTE, VERIFY, WALL, DecodeResult, max_cycles, summarize_timing
+from inference.cycle.result import COMPUTE, WALL, DecodeResult, max_cycles, summarize_timing
 from inference.cycle.schedule import CyclePlan, VerdictMessage
 from inference.cycle.slots import Request, SlotSequence
 from inference.cycle.traffic import Traffic, sampled
 from inference.cycle.transport import Transport
-from inference.cycle.verdicts import Judging, VerdictChannel
+from inference.cycle.verdicts import VerdictChannel
 from inference.cycle.verify import Verifier
 from inference.runtime.drafter import Drafter
 from inference.runtime.slot_rows import batch_bucket
@@ -194,7 +194,7 @@ class PipelineRunner:
             with self._drafter_receiving():
                 self.traffic.receive_anchors_before(fresh, from_here=False)
         self._draft(live, rows)
-        self._verify(live, logits)
+        self.verdicts.judge(self.steps_run, live, logits)
         self._finish_step(live)
 
     def _seed_drafter(self, live: dict[int, SlotSequence]) -> None:
@@ -289,28 +289,6 @@ class PipelineRunner:
         # last stage before the rejected token did, and the rows it wrote are rewritten before any draft reads them.
         self.discarded_drafts += len(drafting) - len(kept)
         self.traffic.put_drafts(drafts, kept)
-
-    def _verify(self, live: dict[int, SlotSequence], logits: torch.Tensor | None) -> None:
-        """The verifier judges each real slot's draft into its device row; one host read brings them all; one
-        `[B, 2]` message to every other rank, in each step in which it judged some slot (so no host read nor
-        message while the pipeline fills)."""
-        step = self.steps_run
-        judging = Judging(step, False, [])
-        for b, seq in live.items():
-            if seq.step.plan.judged_position >= 0:
-                wasted = seq.wasted(self._awaited(b))
-                if wasted is None:
-                    judging.unknown.append((b, seq.steps))
-                judging.real = judging.real or wasted is False
-        if self.hosts_verifier and judging.real:
-            index = step % 2  # a row pair is rewritten two steps later, once its sends have settled
-            rows = self.box.verdict_rows[index]
-            with self.clock.span(self.verifier_rank, VERIFY, device_work=True):
-                for b, seq in live.items():
-                    if seq.step.plan.judged_position >= 0 and seq.wasted(self._awaited(b)) is False:
-                        seq.judge(logits[b], rows[b])
-            self.verdicts.publish(step, index)
-        self.verdicts.owe(judging)
 
     def _finish_step(self, live: dict[int, SlotSequence]) -> None:
         """Every process takes the previous verdict (and this step's when it ends a slot's decode), then every

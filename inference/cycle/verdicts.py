@@ -1,10 +1,11 @@
-"""The verdict channel: the verifier's `[B, 2]` verdict rows and their delivery to the other ranks of a process
-(docs/DESIGN.md, "One cycle over B slots").
+"""The verdict channel: the verifier's `[B, 2]` verdict rows of a step (`judge`) and their delivery to the other
+ranks of a process (docs/DESIGN.md, "One cycle over B slots").
 
-The verdict is `[B, 2]` host rows (`[verdict, token]` per slot) on the gloo control group, one message per step in
-which the verifier judged some slot, none while the pipeline fills; the rows of slots not judged are stale and
-never read. A join's first token travels the same way, before any step's verdict (`send_first`). Every process
-holds the rows of the steps it has taken (`rows`); the verifier's process holds them as soon as it judged.
+The verifier judges each slot's draft into its row of a device tensor, read on the host once per step in which it
+judged some slot. The verdict is `[B, 2]` host rows (`[verdict, token]` per slot) on the gloo control group, one
+message per such step, none while the pipeline fills; the rows of slots not judged are stale and never read. A
+join's first token travels the same way, before any step's verdict (`send_first`). Every process holds the rows of
+the steps it has taken (`rows`); the verifier's process holds them as soon as it judged.
 
 The other ranks hosted here (the listeners) do not know at the end of a step whether a message was sent in it
 when a slot's step was judged but might have been wasted: that is known only once the previous verdict is in. So
@@ -16,9 +17,14 @@ drafts without it when it is late (`late`), and every process takes it by the en
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+import torch
+
+from inference.cycle.result import VERIFY
 from inference.cycle.schedule import Steps, Verdict, VerdictMessage
+from inference.cycle.slots import SlotSequence
 from inference.cycle.traffic import Traffic
 from inference.cycle.transport import Arrival
 
@@ -34,7 +40,7 @@ class Judging:
 
 
 class VerdictChannel:
-    """The verdict messages of one process: the verifier's sends where it is hosted, the listeners' receives."""
+    """The verdicts of one process: the verifier's judging and sends where it is hosted, the listeners' receives."""
 
     def __init__(self, traffic: Traffic, verifier_rank: int, listeners: list[int]):
         self.traffic, self.verifier_rank, self.listeners = traffic, verifier_rank, listeners
@@ -65,16 +71,28 @@ class VerdictChannel:
                     raise RuntimeError(f"protocol error: slot {b}'s first message is {Verdict(verdict).name}")
         return token
 
-    def publish(self, step: int, index: int) -> None:
-        """The verifier's verdict rows of `step`, judged into device row pair `index`: read on the host (this
-        process holds them) and sent to every other rank."""
-        box = self.traffic.box
-        self.rows[step] = box.verdict_to_host(index)
-        for r in self.others:
-            self.traffic.send(self.verifier_rank, r, "verdict", box.verdict_host[index])
-
-    def owe(self, judging: Judging) -> None:
-        """The listeners may have a message of `judging.step` to take."""
+    def judge(self, step: int, live: Mapping[int, SlotSequence], logits: torch.Tensor | None) -> None:
+        """The verifier judges each real slot's draft of `step` into its device row; one host read brings them
+        all; one `[B, 2]` message to every other rank, in each step in which it judged some slot (so no host read
+        nor message while the pipeline fills). The listeners may owe that message."""
+        judging = Judging(step, False, [])
+        for b, seq in live.items():
+            if seq.step.plan.judged_position >= 0:
+                wasted = seq.wasted(self.message(step - 1, b))
+                if wasted is None:
+                    judging.unknown.append((b, seq.steps))
+                judging.real = judging.real or wasted is False
+        if self.hosts_verifier and judging.real:
+            box = self.traffic.box
+            index = step % 2  # a row pair is rewritten two steps later, once its sends have settled
+            rows = box.verdict_rows[index]
+            with self.traffic.clock.span(self.verifier_rank, VERIFY, device_work=True):
+                for b, seq in live.items():
+                    if seq.step.plan.judged_position >= 0 and seq.wasted(self.message(step - 1, b)) is False:
+                        seq.judge(logits[b], rows[b])
+            self.rows[step] = box.verdict_to_host(index)
+            for r in self.others:
+                self.traffic.send(self.verifier_rank, r, "verdict", box.verdict_host[index])
         if self.listeners and (judging.real or judging.unknown):
             self._owed.append(judging)
 
