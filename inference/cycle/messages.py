@@ -1,8 +1,8 @@
 """The runner's message buffers: every point-to-point message has a fixed shape, allocated once per runner.
 
-`inbox[rank, kind]` receives; what a rank sends comes from a ring of `SEND_RING` slots per kind, one slot
-per step in turn (`put`): a slot written in step j is sent in step j + 1, and `Transport.settle` has seen
-that send complete by step j + 3, when the slot is written again. So no message buffer is allocated during a
+`inbox[rank, kind]` receives; what a rank sends comes from a ring of `SEND_RING` buffers per kind, one buffer
+per step in turn (`put`): a buffer written in step j is sent in step j + 1, and `Transport.settle` has seen
+that send complete by step j + 3, when the buffer is written again. So no message buffer is allocated during a
 decode, and a sent buffer is never rewritten in flight (the compiled step's own outputs, which its next
 replay overwrites, are never sent). The verdict lives twice: the verifier judges into a device row, and the
 message travels from host memory (`Transport.control_device`). On a GPU the host rows are pinned: the copy
@@ -63,7 +63,7 @@ class Mailboxes:
                 count = shapes.anchor_counts[r + 1]
                 self.rings[r, "act"] = torch.zeros(SEND_RING, rows, 1, H, dtype=dtype, device=dev)
                 self.rings[r, f"anchors{r + 1}"] = torch.zeros(SEND_RING, rows, count, H, dtype=dtype, device=dev)
-        self.outbox: dict[tuple[int, str], torch.Tensor] = {}  # kind -> the ring slot (or prefill output) to send
+        self.outbox: dict[tuple[int, str], torch.Tensor] = {}  # kind -> the ring buffer (or prefill output) to send
         self.prefill_inbox: dict[tuple[int, str], torch.Tensor] = {}
         # Two rows in turn (one verdict per cycle), so a row is rewritten only after its sends have settled.
         self.verdict_rows = torch.zeros(2, *lead, 2, **long)
@@ -90,12 +90,12 @@ class Mailboxes:
         self._step += 1
 
     def put(self, rank: int, kind: str, value: torch.Tensor, rows: int | None = None) -> None:
-        """Copy a computed output into this step's slot of its send ring; the next step sends it. `rows`: the
+        """Copy a computed output into this step's buffer of its send ring; the next step sends it. `rows`: the
         output covers the leading rows of a batched message only (a step over a bucket of the slots)."""
-        slot = self.rings[rank, kind][self._step % SEND_RING]
-        target = slot if rows is None else slot[:rows]
+        buffer = self.rings[rank, kind][self._step % SEND_RING]
+        target = buffer if rows is None else buffer[:rows]
         target.copy_(value.view(target.shape))
-        self.outbox[rank, kind] = slot
+        self.outbox[rank, kind] = buffer
 
     def prefill_buffer(self, rank: int, kind: str, dim: int, *shape: int) -> torch.Tensor:
         """A receive buffer of `shape`, whose dimension `dim` counts the prompt's positions: a contiguous view of

@@ -2,7 +2,7 @@
 
 With `--pdm-placement shared` process 0 hosts stage 1 and the PDM. In a pre-step cycle it launches stage 1's
 token first (the runner's `_compute`, on the main stream), then takes the anchor states the other stages sent
-(`_receive_anchors_before`) and drafts (`_draft`), both on a second stream. Kernel launches and NCCL receives
+(`Traffic.receive_anchors_before`) and drafts (`_draft`), both on a second stream. Kernel launches and NCCL receives
 return at once, so the GPU runs the receives and the draft beside stage 1's forward instead of after it, and
 the host never waits between launching the forward and launching the draft (on the CPU's gloo a receive
 blocks the host, but only after the forward has run). The dependencies are CUDA events, never a
