@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny in-process targets (no network, random weights, fixed seeds), built from `kit.py`."""
+"""Shared fixtures: tiny in-process targets (no network, random weights, fixed seeds), built from `kit`."""
 
 import json
 import os
@@ -13,7 +13,7 @@ os.environ.setdefault("SPD_NCCL_RULES", "1")  # every transport the decoder buil
 
 import pytest
 import torch
-from kit import chat_records, loss_target, make_tiny_model
+from kit import chat_records, loss_target, make_tiny_model, saved_random_drafter
 from torch._dynamo.utils import counters
 
 from spd_lightning.target import Target
@@ -72,6 +72,13 @@ def tiny_target_dir(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("targets") / "tiny_qwen35")
     make_tiny_model("qwen3_5").save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def drafter_dir(tmp_path_factory) -> str:
+    """The directory of a random n = 2 drafter for the saved tiny Qwen3.5 (the decoders and servers under test
+    only read it: one copy for the session)."""
+    return saved_random_drafter(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
