@@ -1,4 +1,4 @@
-"""Compiled batched steps (`--compile` at B > 1, issue 26): one graph per batch bucket, the same tokens as eager.
+"""Compiled batched steps (`--compile` at batch sizes B > 1): one graph per batch bucket, the same tokens as eager.
 
 `Simulator(compile=True)` runs every stage step and the PDM's draft step through `CompiledStep` (inductor on
 the CPU). Three requests of different lengths in four slots make the live slots cover buckets 4 (three rows and a

@@ -1,4 +1,5 @@
-"""Batched pipeline decoding (issue 26) in one process: every sequence of a batch decodes exactly as it does alone.
+"""Batched pipeline decoding (B sequences per step) in one process: every sequence of a batch decodes exactly as it
+does alone.
 
 The reference of each sequence is its batch-1 `Simulator` decode (and, greedy, AR): tokens, K and the acceptance
 counters, which depend on every draft, so equal counters mean every slot's drafts were its batch-1 drafts too. A

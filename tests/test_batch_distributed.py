@@ -1,4 +1,5 @@
-"""Batched decoding over the ranks (issue 26 (b)): n stage ranks + 1 PDM rank as real gloo processes, B = 3.
+"""Batched decoding over the ranks (every rank steps B sequences at once): n stage ranks + 1 PDM rank as real gloo
+processes, B = 3.
 
 Each sequence of a batch decoded through the ranks is its batch-1 simulator decode and its `Simulator`
 decode: tokens, N, K and the acceptance counters, which depend on every draft, so equal counters mean every

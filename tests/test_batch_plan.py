@@ -1,6 +1,6 @@
-"""The planner per batch size (`python -m inference.plan --batch-times`, issue 26): tokens/s in total and per request
-at each B follow from the measured stage and draft step times, the weight-bound reading keeps B = 1's cycle, bad
-input is one line; and `scripts/bench_batch.py --json` writes what the planner reads."""
+"""The planner per batch size for continuous batching (`python -m inference.plan --batch-times`): tokens/s in total
+and per request at each B follow from the measured stage and draft step times, the weight-bound reading keeps
+B = 1's cycle, bad input is one line; and `scripts/bench_batch.py --json` writes what the planner reads."""
 
 import json
 import os

@@ -1,6 +1,6 @@
-"""Cancelling a request inside the pipeline (issue 13): a STOP verdict ends the decode on every rank at the
-same cycle, within the cycles until the next judged verdict, and the pipeline serves the next request as if
-fresh. In the simulator (cycle-exact) and through the server's rank backend over gloo."""
+"""Cancelling a request inside the pipeline (a served request that ends early): a STOP verdict ends the decode on
+every rank at the same cycle, within the cycles until the next judged verdict, and the pipeline serves the next
+request as if fresh. In the simulator (cycle-exact) and through the server's rank backend over gloo."""
 
 import pytest
 from kit import make_tiny_model, save_random_drafter, target_dir

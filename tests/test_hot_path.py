@@ -275,7 +275,7 @@ def test_the_verifier_runs_its_forward_before_it_takes_the_draft(tiny_qwen35, mo
     assert both and all(step.index("forward") < step.index("draft_token") for step in both), steps
 
 
-# -- batched decoding (issue 26): the same rule per step at B > 1 ------------------------------------------------
+# -- batched decoding (B sequences per step): the same rule per step at B > 1 -----------------------------------
 BATCH_PROMPTS = [PROMPT, [7, 7, 8], [5], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
 
 
