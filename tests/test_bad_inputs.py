@@ -7,8 +7,8 @@ import os
 import sys
 
 import pytest
+from kit import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 import bad_inputs  # noqa: E402

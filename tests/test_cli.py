@@ -11,12 +11,11 @@ import sys
 
 import pytest
 import torch
-from kit import callback_args, csv_rows, fit_args
+from kit import REPO, callback_args, csv_rows, fit_args
 
 from spd_lightning import cli
 from spd_lightning.errors import UserError
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
 
 

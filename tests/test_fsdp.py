@@ -13,12 +13,10 @@ import sys
 
 import pytest
 import torch
-from kit import fit_args
+from kit import REPO, fit_args
 
 from spd_lightning import cli
 from spd_lightning.export import CKPT_KEY
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_fsdp_resolves_from_a_shipped_config(capsys):

@@ -19,11 +19,11 @@ import os
 
 import pytest
 import torch
+from kit import REPO
 
 from spd_lightning import cli
 from spd_lightning.archs import load_arch, random_target
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the shipped staircase callback, on one held-out prompt of 8 tokens (it runs at the end of every fit)
 STAIRCASE_AT_THE_END = (
     "[{class_path: callbacks.StaircaseEvaluation, init_args: {every_n_steps: 2000, num_prompts: 1, max_new_tokens: 4}}]"

@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from kit import SERVE_KEY, Server, chat_reply, descendant_pids, parent_pid, pid_alive, simulated_decode, started
+from kit import SERVE_KEY, Server, chat_reply, child_pids, descendant_pids, simulated_decode, started, still_alive
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_thread")]
 PROMPT = "hello world"
@@ -168,7 +168,7 @@ def test_models_health_and_metrics(spd):
 def test_sigterm_stops_the_server_and_leaves_no_process(ar):
     server = ar  # the last test of the module: the server is done with
     assert server.post("/v1/completions", {"model": "spd", "prompt": "the cat", "max_tokens": 4}).status_code == 200
-    children = [p for p in os.listdir("/proc") if p.isdigit() and parent_pid(p) == server.process.pid]
+    children = child_pids(server.process.pid)
     assert server.stop() == 0  # a graceful stop exits 0 (uvicorn would re-raise the signal: 143)
     stderr = server.process.stderr.read()
     assert stderr.count("listening on http://127.0.0.1:") == 1
@@ -201,10 +201,7 @@ def test_ranks_serve_many_requests_and_a_killed_rank_is_a_503_then_a_restart(dra
         ranks = descendant_pids(server.process.pid)
     finally:
         assert server.stop() in (0, -signal.SIGTERM)
-    deadline = time.monotonic() + 15
-    while [p for p in ranks if pid_alive(p)] and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not [p for p in ranks if pid_alive(p)]
+    assert not still_alive(ranks, 15)
 
 
 @pytest.mark.slow

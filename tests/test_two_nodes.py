@@ -5,7 +5,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from kit import (
@@ -14,8 +13,8 @@ from kit import (
     chat_reply,
     descendant_pids,
     free_port,
-    pid_alive,
     simulated_decode,
+    still_alive,
 )
 
 from inference.decode import main as decode_main
@@ -104,7 +103,4 @@ def test_the_server_on_two_nodes_answers_as_decode_restarts_after_a_killed_rank_
         for process in (server.process, worker):
             if process.poll() is None:
                 process.kill()
-    deadline = time.monotonic() + 15
-    while [p for p in ranks if pid_alive(p)] and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert len(ranks) >= 3 and not [p for p in ranks if pid_alive(p)]
+    assert len(ranks) >= 3 and not still_alive(ranks, 15)

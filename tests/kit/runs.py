@@ -8,6 +8,7 @@ import glob
 import importlib.util
 import os
 import socket
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO_PROMPTS = os.path.join(REPO, "docs", "demo_prompts.jsonl")
@@ -62,15 +63,27 @@ def parent_pid(pid) -> int | None:
         return None
 
 
+def child_pids(pid: int) -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and parent_pid(p) == pid]
+
+
 def descendant_pids(pid: int) -> list[int]:
-    children = [int(p) for p in os.listdir("/proc") if p.isdigit() and parent_pid(p) == pid]
+    children = child_pids(pid)
     return children + [d for c in children for d in descendant_pids(c)]
 
 
 def pid_alive(pid: int) -> bool:
-    """A process that exists and is not a zombie."""
+    """A process that exists and has not exited (a zombie only keeps its exit status)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except OSError:
         return False
+
+
+def still_alive(pids, within_s: float) -> list[int]:
+    """The processes of `pids` still alive after waiting up to `within_s` seconds for all of them to exit."""
+    deadline = time.monotonic() + within_s
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if pid_alive(p)]
