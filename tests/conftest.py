@@ -10,6 +10,10 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("SPD_NCCL_RULES", "1")  # every transport the decoder builds holds to NCCL's rules (nccl_rules.py)
+# One thread, in this process and every process a test starts: the models here are tiny, and OpenMP's threads only
+# contend for the cores (six training test files took 107 s with torch's default of a thread per core, 29 s with one,
+# on a busy 2-core machine).
+os.environ["OMP_NUM_THREADS"] = "1"
 
 import pytest
 import torch
@@ -18,6 +22,8 @@ from torch._dynamo.utils import counters
 
 from spd_lightning.target import Target
 from spd_lightning.training.module import set_recompile_limit
+
+torch.set_num_threads(1)  # in case torch was imported before the variable above was set (a plugin)
 
 
 @pytest.fixture(scope="session", params=["qwen3", "qwen3_5"])
@@ -55,15 +61,6 @@ def micro_target(tmp_path_factory) -> str:
         heldout_blocks=2,
     )
     return out
-
-
-@pytest.fixture
-def one_thread():
-    """Tiny models on a shared 2-core machine run ~10x faster single-threaded (no OpenMP spinning)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

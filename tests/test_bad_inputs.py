@@ -15,10 +15,7 @@ import bad_inputs  # noqa: E402
 
 from spd_lightning.target import Target, TargetError  # noqa: E402
 
-pytestmark = [
-    pytest.mark.timeout(300),
-    pytest.mark.usefixtures("one_thread"),
-]
+pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")

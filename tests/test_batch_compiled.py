@@ -17,8 +17,6 @@ from inference.sampling import Sampling
 from spd_lightning.geometry import Geometry
 from spd_lightning.target import Target
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
-
 REQUESTS = [
     Request([3, 14, 15, 92, 65, 35], 14),
     Request([7, 7, 8], 9, sampling=Sampling(1.0, top_k=20), seed=4),

@@ -20,8 +20,6 @@ from inference.cycle.slots import Request
 from inference.sampling import Sampling
 from spd_lightning.geometry import Geometry
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
-
 PROMPTS = [[3, 14, 15, 92, 65, 35], [7, 7, 8], [5], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [40, 41]]
 SAMPLED = Sampling(0.7, top_k=12, top_p=0.95)
 

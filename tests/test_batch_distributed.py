@@ -25,7 +25,7 @@ from inference.sampling import Sampling
 from spd_lightning.export import load_drafter
 from spd_lightning.geometry import Geometry
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.timeout(300)
 PROMPTS = [[3, 14, 15, 92, 65, 35], [7, 7, 8], [5], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [40, 41]]
 MAX_NEW = [14, 6, 18, 9, 12]
 TIMEOUT_S = 60

@@ -32,8 +32,8 @@ def _script(name: str, *args: str, cwd: str = REPO) -> subprocess.CompletedProce
 
 
 @pytest.fixture
-def in_repo(monkeypatch, one_thread):
-    """What `_script` gives a child: the repository as the working directory and on the path, one thread."""
+def in_repo(monkeypatch):
+    """What `_script` gives a child: the repository as the working directory and on the path (one thread: conftest)."""
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("PYTHONPATH", REPO)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

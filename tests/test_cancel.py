@@ -10,8 +10,6 @@ from inference.cycle.simulator import Simulator
 from inference.runtime.drafter import ReplayDrafter
 from spd_lightning.geometry import Geometry
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
-
 PROMPT, OTHER = [3, 14, 15, 92, 65, 35], [7, 7, 8]
 
 

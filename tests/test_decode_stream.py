@@ -5,7 +5,7 @@ import pytest
 from inference.decode import main
 from inference.textstream import TextStream
 
-pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.timeout(180)
 
 
 def _text(out: str) -> str:

@@ -23,7 +23,7 @@ from inference.processes.launch import Failed, LaunchError, failure_message, lau
 from inference.sampling import Sampling
 from spd_lightning.geometry import Geometry
 
-pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.timeout(180)
 PROMPTS = [[3, 14, 15, 92, 65, 35], [7, 7, 8]]
 PATTERN = "WRRW"
 TIMEOUT_S = 20  # the process-group timeout: every failure below must end the run well before a hang would

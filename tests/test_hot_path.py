@@ -26,8 +26,6 @@ from inference.runtime.stages import Stage
 from inference.sampling import Sampling
 from spd_lightning.host_syncs import HostSync, HostSyncCounter
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
-
 PROMPT = [3, 14, 15, 92, 65, 35]
 # The one host read a cycle may make: the verifier reads the verdict it made, every other rank the verdict
 # it received (host memory).

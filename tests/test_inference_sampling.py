@@ -1,5 +1,3 @@
-import pytest
-
 """Under sampling the pipeline's output distribution is the target's (docs/DESIGN.md, "Lossless"), checked end to end.
 
 A tiny-vocabulary target and a random PDM over part of that vocabulary (so drafts are often rejected and
@@ -7,7 +5,6 @@ some tokens can only come from the residual) decode the first three tokens under
 empirical distribution must match the exact one computed from the target's logits with the same
 temperature / top-k / top-p. Chi-square with fixed seeds, so the outcome is deterministic.
 """
-
 
 import numpy as np
 import torch
@@ -17,8 +14,6 @@ from inference.cycle.simulator import Simulator
 from inference.sampling import Sampling
 from spd_lightning.geometry import Geometry
 from spd_lightning.target import Target
-
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 
 V, PROMPT, RUNS = 8, [1, 2, 3], 800
 SAMPLING = Sampling(0.9, top_k=6, top_p=0.95)

@@ -20,10 +20,7 @@ from spd_lightning.geometry import Geometry
 from spd_lightning.training import layouts
 from spd_lightning.training.layouts import FillDistribution, build_layout
 
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
-    pytest.mark.usefixtures("one_thread"),
-]
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 T = 40
 GRID = list(itertools.product(["depth", "type"], [1, 3], [2, 4, 8]))
 

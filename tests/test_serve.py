@@ -16,7 +16,7 @@ import httpx
 import pytest
 from kit import SERVE_KEY, Server, chat_reply, child_pids, descendant_pids, simulated_decode, started, still_alive
 
-pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.timeout(180)
 PROMPT = "hello world"
 
 

@@ -25,7 +25,7 @@ from inference.serving.engine import Engine
 from spd_lightning.geometry import Geometry
 from spd_lightning.target import Target
 
-pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.timeout(180)
 
 
 class Numbers:

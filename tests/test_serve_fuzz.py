@@ -16,7 +16,7 @@ import httpx
 import pytest
 from kit import SERVE_KEY, Server, started
 
-pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.timeout(900)
 CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance"
 CHECKS += ",response_headers_conformance"
 HI = [{"role": "user", "content": "hi"}]

@@ -19,7 +19,7 @@ from kit import (
 
 from inference.decode import main as decode_main
 
-pytestmark = [pytest.mark.timeout(150), pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.timeout(150)
 PROMPT = "hello world"
 
 
