@@ -279,7 +279,7 @@ def test_fit_validate_resume_and_export(micro_target, tmp_path):
 def test_ddp_two_cpu_processes(micro_target, tmp_path):
     """Lightning's own DDP strategy (gloo on CPU), launched the way a user launches it; the staircase evaluation
     at the end of the fit is logged once (tests/test_staircase.py checks its numbers in one process)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+    env = {**os.environ, "PYTHONPATH": REPO}
     cmd = [
         sys.executable,
         "-m",

@@ -15,7 +15,7 @@ import sys
 import time
 
 import pytest
-from kit import REPO, child_pids, env_without_threads, make_tiny_model, still_alive, target_dir
+from kit import REPO, child_pids, make_tiny_model, still_alive, target_dir
 
 from inference.cycle.ar import ar_decode
 from inference.processes.job import DecodeJob
@@ -129,7 +129,6 @@ def test_a_dead_launcher_takes_its_ranks_with_it(qwen3):
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
-        env=env_without_threads(),
         text=True,
     )
     try:

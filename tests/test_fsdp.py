@@ -40,7 +40,6 @@ def fsdp_fit(target: str, root, *extra: str) -> list[dict]:
     launched = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")  # from an earlier run
     env = {
         **{k: v for k, v in os.environ.items() if k not in launched},
-        "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")]),
     }
     staircase = (

@@ -29,7 +29,7 @@ def test_stages_split_across_two_nodes_decode_what_one_process_does(drafter_dir,
     expected = capsys.readouterr().out.split("\n(N=")[0]
     port = free_port()
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": REPO}
     agents = [
         subprocess.Popen(
             [
@@ -80,7 +80,7 @@ def test_the_server_on_two_nodes_answers_as_decode_restarts_after_a_killed_rank_
     server = Server(*nodes, "--node-rank", "0", "--nproc-per-node", "1", "--model-name", "spd")
     worker = subprocess.Popen(
         [sys.executable, "-m", "inference.serve", *nodes, "--node-rank", "1", "--nproc-per-node", "2"],
-        env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "SPD_FAULT": "2:step:60:kill"},
+        env={**os.environ, "PYTHONPATH": REPO, "SPD_FAULT": "2:step:60:kill"},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

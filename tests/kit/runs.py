@@ -1,6 +1,6 @@
 """Runs of the repository's own code: the checkout's root, a script loaded in the test's process, the
-staircase-evaluation callback of configs/tiny.yaml, what a CSV logger wrote, and child processes (a single-threaded
-environment, a free local port, the process tree read from /proc)."""
+staircase-evaluation callback of configs/tiny.yaml, what a CSV logger wrote, and child processes (a free local
+port, the process tree read from /proc)."""
 
 import csv
 import functools
@@ -41,12 +41,6 @@ def csv_rows(root) -> list[dict]:
     [path] = glob.glob(os.path.join(str(root), "**", "metrics.csv"), recursive=True)
     with open(path) as f:
         return list(csv.DictReader(f))
-
-
-def env_without_threads() -> dict:
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    return env
 
 
 def free_port() -> int:

@@ -26,7 +26,7 @@ class Server:
     def __init__(self, *args: str, fault: str | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "PYTHONPATH": REPO}
         if fault is not None:
             env["SPD_FAULT"] = fault
         self.process = subprocess.Popen(
