@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny in-process targets (no network, random weights, fixed seeds), built from `kit.py`."""
+"""Shared fixtures: tiny in-process targets (no network, random weights, fixed seeds), built from `kit`."""
 
 import json
 import os
@@ -10,14 +10,20 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("SPD_NCCL_RULES", "1")  # every transport the decoder builds holds to NCCL's rules (nccl_rules.py)
+# One thread, in this process and every process a test starts: the models here are tiny, and OpenMP's threads only
+# contend for the cores (six training test files took 107 s with torch's default of a thread per core, 29 s with one,
+# on a busy 2-core machine).
+os.environ["OMP_NUM_THREADS"] = "1"
 
 import pytest
 import torch
-from kit import chat_records, loss_target, make_tiny_model
+from kit import chat_records, loss_target, make_tiny_model, saved_random_drafter
 from torch._dynamo.utils import counters
 
 from spd_lightning.target import Target
 from spd_lightning.training.module import set_recompile_limit
+
+torch.set_num_threads(1)  # in case torch was imported before the variable above was set (a plugin)
 
 
 @pytest.fixture(scope="session", params=["qwen3", "qwen3_5"])
@@ -57,21 +63,19 @@ def micro_target(tmp_path_factory) -> str:
     return out
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny models on a shared 2-core machine run ~10x faster single-threaded (no OpenMP spinning)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory) -> str:
     """The tiny Qwen3.5 saved as an HF checkpoint directory (weights and config, no tokenizer)."""
     path = str(tmp_path_factory.mktemp("targets") / "tiny_qwen35")
     make_tiny_model("qwen3_5").save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def drafter_dir(tmp_path_factory) -> str:
+    """The directory of a random n = 2 drafter for the saved tiny Qwen3.5 (the decoders and servers under test
+    only read it: one copy for the session)."""
+    return saved_random_drafter(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

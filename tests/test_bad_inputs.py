@@ -7,18 +7,15 @@ import os
 import sys
 
 import pytest
+from kit import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 import bad_inputs  # noqa: E402
 
 from spd_lightning.target import Target, TargetError  # noqa: E402
 
-pytestmark = [
-    pytest.mark.timeout(300),
-    pytest.mark.usefixtures("one_thread"),
-]
+pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")

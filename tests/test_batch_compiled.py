@@ -1,4 +1,4 @@
-"""Compiled batched steps (`--compile` at B > 1, issue 26): one graph per batch bucket, the same tokens as eager.
+"""Compiled batched steps (`--compile` at batch sizes B > 1): one graph per batch bucket, the same tokens as eager.
 
 `Simulator(compile=True)` runs every stage step and the PDM's draft step through `CompiledStep` (inductor on
 the CPU). Three requests of different lengths in four slots make the live slots cover buckets 4 (three rows and a
@@ -16,8 +16,6 @@ from inference.cycle.slots import Request
 from inference.sampling import Sampling
 from spd_lightning.geometry import Geometry
 from spd_lightning.target import Target
-
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 
 REQUESTS = [
     Request([3, 14, 15, 92, 65, 35], 14),

@@ -1,4 +1,5 @@
-"""Batched pipeline decoding (issue 26) in one process: every sequence of a batch decodes exactly as it does alone.
+"""Batched pipeline decoding (B sequences per step) in one process: every sequence of a batch decodes exactly as it
+does alone.
 
 The reference of each sequence is its batch-1 `Simulator` decode (and, greedy, AR): tokens, K and the acceptance
 counters, which depend on every draft, so equal counters mean every slot's drafts were its batch-1 drafts too. A
@@ -18,8 +19,6 @@ from inference.cycle.simulator import Simulator
 from inference.cycle.slots import Request
 from inference.sampling import Sampling
 from spd_lightning.geometry import Geometry
-
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 
 PROMPTS = [[3, 14, 15, 92, 65, 35], [7, 7, 8], [5], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [40, 41]]
 SAMPLED = Sampling(0.7, top_k=12, top_p=0.95)

@@ -1,4 +1,5 @@
-"""Batched decoding over the ranks: n stage ranks + 1 PDM rank as real gloo processes, B = 3.
+"""Batched decoding over the ranks (every rank steps B sequences at once): n stage ranks + 1 PDM rank as real gloo
+processes, B = 3.
 
 Each sequence of a batch decoded through the ranks is its batch-1 simulator decode and its `Simulator`
 decode: tokens, N, K and the acceptance counters, which depend on every draft, so equal counters mean every
@@ -24,7 +25,7 @@ from inference.sampling import Sampling
 from spd_lightning.export import load_drafter
 from spd_lightning.geometry import Geometry
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.timeout(300)
 PROMPTS = [[3, 14, 15, 92, 65, 35], [7, 7, 8], [5], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [40, 41]]
 MAX_NEW = [14, 6, 18, 9, 12]
 TIMEOUT_S = 60
@@ -39,14 +40,14 @@ def targets(tmp_path_factory):
 def batched_job(path, target, geometry, drafter, B, sampling=Sampling(), **overrides) -> DecodeJob:
     fields = dict(
         target_path=path,
-        geometry=geometry,
+        geometry=geometry.to_dict(),
         prompts=PROMPTS,
         max_new_tokens=max(MAX_NEW),
         max_new_tokens_each=MAX_NEW,
         eos_token_ids=[],
         vocab_size=target.vocab_size,
         hidden_size=target.hidden_size,
-        sampling=sampling,
+        sampling=sampling.to_dict(),
         drafter_path=drafter,
         seed=5,
         timeout_s=TIMEOUT_S,

@@ -1,6 +1,6 @@
-"""The planner per batch size (`python -m inference.plan --batch-times`): tokens/s in total and per request
-at each B follow from the measured stage and draft step times, the weight-bound reading keeps B = 1's cycle, bad
-input is one line; and `scripts/bench_batch.py --json` writes what the planner reads."""
+"""The planner per batch size for continuous batching (`python -m inference.plan --batch-times`): tokens/s in total
+and per request at each B follow from the measured stage and draft step times, the weight-bound reading keeps
+B = 1's cycle, bad input is one line; and `scripts/bench_batch.py --json` writes what the planner reads."""
 
 import json
 import os
@@ -65,7 +65,7 @@ def test_bad_batch_times_are_one_line(tmp_path, capsys, report, message):
 def test_the_batch_bench_writes_what_the_planner_reads(tmp_path):
     out = tmp_path / "batch_times.json"
     args = ["--layers", "2", "--hidden", "32", "--requests", "2", "--max-new-tokens", "4", "--batch", "1", "2"]
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=REPO)
     script = os.path.join(REPO, "scripts", "bench_batch.py")
     done = subprocess.run([sys.executable, script, *args, "--json", str(out)], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]

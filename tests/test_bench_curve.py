@@ -137,7 +137,7 @@ def test_the_curve_report_from_stored_rows(tmp_path_factory, tmp_path, capsys):
 def _bench_paper(*argv: str) -> int:
     import subprocess
 
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=REPO)
     command = [sys.executable, os.path.join(REPO, "scripts", "bench_paper.py"), *argv]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

@@ -7,7 +7,7 @@ import pytest
 from kit import load_script
 
 
-def test_tiny_cpu_smoke_run_writes_consistent_json_and_markdown(tmp_path, one_thread, capsys):
+def test_tiny_cpu_smoke_run_writes_consistent_json_and_markdown(tmp_path, capsys):
     """Its `main` in this process; test_gpu_check.py runs the whole script as the GPU check does, in a child."""
     out, md, rows_path = tmp_path / "decode.json", tmp_path / "decode.md", tmp_path / "rows.jsonl"
     argv = ["--tiny", "--device", "cpu", "--no-compile", "--json", str(out), "--md", str(md), "--alpha", "4:2:0.5"]

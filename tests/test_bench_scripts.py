@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(480)
 
 
 def _script(name: str, *args: str, cwd: str = REPO) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=REPO)
     return subprocess.run(
         [sys.executable, os.path.join(REPO, "scripts", name), *args],
         cwd=cwd,
@@ -32,11 +32,10 @@ def _script(name: str, *args: str, cwd: str = REPO) -> subprocess.CompletedProce
 
 
 @pytest.fixture
-def in_repo(monkeypatch, one_thread):
-    """What `_script` gives a child: the repository as the working directory and on the path, one thread."""
+def in_repo(monkeypatch):
+    """What `_script` gives a child: the repository as the working directory and on the path (one thread: conftest)."""
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("PYTHONPATH", REPO)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 
 def bench_paper(capsys, *argv: str) -> tuple[int, str, str]:

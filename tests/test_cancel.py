@@ -1,6 +1,6 @@
-"""Cancelling a request inside the pipeline: a STOP verdict ends the decode on every rank at the
-same cycle, within the cycles until the next judged verdict, and the pipeline serves the next request as if
-fresh. In the simulator (cycle-exact) and through the server's rank backend over gloo."""
+"""Cancelling a request inside the pipeline (a served request that ends early): a STOP verdict ends the decode on
+every rank at the same cycle, within the cycles until the next judged verdict, and the pipeline serves the next
+request as if fresh. In the simulator (cycle-exact) and through the server's rank backend over gloo."""
 
 import pytest
 from kit import make_tiny_model, save_random_drafter, target_dir
@@ -9,8 +9,6 @@ from inference.cycle.ar import ar_decode
 from inference.cycle.simulator import Simulator
 from inference.runtime.drafter import ReplayDrafter
 from spd_lightning.geometry import Geometry
-
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 
 PROMPT, OTHER = [3, 14, 15, 92, 65, 35], [7, 7, 8]
 
@@ -71,13 +69,13 @@ def test_the_rank_backend_cancels_inside_the_ranks_and_serves_on(tmp_path_factor
     drafter = save_random_drafter(target, geometry, str(tmp_path / "drafter"))
     job = DecodeJob(
         path,
-        geometry,
+        geometry.to_dict(),
         [],
         400,
         [],
         target.vocab_size,
         target.hidden_size,
-        Sampling(),
+        Sampling().to_dict(),
         drafter_path=drafter,
         timeout_s=60,
         stream=True,

@@ -11,12 +11,11 @@ import sys
 
 import pytest
 import torch
-from kit import callback_args, csv_rows, fit_args
+from kit import REPO, callback_args, csv_rows, fit_args
 
 from spd_lightning import cli
 from spd_lightning.errors import UserError
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
 
 
@@ -280,7 +279,7 @@ def test_fit_validate_resume_and_export(micro_target, tmp_path):
 def test_ddp_two_cpu_processes(micro_target, tmp_path):
     """Lightning's own DDP strategy (gloo on CPU), launched the way a user launches it; the staircase evaluation
     at the end of the fit is logged once (tests/test_staircase.py checks its numbers in one process)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+    env = {**os.environ, "PYTHONPATH": REPO}
     cmd = [
         sys.executable,
         "-m",

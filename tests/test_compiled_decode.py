@@ -11,8 +11,6 @@ from inference.cycle.simulator import Simulator
 from spd_lightning.geometry import Geometry
 from spd_lightning.target import Target
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
-
 PROMPTS = [[3, 14, 15, 92, 65, 35], [7]]
 
 

@@ -12,6 +12,7 @@ import datasets
 import numpy as np
 import pytest
 import torch
+from kit import REPO
 
 from spd_lightning.data import (
     ChatCollator,
@@ -33,7 +34,6 @@ from spd_lightning.tiny_target import sharegpt_conversations, train_chat_tokeniz
 
 END_OF_TURN = "<|im_end|>"
 GEN_PROMPT_NO_THINKING = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="session")

@@ -39,7 +39,7 @@ class OwnAnswers(L.LightningDataModule):
         return DataLoader(self.samples, batch_size=4, collate_fn=SyntheticChat.collate)
 
 
-def test_the_predicted_n_alpha_matches_the_decoders(tiny_target_dir, tmp_path, one_thread):
+def test_the_predicted_n_alpha_matches_the_decoders(tiny_target_dir, tmp_path):
     torch.manual_seed(0)
     target = Target.load(tiny_target_dir, dtype="float32")
     prompts = [torch.randint(1, TINY_VOCAB - 1, (PROMPT_LEN,)).tolist() for _ in range(PROMPTS)]

@@ -1,22 +1,11 @@
 """`decode --stream` and the per-cycle token hook: the streamed text is the final text, in every backend."""
 
 import pytest
-from kit import make_tiny_model, random_pdm, target_dir
 
 from inference.decode import main
 from inference.textstream import TextStream
-from spd_lightning.export import DrafterSpec, save_drafter
-from spd_lightning.geometry import Geometry
 
-pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_thread")]
-
-
-@pytest.fixture(scope="module")
-def drafter(tmp_path_factory):
-    path, target = target_dir(tmp_path_factory, "qwen3_5", make_tiny_model)
-    geometry = Geometry.build(target.num_layers, 2)
-    pdm = random_pdm(target, geometry)
-    return save_drafter(pdm, DrafterSpec(pdm.cfg, geometry, target.info), str(tmp_path_factory.mktemp("d") / "drafter"))
+pytestmark = pytest.mark.timeout(180)
 
 
 def _text(out: str) -> str:
@@ -26,8 +15,8 @@ def _text(out: str) -> str:
 
 
 @pytest.mark.parametrize("backend", [["--simulate"], ["--mode", "ar"], []], ids=["simulate", "ar", "ranks"])
-def test_streamed_text_is_the_final_text(drafter, backend, capsys):
-    args = ["--ckpt", drafter, "--prompt", "hello world", "--max-new-tokens", "12", "--timeout", "60", *backend]
+def test_streamed_text_is_the_final_text(drafter_dir, backend, capsys):
+    args = ["--ckpt", drafter_dir, "--prompt", "hello world", "--max-new-tokens", "12", "--timeout", "60", *backend]
     assert main(args) == 0
     plain = _text(capsys.readouterr().out)
     assert main([*args, "--stream"]) == 0

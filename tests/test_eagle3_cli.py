@@ -17,20 +17,7 @@ from spd_lightning.eagle3.export import Eagle3Spec, save_eagle3
 from spd_lightning.eagle3.model import Eagle3Config, Eagle3Drafter, eagle_feature_layers
 from spd_lightning.geometry import Geometry
 
-pytestmark = [
-    pytest.mark.usefixtures("one_thread"),
-    pytest.mark.timeout(300),
-]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread_for_the_module():
-    """The module's fixtures (a fit, an eval) run before the per-test `one_thread`: single-threaded too, as tiny
-    models on a shared machine run fastest without OpenMP spinning."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.timeout(300)
 
 
 def eagle3_fit_args(target: str, root, *extra: str) -> list[str]:

@@ -19,8 +19,6 @@ from spd_lightning.eagle3.model import Eagle3Config, Eagle3Drafter, eagle_featur
 from spd_lightning.eagle3.ttt import ttt_outputs, ttt_step_losses, ttt_total
 from spd_lightning.target import Target
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
-
 PROMPTS = [[3, 14, 15, 92, 65, 35], [7, 7, 8], [50, 2, 33, 71]]
 NEW = 40
 
@@ -67,7 +65,7 @@ def build_family(arch: str):
 
 
 @pytest.fixture(params=["qwen3", "qwen3_5"])
-def family(request, one_thread):
+def family(request):
     return build_family(request.param)
 
 

@@ -20,8 +20,6 @@ from spd_lightning.export import DrafterLoadError
 from spd_lightning.pdm import causal_attend
 from spd_lightning.target import Target
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
-
 H = 32
 
 

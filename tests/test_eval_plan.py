@@ -4,7 +4,6 @@ import json
 import math
 
 import pytest
-import torch
 from kit import make_tiny_model, save_random_drafter, target_dir
 
 from inference.evaluation import costs
@@ -12,16 +11,7 @@ from inference.evaluation import plan as spd_plan
 from inference.evaluation import run as spd_eval
 from spd_lightning.geometry import Geometry
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread_for_the_module():
-    """The module's fixtures (the evaluation) run before the per-test `one_thread`: single-threaded too."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")

@@ -10,14 +10,13 @@ and a launcher that dies takes its ranks with it. The replay pattern makes rejec
 """
 
 import json
-import os
 import pickle
 import subprocess
 import sys
 import time
 
 import pytest
-from kit import env_without_threads, make_tiny_model, target_dir
+from kit import REPO, child_pids, make_tiny_model, still_alive, target_dir
 
 from inference.cycle.ar import ar_decode
 from inference.processes.job import DecodeJob
@@ -25,12 +24,11 @@ from inference.processes.launch import Failed, LaunchError, failure_message, lau
 from inference.sampling import Sampling
 from spd_lightning.geometry import Geometry
 
-pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.timeout(180)
 PROMPTS = [[3, 14, 15, 92, 65, 35], [7, 7, 8]]
 PATTERN = "WRRW"
 TIMEOUT_S = 20  # the process-group timeout: every failure below must end the run well before a hang would
 STALL_TIMEOUT_S = 10  # short, so the stall cases stay quick, yet ample for loading a tiny stage
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -56,36 +54,6 @@ def job_for(qwen3, n: int, fault: str | None, timeout_s: float = TIMEOUT_S, repe
     )
 
 
-def gone(pid: int) -> bool:
-    """The process has exited (a zombie only keeps its exit status)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-    return state in ("Z", "X")
-
-
-def children_of(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        found.append(int(entry))
-            except (FileNotFoundError, ProcessLookupError, IndexError):
-                continue
-    return found
-
-
-def wait_gone(pids, within_s: float) -> list[int]:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline and not all(gone(p) for p in pids):
-        time.sleep(0.1)
-    return [p for p in pids if not gone(p)]
-
-
 def failing_launch(job: DecodeJob, match: str) -> LaunchError:
     start = time.monotonic()
     with pytest.raises(LaunchError, match=match) as info:
@@ -93,7 +61,7 @@ def failing_launch(job: DecodeJob, match: str) -> LaunchError:
     elapsed = time.monotonic() - start
     error = info.value
     assert elapsed < job.timeout_s + 15, f"the failure took {elapsed:.1f} s to surface: {error}"
-    assert len(error.pids) == job.world_size and not wait_gone(error.pids, 1.0), "a rank outlived the launch"
+    assert len(error.pids) == job.world_size and not still_alive(error.pids, 1.0), "a rank outlived the launch"
     assert error.failed and all(code != 0 for code in error.failed.values()), error.failed
     return error
 
@@ -162,20 +130,19 @@ def test_a_dead_launcher_takes_its_ranks_with_it(qwen3, tmp_path):
     pickled.write_bytes(pickle.dumps(job))
     launcher = subprocess.Popen(
         [sys.executable, "-c", LAUNCHER, str(pickled)],
-        cwd=ROOT,
+        cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
-        env=env_without_threads(),
         text=True,
     )
     try:
         ranks = json.loads(launcher.stdout.readline())
-        helpers = children_of(launcher.pid)  # the fork server (the ranks' parent) and the resource tracker
+        helpers = child_pids(launcher.pid)  # the fork server (the ranks' parent) and the resource tracker
         assert len(ranks) == job.world_size and helpers
     finally:
         launcher.kill()
         launcher.wait()
-    assert not wait_gone(ranks + helpers, 20.0), "processes outlived their launcher"
+    assert not still_alive(ranks + helpers, 20.0), "processes outlived their launcher"
 
 
 def test_the_failure_message_follows_the_chain_of_blame():

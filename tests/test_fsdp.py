@@ -13,12 +13,10 @@ import sys
 
 import pytest
 import torch
-from kit import fit_args
+from kit import REPO, fit_args
 
 from spd_lightning import cli
 from spd_lightning.export import CKPT_KEY
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_fsdp_resolves_from_a_shipped_config(capsys):
@@ -42,7 +40,6 @@ def fsdp_fit(target: str, root, *extra: str) -> list[dict]:
     launched = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")  # from an earlier run
     env = {
         **{k: v for k, v in os.environ.items() if k not in launched},
-        "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")]),
     }
     staircase = (

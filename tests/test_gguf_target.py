@@ -260,7 +260,7 @@ def test_conversion_runs_once_and_a_directory_holding_the_gguf_is_a_target(tiny_
 
 def test_concurrent_conversions_produce_one_complete_directory(tiny_gguf, target_cache):
     code = "import sys; from spd_lightning.target_source import resolve_target; print(resolve_target(sys.argv[1]))"
-    env = {**os.environ, "SPD_TARGET_CACHE": target_cache, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "SPD_TARGET_CACHE": target_cache}
     procs = [
         subprocess.Popen([sys.executable, "-c", code, tiny_gguf], env=env, stdout=subprocess.PIPE, text=True)
         for _ in range(2)  # two racing processes prove it; each one more costs a transformers import

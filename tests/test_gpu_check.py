@@ -126,8 +126,8 @@ def test_a_section_cut_at_its_limit_keeps_the_rows_it_wrote(tmp_path, monkeypatc
     rows_path = os.path.join(str(tmp_path), "rows.jsonl")
     line = json.dumps({"kind": "train", "step_s": 1.0}) + "\n"
     hang = f"import time; open({rows_path!r}, 'a').write({line!r}); time.sleep(60)"
-    result = gpu_check.run_section(opts, "train", [sys.executable, "-c", hang], limit=8)
-    assert result["error"] == "cut short at its 8 s limit"
+    result = gpu_check.run_section(opts, "train", [sys.executable, "-c", hang], limit=2)
+    assert result["error"] == "cut short at its 2 s limit"
     rows = gpu_check.read_rows(str(tmp_path))
     assert [r["kind"] for r in rows] == ["train", "section"] and rows[0]["step_s"] == 1.0
-    assert "train (cut short at its 8 s limit)" in gpu_check.report_from_rows(rows, opts, "cpu", 0.0)["skipped"]
+    assert "train (cut short at its 2 s limit)" in gpu_check.report_from_rows(rows, opts, "cpu", 0.0)["skipped"]

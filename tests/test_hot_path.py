@@ -26,8 +26,6 @@ from inference.runtime.stages import Stage
 from inference.sampling import Sampling
 from spd_lightning.host_syncs import HostSync, HostSyncCounter
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
-
 PROMPT = [3, 14, 15, 92, 65, 35]
 # The one host read a cycle may make: the verifier reads the verdict it made, every other rank the verdict
 # it received (host memory).
@@ -275,7 +273,7 @@ def test_the_verifier_runs_its_forward_before_it_takes_the_draft(tiny_qwen35, mo
     assert both and all(step.index("forward") < step.index("draft_token") for step in both), steps
 
 
-# -- batched decoding (issue 26): the same rule per step at B > 1 ------------------------------------------------
+# -- batched decoding (B sequences per step): the same rule per step at B > 1 -----------------------------------
 BATCH_PROMPTS = [PROMPT, [7, 7, 8], [5], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
 
 

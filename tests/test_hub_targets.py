@@ -9,7 +9,7 @@ from spd_lightning.export import DrafterSpec, save_drafter
 from spd_lightning.geometry import Geometry
 from spd_lightning.target import Target, TargetError
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.timeout(120)
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 
 

@@ -23,7 +23,7 @@ from inference.sampling import Sampling
 from spd_lightning.export import CKPT_KEY, DrafterLoadError, DrafterSpec, load_drafter, read_drafter_spec, save_drafter
 from spd_lightning.geometry import MODES, Geometry, GeometryError
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture(scope="module")

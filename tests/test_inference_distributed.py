@@ -23,7 +23,7 @@ from spd_lightning.errors import UserError
 from spd_lightning.export import load_drafter
 from spd_lightning.geometry import Geometry
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.timeout(240)
 PROMPTS = [[3, 14, 15, 92, 65, 35], [7, 7, 8]]
 TIMEOUT_S = 60
 

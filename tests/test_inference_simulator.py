@@ -16,8 +16,6 @@ from inference.sampling import Sampling
 from spd_lightning.geometry import Geometry
 from spd_lightning.pdm import PDMConfig, PipelineDraftModule
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
-
 PROMPTS = [[3, 14, 15, 92, 65, 35], [7, 7, 8]]
 
 

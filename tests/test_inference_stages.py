@@ -9,7 +9,7 @@ from spd_lightning.geometry import Geometry
 from spd_lightning.target import Target, TargetError
 
 # tiny models run fastest single-threaded
-pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.hf_internals]
+pytestmark = pytest.mark.hf_internals
 
 
 def run_through(stages, ids, start):

@@ -51,10 +51,7 @@ BACKENDS = [
     ),
 ]
 
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
-    pytest.mark.usefixtures("one_thread"),
-]
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
 
 class Explicit:

@@ -30,8 +30,6 @@ from inference.cycle.simulator import Simulator
 from inference.sampling import Sampling
 from spd_lightning.geometry import Geometry
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
-
 PER_CYCLE_BOUND = {"objects": 0.01, "tensors": 0.01, "tensor_bytes": 1.0, "rss_bytes": 4096.0}
 ONE_TIME = {"objects": 16, "tensors": 2, "tensor_bytes": 0, "rss_bytes": 0}
 

@@ -23,8 +23,6 @@ from kit import LOSS_LENGTHS, LOSS_T, TEACHER_T, attached_module, loss_batch
 
 from spd_lightning.training.module import SPDModule
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
-
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
     x = x - x.max(-1, keepdims=True)

@@ -27,8 +27,6 @@ from inference.sampling import Sampling, warp
 from spd_lightning.geometry import Geometry
 from spd_lightning.target import Target
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
-
 PROMPTS = [[3, 14, 15, 92, 65, 35], [7, 7, 8], [40, 2]]
 TOKENS = 40
 

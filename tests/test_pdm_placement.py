@@ -24,7 +24,7 @@ from spd_lightning.export import load_drafter
 from spd_lightning.geometry import Geometry
 from spd_lightning.host_syncs import HostSyncCounter
 
-pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.timeout(180)
 PROMPTS = [[3, 14, 15, 92, 65, 35], [7, 7, 8]]
 
 

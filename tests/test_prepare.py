@@ -8,11 +8,10 @@ import warnings
 
 import pytest
 import yaml
+from kit import REPO
 
 from spd_lightning import cli, prepare
 from spd_lightning.data import tokenized
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")

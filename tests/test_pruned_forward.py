@@ -1,4 +1,5 @@
-"""The pruned training forward (issue 12) computes exactly what the full one computes for the loss copy.
+"""The pruned training forward (the last layer run for the loss copy's rows only) computes exactly what the full one
+computes for the loss copy.
 
 The training step reads only the loss copy (copy 0, the first `T` rows of the replicated sequence) unless the
 auxiliary loss is on, so `PipelineDraftModule.body(outputs=T)` runs the last layer's queries, attention output,
@@ -19,10 +20,7 @@ from spd_lightning.geometry import Geometry
 from spd_lightning.training import layouts
 from spd_lightning.training.layouts import FillDistribution, build_layout
 
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
-    pytest.mark.usefixtures("one_thread"),
-]
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 T = 40
 GRID = list(itertools.product(["depth", "type"], [1, 3], [2, 4, 8]))
 

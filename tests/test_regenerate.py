@@ -7,13 +7,12 @@ import os
 
 import pytest
 import torch
+from kit import REPO
 
 from spd_lightning import prepare
 from spd_lightning.data.chat import load_tokenizer, render_chat
 from spd_lightning.data.regenerate import Generation, complete_records, regenerate
 from spd_lightning.target import load_hf_causal_lm
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PROMPTS = [[{"role": "user", "content": f"tell me about pears number {i}" + " please" * (i % 3)}] for i in range(5)]
 

@@ -19,11 +19,11 @@ import os
 
 import pytest
 import torch
+from kit import REPO
 
 from spd_lightning import cli
 from spd_lightning.archs import load_arch, random_target
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the shipped staircase callback, on one held-out prompt of 8 tokens (it runs at the end of every fit)
 STAIRCASE_AT_THE_END = (
     "[{class_path: callbacks.StaircaseEvaluation, init_args: {every_n_steps: 2000, num_prompts: 1, max_new_tokens: 4}}]"
@@ -57,20 +57,17 @@ def short_chats(tmp_path_factory):
 
 
 @pytest.fixture
-def one_thread():
-    """Real head counts make many small kernels: on a shared 2-core machine, extra threads only contend (10x slower).
-    Lightning's DDP sets the thread count from OMP_NUM_THREADS when that is set. The shipped `strategy: ddp` runs a
-    one-process group in this process: it is closed afterwards, and the variables it exported (MASTER_PORT, ...)
-    are restored, so later tests that start processes do not inherit a port that is still taken."""
-    environment, threads = dict(os.environ), torch.get_num_threads()
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
+def ddp_in_process():
+    """The shipped `strategy: ddp` runs a one-process group in this process (single-threaded, as conftest set the
+    session: Lightning's DDP takes the thread count from OMP_NUM_THREADS): it is closed afterwards, and the variables
+    it exported (MASTER_PORT, ...) are restored, so later tests that start processes do not inherit a port that is
+    still taken."""
+    environment = dict(os.environ)
     yield
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     os.environ.clear()
     os.environ.update(environment)
-    torch.set_num_threads(threads)
 
 
 def save_real_arch_target(arch: str, tokenizer, out_dir: str) -> str:
@@ -106,7 +103,9 @@ def shipped(config: str) -> dict:
         pytest.param("qwen3_8b.yaml", marks=pytest.mark.slow),
     ],
 )
-def test_shipped_config_trains_validates_exports_and_decodes(config, chat_tokenizer, short_chats, tmp_path, one_thread):
+def test_shipped_config_trains_validates_exports_and_decodes(
+    config, chat_tokenizer, short_chats, tmp_path, ddp_in_process
+):
     from inference import decode
 
     arch = CONFIG_ARCHS[config]

@@ -232,7 +232,7 @@ def test_ddp_two_processes_resume_each_shard(chat_target, tmp_path):
     after a resume each rank trains what it would have trained without the interruption."""
     script = tmp_path / "ddp_resume.py"
     script.write_text(DDP_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+    env = {**os.environ, "PYTHONPATH": REPO}
     result = subprocess.run(
         [sys.executable, str(script), json.dumps(chat_target), str(tmp_path)],
         cwd=REPO,
@@ -323,7 +323,7 @@ def saved_step(path) -> int:
 
 def fit_and_kill(chat_target, root, sig, after_step: int = 3, timeout: float = 120) -> subprocess.CompletedProcess:
     """`python -m spd_lightning fit` in a subprocess (one thread), sent `sig` once last.ckpt holds `after_step`."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "WANDB_MODE": "disabled"}
+    env = {**os.environ, "PYTHONPATH": REPO, "WANDB_MODE": "disabled"}
     cmd = [
         sys.executable,
         "-m",

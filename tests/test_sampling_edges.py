@@ -15,8 +15,6 @@ from inference.sampling import Sampling, SamplingError, sample_token, warp
 from spd_lightning.errors import UserError
 from spd_lightning.geometry import Geometry
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
-
 # Dividing raw float32 logits by these overflows to +-inf (1e-38 for |logit| > 3.4, the smallest subnormal
 # 1e-45 for any logit), and the softmax then computes inf - inf = NaN.
 TINY_T, SUBNORMAL_T = 1e-38, 1e-45

@@ -50,8 +50,6 @@ from spd_lightning.geometry import Geometry
 from spd_lightning.pdm import PDMConfig, PipelineDraftModule
 from spd_lightning.target import Target
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
-
 V, DRAFT_VOCAB, PROMPT = 8, 5, [1, 2, 3]
 SAMPLING = Sampling(1.0, top_k=2, top_p=0.9)
 ALPHA, POWER, DELTA = 1e-3, 0.9, 0.02

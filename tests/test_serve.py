@@ -14,38 +14,19 @@ import time
 
 import httpx
 import pytest
-from kit import (
-    SERVE_KEY,
-    Server,
-    chat_reply,
-    descendant_pids,
-    parent_pid,
-    pid_alive,
-    target_with_random_drafter,
-)
+from kit import SERVE_KEY, Server, chat_reply, child_pids, descendant_pids, simulated_decode, started, still_alive
 
-from inference.decode import main as decode_main
-
-pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.timeout(180)
 PROMPT = "hello world"
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    return target_with_random_drafter(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def servers(files):
+def servers(drafter_dir):
     """SPD on the simulator and AR, started together (each takes seconds to import and load)."""
-    spd = Server(
-        "--ckpt", files["drafter"], "--simulate", "--api-key", SERVE_KEY, "--queue-size", "32", "--max-tokens-cap", "64"
-    )
-    ar = Server("--ckpt", files["drafter"], "--mode", "ar", "--model-name", "spd", "--api-key", SERVE_KEY)
-    try:
-        yield spd.ready(), ar.ready()
-    finally:
-        spd.stop(), ar.stop()
+    spd = ["--simulate", "--api-key", SERVE_KEY, "--queue-size", "32", "--max-tokens-cap", "64"]
+    ar = ["--mode", "ar", "--model-name", "spd", "--api-key", SERVE_KEY]
+    with started(Server("--ckpt", drafter_dir, *spd), Server("--ckpt", drafter_dir, *ar)) as both:
+        yield both
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +39,8 @@ def ar(servers):
     return servers[1]
 
 
-def test_openai_client_greedy_matches_decode_and_ar(files, spd, ar, capsys):
-    assert decode_main(["--ckpt", files["drafter"], "--prompt", PROMPT, "--max-new-tokens", "12", "--simulate"]) == 0
-    decoded = capsys.readouterr().out.split(f"### prompt 1: {PROMPT}\n", 1)[1].split("\n(N=", 1)[0]
+def test_openai_client_greedy_matches_decode_and_ar(drafter_dir, spd, ar, capsys):
+    decoded = simulated_decode(drafter_dir, PROMPT, 12, capsys)
     whole, streamed = chat_reply(spd, PROMPT, 12, stream=False), chat_reply(spd, PROMPT, 12, stream=True)
     assert whole == streamed == decoded and decoded.strip()
     assert chat_reply(ar, PROMPT, 12, stream=False) == chat_reply(ar, PROMPT, 12, stream=True) == decoded
@@ -188,7 +168,7 @@ def test_models_health_and_metrics(spd):
 def test_sigterm_stops_the_server_and_leaves_no_process(ar):
     server = ar  # the last test of the module: the server is done with
     assert server.post("/v1/completions", {"model": "spd", "prompt": "the cat", "max_tokens": 4}).status_code == 200
-    children = [p for p in os.listdir("/proc") if p.isdigit() and parent_pid(p) == server.process.pid]
+    children = child_pids(server.process.pid)
     assert server.stop() == 0  # a graceful stop exits 0 (uvicorn would re-raise the signal: 143)
     stderr = server.process.stderr.read()
     assert stderr.count("listening on http://127.0.0.1:") == 1
@@ -197,16 +177,10 @@ def test_sigterm_stops_the_server_and_leaves_no_process(ar):
     assert not [p for p in children if os.path.exists(f"/proc/{p}")]
 
 
-def test_ranks_serve_many_requests_and_a_killed_rank_is_a_503_then_a_restart(files, capsys):
+def test_ranks_serve_many_requests_and_a_killed_rank_is_a_503_then_a_restart(drafter_dir, capsys):
     """Persistent ranks (no --simulate): stage 2 kills itself at its 60th decode step (`faults.Fault`)."""
-    assert decode_main(["--ckpt", files["drafter"], "--prompt", PROMPT, "--max-new-tokens", "6", "--simulate"]) == 0
-    decoded = capsys.readouterr().out.split(f"### prompt 1: {PROMPT}\n", 1)[1].split("\n(N=", 1)[0]
-    env_fault = os.environ.get("SPD_FAULT")
-    os.environ["SPD_FAULT"] = "1:step:60:kill"
-    try:
-        server = Server("--ckpt", files["drafter"], "--model-name", "spd", "--timeout", "30").ready()
-    finally:
-        os.environ.pop("SPD_FAULT") if env_fault is None else os.environ.__setitem__("SPD_FAULT", env_fault)
+    decoded = simulated_decode(drafter_dir, PROMPT, 6, capsys)
+    server = Server("--ckpt", drafter_dir, "--model-name", "spd", "--timeout", "30", fault="1:step:60:kill").ready()
     try:
         first = chat_reply(server, PROMPT, 6, stream=False)  # a few steps each: the fault's count is not reached
         listening = listening_addresses([server.process.pid, *descendant_pids(server.process.pid)])
@@ -227,22 +201,15 @@ def test_ranks_serve_many_requests_and_a_killed_rank_is_a_503_then_a_restart(fil
         ranks = descendant_pids(server.process.pid)
     finally:
         assert server.stop() in (0, -signal.SIGTERM)
-    deadline = time.monotonic() + 15
-    while [p for p in ranks if pid_alive(p)] and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not [p for p in ranks if pid_alive(p)]
+    assert not still_alive(ranks, 15)
 
 
 @pytest.mark.slow
-def test_sigterm_finishes_a_long_stream_before_the_server_exits(files):
+def test_sigterm_finishes_a_long_stream_before_the_server_exits(drafter_dir):
     """Every decode step of stage 2 sleeps 30 ms (`faults.Fault` "slow"), so 300 tokens take well over the 5 s
     uvicorn used to wait: SIGTERM mid-stream still ends the stream with its finish chunk and [DONE]."""
-    env_fault = os.environ.get("SPD_FAULT")
-    os.environ["SPD_FAULT"] = "1:step:1:slow"
-    try:
-        server = Server("--ckpt", files["drafter"], "--model-name", "spd", "--max-tokens-cap", "300").ready()
-    finally:
-        os.environ.pop("SPD_FAULT") if env_fault is None else os.environ.__setitem__("SPD_FAULT", env_fault)
+    args = ["--ckpt", drafter_dir, "--model-name", "spd", "--max-tokens-cap", "300"]
+    server = Server(*args, fault="1:step:1:slow").ready()
     try:
         _abandoned_requests_are_cancelled_in_the_ranks(server)
         body = {"model": "spd", "prompt": PROMPT, "max_tokens": 300, "temperature": 0, "stream": True}

@@ -9,17 +9,15 @@ requests in flight.
 """
 
 import contextlib
-import os
 import signal
 import threading
 import time
 
 import httpx
 import pytest
-from kit import Server, chat_reply, make_tiny_model, random_pdm, served, target_with_random_drafter
+from kit import Server, chat_reply, make_tiny_model, random_pdm, served, simulated_decode
 
 from inference.cycle.simulator import Simulator
-from inference.decode import main as decode_main
 from inference.sampling import Sampling
 from inference.serving.app import ServerConfig, build_app
 from inference.serving.batch_backend import BatchSimulatorBackend
@@ -27,7 +25,7 @@ from inference.serving.engine import Engine
 from spd_lightning.geometry import Geometry
 from spd_lightning.target import Target
 
-pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.timeout(180)
 
 
 class Numbers:
@@ -262,17 +260,6 @@ def test_max_batch_is_checked_and_defaults_to_one_on_the_cpu():
     assert batch_that_fits(16 * gib, 15 * gib, 4 * gib) == 1  # never below one
 
 
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    return target_with_random_drafter(tmp_path_factory)
-
-
-def decoded(files, prompt: str, max_tokens: int, capsys) -> str:
-    argv = ["--ckpt", files["drafter"], "--prompt", prompt, "--max-new-tokens", str(max_tokens), "--simulate"]
-    assert decode_main(argv) == 0
-    return capsys.readouterr().out.split(f"### prompt 1: {prompt}\n", 1)[1].split("\n(N=", 1)[0]
-
-
 def ready_within(server: Server, seconds: float) -> None:
     """/ready is 200 within `seconds` (the ranks load slowly on a busy machine: a pipeline starts twice here)."""
     deadline = time.monotonic() + seconds
@@ -287,18 +274,14 @@ def ready_within(server: Server, seconds: float) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_the_ranks_serve_a_batch_and_a_rank_killed_with_three_in_flight_fails_each(files, capsys):
+def test_the_ranks_serve_a_batch_and_a_rank_killed_with_three_in_flight_fails_each(drafter_dir, capsys):
     """`serve --max-batch 3` on 3 rank processes: two concurrent greedy chats answer as `decode` does; then
     stage 2 kills itself at its 40th decode step (`faults.Fault`) while three requests of 64 tokens decode
     together: each gets its own 503 naming the rank, and a fresh pipeline answers the next request."""
     prompts = ["hello world", "the cat sat on the mat"]
-    expected = {p: decoded(files, p, 6, capsys) for p in prompts}
-    env_fault = os.environ.get("SPD_FAULT")
-    os.environ["SPD_FAULT"] = "1:step:40:kill"
-    try:
-        server = Server("--ckpt", files["drafter"], "--model-name", "spd", "--timeout", "30", "--max-batch", "3")
-    finally:
-        os.environ.pop("SPD_FAULT") if env_fault is None else os.environ.__setitem__("SPD_FAULT", env_fault)
+    expected = {p: simulated_decode(drafter_dir, p, 6, capsys) for p in prompts}
+    args = ["--ckpt", drafter_dir, "--model-name", "spd", "--timeout", "30", "--max-batch", "3"]
+    server = Server(*args, fault="1:step:40:kill")
     try:
         ready_within(server, 240)
         answers: dict = {}

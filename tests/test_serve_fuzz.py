@@ -14,28 +14,19 @@ import sys
 
 import httpx
 import pytest
-from kit import SERVE_KEY, Server, target_with_random_drafter
+from kit import SERVE_KEY, Server, started
 
-pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.timeout(900)
 CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance"
 CHECKS += ",response_headers_conformance"
 HI = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    return target_with_random_drafter(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def server(files):
-    spd = Server(
-        "--ckpt", files["drafter"], "--simulate", "--threads", "1", "--api-key", SERVE_KEY, "--max-tokens-cap", "2"
-    )
-    try:
-        yield spd.ready()
-    finally:
-        spd.stop()
+def server(drafter_dir):
+    args = ["--ckpt", drafter_dir, "--simulate", "--threads", "1", "--api-key", SERVE_KEY, "--max-tokens-cap", "2"]
+    with started(Server(*args)) as (spd,):
+        yield spd
 
 
 def fuzz(server: Server, tmp_path, *options: str, timeout: float) -> None:
@@ -64,12 +55,10 @@ def test_a_short_seeded_fuzz_run_finds_no_5xx_no_schema_violation_and_no_restart
 
 
 @pytest.mark.slow
-def test_ten_minutes_of_fuzzing_the_ranks(files, tmp_path):
-    ranks = Server("--ckpt", files["drafter"], "--api-key", SERVE_KEY, "--max-tokens-cap", "8", "--max-batch", "2")
-    try:
-        fuzz(ranks.ready(), tmp_path, "--max-time", "600", "--max-examples", "100000", timeout=800)
-    finally:
-        ranks.stop()
+def test_ten_minutes_of_fuzzing_the_ranks(drafter_dir, tmp_path):
+    args = ["--ckpt", drafter_dir, "--api-key", SERVE_KEY, "--max-tokens-cap", "8", "--max-batch", "2"]
+    with started(Server(*args)) as (ranks,):
+        fuzz(ranks, tmp_path, "--max-time", "600", "--max-examples", "100000", timeout=800)
 
 
 def deep(levels: int) -> str:

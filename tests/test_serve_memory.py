@@ -9,8 +9,6 @@ from inference.processes.job import DecodeJob
 from inference.sampling import Sampling
 from spd_lightning.geometry import Geometry
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
-
 PROMPT = [(7 * i) % 60 + 3 for i in range(490)]  # near the tiny target's context: caches of ~500 positions
 SETTINGS = 50
 MB = 1024 * 1024

@@ -17,8 +17,6 @@ from inference.runtime.stages import Stage
 from inference.sampling import Sampling
 from spd_lightning.geometry import Geometry
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
-
 CAPACITY = 64
 LOGIT_TOLERANCE = 1e-4  # the clean code differs from a plain forward by 6e-7 here (float32, 2-core CPU, 2026-12-02)
 

@@ -196,7 +196,7 @@ def test_ddp_fit_with_the_callback_logs_once_per_evaluation(micro_target, tmp_pa
         f"--trainer.logger.init_args.save_dir={tmp_path}",
         *callback_args(every=0),
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PL_DISABLE_FORK": "1"}
+    env = {**os.environ, "PL_DISABLE_FORK": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "spd_lightning", "fit", *args],
         cwd=REPO,

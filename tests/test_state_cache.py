@@ -23,9 +23,6 @@ from spd_lightning.data.formats import DataError
 from spd_lightning.target import Target
 from spd_lightning.training.module import SPDModule
 
-pytestmark = [
-    pytest.mark.usefixtures("one_thread"),
-]
 NUM_LAYERS, SHARD = 4, 8
 BF16_LOSS_RTOL = 2e-3  # bfloat16 keeps 8 bits of mantissa (states within 0.4 %); measured: 2.8e-4 at most
 

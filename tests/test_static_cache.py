@@ -12,7 +12,7 @@ from inference.runtime.stages import Stage
 from spd_lightning.geometry import Geometry
 
 # tiny models run fastest single-threaded
-pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.hf_internals]
+pytestmark = pytest.mark.hf_internals
 
 
 def run_through(stages, ids, start, capacity=0):

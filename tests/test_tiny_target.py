@@ -101,10 +101,14 @@ def test_loads_through_auto_classes_and_generates(built_qwen35):
 
 
 def test_same_seed_steps_and_threads_give_the_same_target(tmp_path):
-    threads = torch.get_num_threads()
-    first = build_tiny_target(str(tmp_path / "a"), arch="qwen3", seed=3, num_threads=1, **TINY_BUILD)
-    again = build_tiny_target(str(tmp_path / "b"), arch="qwen3", seed=3, num_threads=1, **TINY_BUILD)
-    assert torch.get_num_threads() == threads  # the build leaves the process's setting as it found it
+    session = torch.get_num_threads()
+    torch.set_num_threads(2)  # not the build's count (conftest runs the session on one thread)
+    try:
+        first = build_tiny_target(str(tmp_path / "a"), arch="qwen3", seed=3, num_threads=1, **TINY_BUILD)
+        again = build_tiny_target(str(tmp_path / "b"), arch="qwen3", seed=3, num_threads=1, **TINY_BUILD)
+        assert torch.get_num_threads() == 2  # the build leaves the process's setting as it found it
+    finally:
+        torch.set_num_threads(session)
     assert first["heldout_loss"] == again["heldout_loss"] and first["model_class"] == "Qwen3ForCausalLM"
     from safetensors.torch import load_file
 

@@ -3,35 +3,33 @@
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import pytest
-from kit import REPO, Server, chat_reply, descendant_pids, free_port, make_tiny_model, pid_alive, random_pdm, target_dir
+from kit import (
+    REPO,
+    Server,
+    chat_reply,
+    descendant_pids,
+    free_port,
+    simulated_decode,
+    still_alive,
+)
 
 from inference.decode import main as decode_main
-from spd_lightning.export import DrafterSpec, save_drafter
-from spd_lightning.geometry import Geometry
 
-pytestmark = [pytest.mark.timeout(150), pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.timeout(150)
 PROMPT = "hello world"
 
 
-def test_stages_split_across_two_nodes_decode_what_one_process_does(tmp_path_factory, tmp_path, capsys):
-    _, target = target_dir(tmp_path_factory, "qwen3_5", make_tiny_model)
-    geometry = Geometry.build(target.num_layers, 2)  # 3 ranks: 2 on one node, 1 on the other
-    pdm = random_pdm(target, geometry)
-    drafter = save_drafter(pdm, DrafterSpec(pdm.cfg, geometry, target.info), str(tmp_path / "drafter"))
-    args = ["--ckpt", drafter, "--prompt", PROMPT, "--max-new-tokens", "10"]
+def test_stages_split_across_two_nodes_decode_what_one_process_does(drafter_dir, capsys):
+    args = ["--ckpt", drafter_dir, "--prompt", PROMPT, "--max-new-tokens", "10"]
     assert decode_main([*args, "--simulate"]) == 0
     expected = capsys.readouterr().out.split("\n(N=")[0]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": REPO}
     agents = [
         subprocess.Popen(
             [
@@ -57,7 +55,7 @@ def test_stages_split_across_two_nodes_decode_what_one_process_does(tmp_path_fac
             stderr=subprocess.PIPE,
             text=True,
         )
-        for procs in (2, 1)
+        for procs in (2, 1)  # the n = 2 drafter's 3 ranks: 2 on one node, 1 on the other
     ]
     outputs = [agent.communicate(timeout=120) for agent in agents]
     assert [agent.returncode for agent in agents] == [0, 0], [err[-2000:] for _, err in outputs]
@@ -69,25 +67,20 @@ def test_stages_split_across_two_nodes_decode_what_one_process_does(tmp_path_fac
 # test_serve.py's test_ranks_serve_many_requests_and_a_killed_rank_is_a_503_then_a_restart (one node) stay fast.
 @pytest.mark.slow
 def test_the_server_on_two_nodes_answers_as_decode_restarts_after_a_killed_rank_and_stops_on_sigterm(
-    tmp_path_factory, tmp_path, capsys
+    drafter_dir, capsys
 ):
     """Node 0 serves HTTP and runs rank 0 (stage 1); node 1 runs ranks 1 (stage 2, the verifier) and 2 (the
     PDM), so every token reaches the server through node 1's report connections. Node 1's PDM kills itself
     at its 60th decode step (`faults.Fault`): the request in flight gets a 503 naming it, both nodes start
     a fresh pipeline, and the next request is answered. A stop string then cancels a request: node 1's
     verifier learns of it from node 0 and stops the ranks. SIGTERM to node 0 then ends both nodes."""
-    _, target = target_dir(tmp_path_factory, "qwen3_5", make_tiny_model)
-    geometry = Geometry.build(target.num_layers, 2)
-    pdm = random_pdm(target, geometry)
-    drafter = save_drafter(pdm, DrafterSpec(pdm.cfg, geometry, target.info), str(tmp_path / "drafter"))
-    assert decode_main(["--ckpt", drafter, "--prompt", PROMPT, "--max-new-tokens", "8", "--simulate"]) == 0
-    decoded = capsys.readouterr().out.split(f"### prompt 1: {PROMPT}\n", 1)[1].split("\n(N=", 1)[0]
+    decoded = simulated_decode(drafter_dir, PROMPT, 8, capsys)
     nodes = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
-    nodes += ["--report-port", str(free_port()), "--timeout", "60", "--ckpt", drafter]
+    nodes += ["--report-port", str(free_port()), "--timeout", "60", "--ckpt", drafter_dir]
     server = Server(*nodes, "--node-rank", "0", "--nproc-per-node", "1", "--model-name", "spd")
     worker = subprocess.Popen(
         [sys.executable, "-m", "inference.serve", *nodes, "--node-rank", "1", "--nproc-per-node", "2"],
-        env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "SPD_FAULT": "2:step:60:kill"},
+        env={**os.environ, "PYTHONPATH": REPO, "SPD_FAULT": "2:step:60:kill"},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -110,7 +103,4 @@ def test_the_server_on_two_nodes_answers_as_decode_restarts_after_a_killed_rank_
         for process in (server.process, worker):
             if process.poll() is None:
                 process.kill()
-    deadline = time.monotonic() + 15
-    while [p for p in ranks if pid_alive(p)] and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert len(ranks) >= 3 and not [p for p in ranks if pid_alive(p)]
+    assert len(ranks) >= 3 and not still_alive(ranks, 15)

@@ -10,13 +10,12 @@ import sys
 
 import pytest
 import torch
+from kit import REPO
 from torch import nn
 
 from inference.runtime.hf_compat import cache_kwargs, rotary_positions
 from spd_lightning.environment.versions import FLOORS, INFERENCE, TRAINING, unsupported
 from spd_lightning.errors import TargetError
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_the_installed_releases_are_supported():
@@ -29,9 +28,9 @@ def test_the_installed_releases_are_supported():
 @pytest.mark.parametrize("entry", ["inference.decode", "spd_lightning"])
 def test_a_transformers_below_the_floor_is_one_error_line(entry):
     below = os.environ["SPD_BELOW_FLOOR"]  # a transformers release older than the floor, installed --target here
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([below, ROOT])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([below, REPO])}
     proc = subprocess.run(
-        [sys.executable, "-m", entry, "--help"], env=env, capture_output=True, text=True, timeout=240, cwd=ROOT
+        [sys.executable, "-m", entry, "--help"], env=env, capture_output=True, text=True, timeout=240, cwd=REPO
     )
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr[-2000:]
