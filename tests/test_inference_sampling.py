@@ -52,7 +52,7 @@ def test_first_tokens_follow_the_target_distribution(pipeline):
 
 
 def test_batched_sequences_follow_the_target_distribution(pipeline):
-    """Batched decoding (docs/DESIGN.md, "Batched decoding"): requests of two prompts under two sampling settings
+    """Batched decoding (docs/DESIGN.md, "One cycle over B slots"): requests of two prompts under two sampling settings
     share four slots, joining as others leave; each prompt's first tokens follow its own warped target distribution
     whatever it shared the pipeline with."""
     from inference.cycle.slots import Request
