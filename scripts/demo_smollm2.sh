@@ -40,3 +40,13 @@ echo "== 4/4 decoding the demo prompts with the drafter $DRAFTER: n stage proces
 echo "   (gloo), every answer checked token for token against plain autoregressive decoding"
 "$PY" -m inference.decode --ckpt "$DRAFTER" --target "$TARGET" --prompts docs/demo_prompts.jsonl \
   --max-new-tokens 64 --check-lossless --json "$RUN/decode.json"
+# the committed drafter's measured held-out figure, beside this run's on the demo prompts (the line above)
+if [ -f "$DRAFTER/acceptance.json" ]; then
+  "$PY" - "$DRAFTER/acceptance.json" <<'EOF'
+import json, sys
+a = json.load(open(sys.argv[1]))
+low, high = a["interval_95"]
+print(f"committed drafter, measured on {a['prompts'].split(' (')[0]}: n*alpha={a['n_alpha']:.2f} [{low:.2f}, {high:.2f}] "
+      f"({sys.argv[1]}); the line above is this run's, on the demo prompts")
+EOF
+fi
