@@ -40,14 +40,14 @@ def targets(tmp_path_factory):
 def batched_job(path, target, geometry, drafter, B, sampling=Sampling(), **overrides) -> DecodeJob:
     fields = dict(
         target_path=path,
-        geometry=geometry.to_dict(),
+        geometry=geometry,
         prompts=PROMPTS,
         max_new_tokens=max(MAX_NEW),
         max_new_tokens_each=MAX_NEW,
         eos_token_ids=[],
         vocab_size=target.vocab_size,
         hidden_size=target.hidden_size,
-        sampling=sampling.to_dict(),
+        sampling=sampling,
         drafter_path=drafter,
         seed=5,
         timeout_s=TIMEOUT_S,

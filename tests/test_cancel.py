@@ -69,13 +69,13 @@ def test_the_rank_backend_cancels_inside_the_ranks_and_serves_on(tmp_path_factor
     drafter = save_random_drafter(target, geometry, str(tmp_path / "drafter"))
     job = DecodeJob(
         path,
-        geometry.to_dict(),
+        geometry,
         [],
         400,
         [],
         target.vocab_size,
         target.hidden_size,
-        Sampling().to_dict(),
+        Sampling(),
         drafter_path=drafter,
         timeout_s=60,
         stream=True,
