@@ -40,7 +40,8 @@ def drafting_setup():
 
 def ops_of_a_steady_draft(setup, slots: int, sampling: Sampling) -> int:
     """Every slot holds the same 6-token prompt with its anchors and drafts at fill 2; the ops of the second
-    draft (the first commits the prompts)."""
+    step on the PDM rank: storing every stage's anchor message, then the draft (the first draft commits the
+    prompts)."""
     target, geometry, pdm = setup
     drafter = PDMDrafter(pdm, geometry, target.embed_tokens, torch.float32, slots)
     P, m, H = 6, geometry.num_types, target.hidden_size
@@ -52,17 +53,20 @@ def ops_of_a_steady_draft(setup, slots: int, sampling: Sampling) -> int:
     views = {b: geometry.view(P, 2)[-2:] for b in range(slots)}
     drafter.draft(views)
     views = {b: geometry.view(P + 1, 2)[-2:] for b in range(slots)}
+    messages = {s: torch.randn(slots, len(drafter._stage_anchors[s]), H) for s in range(1, geometry.n + 1)}
     for b in range(slots):
         drafter.set_token(b, P, 5)  # a correction enters in every slot
     with OpCounter() as counter:
+        for s, message in messages.items():  # a step's anchor messages, a row per slot
+            drafter.store_step_anchors(s, {b: P for b in range(slots)}, message)
         drafter.draft(views)
     return counter.ops
 
 
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(0.8, top_k=7, top_p=0.9)], ids=["greedy", "sampled"])
 def test_the_ops_of_a_draft_do_not_grow_with_the_slots(drafting_setup, sampling):
-    """Fusion, segment gather, body, head, warp, draw, the seed's and the drafted token's embeddings: the same
-    number of dispatched ops at B = 1, 2, 4 and 8 (a per-slot loop adds ops per slot)."""
+    """The anchor stores, fusion, segment gather, body, head, warp, draw, the seed's and the drafted token's
+    embeddings: the same number of dispatched ops at B = 1, 2, 4 and 8 (a per-slot loop adds ops per slot)."""
     counts = {B: ops_of_a_steady_draft(drafting_setup, B, sampling) for B in (1, 2, 4, 8)}
     assert len(set(counts.values())) == 1, counts
 

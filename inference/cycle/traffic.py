@@ -12,7 +12,7 @@ the prefill (`prefill.py`) send through the same `send` and `recv`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -136,10 +136,9 @@ class Traffic:
             if self.transport.hosts(s - 1) != from_here:
                 continue
             states = self.recv(s - 1, self.n, f"anchors{s}")
-            for b, plan in fresh.items():
-                for stage, position in plan.anchors_before:
-                    if stage == s:
-                        self.drafter.store_anchors(b, s, position, states[b : b + 1])
+            self.drafter.store_step_anchors(
+                s, positions_of(s, {b: plan.anchors_before for b, plan in fresh.items()}), states
+            )
 
     def exchange_anchors_during(self, plans: Mapping[int, CyclePlan], drafting: list[int]) -> None:
         """Post-step, this step's anchor states to the PDM, which stores those of the `drafting` slots (real, or
@@ -150,10 +149,7 @@ class Traffic:
             states = self.recv(s - 1, n, f"anchors{s}")
             if states is None:
                 continue
-            for b in drafting:
-                for stage, position in plans[b].anchors_during:
-                    if stage == s:
-                        self.drafter.store_anchors(b, s, position, states[b : b + 1])
+            self.drafter.store_step_anchors(s, positions_of(s, {b: plans[b].anchors_during for b in drafting}), states)
 
     def put_drafts(self, drafts: DraftBatch, kept: list[int]) -> None:
         """The PDM's outgoing draft message: the rows of the `kept` slots' drafts; the row of a discarded draft
@@ -180,3 +176,16 @@ class Traffic:
 def sampled(live: Mapping[int, SlotSequence], slots: list[int]) -> bool:
     """Whether any of those slots samples (its draft travels with its distribution `q`)."""
     return any(not live[b].request.sampling.greedy for b in slots)
+
+
+def positions_of(stage: int, anchors: Mapping[int, Sequence[tuple[int, int]]]) -> dict[int, int]:
+    """Slot -> the position whose anchors of `stage` its row of this step's message holds (one per slot: a
+    message has one row per slot)."""
+    positions: dict[int, int] = {}
+    for b, pairs in anchors.items():
+        for s, position in pairs:
+            if s == stage:
+                if b in positions:
+                    raise RuntimeError(f"slot {b}: two positions of stage {stage}'s anchors in one message")
+                positions[b] = position
+    return positions

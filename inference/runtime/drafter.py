@@ -70,6 +70,7 @@ class Drafter(Protocol):
     def start(self, slot: int, prompt_ids: torch.Tensor, capacity: int, sampling: Sampling, seed: int) -> None: ...
     def set_token(self, slot: int, position: int, token: int) -> None: ...
     def store_anchors(self, slot: int, stage: int, start: int, states: torch.Tensor) -> None: ...
+    def store_step_anchors(self, stage: int, positions: Mapping[int, int], states: torch.Tensor) -> None: ...
     def draft(self, views: Mapping[int, Sequence[tuple[int, int]]], rows: int | None = None) -> DraftBatch: ...
 
 
@@ -172,6 +173,9 @@ class PDMDrafter:
         }
         self.lengths = [0] * slots  # each slot's cached (verified) positions
         self.table = HostTable(slots, TYPES + self.width, self.device)
+        # per stage, the position each slot's row of a step's anchor message goes to (one table each: a table is
+        # written again only a step later, when its copy is long done)
+        self._anchor_rows = {s: HostTable(slots, 1, self.device) for s, a in self._stage_anchors.items() if a}
         self.sampling = SlotSampling(slots, self.device)
         self._seeds: dict[int, tuple[int, int]] = {}  # slot -> (position, token) entering before its next draft
         self._columns = torch.arange(self.width, device=self.device)
@@ -183,10 +187,11 @@ class PDMDrafter:
         self._reserve(1)
 
     def _reserve(self, positions: int) -> None:
-        """Room for `positions` positions in every slot, keeping what each holds (a power-of-two bucket)."""
-        if positions <= self.capacity:
+        """Room for `positions` positions in every slot, keeping what each holds (a power-of-two bucket), and one
+        spare last position that no sequence reaches: where a step's anchor rows of slots without anchors go."""
+        if positions < self.capacity:
             return
-        capacity, cfg = round_capacity(positions), self.pdm.cfg
+        capacity, cfg = round_capacity(positions + 1), self.pdm.cfg
         shape = (self.slots, capacity, self.geometry.num_types, cfg.target_hidden_size)
         states = torch.zeros(shape, dtype=self.state_dtype, device=self.device)
         if self.capacity:
@@ -222,6 +227,21 @@ class PDMDrafter:
         anchors = self._stage_anchors[stage]
         if anchors:
             self.states[slot, start : start + states.shape[0], anchors[0] : anchors[-1] + 1] = states
+
+    def store_step_anchors(self, stage: int, positions: Mapping[int, int], states: torch.Tensor) -> None:
+        """One step's anchors of stage `stage`: row `b` of the message `states[B, A, H]` at position `positions[b]`
+        for each slot `b` listed (the other rows go to the spare position), in one write for any number of slots."""
+        anchors = self._stage_anchors[stage]
+        if not anchors or not positions:
+            return
+        table = self._anchor_rows[stage]
+        host = table.writable()
+        host[:, 0] = self.capacity - 1
+        for b, position in positions.items():
+            host[b, 0] = position
+        R = states.shape[0]
+        rows = table.upload(R)[:, 0]
+        self.states[self._row_ids[:R], rows, anchors[0] : anchors[-1] + 1] = states
 
     @torch.no_grad()
     def draft(self, views: Mapping[int, Sequence[tuple[int, int]]], rows: int | None = None) -> DraftBatch:
@@ -364,6 +384,9 @@ class ReplayDrafter:
         pass
 
     def store_anchors(self, slot: int, stage: int, start: int, states: torch.Tensor) -> None:
+        pass
+
+    def store_step_anchors(self, stage: int, positions: Mapping[int, int], states: torch.Tensor) -> None:
         pass
 
     def draft(self, views: Mapping[int, Sequence[tuple[int, int]]], rows: int | None = None) -> DraftBatch:

@@ -73,6 +73,10 @@ class SideStreamDrafter:
         self.drafter.store_anchors(slot, stage, start, states)
         self._inputs_written()
 
+    def store_step_anchors(self, stage: int, positions, states: torch.Tensor) -> None:
+        self.drafter.store_step_anchors(stage, positions, states)
+        self._inputs_written()
+
     @contextmanager
     def receiving(self) -> Iterator[None]:
         """Receives (and `store_anchors`) of the draft's inputs from other processes, on the side stream, after
