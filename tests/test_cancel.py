@@ -7,7 +7,7 @@ from kit import make_tiny_model, save_random_drafter, target_dir
 
 from inference.cycle.ar import ar_decode
 from inference.cycle.simulator import Simulator
-from inference.runtime.drafter import ReplayDrafter
+from inference.runtime.replay import ReplayDrafter
 from spd_lightning.geometry import Geometry
 
 PROMPT, OTHER = [3, 14, 15, 92, 65, 35], [7, 7, 8]

@@ -21,7 +21,7 @@ from inference.cycle.simulator import Simulator
 from inference.cycle.slots import Request
 from inference.cycle.transport import Arrival, Transport
 from inference.cycle.verify import Verifier
-from inference.runtime.drafter import ReplayDrafter
+from inference.runtime.replay import ReplayDrafter
 from inference.runtime.stages import Stage
 from inference.sampling import Sampling
 from spd_lightning.host_syncs import HostSync, HostSyncCounter

@@ -17,7 +17,7 @@ from inference.cycle.ar import ar_decode
 from inference.cycle.simulator import Simulator
 from inference.processes.job import DecodeJob
 from inference.processes.launch import LaunchError, launch
-from inference.runtime.drafter import ReplayDrafter
+from inference.runtime.replay import ReplayDrafter
 from inference.sampling import Sampling
 from spd_lightning.errors import UserError
 from spd_lightning.export import load_drafter

@@ -11,7 +11,8 @@ from inference.cycle.ar import ar_decode
 from inference.cycle.result import DecodeResult
 from inference.cycle.schedule import PipelineSchedule, Verdict
 from inference.cycle.simulator import Simulator, simulate_decode
-from inference.runtime.drafter import PDMDrafter, ReplayDrafter
+from inference.runtime.drafter import PDMDrafter
+from inference.runtime.replay import ReplayDrafter
 from inference.sampling import Sampling
 from spd_lightning.geometry import Geometry
 from spd_lightning.pdm import PDMConfig, PipelineDraftModule

@@ -10,7 +10,7 @@ from kit import random_pdm
 from inference.cycle.ar import ar_decode
 from inference.cycle.simulator import Simulator
 from inference.cycle.slots import Request
-from inference.runtime.drafter import ReplayDrafter
+from inference.runtime.replay import ReplayDrafter
 from inference.sampling import Sampling, SamplingError, sample_token, warp
 from spd_lightning.errors import UserError
 from spd_lightning.geometry import Geometry

@@ -18,7 +18,8 @@ from inference.cycle.shared_transport import SharedTransport
 from inference.cycle.transport import DistributedTransport
 from inference.processes.faults import step_hook
 from inference.processes.job import DecodeJob
-from inference.runtime.drafter import PDMDrafter, ReplayDrafter
+from inference.runtime.drafter import PDMDrafter
+from inference.runtime.replay import ReplayDrafter
 from inference.runtime.shared_stream import SideStreamDrafter, draft_stream
 from inference.runtime.stages import Stage, load_pieces
 from spd_lightning.export import load_drafter, read_drafter_spec
