@@ -140,7 +140,9 @@ class SlotSampling:
             row[slot].fill_(key)
         self.greedy[slot] = sampling.greedy
 
-    def choose(self, logits: torch.Tensor, drafted: torch.Tensor, sampled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def choose(
+        self, logits: torch.Tensor, drafted: torch.Tensor, sampled: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft ids `[R]` and `q[R, V_d]` (None when `sampled` is False: argmax) for the leading rows; `drafted`
         is each row's drafted position, the counter of its uniform."""
         if not sampled:
