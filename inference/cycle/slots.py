@@ -1,5 +1,5 @@
-"""One sequence in a slot of the decoder: its request, its own schedule and optimistic steps, its verifier and
-generators, and the verdicts it awaits.
+"""One sequence in a slot of the decoder: its request, its own schedule and optimistic steps, its verifier (with its
+generator), and the verdicts it awaits.
 
 Each slot runs the schedule of one sequence (`PipelineSchedule` and `Steps` of schedule.py, `Verifier` of
 verify.py, seeds from `generator_seeds`): only the forwards are shared with the other slots. So a slot's tokens,
