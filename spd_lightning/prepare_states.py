@@ -3,7 +3,7 @@
 The format is `spd_lightning/data/states.py`'s. Which hidden states: the union, over the config and every
 `--states-configs` file, of the geometry's anchors, plus `L` (the final-norm state the teacher head reads) and any
 `--states-layers`; which target layers for `init_layers_from`: the union of theirs. Every config must describe the
-same data (one cache serves one sample set and one `d2t`).
+same data (one cache serves one sample set, and every draft vocabulary over it).
 
 - Resumable: each shard is written to a private file and renamed into place, so a shard that exists is complete
   and a rerun of the same command keeps it; `manifest.json` (written first, `complete: false`) records the plan, and
@@ -11,8 +11,8 @@ same data (one cache serves one sample set and one `d2t`).
 - Idempotent: a complete cache that matches says so and does nothing (the target is not even loaded).
 - The target runs in the config's `target_dtype`; the hidden states are stored in `--states-dtype` (default
   bfloat16: half of float32's bytes, and the loss it gives equals float32's to 1e-3 relative on the tiny target,
-  tests/test_state_cache.py; float16 is refused where a state overflows it). `init.safetensors` (the head's rows
-  and the seed layers, small) keeps the target's dtype: the teacher's head and the seeds are exact.
+  tests/test_state_cache.py; float16 is refused where a state overflows it). `init.safetensors` (the head and
+  the seed layers, small) keeps the target's dtype: the teacher's head and the seeds are exact.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from .data.states import (
 )
 from .errors import ConfigError
 from .geometry import Geometry
-from .target import Target, load_hf_config, resolve_dtype, restrict_to_draft_vocab
+from .target import Target, load_hf_config, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -148,12 +148,11 @@ class StateWriter:
         return [k for k in shards if not os.path.isfile(os.path.join(self.directory, shard_name(split, k)))]
 
     def write_init(self) -> None:
-        """`init.safetensors`: the head's V_d rows and the state dict of every target layer a config seeds from."""
+        """`init.safetensors`: the target's head and the state dict of every target layer a config seeds from."""
         path = os.path.join(self.directory, INIT_FILE)
         if os.path.isfile(path):
             return
-        d2t = self.data.d2t.to(self.device)
-        tensors = {"head_vd": self.target.lm_head.weight.detach().index_select(0, d2t)}
+        tensors = {"head": self.target.lm_head.weight.detach()}
         for layer in self.manifest["init_layers"]:
             state = self.target.layers[layer].state_dict()
             tensors.update({f"layer{layer}.{name}": t for name, t in state.items()})
@@ -176,12 +175,12 @@ class StateWriter:
         ids, mask = batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
         layers = self.manifest["layers"]
         states, logits = self.target.anchor_states(ids, mask, layers)
-        _, outside_vd = restrict_to_draft_vocab(logits, self.data.d2t)
+        teacher_top1 = logits.argmax(-1).to(torch.int32).cpu()
         out = {}
         for row, index in enumerate(indices):
             T = int(mask[row].sum())
             out[f"{index}.input_ids"] = batch["input_ids"][row, :T].to(torch.int32)
-            out[f"{index}.outside_vd"] = outside_vd[row, :T].to(torch.uint8).cpu()
+            out[f"{index}.teacher_top1"] = teacher_top1[row, :T]
             for a, layer in enumerate(layers):
                 out[f"{index}.h{layer}"] = states[row, :T, a].to(self.dtype).cpu()
         if self.dtype == torch.float16 and not all(t.isfinite().all() for k, t in out.items() if ".h" in k):

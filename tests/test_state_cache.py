@@ -130,11 +130,16 @@ def test_the_cache_holds_the_union_of_the_configs_layers(states):
     assert manifest["layers"] == [0, 2, 3, 4] and manifest["init_layers"] == [1, 2]
     assert manifest["complete"] and manifest["splits"] == {"train": 40, "val": 8} and manifest["dtype"] == "float32"
     with safe_open(os.path.join(states, "train-00000.safetensors"), "pt") as f:
-        assert f.get_tensor("0.h4").dtype == torch.float32 and f.get_tensor("0.outside_vd").dtype == torch.uint8
+        assert f.get_tensor("0.h4").dtype == torch.float32 and f.get_tensor("0.teacher_top1").dtype == torch.int32
 
 
-def test_one_batch_gives_the_same_loss_and_gradients_online_and_from_the_cache(chats, states, monkeypatch):
-    online_data, cached_data = data_module(chats), data_module(chats, "--data.states", states)
+# The cache holds nothing of the draft vocabulary: built at V_d = 64 (all 44 distinct answer tokens here), it serves
+# V_d = 24 as exactly.
+@pytest.mark.parametrize("vd", ["64", "24"])
+def test_one_batch_gives_the_same_loss_and_gradients_online_and_from_the_cache(chats, states, monkeypatch, vd):
+    vocab = ("--data.draft_vocab_size", vd)
+    online_data, cached_data = data_module(chats, *vocab), data_module(chats, "--data.states", states, *vocab)
+    assert len(online_data.d2t) == min(int(vd), 44) and torch.equal(online_data.d2t, cached_data.d2t)
     online = attached_module(chats, online_data)
     forbid_target_load(monkeypatch)
     cached = attached_module(chats, cached_data)
@@ -170,7 +175,7 @@ def test_a_bf16_cache_gives_the_fp32_loss_in_half_the_bytes(chats, states, bf16_
     manifest = json.load(open(os.path.join(bf16_states, "manifest.json")))
     assert manifest["dtype"] == "bfloat16"
     with safe_open(os.path.join(bf16_states, "init.safetensors"), "pt") as f:
-        assert f.get_tensor("head_vd").dtype == torch.float32  # the teacher's head is exact
+        assert f.get_tensor("head").dtype == torch.float32  # the teacher's head is exact
     exact_data, bf16_data = (
         data_module(chats, "--data.states", states),
         data_module(chats, "--data.states", bf16_states),
@@ -188,14 +193,20 @@ def test_a_bf16_cache_gives_the_fp32_loss_in_half_the_bytes(chats, states, bf16_
 
 
 def test_validation_from_the_cache_reports_the_full_vocabulary_metric(chats, states):
-    """`outside_vd` comes from the cache, so validation logs `val/teacher_top1_outside_vd` as the online run does."""
-    online_data, cached_data = data_module(chats), data_module(chats, "--data.states", states)
-    online, cached = attached_module(chats, online_data), attached_module(chats, cached_data)
-    for module, data in ((online, online_data), (cached, cached_data)):
-        with torch.no_grad():
-            module.validation_step(next(iter(data.val_dataloader())), 0)
-    torch.testing.assert_close(online.val_outside.compute(), cached.val_outside.compute())
-    torch.testing.assert_close(online.val_loss.compute(), cached.val_loss.compute(), rtol=1e-5, atol=1e-6)
+    """`outside_vd` comes from the cached top-1 and the run's V_d, so validation logs `val/teacher_top1_outside_vd`
+    as the online run does, at any V_d (a smaller one leaves more of the teacher's top-1 outside)."""
+    shares = []
+    for vd in ("64", "24"):
+        vocab = ("--data.draft_vocab_size", vd)
+        online_data, cached_data = data_module(chats, *vocab), data_module(chats, "--data.states", states, *vocab)
+        online, cached = attached_module(chats, online_data), attached_module(chats, cached_data)
+        for module, data in ((online, online_data), (cached, cached_data)):
+            with torch.no_grad():
+                module.validation_step(next(iter(data.val_dataloader())), 0)
+        torch.testing.assert_close(online.val_outside.compute(), cached.val_outside.compute())
+        torch.testing.assert_close(online.val_loss.compute(), cached.val_loss.compute(), rtol=1e-5, atol=1e-6)
+        shares.append(cached.val_outside.compute().item())
+    assert shares[1] > shares[0], shares
 
 
 def test_prepare_resumes_an_interrupted_run_and_keeps_its_shards(chats, states, tmp_path, monkeypatch):

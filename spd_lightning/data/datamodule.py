@@ -9,7 +9,7 @@ them itself when run alone. After `setup`: `train_dataset`, `val_dataset`, `d2t`
 
 With `states` (a directory written by `prepare --states`, `states.py`) every batch also carries the target's cached
 hidden states at `state_layers` (set by the module that reads them), the final-norm state and `outside_vd`, and the
-cache is checked against this data (tokenizer, max_length, mixture, d2t) in `setup`.
+cache is checked against this data (tokenizer, max_length, mixture) in `setup`.
 
 The training loader is resumable (see `resumable.py`): it shuffles by (seed, epoch), shards across the ranks of a
 DDP/FSDP run itself, and a run resumed from a mid-epoch checkpoint continues with exactly the batches the
@@ -40,7 +40,7 @@ from .formats import DataError
 from .mixing import check_val_size, plan_mixture
 from .resumable import ResumableDataLoader, ResumableSampler
 from .sources import DataSource
-from .states import CachedStates, StateCache, StateCollator, d2t_hash
+from .states import CachedStates, StateCache, StateCollator
 from .tokenized import (
     SourceStats,
     TokenizedSource,
@@ -144,23 +144,21 @@ class ChatDataModule(LightningDataModule):
             "sources": [[s.fingerprint(), s.weight] for s in self.sources],
             "val_size": self.val_size,
             "seed": self.seed,
-            "draft_vocab_size": self.draft_vocab_size,
         }
         return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
     def _d2t_path(self) -> str:
         root = processed_root(self.cache_dir, self.tokenizer, self.max_length)
-        return os.path.join(root, f"d2t-{self._mixture_key()}.npy")
+        return os.path.join(root, f"d2t-{self._mixture_key()}-{self.draft_vocab_size}.npy")
 
     def data_identity(self) -> dict:
-        """What a state cache records of this data (after `setup`): it serves exactly these samples and this `d2t`."""
+        """What a state cache records of this data (after `setup`): it serves exactly these samples (with any
+        draft vocabulary)."""
         self._require_setup()
         return {
             "tokenizer": tokenizer_fingerprint(self.tokenizer),
             "max_length": self.max_length,
             "mixture": self._mixture_key(),
-            "d2t": d2t_hash(self.d2t),
-            "draft_vocab_size": len(self.d2t),
         }
 
     def _split(self, parts: list[TokenizedSource]) -> tuple[datasets.Dataset, datasets.Dataset]:
@@ -215,7 +213,7 @@ class ChatDataModule(LightningDataModule):
         samples = dataset.select_columns(["input_ids", "loss_mask"])
         if self.state_cache is None:
             return samples
-        return CachedStates(samples, self.state_cache, split, self.state_layers)
+        return CachedStates(samples, self.state_cache, split, self.state_layers, self.d2t)
 
     # -- loaders ----------------------------------------------------------------------------------
     def _loader_kwargs(self) -> dict:

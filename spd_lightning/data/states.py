@@ -3,20 +3,20 @@
 `prepare --states DIR` (`spd_lightning/prepare_states.py`) runs the frozen target over the training and validation
 samples of a data module and writes, per sample `i` of a split, into sharded safetensors files:
 
-    DIR/manifest.json                 what the cache was built from (target, data, d2t, layers); `complete` last
-    DIR/init.safetensors              `head_vd` [V_d, H] (the target head's rows of V_d) and `layer{l}.*` (the
-                                      state dict of each target layer a PDM may be seeded from), in the
-                                      target's dtype
+    DIR/manifest.json                 what the cache was built from (target, data, layers); `complete` last
+    DIR/init.safetensors              `head` [V, H] (the target's output head) and `layer{l}.*` (the state dict
+                                      of each target layer a PDM may be seeded from), in the target's dtype
     DIR/{train,val}-{k:05d}.safetensors   samples k*S .. (k+1)*S-1 of the split:
         {i}.input_ids   int32 [T]     the sample's tokens (checked against the data module's on every read)
         {i}.h{l}        dtype [T, H]  HF hidden state l (0 = embedding output, L = final-norm output), in the
                                       manifest's `dtype` (`prepare --states-dtype`, bfloat16 by default)
-        {i}.outside_vd  uint8 [T]     the full-vocabulary argmax of the target's logits lies outside V_d
+        {i}.teacher_top1 int32 [T]    the full-vocabulary argmax of the target's logits
 
-The teacher is not stored as logits: `head_vd(h{L})` IS the restricted teacher, the very product the online
+The teacher is not stored as logits: `head[d2t](h{L})` IS the restricted teacher, the very product the online
 training step computes (its head runs on the V_d rows only), so it is recomputed from `h{L}` by the same module:
-H values per token instead of V_d (576 vs 2048 for SmolLM2, 4096 vs 32000 for a 9B target). `outside_vd` needs the
-full-vocabulary head and is stored instead.
+H values per token instead of V_d (576 vs 2048 for SmolLM2, 4096 vs 32000 for a 9B target). Nothing in the cache
+depends on the draft vocabulary: the head's `d2t` rows and `outside_vd` (the teacher's top-1 lies outside V_d) are
+taken when it is read, so one cache serves every V_d (a V_d comparison, drafters of several sizes).
 
 `StateCache` reads a complete cache memory-mapped (`safe_open`), checks it against the run (one line naming the
 field that differs and the fix), and `CachedStates` / `StateCollator` add `states [B, T, A, H]`, `final_state
@@ -35,7 +35,7 @@ from safetensors import safe_open
 
 from .formats import DataError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: `teacher_top1` and the full head, where 1 stored one V_d's
 MANIFEST = "manifest.json"
 INIT_FILE = "init.safetensors"
 SPLITS = ("train", "val")
@@ -43,10 +43,6 @@ SPLITS = ("train", "val")
 
 def shard_name(split: str, shard: int) -> str:
     return f"{split}-{shard:05d}.safetensors"
-
-
-def d2t_hash(d2t: torch.Tensor) -> str:
-    return hashlib.sha256(torch.as_tensor(d2t, dtype=torch.int64).numpy().tobytes()).hexdigest()[:16]
 
 
 def target_fingerprint(directory: str) -> str:
@@ -140,6 +136,11 @@ class StateCache:
     def final_layer(self) -> int:
         return self.manifest["target"]["num_layers"]
 
+    @property
+    def vocab_size(self) -> int:
+        """The target head's rows (its logits' width, which `teacher_top1` indexes)."""
+        return self._open(INIT_FILE).get_slice("head").get_shape()[0]
+
     def size(self, split: str) -> int:
         return self.manifest["splits"][split]
 
@@ -168,20 +169,21 @@ class StateCache:
     def __getstate__(self) -> dict:  # DataLoader workers open their own memory maps
         return {**self.__dict__, "_handles": {}}
 
-    def sample(self, split: str, index: int, layers: Sequence[int]) -> dict[str, torch.Tensor]:
+    def sample(self, split: str, index: int, layers: Sequence[int], in_vd: torch.Tensor) -> dict[str, torch.Tensor]:
         """Sample `index` of `split`: its token ids, the hidden states at `layers` `[T, A, H]`, the final-norm
-        state `[T, H]` and `outside_vd` `[T]`."""
+        state `[T, H]` and `outside_vd` `[T]` for the draft vocabulary whose membership `in_vd` `[V]` marks."""
         shard = self._open(shard_name(split, index // self.manifest["shard_size"]))
         return {
             "input_ids": shard.get_tensor(f"{index}.input_ids"),
             "states": torch.stack([shard.get_tensor(f"{index}.h{layer}") for layer in layers], dim=1),
             "final_state": shard.get_tensor(f"{index}.h{self.final_layer}"),
-            "outside_vd": shard.get_tensor(f"{index}.outside_vd").bool(),
+            "outside_vd": ~in_vd[shard.get_tensor(f"{index}.teacher_top1").long()],
         }
 
-    def head_rows(self) -> torch.Tensor:
-        """`[V_d, H]`: the target head's rows of the draft vocabulary (the teacher's head, the PDM head's seed)."""
-        return self._open(INIT_FILE).get_tensor("head_vd")
+    def head_rows(self, d2t: torch.Tensor) -> torch.Tensor:
+        """`[V_d, H]`: the target head's rows of the draft vocabulary `d2t` (the teacher's head, the PDM head's
+        seed)."""
+        return self._open(INIT_FILE).get_tensor("head").index_select(0, torch.as_tensor(d2t, dtype=torch.long))
 
     def layer_state(self, layer: int) -> dict[str, torch.Tensor]:
         """The state dict of target decoder layer `layer` (0-based), stored for `init_layers_from`."""
@@ -196,22 +198,25 @@ class StateCache:
 
 
 class CachedStates(torch.utils.data.Dataset):
-    """A split of the data module with the cached states of each sample added (memory-mapped reads)."""
+    """A split of the data module with the cached states of each sample added (memory-mapped reads), `outside_vd`
+    for the draft vocabulary `d2t`."""
 
-    def __init__(self, samples, cache: StateCache, split: str, layers: Sequence[int]):
+    def __init__(self, samples, cache: StateCache, split: str, layers: Sequence[int], d2t: torch.Tensor):
         if len(samples) != cache.size(split):
             raise DataError(
                 f"state cache {cache.directory} holds {cache.size(split)} {split} samples, the data module has "
                 f"{len(samples)}: prepare the cache again for this data (`prepare --states NEW_DIR`)"
             )
         self.samples, self.cache, self.split, self.layers = samples, cache, split, tuple(layers)
+        self.in_vd = torch.zeros(cache.vocab_size, dtype=torch.bool)
+        self.in_vd[torch.as_tensor(d2t, dtype=torch.long)] = True
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, index: int) -> dict:
         sample = dict(self.samples[int(index)])
-        cached = self.cache.sample(self.split, int(index), self.layers)
+        cached = self.cache.sample(self.split, int(index), self.layers, self.in_vd)
         if cached.pop("input_ids").tolist() != list(sample["input_ids"]):
             raise DataError(
                 f"state cache {self.cache.directory}: {self.split} sample {index} holds other tokens than the data "

@@ -430,7 +430,7 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
     def _head_rows(self) -> torch.Tensor:
         """`[V_d, H]`: the target head's rows of the draft vocabulary (the cached copy when training from states)."""
         if self.state_cache is not None:
-            return self.state_cache.head_rows().to(self.device, resolve_dtype(self.hparams.target_dtype))
+            return self.state_cache.head_rows(self.pdm.d2t).to(self.device, resolve_dtype(self.hparams.target_dtype))
         return self.target.lm_head.weight.detach().index_select(0, self.pdm.d2t.to(self.target.lm_head.weight.device))
 
     def _target_layer(self, layer: int) -> torch.nn.Module:
