@@ -4,8 +4,11 @@
 
 Several logs are the legs of one drafter, in order: a resumed leg continues the step count itself; a warm-started
 leg (`--model.init_from`) counts from 0 again, so its steps continue from the previous leg's last one, and a dotted
-line marks where it began. `--csv` writes the legs as one log. Prints the validation rows (step, val/loss,
-val/agree) as a markdown table on stdout.
+line marks where it began. `--csv` writes the legs as one log. Where validation logged them, a second row of panels
+shows the teacher-forced acceptance at every fill level (`val/accept_fill{k}`: what greedy decoding accepts of a
+draft made with k tokens in flight) and the `n*alpha` the refill model predicts from them beside the staircase
+evaluation's measured one. Prints the validation rows (step, val/loss, val/agree and, when logged, the predicted
+`n*alpha` and the acceptance per fill) as a markdown table on stdout.
 """
 
 from __future__ import annotations
@@ -52,6 +55,39 @@ def series(rows: list[dict[str, str]], key: str) -> tuple[list[int], list[float]
     return [s for s, _ in points], [v for _, v in points]
 
 
+def fill_keys(rows: list[dict[str, str]]) -> list[str]:
+    """`val/accept_fill1 .. fill{n}` in fill order, those any row logged."""
+    keys = {key for row in rows for key, value in row.items() if key.startswith("val/accept_fill") and value}
+    return sorted(keys, key=lambda key: int(key.removeprefix("val/accept_fill")))
+
+
+def plot_fills(rows: list[dict[str, str]], fills: list[str], fill_axis, speed_axis) -> None:
+    """Acceptance per fill level, and predicted against measured `n*alpha`."""
+    for key in fills:
+        fill_axis.plot(*series(rows, key), label=f"fill {key.removeprefix('val/accept_fill')}")
+    fill_axis.set_title("val/accept_fill{k}: teacher-forced acceptance")
+    fill_axis.legend(fontsize=7, ncol=2)
+    for key, style in (("val/predicted_n_alpha", "-"), ("staircase/speedup", "o")):
+        steps, values = series(rows, key)
+        if steps:
+            speed_axis.plot(steps, values, style, label=key)
+    speed_axis.set_title("n*alpha: predicted (validation) and measured (staircase)")
+    speed_axis.legend(fontsize=7)
+    for axis in (fill_axis, speed_axis):
+        axis.set_xlabel("optimizer step")
+
+
+def print_table(rows: list[dict[str, str]], fills: list[str]) -> None:
+    extra = (["val/predicted_n_alpha"] if any(r.get("val/predicted_n_alpha") for r in rows) else []) + fills
+    names = ["val/loss", "val/agree", *extra]
+    print("| step | " + " | ".join(n.removeprefix("val/") for n in names) + " |")
+    print("|---:|" + "---:|" * len(names))
+    for row in rows:
+        if row.get("val/loss"):
+            cells = [f"{float(row[n]):.3f}" if row.get(n) else "" for n in names]
+            print(f"| {row['step']} | " + " | ".join(cells) + " |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("metrics", nargs="+", help="metrics.csv of a CSVLogger run; several: the legs, in order")
@@ -62,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.csv:
         write_rows(rows, args.csv)
     plt = pyplot()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
+    fills = fill_keys(rows)
+    fig, axes = plt.subplots(2 if fills else 1, 2, figsize=(10, 7 if fills else 3.5), squeeze=False)
+    (left, right) = axes[0]
     for key, axis in (("val/loss", left), ("val/agree", right)):
         steps, values = series(rows, key)
         axis.plot(steps, values, marker="o", label=key)
@@ -73,11 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     steps, values = series(rows, "train/agree")
     right.plot(steps, values, alpha=0.4, label="train/agree")
     right.legend()
+    if fills:
+        plot_fills(rows, fills, *axes[1])
+    fig.tight_layout()
     save(fig, args.out)
-    print("| step | val/loss | val/agree |\n|---:|---:|---:|")
-    for row in rows:
-        if row.get("val/loss"):
-            print(f"| {row['step']} | {float(row['val/loss']):.3f} | {float(row['val/agree']):.3f} |")
+    print_table(rows, fills)
     return 0
 
 

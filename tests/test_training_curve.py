@@ -35,3 +35,13 @@ def test_a_resumed_leg_keeps_its_steps_and_a_warm_started_one_continues_the_coun
 
     _, starts = curve.join_legs([curve.read_rows(p) for p in (first, resumed, warm)])
     assert starts == [200]  # only the warm-started leg is marked
+
+
+def test_the_acceptance_of_every_fill_and_the_predicted_n_alpha_are_plotted_and_tabled(tmp_path, capsys):
+    fills = {f"val/accept_fill{k}": str(0.3 + k / 100) for k in (1, 2, 10)}
+    rows = [{**val(49, 0.2), **fills, "val/predicted_n_alpha": "1.7"}, {"step": "50", "staircase/speedup": "1.6"}]
+    assert curve.fill_keys(rows) == ["val/accept_fill1", "val/accept_fill2", "val/accept_fill10"]  # numeric order
+    assert curve.main([log(tmp_path / "a.csv", rows), str(tmp_path / "curve.png")]) == 0
+    table = capsys.readouterr().out
+    assert "| step | loss | agree | predicted_n_alpha | accept_fill1 | accept_fill2 | accept_fill10 |" in table
+    assert "| 49 | 2.000 | 0.200 | 1.700 | 0.310 | 0.320 | 0.400 |" in table
