@@ -65,7 +65,9 @@ def state_layers(args: argparse.Namespace) -> list[int]:
 
 def states_command(args: argparse.Namespace) -> list[str]:
     layers = [str(b) for b in state_layers(args)]
+    serves = curve_of(args).also_serves
     return ["python", "-m", "spd_lightning", "prepare", "--config", args.config, "--states", states_dir(args)] + [
+        *(["--states-configs", *serves] if serves else []),
         "--states-layers",
         *layers,
         *shlex.split(args.extra),

@@ -134,6 +134,7 @@ class Curve(NamedTuple):
     ks: tuple[int, ...] = (1, 2, 3, 5, 7)
     limit: int = 40
     max_new_tokens: int = 128
+    also_serves: tuple[str, ...] = ()  # fit configs on the same data whose anchors and seed layers the cache adds
 
 
 # SPD at n = 4 and 8 with L_s = 1 (the `type` layout, exact there) and L_s = 3 (`depth`), PPSD at n = 8, L_s = 1,
@@ -150,6 +151,7 @@ SMOLLM2_CURVE = Curve(
     {"curve_eagle3": 7},
     (200_000, 1_000_000, 4_000_000),
     490,
+    also_serves=("configs/smollm2.yaml",),  # the committed drafter trains from it (scripts/train_smollm2.sh)
 )
 # The same machinery at toy budgets on the 8-layer target (and the tests' 4-layer one): n <= 4.
 TINY_CURVE = Curve(
