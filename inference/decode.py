@@ -16,7 +16,8 @@ process.
 Output (stdout): for each prompt a `### prompt I: TEXT` line, the generated text, and one line of counters
 (N, K, alpha, n*alpha, the share of repeated 4-grams of the output, why it stopped); then one line of
 totals. With `--stream` each prompt's text is printed as its tokens are verified (the counters follow).
-`--json` writes everything, token ids included (`--profile` adds per-cycle timing). Exit status:
+`--json` writes everything, token ids included (`--profile` adds each prompt's per-cycle timing: with
+`--max-batch B` a row per cycle of the batch while the prompt decoded, with the number of slots it ran). Exit status:
 0 done, 2 bad input, a rank's included (one line on stderr; `--debug` or SPD_DEBUG=1 shows tracebacks),
 1 anything else (e.g. a rank that died), 3 `--check-lossless` found a difference.
 """
@@ -59,8 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--profile",
         action="store_true",
-        help="per-cycle timing (stage compute, draft, verify, messages) in the --json report; off, the "
-        "decoder runs no timer and no device synchronization",
+        help="per-cycle timing (stage compute, draft, verify, messages, slots) in the --json report, at any "
+        "--max-batch; off, the decoder runs no timer and no device synchronization",
     )
     p.add_argument(
         "--max-batch",
@@ -80,8 +81,6 @@ def check_args(args: argparse.Namespace) -> Sampling:
         raise cli.UsageError("--check-lossless compares tokens and needs greedy decoding (--temperature 0)")
     if args.max_batch < 1:
         raise cli.UsageError(f"--max-batch={args.max_batch} must be >= 1")
-    if args.max_batch > 1 and args.profile:
-        raise cli.UsageError("--profile times the cycles of one prompt at a time: use --max-batch 1")
     return sampling
 
 

@@ -19,7 +19,8 @@ ranks do); the PDM drafts without a verdict that is not in yet and discards a wa
 the previous step's verdict taken everywhere, and this step's too when it ends some slot's decode whatever it says
 (`Step.final`): so at a step boundary every process holds the same slots, and requests join free slots in the
 same order on every rank (`run`: a FIFO; a join's prefill is a step of its own). Timing goes through one
-`Profiler`, off unless `RunnerConfig.profile`.
+`Profiler`, off unless `RunnerConfig.profile`: a row per cycle of the runner with the slots it ran, each request's
+timing the rows of its cycles (`spans`).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class RunnerConfig:
     d2t: torch.Tensor | None = None  # draft id -> target id (None: a drafter that proposes target ids)
     replay_wasted_work: bool = False  # see the module docstring
     on_step: Callable[[str], None] | None = None  # test-only fault injection (faults.Fault)
-    profile: bool = False  # per-cycle timing (`Profiler`); off: no timer, no device synchronization
+    profile: bool = False  # per-cycle timing (`Profiler`) in each result; off: no timer, no device synchronization
 
 
 class PipelineRunner:
@@ -110,6 +111,7 @@ class PipelineRunner:
         self.discarded_drafts = 0  # drafts the PDM made before learning that their slot's step was wasted
         self.cycles = 0  # steps in which some slot ran a real cycle
         self._clock_base = 0  # `cycles` when the clock last started
+        self.spans: dict[int, tuple[int, int]] = {}  # the last workload's requests: their timing rows [first, end)
         self._finished: list[tuple[int, DecodeResult]] = []
         self.stop_seen = -1  # see `decode`
 
@@ -142,9 +144,6 @@ class PipelineRunner:
             raise RuntimeError(f"all {self.max_batch} slots are busy: a request joins when one is free")
         b = self.free_slots[0]
         self.verdicts.take_through(self.steps_run)  # the control channel carries the join's first token after it
-        if not self.busy:  # timing rows start with a busy period (per prompt at batch 1)
-            self.clock.start(self.n + 1, max_cycles(self.n, request.max_new_tokens))
-            self._clock_base = self.cycles
         self.clock.cycle = 0
         if self.config.on_step is not None:
             self.config.on_step("prefill")
@@ -168,7 +167,7 @@ class PipelineRunner:
         self._retire_ended()
         live = {b: seq for b, seq in enumerate(self.slots) if seq is not None}
         if live:
-            self.clock.cycle = self.cycles - self._clock_base + 1  # a wasted step and its redo share a row
+            self.clock.cycle = self._timed_cycles + 1  # a wasted step and its redo share a row
             with self.clock.span(self.hosted, WALL):
                 self._run_step(live)
         finished, self._finished = self._finished, []
@@ -298,14 +297,15 @@ class PipelineRunner:
         if any(seq.step.final for seq in live.values()):
             self.verdicts.take_through(step)
         rows = self.verdicts.rows.get(step)
-        ran = False
+        ran = 0  # the slots that ran a real cycle
         for b, seq in live.items():
             awaited = self._awaited(b) if seq.step.awaits else None
             real = seq.wasted(awaited) is False
-            ran = ran or real
+            ran += real
             own = VerdictMessage(*rows[b]) if seq.step.final and real else None
             seq.advance(awaited, own)
-        self.cycles += ran
+        self.clock.count(self.hosted, ran)
+        self.cycles += ran > 0
         self.verdicts.keep_from(step - 1)  # the next step's `VerdictChannel._due` reads both
         self._retire_ended()
 
@@ -316,20 +316,48 @@ class PipelineRunner:
                 self.slots[b] = None
 
     # -- a whole workload -------------------------------------------------------------------------
+    @property
+    def _timed_cycles(self) -> int:
+        """The cycles since the clock last started: the timing rows `1..` of the workload so far."""
+        return self.cycles - self._clock_base
+
+    def _start_workload(self, requests: list[Request]) -> None:
+        """An idle runner starts a workload: new timing rows, and no spans yet."""
+        if self.busy:
+            raise RuntimeError("a workload starts on an idle runner: join a request beside the others instead")
+        self.clock.start(self.n + 1, max((max_cycles(self.n, r.max_new_tokens) for r in requests), default=0))
+        self._clock_base = self.cycles
+        self.spans = {}
+
+    def _join_timed(self, index: int, request: Request) -> int:
+        b = self.join(request)
+        self.spans[index] = (self._timed_cycles + 1, -1)  # its first cycle is the next step's
+        return b
+
+    def _ended(self, index: int, result: DecodeResult) -> None:
+        """Request `index` ended with the cycle just done: its timing rows (this process's; the distributed
+        decoder gathers every process's, `launch.decode_prompts`)."""
+        first = self.spans[index][0]
+        self.spans[index] = (first, self._timed_cycles + 1)
+        if self.clock.enabled:
+            result.timing = summarize_timing(torch.from_numpy(self.clock.rows), self.n, self.spans[index])
+
     def run(
         self, requests: Iterable[Request], on_result: Callable[[int, DecodeResult], None] | None = None
     ) -> list[DecodeResult]:
         """Decode every request, each joining the first free slot between steps (a FIFO); results in order, and
         `on_result(index, result)` as each ends."""
         queue = deque(enumerate(requests))
+        self._start_workload([request for _, request in queue])
         results: dict[int, DecodeResult] = {}
         owner: dict[int, int] = {}
         while queue or self.busy:
             while queue and self.free_slots:
                 index, request = queue.popleft()
-                owner[self.join(request)] = index
+                owner[self._join_timed(index, request)] = index
             for b, result in self.step():
                 index = owner.pop(b)
+                self._ended(index, result)
                 results[index] = result
                 if on_result is not None:
                     on_result(index, result)
@@ -341,20 +369,13 @@ class PipelineRunner:
     def run_one(self, request: Request) -> DecodeResult:
         """`request` alone on an idle runner (one prompt, batch 1's way at any B). `stop_seen` is then
         the cycle at which its `stop()` first returned True (else -1)."""
-        if self.busy:
-            raise RuntimeError("decode runs one request on an idle runner: join it beside the others instead")
-        seq = self.slots[self.join(request)]
+        self._start_workload([request])
+        seq = self.slots[self._join_timed(0, request)]
         ended: list[tuple[int, DecodeResult]] = []
         while not ended:
             ended = self.step()
         self.verdicts.take_through(self.steps_run)
         self.transport.flush()
         self.stop_seen = seq.stop_seen
+        self._ended(0, ended[0][1])
         return ended[0][1]
-
-    def timing(self, K: int) -> dict:
-        """Per-cycle timing since the clock last started (a prompt at batch 1) from this process's rows (see
-        `result.summarize_timing`); empty unless profiling."""
-        if not self.clock.enabled:
-            return {}
-        return summarize_timing(torch.from_numpy(self.clock.rows[:, 1:]), K, self.n)
