@@ -187,8 +187,9 @@ class PipelineRunner:
         self.traffic.receive_inputs(fresh)
         rows = batch_bucket(max(live) + 1, self.max_batch)  # the forwards run the bucket of the live slots
         self._seed_drafter(live)
-        logits = self._compute(live, rows)
-        self._receive_draft_to_judge(live, fresh)
+        wasted = {b: seq.wasted(self._awaited(b)) for b, seq in live.items()}  # as known before the draft
+        logits = self._compute(live, rows, wasted)
+        self._receive_draft_to_judge(live, fresh, wasted)
         if self.geometry.schedule == "pre_step":
             with self._drafter_receiving():
                 self.traffic.receive_anchors_before(fresh, from_here=False)
@@ -207,22 +208,21 @@ class PipelineRunner:
             if plan.seed_token >= 0:
                 self.drafter.set_token(b, plan.stage_positions[0], plan.seed_token)
 
-    def _runs(self, s: int, seq: SlotSequence, b: int) -> bool:
-        """Whether stage `s` takes part in slot `b`'s step here: unless known wasted (the last stage never runs a
-        wasted step: its process made the verdict), or the simulator replays wasted work on the others."""
-        wasted = seq.wasted(self._awaited(b))
-        return not wasted or (s < self.n and self.config.replay_wasted_work)
-
-    def _compute(self, live: dict[int, SlotSequence], rows: int) -> torch.Tensor | None:
+    def _compute(self, live: dict[int, SlotSequence], rows: int, wasted: dict[int, bool | None]) -> torch.Tensor | None:
         """Every hosted stage: its slots' rollbacks, then one forward over the leading `rows` rows (the slots with
-        a token at it run it, the others idle)."""
+        a token at it run it, the others idle). A stage takes part in a slot's step unless it is known to be wasted
+        (the last stage never runs one: its process made the verdict), or the simulator replays wasted work on the
+        others."""
         logits = None
         for s, stage in self.stages.items():
-            taking = {b: seq.step.plan for b, seq in live.items() if self._runs(s, seq, b)}
+            replay = s < self.n and self.config.replay_wasted_work
+            taking = {b: seq.step.plan for b, seq in live.items() if not wasted[b] or replay}
+            tokens = {}
             for b, plan in taking.items():
                 if plan.rollback_to >= 0:
                     stage.cache.rollback(b, plan.rollback_to)
-            tokens = {b: plan.stage_positions[s - 1] for b, plan in taking.items() if plan.stage_positions[s - 1] >= 0}
+                if plan.stage_positions[s - 1] >= 0:
+                    tokens[b] = plan.stage_positions[s - 1]
             if not tokens:
                 continue
             inputs = self._stage1_input(taking) if s == 1 else self.box.inbox[s - 1, "act"]
@@ -244,7 +244,9 @@ class PipelineRunner:
                 ids[b].fill_(plan.seed_token)  # a kernel argument, not a copy of host memory
         return ids
 
-    def _receive_draft_to_judge(self, live: dict[int, SlotSequence], fresh: dict[int, CyclePlan]) -> None:
+    def _receive_draft_to_judge(
+        self, live: dict[int, SlotSequence], fresh: dict[int, CyclePlan], wasted: dict[int, bool | None]
+    ) -> None:
         """The verifier's copy of the drafts that entered stage 1, taken after its own forward."""
         n = self.n
         entered = [b for b, plan in fresh.items() if plan.draft_entered]
@@ -256,7 +258,7 @@ class PipelineRunner:
             return
         for b in entered:
             seq = live[b]
-            if seq.wasted(self._awaited(b)) is False:
+            if wasted[b] is False:
                 greedy = seq.request.sampling.greedy
                 seq.verifier.remember(fresh[b].stage_positions[0], tokens[b : b + 1], None if greedy else q[b])
 
@@ -281,9 +283,10 @@ class PipelineRunner:
             return
         with self.clock.span(n, COMPUTE, device_work=True):
             drafts = self.drafter.draft({b: live[b].step.plan.draft_view for b in drafting}, rows)
+        kept = drafting  # unless the verdict came late and makes some slot's step wasted
         if late:
             self.verdicts.take_through(self.steps_run - 1)
-        kept = [b for b in drafting if not live[b].wasted(self._awaited(b))]
+            kept = [b for b in drafting if not live[b].wasted(self._awaited(b))]
         # Its writes need no undo: the positions a discarded draft appended to the KV cache as verified left the
         # last stage before the rejected token did, and the rows it wrote are rewritten before any draft reads them.
         self.discarded_drafts += len(drafting) - len(kept)

@@ -82,9 +82,13 @@ class DeviceInts:
                 self.device[b].fill_(v)
                 host[b] = v
 
-    def add_one(self, members: Iterable[int], mask: torch.Tensor) -> None:
-        """Rows `members` (whose device mask is `mask`, of any leading length) move by one."""
-        self.device[: mask.shape[0]].add_(mask)
+    def add_one(self, members: Iterable[int], mask: torch.Tensor | int) -> None:
+        """Rows `members` move by one: their device mask `mask`, of any leading length, or every one of the leading
+        `mask` rows."""
+        if isinstance(mask, int):
+            (self.device if mask == len(self.host) else self.device[:mask]).add_(1)
+        else:
+            self.device[: mask.shape[0]].add_(mask)
         for b in members:
             self.host[b] += 1
 
