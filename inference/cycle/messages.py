@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from inference.runtime.slot_rows import leading
+
 SEND_RING = 3
 
 
@@ -95,7 +97,7 @@ class Mailboxes:
         """Copy a computed output into this step's buffer of its send ring; the next step sends it. `rows`: the
         output covers the leading rows of a batched message only (a step over a bucket of the slots)."""
         buffer = self._ring_buffers[rank, kind][self._step % SEND_RING]
-        target = buffer if rows is None or rows == buffer.shape[0] else buffer[:rows]
+        target = buffer if rows is None else leading(buffer, rows)
         target.copy_(value if value.shape == target.shape else value.view(target.shape))
         self.outbox[rank, kind] = buffer
 

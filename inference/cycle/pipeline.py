@@ -42,7 +42,7 @@ from inference.cycle.transport import Transport
 from inference.cycle.verdicts import VerdictChannel
 from inference.cycle.verify import Verifier
 from inference.runtime.drafter import Drafter
-from inference.runtime.slot_rows import batch_bucket
+from inference.runtime.slot_rows import batch_bucket, leading
 from inference.runtime.stages import Stage
 from spd_lightning.geometry import Geometry
 
@@ -227,7 +227,7 @@ class PipelineRunner:
                 continue
             inputs = self._stage1_input(taking) if s == 1 else self.box.inbox[s - 1, "act"]
             with self.clock.span(s - 1, COMPUTE, device_work=True):
-                out = stage.step(inputs[:rows], tokens)
+                out = stage.step(leading(inputs, rows), tokens)
             if s < self.n:
                 self.box.put(s - 1, "act", out.hidden, rows)
             self.box.put(s - 1, f"anchors{s}", out.anchors, rows)

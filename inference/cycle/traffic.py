@@ -23,7 +23,7 @@ from inference.cycle.schedule import CyclePlan
 from inference.cycle.slots import SlotSequence
 from inference.cycle.transport import Arrival, Transport
 from inference.runtime.drafter import DraftBatch, Drafter
-from inference.runtime.slot_rows import RowSets
+from inference.runtime.slot_rows import RowSets, leading
 from spd_lightning.geometry import Geometry
 
 
@@ -155,15 +155,16 @@ class Traffic:
         """The PDM's outgoing draft message: the rows of the `kept` slots' drafts; the row of a discarded draft
         keeps what it held (a redo's input travelled with it)."""
         R = drafts.tokens.shape[0]
+        tokens, q = leading(self._draft_tokens, R), leading(self._draft_q, R)
         if len(kept) == R:  # every row of the draft is sent
-            self._draft_tokens[:R] = drafts.tokens
+            tokens.copy_(drafts.tokens)
             if drafts.q is not None:
-                self._draft_q[:R] = drafts.q
+                q.copy_(drafts.q)
         elif kept:
-            keep = self._kept_rows.write(kept, self._kept_mask)[:R]
-            self._draft_tokens[:R] = torch.where(keep, drafts.tokens, self._draft_tokens[:R])
+            keep = leading(self._kept_rows.write(kept, self._kept_mask), R)
+            tokens.copy_(torch.where(keep, drafts.tokens, tokens))
             if drafts.q is not None:
-                self._draft_q[:R] = torch.where(keep[:, None], drafts.q, self._draft_q[:R])
+                q.copy_(torch.where(keep[:, None], drafts.q, q))
         self.box.put(self.n, "draft_token", self._draft_tokens)
         self.box.put(self.n, "draft_q", self._draft_q)
 

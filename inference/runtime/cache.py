@@ -34,7 +34,7 @@ from transformers import StaticCache
 from transformers.cache_utils import LinearAttentionLayer, StaticLayer
 
 from inference.runtime.hf_compat import LegacyStateReads
-from inference.runtime.slot_rows import DeviceInts, RowSets, mark_static
+from inference.runtime.slot_rows import DeviceInts, RowSets, leading, mark_static
 from spd_lightning.errors import UserError
 
 CAPACITY_STEP = 256
@@ -120,28 +120,23 @@ class StageCache(LegacyStateReads):
             self.reserve(self.lengths[b] + 1)
         self.rows = rows
 
-    def leading(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The step's rows of a per-slot tensor: no view op when the step runs every slot (batch 1, a full bucket),
-        as every layer asks for several per step."""
-        return tensor if self.rows == self.slots else tensor[: self.rows]
-
     def snapshot(self) -> None:
         """Inside the step: every row's Gated DeltaNet states into its ring entry `position % window`."""
         if not self.linear_layers:
             return
-        rows = self.leading(self._rows)
-        ring_entries = self.leading(self.positions.device) % self.window
+        rows = leading(self._rows, self.rows)
+        ring_entries = leading(self.positions.device, self.rows) % self.window
         for i in self.linear_layers:
-            self.conv_ring[i].index_put_((ring_entries, rows), self.leading(self.conv[i]))
-            self.recurrent_ring[i].index_put_((ring_entries, rows), self.leading(self.recurrent[i]))
+            self.conv_ring[i].index_put_((ring_entries, rows), leading(self.conv[i], self.rows))
+            self.recurrent_ring[i].index_put_((ring_entries, rows), leading(self.recurrent[i], self.rows))
 
     def keep_idle_rows(self, running_mask: torch.Tensor) -> None:
         """Inside the step, after the layers: the idle rows' Gated DeltaNet states back as they were."""
-        rows = self.leading(self._rows)
-        ring_entries = self.leading(self.positions.device) % self.window
+        rows = leading(self._rows, self.rows)
+        ring_entries = leading(self.positions.device, self.rows) % self.window
         for i in self.linear_layers:
             for state, ring in ((self.conv[i], self.conv_ring[i]), (self.recurrent[i], self.recurrent_ring[i])):
-                state = self.leading(state)
+                state = leading(state, self.rows)
                 mask = running_mask.view(-1, *([1] * (state.dim() - 1)))
                 state.copy_(torch.where(mask, state, ring[ring_entries, rows]))
 
@@ -152,23 +147,23 @@ class StageCache(LegacyStateReads):
 
     # HF cache interface, decode step (every row, one token each)
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        keys, values = self.leading(self.keys[layer_idx]), self.leading(self.values[layer_idx])
-        rows, positions = self.leading(self._rows), self.leading(self.positions.device)
+        keys, values = leading(self.keys[layer_idx], self.rows), leading(self.values[layer_idx], self.rows)
+        rows, positions = leading(self._rows, self.rows), leading(self.positions.device, self.rows)
         keys[rows, :, positions] = key_states[:, :, 0]  # row b at its own position
         values[rows, :, positions] = value_states[:, :, 0]
         return keys, values
 
     def get_conv_state(self, layer_idx, state_idx=0):
-        return self.leading(self.conv[layer_idx])
+        return leading(self.conv[layer_idx], self.rows)
 
     def get_recurrent_state(self, layer_idx, state_idx=0):
-        return self.leading(self.recurrent[layer_idx])
+        return leading(self.recurrent[layer_idx], self.rows)
 
     def is_recording_past(self, layer_idx) -> bool:
         return False
 
     def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, **kwargs):
-        return self.leading(self.recurrent[layer_idx]).copy_(recurrent_states)
+        return leading(self.recurrent[layer_idx], self.rows).copy_(recurrent_states)
 
     def update_conv_state(self, conv_states, layer_idx, state_idx=0, **kwargs):
         raise RuntimeError("a one-token decode step updates the conv state in place (causal_conv1d_update)")

@@ -23,7 +23,7 @@ from torch import nn
 from inference.runtime.cache import StageCache
 from inference.runtime.capture import CompiledStep
 from inference.runtime.hf_compat import cache_kwargs, rotary_positions
-from inference.runtime.slot_rows import mark_static
+from inference.runtime.slot_rows import leading, mark_static
 from spd_lightning.errors import first_line
 from spd_lightning.geometry import Geometry
 from spd_lightning.target import Target, TargetError, resolve_dtype
@@ -279,7 +279,7 @@ class Stage(nn.Module):
         # position advances. A compiled one always restores (one graph per bucket).
         mask = None
         if self.compiled or len(running) < rows:
-            mask = cache.sets.write(running, self.running)[:rows]
+            mask = leading(cache.sets.write(running, self.running), rows)
         hidden, anchors, logits = self._step(inputs, mask, mask is not None)
         if self.compiled:  # the captured graph owns its outputs and rewrites them on the next replay
             hidden, anchors = hidden.clone(), anchors.clone()
@@ -294,7 +294,7 @@ class Stage(nn.Module):
         cache = self.cache
         cache.snapshot()
         x = self.embed_tokens(inputs) if self.first else inputs
-        positions = cache.leading(cache.positions.device)[:, None]
+        positions = leading(cache.positions.device, cache.rows)[:, None]
         mask = attention_mask(positions, cache.capacity, x.dtype) if cache.attention_layers else None
         x, anchors, normed = self.run_layers(x, positions, cache, mask, cache.attention_layers)
         if idle_rows:
