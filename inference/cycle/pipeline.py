@@ -37,7 +37,7 @@ from inference.cycle.profiler import Profiler
 from inference.cycle.result import COMPUTE, WALL, DecodeResult, max_cycles, summarize_timing
 from inference.cycle.schedule import CyclePlan, VerdictMessage
 from inference.cycle.slots import Request, SlotSequence
-from inference.cycle.traffic import Traffic, sampled
+from inference.cycle.traffic import StepInputs, Traffic, sampled
 from inference.cycle.transport import Transport
 from inference.cycle.verdicts import VerdictChannel
 from inference.cycle.verify import Verifier
@@ -181,18 +181,18 @@ class PipelineRunner:
         self.box.next_step()
         for seq in live.values():
             seq.poll_stop()
-        fresh = {b: seq.step.plan for b, seq in live.items() if not seq.step.redo}  # their inputs travel now
-        self.traffic.send_inputs(live, fresh)
+        inputs = self.traffic.inputs({b: seq.step.plan for b, seq in live.items() if not seq.step.redo})
+        self.traffic.send_inputs(live, inputs)
         self.verdicts.post(self.steps_run - 1)
-        self.traffic.receive_inputs(fresh)
+        self.traffic.receive_inputs(inputs)
         rows = batch_bucket(max(live) + 1, self.max_batch)  # the forwards run the bucket of the live slots
         self._seed_drafter(live)
         wasted = {b: seq.wasted(self._awaited(b)) for b, seq in live.items()}  # as known before the draft
         logits = self._compute(live, rows, wasted)
-        self._receive_draft_to_judge(live, fresh, wasted)
-        if self.geometry.schedule == "pre_step":
+        self._receive_draft_to_judge(live, inputs, wasted)
+        if inputs.anchors:
             with self._drafter_receiving():
-                self.traffic.receive_anchors_before(fresh, from_here=False)
+                self.traffic.receive_anchors_before(inputs, from_here=False)
         self._draft(live, rows)
         self.verdicts.judge(self.steps_run, live, logits)
         self._finish_step(live)
@@ -245,11 +245,10 @@ class PipelineRunner:
         return ids
 
     def _receive_draft_to_judge(
-        self, live: dict[int, SlotSequence], fresh: dict[int, CyclePlan], wasted: dict[int, bool | None]
+        self, live: dict[int, SlotSequence], inputs: StepInputs, wasted: dict[int, bool | None]
     ) -> None:
         """The verifier's copy of the drafts that entered stage 1, taken after its own forward."""
-        n = self.n
-        entered = [b for b, plan in fresh.items() if plan.draft_entered]
+        n, entered = self.n, inputs.entered
         if not entered:
             return
         tokens = self.traffic.recv(n, n - 1, "draft_token")
@@ -260,7 +259,7 @@ class PipelineRunner:
             seq = live[b]
             if wasted[b] is False:
                 greedy = seq.request.sampling.greedy
-                seq.verifier.remember(fresh[b].stage_positions[0], tokens[b : b + 1], None if greedy else q[b])
+                seq.verifier.remember(inputs.plans[b].stage_positions[0], tokens[b : b + 1], None if greedy else q[b])
 
     def _draft(self, live: dict[int, SlotSequence], rows: int) -> None:
         """Post-step, this step's anchor states reach the PDM first; the PDM learns the previous verdict if it is
