@@ -34,12 +34,11 @@ from collections.abc import Callable
 from inference import cli
 from inference.backends import Backend, make_backend
 from inference.cycle.result import DecodeResult
-from inference.cycle.slots import Request
 from inference.evaluation.repetition import repeated_share
 from inference.evaluation.tables import fmt
 from inference.evaluation.totals import pooled_totals
 from inference.processes.job import DecodeJob
-from inference.processes.launch import launch, run_rank
+from inference.processes.launch import job_requests, launch, run_rank
 from inference.prompts import read_prompts
 from inference.sampling import Sampling
 from inference.setup import Setup, decode_job, encode_prompts, prepare
@@ -134,18 +133,12 @@ def _decode(
     """Every prompt's result; `on_tokens(prompt index, tokens)` as tokens are verified."""
     if args.max_batch > 1 and setup.mode in ("ar", EAGLE3):
         raise cli.UsageError(f"--max-batch > 1 is pipeline decoding: --mode {setup.mode} decodes one prompt at a time")
-    if args.simulate or setup.mode in ("ar", EAGLE3):
-        backend = make_backend(setup, args.device, compile=args.compile, profile=args.profile, max_batch=args.max_batch)
-        if args.max_batch > 1:  # every prompt a request of the one simulator, B at a time
-            requests = [
-                Request(
-                    ids, args.max_new_tokens, frozenset(setup.eos), sampling, args.seed + i, _for_prompt(on_tokens, i)
-                )
-                for i, ids in enumerate(prompts)
-            ]
-            return backend.simulator.run(requests)
-        return _in_process(backend, args, prompts, sampling, on_tokens)
+    backend_args = dict(compile=args.compile, profile=args.profile, max_batch=args.max_batch)
+    if setup.mode in ("ar", EAGLE3):
+        return _in_process(make_backend(setup, args.device, **backend_args), args, prompts, sampling, on_tokens)
     job = decode_job(setup, args, prompts, sampling, profile=args.profile)
+    if args.simulate:  # every prompt a request of the one simulator, B at a time, as the ranks take them
+        return make_backend(setup, args.device, **backend_args).simulator.run(job_requests(job, True, on_tokens))
     job.stream = on_tokens is not None
     job.max_batch = args.max_batch
     return _distributed(job, on_tokens)

@@ -113,7 +113,7 @@ class PipelineRunner:
         self._clock_base = 0  # `cycles` when the clock last started
         self.spans: dict[int, tuple[int, int]] = {}  # the last workload's requests: their timing rows [first, end)
         self._finished: list[tuple[int, DecodeResult]] = []
-        self.stop_seen = -1  # see `decode`
+        self.stop_seen = -1  # the cycle at which the last request to end first saw its `stop()` say True (else -1)
 
     @property
     def transport(self) -> Transport:
@@ -316,6 +316,7 @@ class PipelineRunner:
             if seq is not None and seq.step is None:
                 self._finished.append((b, seq.result()))
                 self.slots[b] = None
+                self.stop_seen = seq.stop_seen
 
     # -- a whole workload -------------------------------------------------------------------------
     @property
@@ -367,17 +368,7 @@ class PipelineRunner:
         self.transport.flush()
         return [results[i] for i in sorted(results)]
 
-    @torch.no_grad()
     def run_one(self, request: Request) -> DecodeResult:
-        """`request` alone on an idle runner (one prompt, batch 1's way at any B). `stop_seen` is then
-        the cycle at which its `stop()` first returned True (else -1)."""
-        self._start_workload([request])
-        seq = self.slots[self._join_timed(0, request)]
-        ended: list[tuple[int, DecodeResult]] = []
-        while not ended:
-            ended = self.step()
-        self.verdicts.take_through(self.steps_run)
-        self.transport.flush()
-        self.stop_seen = seq.stop_seen
-        self._ended(0, ended[0][1])
-        return ended[0][1]
+        """`request` alone on an idle runner (batch 1's way at any B)."""
+        (result,) = self.run([request])
+        return result

@@ -14,6 +14,7 @@ each rank fills its own and the reporting rank gathers them.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -117,41 +118,13 @@ class DecodeResult:
         return (self.N - 1) / self.decode_s if self.decode_s > 0 and self.N > 1 else None
 
     def to_dict(self) -> dict:
-        return {
-            "mode": self.mode,
-            "n": self.n,
-            "prompt_len": self.prompt_len,
-            "tokens": self.tokens,
-            "text": self.text,
-            "N": self.N,
-            "K": self.K,
-            "alpha": self.alpha,
-            "theoretical_speedup": self.theoretical_speedup,
-            "stop_reason": self.stop_reason,
-            **self.counters,
-            "prefill_s": self.prefill_s,
-            "decode_s": self.decode_s,
-            "decode_tokens_per_s": self.decode_tokens_per_s,
-            "timing": self.timing,
-        }
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "counters"}
+        derived = ("N", "alpha", "theoretical_speedup", "decode_tokens_per_s")
+        return {**fields, **{name: getattr(self, name) for name in derived}, **self.counters}
 
     @classmethod
     def from_dict(cls, d: dict) -> DecodeResult:
-        counters = {
-            k: d[k]
-            for k in ("accepted_by_fill", "rejected_by_fill", "accepted_by_depth", "rejected_by_depth")
-            if k in d
-        }
-        return cls(
-            mode=d["mode"],
-            n=d["n"],
-            prompt_len=d["prompt_len"],
-            tokens=list(d["tokens"]),
-            K=d["K"],
-            stop_reason=d["stop_reason"],
-            counters=counters,
-            prefill_s=d.get("prefill_s", 0.0),
-            decode_s=d.get("decode_s", 0.0),
-            timing=d.get("timing", {}),
-            text=d.get("text"),
-        )
+        """The result `to_dict` wrote (its derived values recomputed, its counters gathered back)."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"counters"}
+        counters = ("accepted_by_fill", "rejected_by_fill", "accepted_by_depth", "rejected_by_depth")
+        return cls(**{k: v for k, v in d.items() if k in names}, counters={k: d[k] for k in counters if k in d})
