@@ -111,7 +111,7 @@ class PipelineRunner:
         self.discarded_drafts = 0  # drafts the PDM made before learning that their slot's step was wasted
         self.cycles = 0  # steps in which some slot ran a real cycle
         self._clock_base = 0  # `cycles` when the clock last started
-        self.spans: dict[int, tuple[int, int]] = {}  # the last workload's requests: their timing rows [first, end)
+        self.spans: dict[int, tuple[int, int]] = {}  # the last workload's requests: their timing rows (`run`)
         self._finished: list[tuple[int, DecodeResult]] = []
         self.stop_seen = -1  # the cycle at which the last request to end first saw its `stop()` say True (else -1)
 
@@ -167,7 +167,7 @@ class PipelineRunner:
         self._retire_ended()
         live = {b: seq for b, seq in enumerate(self.slots) if seq is not None}
         if live:
-            self.clock.cycle = self._timed_cycles + 1  # a wasted step and its redo share a row
+            self.clock.cycle = self.cycles - self._clock_base + 1  # a wasted step and its redo share a row
             with self.clock.span(self.hosted, WALL):
                 self._run_step(live)
         finished, self._finished = self._finished, []
@@ -319,48 +319,29 @@ class PipelineRunner:
                 self.stop_seen = seq.stop_seen
 
     # -- a whole workload -------------------------------------------------------------------------
-    @property
-    def _timed_cycles(self) -> int:
-        """The cycles since the clock last started: the timing rows `1..` of the workload so far."""
-        return self.cycles - self._clock_base
-
-    def _start_workload(self, requests: list[Request]) -> None:
-        """An idle runner starts a workload: new timing rows, and no spans yet."""
-        if self.busy:
-            raise RuntimeError("a workload starts on an idle runner: join a request beside the others instead")
-        self.clock.start(self.n + 1, max((max_cycles(self.n, r.max_new_tokens) for r in requests), default=0))
-        self._clock_base = self.cycles
-        self.spans = {}
-
-    def _join_timed(self, index: int, request: Request) -> int:
-        b = self.join(request)
-        self.spans[index] = (self._timed_cycles + 1, -1)  # its first cycle is the next step's
-        return b
-
-    def _ended(self, index: int, result: DecodeResult) -> None:
-        """Request `index` ended with the cycle just done: its timing rows (this process's; the distributed
-        decoder gathers every process's, `launch.decode_prompts`)."""
-        first = self.spans[index][0]
-        self.spans[index] = (first, self._timed_cycles + 1)
-        if self.clock.enabled:
-            result.timing = summarize_timing(torch.from_numpy(self.clock.rows), self.n, self.spans[index])
-
     def run(
         self, requests: Iterable[Request], on_result: Callable[[int, DecodeResult], None] | None = None
     ) -> list[DecodeResult]:
-        """Decode every request, each joining the first free slot between steps (a FIFO); results in order, and
-        `on_result(index, result)` as each ends."""
+        """Decode every request on an idle runner, each joining the first free slot between steps (a FIFO); results
+        in order, and `on_result(index, result)` as each ends. Each request's timing rows are those of the cycles
+        from its first to its last (`spans`, [first, end); this process's rows: the ranks gather theirs)."""
+        if self.busy:
+            raise RuntimeError("a workload starts on an idle runner: join a request beside the others instead")
         queue = deque(enumerate(requests))
-        self._start_workload([request for _, request in queue])
+        self.clock.start(self.n + 1, max((max_cycles(self.n, r.max_new_tokens) for _, r in queue), default=0))
+        self._clock_base, self.spans = self.cycles, {}
         results: dict[int, DecodeResult] = {}
         owner: dict[int, int] = {}
         while queue or self.busy:
             while queue and self.free_slots:
                 index, request = queue.popleft()
-                owner[self._join_timed(index, request)] = index
+                owner[self.join(request)] = index
+                self.spans[index] = (self.cycles - self._clock_base + 1, -1)  # its first cycle is the next step's
             for b, result in self.step():
                 index = owner.pop(b)
-                self._ended(index, result)
+                self.spans[index] = (self.spans[index][0], self.cycles - self._clock_base + 1)
+                if self.clock.enabled:
+                    result.timing = summarize_timing(torch.from_numpy(self.clock.rows), self.n, self.spans[index])
                 results[index] = result
                 if on_result is not None:
                     on_result(index, result)
