@@ -16,7 +16,8 @@ process.
 Output (stdout): for each prompt a `### prompt I: TEXT` line, the generated text, and one line of counters
 (N, K, alpha, n*alpha, the share of repeated 4-grams of the output, why it stopped); then one line of
 totals. With `--stream` each prompt's text is printed as its tokens are verified (the counters follow).
-`--json` writes everything, token ids included (`--profile` adds per-cycle timing). Exit status:
+`--json` writes everything, token ids included (`--profile` adds each prompt's per-cycle timing: with
+`--max-batch B` a row per cycle of the batch while the prompt decoded, with the number of slots it ran). Exit status:
 0 done, 2 bad input, a rank's included (one line on stderr; `--debug` or SPD_DEBUG=1 shows tracebacks),
 1 anything else (e.g. a rank that died), 3 `--check-lossless` found a difference.
 """
@@ -33,12 +34,11 @@ from collections.abc import Callable
 from inference import cli
 from inference.backends import Backend, make_backend
 from inference.cycle.result import DecodeResult
-from inference.cycle.slots import Request
 from inference.evaluation.repetition import repeated_share
 from inference.evaluation.tables import fmt
 from inference.evaluation.totals import pooled_totals
 from inference.processes.job import DecodeJob
-from inference.processes.launch import launch, run_rank
+from inference.processes.launch import job_requests, launch, run_rank
 from inference.prompts import read_prompts
 from inference.sampling import Sampling
 from inference.setup import Setup, decode_job, encode_prompts, prepare
@@ -59,8 +59,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--profile",
         action="store_true",
-        help="per-cycle timing (stage compute, draft, verify, messages) in the --json report; off, the "
-        "decoder runs no timer and no device synchronization",
+        help="per-cycle timing (stage compute, draft, verify, messages, slots) in the --json report, at any "
+        "--max-batch; off, the decoder runs no timer and no device synchronization",
     )
     p.add_argument(
         "--max-batch",
@@ -80,8 +80,6 @@ def check_args(args: argparse.Namespace) -> Sampling:
         raise cli.UsageError("--check-lossless compares tokens and needs greedy decoding (--temperature 0)")
     if args.max_batch < 1:
         raise cli.UsageError(f"--max-batch={args.max_batch} must be >= 1")
-    if args.max_batch > 1 and args.profile:
-        raise cli.UsageError("--profile times the cycles of one prompt at a time: use --max-batch 1")
     return sampling
 
 
@@ -135,18 +133,12 @@ def _decode(
     """Every prompt's result; `on_tokens(prompt index, tokens)` as tokens are verified."""
     if args.max_batch > 1 and setup.mode in ("ar", EAGLE3):
         raise cli.UsageError(f"--max-batch > 1 is pipeline decoding: --mode {setup.mode} decodes one prompt at a time")
-    if args.simulate or setup.mode in ("ar", EAGLE3):
-        backend = make_backend(setup, args.device, compile=args.compile, profile=args.profile, max_batch=args.max_batch)
-        if args.max_batch > 1:  # every prompt a request of the one simulator, B at a time
-            requests = [
-                Request(
-                    ids, args.max_new_tokens, frozenset(setup.eos), sampling, args.seed + i, _for_prompt(on_tokens, i)
-                )
-                for i, ids in enumerate(prompts)
-            ]
-            return backend.simulator.run(requests)
-        return _in_process(backend, args, prompts, sampling, on_tokens)
+    backend_args = dict(compile=args.compile, profile=args.profile, max_batch=args.max_batch)
+    if setup.mode in ("ar", EAGLE3):
+        return _in_process(make_backend(setup, args.device, **backend_args), args, prompts, sampling, on_tokens)
     job = decode_job(setup, args, prompts, sampling, profile=args.profile)
+    if args.simulate:  # every prompt a request of the one simulator, B at a time, as the ranks take them
+        return make_backend(setup, args.device, **backend_args).simulator.run(job_requests(job, True, on_tokens))
     job.stream = on_tokens is not None
     job.max_batch = args.max_batch
     return _distributed(job, on_tokens)

@@ -14,7 +14,7 @@ import multiprocessing as mp
 import time
 
 import pytest
-from kit import make_tiny_model, save_random_drafter, target_dir
+from kit import check_batched_timing, make_tiny_model, save_random_drafter, target_dir
 
 from inference.cycle.simulator import Simulator
 from inference.cycle.slots import Request
@@ -112,15 +112,17 @@ def test_a_rank_killed_with_requests_in_flight_ends_every_rank(targets, tmp_path
 
 
 def test_the_decode_command_line_decodes_a_prompts_file_in_batches(targets, tmp_path, capsys):
-    """`python -m inference.decode --max-batch 2`: three prompts through the ranks, lossless against AR."""
+    """`python -m inference.decode --max-batch 2 --profile`: three prompts through the ranks, lossless against AR,
+    each with the timing rows of the batch's cycles it took part in."""
     path, target = targets["qwen3"]
     drafter = save_random_drafter(target, Geometry.build(target.num_layers, 2), str(tmp_path / "drafter"))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(f'{{"turns": ["{t}"]}}\n' for t in ("hello world", "the cat sat on the mat", "hi")))
     out = tmp_path / "out.json"
     argv = ["--ckpt", drafter, "--target", path, "--prompts", str(prompts), "--max-new-tokens", "8"]
-    rc = main([*argv, "--max-batch", "2", "--check-lossless", "--json", str(out), "--timeout", "60"])
+    rc = main([*argv, "--max-batch", "2", "--check-lossless", "--profile", "--json", str(out), "--timeout", "60"])
     assert rc == 0 and "lossless=yes" in capsys.readouterr().out
     report = json.loads(out.read_text())
     assert report["max_batch"] == 2 and [p["lossless"] for p in report["prompts"]] == [True] * 3
     assert all(p["N"] == 8 or p["stop_reason"] == "eos" for p in report["prompts"])
+    check_batched_timing(report["prompts"], n=2, max_batch=2)

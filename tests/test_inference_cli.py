@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from kit import make_tiny_model, random_pdm, save_target, target_dir
+from kit import check_batched_timing, make_tiny_model, random_pdm, save_target, target_dir
 
 from inference import cli
 from inference.cycle.profiler import Profiler
@@ -103,7 +103,11 @@ def test_simulated_decode_writes_the_report(files, capsys):
         assert key in first, key
     assert first["N"] == len(first["tokens"]) == 12 and first["alpha"] == pytest.approx(12 / first["K"])
     assert first["theoretical_speedup"] == pytest.approx(2 * first["alpha"])
-    assert set(first["timing"]["per_cycle"]) == {"stage_compute_s", "draft_s", "verify_s", "comm_s", "wall_s"}
+    assert set(first["timing"]["per_cycle"]) == {"slots", "stage_compute_s", "draft_s", "verify_s", "comm_s", "wall_s"}
+    assert first["timing"]["per_cycle"]["slots"] == [1] * first["K"] and first["timing"]["cycles"] == [
+        1,
+        first["K"] + 1,
+    ]
     assert report["totals"]["alpha"] == pytest.approx(report["totals"]["N"] / report["totals"]["K"])
     low, high = report["totals"]["theoretical_speedup_interval"]  # over the prompts, printed beside n*alpha
     assert low <= report["totals"]["theoretical_speedup"] <= high and f"[{low:.2f}, {high:.2f}]" in printed
@@ -281,6 +285,18 @@ def test_decode_prints_each_text_and_its_repetition(files, capsys):
     assert report["totals"]["repeated_4gram_share"] == share
     assert lines[-1].startswith("mode=spd n=2 prompts=2 N=24") and f"repeated_4grams={share:.2f}" in lines[-1]
     assert report["prompts"][0]["timing"] == {}  # no --profile: the decoder timed nothing
+
+
+def test_simulated_batched_decode_profiles_each_prompt(files):
+    """`--simulate --max-batch 2 --profile`: each prompt's timing holds the batch's cycles it took part in, the
+    tokens are those of the decode without timing."""
+    out, plain = files["root"] / "batched_profile.json", files["root"] / "batched.json"
+    argv = ["--ckpt", files["drafter"], "--prompts", files["prompts"], "--max-new-tokens", "10", "--simulate"]
+    assert main([*argv, "--max-batch", "2", "--profile", "--json", str(out)]) == 0
+    assert main([*argv, "--max-batch", "2", "--json", str(plain)]) == 0
+    report = json.loads(out.read_text())
+    check_batched_timing(report["prompts"], n=2, max_batch=2)
+    assert [p["tokens"] for p in report["prompts"]] == [p["tokens"] for p in json.loads(plain.read_text())["prompts"]]
 
 
 def test_timing_off_is_a_no_op_even_on_a_gpu_device():

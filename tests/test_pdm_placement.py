@@ -78,11 +78,11 @@ def test_the_sharing_cost_is_stage_1_plus_the_draft_beyond_the_slowest_stage():
     rows[0, :, COMPUTE] = torch.tensor([1.0, 1.0])  # stage 1
     rows[1, :, COMPUTE] = torch.tensor([3.0, 1.5])  # stage 2
     rows[2, :, COMPUTE] = torch.tensor([0.5, 2.0])  # the PDM's draft on stage 1's critical path
-    timing = summarize_timing(rows, 2, 2, shared_pdm=True)
+    timing = summarize_timing(rows, 2, shared_pdm=True)
     assert timing["per_cycle"]["shared_process_s"] == [1.5, 3.0]
     assert timing["per_cycle"]["sharing_cost_s"] == [0.0, 1.5]
     assert timing["totals"]["mean_sharing_cost_s"] == 0.75 and timing["totals"]["mean_shared_process_s"] == 2.25
-    assert "sharing_cost_s" not in summarize_timing(rows, 2, 2)["per_cycle"]
+    assert "sharing_cost_s" not in summarize_timing(rows, 2)["per_cycle"]
 
 
 def test_the_draft_gets_its_own_stream_on_a_gpu_and_none_on_the_cpu(monkeypatch):

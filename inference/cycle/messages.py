@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from inference.runtime.slot_rows import leading
+
 SEND_RING = 3
 
 
@@ -63,6 +65,8 @@ class Mailboxes:
                 count = shapes.anchor_counts[r + 1]
                 self.rings[r, "act"] = torch.zeros(SEND_RING, rows, 1, H, dtype=dtype, device=dev)
                 self.rings[r, f"anchors{r + 1}"] = torch.zeros(SEND_RING, rows, count, H, dtype=dtype, device=dev)
+        # each ring's buffers as views made once (a step picks one without a tensor op)
+        self._ring_buffers = {key: ring.unbind(0) for key, ring in self.rings.items()}
         self.outbox: dict[tuple[int, str], torch.Tensor] = {}  # kind -> the ring buffer (or prefill output) to send
         self.prefill_inbox: dict[tuple[int, str], torch.Tensor] = {}
         # Two rows in turn (one verdict per cycle), so a row is rewritten only after its sends have settled.
@@ -92,9 +96,9 @@ class Mailboxes:
     def put(self, rank: int, kind: str, value: torch.Tensor, rows: int | None = None) -> None:
         """Copy a computed output into this step's buffer of its send ring; the next step sends it. `rows`: the
         output covers the leading rows of a batched message only (a step over a bucket of the slots)."""
-        buffer = self.rings[rank, kind][self._step % SEND_RING]
-        target = buffer if rows is None else buffer[:rows]
-        target.copy_(value.view(target.shape))
+        buffer = self._ring_buffers[rank, kind][self._step % SEND_RING]
+        target = buffer if rows is None else leading(buffer, rows)
+        target.copy_(value if value.shape == target.shape else value.view(target.shape))
         self.outbox[rank, kind] = buffer
 
     def prefill_buffer(self, rank: int, kind: str, dim: int, *shape: int) -> torch.Tensor:

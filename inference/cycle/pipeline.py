@@ -19,7 +19,8 @@ ranks do); the PDM drafts without a verdict that is not in yet and discards a wa
 the previous step's verdict taken everywhere, and this step's too when it ends some slot's decode whatever it says
 (`Step.final`): so at a step boundary every process holds the same slots, and requests join free slots in the
 same order on every rank (`run`: a FIFO; a join's prefill is a step of its own). Timing goes through one
-`Profiler`, off unless `RunnerConfig.profile`.
+`Profiler`, off unless `RunnerConfig.profile`: a row per cycle of the runner with the slots it ran, each request's
+timing the rows of its cycles (`spans`).
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ from inference.cycle.profiler import Profiler
 from inference.cycle.result import COMPUTE, WALL, DecodeResult, max_cycles, summarize_timing
 from inference.cycle.schedule import CyclePlan, VerdictMessage
 from inference.cycle.slots import Request, SlotSequence
-from inference.cycle.traffic import Traffic, sampled
+from inference.cycle.traffic import StepInputs, Traffic, sampled
 from inference.cycle.transport import Transport
 from inference.cycle.verdicts import VerdictChannel
 from inference.cycle.verify import Verifier
 from inference.runtime.drafter import Drafter
-from inference.runtime.slot_rows import batch_bucket
+from inference.runtime.slot_rows import batch_bucket, leading
 from inference.runtime.stages import Stage
 from spd_lightning.geometry import Geometry
 
@@ -63,7 +64,7 @@ class RunnerConfig:
     d2t: torch.Tensor | None = None  # draft id -> target id (None: a drafter that proposes target ids)
     replay_wasted_work: bool = False  # see the module docstring
     on_step: Callable[[str], None] | None = None  # test-only fault injection (faults.Fault)
-    profile: bool = False  # per-cycle timing (`Profiler`); off: no timer, no device synchronization
+    profile: bool = False  # per-cycle timing (`Profiler`) in each result; off: no timer, no device synchronization
 
 
 class PipelineRunner:
@@ -110,8 +111,9 @@ class PipelineRunner:
         self.discarded_drafts = 0  # drafts the PDM made before learning that their slot's step was wasted
         self.cycles = 0  # steps in which some slot ran a real cycle
         self._clock_base = 0  # `cycles` when the clock last started
+        self.spans: dict[int, tuple[int, int]] = {}  # the last workload's requests: their timing rows (`run`)
         self._finished: list[tuple[int, DecodeResult]] = []
-        self.stop_seen = -1  # see `decode`
+        self.stop_seen = -1  # the cycle at which the last request to end first saw its `stop()` say True (else -1)
 
     @property
     def transport(self) -> Transport:
@@ -142,9 +144,6 @@ class PipelineRunner:
             raise RuntimeError(f"all {self.max_batch} slots are busy: a request joins when one is free")
         b = self.free_slots[0]
         self.verdicts.take_through(self.steps_run)  # the control channel carries the join's first token after it
-        if not self.busy:  # timing rows start with a busy period (per prompt at batch 1)
-            self.clock.start(self.n + 1, max_cycles(self.n, request.max_new_tokens))
-            self._clock_base = self.cycles
         self.clock.cycle = 0
         if self.config.on_step is not None:
             self.config.on_step("prefill")
@@ -182,17 +181,18 @@ class PipelineRunner:
         self.box.next_step()
         for seq in live.values():
             seq.poll_stop()
-        fresh = {b: seq.step.plan for b, seq in live.items() if not seq.step.redo}  # their inputs travel now
-        self.traffic.send_inputs(live, fresh)
+        inputs = self.traffic.inputs({b: seq.step.plan for b, seq in live.items() if not seq.step.redo})
+        self.traffic.send_inputs(live, inputs)
         self.verdicts.post(self.steps_run - 1)
-        self.traffic.receive_inputs(fresh)
+        self.traffic.receive_inputs(inputs)
         rows = batch_bucket(max(live) + 1, self.max_batch)  # the forwards run the bucket of the live slots
         self._seed_drafter(live)
-        logits = self._compute(live, rows)
-        self._receive_draft_to_judge(live, fresh)
-        if self.geometry.schedule == "pre_step":
+        wasted = {b: seq.wasted(self._awaited(b)) for b, seq in live.items()}  # as known before the draft
+        logits = self._compute(live, rows, wasted)
+        self._receive_draft_to_judge(live, inputs, wasted)
+        if inputs.anchors:
             with self._drafter_receiving():
-                self.traffic.receive_anchors_before(fresh, from_here=False)
+                self.traffic.receive_anchors_before(inputs, from_here=False)
         self._draft(live, rows)
         self.verdicts.judge(self.steps_run, live, logits)
         self._finish_step(live)
@@ -208,27 +208,26 @@ class PipelineRunner:
             if plan.seed_token >= 0:
                 self.drafter.set_token(b, plan.stage_positions[0], plan.seed_token)
 
-    def _runs(self, s: int, seq: SlotSequence, b: int) -> bool:
-        """Whether stage `s` takes part in slot `b`'s step here: unless known wasted (the last stage never runs a
-        wasted step: its process made the verdict), or the simulator replays wasted work on the others."""
-        wasted = seq.wasted(self._awaited(b))
-        return not wasted or (s < self.n and self.config.replay_wasted_work)
-
-    def _compute(self, live: dict[int, SlotSequence], rows: int) -> torch.Tensor | None:
+    def _compute(self, live: dict[int, SlotSequence], rows: int, wasted: dict[int, bool | None]) -> torch.Tensor | None:
         """Every hosted stage: its slots' rollbacks, then one forward over the leading `rows` rows (the slots with
-        a token at it run it, the others idle)."""
+        a token at it run it, the others idle). A stage takes part in a slot's step unless it is known to be wasted
+        (the last stage never runs one: its process made the verdict), or the simulator replays wasted work on the
+        others."""
         logits = None
         for s, stage in self.stages.items():
-            taking = {b: seq.step.plan for b, seq in live.items() if self._runs(s, seq, b)}
+            replay = s < self.n and self.config.replay_wasted_work
+            taking = {b: seq.step.plan for b, seq in live.items() if not wasted[b] or replay}
+            tokens = {}
             for b, plan in taking.items():
                 if plan.rollback_to >= 0:
                     stage.cache.rollback(b, plan.rollback_to)
-            tokens = {b: plan.stage_positions[s - 1] for b, plan in taking.items() if plan.stage_positions[s - 1] >= 0}
+                if plan.stage_positions[s - 1] >= 0:
+                    tokens[b] = plan.stage_positions[s - 1]
             if not tokens:
                 continue
             inputs = self._stage1_input(taking) if s == 1 else self.box.inbox[s - 1, "act"]
             with self.clock.span(s - 1, COMPUTE, device_work=True):
-                out = stage.step(inputs[:rows], tokens)
+                out = stage.step(leading(inputs, rows), tokens)
             if s < self.n:
                 self.box.put(s - 1, "act", out.hidden, rows)
             self.box.put(s - 1, f"anchors{s}", out.anchors, rows)
@@ -245,10 +244,11 @@ class PipelineRunner:
                 ids[b].fill_(plan.seed_token)  # a kernel argument, not a copy of host memory
         return ids
 
-    def _receive_draft_to_judge(self, live: dict[int, SlotSequence], fresh: dict[int, CyclePlan]) -> None:
+    def _receive_draft_to_judge(
+        self, live: dict[int, SlotSequence], inputs: StepInputs, wasted: dict[int, bool | None]
+    ) -> None:
         """The verifier's copy of the drafts that entered stage 1, taken after its own forward."""
-        n = self.n
-        entered = [b for b, plan in fresh.items() if plan.draft_entered]
+        n, entered = self.n, inputs.entered
         if not entered:
             return
         tokens = self.traffic.recv(n, n - 1, "draft_token")
@@ -257,9 +257,9 @@ class PipelineRunner:
             return
         for b in entered:
             seq = live[b]
-            if seq.wasted(self._awaited(b)) is False:
+            if wasted[b] is False:
                 greedy = seq.request.sampling.greedy
-                seq.verifier.remember(fresh[b].stage_positions[0], tokens[b : b + 1], None if greedy else q[b])
+                seq.verifier.remember(inputs.plans[b].stage_positions[0], tokens[b : b + 1], None if greedy else q[b])
 
     def _draft(self, live: dict[int, SlotSequence], rows: int) -> None:
         """Post-step, this step's anchor states reach the PDM first; the PDM learns the previous verdict if it is
@@ -282,9 +282,10 @@ class PipelineRunner:
             return
         with self.clock.span(n, COMPUTE, device_work=True):
             drafts = self.drafter.draft({b: live[b].step.plan.draft_view for b in drafting}, rows)
+        kept = drafting  # unless the verdict came late and makes some slot's step wasted
         if late:
             self.verdicts.take_through(self.steps_run - 1)
-        kept = [b for b in drafting if not live[b].wasted(self._awaited(b))]
+            kept = [b for b in drafting if not live[b].wasted(self._awaited(b))]
         # Its writes need no undo: the positions a discarded draft appended to the KV cache as verified left the
         # last stage before the rejected token did, and the rows it wrote are rewritten before any draft reads them.
         self.discarded_drafts += len(drafting) - len(kept)
@@ -298,14 +299,15 @@ class PipelineRunner:
         if any(seq.step.final for seq in live.values()):
             self.verdicts.take_through(step)
         rows = self.verdicts.rows.get(step)
-        ran = False
+        ran = 0  # the slots that ran a real cycle
         for b, seq in live.items():
             awaited = self._awaited(b) if seq.step.awaits else None
             real = seq.wasted(awaited) is False
-            ran = ran or real
+            ran += real
             own = VerdictMessage(*rows[b]) if seq.step.final and real else None
             seq.advance(awaited, own)
-        self.cycles += ran
+        self.clock.count(self.hosted, ran)
+        self.cycles += ran > 0
         self.verdicts.keep_from(step - 1)  # the next step's `VerdictChannel._due` reads both
         self._retire_ended()
 
@@ -314,22 +316,32 @@ class PipelineRunner:
             if seq is not None and seq.step is None:
                 self._finished.append((b, seq.result()))
                 self.slots[b] = None
+                self.stop_seen = seq.stop_seen
 
     # -- a whole workload -------------------------------------------------------------------------
     def run(
         self, requests: Iterable[Request], on_result: Callable[[int, DecodeResult], None] | None = None
     ) -> list[DecodeResult]:
-        """Decode every request, each joining the first free slot between steps (a FIFO); results in order, and
-        `on_result(index, result)` as each ends."""
+        """Decode every request on an idle runner, each joining the first free slot between steps (a FIFO); results
+        in order, and `on_result(index, result)` as each ends. Each request's timing rows are those of the cycles
+        from its first to its last (`spans`, [first, end); this process's rows: the ranks gather theirs)."""
+        if self.busy:
+            raise RuntimeError("a workload starts on an idle runner: join a request beside the others instead")
         queue = deque(enumerate(requests))
+        self.clock.start(self.n + 1, max((max_cycles(self.n, r.max_new_tokens) for _, r in queue), default=0))
+        self._clock_base, self.spans = self.cycles, {}
         results: dict[int, DecodeResult] = {}
         owner: dict[int, int] = {}
         while queue or self.busy:
             while queue and self.free_slots:
                 index, request = queue.popleft()
                 owner[self.join(request)] = index
+                self.spans[index] = (self.cycles - self._clock_base + 1, -1)  # its first cycle is the next step's
             for b, result in self.step():
                 index = owner.pop(b)
+                self.spans[index] = (self.spans[index][0], self.cycles - self._clock_base + 1)
+                if self.clock.enabled:
+                    result.timing = summarize_timing(torch.from_numpy(self.clock.rows), self.n, self.spans[index])
                 results[index] = result
                 if on_result is not None:
                     on_result(index, result)
@@ -337,24 +349,7 @@ class PipelineRunner:
         self.transport.flush()
         return [results[i] for i in sorted(results)]
 
-    @torch.no_grad()
     def run_one(self, request: Request) -> DecodeResult:
-        """`request` alone on an idle runner (one prompt, batch 1's way at any B). `stop_seen` is then
-        the cycle at which its `stop()` first returned True (else -1)."""
-        if self.busy:
-            raise RuntimeError("decode runs one request on an idle runner: join it beside the others instead")
-        seq = self.slots[self.join(request)]
-        ended: list[tuple[int, DecodeResult]] = []
-        while not ended:
-            ended = self.step()
-        self.verdicts.take_through(self.steps_run)
-        self.transport.flush()
-        self.stop_seen = seq.stop_seen
-        return ended[0][1]
-
-    def timing(self, K: int) -> dict:
-        """Per-cycle timing since the clock last started (a prompt at batch 1) from this process's rows (see
-        `result.summarize_timing`); empty unless profiling."""
-        if not self.clock.enabled:
-            return {}
-        return summarize_timing(torch.from_numpy(self.clock.rows[:, 1:]), K, self.n)
+        """`request` alone on an idle runner (batch 1's way at any B)."""
+        (result,) = self.run([request])
+        return result

@@ -1,11 +1,13 @@
-"""The decoder's one switch for timing: seconds per (rank, logical cycle, field), or nothing at all.
+"""The decoder's one switch for timing: seconds per (rank, cycle, field), or nothing at all.
 
 Off (the default) every `span` is a shared no-op context and nothing touches the device: the production
 path has no timer and no device synchronization. On, host work (messages, the cycle's wall time) is timed
 with `perf_counter`, and device work (a stage's layers, the PDM's draft, verification) on a GPU with CUDA
 events, read once the prompt is done (`rows`), so timing adds no synchronization inside a cycle either;
-on the CPU device work is host work. Row 0 collects prefill, row `k` cycle `k` (see `result.py` for what
-each field means and `summarize_timing` for the report).
+on the CPU device work is host work. Row 0 collects prefill, row `k` the runner's cycle `k` (its `k`-th step
+in which some slot ran a real cycle, a wasted step charged to the one that redoes it), and `count` adds the
+slots that ran a real cycle in it (see `result.py` for what each field means and `summarize_timing` for the
+report).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from contextlib import contextmanager, nullcontext
 import numpy as np
 import torch
 
-from inference.cycle.result import TIMING_FIELDS
+from inference.cycle.result import SLOTS, TIMING_FIELDS
 
 _OFF = nullcontext()
 
@@ -31,7 +33,7 @@ class Profiler:
         self._pending: list[tuple[Sequence[int], int, int, torch.cuda.Event, torch.cuda.Event]] = []
 
     def start(self, world_size: int, cycles: int) -> None:
-        """A new prompt of at most `cycles` cycles (row 0 is prefill)."""
+        """New rows, room for `cycles` cycles to start with (row 0 is prefill; more grow as they come)."""
         self.cycle = 0
         if self.enabled:
             # numpy, not tensors: bookkeeping must not cost tensor ops on the critical path
@@ -42,12 +44,17 @@ class Profiler:
         """Time the block into `field` of the current cycle of `ranks` (one rank or several)."""
         if not self.enabled:
             return _OFF
-        if self.cycle >= self._rows.shape[1]:  # several requests in flight: more cycles than one bounds
+        if self.cycle >= self._rows.shape[1]:  # a workload of several requests: more cycles than one bounds
             grown = np.zeros((self._rows.shape[0], 2 * self.cycle + 1, TIMING_FIELDS))
             grown[:, : self._rows.shape[1]] = self._rows
             self._rows = grown
         ranks = (ranks,) if isinstance(ranks, int) else tuple(ranks)
         return self._device_span(ranks, field) if device_work and self._events else self._host_span(ranks, field)
+
+    def count(self, ranks: Sequence[int], slots: int) -> None:
+        """`slots` slots ran a real cycle in the current cycle (a count, not seconds; every hosted rank's row)."""
+        if self.enabled:
+            self._rows[list(ranks), self.cycle, SLOTS] += slots
 
     @contextmanager
     def _host_span(self, ranks: Sequence[int], field: int) -> Iterator[None]:

@@ -1,21 +1,26 @@
 """What one decoded prompt reports (docs/DESIGN.md, "The decode schedule", "Speedup formulas"): tokens, N, K, alpha, counters, per-cycle timing.
 
-Timing comes as one row per rank and logical cycle: the rank's compute (a stage's layers, or the PDM's
-draft), the verifier's time, the time the rank spent in messages (sending, and waiting to receive from its
-peers) and the cycle's wall-clock time. With optimistic execution a late rejection costs a wasted step
+Timing comes as one row per rank and cycle of the runner (a step in which some slot ran a real cycle): the
+rank's compute (a stage's layers, or the PDM's draft), the verifier's time, the time the rank spent in
+messages (sending, and waiting to receive from its peers), the cycle's wall-clock time, and how many slots
+ran a real cycle in it (`SLOTS`, a count). With optimistic execution a late rejection costs a wasted step
 before the cycle is redone; both steps are charged to that cycle, so the rows add up to the decode time.
+A prompt's timing holds the cycles from its first to its last: at batch 1 its own `K` cycles; with `B` slots
+the runner's cycles while it decoded, which it shared with the `slots` sequences each row counts (so the
+prompts' rows overlap, and the rows with `slots = b` are what a cycle over `b` sequences costs).
 In the simulator every rank's row is filled by the one process, sequentially; in the distributed decoder
 each rank fills its own and the reporting rank gathers them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
-COMPUTE, VERIFY, COMM, WALL = range(4)
-TIMING_FIELDS = 4
+COMPUTE, VERIFY, COMM, WALL, SLOTS = range(5)
+TIMING_FIELDS = 5
 
 
 def max_cycles(n: int, max_new_tokens: int) -> int:
@@ -23,16 +28,26 @@ def max_cycles(n: int, max_new_tokens: int) -> int:
     return n * max_new_tokens + n
 
 
-def summarize_timing(rows: torch.Tensor, K: int, n: int, has_drafter: bool = True, shared_pdm: bool = False) -> dict:
-    """`rows[world, cycles, TIMING_FIELDS]` (ranks 0..n-1 are stages, rank n the PDM) -> JSON-ready dict.
-    `shared_pdm` (the PDM in stage 1's process, `--pdm-placement shared`) adds what sharing costs."""
-    rows = rows[:, :K].double()
+def summarize_timing(
+    rows: torch.Tensor,
+    n: int,
+    cycles: tuple[int, int] | None = None,
+    has_drafter: bool = True,
+    shared_pdm: bool = False,
+) -> dict:
+    """`rows[world, cycles, TIMING_FIELDS]` (ranks 0..n-1 are stages, rank n the PDM) -> JSON-ready dict, of the
+    rows `cycles` = [first, end) when given (one prompt's, which the dict names). `shared_pdm` (the PDM in stage
+    1's process, `--pdm-placement shared`) adds what sharing costs."""
+    rows = rows.double() if cycles is None else rows[:, slice(*cycles)].double()
+    K = rows.shape[1]
     stage = rows[:n, :, COMPUTE].T  # [K, n]
     draft = rows[n, :, COMPUTE] if has_drafter else torch.zeros(K, dtype=torch.float64)
     verify = rows[n - 1, :, VERIFY]
     comm = rows[:, :, COMM].max(dim=0).values
     wall = rows[n - 1, :, WALL]
+    slots = rows[n - 1, :, SLOTS]  # the verifier's process counts them
     per_cycle = {
+        "slots": slots.int().tolist(),
         "stage_compute_s": stage.tolist(),
         "draft_s": draft.tolist(),
         "verify_s": verify.tolist(),
@@ -49,10 +64,11 @@ def summarize_timing(rows: torch.Tensor, K: int, n: int, has_drafter: bool = Tru
         "mean_cycle_s": float(wall.mean()) if K else 0.0,
         "mean_slowest_stage_s": float(slowest.mean()) if K else 0.0,
         "mean_draft_s": float(draft.mean()) if K else 0.0,
+        "mean_slots": float(slots.mean()) if K else 0.0,
     }
     if shared_pdm:
         _add_sharing_cost(per_cycle, totals, stage, draft, slowest)
-    return {"per_cycle": per_cycle, "totals": totals}
+    return {"per_cycle": per_cycle, "totals": totals, **({"cycles": list(cycles)} if cycles else {})}
 
 
 def _add_sharing_cost(
@@ -102,41 +118,13 @@ class DecodeResult:
         return (self.N - 1) / self.decode_s if self.decode_s > 0 and self.N > 1 else None
 
     def to_dict(self) -> dict:
-        return {
-            "mode": self.mode,
-            "n": self.n,
-            "prompt_len": self.prompt_len,
-            "tokens": self.tokens,
-            "text": self.text,
-            "N": self.N,
-            "K": self.K,
-            "alpha": self.alpha,
-            "theoretical_speedup": self.theoretical_speedup,
-            "stop_reason": self.stop_reason,
-            **self.counters,
-            "prefill_s": self.prefill_s,
-            "decode_s": self.decode_s,
-            "decode_tokens_per_s": self.decode_tokens_per_s,
-            "timing": self.timing,
-        }
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "counters"}
+        derived = ("N", "alpha", "theoretical_speedup", "decode_tokens_per_s")
+        return {**fields, **{name: getattr(self, name) for name in derived}, **self.counters}
 
     @classmethod
     def from_dict(cls, d: dict) -> DecodeResult:
-        counters = {
-            k: d[k]
-            for k in ("accepted_by_fill", "rejected_by_fill", "accepted_by_depth", "rejected_by_depth")
-            if k in d
-        }
-        return cls(
-            mode=d["mode"],
-            n=d["n"],
-            prompt_len=d["prompt_len"],
-            tokens=list(d["tokens"]),
-            K=d["K"],
-            stop_reason=d["stop_reason"],
-            counters=counters,
-            prefill_s=d.get("prefill_s", 0.0),
-            decode_s=d.get("decode_s", 0.0),
-            timing=d.get("timing", {}),
-            text=d.get("text"),
-        )
+        """The result `to_dict` wrote (its derived values recomputed, its counters gathered back)."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"counters"}
+        counters = ("accepted_by_fill", "rejected_by_fill", "accepted_by_depth", "rejected_by_depth")
+        return cls(**{k: v for k, v in d.items() if k in names}, counters={k: d[k] for k in counters if k in d})

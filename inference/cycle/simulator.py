@@ -50,7 +50,7 @@ class Simulator(PipelineRunner):
         """`sampling`: what `decode` samples with unless told otherwise (a request of `run` brings its own).
         `replay_wasted_work`: the stages before the last also run each slot's wasted steps, as distributed stage
         ranks do when the verdict comes late, and the redo rolls them back. `profile`: per-cycle timing in each
-        `decode` result's `timing` (empty otherwise). `compile`: the one-token stage steps and the PDM's draft step
+        result's `timing` (empty otherwise). `compile`: the one-token stage steps and the PDM's draft step
         through `torch.compile`, one graph per batch bucket (prefill stays eager)."""
         geometry.check_target(target.num_layers)
         stages = {s: Stage.from_target(target, geometry, s, max_batch, compile) for s in range(1, geometry.n + 1)}
@@ -93,9 +93,7 @@ class Simulator(PipelineRunner):
         request = Request(
             prompt_ids, max_new_tokens, eos_set(eos_token_id), sampling or self.sampling, seed, on_tokens, stop
         )
-        result = self.run_one(request)
-        result.timing = self.timing(result.K)
-        return result
+        return self.run_one(request)
 
 
 @torch.no_grad()

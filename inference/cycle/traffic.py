@@ -13,6 +13,7 @@ the prefill (`prefill.py`) send through the same `send` and `recv`.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -23,8 +24,17 @@ from inference.cycle.schedule import CyclePlan
 from inference.cycle.slots import SlotSequence
 from inference.cycle.transport import Arrival, Transport
 from inference.runtime.drafter import DraftBatch, Drafter
-from inference.runtime.slot_rows import RowSets
+from inference.runtime.slot_rows import RowSets, leading
 from spd_lightning.geometry import Geometry
+
+
+class StepInputs(NamedTuple):
+    """What a step's fresh plans take from the previous step, derived once per step (`Traffic.inputs`)."""
+
+    plans: Mapping[int, CyclePlan]  # the slots whose inputs travel now, and their plans
+    entered: list[int]  # the slots whose draft enters stage 1
+    acts: list[int]  # the stages `s` whose activation goes on to stage `s + 1`
+    anchors: list[int]  # pre-step: the stages whose anchor states of the previous step go to the PDM
 
 
 class Traffic:
@@ -95,49 +105,54 @@ class Traffic:
         with self.clock.span(dst, COMM):
             arrival.wait()
 
-    def send_inputs(self, live: Mapping[int, SlotSequence], fresh: Mapping[int, CyclePlan]) -> None:
-        """The previous step's outputs that this step's `fresh` plans take, in the order the receivers take them:
+    def inputs(self, fresh: Mapping[int, CyclePlan]) -> StepInputs:
+        """What the `fresh` plans (those of the slots that do not redo a wasted step) take this step."""
+        acts = {s for plan in fresh.values() for s, position in enumerate(plan.stage_positions) if s and position >= 0}
+        return StepInputs(
+            fresh,
+            [b for b, plan in fresh.items() if plan.draft_entered],
+            sorted(acts),
+            self.anchor_stages(fresh, during=False) if self.pre_step else [],
+        )
+
+    def send_inputs(self, live: Mapping[int, SlotSequence], inputs: StepInputs) -> None:
+        """The previous step's outputs that this step's fresh plans take, in the order the receivers take them:
         the verifier takes the draft after the activation it runs (they share a channel when the PDM shares stage
         1's process)."""
         n = self.n
-        entered = [b for b, plan in fresh.items() if plan.draft_entered]
-        if entered:
+        if inputs.entered:
             self.send(n, 0, "draft_token")
-        for s in range(1, n):
-            if any(plan.stage_positions[s] >= 0 for plan in fresh.values()):
-                self.send(s - 1, s, "act")
-        if entered:
+        for s in inputs.acts:
+            self.send(s - 1, s, "act")
+        if inputs.entered:
             self.send(n, n - 1, "draft_token")
-            if sampled(live, entered):
+            if sampled(live, inputs.entered):
                 self.send(n, n - 1, "draft_q")
-        if self.pre_step:
-            for s in self.anchor_stages(fresh, during=False):
-                self.send(s - 1, n, f"anchors{s}")
+        for s in inputs.anchors:
+            self.send(s - 1, n, f"anchors{s}")
 
-    def receive_inputs(self, fresh: Mapping[int, CyclePlan]) -> None:
+    def receive_inputs(self, inputs: StepInputs) -> None:
         """Stage 1's drafts, the activations, and pre-step the anchor states of the stages in this process."""
         n = self.n
-        if any(plan.draft_entered for plan in fresh.values()):
+        if inputs.entered:
             self.recv(n, 0, "draft_token")
-        for s in range(1, n):
-            if any(plan.stage_positions[s] >= 0 for plan in fresh.values()):
-                self.recv(s - 1, s, "act")
-        if self.pre_step:
-            self.receive_anchors_before(fresh, from_here=True)
+        for s in inputs.acts:
+            self.recv(s - 1, s, "act")
+        self.receive_anchors_before(inputs, from_here=True)
 
-    def receive_anchors_before(self, fresh: Mapping[int, CyclePlan], from_here: bool) -> None:
+    def receive_anchors_before(self, inputs: StepInputs, from_here: bool) -> None:
         """Pre-step, the PDM's anchor states of the previous step, which it stores even for a slot whose step
         turns out wasted (they are its previous, real cycle's): those of a stage in this process (`from_here`)
         with this step's inputs, those of other processes after this process's stage forward was launched, so
         that forward never waits for them (the shared placement's stage 1)."""
         if not self.transport.hosts(self.n):
             return
-        for s in self.anchor_stages(fresh, during=False):
+        for s in inputs.anchors:
             if self.transport.hosts(s - 1) != from_here:
                 continue
             states = self.recv(s - 1, self.n, f"anchors{s}")
             self.drafter.store_step_anchors(
-                s, positions_of(s, {b: plan.anchors_before for b, plan in fresh.items()}), states
+                s, positions_of(s, {b: plan.anchors_before for b, plan in inputs.plans.items()}), states
             )
 
     def exchange_anchors_during(self, plans: Mapping[int, CyclePlan], drafting: list[int]) -> None:
@@ -155,17 +170,19 @@ class Traffic:
         """The PDM's outgoing draft message: the rows of the `kept` slots' drafts; the row of a discarded draft
         keeps what it held (a redo's input travelled with it)."""
         R = drafts.tokens.shape[0]
+        tokens, q = leading(self._draft_tokens, R), leading(self._draft_q, R)
         if len(kept) == R:  # every row of the draft is sent
-            self._draft_tokens[:R] = drafts.tokens
+            tokens.copy_(drafts.tokens)
             if drafts.q is not None:
-                self._draft_q[:R] = drafts.q
+                q.copy_(drafts.q)
         elif kept:
-            keep = self._kept_rows.write(kept, self._kept_mask)[:R]
-            self._draft_tokens[:R] = torch.where(keep, drafts.tokens, self._draft_tokens[:R])
+            keep = leading(self._kept_rows.write(kept, self._kept_mask), R)
+            tokens.copy_(torch.where(keep, drafts.tokens, tokens))
             if drafts.q is not None:
-                self._draft_q[:R] = torch.where(keep[:, None], drafts.q, self._draft_q[:R])
+                q.copy_(torch.where(keep[:, None], drafts.q, q))
         self.box.put(self.n, "draft_token", self._draft_tokens)
-        self.box.put(self.n, "draft_q", self._draft_q)
+        if drafts.q is not None:  # else no slot that drafted samples, and no draft entering next step needs its q
+            self.box.put(self.n, "draft_q", self._draft_q)
 
     def anchor_stages(self, plans: Mapping[int, CyclePlan], during: bool) -> list[int]:
         """The stages whose anchor states some plan needs (this step's, or the previous step's)."""

@@ -132,22 +132,24 @@ def decode_prompts(
     """A rank's part in decoding every prompt of the job, `job.max_batch` at a time (`request_channel` is unused:
     the job brings the prompts): every rank runs the same FIFO, so every rank joins the same prompt into the same
     slot at the same step. The verifier's rank reports the results, and with `on_tokens(prompt index, tokens)`
-    the tokens each cycle verified. `job.profile` (batch 1): each prompt's timing rows of every process, gathered
-    on the reporter."""
+    the tokens each cycle verified. `job.profile`: the results wait for the end, when every process's timing
+    rows are gathered on the reporter, which gives each prompt the rows of its cycles (`PipelineRunner.spans`)."""
     runner = build_runner(job, rank, device)
     reporter = runner.verifier_rank
     work = job_requests(job, rank == reporter, on_tokens)
     if not job.profile:
         runner.run(work, on_result=report if rank == reporter else None)
         return
-    for index, request in enumerate(work):
-        result = runner.run_one(request)
-        rows = runner.transport.gather(torch.from_numpy(runner.clock.rows).to(device), dst=reporter)
-        if rank == reporter:
+    results = runner.run(work)
+    cycles = max((end for _, end in runner.spans.values()), default=1)  # the same on every rank
+    rows = runner.transport.gather(torch.from_numpy(runner.clock.rows[:, :cycles].copy()).to(device), dst=reporter)
+    if rank == reporter:
+        rows = torch.stack(rows).sum(0).cpu()
+        for index, result in enumerate(results):
             result.timing = summarize_timing(
-                torch.stack(rows).sum(0).cpu()[:, 1:],
-                result.K,
+                rows,
                 runner.n,
+                runner.spans[index],
                 has_drafter=job.replay is None,
                 shared_pdm=job.pdm_placement == "shared",
             )

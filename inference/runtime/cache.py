@@ -34,7 +34,7 @@ from transformers import StaticCache
 from transformers.cache_utils import LinearAttentionLayer, StaticLayer
 
 from inference.runtime.hf_compat import LegacyStateReads
-from inference.runtime.slot_rows import DeviceInts, RowSets, mark_static
+from inference.runtime.slot_rows import DeviceInts, RowSets, leading, mark_static
 from spd_lightning.errors import UserError
 
 CAPACITY_STEP = 256
@@ -122,45 +122,48 @@ class StageCache(LegacyStateReads):
 
     def snapshot(self) -> None:
         """Inside the step: every row's Gated DeltaNet states into its ring entry `position % window`."""
-        rows = self._rows[: self.rows]
-        ring_entries = self.positions.device[: self.rows] % self.window
+        if not self.linear_layers:
+            return
+        rows = leading(self._rows, self.rows)
+        ring_entries = leading(self.positions.device, self.rows) % self.window
         for i in self.linear_layers:
-            self.conv_ring[i].index_put_((ring_entries, rows), self.conv[i][: self.rows])
-            self.recurrent_ring[i].index_put_((ring_entries, rows), self.recurrent[i][: self.rows])
+            self.conv_ring[i].index_put_((ring_entries, rows), leading(self.conv[i], self.rows))
+            self.recurrent_ring[i].index_put_((ring_entries, rows), leading(self.recurrent[i], self.rows))
 
     def keep_idle_rows(self, running_mask: torch.Tensor) -> None:
         """Inside the step, after the layers: the idle rows' Gated DeltaNet states back as they were."""
-        rows = self._rows[: self.rows]
-        ring_entries = self.positions.device[: self.rows] % self.window
+        rows = leading(self._rows, self.rows)
+        ring_entries = leading(self.positions.device, self.rows) % self.window
         for i in self.linear_layers:
             for state, ring in ((self.conv[i], self.conv_ring[i]), (self.recurrent[i], self.recurrent_ring[i])):
-                state = state[: self.rows]
+                state = leading(state, self.rows)
                 mask = running_mask.view(-1, *([1] * (state.dim() - 1)))
                 state.copy_(torch.where(mask, state, ring[ring_entries, rows]))
 
-    def after_step(self, running: list[int], running_mask: torch.Tensor) -> None:
-        """After the step: the running slots advance by one position, on the device and on the host."""
-        self.positions.add_one(running, running_mask)
+    def after_step(self, running: list[int], running_mask: torch.Tensor | None) -> None:
+        """After the step: the running slots (every row of the step without `running_mask`) advance by one position,
+        on the device and on the host."""
+        self.positions.add_one(running, self.rows if running_mask is None else running_mask)
 
     # HF cache interface, decode step (every row, one token each)
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        keys, values = self.keys[layer_idx][: self.rows], self.values[layer_idx][: self.rows]
-        rows, positions = self._rows[: self.rows], self.positions.device[: self.rows]
+        keys, values = leading(self.keys[layer_idx], self.rows), leading(self.values[layer_idx], self.rows)
+        rows, positions = leading(self._rows, self.rows), leading(self.positions.device, self.rows)
         keys[rows, :, positions] = key_states[:, :, 0]  # row b at its own position
         values[rows, :, positions] = value_states[:, :, 0]
         return keys, values
 
     def get_conv_state(self, layer_idx, state_idx=0):
-        return self.conv[layer_idx][: self.rows]
+        return leading(self.conv[layer_idx], self.rows)
 
     def get_recurrent_state(self, layer_idx, state_idx=0):
-        return self.recurrent[layer_idx][: self.rows]
+        return leading(self.recurrent[layer_idx], self.rows)
 
     def is_recording_past(self, layer_idx) -> bool:
         return False
 
     def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, **kwargs):
-        return self.recurrent[layer_idx][: self.rows].copy_(recurrent_states)
+        return leading(self.recurrent[layer_idx], self.rows).copy_(recurrent_states)
 
     def update_conv_state(self, conv_states, layer_idx, state_idx=0, **kwargs):
         raise RuntimeError("a one-token decode step updates the conv state in place (causal_conv1d_update)")

@@ -42,7 +42,7 @@ from torch import nn
 
 from inference.runtime.cache import round_capacity
 from inference.runtime.capture import CompiledStep
-from inference.runtime.slot_rows import HostTable, batch_bucket, mark_static
+from inference.runtime.slot_rows import HostTable, batch_bucket, leading, mark_static
 from inference.sampling import Sampling, counter_uniforms, draw_rows, seed_keys, warp_rows
 from spd_lightning.export import DrafterLoadError
 from spd_lightning.geometry import Geometry
@@ -97,7 +97,7 @@ class SlotDraftKV:
         R = q.shape[0]
         written = self.offsets[:R, None] + torch.arange(q.shape[-2], device=q.device)  # [R, S]
         rows = self.rows[:R, None].expand_as(written)
-        keys, values = self.keys[layer][:R], self.values[layer][:R]
+        keys, values = leading(self.keys[layer], R), leading(self.values[layer], R)
         keys[rows, :, written] = k.transpose(1, 2)  # [R, S, heads, dim] at (row, position)
         values[rows, :, written] = v.transpose(1, 2)
         mask = self.positions[None, None, None, :] <= written[:, None, :, None]  # [R, 1, S, capacity]
@@ -148,7 +148,7 @@ class SlotSampling:
         if not sampled:
             return logits.argmax(-1), None
         R = logits.shape[0]
-        q = warp_rows(logits, self.temperature[:R], self.top_k[:R], self.top_p[:R])
+        q = warp_rows(logits, leading(self.temperature, R), leading(self.top_k, R), leading(self.top_p, R))
         return draw_rows(q, counter_uniforms(self.keys[0, :R], self.keys[1, :R], drafted)), q
 
 
@@ -241,7 +241,7 @@ class PDMDrafter:
             host[b, 0] = position
         R = states.shape[0]
         rows = table.upload(R)[:, 0]
-        self.states[self._row_ids[:R], rows, anchors[0] : anchors[-1] + 1] = states
+        self.states[leading(self._row_ids, R), rows, anchors[0] : anchors[-1] + 1] = states
 
     @torch.no_grad()
     def draft(self, views: Mapping[int, Sequence[tuple[int, int]]], rows: int | None = None) -> DraftBatch:
@@ -294,14 +294,14 @@ class PDMDrafter:
 
     def _enter_seeds(self, table: torch.Tensor) -> None:
         """The seed tokens' embeddings (anchor 0) at their positions, in every row that has one."""
-        rows, positions = self._row_ids[: table.shape[0]], table[:, SEED_POSITION]
+        rows, positions = leading(self._row_ids, table.shape[0]), table[:, SEED_POSITION]
         seeded = table[:, SEED_TOKEN] >= 0
         embedded = self.embed_tokens(table[:, SEED_TOKEN].clamp(min=0)).to(self.state_dtype)
         self.states[rows, positions, 0] = torch.where(seeded[:, None], embedded, self.states[rows, positions, 0])
 
     def _write_embedding(self, table: torch.Tensor, tokens: torch.Tensor, every_row: bool) -> None:
         """H^0 of each drafted token at the position it was drafted for (rows that did not draft keep theirs)."""
-        rows, positions = self._row_ids[: table.shape[0]], table[:, NEXT]
+        rows, positions = leading(self._row_ids, table.shape[0]), table[:, NEXT]
         embedded = self.embed_tokens(tokens).to(self.state_dtype)
         if not every_row:
             embedded = torch.where(table[:, DRAFTING, None].bool(), embedded, self.states[rows, positions, 0])
@@ -329,7 +329,7 @@ class PDMDrafter:
         states = self.states[self._row_ids[:R, None], positions].to(self.dtype)  # [R, width, m, H]
         g = self.pdm.fusion.by_type(states, table[:, TYPES : TYPES + width], present)
         hidden = self.pdm.body(g, positions, self.cache)  # [R, width, d]
-        return self.pdm.lm_head(hidden[self._row_ids[:R], table[:, NEWEST]])
+        return self.pdm.lm_head(hidden[leading(self._row_ids, R), table[:, NEWEST]])
 
 
 def check_drafter(pdm: PipelineDraftModule, geometry: Geometry, embed_tokens: nn.Module) -> None:

@@ -34,6 +34,12 @@ def batch_bucket(rows: int, slots: int) -> int:
     return min(slots, 1 << (rows - 1).bit_length())
 
 
+def leading(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """The leading `rows` rows of a per-slot tensor: the tensor itself when that is all of them (batch 1, a full
+    bucket), as a step asks for many and each view is an op."""
+    return tensor if rows == tensor.shape[0] else tensor[:rows]
+
+
 def mark_static(*tensors: torch.Tensor) -> None:
     """Fixed addresses for a CUDA graph: tensors a compiled step reads or writes in place."""
     for tensor in tensors:
@@ -82,9 +88,13 @@ class DeviceInts:
                 self.device[b].fill_(v)
                 host[b] = v
 
-    def add_one(self, members: Iterable[int], mask: torch.Tensor) -> None:
-        """Rows `members` (whose device mask is `mask`, of any leading length) move by one."""
-        self.device[: mask.shape[0]].add_(mask)
+    def add_one(self, members: Iterable[int], mask: torch.Tensor | int) -> None:
+        """Rows `members` move by one: their device mask `mask`, of any leading length, or every one of the leading
+        `mask` rows."""
+        if isinstance(mask, int):
+            (self.device if mask == len(self.host) else self.device[:mask]).add_(1)
+        else:
+            self.device[: mask.shape[0]].add_(mask)
         for b in members:
             self.host[b] += 1
 
@@ -111,7 +121,8 @@ class HostTable:
 
     def upload(self, rows: int) -> torch.Tensor:
         """The leading `rows` rows on the device."""
-        self.device[:rows].copy_(self._host[:rows], non_blocking=True)
+        device = leading(self.device, rows)
+        device.copy_(leading(self._host, rows), non_blocking=True)
         if self._copied is not None:
             self._copied.record()
-        return self.device[:rows]
+        return device

@@ -23,7 +23,7 @@ from torch import nn
 from inference.runtime.cache import StageCache
 from inference.runtime.capture import CompiledStep
 from inference.runtime.hf_compat import cache_kwargs, rotary_positions
-from inference.runtime.slot_rows import mark_static
+from inference.runtime.slot_rows import leading, mark_static
 from spd_lightning.errors import first_line
 from spd_lightning.geometry import Geometry
 from spd_lightning.target import Target, TargetError, resolve_dtype
@@ -275,9 +275,12 @@ class Stage(nn.Module):
                 )
         running = sorted(tokens)
         cache.before_step(rows, running)
-        mask = cache.sets.write(running, self.running)[:rows]
-        # Eagerly a step in which every row runs skips restoring idle rows; a compiled one always restores (one graph).
-        hidden, anchors, logits = self._step(inputs, mask, self.compiled or len(running) < rows)
+        # Eagerly a step in which every row runs needs no mask of the running rows: no idle row to restore, every
+        # position advances. A compiled one always restores (one graph per bucket).
+        mask = None
+        if self.compiled or len(running) < rows:
+            mask = leading(cache.sets.write(running, self.running), rows)
+        hidden, anchors, logits = self._step(inputs, mask, mask is not None)
         if self.compiled:  # the captured graph owns its outputs and rewrites them on the next replay
             hidden, anchors = hidden.clone(), anchors.clone()
             logits = logits.clone() if logits is not None else None
@@ -285,13 +288,13 @@ class Stage(nn.Module):
         return StepOutput(hidden, anchors, logits)
 
     def _decode_step(
-        self, inputs: torch.Tensor, running: torch.Tensor, idle_rows: bool
+        self, inputs: torch.Tensor, running: torch.Tensor | None, idle_rows: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The step over `cache.rows` rows, all on the device: no host reads, fixed shapes per bucket."""
         cache = self.cache
         cache.snapshot()
         x = self.embed_tokens(inputs) if self.first else inputs
-        positions = cache.positions.device[: cache.rows, None]
+        positions = leading(cache.positions.device, cache.rows)[:, None]
         mask = attention_mask(positions, cache.capacity, x.dtype) if cache.attention_layers else None
         x, anchors, normed = self.run_layers(x, positions, cache, mask, cache.attention_layers)
         if idle_rows:

@@ -8,7 +8,7 @@ arguments are re-exported here."""
 
 from spd_lightning.testing import fit_args
 
-from .decoder_probes import LateArrival, RecordingTransport, forbid_device_sync
+from .decoder_probes import LateArrival, RecordingTransport, check_batched_timing, forbid_device_sync
 from .drafters import (
     ANCHOR_BATCH,
     ANCHOR_HIDDEN,
@@ -85,6 +85,7 @@ __all__ = [
     "attach_stub_trainer",
     "attached_module",
     "callback_args",
+    "check_batched_timing",
     "chat_records",
     "chat_reply",
     "child_pids",

@@ -33,3 +33,25 @@ def forbid_device_sync(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "synchronize", refuse)
     monkeypatch.setattr(torch.cuda, "Event", refuse)
+
+
+def check_batched_timing(prompts: list[dict], n: int, max_batch: int) -> None:
+    """Each prompt's `--profile` timing (report entries, or `DecodeResult.to_dict()`s) of one batched run: a row
+    per cycle of the runner while it decoded (`timing["cycles"]`), each with every stage's compute and the slots
+    that ran a real cycle in it. Prompts decoded side by side share their rows, and over the run each slot's real
+    cycles add up to the prompts' K: so every row is counted where it belongs."""
+    runs: dict[int, tuple] = {}  # the runner's cycle -> its row, as every prompt that shared it saw it
+    for p in prompts:
+        first, end = p["timing"]["cycles"]
+        per_cycle = p["timing"]["per_cycle"]
+        assert len(per_cycle["wall_s"]) == end - first >= p["K"] and all(
+            len(r) == n for r in per_cycle["stage_compute_s"]
+        )
+        assert all(1 <= slots <= max_batch for slots in per_cycle["slots"])
+        assert p["timing"]["totals"]["draft_s"] > 0 and p["timing"]["totals"]["wall_s"] > 0
+        for i, cycle in enumerate(range(first, end)):
+            row = (per_cycle["slots"][i], per_cycle["wall_s"][i], tuple(per_cycle["stage_compute_s"][i]))
+            assert runs.setdefault(cycle, row) == row
+    assert sorted(runs) == list(range(1, len(runs) + 1))  # the prompts' rows cover the run's cycles
+    assert sum(row[0] for row in runs.values()) == sum(p["K"] for p in prompts)
+    assert max(row[0] for row in runs.values()) == max_batch  # some cycle ran every slot
