@@ -32,15 +32,9 @@ Times come from one of:
   `--overhead-layers` (default 1.0: the paper's 4B run (docs/DESIGN.md, "Reference numbers") has ~1.2 ms overhead at ~1.05 ms per target layer).
   Only ratios matter for the speedup, so no absolute time is needed.
 
-EAGLE-3 beside SPD (`--times eval.json` of an eval with EAGLE-3 rows, its `plan_inputs_eagle3`): on one GPU,
-each round drafts k tokens and verifies them in one target forward, so from the measured costs
-
-    round(k)      = k * T_draft_step + T_verify(k)
-    speedup       = (tokens per target forward) * T_full / round(k)
-                  = tau / (1 + k r + (T_verify/T_full - 1))   (inference/evaluation/costs.py, r = T_draft_step/T_full)
-
-printed per k beside SPD's best prediction at each n (SPD needs n GPUs with the PDM sharing stage 1's,
-n + 1 with its own). An eval with only an EAGLE-3 drafter needs no alpha.
+EAGLE-3 beside SPD (`--times eval.json` of an eval with EAGLE-3 rows): its predicted speedup per k from its
+measured draft-step and verify costs, beside SPD's best prediction at each n (`inference/evaluation/eagle3_plan.py`).
+An eval with only an EAGLE-3 drafter needs no alpha.
 
 Batched decoding (`--batch-times batch_times.json` of `scripts/bench_batch.py --json`): tokens/s in total and
 per request at each measured B from the stage and draft step times at that B, and their weight-bound GPU reading
@@ -62,8 +56,8 @@ import sys
 from dataclasses import asdict, dataclass
 
 from inference import cli
-from inference.evaluation import costs
 from inference.evaluation.batch_plan import batch_markdown, batch_rows
+from inference.evaluation.eagle3_plan import eagle3_markdown, eagle3_rows
 from inference.evaluation.tables import markdown_table, pyplot, save
 from spd_lightning.errors import UserError, first_line
 
@@ -265,46 +259,6 @@ def _stage_fixed(measured: dict, t_full: float) -> float:
     """What the measured slowest stage costs beyond its even share `T_full / n` (0 when not measured)."""
     slowest, n = measured.get("slowest_stage_s"), measured.get("n")
     return max(0.0, slowest - t_full / n) if slowest is not None and n else 0.0
-
-
-def eagle3_rows(inputs: list[dict], t_full: float | None) -> list[dict]:
-    """EAGLE-3's predicted speedup per k from its measured draft-step and verify costs (`T_full` in seconds:
-    the cost model's when measured, else the eval's)."""
-    rows = []
-    for p in inputs:
-        full = t_full or p["T_full_s"]
-        if None in (full, p["alpha"], p["T_draft_step_s"], p["T_verify_s"]):
-            raise PlanError(f"EAGLE-3 k={p['k']}: the eval report lacks a measured time; rerun inference.eval")
-        round_s = p["k"] * p["T_draft_step_s"] + p["T_verify_s"]
-        rows.append(
-            {
-                "k": p["k"],
-                "tokens_per_forward": p["alpha"],
-                "draft_step": p["T_draft_step_s"],
-                "verify": p["T_verify_s"],
-                "round": round_s,
-                "speedup": costs.s_eagle3(p["alpha"], p["k"], p["T_draft_step_s"] / full, p["T_verify_s"] / full),
-            }
-        )
-    return rows
-
-
-def eagle3_markdown(rows: list[dict], spd_rows: list[dict]) -> str:
-    head = ["k", "tokens per target forward", "draft step (s)", "verify (s)", "round (s)", "predicted speedup"]
-    cells = [
-        [str(r["k"]), f"{r['tokens_per_forward']:.3f}", f"{r['draft_step']:.4g}", f"{r['verify']:.4g}"]
-        + [f"{r['round']:.4g}", f"{r['speedup']:.2f}"]
-        for r in rows
-    ]
-    best = max(rows, key=lambda r: r["speedup"])
-    lines = ["EAGLE-3 on 1 GPU (measured draft and verify costs)", "", *markdown_table(head, cells), ""]
-    for n in sorted({r["n"] for r in spd_rows}):
-        spd = max((r for r in spd_rows if r["n"] == n), key=lambda r: r["speedup"])
-        lines.append(
-            f"n={n} (SPD on {n} GPUs, {n + 1} with its own PDM GPU): SPD {spd['speedup']:.2f}x (L_s={spd['L_s']}) "
-            f"vs EAGLE-3 {best['speedup']:.2f}x (k={best['k']}, 1 GPU)"
-        )
-    return "\n".join(lines) + "\n"
 
 
 def markdown(model: CostModel, rows: list[dict], best: dict) -> str:

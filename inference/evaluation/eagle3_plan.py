@@ -1,0 +1,61 @@
+"""The planner's EAGLE-3 rows: its predicted speedup per k beside SPD's (`python -m inference.plan --times eval.json`
+of an eval with EAGLE-3 rows, whose `plan_inputs_eagle3` this reads).
+
+On one GPU each round drafts k tokens serially and verifies them in one target forward over k + 1 positions:
+
+    round(k)      = k * T_draft_step + T_verify(k)
+    speedup       = tau / (1 + k r + (T_verify/T_full - 1))   (inference/evaluation/costs.py, r = T_draft_step/T_full)
+
+with `tau` the tokens per target forward the eval measured. The table puts EAGLE-3's best k beside SPD's best
+prediction at each n (SPD needs n GPUs with the PDM sharing stage 1's, n + 1 with its own).
+"""
+
+from __future__ import annotations
+
+from inference.evaluation import costs
+from inference.evaluation.tables import markdown_table
+from spd_lightning.errors import UserError
+
+
+class Eagle3PlanError(UserError):
+    """An eval report whose EAGLE-3 rows lack a measured time; one line."""
+
+
+def eagle3_rows(inputs: list[dict], t_full: float | None) -> list[dict]:
+    """EAGLE-3's predicted speedup per k from its measured draft-step and verify costs (`T_full` in seconds:
+    the cost model's when measured, else the eval's)."""
+    rows = []
+    for p in inputs:
+        full = t_full or p["T_full_s"]
+        if None in (full, p["alpha"], p["T_draft_step_s"], p["T_verify_s"]):
+            raise Eagle3PlanError(f"EAGLE-3 k={p['k']}: the eval report lacks a measured time; rerun inference.eval")
+        round_s = p["k"] * p["T_draft_step_s"] + p["T_verify_s"]
+        rows.append(
+            {
+                "k": p["k"],
+                "tokens_per_forward": p["alpha"],
+                "draft_step": p["T_draft_step_s"],
+                "verify": p["T_verify_s"],
+                "round": round_s,
+                "speedup": costs.s_eagle3(p["alpha"], p["k"], p["T_draft_step_s"] / full, p["T_verify_s"] / full),
+            }
+        )
+    return rows
+
+
+def eagle3_markdown(rows: list[dict], spd_rows: list[dict]) -> str:
+    head = ["k", "tokens per target forward", "draft step (s)", "verify (s)", "round (s)", "predicted speedup"]
+    cells = [
+        [str(r["k"]), f"{r['tokens_per_forward']:.3f}", f"{r['draft_step']:.4g}", f"{r['verify']:.4g}"]
+        + [f"{r['round']:.4g}", f"{r['speedup']:.2f}"]
+        for r in rows
+    ]
+    best = max(rows, key=lambda r: r["speedup"])
+    lines = ["EAGLE-3 on 1 GPU (measured draft and verify costs)", "", *markdown_table(head, cells), ""]
+    for n in sorted({r["n"] for r in spd_rows}):
+        spd = max((r for r in spd_rows if r["n"] == n), key=lambda r: r["speedup"])
+        lines.append(
+            f"n={n} (SPD on {n} GPUs, {n + 1} with its own PDM GPU): SPD {spd['speedup']:.2f}x (L_s={spd['L_s']}) "
+            f"vs EAGLE-3 {best['speedup']:.2f}x (k={best['k']}, 1 GPU)"
+        )
+    return "\n".join(lines) + "\n"
