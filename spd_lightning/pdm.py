@@ -79,10 +79,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * self.normalize(x)
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """`x / rms(x)` in `x`'s dtype (computed in float32), before the learned scale."""
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -207,8 +209,18 @@ class Fusion(nn.Module):
         return self._groups[key]
 
     def _one(self, states: torch.Tensor, tau: int) -> torch.Tensor:
+        proj = self.proj[tau - 1]
+        if torch.is_grad_enabled() and proj.weight.requires_grad:
+            # Training: the norms' scales folded into the projection's columns, `x_hat @ (W diag(w))^T`, the same
+            # map as `[w_0 x_hat_0; ...] @ W^T`. The activations `x_hat` (of frozen target states) then carry no
+            # gradient, so backward computes the weights' gradients only and skips the `[tokens, tau*H]` input
+            # gradient: a third of the fusion's backward, the largest matmul of a training step (docs/DESIGN.md,
+            # "The training step's cost"). Decoding keeps the plain form, which costs no fold per call.
+            unit = torch.cat([self.norms[j].normalize(states[..., j, :]) for j in range(tau)], dim=-1)
+            scale = torch.cat([self.norms[j].weight for j in range(tau)])
+            return F.linear(unit, proj.weight * scale)
         normed = [self.norms[j](states[..., j, :]) for j in range(tau)]
-        return self.proj[tau - 1](torch.cat(normed, dim=-1))
+        return proj(torch.cat(normed, dim=-1))
 
 
 def draft_to_target(d2t: torch.Tensor | None, draft_vocab_size: int) -> torch.Tensor:

@@ -177,3 +177,31 @@ def test_fusion_by_position_types_equals_fusing_each_position_alone():
     types = (3, 1, 2, 1, 3)
     one_by_one = torch.stack([fusion(states[:, i], t) for i, t in enumerate(types)], dim=1)
     torch.testing.assert_close(fusion(states, types), one_by_one)
+
+
+@pytest.mark.parametrize("tau", [1, 2, 3])
+def test_training_fusion_folds_the_norm_scales_into_the_projection_exactly(tau):
+    """Training fuses with the norms' scales folded into the projection (no input gradient to compute); its
+    outputs and every weight's gradient equal the defining form `proj([w_0 x_hat_0; ...])` that decoding runs."""
+    torch.manual_seed(0)
+    cfg = PDMConfig(ANCHOR_HIDDEN, 3, ANCHOR_VOCAB, hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8)
+    fusion = PipelineDraftModule(cfg).fusion
+    with torch.no_grad():
+        for norm in fusion.norms:  # scales away from 1, distinct per anchor: a fold that mixes them up shows
+            norm.weight.uniform_(0.5, 1.5)
+    states = torch.randn(2, 7, 3, ANCHOR_HIDDEN)
+    upstream = torch.randn(2, 7, 16)
+    params = [*fusion.norms.parameters(), *fusion.proj.parameters()]
+
+    def grads(out: torch.Tensor) -> list[torch.Tensor]:
+        return torch.autograd.grad((out * upstream).sum(), params, allow_unused=True)
+
+    folded = fusion(states, tau)  # grad enabled, trainable weights: the folded form
+    defining = fusion.proj[tau - 1](torch.cat([fusion.norms[j](states[..., j, :]) for j in range(tau)], dim=-1))
+    torch.testing.assert_close(folded, defining)
+    for got, want in zip(grads(folded), grads(defining)):
+        assert (got is None) == (want is None)
+        if got is not None:
+            torch.testing.assert_close(got, want)
+    with torch.no_grad():  # decoding's form
+        torch.testing.assert_close(fusion(states, tau), defining.detach())
