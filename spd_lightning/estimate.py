@@ -150,7 +150,8 @@ def _flops_per_token(tcfg, c, target_params: int, pdm: PipelineDraftModule, layo
     """Training FLOPs per token of the data: the target's no-grad forward (2 per weight, its head over V_d, plus
     causal attention over T/2 keys on its full-attention layers) and the PDM's forward + backward (6 per weight per row, 8 with
     checkpointing's second forward; attention sees about T/2 keys per query). The PDM runs the fusion once per
-    aggregation type, every copy through layers 0..L_s-2, and in its last layer every copy's keys and values
+    aggregation type (4 per weight: forward and the weights' gradient; the frozen states need no input gradient,
+    `Fusion._one`), every copy through layers 0..L_s-2, and in its last layer every copy's keys and values
     but the loss copy's queries, output, MLP and head only (every copy when `aux_loss_weight` reads the others:
     `SPDModule._forward`)."""
     passes = 8 if opts["checkpointing"] else 6
@@ -166,7 +167,8 @@ def _flops_per_token(tcfg, c, target_params: int, pdm: PipelineDraftModule, layo
     pdm_attn = query_rows * 4 * c.num_heads * c.head_dim * T / 2 * passes / 2
     return (
         _target_flops_per_token(tcfg, c, target_params, T, opts["full_vocab_every"])
-        + passes * (fusion + layer_rows)
+        + 4 * fusion
+        + passes * layer_rows
         + pdm_attn
         + 6 * c.draft_vocab_size * c.hidden_size
     )
@@ -258,7 +260,9 @@ def estimate(shape: Shape, tcfg, gpus: int = 1) -> dict:
     per_layer = B * S * _layer_saved_bytes(c, act, mixed)
     types = sorted(set(layout.copy_types))
     out["anchor_states"] = tokens * len(geometry.anchors) * H * tgt
-    out["fusion"] = tokens * sum((4 + 2 * act) * tau * H for tau in types) + B * S * c.hidden_size * act
+    # per type, the projection's input (the normalized states, in the activation dtype; with the norms' scales
+    # folded into the weights, `Fusion._one`, nothing else of the norms is kept), and the fused output of every copy
+    out["fusion"] = tokens * sum(act * tau * H for tau in types) + B * S * c.hidden_size * act
     out["activations_plain"] = c.num_layers * per_layer
     out["activations_checkpointed"] = c.num_layers * B * S * c.hidden_size * act + per_layer
     if shape.backend == "dense":  # the CPU path: a [B, S, S] bool mask (SDPA's CPU kernel is blockwise)

@@ -160,16 +160,20 @@ class StateWriter:
 
     def write_shard(self, split: str, shard: int, samples, bar: tqdm) -> None:
         size = self.manifest["shard_size"]
-        indices = range(shard * size, min((shard + 1) * size, self.manifest["splits"][split]))
+        first, stop = shard * size, min((shard + 1) * size, self.manifest["splits"][split])
+        # The shard's samples by length, so that a batch pads to little more than its own lengths (in index order a
+        # batch of 4 regenerated SmolLM2 chats pads 23 % of its positions, sorted 1 %); each keeps its own name.
+        lengths = [len(ids) for ids in samples[first:stop]["input_ids"]]
+        order = sorted(range(first, stop), key=lambda i: lengths[i - first])
         tensors: dict[str, torch.Tensor] = {}
-        for start in range(indices.start, indices.stop, self.batch_size):
-            batch = range(start, min(start + self.batch_size, indices.stop))
+        for start in range(0, len(order), self.batch_size):
+            batch = order[start : start + self.batch_size]
             tensors.update(self._run([samples[i] for i in batch], batch))
             bar.update(len(batch))
         save_atomic(tensors, os.path.join(self.directory, shard_name(split, shard)))
 
     @torch.no_grad()
-    def _run(self, samples: list[dict], indices: range) -> dict[str, torch.Tensor]:
+    def _run(self, samples: list[dict], indices: list[int]) -> dict[str, torch.Tensor]:
         """One target forward over a right-padded batch; each sample's real positions, by name."""
         batch = self.data.collate(samples)
         ids, mask = batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
