@@ -1,20 +1,19 @@
 """The chain target's cache over every layer: static storage written in place, with exact rollback (docs/DESIGN.md,
 "The EAGLE-3 baseline"; the pipeline's stages use inference/runtime/cache.py).
 
-Each stage keeps a Hugging Face `StaticCache(config=...)` that holds state only for its own layers (the
-HF layers are called with their global `layer_idx`). Storage is allocated once and then only written:
+One Hugging Face `StaticCache(config=...)` holds every layer's state. Storage is allocated once and then only
+written:
 
-- attention layers (`StaticLayer`): keys/values preallocated to `capacity` positions (the prompt's
-  context budget, rounded up to a power of two of at least `CAPACITY_STEP`, so that a compiled decode step
-  sees few shapes: requests of growing length reuse its graphs, a new one only at each doubling), written
-  in place at the layer's device-side length; the stage masks the unwritten tail. A rollback moves that
-  length back and the next token overwrites the discarded positions. A new prompt reuses the storage when it
-  fits; a forward past `capacity` (a caller that gave no budget) regrows it, doubling;
+- attention layers (`StaticLayer`): keys/values preallocated to `capacity` positions (the prompt's context
+  budget, rounded up to a power of two of at least `CAPACITY_STEP`, as the stages' caches do), written in place
+  at the layer's device-side length; the target masks the unwritten tail. A rollback moves that length back
+  and the next block overwrites the discarded positions. A new prompt reuses the storage when it fits; a
+  forward past `capacity` (a caller that gave no budget) regrows it, doubling;
 - linear-attention layers (Gated DeltaNet, `LinearAttentionLayer`) fold every token into a conv state and
-  a recurrent state, updated in place, that cannot be cropped: before a stage runs the single token at
-  position `p` it copies them into entry `p % window` of a ring allocated once per model; a rollback to
-  `p` copies them back. Tokens that can still be rejected are at most `n` positions behind the newest,
-  so a ring of `n + 1` entries suffices.
+  a recurrent state, updated in place, that cannot be cropped: before the verify forward runs the token at
+  position `p` through such a layer it copies them into entry `p % window` of a ring allocated once per model;
+  a rollback to `p` copies them back. A rollback discards at most the block of one verify forward (`k + 1`
+  tokens), so a ring of `k + 2` entries suffices.
 
 The prompt is never rolled back (the first generated token is always verified), so prefill takes no
 snapshot, and position 0 is always a prefill (of one token or more).
@@ -96,21 +95,10 @@ class ChainCache:
         layer = self.hf.layers[i]
         return layer.conv_states[0], layer.recurrent_states[0]
 
-    def before_token(self, position: int) -> None:
-        """Called before the stage runs the single token at `position` (== `length` > 0, after a prefill)."""
-        if position != self.length or position == 0:
-            raise RuntimeError(
-                f"stage cache holds {self.length} positions but is asked to run position {position} "
-                f"as a single decoded token"
-            )
-        self.reserve(position + 1)
-        for i in self.linear_layers:
-            self.snapshot_layer(i, position)
-
     def snapshot_layer(self, i: int, position: int) -> None:
         """Keep linear-attention layer `i`'s states as they are before it runs the token at `position`, so
-        that `rollback(position)` restores them. A caller that runs a block layer by layer (the chain
-        verify forward) calls it per layer and token; `before_token` calls it for every layer."""
+        that `rollback(position)` restores them. The verify forward runs a block layer by layer and calls it per
+        layer and token."""
         conv, recurrent = self.states(i)
         if i not in self._ring:  # once per model: the states' shapes never change
             self._ring[i] = (

@@ -33,7 +33,6 @@ from inference.cycle.result import DecodeResult
 from inference.cycle.schedule import Verdict, eos_set
 from inference.cycle.slots import generator_seeds
 from inference.cycle.verify import judge
-from inference.runtime.stages import meta_target
 from inference.sampling import Sampling, draft_distribution, sample_token, warp
 from spd_lightning.eagle3.export import Eagle3Spec, load_eagle3
 from spd_lightning.target import Target
@@ -85,10 +84,6 @@ class ChainResult:
     def decode_s(self) -> float:
         return self.draft_s + self.verify_s
 
-    @property
-    def decode_tokens_per_s(self) -> float | None:
-        return (self.N - 1) / self.decode_s if self.decode_s > 0 and self.N > 1 else None
-
     def counters(self) -> dict:
         """What the decode and eval reports add to a `DecodeResult` of this prompt."""
         return {
@@ -114,26 +109,6 @@ class ChainResult:
             decode_s=self.decode_s,
             timing=timing,
         )
-
-    def to_dict(self) -> dict:
-        return {
-            "mode": "eagle3",
-            "k": self.k,
-            "prompt_len": self.prompt_len,
-            "tokens": self.tokens,
-            "N": self.N,
-            "K": self.K,
-            "tau": self.tau,
-            "accept_lengths": self.accept_lengths,
-            "draft_over_verify": self.draft_over_verify,
-            "theoretical_speedup": self.tau,
-            "stop_reason": self.stop_reason,
-            "prefill_s": self.prefill_s,
-            "draft_s": self.draft_s,
-            "verify_s": self.verify_s,
-            "decode_s": self.decode_s,
-            "decode_tokens_per_s": self.decode_tokens_per_s,
-        }
 
 
 def judge_chain(
@@ -223,22 +198,13 @@ def chain_decode(
 
 @dataclass
 class ChainDecoder:
-    """A target directory and an exported EAGLE-3 drafter (directory or `.ckpt`), ready to decode prompts."""
+    """A loaded target and an exported EAGLE-3 drafter (directory or `.ckpt`), ready to decode prompts."""
 
     target: ChainTarget
     runtime: Eagle3Runtime
     spec: Eagle3Spec
     k: int
     sampling: Sampling
-
-    @classmethod
-    def load(
-        cls, target_path: str, drafter_path: str, k: int, sampling: Sampling = Sampling(), dtype="float32", device="cpu"
-    ) -> ChainDecoder:
-        drafter, spec = load_eagle3(drafter_path, device)
-        spec.check_target(meta_target(target_path).info)  # one line on a mismatch, before loading any weight
-        target = ChainTarget.load(target_path, spec.drafter.feature_layers, k + 1, dtype, device)
-        return cls(target, Eagle3Runtime(drafter, target.embed_tokens, sampling), spec, k, sampling)
 
     @classmethod
     def on_target(cls, target: Target, drafter_path: str, max_k: int, sampling: Sampling = Sampling()) -> ChainDecoder:

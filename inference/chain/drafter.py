@@ -23,32 +23,21 @@ from spd_lightning.eagle3.model import Eagle3Drafter
 
 
 class DraftKVCache:
-    """Preallocated body keys/values of the verified positions, used as the PDM's `attend`.
+    """Preallocated body keys/values of the verified positions, used as the drafter's `attend`.
 
     Each call writes the new keys/values at `[length, length + S)` and attends causally over
     `[0, length + S)`; `commit` makes them part of the cache (verified positions), otherwise the next
-    call overwrites them (in-flight positions). `static` (the compiled draft): the offset is the device
-    tensor `offset` (the caller writes `length` into it) and attention runs over the whole storage with the
-    unwritten tail masked, so a call's shapes depend on `S` only."""
+    call overwrites them (in-flight positions)."""
 
-    def __init__(
-        self, num_layers: int, heads: int, head_dim: int, max_len: int, dtype: torch.dtype, device, static: bool = False
-    ):
+    def __init__(self, num_layers: int, heads: int, head_dim: int, max_len: int, dtype: torch.dtype, device):
         self.keys = torch.zeros(num_layers, 1, heads, max_len, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
         self.length = 0
-        self.static = static
-        self.offset = torch.zeros(1, dtype=torch.long, device=device)
-        self.positions = torch.arange(max_len, device=device)
-        for tensor in (self.keys, self.values, self.offset, self.positions):  # fixed addresses for a CUDA graph
-            torch._dynamo.mark_static_address(tensor)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if self.static:
-            return self._static_attend(layer, q, k, v)
         S, end = q.shape[-2], self.length + q.shape[-2]
         if end > self.keys.shape[-2]:
-            raise RuntimeError(f"PDM cache holds {self.keys.shape[-2]} positions; position {end - 1} does not fit")
+            raise RuntimeError(f"drafter cache holds {self.keys.shape[-2]} positions; position {end - 1} does not fit")
         self.keys[layer, :, :, self.length : end] = k
         self.values[layer, :, :, self.length : end] = v
         keys, values = self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
@@ -56,13 +45,6 @@ class DraftKVCache:
             return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
         mask = torch.arange(end, device=q.device)[None, :] <= (self.length + torch.arange(S, device=q.device))[:, None]
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-
-    def _static_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        written = self.offset + torch.arange(q.shape[-2], device=q.device)
-        self.keys[layer].index_copy_(2, written, k)
-        self.values[layer].index_copy_(2, written, v)
-        mask = self.positions[None, :] <= written[:, None]
-        return F.scaled_dot_product_attention(q, self.keys[layer], self.values[layer], attn_mask=mask, enable_gqa=True)
 
     def commit(self, count: int) -> None:
         self.length += count

@@ -25,7 +25,7 @@ import torch
 
 from inference.chain.cache import ChainCache
 from inference.runtime.hf_compat import cache_kwargs, rotary_positions
-from inference.runtime.stages import TargetPieces, load_pieces
+from inference.runtime.stages import TargetPieces, attention_mask
 from spd_lightning.target import Target
 
 
@@ -49,15 +49,6 @@ class ChainTarget:
     def from_target(cls, target: Target, feature_layers: Sequence[int], max_block: int) -> ChainTarget:
         return cls(TargetPieces.from_target(target, range(target.num_layers), True, True), feature_layers, max_block)
 
-    @classmethod
-    def load(
-        cls, path: str, feature_layers: Sequence[int], max_block: int, dtype="float32", device="cpu"
-    ) -> ChainTarget:
-        from inference.runtime.stages import meta_target
-
-        num_layers = meta_target(path).num_layers
-        return cls(load_pieces(path, range(num_layers), True, True, dtype, device), feature_layers, max_block)
-
     @property
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
@@ -74,15 +65,6 @@ class ChainTarget:
         """Keep positions `< keep` (the accepted ones), discard the rest."""
         self.cache.rollback(keep)
 
-    def _mask(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Additive [1, 1, S, capacity] mask over the static key storage: causal, and the unwritten tail hidden
-        (stale keys of rejected drafts included)."""
-        keys = torch.arange(self.cache.capacity, device=positions.device)
-        allowed = keys[None, None, None, :] <= positions[:, None, :, None]
-        return torch.zeros(allowed.shape, dtype=dtype, device=positions.device).masked_fill(
-            ~allowed, torch.finfo(dtype).min
-        )
-
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Run `tokens[1, S]` at positions `start..`; returns logits `[S, V]` and features `[S, 3, H]`."""
@@ -95,7 +77,7 @@ class ChainTarget:
         x = self.embed_tokens(tokens.to(self.device))
         positions = torch.arange(start, start + S, device=self.device)[None]
         position_embeddings = self.rotary_emb(x, rotary_positions(self.rotary_emb, positions))
-        mask = self._mask(positions, x.dtype)
+        mask = attention_mask(positions, self.cache.capacity, x.dtype)  # causal, the unwritten tail hidden
         step = start > 0  # a prefill is never rolled back: no snapshots, one chunked pass per layer
         wanted = set(self.feature_layers)
         captured = {0: x} if 0 in wanted else {}
