@@ -51,20 +51,19 @@ def check_batch_times(report: object, path: str) -> list[dict]:
     return sorted(rows, key=lambda r: r["B"])
 
 
-def batch_rows(report: dict, alpha: float | None, schedule: str, path: str = "batch times") -> list[dict]:
+def batch_rows(report: dict, alpha: float | None, schedule: str, path: str) -> list[dict]:
     """The predicted tokens/s at each measured B, and its weight-bound (GPU) reading."""
     rows = check_batch_times(report, path)
     if alpha is not None and not 0 < alpha <= 1:
         raise BatchPlanError(f"--batch-alpha={alpha} must be in (0, 1] (alpha = N / K)")
-    out, base = [], None
+    out, first = [], None
     for row in rows:
-        a = alpha if alpha is not None else row.get("alpha")
+        B, a = row["B"], alpha if alpha is not None else row.get("alpha")
         if not isinstance(a, (int, float)) or not 0 < a <= 1:
-            raise BatchPlanError(f"{path}: B={row['B']} has no alpha in (0, 1]: pass --batch-alpha")
+            raise BatchPlanError(f"{path}: B={B} has no alpha in (0, 1]: pass --batch-alpha")
         stage, draft, overhead = max(row["stage_s"]), row["draft_s"], row.get("overhead_s") or 0.0
         cycle = (max(stage, draft) if schedule == "pre_step" else stage + draft) + overhead
-        base = base if base is not None else (row["B"], cycle)
-        B = row["B"]
+        first = first if first is not None else cycle  # the first (smallest) B's cycle
         out.append(
             {
                 "B": B,
@@ -73,11 +72,11 @@ def batch_rows(report: dict, alpha: float | None, schedule: str, path: str = "ba
                 "draft_s": draft,
                 "overhead_s": overhead,
                 "cycle_s": cycle,
-                "cycle_vs_first": cycle / base[1],
+                "cycle_vs_first": cycle / first,
                 "per_request_tok_s": a / cycle,
                 "total_tok_s": B * a / cycle,
-                "weight_bound_per_request_tok_s": a / base[1],
-                "weight_bound_total_tok_s": B * a / base[1],
+                "weight_bound_per_request_tok_s": a / first,
+                "weight_bound_total_tok_s": B * a / first,
             }
         )
     return out

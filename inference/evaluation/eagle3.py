@@ -31,7 +31,6 @@ class Eagle3Decoders:
     def __init__(self, target: Target, drafter_path: str, ks: list[int]):
         self.ks = sorted(set(ks))
         self.base = ChainDecoder.on_target(target, drafter_path, max(self.ks))
-        self.path = drafter_path
 
     def warm_up(self, sampling: Sampling, prompt: list[int], max_new_tokens: int, eos: list[int], seed: int) -> None:
         for k in self.ks:

@@ -34,10 +34,7 @@ def median_of(column: str) -> Statistic:
 
 
 def bootstrap(
-    columns: Mapping[str, list],
-    statistics: Mapping[str, Statistic],
-    resamples: int = RESAMPLES,
-    seed: int = SEED,
+    columns: Mapping[str, list], statistics: Mapping[str, Statistic], seed: int = SEED
 ) -> dict[str, list[float] | None]:
     """{name: [low, high]} of each statistic's 95 % percentile interval over prompts; None for fewer than two
     prompts or a statistic undefined on most resamples. Missing per-prompt values (None) become NaN."""
@@ -47,7 +44,7 @@ def bootstrap(
     prompts = sizes.pop()
     if prompts < 2:
         return {name: None for name in statistics}
-    index = np.random.default_rng(seed).integers(0, prompts, size=(resamples, prompts))
+    index = np.random.default_rng(seed).integers(0, prompts, size=(RESAMPLES, prompts))
     drawn = {name: np.array([np.nan if x is None else x for x in v], dtype=float)[index] for name, v in columns.items()}
     tail = (1.0 - LEVEL) / 2 * 100
     out: dict[str, list[float] | None] = {}
@@ -56,7 +53,7 @@ def bootstrap(
         for name, statistic in statistics.items():
             values = np.asarray(statistic(drawn), dtype=float)
             values = values[np.isfinite(values)]
-            ok = len(values) >= resamples / 2
+            ok = len(values) >= RESAMPLES / 2
             out[name] = [float(np.percentile(values, tail)), float(np.percentile(values, 100 - tail))] if ok else None
     return out
 

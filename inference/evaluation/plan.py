@@ -337,16 +337,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _eagle3_inputs(path: str | None) -> list[dict]:
-    data = _read_json(path) if path else {}
-    return (data.get("plan_inputs_eagle3") if isinstance(data, dict) else None) or []
-
-
 def run(args: argparse.Namespace) -> dict:
     alphas = read_alphas(args.alphas) if args.alphas else {}
     for spec in args.alpha:
         alphas.update([parse_alpha(spec)])
-    eagle3_inputs = _eagle3_inputs(args.times)
+    times = _read_json(args.times) if args.times else {}
+    eagle3_inputs = (times.get("plan_inputs_eagle3") if isinstance(times, dict) else None) or []
     result: dict = {"rows": [], "markdown": ""}
     if alphas or not (eagle3_inputs or args.batch_times):  # SPD's plan (EAGLE-3 or batch rows alone need no alpha)
         model = cost_model(args)

@@ -16,10 +16,6 @@ from inference.evaluation.costs import GPU_LABEL
 from inference.evaluation.tables import fmt, fmt_ci, fmt_spread, grouped_bars, markdown_table, pyplot, save
 
 
-def _ci(row: dict, key: str) -> list[float] | None:
-    return (row.get("ci") or {}).get(key)
-
-
 def _spd_table(report: dict) -> list[str]:
     head = ["method", "set", "T", "prompts", "N", "K", "alpha [95 %]", "S0 = n*alpha [95 %]"]
     head += ["r (min-max, repeats)", "S_spd", "S_post/ppsd", "S own mode [95 %]", GPU_LABEL, "S at GPU r [95 %]"]
@@ -32,17 +28,17 @@ def _spd_table(report: dict) -> list[str]:
             str(r["prompts"]),
             str(r["N"]),
             str(r["K"]),
-            fmt_ci(r["alpha"], _ci(r, "alpha"), 3),
-            fmt_ci(r["S0"], _ci(r, "S0")),
+            fmt_ci(r["alpha"], r["ci"]["alpha"], 3),
+            fmt_ci(r["S0"], r["ci"]["S0"]),
             fmt_spread(r),
             fmt(r["S_spd"], 2),
             fmt(r["S_post"], 2),
-            fmt_ci(r["S"], _ci(r, "S")),
+            fmt_ci(r["S"], r["ci"]["S"]),
             fmt(r["r_gpu"], 3),
-            fmt_ci(r["S_gpu"], _ci(r, "S_gpu")),
+            fmt_ci(r["S_gpu"], r["ci"]["S_gpu"]),
             fmt(r["decode_tokens_per_s"], 1),
             fmt(r["ar_decode_tokens_per_s"], 1),
-            fmt_ci(r["wall_clock_speedup"], _ci(r, "wall_clock_speedup")),
+            fmt_ci(r["wall_clock_speedup"], r["ci"]["wall_clock_speedup"]),
             rates(r.get("accept_by_fill")),
         ]
         for r in report["results"]
@@ -75,12 +71,12 @@ def side_by_side_table(report: dict) -> list[str]:
             r["set"],
             f"{r['temperature']:g}",
             str(r["prompts"]),
-            fmt_ci(r["S0"], _ci(r, "S0")),
+            fmt_ci(r["S0"], r["ci"]["S0"]),
             fmt_spread(r),
-            fmt_ci(r["S"], _ci(r, "S")),
+            fmt_ci(r["S"], r["ci"]["S"]),
             fmt(r["r_gpu"], 3),
-            fmt_ci(r["S_gpu"], _ci(r, "S_gpu")),
-            fmt_ci(r["wall_clock_speedup"], _ci(r, "wall_clock_speedup")),
+            fmt_ci(r["S_gpu"], r["ci"]["S_gpu"]),
+            fmt_ci(r["wall_clock_speedup"], r["ci"]["wall_clock_speedup"]),
         ]
         for r in side_by_side(report)
     ]

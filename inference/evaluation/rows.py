@@ -12,8 +12,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-import numpy as np
-
 from inference.cycle.result import DecodeResult
 from inference.evaluation import costs
 from inference.evaluation.intervals import bootstrap, median_of, pooled_ratio
@@ -22,18 +20,25 @@ from inference.evaluation.totals import acceptance_by, acceptance_by_position, d
 log = logging.getLogger(__name__)
 
 
-def _timing_columns(results: Sequence[DecodeResult], ar: Sequence[DecodeResult]) -> dict[str, list]:
-    """Per prompt: decoded tokens and decode seconds of the method and of AR (the wall-clock speedup's parts)."""
-    return {
+def _intervals(
+    results: Sequence[DecodeResult], ar: Sequence[DecodeResult], columns: dict[str, list], statistics: dict
+) -> dict:
+    """The row's 95 % intervals: pooled alpha = N / K, the method's own `statistics` of its per-prompt `columns`,
+    and the wall-clock speedup (decoded tokens over decode seconds, the method's over AR's)."""
+    columns = {
+        "N": [r.N for r in results],
+        "K": [r.K for r in results],
+        **columns,
         "tokens": [r.N - 1 for r in results],
         "seconds": [r.decode_s for r in results],
         "ar_tokens": [r.N - 1 for r in ar],
         "ar_seconds": [r.decode_s for r in ar],
     }
 
+    def wall_clock(c):
+        return pooled_ratio("tokens", "seconds")(c) / pooled_ratio("ar_tokens", "ar_seconds")(c)
 
-def _wall_clock(c) -> np.ndarray:
-    return (c["tokens"].sum(1) / c["seconds"].sum(1)) / (c["ar_tokens"].sum(1) / c["ar_seconds"].sum(1))
+    return bootstrap(columns, {"alpha": pooled_ratio("N", "K"), **statistics, "wall_clock_speedup": wall_clock})
 
 
 def _wall_and_times(results: Sequence[DecodeResult], ar: Sequence[DecodeResult]) -> dict:
@@ -66,7 +71,8 @@ def pdm_row(mode: str, n: int, L_s: int, results: list[DecodeResult], ar: list[D
     """A PDM drafter (SPD, post-step, PPSD) at `n` stages and `L_s` layers on a group of prompts."""
     N, K = sum(r.N for r in results), sum(r.K for r in results)
     alpha = N / K if K else None
-    r = costs.spread(costs.pdm_r(results, ar))
+    rs = costs.pdm_r(results, ar)
+    r = costs.spread(rs)
     r_gpu = costs.gpu_r(L_s)
     draft_s = sum(x.timing.get("totals", {}).get("draft_s", 0.0) for x in results)
     row = {
@@ -88,20 +94,14 @@ def pdm_row(mode: str, n: int, L_s: int, results: list[DecodeResult], ar: list[D
         "accept_by_depth": acceptance_by(results, "depth"),
         "accept_by_fill": acceptance_by(results, "fill"),
     }
-    columns = {"N": [x.N for x in results], "K": [x.K for x in results], "r": costs.pdm_r(results, ar)}
-
-    def alpha_of(c):
-        return c["N"].sum(1) / c["K"].sum(1)
-
+    alpha_of, r_of = pooled_ratio("N", "K"), median_of("r")
     statistics = {
-        "alpha": pooled_ratio("N", "K"),
         "S0": pooled_ratio("N", "K", n),
-        "r": median_of("r"),
-        "S": lambda c: costs.pdm_speedup(mode, n, alpha_of(c), np.nanmedian(c["r"], axis=1)),
+        "r": r_of,
+        "S": lambda c: costs.pdm_speedup(mode, n, alpha_of(c), r_of(c)),
         "S_gpu": lambda c: costs.pdm_speedup(mode, n, alpha_of(c), r_gpu),
-        "wall_clock_speedup": _wall_clock,
     }
-    row["ci"] = bootstrap({**columns, **_timing_columns(results, ar)}, statistics)
+    row["ci"] = _intervals(results, ar, {"r": rs}, statistics)
     return row
 
 
@@ -148,21 +148,15 @@ def eagle3_row(k: int, results: list[DecodeResult], ar: list[DecodeResult]) -> d
         "accept_by_position": acceptance_by_position([t for x in results for t in x.counters["accept_lengths"]], k),
     }
     row["S"] = row["S_eagle3"]
-    columns = {"N": [x.N for x in results], "K": [x.K for x in results], "accepted": accepted, "r": rs, "v": vs}
-
-    def tau_of(c):
-        return c["accepted"].sum(1) / c["K"].sum(1)
-
+    tau_of, r_of, v_of = pooled_ratio("accepted", "K"), median_of("r"), median_of("v")
     statistics = {
-        "alpha": pooled_ratio("N", "K"),
         "S0": pooled_ratio("N", "K"),
-        "tau": pooled_ratio("accepted", "K"),
-        "r": median_of("r"),
-        "S": lambda c: costs.s_eagle3(tau_of(c), k, np.nanmedian(c["r"], 1), np.nanmedian(c["v"], 1)),
+        "tau": tau_of,
+        "r": r_of,
+        "S": lambda c: costs.s_eagle3(tau_of(c), k, r_of(c), v_of(c)),
         "S_gpu": lambda c: costs.s_eagle3(tau_of(c), k, r_gpu, costs.GPU_VERIFY_RATIO),
-        "wall_clock_speedup": _wall_clock,
     }
-    row["ci"] = bootstrap({**columns, **_timing_columns(results, ar)}, statistics)
+    row["ci"] = _intervals(results, ar, {"accepted": accepted, "r": rs, "v": vs}, statistics)
     return row
 
 

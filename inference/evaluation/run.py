@@ -143,8 +143,7 @@ class PdmDecoder:
     def warm_up(self, sampling: Sampling, prompt: list[int]) -> None:
         if not self.args.simulate:
             return
-        compile_ = getattr(self.args, "compile", False)
-        self.backend = make_backend(self.setup, self.args.device, self.target, compile=compile_, profile=True)
+        self.backend = make_backend(self.setup, self.args.device, self.target, compile=self.args.compile, profile=True)
         self.backend.generate(prompt, min(4, self.args.max_new_tokens), sampling, self.args.seed)
 
     def decode(self, sampling: Sampling, prompts: list[list[int]], progress) -> list[DecodeResult]:

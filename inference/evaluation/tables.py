@@ -24,12 +24,11 @@ def fmt_ci(x, interval: Sequence[float] | None, digits: int = 2) -> str:
     return f"{fmt(x, digits)} [{fmt(interval[0], digits)}, {fmt(interval[1], digits)}]"
 
 
-def fmt_spread(row: dict, key: str = "r", digits: int = 3) -> str:
-    """A median cost ratio with its min-max spread and repeats, `0.287 (0.25-0.31, 15x)`."""
-    if row.get(key) is None or row.get(f"{key}_repeats") is None:
-        return fmt(row.get(key), digits)
-    low, high, n = row[f"{key}_min"], row[f"{key}_max"], row[f"{key}_repeats"]
-    return f"{fmt(row[key], digits)} ({fmt(low, digits)}-{fmt(high, digits)}, {n}x)"
+def fmt_spread(row: dict) -> str:
+    """A row's median draft cost `r` with its min-max spread and repeats, `0.287 (0.25-0.31, 15x)`."""
+    if row.get("r") is None or row.get("r_repeats") is None:
+        return fmt(row.get("r"))
+    return f"{fmt(row['r'])} ({fmt(row['r_min'])}-{fmt(row['r_max'])}, {row['r_repeats']}x)"
 
 
 def markdown_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -47,11 +46,11 @@ def pyplot():
     return plt
 
 
-def grouped_bars(ax, series: Sequence[tuple[str, Sequence[float | None]]], width: float = 0.8) -> list[float]:
-    """One group of bars per x position, one bar per (label, values) series, side by side; returns the x
-    positions of the groups. A missing value draws as 0."""
+def grouped_bars(ax, series: Sequence[tuple[str, Sequence[float | None]]]) -> list[float]:
+    """One group of bars per x position, one bar per (label, values) series, side by side (the group 0.8 wide);
+    returns the x positions of the groups. A missing value draws as 0."""
     x = list(range(len(series[0][1])))
-    bar = width / len(series)
+    bar = 0.8 / len(series)
     for j, (label, values) in enumerate(series):
         ax.bar([i + (j - (len(series) - 1) / 2) * bar for i in x], [v or 0.0 for v in values], bar, label=label)
     return x
