@@ -13,7 +13,7 @@ import os
 
 from inference import cli
 from inference.evaluation.costs import GPU_LABEL
-from inference.evaluation.tables import fmt, fmt_ci, fmt_spread, grouped_bars, markdown_table, pyplot, save
+from inference.evaluation.tables import fmt, fmt_ci, fmt_spread, grouped_bars, markdown_table, pyplot, rates, save
 
 
 def _spd_table(report: dict) -> list[str]:
@@ -48,11 +48,6 @@ def _spd_table(report: dict) -> list[str]:
         f"max_new_tokens={report['max_new_tokens']}{' (simulator: wall-clock is sequential)' if report['simulate'] else ''}"
     )
     return [title, "", *markdown_table(head, rows)]
-
-
-def rates(values: list[float | None] | None) -> str:
-    """Acceptance per fill, depth or draft position, compact (`-`: none judged there or not recorded)."""
-    return " ".join("-" if v is None else f"{v:.2f}" for v in values) if values else "-"
 
 
 def side_by_side(report: dict) -> list[dict]:

@@ -61,3 +61,8 @@ def save(fig, path: str) -> None:
     fig.savefig(path, dpi=100)
     fig.clear()
     pyplot().close(fig)
+
+
+def rates(values: list[float | None] | None) -> str:
+    """Acceptance per fill, depth or draft position, compact (`-`: none judged there or not recorded)."""
+    return " ".join("-" if v is None else f"{v:.2f}" for v in values) if values else "-"

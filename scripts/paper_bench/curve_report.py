@@ -12,7 +12,7 @@ import shlex
 
 from inference.evaluation.costs import GPU_LABEL
 from inference.evaluation.intervals import overlap
-from inference.evaluation.tables import fmt, fmt_ci, fmt_spread, markdown_table, pyplot, save
+from inference.evaluation.tables import fmt, fmt_ci, fmt_spread, markdown_table, pyplot, rates, save
 
 from .budget import read_reached
 from .curve import budgets, curve_eval_command, curve_of, curve_train_command, eval_dir, states_command
@@ -45,11 +45,6 @@ def load_points(args: argparse.Namespace) -> list[dict]:
     return points
 
 
-def _rates(row: dict) -> str:
-    values = row.get("accept_by_fill") or row.get("accept_by_position") or []
-    return " ".join("-" if v is None else f"{v:.2f}" for v in values) or "-"
-
-
 def curve_table(points: list[dict], temperature: float) -> list[str]:
     head = ["drafter", "budget", "loss tokens", "step", "alpha [95 %]", "tokens per forward [95 %]"]
     head += ["r (min-max, repeats)", "S, CPU r [95 %]", GPU_LABEL, "S at GPU r [95 %]", "wall-clock (CPU) [95 %]"]
@@ -61,7 +56,10 @@ def curve_table(points: list[dict], temperature: float) -> list[str]:
             [p["label"], f"{p['budget']:,}", f"{p['loss_tokens']:,}", str(p["step"])]
             + [fmt_ci(p["alpha"], ci.get("alpha"), 3), fmt_ci(p["S0"], ci.get("S0")), fmt_spread(p)]
             + [fmt_ci(p["S"], ci.get("S")), fmt(p["r_gpu"], 3), fmt_ci(p["S_gpu"], ci.get("S_gpu"))]
-            + [fmt_ci(p["wall_clock_speedup"], ci.get("wall_clock_speedup")), _rates(p)]
+            + [
+                fmt_ci(p["wall_clock_speedup"], ci.get("wall_clock_speedup")),
+                rates(p.get("accept_by_fill") or p.get("accept_by_position")),
+            ]
         )
     return markdown_table(head, rows)
 

@@ -9,7 +9,7 @@ import os
 import shlex
 
 from inference.evaluation import costs
-from inference.evaluation.tables import fmt, fmt_ci, fmt_spread, grouped_bars, markdown_table, pyplot, save
+from inference.evaluation.tables import fmt, fmt_ci, fmt_spread, grouped_bars, markdown_table, pyplot, rates, save
 
 from .curves import plot_curves
 from .registry import EAGLE3_EVAL_K, EAGLE3_RUNS, Run
@@ -61,11 +61,6 @@ def with_ci(row: dict, key: str, value: float | None) -> str:
     if "ci" not in row:
         return f"{fmt(value, 2)} (no CI)" if value is not None else "-"
     return fmt_ci(value, row["ci"].get(key))
-
-
-def rates(values: list[float | None] | None) -> str:
-    """Acceptance per depth or draft position, compact (`-`: none judged there; an older eval did not record it)."""
-    return " ".join("-" if v is None else f"{v:.2f}" for v in values) if values else "-"
 
 
 def table(runs: dict[str, tuple[dict, dict]], names: list[str], suite: dict[str, Run]) -> str:
@@ -166,10 +161,10 @@ def eagle3_table(args: argparse.Namespace) -> list[str]:
 def ar_line(runs: dict[str, tuple[dict, dict]]) -> str:
     """The AR baseline as every evaluation measured it (same target and prompts, one process)."""
     greedy = [result_row(report, "overall", 0.0) for _, report in runs.values()]
-    rates = [r["ar_decode_tokens_per_s"] for r in greedy]
+    ar_rates = [r["ar_decode_tokens_per_s"] for r in greedy]
     t_full = [r["T_full_s"] * 1e3 for r in greedy]
     return (
-        f"AR baseline (speedup 1 by definition): {min(rates):.1f}-{max(rates):.1f} decode tok/s greedy, "
+        f"AR baseline (speedup 1 by definition): {min(ar_rates):.1f}-{max(ar_rates):.1f} decode tok/s greedy, "
         f"T_full {min(t_full):.2f}-{max(t_full):.2f} ms per token, across the {len(runs)} evaluations."
     )
 
