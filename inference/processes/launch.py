@@ -48,7 +48,7 @@ from inference.processes.job import DecodeJob
 from inference.processes.nodes import ReportListener, ReportSender, agent_rendezvous
 from inference.processes.reports import Failed, Finished, Inbox, Started, Streamed, blamed_report, failure_message
 from inference.processes.roles import build_runner, rank_device
-from inference.processes.store_binding import store_host, stores_listen_on
+from inference.processes.store_binding import stores_listen_on
 from inference.runtime.stages import meta_target
 from spd_lightning.errors import UserError, first_line
 
@@ -243,7 +243,8 @@ def launch(
             _quiet_agent(job.debug),
             _callers_signal_handlers(),
             _listening(job, inbox, request_channel),
-            stores_listen_on(store_host(job)),  # never on every interface
+            # never on every interface: loopback on one node, node 0's --master-addr across nodes
+            stores_listen_on("127.0.0.1" if job.nodes is None else job.nodes.master_addr),
         ):
             elastic_launch(_agent_config(job, method, logs), _rank_main)(
                 job, _reports_to(job, inbox), os.getpid(), request_channel, work
