@@ -47,7 +47,7 @@ from inference.cycle.transport import PeerError, close_distributed, init_distrib
 from inference.processes.job import DecodeJob
 from inference.processes.nodes import ReportListener, ReportSender, agent_rendezvous
 from inference.processes.reports import Failed, Finished, Inbox, Started, Streamed, blamed_report, failure_message
-from inference.processes.roles import build_runner, rank_device
+from inference.processes.roles import build_runner
 from inference.processes.store_binding import stores_listen_on
 from inference.runtime.stages import meta_target
 from spd_lightning.errors import UserError, first_line
@@ -92,7 +92,7 @@ def run_rank(
     `decode_prompts`: every prompt of the job), leave. A server passes its own `work`, which reads the
     `request_channel` (`inference.serving.ranks`); the decoder never imports the server."""
     _check_world_size(job, int(os.environ["WORLD_SIZE"]))
-    device = rank_device(job, local_rank)
+    device = torch.device(f"cuda:{local_rank}" if job.device.startswith("cuda") else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:  # ranks share the CPU: oversubscribed threads make every rank slower

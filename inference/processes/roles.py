@@ -26,10 +26,6 @@ from spd_lightning.export import load_drafter, read_drafter_spec
 from spd_lightning.target import resolve_dtype
 
 
-def rank_device(job: DecodeJob, local_rank: int) -> torch.device:
-    return torch.device(f"cuda:{local_rank}") if job.device.startswith("cuda") else torch.device("cpu")
-
-
 @dataclass
 class Loaded:
     """The weights of one rank's role, loaded once: its stage, or the PDM and the target's embedding."""
