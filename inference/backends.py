@@ -78,7 +78,7 @@ def make_backend(
         return ChainBackend(setup, target)
     if setup.mode == "ar":
         return ARBackend(setup, target)
-    return SimulatorBackend(setup, target, device, compile=compile, profile=profile, max_batch=max_batch)
+    return SimulatorBackend(setup, target, device, compile, profile, max_batch)
 
 
 class ARBackend(Backend):
@@ -106,15 +106,7 @@ class SimulatorBackend(Backend):
     """One simulator: each decode brings its own sampling. A decode that fails leaves its messages half-delivered,
     so the next one gets a fresh simulator (over the same weights)."""
 
-    def __init__(
-        self,
-        setup: Setup,
-        target: Target,
-        device: str,
-        compile: bool = False,
-        profile: bool = False,
-        max_batch: int = 1,
-    ):
+    def __init__(self, setup: Setup, target: Target, device: str, compile: bool, profile: bool, max_batch: int):
         pdm = load_drafter(setup.ckpt, device, target.lm_head.weight)[0].to(target.model.dtype)
         self.eos = setup.eos
         self._build = lambda: Simulator(
