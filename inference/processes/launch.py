@@ -160,7 +160,7 @@ def _rank_main(job: DecodeJob, messages, launcher_pid: int, request_channel=None
         _quiet_transformers()
     try:
         on_tokens = (lambda i, tokens: messages.put(Streamed(i, list(tokens)))) if job.stream else None
-        report = lambda i, r: messages.put(Finished(rank, i, r))  # noqa: E731
+        report = lambda i, r: messages.put(Finished(i, r))  # noqa: E731
         run_rank(job, rank, local_rank, report, on_tokens, request_channel, work)
     except BaseException as e:  # noqa: BLE001 - whatever it was, the launcher must hear about it
         first = first_line(e)
