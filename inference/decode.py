@@ -115,8 +115,9 @@ def run(args: argparse.Namespace) -> dict:
     for result in results:
         result.text = setup.tokenizer.decode(result.tokens, skip_special_tokens=True)
     references = None
-    if args.check_lossless and setup.mode != "ar":
-        references = _ar(setup, args, prompts, sampling)
+    if args.check_lossless and setup.mode != "ar":  # the AR reference, through the same stages
+        ar = make_backend(dataclasses.replace(setup, mode="ar"), args.device)
+        references = _in_process(ar, args, prompts, sampling)
     report["prompts"] = [
         _prompt_entry(text, r, references[i] if references else None) for i, (text, r) in enumerate(zip(texts, results))
     ]
@@ -157,12 +158,6 @@ def _in_process(
         streamed = None if on_tokens is None else functools.partial(on_tokens, i)
         results.append(backend.generate(ids, args.max_new_tokens, sampling, args.seed + i, streamed))
     return results
-
-
-def _ar(setup: Setup, args, prompts: list[list[int]], sampling: Sampling) -> list[DecodeResult]:
-    """The AR reference of `--check-lossless`, through the same stages."""
-    ar_setup = dataclasses.replace(setup, mode="ar")
-    return _in_process(make_backend(ar_setup, args.device), args, prompts, sampling)
 
 
 def _distributed(
