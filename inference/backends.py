@@ -50,7 +50,8 @@ class Backend(Protocol):
         on_tokens: OnTokens | None = None,
     ) -> DecodeResult: ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release what the backend runs (the in-process ones below run nothing but this process: a no-op)."""
 
 
 def is_alive(backend: Backend) -> bool:
@@ -77,10 +78,10 @@ def make_backend(
         return ChainBackend(setup, target)
     if setup.mode == "ar":
         return ARBackend(setup, target)
-    return SimulatorBackend(setup, target, device, compile=compile, profile=profile, max_batch=max_batch)
+    return SimulatorBackend(setup, target, device, compile, profile, max_batch)
 
 
-class ARBackend:
+class ARBackend(Backend):
     def __init__(self, setup: Setup, target: Target):
         self.eos = setup.eos
         self.stages = [Stage.from_target(target, setup.geometry, s) for s in range(1, setup.geometry.n + 1)]
@@ -88,11 +89,8 @@ class ARBackend:
     def generate(self, prompt_ids, max_new_tokens, sampling, seed, on_tokens=None) -> DecodeResult:
         return ar_decode_stages(self.stages, prompt_ids, max_new_tokens, sampling, self.eos, seed, on_tokens)
 
-    def close(self) -> None:
-        pass
 
-
-class ChainBackend:
+class ChainBackend(Backend):
     """A decode starts from a reset cache: nothing to rebuild after a failure."""
 
     def __init__(self, setup: Setup, target: Target):
@@ -103,23 +101,12 @@ class ChainBackend:
         decoder = self.chain.variant(self.k, sampling)
         return decoder.decode(prompt_ids, max_new_tokens, self.eos, seed, on_tokens).to_decode_result()
 
-    def close(self) -> None:
-        pass
 
-
-class SimulatorBackend:
+class SimulatorBackend(Backend):
     """One simulator: each decode brings its own sampling. A decode that fails leaves its messages half-delivered,
     so the next one gets a fresh simulator (over the same weights)."""
 
-    def __init__(
-        self,
-        setup: Setup,
-        target: Target,
-        device: str,
-        compile: bool = False,
-        profile: bool = False,
-        max_batch: int = 1,
-    ):
+    def __init__(self, setup: Setup, target: Target, device: str, compile: bool, profile: bool, max_batch: int):
         pdm = load_drafter(setup.ckpt, device, target.lm_head.weight)[0].to(target.model.dtype)
         self.eos = setup.eos
         self._build = lambda: Simulator(
@@ -133,6 +120,3 @@ class SimulatorBackend:
         except BaseException:
             self.simulator = self._build()
             raise
-
-    def close(self) -> None:
-        pass

@@ -12,19 +12,12 @@ import argparse
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 import torch
 
 from spd_lightning.eagle3.export import KIND as EAGLE3
 from spd_lightning.errors import UsageError, debug_requested, run_main
 from spd_lightning.geometry import MODES
-
-if TYPE_CHECKING:  # transformers is imported lazily at run time
-    pass
-
-log = logging.getLogger("inference")
-
 
 DEFAULT_K = 7  # EAGLE-3's chain length
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -114,8 +115,9 @@ def run(args: argparse.Namespace) -> dict:
     for result in results:
         result.text = setup.tokenizer.decode(result.tokens, skip_special_tokens=True)
     references = None
-    if args.check_lossless and setup.mode != "ar":
-        references = _ar(setup, args, prompts, sampling)
+    if args.check_lossless and setup.mode != "ar":  # the AR reference, through the same stages
+        ar = make_backend(dataclasses.replace(setup, mode="ar"), args.device)
+        references = _in_process(ar, args, prompts, sampling)
     report["prompts"] = [
         _prompt_entry(text, r, references[i] if references else None) for i, (text, r) in enumerate(zip(texts, results))
     ]
@@ -133,12 +135,12 @@ def _decode(
     """Every prompt's result; `on_tokens(prompt index, tokens)` as tokens are verified."""
     if args.max_batch > 1 and setup.mode in ("ar", EAGLE3):
         raise cli.UsageError(f"--max-batch > 1 is pipeline decoding: --mode {setup.mode} decodes one prompt at a time")
-    backend_args = dict(compile=args.compile, profile=args.profile, max_batch=args.max_batch)
     if setup.mode in ("ar", EAGLE3):
-        return _in_process(make_backend(setup, args.device, **backend_args), args, prompts, sampling, on_tokens)
+        return _in_process(make_backend(setup, args.device), args, prompts, sampling, on_tokens)
     job = decode_job(setup, args, prompts, sampling, profile=args.profile)
     if args.simulate:  # every prompt a request of the one simulator, B at a time, as the ranks take them
-        return make_backend(setup, args.device, **backend_args).simulator.run(job_requests(job, True, on_tokens))
+        backend = make_backend(setup, args.device, compile=args.compile, profile=args.profile, max_batch=args.max_batch)
+        return backend.simulator.run(job_requests(job, on_tokens))
     job.stream = on_tokens is not None
     job.max_batch = args.max_batch
     return _distributed(job, on_tokens)
@@ -151,32 +153,17 @@ def _in_process(
     sampling: Sampling,
     on_tokens: Callable[[int, list[int]], None] | None = None,
 ) -> list[DecodeResult]:
-    return [
-        backend.generate(ids, args.max_new_tokens, sampling, args.seed + i, _for_prompt(on_tokens, i))
-        for i, ids in enumerate(prompts)
-    ]
-
-
-def _for_prompt(on_tokens: Callable[[int, list[int]], None] | None, i: int) -> Callable[[list[int]], None] | None:
-    return None if on_tokens is None else (lambda tokens: on_tokens(i, tokens))
-
-
-def _ar(setup: Setup, args, prompts: list[list[int]], sampling: Sampling) -> list[DecodeResult]:
-    """The AR reference of `--check-lossless`, through the same stages."""
-    ar_setup = dataclasses.replace(setup, mode="ar")
-    return _in_process(make_backend(ar_setup, args.device), args, prompts, sampling)
+    results = []
+    for i, ids in enumerate(prompts):
+        streamed = None if on_tokens is None else functools.partial(on_tokens, i)
+        results.append(backend.generate(ids, args.max_new_tokens, sampling, args.seed + i, streamed))
+    return results
 
 
 def _distributed(
     job: DecodeJob, on_tokens: Callable[[int, list[int]], None] | None = None
 ) -> list[DecodeResult] | None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
-        if int(os.environ["WORLD_SIZE"]) != job.world_size:
-            raise cli.UsageError(
-                f"torchrun started {os.environ['WORLD_SIZE']} processes; this drafter has "
-                f"n={job.n} stages and needs {job.world_size} with --pdm-placement "
-                f"{job.pdm_placement}"
-            )
         collected: dict[int, DecodeResult] = {}  # batched, prompts end out of order
         rank = int(os.environ["RANK"])
         run_rank(job, rank, int(os.environ.get("LOCAL_RANK", rank)), collected.__setitem__, on_tokens)

@@ -157,16 +157,11 @@ def counter_uniforms(key1: torch.Tensor, key2: torch.Tensor, counters: torch.Ten
     return ((h1 >> 5) * 2**26 + (h2 >> 6)).double() / 2**53
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One draw from a 1-D distribution."""
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
 def sample_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
     """A token from 1-D logits: the argmax when greedy (no randomness spent), else a draw from `warp`."""
     if sampling.greedy:
         return int(logits.argmax())
-    return sample(warp(logits, sampling), generator)
+    return int(torch.multinomial(warp(logits, sampling), 1, generator=generator))
 
 
 def draft_distribution(draft_probs: torch.Tensor, d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -81,7 +81,7 @@ def prepare(args: argparse.Namespace) -> Setup:
     target_path = args.target or (spec.target.name_or_path if spec else None)
     if not target_path:
         raise UsageError("no target: pass --target DIR (required without --ckpt)")
-    trust = bool(getattr(args, "trust_remote_code", False))
+    trust = args.trust_remote_code
     skeleton = meta_target(target_path, trust_remote_code=trust)
     target_path = skeleton.name_or_path  # a hub id resolved to its directory in the cache
     info = skeleton.info
@@ -93,7 +93,7 @@ def prepare(args: argparse.Namespace) -> Setup:
         geometry = spec.geometry if mode == "ar" else spec.geometry.with_mode(mode)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device.startswith("cuda") else "float32")
     eos = sorted(eos_set(target_eos(skeleton.config, _generation_config(target_path))))
-    k = getattr(args, "k", None) if mode == EAGLE3 else None
+    k = args.k if mode == EAGLE3 else None
     return Setup(
         ckpt, spec, mode, target_path, info, skeleton, geometry, dtype, load_tokenizer(target_path), eos, trust, k
     )
@@ -143,9 +143,9 @@ def decode_job(
         dtype=setup.dtype,
         device=args.device,
         timeout_s=args.timeout,
-        debug=bool(getattr(args, "debug", False)),
+        debug=args.debug,
         profile=profile,
         trust_remote_code=setup.trust_remote_code,
-        pdm_placement=getattr(args, "pdm_placement", "separate"),
-        compile=getattr(args, "compile", False),
+        pdm_placement=args.pdm_placement,
+        compile=args.compile,
     )

@@ -7,9 +7,7 @@ Stop strings are cut here too, so that no part of a stop string is ever emitted.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
-from typing import TextIO
 
 
 class TextStream:
@@ -69,10 +67,10 @@ class TextStream:
 
 
 class StreamPrinter:
-    """`decode --stream`: each prompt's header, then its text as it is verified, on `out`."""
+    """`decode --stream`: each prompt's header, then its text as it is verified, on stdout."""
 
-    def __init__(self, tokenizer, texts: Sequence[str], out: TextIO | None = None):
-        self.tokenizer, self.texts, self.out = tokenizer, texts, out or sys.stdout
+    def __init__(self, tokenizer, texts: Sequence[str]):
+        self.tokenizer, self.texts = tokenizer, texts
         self.index: int | None = None
         self.stream: TextStream | None = None
 
@@ -80,11 +78,10 @@ class StreamPrinter:
         if index != self.index:
             self.end()
             self.index, self.stream = index, TextStream(self.tokenizer)
-            print(f"### prompt {index + 1}: {self.texts[index]}", file=self.out, flush=True)
-        self.out.write(self.stream.feed(tokens))
-        self.out.flush()
+            print(f"### prompt {index + 1}: {self.texts[index]}", flush=True)
+        print(self.stream.feed(tokens), end="", flush=True)
 
     def end(self) -> None:
         if self.stream is not None:
-            print(self.stream.finish(), file=self.out, flush=True)
+            print(self.stream.finish(), flush=True)
             self.stream = None

@@ -25,6 +25,7 @@ this launcher runs one node's share of the ranks of a multi-node run (`nodes`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import multiprocessing as mp
 import os
@@ -46,8 +47,8 @@ from inference.cycle.transport import PeerError, close_distributed, init_distrib
 from inference.processes.job import DecodeJob
 from inference.processes.nodes import ReportListener, ReportSender, agent_rendezvous
 from inference.processes.reports import Failed, Finished, Inbox, Started, Streamed, blamed_report, failure_message
-from inference.processes.roles import build_runner, rank_device
-from inference.processes.store_binding import store_host, stores_listen_on
+from inference.processes.roles import build_runner
+from inference.processes.store_binding import stores_listen_on
 from inference.runtime.stages import meta_target
 from spd_lightning.errors import UserError, first_line
 
@@ -90,7 +91,8 @@ def run_rank(
     """One rank's whole life: join (the `torchrun`/elastic environment), load and do its `work` (by default
     `decode_prompts`: every prompt of the job), leave. A server passes its own `work`, which reads the
     `request_channel` (`inference.serving.ranks`); the decoder never imports the server."""
-    device = rank_device(job, local_rank)
+    _check_world_size(job, int(os.environ["WORLD_SIZE"]))
+    device = torch.device(f"cuda:{local_rank}" if job.device.startswith("cuda") else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:  # ranks share the CPU: oversubscribed threads make every rank slower
@@ -102,21 +104,14 @@ def run_rank(
     close_distributed()
 
 
-def job_requests(job: DecodeJob, reporting: bool, on_tokens: Callable[[int, list[int]], None] | None) -> list[Request]:
+def job_requests(job: DecodeJob, on_tokens: Callable[[int, list[int]], None] | None) -> list[Request]:
     """Every prompt of the job as a request: its own `max_new_tokens` (`job.max_new_tokens_each`, else the
-    job's), seed `job.seed + i` (so its tokens do not depend on the batch size), and on the reporting rank its
-    streamed tokens as `on_tokens(i, tokens)`."""
+    job's), seed `job.seed + i` (so its tokens do not depend on the batch size), and its streamed tokens as
+    `on_tokens(i, tokens)`."""
     each = job.max_new_tokens_each or [job.max_new_tokens] * len(job.prompts)
-    sampling, eos = job.sampling, frozenset(job.eos_token_ids)
+    eos = frozenset(job.eos_token_ids)
     return [
-        Request(
-            prompt,
-            each[i],
-            eos,
-            sampling,
-            job.seed + i,
-            on_tokens=(lambda tokens, i=i: on_tokens(i, tokens)) if on_tokens is not None and reporting else None,
-        )
+        Request(prompt, each[i], eos, job.sampling, job.seed + i, on_tokens and functools.partial(on_tokens, i))
         for i, prompt in enumerate(job.prompts)
     ]
 
@@ -136,7 +131,7 @@ def decode_prompts(
     rows are gathered on the reporter, which gives each prompt the rows of its cycles (`PipelineRunner.spans`)."""
     runner = build_runner(job, rank, device)
     reporter = runner.verifier_rank
-    work = job_requests(job, rank == reporter, on_tokens)
+    work = job_requests(job, on_tokens if rank == reporter else None)
     if not job.profile:
         runner.run(work, on_result=report if rank == reporter else None)
         return
@@ -164,9 +159,8 @@ def _rank_main(job: DecodeJob, messages, launcher_pid: int, request_channel=None
     if not job.debug:
         _quiet_transformers()
     try:
-        _check_world_size(job, int(os.environ["WORLD_SIZE"]))
         on_tokens = (lambda i, tokens: messages.put(Streamed(i, list(tokens)))) if job.stream else None
-        report = lambda i, r: messages.put(Finished(rank, i, r))  # noqa: E731
+        report = lambda i, r: messages.put(Finished(i, r))  # noqa: E731
         run_rank(job, rank, local_rank, report, on_tokens, request_channel, work)
     except BaseException as e:  # noqa: BLE001 - whatever it was, the launcher must hear about it
         first = first_line(e)
@@ -187,14 +181,15 @@ def _rank_main(job: DecodeJob, messages, launcher_pid: int, request_channel=None
 
 
 class NodesMismatch(UserError):
-    """The nodes together start another number of ranks than the drafter's pipeline has."""
+    """The nodes (one under a plain `torchrun`) together start another number of ranks than the drafter's pipeline
+    has."""
 
 
 def _check_world_size(job: DecodeJob, world_size: int) -> None:
     if world_size != job.world_size:
         raise NodesMismatch(
-            f"the nodes start {world_size} ranks in all; n={job.n} stages with --pdm-placement "
-            f"{job.pdm_placement} need {job.world_size}: make the nodes' --nproc-per-node add up to it"
+            f"{world_size} ranks were started in all; n={job.n} stages with --pdm-placement {job.pdm_placement} "
+            f"need {job.world_size}: make the nodes' --nproc-per-node add up to it"
         )
 
 
@@ -248,7 +243,8 @@ def launch(
             _quiet_agent(job.debug),
             _callers_signal_handlers(),
             _listening(job, inbox, request_channel),
-            stores_listen_on(store_host(job)),  # never on every interface
+            # never on every interface: loopback on one node, node 0's --master-addr across nodes
+            stores_listen_on("127.0.0.1" if job.nodes is None else job.nodes.master_addr),
         ):
             elastic_launch(_agent_config(job, method, logs), _rank_main)(
                 job, _reports_to(job, inbox), os.getpid(), request_channel, work
@@ -361,19 +357,17 @@ def start_method(job: DecodeJob) -> str:
     return "forkserver"
 
 
-class _quiet_agent:
+@contextlib.contextmanager
+def _quiet_agent(debug: bool):
     """The agent logs every stopped worker with a traceback; our own message says it in one line."""
-
-    def __init__(self, debug: bool):
-        self.debug, self.levels = debug, {}
-
-    def __enter__(self):
-        if not self.debug:
-            for name, logger in list(logging.root.manager.loggerDict.items()):
-                if name.startswith(("torch.distributed", "torchelastic")) and isinstance(logger, logging.Logger):
-                    self.levels[logger] = logger.level
-                    logger.setLevel(logging.CRITICAL + 1)
-
-    def __exit__(self, *exc):
-        for logger, level in self.levels.items():
+    levels = {}
+    if not debug:
+        for name, logger in list(logging.root.manager.loggerDict.items()):
+            if name.startswith(("torch.distributed", "torchelastic")) and isinstance(logger, logging.Logger):
+                levels[logger] = logger.level
+                logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for logger, level in levels.items():
             logger.setLevel(level)

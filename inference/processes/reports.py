@@ -23,7 +23,6 @@ class Started(NamedTuple):
 
 
 class Finished(NamedTuple):
-    rank: int
     index: int  # the prompt
     result: DecodeResult  # pickled as it is, also over the connection from another node
 

@@ -26,10 +26,6 @@ from spd_lightning.export import load_drafter, read_drafter_spec
 from spd_lightning.target import resolve_dtype
 
 
-def rank_device(job: DecodeJob, local_rank: int) -> torch.device:
-    return torch.device(f"cuda:{local_rank}") if job.device.startswith("cuda") else torch.device("cpu")
-
-
 @dataclass
 class Loaded:
     """The weights of one rank's role, loaded once: its stage, or the PDM and the target's embedding."""
@@ -65,16 +61,19 @@ def load_role(job: DecodeJob, rank: int, device: torch.device) -> Loaded:
     return Loaded(stages, pdm.to(dtype), pieces.embed_tokens)
 
 
-def build_runner(job: DecodeJob, rank: int, device: torch.device, loaded: Loaded | None = None) -> PipelineRunner:
+def build_runner(job: DecodeJob, rank: int, device: torch.device) -> PipelineRunner:
     """The roles of `rank` over `job.max_batch` slots: a stage (the last one also verifies) or the drafter (a PDM,
-    or a replay drafter), over `loaded` weights (loaded here when None)."""
+    or a replay drafter), over the weights `load_role` loads."""
     geometry = job.geometry
     n, dtype, B = geometry.n, resolve_dtype(job.dtype), job.max_batch
-    if job.replay is not None and not job.sampling.greedy:
-        raise ValueError("a replay drafter has no draft distribution: use it with greedy decoding only")
-    d2t, draft_vocab = (None, 1) if job.replay is not None else _draft_vocabulary(job.drafter_path)
-    loaded = loaded or load_role(job, rank, device)
-    stages = loaded.stages
+    if job.replay is not None:
+        if not job.sampling.greedy:
+            raise ValueError("a replay drafter has no draft distribution: use it with greedy decoding only")
+        d2t, draft_vocab = None, 1
+    else:
+        spec, d2t = read_drafter_spec(job.drafter_path)
+        d2t, draft_vocab = d2t.to(device), spec.pdm.draft_vocab_size
+    loaded = load_role(job, rank, device)
     drafter = None
     shared = job.pdm_placement == "shared"
     if rank == n or (shared and rank == 0):
@@ -91,15 +90,10 @@ def build_runner(job: DecodeJob, rank: int, device: torch.device, loaded: Loaded
         job.hidden_size,
         dtype,
         device,
-        None if d2t is None else d2t.to(device),
+        d2t,
         on_step=step_hook(job.fault, rank),
         profile=job.profile,
     )
     names = [role_name(r, n) for r in range(n + 1)]
     transport = SharedTransport(n, names) if shared else DistributedTransport(names)
-    return PipelineRunner(geometry, checked(transport, device), stages, drafter, config, B)
-
-
-def _draft_vocabulary(drafter_path: str) -> tuple[torch.Tensor, int]:
-    spec, d2t = read_drafter_spec(drafter_path)
-    return d2t, spec.pdm.draft_vocab_size
+    return PipelineRunner(geometry, checked(transport, device), loaded.stages, drafter, config, B)

@@ -21,11 +21,6 @@ _lock = threading.Lock()
 _AFTER_PORT = ("world_size", "is_master", "timeout", "wait_for_workers", "multi_tenant", "master_listen_fd")
 
 
-def store_host(job) -> str:
-    """Loopback on one node; node 0's --master-addr across nodes."""
-    return "127.0.0.1" if job.nodes is None else job.nodes.master_addr
-
-
 def listening_socket(host: str, port: int) -> int:
     """The file descriptor of a socket listening on `host:port`, handed over (the store closes it)."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
