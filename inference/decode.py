@@ -219,10 +219,10 @@ def print_report(report: dict) -> None:
 def finish(args: argparse.Namespace, report: dict) -> int:
     if not report:
         return 0
+    print_report(report)  # first: a path that cannot be written loses no result
     if args.json_out:
-        with open(args.json_out, "w") as f:
+        with cli.writing(args.json_out), open(args.json_out, "w") as f:
             json.dump(report, f, indent=1)
-    print_report(report)
     return 0 if report["totals"].get("lossless", True) else 3
 
 

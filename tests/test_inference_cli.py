@@ -206,6 +206,10 @@ BAD = {
     "no prompt at all": ([], "exactly one"),
     "lossless check while sampling": (["--prompt", "hi", "--temperature", "1", "--check-lossless"], "greedy"),
     "cuda without a GPU": (["--prompt", "hi", "--device", "cuda"], "CUDA"),
+    "unwritable report": (
+        ["--prompt", "hi", "--max-new-tokens", "2", "--json", "{root}/none/report.json"],
+        "cannot write",
+    ),
 }
 
 
