@@ -1,4 +1,4 @@
-"""The in-process batched backend of `serve --simulate --max-batch B`: a `Simulator` of B slots fed by the server.
+"""The in-process backend of `serve --simulate` (any `--max-batch B`): a `Simulator` of B slots fed by the server.
 
 One driver thread owns the simulator and runs `slot_feed.feed_slots` over it: the requests the engine's
 threads hand over (`generate`, one thread per request) wait in this backend's FIFO and join free slots at step
@@ -42,7 +42,7 @@ class BatchSimulatorBackend:
     @classmethod
     def from_setup(cls, setup: Setup, device: str, max_batch: int) -> BatchSimulatorBackend:
         target = Target.load(setup.target_path, setup.dtype, device, setup.trust_remote_code)
-        pdm = load_drafter(setup.ckpt, map_location=device)[0].to(target.model.dtype)
+        pdm = load_drafter(setup.ckpt, device, target.lm_head.weight)[0].to(target.model.dtype)
         return cls(target, pdm, setup.geometry, setup.eos, max_batch)
 
     def generate(self, prompt_ids, max_new_tokens, sampling: Sampling, seed, on_tokens=None) -> DecodeResult:

@@ -160,17 +160,17 @@ def prepared(args: argparse.Namespace) -> Setup:
 
 
 def make_backend(setup: Setup, args: argparse.Namespace):
-    """n + 1 persistent ranks; in this process with --simulate, for --mode ar (the stages in sequence) and for
-    --mode eagle3 (chain decoding is a one-GPU method: draft and verify in one process). Batched (--max-batch
-    > 1): the ranks' slot runner, or the batched simulator in this process."""
+    """n + 1 persistent ranks, each request in a slot of their batch (--max-batch B, 1 included); in this process
+    the batched simulator with --simulate, and the one-request decoder of --mode ar (the stages in sequence) and
+    --mode eagle3 (chain decoding is a one-GPU method: draft and verify in one process)."""
     if args.simulate or setup.mode in ("ar", "eagle3"):
         if args.threads:
             torch.set_num_threads(args.threads)
-        if args.max_batch > 1:
-            from inference.serving.batch_backend import BatchSimulatorBackend
+        if setup.mode in ("ar", "eagle3"):
+            return in_process_backend(setup, args.device)
+        from inference.serving.batch_backend import BatchSimulatorBackend
 
-            return BatchSimulatorBackend.from_setup(setup, args.device, args.max_batch)
-        return in_process_backend(setup, args.device)
+        return BatchSimulatorBackend.from_setup(setup, args.device, args.max_batch)
     from inference.serving.ranks import RankBackend
 
     return RankBackend(serving_job(setup, args), in_flight=args.max_batch + args.queue_size)
