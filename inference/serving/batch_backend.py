@@ -19,7 +19,7 @@ from inference.cycle.simulator import Simulator
 from inference.cycle.slots import Request, SlotSequence
 from inference.sampling import Sampling
 from inference.serving.inflight import InFlight
-from inference.serving.slot_feed import IDLE_TICK_S, QueuedRequest, feed_slots, waiting
+from inference.serving.slot_feed import QueuedRequest, feed_slots, waiting
 from inference.setup import Setup
 from spd_lightning.errors import first_line
 from spd_lightning.export import load_drafter
@@ -70,7 +70,7 @@ class BatchSimulatorBackend:
         self.in_flight.end(failure)
 
     def _take(self, free: int, idle: bool) -> list[QueuedRequest] | str:
-        return waiting(self._queue, free, IDLE_TICK_S if idle else 0.0)
+        return waiting(self._queue, free, idle)
 
     def _start(self, queued: QueuedRequest) -> Request:
         request_id = queued.request_id
