@@ -129,10 +129,9 @@ def nodes_of(args: argparse.Namespace) -> Nodes | None:
 
 
 def build(args: argparse.Namespace):
-    """The app and its engine (weights loaded) for these arguments."""
+    """The app and its engine (weights loaded) for these arguments (checked: `check_args`)."""
     from inference.serving.app import ServerConfig, build_app
 
-    check_args(args)
     setup = prepared(args)
     name = args.model_name or os.path.basename(os.path.normpath(setup.ckpt or setup.target_path))
     engine = Engine(
@@ -194,7 +193,6 @@ def run_ranks_only(args: argparse.Namespace) -> int:
     within --timeout, or when its ranks reject their input."""
     from inference.serving.ranks import serve_requests
 
-    check_args(args)
     job = serving_job(prepared(args), args)
     where = f"node 0 at {args.master_addr}:{args.master_port}"
     nodes = job.nodes
@@ -225,9 +223,9 @@ def run(args: argparse.Namespace) -> int:
     from inference.serving.shutdown import GracefulServer
 
     logs.configure()
+    check_args(args)
     if args.node_rank > 0:
         return run_ranks_only(args)
-    check_args(args)
     listening = bound_socket(args.host, args.port)
     try:
         app, engine = build(args)
