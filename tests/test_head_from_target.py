@@ -14,6 +14,7 @@ from inference import decode
 from inference.processes.job import DecodeJob
 from inference.processes.roles import load_role
 from inference.sampling import Sampling
+from inference.serving import server as serve
 from spd_lightning.errors import ConfigError
 from spd_lightning.export import DrafterLoadError, DrafterSpec, load_drafter, save_drafter, seed_from_drafter
 from spd_lightning.geometry import Geometry
@@ -68,6 +69,13 @@ def test_loaders_take_the_head_from_the_target(trained, micro_target, tmp_path):
     args = ["--ckpt", out, "--target", micro_target, "--prompt", "Tell me about cats.", "--max-new-tokens", "12"]
     assert decode.main([*args, "--simulate", "--check-lossless", "--json", str(report)]) == 0
     assert json.loads(report.read_text())["totals"]["lossless"]
+
+    serve_args = serve.parse_args(["--ckpt", out, "--target", micro_target, "--simulate"])  # `serve --simulate`
+    backend = serve.make_backend(serve.prepared(serve_args), serve_args)
+    try:
+        torch.testing.assert_close(backend.runner.drafter.pdm.lm_head.weight, pdm_rank.lm_head.weight, rtol=0, atol=0)
+    finally:
+        backend.close()
 
 
 def test_a_head_from_target_needs_init_head(tiny_target_dir):

@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException
 
 from inference.serving import api_models as models
 from inference.serving.engine import Engine, Generation, QueueFull
-from inference.serving.intake import ApiError, Intake, Limits
+from inference.serving.intake import ApiError, Intake, Limits, unknown_model
 from inference.serving.logs import completion_id
 
 log = logging.getLogger("inference.serve")
@@ -267,12 +267,7 @@ def _add_info_routes(app: FastAPI, engine: Engine, config: ServerConfig) -> None
     )
     async def one_model(name: str):
         if name != config.model:
-            raise ApiError(
-                404,
-                f"model {name!r} does not exist: this server serves {config.model!r}",
-                code="model_not_found",
-                param="model",
-            )
+            raise unknown_model(name, config.model)
         return model
 
 

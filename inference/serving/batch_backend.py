@@ -1,4 +1,4 @@
-"""The in-process batched backend of `serve --simulate --max-batch B`: a `Simulator` of B slots fed by the server.
+"""The in-process backend of `serve --simulate` (any `--max-batch B`): a `Simulator` of B slots fed by the server.
 
 One driver thread owns the simulator and runs `slot_feed.feed_slots` over it: the requests the engine's
 threads hand over (`generate`, one thread per request) wait in this backend's FIFO and join free slots at step
@@ -19,7 +19,7 @@ from inference.cycle.simulator import Simulator
 from inference.cycle.slots import Request, SlotSequence
 from inference.sampling import Sampling
 from inference.serving.inflight import InFlight
-from inference.serving.slot_feed import IDLE_TICK_S, QueuedRequest, feed_slots, waiting
+from inference.serving.slot_feed import QueuedRequest, feed_slots, waiting
 from inference.setup import Setup
 from spd_lightning.errors import first_line
 from spd_lightning.export import load_drafter
@@ -42,7 +42,7 @@ class BatchSimulatorBackend:
     @classmethod
     def from_setup(cls, setup: Setup, device: str, max_batch: int) -> BatchSimulatorBackend:
         target = Target.load(setup.target_path, setup.dtype, device, setup.trust_remote_code)
-        pdm = load_drafter(setup.ckpt, map_location=device)[0].to(target.model.dtype)
+        pdm = load_drafter(setup.ckpt, device, target.lm_head.weight)[0].to(target.model.dtype)
         return cls(target, pdm, setup.geometry, setup.eos, max_batch)
 
     def generate(self, prompt_ids, max_new_tokens, sampling: Sampling, seed, on_tokens=None) -> DecodeResult:
@@ -70,7 +70,7 @@ class BatchSimulatorBackend:
         self.in_flight.end(failure)
 
     def _take(self, free: int, idle: bool) -> list[QueuedRequest] | str:
-        return waiting(self._queue, free, IDLE_TICK_S if idle else 0.0)
+        return waiting(self._queue, free, idle)
 
     def _start(self, queued: QueuedRequest) -> Request:
         request_id = queued.request_id

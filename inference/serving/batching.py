@@ -59,7 +59,7 @@ def batch_that_fits(memory: int, weights: int, per_slot: int) -> int:
 def stage_weight_bytes(setup: Setup) -> int:
     """The largest stage's share of the target's weights (its layers; the ends' embedding and head counted whole)."""
     model = setup.skeleton.model
-    element = torch.empty((), dtype=_dtype(setup)).element_size()
+    element = resolve_dtype(setup.dtype).itemsize
     total = sum(p.numel() for p in model.parameters())
     return math.ceil(total / setup.geometry.n) * element
 
@@ -73,9 +73,5 @@ def slot_cache_bytes(setup: Setup) -> int:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     layers = math.ceil(config.num_hidden_layers / setup.geometry.n)
     positions = setup.info.max_position_embeddings or 32768
-    element = torch.empty((), dtype=_dtype(setup)).element_size()
+    element = resolve_dtype(setup.dtype).itemsize
     return layers * 2 * kv_heads * head_dim * positions * element
-
-
-def _dtype(setup: Setup) -> torch.dtype:
-    return resolve_dtype(setup.dtype)

@@ -10,9 +10,9 @@ decoder delivers them, through a `TextStream` (stop strings) to the request's ev
 event loop.
 
 A request whose client has gone is cancelled at once: `Generation.cancel` (the app calls it the moment it
-sees the disconnect) tells the backend, which stops the ranks at their next verdict (`RankBackend.cancel`);
-an in-process decoder stops when its next cycle's hook raises `Cancelled`. Either way it counts as
-`cancelled`.
+sees the disconnect) tells the backend, which stops the request at its next verdict (the ranks'
+`RankBackend.cancel`, the simulator's `BatchSimulatorBackend.cancel`); the one-request decoders of `--mode ar`
+and `eagle3` stop when their next cycle's hook raises `Cancelled`. Either way it counts as `cancelled`.
 
 While idle the workers check the backend every `HEALTH_POLL_S`: a pipeline whose ranks died is restarted
 then, before the next request comes, and `ready` (HTTP `/ready`) is false until the new one has loaded. When
@@ -201,7 +201,7 @@ class Engine:
             if stream.stopped:
                 raise StopString
 
-        cancel = getattr(backend, "cancel", None)  # the in-process decoders stop at their next `on_tokens`
+        cancel = getattr(backend, "cancel", None)  # --mode ar and eagle3 stop at their next `on_tokens`
         generation.on_cancel = (lambda: cancel(on_tokens)) if cancel is not None else None
         if generation.cancelled.is_set():  # gone while it waited (or just now)
             self._cancelled(generation)

@@ -30,9 +30,6 @@ class InFlight:
         self._next_id = 0
         self._routes: dict[int, tuple[queue.SimpleQueue, OnTokens | None]] = {}
 
-    def __len__(self) -> int:
-        return len(self._routes)
-
     def open(self, on_tokens: OnTokens | None) -> int:
         """A new request's id and its route; `BackendFailure` once the decoder has ended."""
         with self._lock:

@@ -46,6 +46,12 @@ class ApiError(Exception):
         self.headers = headers
 
 
+def unknown_model(name: str, served: str) -> ApiError:
+    """The 404 of a request (or `/v1/models/{name}`) that names another model than the one served."""
+    message = f"model {name!r} does not exist: this server serves {served!r}"
+    return ApiError(404, message, code="model_not_found", param="model")
+
+
 @dataclass
 class Limits:
     model: str  # the name /v1/models lists and requests must use
@@ -101,12 +107,7 @@ class Intake:
     def _settings(self, body) -> tuple[int, Sampling]:
         limits = self.limits
         if body.model != limits.model:
-            raise ApiError(
-                404,
-                f"model {body.model!r} does not exist: this server serves {limits.model!r}",
-                code="model_not_found",
-                param="model",
-            )
+            raise unknown_model(body.model, limits.model)
         max_tokens = next(
             (m for m in (body.max_completion_tokens, body.max_tokens) if m is not None), limits.default_max_tokens
         )

@@ -47,7 +47,7 @@ from inference.processes.nodes import RemoteRequestChannel
 from inference.processes.roles import build_runner
 from inference.sampling import Sampling
 from inference.serving.inflight import InFlight
-from inference.serving.slot_feed import IDLE_TICK_S, QueuedRequest, feed_slots, waiting
+from inference.serving.slot_feed import QueuedRequest, feed_slots, waiting
 from spd_lightning.errors import first_line
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ def serve_requests(
     verifier, eos = rank == runner.verifier_rank, frozenset(job.eos_token_ids)
 
     def take(free: int, idle: bool) -> list[QueuedRequest] | str:
-        box = [waiting(channel, free, IDLE_TICK_S if idle else 0.0) if rank == 0 else None]
+        box = [waiting(channel, free, idle) if rank == 0 else None]
         dist.broadcast_object_list(box, src=0, group=control_group())  # host memory, never the NCCL group
         return box[0]
 

@@ -129,10 +129,9 @@ def nodes_of(args: argparse.Namespace) -> Nodes | None:
 
 
 def build(args: argparse.Namespace):
-    """The app and its engine (weights loaded) for these arguments."""
+    """The app and its engine (weights loaded) for these arguments (checked: `check_args`)."""
     from inference.serving.app import ServerConfig, build_app
 
-    check_args(args)
     setup = prepared(args)
     name = args.model_name or os.path.basename(os.path.normpath(setup.ckpt or setup.target_path))
     engine = Engine(
@@ -160,17 +159,17 @@ def prepared(args: argparse.Namespace) -> Setup:
 
 
 def make_backend(setup: Setup, args: argparse.Namespace):
-    """n + 1 persistent ranks; in this process with --simulate, for --mode ar (the stages in sequence) and for
-    --mode eagle3 (chain decoding is a one-GPU method: draft and verify in one process). Batched (--max-batch
-    > 1): the ranks' slot runner, or the batched simulator in this process."""
+    """n + 1 persistent ranks, each request in a slot of their batch (--max-batch B, 1 included); in this process
+    the batched simulator with --simulate, and the one-request decoder of --mode ar (the stages in sequence) and
+    --mode eagle3 (chain decoding is a one-GPU method: draft and verify in one process)."""
     if args.simulate or setup.mode in ("ar", "eagle3"):
         if args.threads:
             torch.set_num_threads(args.threads)
-        if args.max_batch > 1:
-            from inference.serving.batch_backend import BatchSimulatorBackend
+        if setup.mode in ("ar", "eagle3"):
+            return in_process_backend(setup, args.device)
+        from inference.serving.batch_backend import BatchSimulatorBackend
 
-            return BatchSimulatorBackend.from_setup(setup, args.device, args.max_batch)
-        return in_process_backend(setup, args.device)
+        return BatchSimulatorBackend.from_setup(setup, args.device, args.max_batch)
     from inference.serving.ranks import RankBackend
 
     return RankBackend(serving_job(setup, args), in_flight=args.max_batch + args.queue_size)
@@ -194,7 +193,6 @@ def run_ranks_only(args: argparse.Namespace) -> int:
     within --timeout, or when its ranks reject their input."""
     from inference.serving.ranks import serve_requests
 
-    check_args(args)
     job = serving_job(prepared(args), args)
     where = f"node 0 at {args.master_addr}:{args.master_port}"
     nodes = job.nodes
@@ -225,9 +223,9 @@ def run(args: argparse.Namespace) -> int:
     from inference.serving.shutdown import GracefulServer
 
     logs.configure()
+    check_args(args)
     if args.node_rank > 0:
         return run_ranks_only(args)
-    check_args(args)
     listening = bound_socket(args.host, args.port)
     try:
         app, engine = build(args)

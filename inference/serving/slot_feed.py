@@ -47,12 +47,12 @@ class QueuedRequest(NamedTuple):
         return Request(self.prompt, self.max_new_tokens, eos, self.sampling, self.seed, on_tokens=on_tokens, stop=stop)
 
 
-def waiting(source, free: int, wait: float) -> list[QueuedRequest] | str:
+def waiting(source, free: int, idle: bool) -> list[QueuedRequest] | str:
     """Up to `free` requests from `source` (a queue of `QueuedRequest`, None to stop: `get`, `get_nowait`, `put`),
-    waiting up to `wait` seconds for the first; STOP when the stop comes first."""
+    waiting up to IDLE_TICK_S for the first only when `idle` (no slot busy); STOP when the stop comes first."""
     taken: list[QueuedRequest] = []
     try:
-        item = source.get(timeout=wait) if wait else source.get_nowait()
+        item = source.get(timeout=IDLE_TICK_S) if idle else source.get_nowait()
         while item is not None:
             taken.append(item)
             if len(taken) == free:
