@@ -9,7 +9,9 @@ with the caller's `target`):
     spd, post_step, ppsd   `SimulatorBackend`: the pipeline's runner with every rank in this process
 
 The n + 1 processes are the other backend: `inference.processes.launch` for a batch of prompts, and the
-server's persistent ranks (`inference.serving.ranks.RankBackend`).
+server's persistent ranks (`inference.serving.ranks.RankBackend`). `serve --simulate` feeds the pipeline's
+runner its requests at step boundaries, as the ranks do (`inference.serving.batch_backend`); it takes only the
+`ar` and `eagle3` backends from here.
 """
 
 from __future__ import annotations
