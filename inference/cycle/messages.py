@@ -5,7 +5,7 @@ per step in turn (`put`): a buffer written in step j is sent in step j + 1, and 
 that send complete by step j + 3, when the buffer is written again. So no message buffer is allocated during a
 decode, and a sent buffer is never rewritten in flight (the compiled step's own outputs, which its next
 replay overwrites, are never sent). The verdict lives twice: the verifier judges into a device row, and the
-message travels from host memory (`Transport.control_device`). On a GPU the host rows are pinned: the copy
+message travels from host memory (`transport.CONTROL_KINDS`). On a GPU the host rows are pinned: the copy
 is asynchronous, and the host waits for an event recorded right after it, not for the whole CUDA stream. Prefill buffers, whose shape is the prompt's,
 grow with the longest prompt seen. docs/DESIGN.md lists every message with its shape.
 """
@@ -32,18 +32,15 @@ class MessageShapes:
     hidden_size: int
     state_dtype: torch.dtype
     draft_vocab_size: int
-    greedy: bool
     device: torch.device
-    control_device: torch.device  # where the verdict travels from (host memory when the transport needs it)
     slots: int  # every message carries one row per slot
 
 
 class Mailboxes:
     def __init__(self, shapes: MessageShapes):
         n, H, dev, dtype = shapes.n, shapes.hidden_size, shapes.device, shapes.state_dtype
-        long, control = dict(dtype=torch.long, device=dev), shapes.control_device
+        long = dict(dtype=torch.long, device=dev)
         rows = shapes.slots  # the leading dimension of every message
-        lead = (rows,)
         self.dtype, self.device = dtype, dev
         self.inbox: dict[tuple[int, str], torch.Tensor] = {}
         self.rings: dict[tuple[int, str], torch.Tensor] = {}
@@ -52,15 +49,15 @@ class Mailboxes:
                 self.inbox[r, "act"] = torch.zeros(rows, 1, H, dtype=dtype, device=dev)
             if r in (0, n - 1):
                 self.inbox[r, "draft_token"] = torch.zeros(rows, **long)
-            if r == n - 1 and not shapes.greedy:
-                self.inbox[r, "draft_q"] = torch.zeros(*lead, shapes.draft_vocab_size, device=dev)
+            if r == n - 1:
+                self.inbox[r, "draft_q"] = torch.zeros(rows, shapes.draft_vocab_size, device=dev)
             if r != n - 1:
-                self.inbox[r, "verdict"] = torch.zeros(*lead, 2, dtype=torch.long, device=control)
+                self.inbox[r, "verdict"] = torch.zeros(rows, 2, dtype=torch.long)  # host memory
             if r == n:
                 for s, count in shapes.anchor_counts.items():
                     self.inbox[r, f"anchors{s}"] = torch.zeros(rows, count, H, dtype=dtype, device=dev)
                 self.rings[r, "draft_token"] = torch.zeros(SEND_RING, rows, **long)
-                self.rings[r, "draft_q"] = torch.zeros(SEND_RING, *lead, shapes.draft_vocab_size, device=dev)
+                self.rings[r, "draft_q"] = torch.zeros(SEND_RING, rows, shapes.draft_vocab_size, device=dev)
             else:
                 count = shapes.anchor_counts[r + 1]
                 self.rings[r, "act"] = torch.zeros(SEND_RING, rows, 1, H, dtype=dtype, device=dev)
@@ -70,10 +67,10 @@ class Mailboxes:
         self.outbox: dict[tuple[int, str], torch.Tensor] = {}  # kind -> the ring buffer (or prefill output) to send
         self.prefill_inbox: dict[tuple[int, str], torch.Tensor] = {}
         # Two rows in turn (one verdict per cycle), so a row is rewritten only after its sends have settled.
-        self.verdict_rows = torch.zeros(2, *lead, 2, **long)
-        pinned = dev.type == "cuda" and control.type == "cpu"
+        self.verdict_rows = torch.zeros(2, rows, 2, **long)
+        pinned = dev.type == "cuda"
         # ... and a third host row for the first tokens of joins (each join writes only its own slot's row)
-        self.verdict_host = torch.zeros(3, *lead, 2, dtype=torch.long, device=control, pin_memory=pinned)
+        self.verdict_host = torch.zeros(3, rows, 2, dtype=torch.long, pin_memory=pinned)
         self.first_host = self.verdict_host[2]
         self._verdict_copied = torch.cuda.Event() if pinned else None
         self.seed_input = torch.zeros(rows, 1, **long)  # stage 1's input when it runs a seed (first token, correction)

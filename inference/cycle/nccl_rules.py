@@ -77,9 +77,6 @@ class NcclRules(Transport):
     def hosts(self, rank: int) -> bool:
         return self.inner.hosts(rank)
 
-    def control_device(self, device: torch.device) -> torch.device:
-        return self.inner.control_device(device)
-
     def send(self, src, dst, tensor, kind) -> None:
         self._check(src, tensor, kind, f"the {kind} rank {src} sends to rank {dst}")
         if self.model is not None:

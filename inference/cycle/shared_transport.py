@@ -17,7 +17,7 @@ from inference.cycle.transport import Arrival, DistributedTransport, LocalTransp
 
 
 class SharedTransport(DistributedTransport):
-    def __init__(self, n: int, names: list[str] | None = None):
+    def __init__(self, n: int, names: list[str]):
         super().__init__(names)
         self.n = n
         self.local = LocalTransport(n + 1)

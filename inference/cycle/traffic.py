@@ -67,9 +67,7 @@ class Traffic:
             hidden_size=hidden_size,
             state_dtype=state_dtype,
             draft_vocab_size=draft_vocab_size,
-            greedy=False,  # requests bring their own sampling: `q` travels whenever one is sampled
             device=device,
-            control_device=transport.control_device(device),
             slots=slots,
         )
         self.box = Mailboxes(self.shapes)

@@ -48,11 +48,6 @@ class Transport:
     def hosts(self, rank: int) -> bool:
         raise NotImplementedError
 
-    def control_device(self, device: torch.device) -> torch.device:
-        """Where the buffers of control messages (`CONTROL_KINDS`) live for a runner computing on `device`:
-        host memory, since every rank reads the verdict on the host."""
-        return torch.device("cpu")
-
     def send(self, src: int, dst: int, tensor: torch.Tensor, kind: str) -> None:
         """Start sending; `tensor` must stay unchanged until `settle` has run twice after this call."""
         raise NotImplementedError
@@ -123,13 +118,13 @@ class LocalTransport(Transport):
 class DistributedTransport(Transport):
     """One rank per process over an initialized default process group."""
 
-    def __init__(self, names: list[str] | None = None):
+    def __init__(self, names: list[str]):
         """`names[r]` says what rank `r` is (e.g. "stage 2"), for error messages."""
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call init_distributed first")
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.names = names or [f"rank {r}" for r in range(self.world_size)]
+        self.names = names
         self._watched: queue.SimpleQueue | None = None  # posted receives, waited on by the watcher thread
         self._sent_now: list[tuple[object, int, str]] = []  # (work, dst, kind) since the last settle
         self._sent_before: list[tuple[object, int, str]] = []
@@ -242,16 +237,12 @@ def _peer_error(what: str, peer: int, cause: Exception) -> PeerError:
     return PeerError(f"{what}: {failure_reason(cause)}", peer)  # one line, gloo's or NCCL's
 
 
-def init_distributed(
-    backend: str, rank: int, world_size: int, timeout_s: float, init_method: str | None = None
-) -> None:
-    """Join the process group; every later blocking call fails after `timeout_s` instead of hanging."""
-    kwargs = dict(backend=backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
-    if init_method is not None:
-        kwargs["init_method"] = init_method
+def init_distributed(backend: str, rank: int, world_size: int, timeout_s: float) -> None:
+    """Join the process group (its address from the environment, `env://`); every later blocking call fails after
+    `timeout_s` instead of hanging."""
     if backend == "nccl":  # a dead peer raises PeerError, as under gloo, instead of the watchdog killing the rank
         nccl_error_handling()
-    dist.init_process_group(**kwargs)
+    dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
     if enabled():  # NCCL's rules (tests): no object collective on the default group
         guard_default_group()
 
