@@ -149,16 +149,10 @@ def load_pieces(
         wanted["norm"] = skeleton.norm
         wanted["lm_head"] = skeleton.lm_head
     _copy_tensors(path, wanted, bool(getattr(skeleton.model.config, "tie_word_embeddings", False)), device)
-    config = skeleton.config
-    rotary = type(skeleton.rotary_emb)(config=config).to(device)  # non-persistent buffers: rebuilt, not loaded
-    return TargetPieces(
-        config,
-        {i: skeleton.layers[i].eval() for i in layers},
-        rotary,
-        skeleton.embed_tokens.eval() if embed else None,
-        skeleton.norm.eval() if head else None,
-        skeleton.lm_head.eval() if head else None,
-    )
+    pieces = TargetPieces.from_target(skeleton, layers, embed, head)  # in eval mode, as `Target` puts its model
+    # the rotary embedding's buffers are not persistent: rebuilt, not loaded
+    pieces.rotary_emb = type(skeleton.rotary_emb)(config=skeleton.config).to(device)
+    return pieces
 
 
 def stage_layers(geometry: Geometry, stage: int) -> range:
@@ -187,7 +181,7 @@ class Stage(nn.Module):
 
     def __init__(self, geometry: Geometry, index: int, pieces: TargetPieces, slots: int = 1, compile: bool = False):
         super().__init__()
-        self.geometry, self.index, self.slots = geometry, index, slots
+        self.geometry, self.index = geometry, index
         self.first = index == 1
         self.last = index == geometry.n
         self.layer_range = stage_layers(geometry, index)
@@ -198,7 +192,6 @@ class Stage(nn.Module):
         self.lm_head = pieces.lm_head if self.last else None
         if (self.first and self.embed_tokens is None) or (self.last and self.lm_head is None):
             raise ValueError(f"stage {index} needs the {'embedding' if self.first else 'final norm and LM head'}")
-        self.config = pieces.config
         # Anchor 0 (the embedding output) is never sent: the PDM rank embeds tokens itself.
         self.anchor_layers = tuple(b for b in geometry.anchors_of_stage(index) if b > 0)
         # n + 1 snapshots: a rejection discards at most n positions on stage 1 (n - 1 in flight plus the
@@ -233,10 +226,6 @@ class Stage(nn.Module):
             path, stage_layers(geometry, index), index == 1, index == geometry.n, dtype, device, trust_remote_code
         )
         return cls(geometry, index, pieces, slots, compile)
-
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
 
     @property
     def dtype(self) -> torch.dtype:
