@@ -62,20 +62,15 @@ def ar_decode_stages(
     generator = torch.Generator(device=device)
     generator.manual_seed(generator_seeds(seed)[0])
 
-    capacity = len(prompt_ids) + max_new_tokens
-
-    def forward(x: torch.Tensor, start: int) -> torch.Tensor:
-        return run_slot_zero(stages, x, start, capacity)
-
     t0 = time.perf_counter()
     prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
-    tokens = [sample_token(forward(prompt, 0), sampling, generator)]
+    tokens = [sample_token(run_slot_zero(stages, prompt, 0, len(prompt_ids) + max_new_tokens), sampling, generator)]
     prefill_s = time.perf_counter() - t0
     if on_tokens is not None:
         on_tokens(tokens[-1:])
     t_start = time.perf_counter()
     while tokens[-1] not in eos and len(tokens) < max_new_tokens:
-        logits = forward(torch.tensor([[tokens[-1]]], device=device), prompt.shape[1] + len(tokens) - 1)
+        logits = run_slot_zero(stages, torch.tensor([[tokens[-1]]], device=device), prompt.shape[1] + len(tokens) - 1)
         tokens.append(sample_token(logits, sampling, generator))
         if on_tokens is not None:
             on_tokens(tokens[-1:])

@@ -153,7 +153,7 @@ class PipelineRunner:
             verifier = Verifier(
                 request.sampling, self.n + 1, config.vocab_size, config.d2t, config.draft_vocab_size, self.device
             )
-        seq = SlotSequence(request, self.geometry, verifier, self.device)
+        seq = SlotSequence(request, self.geometry, verifier)
         logits = prefill_slot(self.traffic, self.stages, b, seq)
         # the first token: the verifier samples it and sends it to every rank
         seq.first(self.verdicts.send_first(b, -1 if logits is None else seq.verifier.first(logits)))
@@ -264,7 +264,7 @@ class PipelineRunner:
     def _draft(self, live: dict[int, SlotSequence], rows: int) -> None:
         """Post-step, this step's anchor states reach the PDM first; the PDM learns the previous verdict if it is
         in, then drafts for every slot whose step is real or not known to be wasted, in one forward. A verdict that
-        is late does not hold the draft up (as at batch 1, "The critical path"): the PDM drafts without it, then
+        is late does not hold the draft up (docs/DESIGN.md, "The critical path"): the PDM drafts without it, then
         waits for it, and a slot's draft for a step that turns out wasted is discarded: its row of the outgoing
         message keeps what it held (a redo's input travelled with it). A draft's randomness is a function of its
         request and position (`drafter`), so a discarded draft spends none: every draft is that of a PDM that knew

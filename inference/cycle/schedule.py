@@ -122,10 +122,6 @@ class PipelineSchedule:
     def done(self) -> bool:
         return bool(self.stop_reason)
 
-    def drafting_depth(self, fill: int) -> int:
-        """The deepest in-flight depth the PDM reads at fill `fill` (distinguishes pre- and post-step)."""
-        return self.geometry.inflight_depth(fill - 1)
-
     def begin(self, verdict: int, token: int, prompt_len: int = -1) -> CyclePlan | None:
         """Apply the previous cycle's verdict and plan the next cycle; None once decoding has stopped."""
         verdict = Verdict(verdict)
@@ -200,7 +196,7 @@ class PipelineSchedule:
             self.stop_reason = "max_new_tokens"
 
     def _count(self, accepted: bool, fill: int) -> None:
-        c, depth = self.counters, self.drafting_depth(fill)
+        c, depth = self.counters, self.geometry.inflight_depth(fill - 1)  # its drafting depth (see `Counters`)
         (c.accepted_by_fill if accepted else c.rejected_by_fill)[fill - 1] += 1
         (c.accepted_by_depth if accepted else c.rejected_by_depth)[depth] += 1
 

@@ -52,7 +52,7 @@ class SlotSequence:
     """`verifier` is None in a process that does not host the verifier's rank (a distributed stage or PDM rank):
     it follows the slot's schedule from the verdicts it receives."""
 
-    def __init__(self, request: Request, geometry: Geometry, verifier: Verifier | None, device: torch.device):
+    def __init__(self, request: Request, geometry: Geometry, verifier: Verifier | None):
         if not request.prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
         self.request, self.geometry = request, geometry

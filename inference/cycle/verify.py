@@ -74,7 +74,7 @@ class Verifier:
         draft_vocab_size: int,
         device: torch.device,
     ):
-        self.sampling, self.window, self.vocab_size = sampling, window, vocab_size
+        self.sampling, self.window = sampling, window
         self.d2t = None if d2t is None else d2t.to(device)
         self.tokens = torch.full((window,), -1, dtype=torch.long, device=device)
         self.q = None if sampling.greedy else torch.zeros(window, draft_vocab_size, device=device)
