@@ -1,9 +1,9 @@
 """The one place that knows how transformers' decoder-layer cache API differs between the supported releases
 (docs/DESIGN.md, "Supported versions").
 
-The decoder calls the target's HF decoder layers directly, with caches of its own (`StageCache` wraps HF's
-`StaticCache`; `SlotCache` and its row view implement the cache interface themselves). Four things differ
-between the releases we support (transformers >= 5.15, see `spd_lightning.environment.versions`):
+The decoders call the target's HF decoder layers directly, with caches of their own (the chain's `ChainCache`
+wraps HF's `StaticCache`; the stages' `StageCache` and its row view implement the cache interface themselves).
+Four things differ between the releases we support (transformers >= 5.15, see `spd_lightning.environment.versions`):
 
 - the keyword a decoder layer takes its cache by: `cache` from 5.24, `past_key_values` before. A layer
   of the other generation swallows the wrong one in its `**kwargs` and runs without a cache, so the keyword

@@ -3,7 +3,7 @@
 The batched decoder's schedule runs on the host, one `SlotSequence` per slot; its forwards read per-slot values on
 the device: the position each row runs, which rows run a real token, where each slot's PDM segment starts and
 where its newest position lies. Building them as `torch.tensor(host_list)` each cycle would be a host-to-device
-copy per cycle (a sync on a GPU, which the batch-1 hot path does not have: docs/DESIGN.md, "The hot path"). So:
+copy per cycle (a sync on a GPU, which the hot path must not have: docs/DESIGN.md, "The hot path"). So:
 
 - `RowSets`: the boolean mask of any set of rows is a row of a table built once per chunk of up to 8 rows
   (every subset of the chunk), copied device to device into a mask buffer: one copy per chunk, no host data;
