@@ -86,7 +86,6 @@ class PipelineRunner:
             if not transport.hosts(s - 1):
                 raise ValueError(f"stage {s} is given to a process that does not host rank {s - 1}")
         self.hosted = [r for r in range(self.n + 1) if transport.hosts(r)]
-        self.hosts_verifier = transport.hosts(self.verifier_rank)
         if transport.hosts(self.drafter_rank) and drafter is None:
             raise ValueError("this process hosts the PDM rank but got no drafter")
         self.clock = Profiler(config.profile, self.device)
@@ -148,7 +147,7 @@ class PipelineRunner:
         if self.config.on_step is not None:
             self.config.on_step("prefill")
         verifier = None
-        if self.hosts_verifier:
+        if self.verdicts.hosts_verifier:
             config = self.config
             verifier = Verifier(
                 request.sampling, self.n + 1, config.vocab_size, config.d2t, config.draft_vocab_size, self.device

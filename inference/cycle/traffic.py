@@ -77,9 +77,6 @@ class Traffic:
         self._kept_rows = RowSets(slots, device)  # which rows of a draft the step sends
         self._kept_mask = self._kept_rows.mask()
 
-    def hosts(self, rank: int) -> bool:
-        return self.transport.hosts(rank)
-
     def send(self, src: int, dst: int, kind: str, tensor: torch.Tensor | None = None) -> None:
         """Send `tensor` (else what `src` put in its outbox) when this process hosts `src`."""
         if self.transport.hosts(src):

@@ -44,7 +44,7 @@ class VerdictChannel:
 
     def __init__(self, traffic: Traffic, verifier_rank: int, listeners: list[int]):
         self.traffic, self.verifier_rank, self.listeners = traffic, verifier_rank, listeners
-        self.hosts_verifier = traffic.hosts(verifier_rank)
+        self.hosts_verifier = traffic.transport.hosts(verifier_rank)
         self.others = [r for r in range(traffic.n + 1) if r != verifier_rank]  # every rank the verifier sends to
         self.rows: dict[int, list[list[int]]] = {}  # step -> its verdict rows, once this process holds them
         self._owed: deque[Judging] = deque()  # steps whose message the listeners may not have taken yet (`_due`)
