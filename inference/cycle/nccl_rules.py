@@ -8,7 +8,7 @@ NCCL raises here too:
   group, travels on the gloo group (`DistributedTransport` puts it there);
 - a send and its receive agree on kind, shape and dtype (NCCL reads bytes: a mismatch hangs or corrupts);
 - with every rank in view (the simulators' `LocalTransport`), `_StreamModel` replays the messages as NCCL runs them:
-  per pair one stream on each side, in FIFO order; a send of more than `eager_bytes`, or of a kind that is large at
+  per pair one stream on each side, in FIFO order; a send of more than the eager limit, or of a kind that is large at
   the real shapes (`LARGE_AT_REAL_SHAPES`), completes only once its receive runs (rendezvous), a smaller one at once; a rank's later messages wait for each receive it waited on
   and for each send `settle` waited on (on a GPU they queue behind those on its compute stream). At every `flush`
   (the end of a prompt) every message must have completed; if not, the stuck ones are named (`NcclRuleError`).
@@ -34,7 +34,7 @@ from inference.cycle.transport import (
     DistributedTransport,
     LocalTransport,
     Transport,
-    _control_group,
+    control_group,  # noqa: F401 - part of this API (the server's control traffic)
 )
 from inference.runtime.nccl_backend import RULES_ENV, NcclRuleError, enabled  # noqa: F401 - part of this API
 
@@ -50,10 +50,6 @@ EAGER_BYTES = 64 * 1024
 LARGE_AT_REAL_SHAPES = frozenset({"act_prefill", "anchors_prefill", "draft_q"})
 
 
-def eager_bytes() -> int:
-    return int(os.environ.get(EAGER_ENV, EAGER_BYTES))
-
-
 def checked(transport: Transport, device: torch.device | None = None) -> Transport:
     """`transport` held to NCCL's rules when they are on (`SPD_NCCL_RULES=1`), else itself. `device`: the
     device of the data of every rank it hosts (default: each rank's first data message's)."""
@@ -66,7 +62,7 @@ class NcclRules(Transport):
         self.device = device
         self.devices: dict[int, torch.device] = {}
         # The stream model needs every rank's messages: only a transport that hosts them all can give them.
-        eager = eager_bytes() if eager is None else eager
+        eager = int(os.environ.get(EAGER_ENV, EAGER_BYTES)) if eager is None else eager
         self.model = _StreamModel(eager) if type(inner) is LocalTransport else None
 
     def __getattr__(self, name):  # the inner transport's other attributes (`gather`, `rank`, `local`, ...)
@@ -267,9 +263,3 @@ class _StreamModel:
         if op.is_send:
             return f"{op.describe()} waits for rank {op.dst} to receive it"
         return f"{op.describe()} waits for its send"
-
-
-def control_group():
-    """The gloo group of the control traffic (the verdict, the server's requests): created by the first transport
-    or the first caller, on every rank at the same point of its program."""
-    return _control_group()

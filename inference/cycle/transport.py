@@ -128,7 +128,7 @@ class DistributedTransport(Transport):
         self._watched: queue.SimpleQueue | None = None  # posted receives, waited on by the watcher thread
         self._sent_now: list[tuple[object, int, str]] = []  # (work, dst, kind) since the last settle
         self._sent_before: list[tuple[object, int, str]] = []
-        self._control = _control_group()
+        self._control = control_group()
 
     def hosts(self, rank: int) -> bool:
         return rank == self.rank
@@ -214,9 +214,9 @@ class _PostedArrival(Arrival):
 _control_groups: dict[int, object] = {}
 
 
-def _control_group():
-    """The gloo group of the control messages, one per process group: every rank creates it (a collective) the
-    first time it builds a transport, at the same point of its program."""
+def control_group():
+    """The gloo group of the control traffic (the verdict, the server's requests), one per process group: created (a
+    collective) by the first transport or the first caller, on every rank at the same point of its program."""
     key = id(dist.group.WORLD)
     if key not in _control_groups:
         _control_groups[key] = dist.new_group(backend="gloo")

@@ -32,10 +32,6 @@ def enabled() -> bool:
     return os.environ.get(RULES_ENV, "") == "1"
 
 
-# What the rank does when NCCL or its watchdog sees an error: 2 aborts the communicators and lets the error raise
-# at the call that waits on the failed work (1 and 3, the default, kill the process from the watchdog thread).
-NCCL_ERROR_HANDLING = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
-
 _TIMEOUT = "timed out, so it stalled or waits on a stalled rank"
 _NCCL_REASONS = (  # (pattern in NCCL's or its watchdog's text, the reason it means), first match wins
     (re.compile(r"watchdog caught collective operation timeout.*?OpType=(\w+)", re.I | re.S), _TIMEOUT + " (NCCL {0})"),
@@ -47,8 +43,9 @@ _NCCL_REASONS = (  # (pattern in NCCL's or its watchdog's text, the reason it me
 def nccl_error_handling(environ=os.environ) -> None:
     """Before the NCCL process group exists: failures raise in Python (see the module docstring). A value the user
     set is kept."""
-    for key, value in NCCL_ERROR_HANDLING.items():
-        environ.setdefault(key, value)
+    # What the rank does when NCCL or its watchdog sees an error: 2 aborts the communicators and lets the error raise
+    # at the call that waits on the failed work (1 and 3, the default, kill the process from the watchdog thread).
+    environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
 
 
 def failure_reason(cause: BaseException) -> str:
