@@ -52,7 +52,6 @@ class Simulator(PipelineRunner):
         ranks do when the verdict comes late, and the redo rolls them back. `profile`: per-cycle timing in each
         result's `timing` (empty otherwise). `compile`: the one-token stage steps and the PDM's draft step
         through `torch.compile`, one graph per batch bucket (prefill stays eager)."""
-        geometry.check_target(target.num_layers)
         stages = {s: Stage.from_target(target, geometry, s, max_batch, compile) for s in range(1, geometry.n + 1)}
         first = stages[1]
         if isinstance(drafter, PipelineDraftModule):
