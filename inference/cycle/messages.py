@@ -52,7 +52,7 @@ class Mailboxes:
             if r == n - 1:
                 self.inbox[r, "draft_q"] = torch.zeros(rows, shapes.draft_vocab_size, device=dev)
             if r != n - 1:
-                self.inbox[r, "verdict"] = torch.zeros(rows, 2, dtype=torch.long)  # host memory
+                self.inbox[r, "verdict"] = torch.zeros(rows, 2, dtype=torch.long, device="cpu")
             if r == n:
                 for s, count in shapes.anchor_counts.items():
                     self.inbox[r, f"anchors{s}"] = torch.zeros(rows, count, H, dtype=dtype, device=dev)
@@ -70,7 +70,7 @@ class Mailboxes:
         self.verdict_rows = torch.zeros(2, rows, 2, **long)
         pinned = dev.type == "cuda"
         # ... and a third host row for the first tokens of joins (each join writes only its own slot's row)
-        self.verdict_host = torch.zeros(3, rows, 2, dtype=torch.long, pin_memory=pinned)
+        self.verdict_host = torch.zeros(3, rows, 2, dtype=torch.long, device="cpu", pin_memory=pinned)
         self.first_host = self.verdict_host[2]
         self._verdict_copied = torch.cuda.Event() if pinned else None
         self.seed_input = torch.zeros(rows, 1, **long)  # stage 1's input when it runs a seed (first token, correction)
