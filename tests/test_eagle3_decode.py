@@ -73,7 +73,7 @@ def family(request):
 def test_greedy_chain_with_a_trained_drafter_is_ar(family, k):
     target, references, layers, trained = family
     chain_target, runtime = (
-        ChainTarget.from_target(target, layers, k + 1),
+        ChainTarget(target, layers, k + 1),
         Eagle3Runtime(trained, target.embed_tokens, Sampling()),
     )
     results = [chain_decode(chain_target, runtime, p, NEW, k) for p in PROMPTS]
@@ -90,7 +90,7 @@ def test_greedy_chain_with_a_never_accepted_drafter_is_ar(family, k):
     unused = next(t for t in range(target.vocab_size) if all(t not in r for r in references))
     drafter = drafter_for(target, torch.tensor([unused]), layers)  # proposes only a token AR never emits
     chain_target, runtime = (
-        ChainTarget.from_target(target, layers, k + 1),
+        ChainTarget(target, layers, k + 1),
         Eagle3Runtime(drafter, target.embed_tokens, Sampling()),
     )
     for prompt, reference in zip(PROMPTS, references):
@@ -122,7 +122,7 @@ def test_oracle_drafter_closed_form(family, k):
     target, references, layers, _ = family
     drafter = OracleDrafter([len(p) for p in PROMPTS], references)
     for prompt, reference in zip(PROMPTS, references):
-        result = chain_decode(ChainTarget.from_target(target, layers, k + 1), drafter, prompt, NEW, k)
+        result = chain_decode(ChainTarget(target, layers, k + 1), drafter, prompt, NEW, k)
         assert result.tokens == reference
         assert result.K == math.ceil((result.N - 1) / (k + 1))
         assert result.accept_lengths[:-1] == [k + 1] * (result.K - 1)
@@ -133,7 +133,7 @@ def test_eos_stops_like_ar(family):
     eos = references[0][NEW // 2]
     expected = ar_decode(target, PROMPTS[0], NEW, eos_token_id=eos)
     result = chain_decode(
-        ChainTarget.from_target(target, layers, 4),
+        ChainTarget(target, layers, 4),
         Eagle3Runtime(trained, target.embed_tokens, Sampling()),
         PROMPTS[0],
         NEW,
@@ -163,7 +163,7 @@ BLOCK = torch.tensor([[5, 6, 7, 8, 9, 10]])
 
 
 def test_full_rollback_restores_the_cache_bitwise(tiny_target):
-    chain_target = ChainTarget.from_target(tiny_target, [1, 2, 3], BLOCK.shape[1])
+    chain_target = ChainTarget(tiny_target, [1, 2, 3], BLOCK.shape[1])
     chain_target.forward(PROMPT, 0)
     before = cache_state(chain_target)
     chain_target.forward(BLOCK, PROMPT.shape[1])
@@ -175,7 +175,7 @@ def test_full_rollback_restores_the_cache_bitwise(tiny_target):
 def test_rejected_drafts_leave_no_trace(tiny_target, accepted):
     """Two verify forwards that share their first `accepted` tokens: after rollback, the caches and the
     next forward are bit-identical whatever the rejected tail was."""
-    chain_target = ChainTarget.from_target(tiny_target, [1, 2, 3], BLOCK.shape[1])
+    chain_target = ChainTarget(tiny_target, [1, 2, 3], BLOCK.shape[1])
     start, other = PROMPT.shape[1], BLOCK.clone()
     other[0, accepted:] = torch.arange(40, 40 + BLOCK.shape[1] - accepted)
     runs = []
@@ -230,7 +230,7 @@ def test_sampled_chain_follows_the_target_distribution():
     with torch.no_grad():
         drafter.lm_head.weight.mul_(3.0)  # a draft distribution that clearly differs from the target's
     chain_target, runtime = (
-        ChainTarget.from_target(target, layers, 3),
+        ChainTarget(target, layers, 3),
         Eagle3Runtime(drafter, target.embed_tokens, SAMPLING),
     )
     runs = 800
@@ -264,7 +264,7 @@ def test_chain_target_loads_from_a_checkpoint_directory(tmp_path):
     model.save_pretrained(str(tmp_path))
     target = Target(model, "tiny-qwen3_5")
     layers = eagle_feature_layers(target.num_layers)
-    chain_target = ChainTarget.from_target(Target.load(str(tmp_path)), layers, 4)
+    chain_target = ChainTarget(Target.load(str(tmp_path)), layers, 4)
     drafter = drafter_for(target, torch.arange(target.vocab_size), layers)
     runtime = Eagle3Runtime(drafter, chain_target.embed_tokens, Sampling())
     for prompt in ([5], PROMPTS[1]):  # a one-token prompt too (AR decoding cannot start from one token yet)

@@ -33,26 +33,20 @@ from inference.runtime.hf_compat import crop_static
 
 
 class ChainCache:
-    def __init__(self, config, layer_indices: range, window: int):
-        self.config = config
-        self.layer_indices = layer_indices
+    def __init__(self, config, window: int):
         self.window = window
         self.capacity = CAPACITY_STEP  # positions the attention storage holds (allocated at the first prefill)
         self.hf = StaticCache(config=config, max_cache_len=self.capacity)
-        self._check_layer_types()
-        self.attention_layers = [i for i in layer_indices if type(self.hf.layers[i]) is StaticLayer]
-        self.linear_layers = [i for i in layer_indices if type(self.hf.layers[i]) is LinearAttentionLayer]
-        self.length = 0  # positions held (the same for every layer of the stage)
-        self._ring: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (conv ring, recurrent ring)
-
-    def _check_layer_types(self) -> None:
-        for i in self.layer_indices:
-            layer = self.hf.layers[i]
+        for i, layer in enumerate(self.hf.layers):
             if type(layer) not in (StaticLayer, LinearAttentionLayer):
                 raise CacheError(
                     f"target layer {i} uses a {type(layer).__name__} cache: the chain decoder supports "
                     f"full attention and linear attention (Gated DeltaNet) layers only"
                 )
+        self.attention_layers = [i for i, layer in enumerate(self.hf.layers) if type(layer) is StaticLayer]
+        self.linear_layers = [i for i, layer in enumerate(self.hf.layers) if type(layer) is LinearAttentionLayer]
+        self.length = 0  # positions held (the same for every layer)
+        self._ring: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (conv ring, recurrent ring)
 
     def reset(self, capacity: int = 0) -> None:
         """Forget everything (a new prompt of at most `capacity` positions); the next forward is a prefill.
@@ -108,9 +102,6 @@ class ChainCache:
         conv_ring, recurrent_ring = self._ring[i]
         conv_ring[position % self.window].copy_(conv)
         recurrent_ring[position % self.window].copy_(recurrent)
-
-    def advance(self, count: int) -> None:
-        self.length += count
 
     def rollback(self, keep: int) -> None:
         """Discard every position `>= keep`; a no-op when the stage never ran them."""

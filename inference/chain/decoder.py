@@ -212,7 +212,7 @@ class ChainDecoder:
         `variant` then gives any k <= `max_k`."""
         drafter, spec = load_eagle3(drafter_path, target.lm_head.weight.device)
         spec.check_target(target.info)
-        chain = ChainTarget.from_target(target, spec.drafter.feature_layers, max_k + 1)
+        chain = ChainTarget(target, spec.drafter.feature_layers, max_k + 1)
         return cls(chain, Eagle3Runtime(drafter, chain.embed_tokens, sampling), spec, max_k, sampling)
 
     def variant(self, k: int, sampling: Sampling) -> ChainDecoder:
