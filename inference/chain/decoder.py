@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -34,7 +34,7 @@ from inference.cycle.schedule import Verdict, eos_set
 from inference.cycle.slots import generator_seeds
 from inference.cycle.verify import judge
 from inference.sampling import Sampling, draft_distribution, sample_token, warp
-from spd_lightning.eagle3.export import Eagle3Spec, load_eagle3
+from spd_lightning.eagle3.export import load_eagle3
 from spd_lightning.target import Target
 
 
@@ -57,7 +57,6 @@ class ChainResult:
     draft_s: float = 0.0
     verify_s: float = 0.0
     draft_steps: int = 0
-    timing: dict = field(default_factory=dict)
 
     @property
     def N(self) -> int:
@@ -79,10 +78,6 @@ class ChainResult:
         if not self.draft_steps or not self.verify_s:
             return None
         return (self.draft_s / self.draft_steps) / (self.verify_s / self.K)
-
-    @property
-    def decode_s(self) -> float:
-        return self.draft_s + self.verify_s
 
     def counters(self) -> dict:
         """What the decode and eval reports add to a `DecodeResult` of this prompt."""
@@ -106,7 +101,7 @@ class ChainResult:
             stop_reason=self.stop_reason,
             counters=self.counters(),
             prefill_s=self.prefill_s,
-            decode_s=self.decode_s,
+            decode_s=self.draft_s + self.verify_s,
             timing=timing,
         )
 
@@ -118,11 +113,8 @@ def judge_chain(
     `logits[k+1, V]` are the target's at `[x_t, d_1..d_k]`; `d2t` maps `draft.q` into the target vocabulary."""
     out = []
     for j, token in enumerate(draft.tokens):
-        if sampling.greedy:
-            verdict = judge(logits[j], token, None, generator)
-        else:
-            q = draft_distribution(draft.q[j], d2t, logits.shape[-1])
-            verdict = judge(warp(logits[j], sampling), token, q, generator)
+        q = None if sampling.greedy else draft_distribution(draft.q[j], d2t, logits.shape[-1])
+        verdict = judge(logits[j] if q is None else warp(logits[j], sampling), token, q, generator)
         out.append(verdict.token)
         if verdict.verdict != Verdict.ACCEPT:
             return out
@@ -185,13 +177,11 @@ def chain_decode(
         result.draft_s += time.perf_counter() - t_commit
         result.verify_s += dt
         result.accept_lengths.append(len(new))
-        before = len(tokens)
-        for token in new:
-            tokens.append(token)
-            if token in eos or len(tokens) >= max_new_tokens:
-                break
+        # Up to the first EOS; `chain` already keeps the tokens within max_new_tokens.
+        new = new[: next((j + 1 for j, token in enumerate(new) if token in eos), len(new))]
+        tokens += new
         if on_tokens is not None:
-            on_tokens(tokens[before:])
+            on_tokens(new)
     result.stop_reason = "eos" if tokens[-1] in eos else "max_new_tokens"
     return result
 
@@ -202,23 +192,20 @@ class ChainDecoder:
 
     target: ChainTarget
     runtime: Eagle3Runtime
-    spec: Eagle3Spec
     k: int
-    sampling: Sampling
 
     @classmethod
-    def on_target(cls, target: Target, drafter_path: str, max_k: int, sampling: Sampling = Sampling()) -> ChainDecoder:
-        """On an already-loaded `Target`, its weights shared (what eval measures beside AR on the same target);
-        `variant` then gives any k <= `max_k`."""
+    def on_target(cls, target: Target, drafter_path: str, max_k: int) -> ChainDecoder:
+        """On an already-loaded `Target`, its weights shared (what eval measures beside AR on the same target),
+        greedy; `variant` then gives any k <= `max_k` under any sampling."""
         drafter, spec = load_eagle3(drafter_path, target.lm_head.weight.device)
         spec.check_target(target.info)
         chain = ChainTarget(target, spec.drafter.feature_layers, max_k + 1)
-        return cls(chain, Eagle3Runtime(drafter, chain.embed_tokens, sampling), spec, max_k, sampling)
+        return cls(chain, Eagle3Runtime(drafter, chain.embed_tokens, Sampling()), max_k)
 
     def variant(self, k: int, sampling: Sampling) -> ChainDecoder:
         """The same target and drafter, chaining `k` drafts under `sampling`."""
-        runtime = Eagle3Runtime(self.runtime.drafter, self.target.embed_tokens, sampling)
-        return ChainDecoder(self.target, runtime, self.spec, k, sampling)
+        return ChainDecoder(self.target, Eagle3Runtime(self.runtime.drafter, self.target.embed_tokens, sampling), k)
 
     def decode(
         self,
@@ -234,7 +221,7 @@ class ChainDecoder:
             prompt_ids,
             max_new_tokens,
             self.k,
-            self.sampling,
+            self.runtime.sampling,
             eos_token_id,
             seed,
             self.runtime.drafter.d2t,
