@@ -53,8 +53,8 @@ class DraftKVCache:
 @dataclass
 class Draft:
     tokens: list[int]  # target ids d_1..d_k
-    q: torch.Tensor | None  # [k, V_d] warped draft distributions (None when greedy)
-    logits: torch.Tensor  # [k, V_d] raw draft logits
+    q: list[torch.Tensor] | None  # k warped draft distributions over V_d (None when greedy)
+    logits: list[torch.Tensor]  # k raw draft logits over V_d
 
 
 class Eagle3Runtime:
@@ -91,12 +91,6 @@ class Eagle3Runtime:
         self.cache.commit(S)
         self.last_out = out[:, -1:]
 
-    def _pick(self, logits: torch.Tensor, generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
-        if self.sampling.greedy:
-            return int(self.drafter.d2t[logits.argmax()]), None
-        q = warp(logits, self.sampling)
-        return int(self.drafter.d2t[torch.multinomial(q, 1, generator=generator)]), q
-
     @torch.no_grad()
     def draft(self, k: int, generator: torch.Generator | None = None) -> Draft:
         """Chain `k` drafts from the last committed row; leaves the committed cache as it was."""
@@ -106,16 +100,15 @@ class Eagle3Runtime:
         out, committed = self.last_out, self.cache.length
         for j in range(k):
             logits = self.drafter.logits(out)[0, -1]
-            token, q = self._pick(logits, generator)
-            tokens.append(token)
+            q = None if self.sampling.greedy else warp(logits, self.sampling)
+            index = logits.argmax() if q is None else torch.multinomial(q, 1, generator=generator)
+            tokens.append(int(self.drafter.d2t[index]))
             qs.append(q)
             logits_rows.append(logits)
             if j + 1 < k:
                 position = torch.tensor([[self.cache.length]], device=self.device)
-                embeds = self._embed(torch.tensor([[token]]))
+                embeds = self._embed(torch.tensor([tokens[-1:]]))
                 out = self.drafter.step(out, embeds, position, self.cache)
                 self.cache.commit(1)  # later chain steps attend to this one ...
         self.cache.length = committed  # ... but only until the next commit overwrites these positions
-        empty = torch.zeros(0, self.drafter.cfg.draft_vocab_size, device=self.device)
-        stacked = torch.stack(logits_rows) if k else empty
-        return Draft(tokens, None if self.sampling.greedy or not k else torch.stack(qs), stacked)
+        return Draft(tokens, None if self.sampling.greedy else qs, logits_rows)
