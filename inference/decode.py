@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import os
 import sys
 from collections.abc import Callable
+from functools import partial
 
 from inference import cli
-from inference.backends import Backend, make_backend
+from inference.backends import make_backend
 from inference.cycle.result import DecodeResult
 from inference.evaluation.repetition import repeated_share
 from inference.evaluation.tables import fmt
@@ -89,6 +89,8 @@ def run(args: argparse.Namespace) -> dict:
     setup = prepare(args)
     texts = read_prompts(args.prompt, args.prompts)
     prompts = encode_prompts(setup, texts, args.max_new_tokens)
+    if args.max_batch > 1 and setup.mode in ("ar", EAGLE3):
+        raise cli.UsageError(f"--max-batch > 1 is pipeline decoding: --mode {setup.mode} decodes one prompt at a time")
     report = {
         "mode": setup.mode,
         "n": setup.geometry.n,
@@ -116,8 +118,7 @@ def run(args: argparse.Namespace) -> dict:
         result.text = setup.tokenizer.decode(result.tokens, skip_special_tokens=True)
     references = None
     if args.check_lossless and setup.mode != "ar":  # the AR reference, through the same stages
-        ar = make_backend(dataclasses.replace(setup, mode="ar"), args.device)
-        references = _in_process(ar, args, prompts, sampling)
+        references = _decode(dataclasses.replace(setup, mode="ar"), args, prompts, sampling)
     report["prompts"] = [
         _prompt_entry(text, r, references[i] if references else None) for i, (text, r) in enumerate(zip(texts, results))
     ]
@@ -133,10 +134,12 @@ def _decode(
     on_tokens: Callable[[int, list[int]], None] | None = None,
 ) -> list[DecodeResult] | None:
     """Every prompt's result; `on_tokens(prompt index, tokens)` as tokens are verified."""
-    if args.max_batch > 1 and setup.mode in ("ar", EAGLE3):
-        raise cli.UsageError(f"--max-batch > 1 is pipeline decoding: --mode {setup.mode} decodes one prompt at a time")
-    if setup.mode in ("ar", EAGLE3):
-        return _in_process(make_backend(setup, args.device), args, prompts, sampling, on_tokens)
+    if setup.mode in ("ar", EAGLE3):  # in this process, one prompt at a time
+        backend = make_backend(setup, args.device)
+        return [
+            backend.generate(ids, args.max_new_tokens, sampling, args.seed + i, on_tokens and partial(on_tokens, i))
+            for i, ids in enumerate(prompts)
+        ]
     job = decode_job(setup, args, prompts, sampling, profile=args.profile)
     if args.simulate:  # every prompt a request of the one simulator, B at a time, as the ranks take them
         backend = make_backend(setup, args.device, compile=args.compile, profile=args.profile, max_batch=args.max_batch)
@@ -146,23 +149,7 @@ def _decode(
     return _distributed(job, on_tokens)
 
 
-def _in_process(
-    backend: Backend,
-    args,
-    prompts: list[list[int]],
-    sampling: Sampling,
-    on_tokens: Callable[[int, list[int]], None] | None = None,
-) -> list[DecodeResult]:
-    results = []
-    for i, ids in enumerate(prompts):
-        streamed = None if on_tokens is None else functools.partial(on_tokens, i)
-        results.append(backend.generate(ids, args.max_new_tokens, sampling, args.seed + i, streamed))
-    return results
-
-
-def _distributed(
-    job: DecodeJob, on_tokens: Callable[[int, list[int]], None] | None = None
-) -> list[DecodeResult] | None:
+def _distributed(job: DecodeJob, on_tokens: Callable[[int, list[int]], None] | None) -> list[DecodeResult] | None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         collected: dict[int, DecodeResult] = {}  # batched, prompts end out of order
         rank = int(os.environ["RANK"])
