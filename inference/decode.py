@@ -163,12 +163,14 @@ def _distributed(job: DecodeJob, on_tokens: Callable[[int, list[int]], None] | N
 
 
 def _counters(r: DecodeResult) -> str:
-    repeated = f"repeated 4-grams {fmt(repeated_share([r.tokens]), 2)}"
-    if r.alpha is None:
-        return f"N={r.N} {repeated} ({r.stop_reason})"
-    if r.mode == EAGLE3:  # one target forward per step: alpha is the tokens per target forward
-        return f"N={r.N} K={r.K} tokens/forward={r.alpha:.3f} {repeated} ({r.stop_reason})"
-    return f"N={r.N} K={r.K} alpha={r.alpha:.3f} n*alpha={r.theoretical_speedup:.2f} {repeated} ({r.stop_reason})"
+    rates = "" if r.alpha is None else f"{_rates(r.mode, r.K, r.alpha, r.theoretical_speedup)} "
+    return f"N={r.N} {rates}repeated 4-grams {fmt(repeated_share([r.tokens]), 2)} ({r.stop_reason})"
+
+
+def _rates(mode: str, K: int, alpha: float, speedup: float, within: str = "") -> str:
+    if mode == EAGLE3:  # one target forward per step: alpha is the tokens per target forward
+        return f"K={K} tokens/forward={alpha:.3f}"
+    return f"K={K} alpha={alpha:.3f} n*alpha={speedup:.2f}{within}"
 
 
 def _prompt_entry(text: str, r: DecodeResult, reference: DecodeResult | None) -> dict:
@@ -189,12 +191,10 @@ def print_report(report: dict) -> None:
     t = report["totals"]
     shape = f"k={report['k']}" if report["mode"] == EAGLE3 else f"n={report['n']}"
     parts = [f"mode={report['mode']} {shape} prompts={len(report['prompts'])} N={t['N']}"]
-    if t["alpha"] is not None and report["mode"] == EAGLE3:
-        parts.append(f"K={t['K']} tokens/forward={t['alpha']:.3f}")
-    elif t["alpha"] is not None:
+    if t["alpha"] is not None:
         interval = t.get("theoretical_speedup_interval")
         within = f" [{interval[0]:.2f}, {interval[1]:.2f}]" if interval else ""
-        parts.append(f"K={t['K']} alpha={t['alpha']:.3f} n*alpha={t['theoretical_speedup']:.2f}{within}")
+        parts.append(_rates(report["mode"], t["K"], t["alpha"], t["theoretical_speedup"], within))
     parts.append(f"repeated_4grams={fmt(t['repeated_4gram_share'], 2)}")
     if t.get("decode_tokens_per_s"):
         parts.append(f"{t['decode_tokens_per_s']:.1f} tok/s")
