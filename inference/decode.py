@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import os
 import sys
 from collections.abc import Callable
+from functools import partial
 
 from inference import cli
-from inference.backends import Backend, make_backend
+from inference.backends import make_backend
 from inference.cycle.result import DecodeResult
 from inference.evaluation.repetition import repeated_share
 from inference.evaluation.tables import fmt
@@ -89,6 +89,8 @@ def run(args: argparse.Namespace) -> dict:
     setup = prepare(args)
     texts = read_prompts(args.prompt, args.prompts)
     prompts = encode_prompts(setup, texts, args.max_new_tokens)
+    if args.max_batch > 1 and setup.mode in ("ar", EAGLE3):
+        raise cli.UsageError(f"--max-batch > 1 is pipeline decoding: --mode {setup.mode} decodes one prompt at a time")
     report = {
         "mode": setup.mode,
         "n": setup.geometry.n,
@@ -116,8 +118,7 @@ def run(args: argparse.Namespace) -> dict:
         result.text = setup.tokenizer.decode(result.tokens, skip_special_tokens=True)
     references = None
     if args.check_lossless and setup.mode != "ar":  # the AR reference, through the same stages
-        ar = make_backend(dataclasses.replace(setup, mode="ar"), args.device)
-        references = _in_process(ar, args, prompts, sampling)
+        references = _decode(dataclasses.replace(setup, mode="ar"), args, prompts, sampling)
     report["prompts"] = [
         _prompt_entry(text, r, references[i] if references else None) for i, (text, r) in enumerate(zip(texts, results))
     ]
@@ -133,10 +134,12 @@ def _decode(
     on_tokens: Callable[[int, list[int]], None] | None = None,
 ) -> list[DecodeResult] | None:
     """Every prompt's result; `on_tokens(prompt index, tokens)` as tokens are verified."""
-    if args.max_batch > 1 and setup.mode in ("ar", EAGLE3):
-        raise cli.UsageError(f"--max-batch > 1 is pipeline decoding: --mode {setup.mode} decodes one prompt at a time")
-    if setup.mode in ("ar", EAGLE3):
-        return _in_process(make_backend(setup, args.device), args, prompts, sampling, on_tokens)
+    if setup.mode in ("ar", EAGLE3):  # in this process, one prompt at a time
+        backend = make_backend(setup, args.device)
+        return [
+            backend.generate(ids, args.max_new_tokens, sampling, args.seed + i, on_tokens and partial(on_tokens, i))
+            for i, ids in enumerate(prompts)
+        ]
     job = decode_job(setup, args, prompts, sampling, profile=args.profile)
     if args.simulate:  # every prompt a request of the one simulator, B at a time, as the ranks take them
         backend = make_backend(setup, args.device, compile=args.compile, profile=args.profile, max_batch=args.max_batch)
@@ -146,23 +149,7 @@ def _decode(
     return _distributed(job, on_tokens)
 
 
-def _in_process(
-    backend: Backend,
-    args,
-    prompts: list[list[int]],
-    sampling: Sampling,
-    on_tokens: Callable[[int, list[int]], None] | None = None,
-) -> list[DecodeResult]:
-    results = []
-    for i, ids in enumerate(prompts):
-        streamed = None if on_tokens is None else functools.partial(on_tokens, i)
-        results.append(backend.generate(ids, args.max_new_tokens, sampling, args.seed + i, streamed))
-    return results
-
-
-def _distributed(
-    job: DecodeJob, on_tokens: Callable[[int, list[int]], None] | None = None
-) -> list[DecodeResult] | None:
+def _distributed(job: DecodeJob, on_tokens: Callable[[int, list[int]], None] | None) -> list[DecodeResult] | None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         collected: dict[int, DecodeResult] = {}  # batched, prompts end out of order
         rank = int(os.environ["RANK"])
@@ -176,12 +163,14 @@ def _distributed(
 
 
 def _counters(r: DecodeResult) -> str:
-    repeated = f"repeated 4-grams {fmt(repeated_share([r.tokens]), 2)}"
-    if r.alpha is None:
-        return f"N={r.N} {repeated} ({r.stop_reason})"
-    if r.mode == EAGLE3:  # one target forward per step: alpha is the tokens per target forward
-        return f"N={r.N} K={r.K} tokens/forward={r.alpha:.3f} {repeated} ({r.stop_reason})"
-    return f"N={r.N} K={r.K} alpha={r.alpha:.3f} n*alpha={r.theoretical_speedup:.2f} {repeated} ({r.stop_reason})"
+    rates = "" if r.alpha is None else f"{_rates(r.mode, r.K, r.alpha, r.theoretical_speedup)} "
+    return f"N={r.N} {rates}repeated 4-grams {fmt(repeated_share([r.tokens]), 2)} ({r.stop_reason})"
+
+
+def _rates(mode: str, K: int, alpha: float, speedup: float, within: str = "") -> str:
+    if mode == EAGLE3:  # one target forward per step: alpha is the tokens per target forward
+        return f"K={K} tokens/forward={alpha:.3f}"
+    return f"K={K} alpha={alpha:.3f} n*alpha={speedup:.2f}{within}"
 
 
 def _prompt_entry(text: str, r: DecodeResult, reference: DecodeResult | None) -> dict:
@@ -202,12 +191,10 @@ def print_report(report: dict) -> None:
     t = report["totals"]
     shape = f"k={report['k']}" if report["mode"] == EAGLE3 else f"n={report['n']}"
     parts = [f"mode={report['mode']} {shape} prompts={len(report['prompts'])} N={t['N']}"]
-    if t["alpha"] is not None and report["mode"] == EAGLE3:
-        parts.append(f"K={t['K']} tokens/forward={t['alpha']:.3f}")
-    elif t["alpha"] is not None:
+    if t["alpha"] is not None:
         interval = t.get("theoretical_speedup_interval")
         within = f" [{interval[0]:.2f}, {interval[1]:.2f}]" if interval else ""
-        parts.append(f"K={t['K']} alpha={t['alpha']:.3f} n*alpha={t['theoretical_speedup']:.2f}{within}")
+        parts.append(_rates(report["mode"], t["K"], t["alpha"], t["theoretical_speedup"], within))
     parts.append(f"repeated_4grams={fmt(t['repeated_4gram_share'], 2)}")
     if t.get("decode_tokens_per_s"):
         parts.append(f"{t['decode_tokens_per_s']:.1f} tok/s")

@@ -272,18 +272,12 @@ def _reports_to(job: DecodeJob, inbox: Inbox):
     return ReportSender(job.nodes, inbox.messages, local_kinds=(Started, Failed))
 
 
-@contextlib.contextmanager
 def _listening(job: DecodeJob, inbox: Inbox, request_channel):
     """On node 0 of a multi-node run, the other nodes' reports come into the inbox while the ranks run, and
     the server's cancels (`request_channel`) go out to a verifier on another node."""
     if job.nodes is None or job.nodes.node_rank != 0:
-        yield
-        return
-    listener = ReportListener(job.nodes, inbox.messages, request_channel)
-    try:
-        yield
-    finally:
-        listener.close()
+        return contextlib.nullcontext()
+    return contextlib.closing(ReportListener(job.nodes, inbox.messages, request_channel))
 
 
 @contextlib.contextmanager

@@ -6,7 +6,7 @@ static rendezvous at `--master-addr:--master-port` (node 0 hosts its store, as u
 (rank r is stage r + 1, the last rank the PDM) and rank 0, the one that reads the requests, is on node 0,
 beside the HTTP server.
 
-The ranks of node 0 report to the launcher through its local queue (`launch.Inbox`); the ranks of the
+The ranks of node 0 report to the launcher through its local queue (`reports.Inbox`); the ranks of the
 other nodes send the same reports (their pid, each cycle's verified tokens, each result, the error that
 ends them) over one TCP connection each to node 0's `ReportListener`, at `--master-addr:--report-port`,
 which puts them into that queue: to the launcher of node 0 every rank reports alike, wherever it runs.
