@@ -344,6 +344,7 @@ def run(args: argparse.Namespace) -> dict:
     times = _read_json(args.times) if args.times else {}
     eagle3_inputs = (times.get("plan_inputs_eagle3") if isinstance(times, dict) else None) or []
     result: dict = {"rows": [], "markdown": ""}
+    sections, t_full = [], None  # the markdown of each part; T_full in seconds when the cost model is measured
     if alphas or not (eagle3_inputs or args.batch_times):  # SPD's plan (EAGLE-3 or batch rows alone need no alpha)
         model = cost_model(args)
         rows, best = plan(model, alphas)
@@ -354,17 +355,18 @@ def run(args: argparse.Namespace) -> dict:
             "model": asdict(model),
             "rows": rows,
             "recommended": {"n": best["n"], "L_s": best["L_s"], "speedup": best["speedup"]},
-            "markdown": markdown(model, rows, best),
+            "markdown": "",
         }
+        sections.append(markdown(model, rows, best))
+        t_full = model.t_full if model.unit == "s" else None
     if eagle3_inputs:
-        t_full = result["model"]["t_full"] if result.get("model", {}).get("unit") == "s" else None
         result["eagle3"] = eagle3_rows(eagle3_inputs, t_full)
-        result["markdown"] += ("\n" if result["markdown"] else "") + eagle3_markdown(result["eagle3"], result["rows"])
+        sections.append(eagle3_markdown(result["eagle3"], result["rows"]))
     if args.batch_times:
         report = _read_json(args.batch_times)
         result["batch"] = batch_rows(report, args.batch_alpha, args.schedule, args.batch_times)
-        batch = batch_markdown(report, result["batch"], args.schedule)
-        result["markdown"] += ("\n" if result["markdown"] else "") + batch
+        sections.append(batch_markdown(report, result["batch"], args.schedule))
+    result["markdown"] = "\n".join(sections)
     if args.json_out:
         with cli.writing(args.json_out), open(args.json_out, "w") as f:
             json.dump(result, f, indent=1)
