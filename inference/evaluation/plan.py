@@ -150,8 +150,7 @@ def read_alphas(path: str) -> dict[tuple[int, int], float]:
     out: dict[tuple[int, int], float] = {}
     try:
         if isinstance(data, dict) and "plan_inputs" in data:
-            p = data["plan_inputs"]
-            data = [{"n": p["n"], "L_s": p["L_s"], "alpha": p["alpha"]}]
+            data = [data["plan_inputs"]]
         if isinstance(data, dict):
             for k, v in data.items():
                 n, L_s = (int(x) for x in str(k).replace(":", ",").split(","))
@@ -213,12 +212,9 @@ def cost_model(args: argparse.Namespace) -> CostModel:
     if not isinstance(measured, dict):
         raise PlanError(f"{args.times}: no plan_inputs (expected an eval.json from inference.eval)")
     t_full = args.t_full if args.t_full is not None else measured.get("T_full_s")
-    layers = args.layers if args.layers is not None else measured.get("L")
-    hidden = args.hidden_size
-    if args.target:
-        L, H = target_shape(args.target)
-        layers = layers if args.layers is not None else L
-        hidden = hidden or H
+    shape = target_shape(args.target) if args.target else (measured.get("L"), None)  # a target's L over the eval's
+    layers = args.layers if args.layers is not None else shape[0]
+    hidden = args.hidden_size or shape[1]
     draft_fixed = args.draft_fixed or 0.0
     if t_full is not None:  # measured times
         t_draft = args.t_draft if args.t_draft is not None else measured.get("T_draft_s")
