@@ -44,6 +44,8 @@ import os
 import sys
 from dataclasses import dataclass
 
+from tqdm import tqdm
+
 from inference import cli
 from inference.backends import make_backend
 from inference.chain.decoder import ChainDecoder
@@ -234,7 +236,8 @@ def run(args: argparse.Namespace) -> dict:
     eagle3 = setup.ckpt if setup.mode == EAGLE3 else args.eagle3
     decoders = Decoders(args, setups, eagle3)
     report = _report_head(args, setup, eagle3)
-    bar = _progress(len(decoders.methods) * len(samplings) * sum(len(s.prompts) for s in sets), args.no_progress)
+    total = len(decoders.methods) * len(samplings) * sum(len(s.prompts) for s in sets)
+    bar = tqdm(total=total, unit="prompt", file=sys.stderr, disable=args.no_progress, dynamic_ncols=True)
     try:
         for sampling in samplings:
             _evaluate(decoders, sampling, sets, bar, report)
@@ -291,12 +294,6 @@ def _evaluate(decoders: Decoders, sampling: Sampling, sets: list[PromptSet], bar
 def _add_rows(report: dict, methods: list, where: dict, decoded: dict) -> None:
     for method in methods:
         report[method.results].append({**where, **method.row(decoded[method], decoded["ar"])})
-
-
-def _progress(total: int, disable: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="prompt", file=sys.stderr, disable=disable, dynamic_ncols=True)
 
 
 def _plan_inputs(report: dict) -> None:
