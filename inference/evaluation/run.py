@@ -300,18 +300,14 @@ def _plan_inputs(report: dict) -> None:
     """What `inference.plan --times eval.json` reads: measured T_full, draft time at this L_s, slowest stage, overhead."""
     greedy = [r for r in report["results"] if r["set"] == "overall" and r["drafter"] == report["drafter"]]
     row = min(greedy, key=lambda r: r["temperature"])
-    overhead = None
-    if row["mean_cycle_s"] is not None and row["T_draft_s"] is not None:
+    overhead, draft = None, row["T_draft_s"]
+    if row["mean_cycle_s"] is not None and draft is not None:
         # the simulator runs stages and drafter in sequence; the pipeline overlaps them
-        busy = (
-            (row["mean_stage_sum_s"] + row["T_draft_s"])
-            if report["simulate"]
-            else max(row["mean_slowest_stage_s"], row["T_draft_s"])
-        )
+        busy = row["mean_stage_sum_s"] + draft if report["simulate"] else max(row["mean_slowest_stage_s"], draft)
         overhead = max(0.0, row["mean_cycle_s"] - busy)
     report["plan_inputs"] = {
         "T_full_s": row["T_full_s"],
-        "T_draft_s": row["T_draft_s"],
+        "T_draft_s": draft,
         "L_s": report["L_s"],
         "overhead_s": overhead,
         "n": report["n"],
