@@ -88,18 +88,18 @@ class CostModel:
         return (max(s, d) if self.schedule == "pre_step" else s + d) + self.overhead
 
     def predict(self, n: int, L_s: int, alpha: float) -> dict:
-        cycle = self.cycle(n, L_s)
+        stage, draft, cycle = self.stage(n), self.draft(L_s), self.cycle(n, L_s)
         return {
             "n": n,
             "L_s": L_s,
             "alpha": alpha,
             "S0": n * alpha,
-            "stage": self.stage(n),
-            "draft": self.draft(L_s),
+            "stage": stage,
+            "draft": draft,
             "overhead": self.overhead,
             "cycle": cycle,
-            "r": self.draft(L_s) / self.t_full,
-            "draft_bound": self.draft(L_s) > self.stage(n),
+            "r": draft / self.t_full,
+            "draft_bound": draft > stage,
             "spd_tokens_per_unit": alpha / cycle,
             "ar_tokens_per_unit": 1.0 / self.t_full,
             "speedup": alpha * self.t_full / cycle,
