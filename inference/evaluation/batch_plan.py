@@ -39,11 +39,10 @@ def check_batch_times(report: object, path: str) -> list[dict]:
     if not isinstance(rows, list) or not rows:
         raise BatchPlanError(f"{path}: no rows (expected the JSON of scripts/bench_batch.py --json)")
     for i, row in enumerate(rows):
-        stages = row.get("stage_s") if isinstance(row, dict) else None
-        times = [*(stages or []), row.get("draft_s")] if isinstance(row, dict) else []
-        if not isinstance(row.get("B") if isinstance(row, dict) else None, int) or row["B"] < 1:
+        if not isinstance(row, dict) or not isinstance(row.get("B"), int) or row["B"] < 1:
             raise BatchPlanError(f"{path}: rows[{i}] has no batch size B >= 1")
-        if not stages or not all(isinstance(t, (int, float)) and math.isfinite(t) and t > 0 for t in times):
+        times = [*(row.get("stage_s") or []), row.get("draft_s")]
+        if not row.get("stage_s") or not all(isinstance(t, (int, float)) and math.isfinite(t) and t > 0 for t in times):
             raise BatchPlanError(
                 f"{path}: rows[{i}] (B={row['B']}) lacks positive stage_s/draft_s times: rerun bench_batch.py with "
                 f"requests >= B so that full-bucket steps were timed"

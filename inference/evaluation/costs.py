@@ -92,11 +92,3 @@ def eagle3_r(results: Sequence[DecodeResult], ar: Sequence[DecodeResult]) -> tup
         rs.append(totals["draft_s"] / totals["draft_steps"] / t_full if ok else None)
         vs.append(totals["verify_s"] / chain.K / t_full if ok else None)
     return rs, vs
-
-
-def spread(values: Sequence[float | None]) -> dict:
-    """Median, min, max and count of the measured values (None: not measured)."""
-    xs = [x for x in values if x is not None]
-    if not xs:
-        return {"median": None, "min": None, "max": None, "repeats": 0}
-    return {"median": float(np.median(xs)), "min": min(xs), "max": max(xs), "repeats": len(xs)}

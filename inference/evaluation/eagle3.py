@@ -17,39 +17,32 @@ puts these rows beside the PDM drafters' (inference/evaluation/report.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from inference.chain.decoder import ChainDecoder
 from inference.cycle.result import DecodeResult
+from inference.evaluation.rows import eagle3_row
 from inference.sampling import Sampling
-from spd_lightning.target import Target
 
 
-class Eagle3Decoders:
-    """One EAGLE-3 drafter on the eval's target (weights shared), one chain decoder per (k, sampling)."""
+class Eagle3Decoder:
+    """EAGLE-3 chain decoding at one k on the eval's target (one drafter, its weights shared by every k)."""
 
-    def __init__(self, target: Target, drafter_path: str, ks: list[int]):
-        self.ks = sorted(set(ks))
-        self.base = ChainDecoder.on_target(target, drafter_path, max(self.ks))
+    results = "eagle3_results"  # the report's list of this method's rows
 
-    def warm_up(self, sampling: Sampling, prompt: list[int], max_new_tokens: int, eos: list[int], seed: int) -> None:
-        for k in self.ks:
-            self.base.variant(k, sampling).decode(prompt, min(4, max_new_tokens), eos, seed)
+    def __init__(self, base: ChainDecoder, k: int, args, eos: list[int]):
+        self.base, self.k, self.args, self.eos = base, k, args, eos
 
-    def decode(
-        self,
-        k: int,
-        sampling: Sampling,
-        prompts: list[list[int]],
-        args,
-        eos: list[int],
-        progress: Callable[[int], None],
-    ) -> list[DecodeResult]:
-        decoder, results = self.base.variant(k, sampling), []
+    def warm_up(self, sampling: Sampling, prompt: list[int]) -> None:
+        self.base.variant(self.k, sampling).decode(prompt, min(4, self.args.max_new_tokens), self.eos, self.args.seed)
+
+    def decode(self, sampling: Sampling, prompts: list[list[int]], progress) -> list[DecodeResult]:
+        decoder, args, results = self.base.variant(self.k, sampling), self.args, []
         for i, ids in enumerate(prompts):
-            results.append(decoder.decode(ids, args.max_new_tokens, eos, args.seed + i).to_decode_result())
+            results.append(decoder.decode(ids, args.max_new_tokens, self.eos, args.seed + i).to_decode_result())
             progress(1)
         return results
+
+    def row(self, results: list[DecodeResult], ar: list[DecodeResult]) -> dict:
+        return eagle3_row(self.k, results, ar)
 
 
 def plan_inputs(rows: list[dict]) -> list[dict]:

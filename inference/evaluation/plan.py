@@ -88,18 +88,18 @@ class CostModel:
         return (max(s, d) if self.schedule == "pre_step" else s + d) + self.overhead
 
     def predict(self, n: int, L_s: int, alpha: float) -> dict:
-        cycle = self.cycle(n, L_s)
+        stage, draft, cycle = self.stage(n), self.draft(L_s), self.cycle(n, L_s)
         return {
             "n": n,
             "L_s": L_s,
             "alpha": alpha,
             "S0": n * alpha,
-            "stage": self.stage(n),
-            "draft": self.draft(L_s),
+            "stage": stage,
+            "draft": draft,
             "overhead": self.overhead,
             "cycle": cycle,
-            "r": self.draft(L_s) / self.t_full,
-            "draft_bound": self.draft(L_s) > self.stage(n),
+            "r": draft / self.t_full,
+            "draft_bound": draft > stage,
             "spd_tokens_per_unit": alpha / cycle,
             "ar_tokens_per_unit": 1.0 / self.t_full,
             "speedup": alpha * self.t_full / cycle,
@@ -150,8 +150,7 @@ def read_alphas(path: str) -> dict[tuple[int, int], float]:
     out: dict[tuple[int, int], float] = {}
     try:
         if isinstance(data, dict) and "plan_inputs" in data:
-            p = data["plan_inputs"]
-            data = [{"n": p["n"], "L_s": p["L_s"], "alpha": p["alpha"]}]
+            data = [data["plan_inputs"]]
         if isinstance(data, dict):
             for k, v in data.items():
                 n, L_s = (int(x) for x in str(k).replace(":", ",").split(","))
@@ -213,12 +212,9 @@ def cost_model(args: argparse.Namespace) -> CostModel:
     if not isinstance(measured, dict):
         raise PlanError(f"{args.times}: no plan_inputs (expected an eval.json from inference.eval)")
     t_full = args.t_full if args.t_full is not None else measured.get("T_full_s")
-    layers = args.layers if args.layers is not None else measured.get("L")
-    hidden = args.hidden_size
-    if args.target:
-        L, H = target_shape(args.target)
-        layers = layers if args.layers is not None else L
-        hidden = hidden or H
+    shape = target_shape(args.target) if args.target else (measured.get("L"), None)  # a target's L over the eval's
+    layers = args.layers if args.layers is not None else shape[0]
+    hidden = args.hidden_size or shape[1]
     draft_fixed = args.draft_fixed or 0.0
     if t_full is not None:  # measured times
         t_draft = args.t_draft if args.t_draft is not None else measured.get("T_draft_s")
@@ -344,6 +340,7 @@ def run(args: argparse.Namespace) -> dict:
     times = _read_json(args.times) if args.times else {}
     eagle3_inputs = (times.get("plan_inputs_eagle3") if isinstance(times, dict) else None) or []
     result: dict = {"rows": [], "markdown": ""}
+    sections, t_full = [], None  # the markdown of each part; T_full in seconds when the cost model is measured
     if alphas or not (eagle3_inputs or args.batch_times):  # SPD's plan (EAGLE-3 or batch rows alone need no alpha)
         model = cost_model(args)
         rows, best = plan(model, alphas)
@@ -354,17 +351,18 @@ def run(args: argparse.Namespace) -> dict:
             "model": asdict(model),
             "rows": rows,
             "recommended": {"n": best["n"], "L_s": best["L_s"], "speedup": best["speedup"]},
-            "markdown": markdown(model, rows, best),
+            "markdown": "",
         }
+        sections.append(markdown(model, rows, best))
+        t_full = model.t_full if model.unit == "s" else None
     if eagle3_inputs:
-        t_full = result["model"]["t_full"] if result.get("model", {}).get("unit") == "s" else None
         result["eagle3"] = eagle3_rows(eagle3_inputs, t_full)
-        result["markdown"] += ("\n" if result["markdown"] else "") + eagle3_markdown(result["eagle3"], result["rows"])
+        sections.append(eagle3_markdown(result["eagle3"], result["rows"]))
     if args.batch_times:
         report = _read_json(args.batch_times)
         result["batch"] = batch_rows(report, args.batch_alpha, args.schedule, args.batch_times)
-        batch = batch_markdown(report, result["batch"], args.schedule)
-        result["markdown"] += ("\n" if result["markdown"] else "") + batch
+        sections.append(batch_markdown(report, result["batch"], args.schedule))
+    result["markdown"] = "\n".join(sections)
     if args.json_out:
         with cli.writing(args.json_out), open(args.json_out, "w") as f:
             json.dump(result, f, indent=1)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+import numpy as np
+
 from inference.cycle.result import DecodeResult
 from inference.evaluation import costs
 from inference.evaluation.intervals import bootstrap, median_of, pooled_ratio
@@ -51,19 +53,20 @@ def _wall_and_times(results: Sequence[DecodeResult], ar: Sequence[DecodeResult])
     }
 
 
-def _r_fields(prefix: str, spread: dict) -> dict:
-    if 0 < spread["repeats"] < costs.MIN_REPEATS:
+def _spread(name: str, values: Sequence[float | None]) -> dict:
+    """`name`: the median of the measured per-prompt values (None: not measured), beside their min, max and
+    count; fewer than MIN_REPEATS is warned about."""
+    xs = [x for x in values if x is not None]
+    if 0 < len(xs) < costs.MIN_REPEATS:
         log.warning(
-            "%s is the median of %d prompt(s), under %d: evaluate more prompts",
-            prefix,
-            spread["repeats"],
-            costs.MIN_REPEATS,
+            "%s is the median of %d prompt(s), under %d: evaluate more prompts", name, len(xs), costs.MIN_REPEATS
         )
+    median = float(np.median(xs)) if xs else None
     return {
-        prefix: spread["median"],
-        f"{prefix}_min": spread["min"],
-        f"{prefix}_max": spread["max"],
-        f"{prefix}_repeats": spread["repeats"],
+        name: median,
+        f"{name}_min": min(xs, default=None),
+        f"{name}_max": max(xs, default=None),
+        f"{name}_repeats": len(xs),
     }
 
 
@@ -72,7 +75,7 @@ def pdm_row(mode: str, n: int, L_s: int, results: list[DecodeResult], ar: list[D
     N, K = sum(r.N for r in results), sum(r.K for r in results)
     alpha = N / K if K else None
     rs = costs.pdm_r(results, ar)
-    r = costs.spread(rs)
+    r = _spread("r", rs)
     r_gpu = costs.gpu_r(L_s)
     draft_s = sum(x.timing.get("totals", {}).get("draft_s", 0.0) for x in results)
     row = {
@@ -80,14 +83,14 @@ def pdm_row(mode: str, n: int, L_s: int, results: list[DecodeResult], ar: list[D
         "N": N,
         "K": K,
         "alpha": alpha,
-        **_r_fields("r", r),
+        **r,
         "T_draft_s": draft_s / K if K else None,
         **_cycle_times(results, K),
         "S0": n * alpha if alpha is not None else None,
-        "S_spd": _maybe(costs.s_spd, n, alpha, r["median"]),
-        "S_post": _maybe(costs.s_ppsd, n, alpha, r["median"]),
-        "S_ppsd": _maybe(costs.s_ppsd, n, alpha, r["median"]),
-        "S": _maybe(lambda *a: costs.pdm_speedup(mode, *a), n, alpha, r["median"]),
+        "S_spd": _maybe(costs.s_spd, n, alpha, r["r"]),
+        "S_post": _maybe(costs.s_ppsd, n, alpha, r["r"]),
+        "S_ppsd": _maybe(costs.s_ppsd, n, alpha, r["r"]),
+        "S": _maybe(lambda *a: costs.pdm_speedup(mode, *a), n, alpha, r["r"]),
         "r_gpu": r_gpu,
         "S_gpu": _maybe(lambda *a: costs.pdm_speedup(mode, *a), n, alpha, r_gpu),
         **_wall_and_times(results, ar),
@@ -124,7 +127,7 @@ def eagle3_row(k: int, results: list[DecodeResult], ar: list[DecodeResult]) -> d
     accepted = [sum(r.counters["accept_lengths"]) for r in results]
     tau = sum(accepted) / K if K else None
     rs, vs = costs.eagle3_r(results, ar)
-    r, v = costs.spread(rs), costs.spread(vs)
+    r, v = _spread("r", rs), _spread("verify_ratio", vs)
     totals = [x.timing["totals"] for x in results]
     steps = sum(t["draft_steps"] for t in totals)
     r_gpu = costs.gpu_r(1)
@@ -137,11 +140,11 @@ def eagle3_row(k: int, results: list[DecodeResult], ar: list[DecodeResult]) -> d
         "alpha": N / K if K else None,
         "tau": tau,
         "S0": N / K if K else None,
-        **_r_fields("r", r),
-        **_r_fields("verify_ratio", v),
+        **r,
+        **v,
         "T_draft_step_s": sum(t["draft_s"] for t in totals) / steps if steps else None,
         "T_verify_s": sum(t["verify_s"] for t in totals) / K if K else None,
-        "S_eagle3": _maybe(costs.s_eagle3, tau, k, r["median"], v["median"]),
+        "S_eagle3": _maybe(costs.s_eagle3, tau, k, r["r"], v["verify_ratio"]),
         "r_gpu": r_gpu,
         "S_gpu": _maybe(costs.s_eagle3, tau, k, r_gpu, costs.GPU_VERIFY_RATIO),
         **_wall_and_times(results, ar),

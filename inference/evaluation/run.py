@@ -44,13 +44,16 @@ import os
 import sys
 from dataclasses import dataclass
 
+from tqdm import tqdm
+
 from inference import cli
 from inference.backends import make_backend
+from inference.chain.decoder import ChainDecoder
 from inference.cycle.ar import ar_decode
 from inference.cycle.result import DecodeResult
 from inference.evaluation import eagle3 as eval_eagle3
 from inference.evaluation.report import markdown, write_outputs
-from inference.evaluation.rows import eagle3_row, pdm_row
+from inference.evaluation.rows import pdm_row
 from inference.processes.launch import launch
 from inference.prompts import dataset_spec, read_prompts
 from inference.sampling import Sampling
@@ -125,20 +128,20 @@ def read_sets(args: argparse.Namespace, setup: Setup) -> list[PromptSet]:
 class PdmDecoder:
     """One PDM drafter under test on the eval's target: the simulator (`--simulate`) or the n + 1 ranks."""
 
+    results = "results"  # the report's list of this method's rows
+
     def __init__(self, args: argparse.Namespace, setup: Setup, target):
         self.args, self.setup, self.target = args, setup, target
         self.backend = None
-        self.method = f"{setup.mode} n={setup.geometry.n} L_s={setup.spec.pdm.num_layers}"
-
-    @property
-    def identity(self) -> dict:
-        """What tells this drafter's rows from another's in one report."""
-        n, num_layers = self.setup.geometry.n, self.setup.spec.pdm.num_layers
-        return {"method": self.method, "drafter": self.setup.ckpt, "mode": self.setup.mode, "n": n, "L_s": num_layers}
+        self.n, self.L_s = setup.geometry.n, setup.spec.pdm.num_layers
+        self.method = f"{setup.mode} n={self.n} L_s={self.L_s}"
 
     def row(self, results: list[DecodeResult], ar: list[DecodeResult]) -> dict:
-        """This drafter's numbers on a group of prompts beside the AR decodes of the same prompts."""
-        return pdm_row(self.setup.mode, self.setup.geometry.n, self.setup.spec.pdm.num_layers, results, ar)
+        """This drafter's numbers on a group of prompts beside the AR decodes of the same prompts, first what
+        tells its rows from another drafter's in one report."""
+        mode = self.setup.mode
+        identity = {"method": self.method, "drafter": self.setup.ckpt, "mode": mode, "n": self.n, "L_s": self.L_s}
+        return {**identity, **pdm_row(mode, self.n, self.L_s, results, ar)}
 
     def warm_up(self, sampling: Sampling, prompt: list[int]) -> None:
         if not self.args.simulate:
@@ -159,34 +162,29 @@ class PdmDecoder:
 
 
 class Decoders:
-    """Every drafter under test (PDM drafters, simulated or distributed; EAGLE-3 at each k) and the AR
-    baseline, all on one target loaded once."""
+    """Every drafter under test (PDM drafters, simulated or distributed; EAGLE-3 at each k), in `methods`, and
+    the AR baseline, all on one target loaded once."""
 
-    def __init__(self, args: argparse.Namespace, setups: list[Setup]):
+    def __init__(self, args: argparse.Namespace, setups: list[Setup], eagle3: str | None):
         from spd_lightning.target import Target
 
         self.args, self.setup = args, setups[0]
         self.target = Target.load(self.setup.target_path, self.setup.dtype, args.device)
-        self.pdms = [PdmDecoder(args, setup, self.target) for setup in setups if setup.mode != EAGLE3]
-        methods = [pdm.method for pdm in self.pdms]
-        for pdm in self.pdms:  # drafters of one mode, n and L_s (e.g. two layouts): named by their run
+        pdms = [PdmDecoder(args, setup, self.target) for setup in setups if setup.mode != EAGLE3]
+        methods = [pdm.method for pdm in pdms]
+        for pdm in pdms:  # drafters of one mode, n and L_s (e.g. two layouts): named by their run
             if methods.count(pdm.method) > 1:
                 pdm.method += f" ({drafter_name(pdm.setup.ckpt)})"
-        eagle3 = self.setup.ckpt if self.setup.mode == EAGLE3 else args.eagle3
-        self.eagle3 = eval_eagle3.Eagle3Decoders(self.target, eagle3, args.k) if eagle3 else None
-
-    @property
-    def methods(self) -> int:
-        return len(self.pdms) + (len(self.eagle3.ks) if self.eagle3 is not None else 0)
+        self.methods: list = pdms
+        if eagle3:
+            base = ChainDecoder.on_target(self.target, eagle3, max(args.k))
+            self.methods += [eval_eagle3.Eagle3Decoder(base, k, args, self.setup.eos) for k in sorted(set(args.k))]
 
     def warm_up(self, sampling: Sampling, prompt: list[int]) -> None:
         """Allocator and kernels warm, so the first measured prompt is not penalized."""
-        args, eos = self.args, self.setup.eos
-        for pdm in self.pdms:
-            pdm.warm_up(sampling, prompt)
-        if self.eagle3 is not None:
-            self.eagle3.warm_up(sampling, prompt, args.max_new_tokens, eos, args.seed)
-        ar_decode(self.target, prompt, min(4, args.max_new_tokens), sampling, eos, args.seed)
+        for method in self.methods:
+            method.warm_up(sampling, prompt)
+        ar_decode(self.target, prompt, min(4, self.args.max_new_tokens), sampling, self.setup.eos, self.args.seed)
 
     def ar(self, sampling: Sampling, prompts: list[list[int]]) -> list[DecodeResult]:
         args = self.args
@@ -235,9 +233,11 @@ def run(args: argparse.Namespace) -> dict:
     sets = read_sets(args, setup)
     with cli.writing(args.out):
         os.makedirs(args.out, exist_ok=True)
-    decoders = Decoders(args, setups)
-    report = _report_head(args, setup)
-    bar = _progress(decoders.methods * len(samplings) * sum(len(s.prompts) for s in sets), args.no_progress)
+    eagle3 = setup.ckpt if setup.mode == EAGLE3 else args.eagle3
+    decoders = Decoders(args, setups, eagle3)
+    report = _report_head(args, setup, eagle3)
+    total = len(decoders.methods) * len(samplings) * sum(len(s.prompts) for s in sets)
+    bar = tqdm(total=total, unit="prompt", file=sys.stderr, disable=args.no_progress, dynamic_ncols=True)
     try:
         for sampling in samplings:
             _evaluate(decoders, sampling, sets, bar, report)
@@ -250,7 +250,7 @@ def run(args: argparse.Namespace) -> dict:
     return report
 
 
-def _report_head(args: argparse.Namespace, setup: Setup) -> dict:
+def _report_head(args: argparse.Namespace, setup: Setup, eagle3: str | None) -> dict:
     return {
         "target": setup.target_path,
         "drafter": setup.ckpt,
@@ -259,8 +259,8 @@ def _report_head(args: argparse.Namespace, setup: Setup) -> dict:
         "L": setup.info.num_layers,
         "L_s": setup.spec.pdm.num_layers if setup.mode != EAGLE3 else None,
         "compared": args.compare,
-        "eagle3_drafter": setup.ckpt if setup.mode == EAGLE3 else args.eagle3,
-        "k": args.k if setup.mode == EAGLE3 or args.eagle3 else None,
+        "eagle3_drafter": eagle3,
+        "k": args.k if eagle3 else None,
         "hidden_size": setup.info.hidden_size,
         "geometry": setup.geometry.to_dict(),
         "max_new_tokens": args.max_new_tokens,
@@ -277,53 +277,37 @@ def _report_head(args: argparse.Namespace, setup: Setup) -> dict:
 def _evaluate(decoders: Decoders, sampling: Sampling, sets: list[PromptSet], bar, report: dict) -> None:
     """One row per set and one pooling every set, at one temperature, for each PDM drafter (`results`) and
     for EAGLE-3 at each k (`eagle3_results`), all against the same AR decodes."""
-    args = decoders.args
     decoders.warm_up(sampling, sets[0].prompts[0])
-    ks = decoders.eagle3.ks if decoders.eagle3 is not None else []
-    pooled: dict = {"ar": [], **{pdm: [] for pdm in decoders.pdms}, **{k: [] for k in ks}}
+    pooled: dict = {"ar": [], **{method: [] for method in decoders.methods}}
     head = {"temperature": sampling.temperature, "sampling": sampling.to_dict()}
     for prompt_set in sets:
         bar.set_description(f"{prompt_set.name} T={sampling.temperature:g}")
-        where = {"set": prompt_set.name, "path": prompt_set.path, **head}
-        ar = decoders.ar(sampling, prompt_set.prompts)
-        pooled["ar"] += ar
-        for pdm in decoders.pdms:
-            spd = pdm.decode(sampling, prompt_set.prompts, bar.update)
-            pooled[pdm] += spd
-            report["results"].append({**where, **pdm.identity, **pdm.row(spd, ar)})
-        for k in ks:
-            chain = decoders.eagle3.decode(k, sampling, prompt_set.prompts, args, decoders.setup.eos, bar.update)
-            pooled[k] += chain
-            report["eagle3_results"].append({**where, **eagle3_row(k, chain, ar)})
-    where = {"set": "overall", "path": None, **head}
-    for pdm in decoders.pdms:
-        report["results"].append({**where, **pdm.identity, **pdm.row(pooled[pdm], pooled["ar"])})
-    for k in ks:
-        report["eagle3_results"].append({**where, **eagle3_row(k, pooled[k], pooled["ar"])})
+        decoded = {"ar": decoders.ar(sampling, prompt_set.prompts)}
+        for method in decoders.methods:
+            decoded[method] = method.decode(sampling, prompt_set.prompts, bar.update)
+        _add_rows(report, decoders.methods, {"set": prompt_set.name, "path": prompt_set.path, **head}, decoded)
+        for key, results in decoded.items():
+            pooled[key] += results
+    _add_rows(report, decoders.methods, {"set": "overall", "path": None, **head}, pooled)
 
 
-def _progress(total: int, disable: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="prompt", file=sys.stderr, disable=disable, dynamic_ncols=True)
+def _add_rows(report: dict, methods: list, where: dict, decoded: dict) -> None:
+    for method in methods:
+        report[method.results].append({**where, **method.row(decoded[method], decoded["ar"])})
 
 
 def _plan_inputs(report: dict) -> None:
     """What `inference.plan --times eval.json` reads: measured T_full, draft time at this L_s, slowest stage, overhead."""
     greedy = [r for r in report["results"] if r["set"] == "overall" and r["drafter"] == report["drafter"]]
     row = min(greedy, key=lambda r: r["temperature"])
-    overhead = None
-    if row["mean_cycle_s"] is not None and row["T_draft_s"] is not None:
+    overhead, draft = None, row["T_draft_s"]
+    if row["mean_cycle_s"] is not None and draft is not None:
         # the simulator runs stages and drafter in sequence; the pipeline overlaps them
-        busy = (
-            (row["mean_stage_sum_s"] + row["T_draft_s"])
-            if report["simulate"]
-            else max(row["mean_slowest_stage_s"], row["T_draft_s"])
-        )
+        busy = row["mean_stage_sum_s"] + draft if report["simulate"] else max(row["mean_slowest_stage_s"], draft)
         overhead = max(0.0, row["mean_cycle_s"] - busy)
     report["plan_inputs"] = {
         "T_full_s": row["T_full_s"],
-        "T_draft_s": row["T_draft_s"],
+        "T_draft_s": draft,
         "L_s": report["L_s"],
         "overhead_s": overhead,
         "n": report["n"],
