@@ -47,11 +47,8 @@ def refused(data: dict) -> list[str]:
 
 
 def _same(value: Any, neutral: Any) -> bool:
-    return (
-        type(value) is type(neutral)
-        and value == neutral
-        or (isinstance(neutral, float) and type(value) is int and value == neutral)
-    )
+    """Equal and of the same type: `false` is not `0`, nor `true` `1` (a float neutral is listed with its int)."""
+    return type(value) is type(neutral) and value == neutral
 
 
 class TextPart(BaseModel):
