@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from pydantic import ValidationError
 
-from inference.sampling import Sampling, SamplingError
+from inference.sampling import Sampling
 from inference.serving.api_models import ChatRequest, CompletionRequest, refused
 from spd_lightning.errors import first_line
 
@@ -113,10 +113,7 @@ class Intake:
         )
         if not 1 <= max_tokens <= limits.max_tokens_cap:
             raise ApiError(400, f"max_tokens={max_tokens} must be in [1, {limits.max_tokens_cap}]", param="max_tokens")
-        try:
-            return max_tokens, Sampling(body.temperature, body.top_k, body.top_p)
-        except SamplingError as e:
-            raise ApiError(400, str(e)) from None
+        return max_tokens, Sampling(body.temperature, body.top_k, body.top_p)  # the schema bounds what it checks
 
     def _fits(self, texts: list[str], max_tokens: int) -> None:
         """Before tokenizing: a prompt whose characters need more tokens than the context holds is refused."""
