@@ -49,11 +49,12 @@ class ServerConfig(Limits):
     access_log: bool = False  # one line per HTTP request (method, path, status, seconds, completion id)
 
 
-def error_response(
-    status: int, message: str, kind: str, code: str | None = None, param: str | None = None, headers=None
-) -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
+def error_body(e: ApiError) -> dict:
+    return {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}}
+
+
+def error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(error_body(e), status_code=e.status, headers=e.headers)
 
 
 def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
@@ -152,17 +153,12 @@ def _publish_schema(app: FastAPI, config: ServerConfig) -> None:
 def _add_errors_and_auth(app: FastAPI, config: ServerConfig) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_, e: ApiError):
-        return error_response(e.status, e.message, e.kind, e.code, e.param, e.headers)
+        return error_response(e)
 
     @app.exception_handler(HTTPException)
     async def _http_error(_, e: HTTPException):  # unknown path (404), wrong method (405)
-        return error_response(
-            e.status_code,
-            str(e.detail),
-            "invalid_request_error",
-            "not_found" if e.status_code == 404 else None,
-            headers=e.headers,
-        )
+        code = "not_found" if e.status_code == 404 else None
+        return error_response(ApiError(e.status_code, str(e.detail), code=code, headers=e.headers))
 
     if config.api_key:
         app.add_middleware(ApiKey, key=config.api_key)
@@ -188,17 +184,13 @@ class ApiKey:
 
     def _refusal(self, values: list[bytes]) -> JSONResponse | None:
         if len(values) > 1:
-            return error_response(400, "send one Authorization header, not several", "invalid_request_error")
+            return error_response(ApiError(400, "send one Authorization header, not several"))
         scheme, _, token = values[0].partition(b" ") if values else (b"", b"", b"")
         if scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(b" "), self.key):
             return None
-        return error_response(
-            401,
-            "missing or wrong API key: send `Authorization: Bearer KEY`",
-            "invalid_request_error",
-            "invalid_api_key",
-            headers={"WWW-Authenticate": 'Bearer error="invalid_token"' if values else "Bearer"},
-        )
+        message = "missing or wrong API key: send `Authorization: Bearer KEY`"
+        challenge = 'Bearer error="invalid_token"' if values else "Bearer"
+        return error_response(ApiError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": challenge}))
 
 
 class AccessLog:
@@ -383,8 +375,8 @@ async def _sse(generation: Generation, head: dict, chat: bool, http: HttpRequest
         if event[0] == "text":
             yield chunk(event[1], None)
         elif event[0] == "error":
-            body = {"error": {"message": event[2], "type": "server_error", "param": None, "code": "decoder_failed"}}
-            yield f"data: {json.dumps(body)}\n\n"
+            failed = ApiError(event[1], event[2], "server_error", "decoder_failed")
+            yield f"data: {json.dumps(error_body(failed))}\n\n"
             return
         else:
             yield chunk(None, event[1])
