@@ -73,13 +73,11 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions", **_operation(models.ChatRequest, models.ChatCompletion, config))
     async def chat(http: HttpRequest):
-        accepted = await intake.accept(await _body(http, config.body_bytes), chat=True)
-        return await _complete(engine, config, accepted, http, chat=True)
+        return await _complete(engine, intake, config, http, chat=True)
 
     @app.post("/v1/completions", **_operation(models.CompletionRequest, models.Completion, config))
     async def completions(http: HttpRequest):
-        accepted = await intake.accept(await _body(http, config.body_bytes), chat=False)
-        return await _complete(engine, config, accepted, http, chat=False)
+        return await _complete(engine, intake, config, http, chat=False)
 
     _publish_schema(app, config)
     return app
@@ -278,7 +276,8 @@ async def _body(http: HttpRequest, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _complete(engine: Engine, config: ServerConfig, accepted, http: HttpRequest, chat: bool):
+async def _complete(engine: Engine, intake: Intake, config: ServerConfig, http: HttpRequest, chat: bool):
+    accepted = await intake.accept(await _body(http, config.body_bytes), chat)
     body = accepted.body
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     seed = body.seed if body.seed is not None else int.from_bytes(os.urandom(4), "little")
