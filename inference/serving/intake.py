@@ -31,19 +31,17 @@ _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 _NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
 
 
+@dataclass(eq=False)  # hashed by identity, as exceptions are
 class ApiError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        kind: str = "invalid_request_error",
-        code: str | None = None,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
-        self.headers = headers
+    status: int
+    message: str
+    kind: str = "invalid_request_error"
+    code: str | None = None
+    param: str | None = None
+    headers: dict[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
 
 
 def unknown_model(name: str, served: str) -> ApiError:
