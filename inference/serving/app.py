@@ -97,7 +97,6 @@ ERRORS = {
 def _operation(body_model: type, reply: type, config: ServerConfig) -> dict:
     """What the schema says of a completion route: its JSON body, its answers (JSON, or server-sent events when
     `stream` is true) and its errors. The handler reads the body itself (size first, then off the loop)."""
-    errors = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
     statuses = [s for s in ERRORS if s != 401 or config.api_key]
     return {
         "openapi_extra": {
@@ -112,7 +111,7 @@ def _operation(body_model: type, reply: type, config: ServerConfig) -> dict:
                 "content": {"text/event-stream": {"schema": SSE_EVENT}},
                 "description": "the completion, or its chunks as server-sent events",
             },
-            **{s: {**errors, "description": ERRORS[s]} for s in statuses},
+            **{s: {"model": models.ErrorBody, "description": ERRORS[s]} for s in statuses},
         },
     }
 
