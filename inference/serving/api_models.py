@@ -42,16 +42,9 @@ NEUTRAL: dict[str, tuple] = {
 
 
 def refused(data: dict) -> list[str]:
-    """The refused fields `data` sets to something other than their neutral value, in the order sent."""
-    return [k for k, v in data.items() if k in NEUTRAL and not any(_same(v, n) for n in NEUTRAL[k])]
-
-
-def _same(value: Any, neutral: Any) -> bool:
-    return (
-        type(value) is type(neutral)
-        and value == neutral
-        or (isinstance(neutral, float) and type(value) is int and value == neutral)
-    )
+    """The refused fields `data` sets to something other than their neutral value, in the order sent. A value is
+    neutral when it equals one and has its type: `false` is not `0`, nor `true` `1` (float neutrals are listed)."""
+    return [k for k, v in data.items() if k in NEUTRAL and not any(type(v) is type(n) and v == n for n in NEUTRAL[k])]
 
 
 class TextPart(BaseModel):

@@ -49,11 +49,12 @@ class ServerConfig(Limits):
     access_log: bool = False  # one line per HTTP request (method, path, status, seconds, completion id)
 
 
-def error_response(
-    status: int, message: str, kind: str, code: str | None = None, param: str | None = None, headers=None
-) -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
+def error_body(e: ApiError) -> dict:
+    return {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}}
+
+
+def error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(error_body(e), status_code=e.status, headers=e.headers)
 
 
 def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
@@ -72,13 +73,11 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions", **_operation(models.ChatRequest, models.ChatCompletion, config))
     async def chat(http: HttpRequest):
-        accepted = await intake.accept(await _body(http, config.body_bytes), chat=True)
-        return await _complete(engine, config, accepted, http, chat=True)
+        return await _complete(engine, intake, config, http, chat=True)
 
     @app.post("/v1/completions", **_operation(models.CompletionRequest, models.Completion, config))
     async def completions(http: HttpRequest):
-        accepted = await intake.accept(await _body(http, config.body_bytes), chat=False)
-        return await _complete(engine, config, accepted, http, chat=False)
+        return await _complete(engine, intake, config, http, chat=False)
 
     _publish_schema(app, config)
     return app
@@ -98,7 +97,6 @@ ERRORS = {
 def _operation(body_model: type, reply: type, config: ServerConfig) -> dict:
     """What the schema says of a completion route: its JSON body, its answers (JSON, or server-sent events when
     `stream` is true) and its errors. The handler reads the body itself (size first, then off the loop)."""
-    errors = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
     statuses = [s for s in ERRORS if s != 401 or config.api_key]
     return {
         "openapi_extra": {
@@ -113,7 +111,7 @@ def _operation(body_model: type, reply: type, config: ServerConfig) -> dict:
                 "content": {"text/event-stream": {"schema": SSE_EVENT}},
                 "description": "the completion, or its chunks as server-sent events",
             },
-            **{s: {**errors, "description": ERRORS[s]} for s in statuses},
+            **{s: {"model": models.ErrorBody, "description": ERRORS[s]} for s in statuses},
         },
     }
 
@@ -152,17 +150,12 @@ def _publish_schema(app: FastAPI, config: ServerConfig) -> None:
 def _add_errors_and_auth(app: FastAPI, config: ServerConfig) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_, e: ApiError):
-        return error_response(e.status, e.message, e.kind, e.code, e.param, e.headers)
+        return error_response(e)
 
     @app.exception_handler(HTTPException)
     async def _http_error(_, e: HTTPException):  # unknown path (404), wrong method (405)
-        return error_response(
-            e.status_code,
-            str(e.detail),
-            "invalid_request_error",
-            "not_found" if e.status_code == 404 else None,
-            headers=e.headers,
-        )
+        code = "not_found" if e.status_code == 404 else None
+        return error_response(ApiError(e.status_code, str(e.detail), code=code, headers=e.headers))
 
     if config.api_key:
         app.add_middleware(ApiKey, key=config.api_key)
@@ -188,17 +181,13 @@ class ApiKey:
 
     def _refusal(self, values: list[bytes]) -> JSONResponse | None:
         if len(values) > 1:
-            return error_response(400, "send one Authorization header, not several", "invalid_request_error")
+            return error_response(ApiError(400, "send one Authorization header, not several"))
         scheme, _, token = values[0].partition(b" ") if values else (b"", b"", b"")
         if scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(b" "), self.key):
             return None
-        return error_response(
-            401,
-            "missing or wrong API key: send `Authorization: Bearer KEY`",
-            "invalid_request_error",
-            "invalid_api_key",
-            headers={"WWW-Authenticate": 'Bearer error="invalid_token"' if values else "Bearer"},
-        )
+        message = "missing or wrong API key: send `Authorization: Bearer KEY`"
+        challenge = 'Bearer error="invalid_token"' if values else "Bearer"
+        return error_response(ApiError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": challenge}))
 
 
 class AccessLog:
@@ -286,7 +275,8 @@ async def _body(http: HttpRequest, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _complete(engine: Engine, config: ServerConfig, accepted, http: HttpRequest, chat: bool):
+async def _complete(engine: Engine, intake: Intake, config: ServerConfig, http: HttpRequest, chat: bool):
+    accepted = await intake.accept(await _body(http, config.body_bytes), chat)
     body = accepted.body
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     seed = body.seed if body.seed is not None else int.from_bytes(os.urandom(4), "little")
@@ -383,8 +373,8 @@ async def _sse(generation: Generation, head: dict, chat: bool, http: HttpRequest
         if event[0] == "text":
             yield chunk(event[1], None)
         elif event[0] == "error":
-            body = {"error": {"message": event[2], "type": "server_error", "param": None, "code": "decoder_failed"}}
-            yield f"data: {json.dumps(body)}\n\n"
+            failed = ApiError(event[1], event[2], "server_error", "decoder_failed")
+            yield f"data: {json.dumps(error_body(failed))}\n\n"
             return
         else:
             yield chunk(None, event[1])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from functools import partial
 
 from inference.cycle.result import DecodeResult
 from inference.cycle.simulator import Simulator
@@ -73,12 +74,7 @@ class BatchSimulatorBackend:
         return waiting(self._queue, free, idle)
 
     def _start(self, queued: QueuedRequest) -> Request:
-        request_id = queued.request_id
-        return queued.as_request(
-            self.eos,
-            lambda tokens: self.in_flight.put("tokens", request_id, tokens),
-            lambda: request_id in self._cancelled,
-        )
+        return queued.as_request(self.eos, partial(self.in_flight.put, "tokens"), lambda i: i in self._cancelled)
 
     def _ended(self, queued: QueuedRequest, result: DecodeResult, seq: SlotSequence) -> None:
         self._cancelled.discard(queued.request_id)

@@ -40,10 +40,8 @@ def check_max_batch(args: argparse.Namespace, mode: str) -> None:
 
 
 def default_max_batch(args: argparse.Namespace, setup: Setup) -> int:
-    """`--max-batch` when it is not given (see the module docstring)."""
+    """`--max-batch` when it is not given (see the module docstring); `check_args` made sure CUDA is there."""
     if not args.device.startswith("cuda") or setup.mode in ("ar", "eagle3") or args.nnodes > 1:
-        return 1
-    if not torch.cuda.is_available():
         return 1
     memory = min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
     return batch_that_fits(memory, stage_weight_bytes(setup), slot_cache_bytes(setup))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from pydantic import ValidationError
 
-from inference.sampling import Sampling, SamplingError
+from inference.sampling import Sampling
 from inference.serving.api_models import ChatRequest, CompletionRequest, refused
 from spd_lightning.errors import first_line
 
@@ -31,19 +31,17 @@ _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 _NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
 
 
+@dataclass(eq=False)  # hashed by identity, as exceptions are
 class ApiError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        kind: str = "invalid_request_error",
-        code: str | None = None,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
-        self.headers = headers
+    status: int
+    message: str
+    kind: str = "invalid_request_error"
+    code: str | None = None
+    param: str | None = None
+    headers: dict[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
 
 
 def unknown_model(name: str, served: str) -> ApiError:
@@ -113,10 +111,7 @@ class Intake:
         )
         if not 1 <= max_tokens <= limits.max_tokens_cap:
             raise ApiError(400, f"max_tokens={max_tokens} must be in [1, {limits.max_tokens_cap}]", param="max_tokens")
-        try:
-            return max_tokens, Sampling(body.temperature, body.top_k, body.top_p)
-        except SamplingError as e:
-            raise ApiError(400, str(e)) from None
+        return max_tokens, Sampling(body.temperature, body.top_k, body.top_p)  # the schema bounds what it checks
 
     def _fits(self, texts: list[str], max_tokens: int) -> None:
         """Before tokenizing: a prompt whose characters need more tokens than the context holds is refused."""

@@ -37,10 +37,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from inference.backends import BackendFailure
 from inference.cycle.nccl_rules import control_group
 from inference.cycle.result import DecodeResult
-from inference.cycle.slots import Request, SlotSequence
+from inference.cycle.slots import SlotSequence
 from inference.processes.job import DecodeJob
 from inference.processes.launch import launch, start_method
 from inference.processes.nodes import RemoteRequestChannel
@@ -150,19 +149,12 @@ def serve_requests(
     if rank == 0:
         channel.mark_ready()
     verifier, eos = rank == runner.verifier_rank, frozenset(job.eos_token_ids)
+    hooks = (on_tokens, channel.cancelled) if verifier else (None, None)  # only the verifier streams and stops
 
     def take(free: int, idle: bool) -> list[QueuedRequest] | str:
         box = [waiting(channel, free, idle) if rank == 0 else None]
         dist.broadcast_object_list(box, src=0, group=control_group())  # host memory, never the NCCL group
         return box[0]
-
-    def start(queued: QueuedRequest) -> Request:
-        if not verifier:
-            return queued.as_request(eos, None, None)
-        request_id = queued.request_id
-        return queued.as_request(
-            eos, lambda tokens: on_tokens(request_id, tokens), lambda: channel.cancelled(request_id)
-        )
 
     def ended(queued: QueuedRequest, result: DecodeResult, seq: SlotSequence) -> None:
         if verifier:
@@ -170,7 +162,7 @@ def serve_requests(
                 channel.record(CancelReport(queued.request_id, seq.stop_seen, result.K))
             report(queued.request_id, result)
 
-    feed_slots(runner, take, start, ended)
+    feed_slots(runner, take, lambda queued: queued.as_request(eos, *hooks), ended)
 
 
 class RankBackend:
@@ -215,9 +207,7 @@ class RankBackend:
         self.in_flight.cancel(on_tokens)
 
     def generate(self, prompt_ids, max_new_tokens, sampling: Sampling, seed, on_tokens) -> DecodeResult:
-        if not self._launcher.is_alive():
-            raise BackendFailure(self.failure)
-        request_id = self.in_flight.open(on_tokens)
+        request_id = self.in_flight.open(on_tokens)  # BackendFailure(self.failure) once the ranks have stopped
         self.channel.put(QueuedRequest(request_id, list(prompt_ids), max_new_tokens, sampling, seed))
         return self.in_flight.follow(request_id, self._cancelled)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import queue
 from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 from inference.cycle.pipeline import PipelineRunner
@@ -41,9 +42,12 @@ class QueuedRequest(NamedTuple):
     def as_request(
         self,
         eos: frozenset[int],
-        on_tokens: Callable[[list[int]], None] | None,
-        stop: Callable[[], bool] | None,
+        on_tokens: Callable[[int, list[int]], None] | None,
+        stop: Callable[[int], bool] | None,
     ) -> Request:
+        """Its hooks (None: none) get this request's id first: `on_tokens(id, tokens)`, `stop(id)`."""
+        on_tokens = None if on_tokens is None else partial(on_tokens, self.request_id)
+        stop = None if stop is None else partial(stop, self.request_id)
         return Request(self.prompt, self.max_new_tokens, eos, self.sampling, self.seed, on_tokens=on_tokens, stop=stop)
 
 
