@@ -1,10 +1,9 @@
 """Plain autoregressive decoding through the same stage modules (docs/DESIGN.md, "Baselines and ablations" for `ar`, "Lossless" for the reference).
 
-The lossless reference: the stages run in sequence on one device, one token at a time after the
-prefill, with exactly the cache path of the pipeline (the same `Stage.prefill` and `Stage.step` of one slot, same
-dtype). Greedy SPD
-must reproduce these tokens exactly; under sampling it must match their distribution. Its first token
-uses the same generator seed as the pipeline's verifier, so the two agree on it for a given seed.
+The lossless reference: the stages run in sequence on one device, one token at a time after the prefill, with
+exactly the cache path of the pipeline (the same `Stage.prefill` and `Stage.step` of one slot, same dtype). Greedy
+SPD must reproduce these tokens exactly; under sampling it must match their distribution. Its first token uses the
+same generator seed as the pipeline's verifier, so the two agree on it for a given seed.
 """
 
 from __future__ import annotations
