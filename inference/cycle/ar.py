@@ -1,10 +1,9 @@
 """Plain autoregressive decoding through the same stage modules (docs/DESIGN.md, "Baselines and ablations" for `ar`, "Lossless" for the reference).
 
-The lossless reference: the stages run in sequence on one device, one token at a time after the
-prefill, with exactly the cache path of the pipeline (the same `Stage.prefill` and `Stage.step` of one slot, same
-dtype). Greedy SPD
-must reproduce these tokens exactly; under sampling it must match their distribution. Its first token
-uses the same generator seed as the pipeline's verifier, so the two agree on it for a given seed.
+The lossless reference: the stages run in sequence on one device, one token at a time after the prefill, with
+exactly the cache path of the pipeline (the same `Stage.prefill` and `Stage.step` of one slot, same dtype). Greedy
+SPD must reproduce these tokens exactly; under sampling it must match their distribution. Its first token uses the
+same generator seed as the pipeline's verifier, so the two agree on it for a given seed.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from spd_lightning.target import Target
 
 def target_eos(target_config, generation_config=None) -> int | list[int] | None:
     """The target's EOS id(s): the generation config's when it has one, else the model config's."""
-    eos = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
+    eos = getattr(generation_config, "eos_token_id", None)
     return eos if eos is not None else getattr(target_config, "eos_token_id", None)
 
 
@@ -58,6 +57,7 @@ def ar_decode_stages(
     if not prompt_ids:
         raise ValueError("the prompt is empty: give at least one token")
     eos = eos_set(eos_token_id)
+    on_tokens = on_tokens or (lambda new: None)
     device = stages[0].device
     generator = torch.Generator(device=device)
     generator.manual_seed(generator_seeds(seed)[0])
@@ -66,14 +66,12 @@ def ar_decode_stages(
     prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
     tokens = [sample_token(run_slot_zero(stages, prompt, 0, len(prompt_ids) + max_new_tokens), sampling, generator)]
     prefill_s = time.perf_counter() - t0
-    if on_tokens is not None:
-        on_tokens(tokens[-1:])
+    on_tokens(tokens[-1:])
     t_start = time.perf_counter()
     while tokens[-1] not in eos and len(tokens) < max_new_tokens:
         logits = run_slot_zero(stages, torch.tensor([[tokens[-1]]], device=device), prompt.shape[1] + len(tokens) - 1)
         tokens.append(sample_token(logits, sampling, generator))
-        if on_tokens is not None:
-            on_tokens(tokens[-1:])
+        on_tokens(tokens[-1:])
     stop = "eos" if tokens[-1] in eos else "max_new_tokens"
     # wall-clock of the whole decode (tokens/s); sample_token's host sync makes it real on a GPU too
     return DecodeResult(

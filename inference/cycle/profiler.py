@@ -45,9 +45,7 @@ class Profiler:
         if not self.enabled:
             return _OFF
         if self.cycle >= self._rows.shape[1]:  # a workload of several requests: more cycles than one bounds
-            grown = np.zeros((self._rows.shape[0], 2 * self.cycle + 1, TIMING_FIELDS))
-            grown[:, : self._rows.shape[1]] = self._rows
-            self._rows = grown
+            self._rows = np.pad(self._rows, ((0, 0), (0, 2 * self.cycle + 1 - self._rows.shape[1]), (0, 0)))
         ranks = (ranks,) if isinstance(ranks, int) else tuple(ranks)
         return self._device_span(ranks, field) if device_work and self._events else self._host_span(ranks, field)
 

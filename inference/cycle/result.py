@@ -46,42 +46,30 @@ def summarize_timing(
     comm = rows[:, :, COMM].max(dim=0).values
     wall = rows[n - 1, :, WALL]
     slots = rows[n - 1, :, SLOTS]  # the verifier's process counts them
-    per_cycle = {
-        "slots": slots.int().tolist(),
-        "stage_compute_s": stage.tolist(),
-        "draft_s": draft.tolist(),
-        "verify_s": verify.tolist(),
-        "comm_s": comm.tolist(),
-        "wall_s": wall.tolist(),
-    }
-    slowest = stage.max(dim=1).values if K else torch.zeros(0, dtype=torch.float64)
+    series = {"stage_compute_s": stage, "draft_s": draft, "verify_s": verify, "comm_s": comm, "wall_s": wall}
+    per_cycle = {"slots": slots.int().tolist(), **{name: values.tolist() for name, values in series.items()}}
+    slowest = stage.max(dim=1).values
     totals = {
-        "stage_compute_s": stage.sum(0).tolist(),
-        "draft_s": float(draft.sum()),
-        "verify_s": float(verify.sum()),
-        "comm_s": float(comm.sum()),
-        "wall_s": float(wall.sum()),
-        "mean_cycle_s": float(wall.mean()) if K else 0.0,
-        "mean_slowest_stage_s": float(slowest.mean()) if K else 0.0,
-        "mean_draft_s": float(draft.mean()) if K else 0.0,
-        "mean_slots": float(slots.mean()) if K else 0.0,
+        **{name: values.sum(0).tolist() for name, values in series.items()},  # stage_compute_s: one sum per stage
+        "mean_cycle_s": _mean(wall),
+        "mean_slowest_stage_s": _mean(slowest),
+        "mean_draft_s": _mean(draft),
+        "mean_slots": _mean(slots),
     }
     if shared_pdm:
-        _add_sharing_cost(per_cycle, totals, stage, draft, slowest)
+        # Stage 1's process also drafts: per cycle its busy time is its stage plus the draft's time on its critical
+        # path (on a GPU the part of the draft that its own CUDA stream did not hide behind the forward,
+        # `shared_stream`; on the CPU the whole draft). The cost is how far that exceeds the slowest stage.
+        shared = stage[:, 0] + draft
+        cost = (shared - slowest).clamp(min=0)
+        per_cycle["shared_process_s"], per_cycle["sharing_cost_s"] = shared.tolist(), cost.tolist()
+        totals["mean_shared_process_s"] = _mean(shared)
+        totals["mean_sharing_cost_s"] = _mean(cost)
     return {"per_cycle": per_cycle, "totals": totals, **({"cycles": list(cycles)} if cycles else {})}
 
 
-def _add_sharing_cost(
-    per_cycle: dict, totals: dict, stage: torch.Tensor, draft: torch.Tensor, slowest: torch.Tensor
-) -> None:
-    """Stage 1's process also drafts: per cycle its busy time is its stage plus the draft's time on its
-    critical path (on a GPU the part of the draft that its own CUDA stream did not hide behind the forward,
-    `shared_stream`; on the CPU the whole draft). The cost is how far that exceeds the slowest stage."""
-    shared = stage[:, 0] + draft
-    cost = (shared - slowest).clamp(min=0)
-    per_cycle["shared_process_s"], per_cycle["sharing_cost_s"] = shared.tolist(), cost.tolist()
-    totals["mean_shared_process_s"] = float(shared.mean()) if len(shared) else 0.0
-    totals["mean_sharing_cost_s"] = float(cost.mean()) if len(cost) else 0.0
+def _mean(values: torch.Tensor) -> float:
+    return float(values.mean()) if len(values) else 0.0  # no cycle: 0, not NaN
 
 
 @dataclass(kw_only=True)

@@ -81,21 +81,16 @@ class CompiledStep:
         try:
             out = self._run(*args)
         except COMPILE_FAILURES as e:
-            self._fall_back(e)
+            log.warning("cannot compile %s (%s); it runs eagerly", self.name, first_line(e)[:200])
+            self.compiled, self.cuda_graphs = False, False
+            self.skip_reason = self.skip_reason or "not compiled"
             return self.eager(*args)
-        if self.on_gpu:
-            self._note_capture(counters["inductor"]["cudagraph_skips"] > skips, _SKIPS.messages[messages:])
-        return out
-
-    def _fall_back(self, error: BaseException) -> None:
-        log.warning("cannot compile %s (%s); it runs eagerly", self.name, first_line(error)[:200])
-        self.compiled, self.cuda_graphs = False, False
-        self.skip_reason = self.skip_reason or "not compiled"
-
-    def _note_capture(self, skipped: bool, reasons: list[str]) -> None:
-        if skipped and self.cuda_graphs is not False:
+        skipped = counters["inductor"]["cudagraph_skips"] > skips
+        if skipped and self.cuda_graphs is not False:  # False from the start off a GPU
+            reasons = _SKIPS.messages[messages:]
             self.skip_reason = reasons[-1] if reasons else "skipped by inductor (TORCH_LOGS=cudagraphs tells why)"
             log.warning("%s runs without CUDA graphs: %s", self.name, self.skip_reason)
             self.cuda_graphs = False
         elif self.cuda_graphs is None:
             self.cuda_graphs = True
+        return out

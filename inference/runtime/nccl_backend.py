@@ -66,9 +66,8 @@ def guard_default_group() -> None:
     """In a rank process with the rules on: an object collective on the default group raises `NcclRuleError`."""
     for name in OBJECT_COLLECTIVES:
         real = getattr(dist, name)
-        if getattr(real, "nccl_guarded", False):
-            continue
-        setattr(dist, name, _guarded(name, real))
+        if not getattr(real, "nccl_guarded", False):
+            setattr(dist, name, _guarded(name, real))
 
 
 def _guarded(name: str, real):

@@ -52,13 +52,10 @@ class ReplayDrafter:
 
     def draft(self, views: Mapping[int, Sequence[tuple[int, int]]], rows: int | None = None) -> DraftBatch:
         proposals = [0] * max(rows or 0, max(views) + 1)
-        for b, view in views.items():
-            proposals[b] = self._propose(b, view[-1][1] + 1)
+        for b, view in views.items():  # the token after the newest in-flight position
+            reference, prompt_len = self._replaying[b]
+            index = view[-1][1] + 1 - prompt_len
+            right = reference[index] if index < len(reference) else 0
+            wrong = self.pattern[index % len(self.pattern)] == "W"
+            proposals[b] = (right + 1) % self.vocab_size if wrong else right
         return DraftBatch(torch.tensor(proposals, device=self.device), None)
-
-    def _propose(self, slot: int, position: int) -> int:
-        reference, prompt_len = self._replaying[slot]
-        index = position - prompt_len
-        right = reference[index] if index < len(reference) else 0
-        wrong = self.pattern[index % len(self.pattern)] == "W"
-        return (right + 1) % self.vocab_size if wrong else right

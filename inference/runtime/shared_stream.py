@@ -95,13 +95,10 @@ class SideStreamDrafter:
             self.main_stream().wait_event(self.stream.record_event())
 
     def draft(self, views, rows: int | None = None) -> DraftBatch:
-        if self.stream is not None and self.inputs_ready is not None:
-            self.stream.wait_event(self.inputs_ready)
-        with use_stream(self.stream):
+        with self.receiving():  # as the receives: on the side stream after the inputs, and waited for by the main
             drafts = self.drafter.draft(views, rows)
         if self.stream is not None:
             main = self.main_stream()
-            main.wait_event(self.stream.record_event())
             for tensor in drafts:
                 if tensor is not None:
                     tensor.record_stream(main)
