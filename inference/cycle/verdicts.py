@@ -75,21 +75,22 @@ class VerdictChannel:
         """The verifier judges each real slot's draft of `step` into its device row; one host read brings them
         all; one `[B, 2]` message to every other rank, in each step in which it judged some slot (so no host read
         nor message while the pipeline fills). The listeners may owe that message."""
-        judging = Judging(step, False, [])
+        judging, real = Judging(step, False, []), []
         for b, seq in live.items():
             if seq.step.plan.judged_position >= 0:
                 wasted = seq.wasted(self.message(step - 1, b))
                 if wasted is None:
                     judging.unknown.append((b, seq.steps))
-                judging.real = judging.real or wasted is False
-        if self.hosts_verifier and judging.real:
+                elif not wasted:
+                    real.append(b)
+        judging.real = bool(real)
+        if self.hosts_verifier and real:
             box = self.traffic.box
             index = step % 2  # a row pair is rewritten two steps later, once its sends have settled
             rows = box.verdict_rows[index]
             with self.traffic.clock.span(self.verifier_rank, VERIFY, device_work=True):
-                for b, seq in live.items():
-                    if seq.step.plan.judged_position >= 0 and seq.wasted(self.message(step - 1, b)) is False:
-                        seq.judge(logits[b], rows[b])
+                for b in real:
+                    live[b].judge(logits[b], rows[b])
             self.rows[step] = box.verdict_to_host(index)
             for r in self.others:
                 self.traffic.send(self.verifier_rank, r, "verdict", box.verdict_host[index])
