@@ -26,24 +26,20 @@ from __future__ import annotations
 import math
 
 from inference.evaluation.tables import markdown_table
-from spd_lightning.errors import UserError
-
-
-class BatchPlanError(UserError):
-    """Bad batch-times input; one line."""
+from spd_lightning.errors import UsageError
 
 
 def check_batch_times(report: object, path: str) -> list[dict]:
     """The rows of a `bench_batch.py --json` report, each with B >= 1, its stage times, draft and alpha."""
     rows = report.get("rows") if isinstance(report, dict) else None
     if not isinstance(rows, list) or not rows:
-        raise BatchPlanError(f"{path}: no rows (expected the JSON of scripts/bench_batch.py --json)")
+        raise UsageError(f"{path}: no rows (expected the JSON of scripts/bench_batch.py --json)")
     for i, row in enumerate(rows):
         if not isinstance(row, dict) or not isinstance(row.get("B"), int) or row["B"] < 1:
-            raise BatchPlanError(f"{path}: rows[{i}] has no batch size B >= 1")
+            raise UsageError(f"{path}: rows[{i}] has no batch size B >= 1")
         times = [*(row.get("stage_s") or []), row.get("draft_s")]
         if not row.get("stage_s") or not all(isinstance(t, (int, float)) and math.isfinite(t) and t > 0 for t in times):
-            raise BatchPlanError(
+            raise UsageError(
                 f"{path}: rows[{i}] (B={row['B']}) lacks positive stage_s/draft_s times: rerun bench_batch.py with "
                 f"requests >= B so that full-bucket steps were timed"
             )
@@ -54,12 +50,12 @@ def batch_rows(report: dict, alpha: float | None, schedule: str, path: str) -> l
     """The predicted tokens/s at each measured B, and its weight-bound (GPU) reading."""
     rows = check_batch_times(report, path)
     if alpha is not None and not 0 < alpha <= 1:
-        raise BatchPlanError(f"--batch-alpha={alpha} must be in (0, 1] (alpha = N / K)")
+        raise UsageError(f"--batch-alpha={alpha} must be in (0, 1] (alpha = N / K)")
     out, first = [], None
     for row in rows:
         B, a = row["B"], alpha if alpha is not None else row.get("alpha")
         if not isinstance(a, (int, float)) or not 0 < a <= 1:
-            raise BatchPlanError(f"{path}: B={B} has no alpha in (0, 1]: pass --batch-alpha")
+            raise UsageError(f"{path}: B={B} has no alpha in (0, 1]: pass --batch-alpha")
         stage, draft, overhead = max(row["stage_s"]), row["draft_s"], row.get("overhead_s") or 0.0
         cycle = (max(stage, draft) if schedule == "pre_step" else stage + draft) + overhead
         first = first if first is not None else cycle  # the first (smallest) B's cycle

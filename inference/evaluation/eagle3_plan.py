@@ -14,11 +14,7 @@ from __future__ import annotations
 
 from inference.evaluation import costs
 from inference.evaluation.tables import markdown_table
-from spd_lightning.errors import UserError
-
-
-class Eagle3PlanError(UserError):
-    """An eval report whose EAGLE-3 rows lack a measured time; one line."""
+from spd_lightning.errors import UsageError
 
 
 def eagle3_rows(inputs: list[dict], t_full: float | None) -> list[dict]:
@@ -28,7 +24,7 @@ def eagle3_rows(inputs: list[dict], t_full: float | None) -> list[dict]:
     for p in inputs:
         full = t_full or p["T_full_s"]
         if None in (full, p["alpha"], p["T_draft_step_s"], p["T_verify_s"]):
-            raise Eagle3PlanError(f"EAGLE-3 k={p['k']}: the eval report lacks a measured time; rerun inference.eval")
+            raise UsageError(f"EAGLE-3 k={p['k']}: the eval report lacks a measured time; rerun inference.eval")
         round_s = p["k"] * p["T_draft_step_s"] + p["T_verify_s"]
         rows.append(
             {

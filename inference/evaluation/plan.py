@@ -59,11 +59,7 @@ from inference import cli
 from inference.evaluation.batch_plan import batch_markdown, batch_rows
 from inference.evaluation.eagle3_plan import eagle3_markdown, eagle3_rows
 from inference.evaluation.tables import markdown_table, pyplot, save
-from spd_lightning.errors import UserError, first_line
-
-
-class PlanError(UserError):
-    """Bad planner input; one line."""
+from spd_lightning.errors import UsageError, first_line
 
 
 @dataclass(frozen=True)
@@ -109,11 +105,11 @@ class CostModel:
 def plan(model: CostModel, alphas: dict[tuple[int, int], float]) -> tuple[list[dict], dict]:
     """Rows sorted by predicted speedup (best first) and the recommended row."""
     if not alphas:
-        raise PlanError("no alpha given: pass --alpha N:L_S:ALPHA or --alphas FILE")
+        raise UsageError("no alpha given: pass --alpha N:L_S:ALPHA or --alphas FILE")
     rows = []
     for (n, L_s), alpha in alphas.items():
         if model.num_layers is not None and n > model.num_layers:
-            raise PlanError(f"n={n} stages exceed the target's L={model.num_layers} layers")
+            raise UsageError(f"n={n} stages exceed the target's L={model.num_layers} layers")
         rows.append(model.predict(n, L_s, alpha))
     rows.sort(key=lambda r: (-r["speedup"], r["n"], r["L_s"]))
     return rows, rows[0]
@@ -123,7 +119,7 @@ def _positive(name: str, x: float | None, allow_zero: bool = False) -> None:
     if x is None:
         return
     if not math.isfinite(x) or x < 0 or (x == 0 and not allow_zero):
-        raise PlanError(f"{name}={x} must be {'>= 0' if allow_zero else '> 0'}")
+        raise UsageError(f"{name}={x} must be {'>= 0' if allow_zero else '> 0'}")
 
 
 def parse_alpha(spec: str) -> tuple[tuple[int, int], float]:
@@ -131,16 +127,16 @@ def parse_alpha(spec: str) -> tuple[tuple[int, int], float]:
         n, L_s, alpha = spec.split(":")
         key, value = (int(n), int(L_s)), float(alpha)
     except ValueError as e:
-        raise PlanError(f"--alpha {spec!r}: expected N:L_S:ALPHA, e.g. 8:3:0.42") from e
+        raise UsageError(f"--alpha {spec!r}: expected N:L_S:ALPHA, e.g. 8:3:0.42") from e
     return _check_alpha(key, value, f"--alpha {spec!r}")
 
 
 def _check_alpha(key: tuple[int, int], alpha: float, where: str) -> tuple[tuple[int, int], float]:
     n, L_s = key
     if n < 1 or L_s < 1:
-        raise PlanError(f"{where}: n={n} and L_s={L_s} must be >= 1")
+        raise UsageError(f"{where}: n={n} and L_s={L_s} must be >= 1")
     if not (0 < alpha <= 1):
-        raise PlanError(f"{where}: alpha={alpha} must be in (0, 1] (alpha = N / K)")
+        raise UsageError(f"{where}: alpha={alpha} must be in (0, 1] (alpha = N / K)")
     return key, alpha
 
 
@@ -161,9 +157,9 @@ def read_alphas(path: str) -> dict[tuple[int, int], float]:
         else:
             raise TypeError(type(data).__name__)
     except (KeyError, TypeError, ValueError) as e:
-        if isinstance(e, PlanError):
+        if isinstance(e, UsageError):
             raise
-        raise PlanError(
+        raise UsageError(
             f'{path}: expected {{"n,L_s": alpha}} or [{{"n", "L_s", "alpha"}}] ({type(e).__name__}: {e})'
         ) from e
     return out
@@ -171,14 +167,14 @@ def read_alphas(path: str) -> dict[tuple[int, int], float]:
 
 def _read_json(path: str):
     if not os.path.isfile(path):
-        raise PlanError(f"{path!r} does not exist")
+        raise UsageError(f"{path!r} does not exist")
     try:
         with open(path) as f:
             return json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PlanError(f"{path}: not JSON ({e})") from e
+        raise UsageError(f"{path}: not JSON ({e})") from e
     except OSError as e:
-        raise PlanError(f"cannot read {path!r}: {e.strerror or e}") from e
+        raise UsageError(f"cannot read {path!r}: {e.strerror or e}") from e
 
 
 def target_shape(name_or_path: str) -> tuple[int, int]:
@@ -188,7 +184,7 @@ def target_shape(name_or_path: str) -> tuple[int, int]:
     try:
         cfg = load_hf_config(name_or_path)
     except (TargetError, OSError, ValueError) as e:
-        raise PlanError(f"cannot read the config of target {name_or_path!r}: {first_line(e)[:160]}") from e
+        raise UsageError(f"cannot read the config of target {name_or_path!r}: {first_line(e)[:160]}") from e
     cfg = getattr(cfg, "text_config", None) or cfg
     return int(cfg.num_hidden_layers), int(cfg.hidden_size)
 
@@ -200,7 +196,7 @@ def _check_cost_args(args: argparse.Namespace) -> None:
     for name in ("layers", "hidden_size", "draft_layers"):
         v = getattr(args, name)
         if v is not None and v < 1:
-            raise PlanError(f"--{name.replace('_', '-')}={v} must be >= 1")
+            raise UsageError(f"--{name.replace('_', '-')}={v} must be >= 1")
 
 
 def cost_model(args: argparse.Namespace) -> CostModel:
@@ -210,7 +206,7 @@ def cost_model(args: argparse.Namespace) -> CostModel:
     measured = _read_json(args.times) if args.times else {"plan_inputs": {}}
     measured = measured.get("plan_inputs") if isinstance(measured, dict) else None
     if not isinstance(measured, dict):
-        raise PlanError(f"{args.times}: no plan_inputs (expected an eval.json from inference.eval)")
+        raise UsageError(f"{args.times}: no plan_inputs (expected an eval.json from inference.eval)")
     t_full = args.t_full if args.t_full is not None else measured.get("T_full_s")
     shape = target_shape(args.target) if args.target else (measured.get("L"), None)  # a target's L over the eval's
     layers = args.layers if args.layers is not None else shape[0]
@@ -221,11 +217,11 @@ def cost_model(args: argparse.Namespace) -> CostModel:
         draft_layers = args.draft_layers if args.draft_layers is not None else measured.get("L_s")
         overhead = args.overhead if args.overhead is not None else (measured.get("overhead_s") or 0.0)
         if t_draft is None or draft_layers is None:
-            raise PlanError(
+            raise UsageError(
                 "measured times need the draft time too: --t-draft SECONDS --draft-layers L_S (or --times eval.json)"
             )
         if t_draft <= draft_fixed:
-            raise PlanError(f"--draft-fixed={draft_fixed} must be below the measured draft time {t_draft}")
+            raise UsageError(f"--draft-fixed={draft_fixed} must be below the measured draft time {t_draft}")
         _positive("T_full", t_full)
         stage_fixed = args.stage_fixed if args.stage_fixed is not None else _stage_fixed(measured, t_full)
         return CostModel(
@@ -239,9 +235,9 @@ def cost_model(args: argparse.Namespace) -> CostModel:
             layers,
         )
     if args.t_draft is not None or args.overhead is not None or args.stage_fixed is not None:
-        raise PlanError("--t-draft/--overhead/--stage-fixed are seconds and need --t-full (or --times eval.json)")
+        raise UsageError("--t-draft/--overhead/--stage-fixed are seconds and need --t-full (or --times eval.json)")
     if layers is None:
-        raise PlanError(
+        raise UsageError(
             "no target shape or times: pass --target DIR|NAME, --layers L [--hidden-size H], "
             "--times eval.json, or --t-full/--t-draft/--draft-layers"
         )
