@@ -52,7 +52,6 @@ import argparse
 import json
 import math
 import os
-import sys
 from dataclasses import asdict, dataclass
 
 from inference import cli
@@ -372,7 +371,3 @@ def finish(args: argparse.Namespace, result: dict) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     return cli.main(argv, parse_args, run, finish)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -325,7 +325,3 @@ def finish(args: argparse.Namespace, report: dict) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     return cli.main(argv, parse_args, run, finish)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
