@@ -96,11 +96,11 @@ class ChainBackend(Backend):
     """A decode starts from a reset cache: nothing to rebuild after a failure."""
 
     def __init__(self, setup: Setup, target: Target):
-        self.eos, self.k = setup.eos, setup.k
+        self.eos = setup.eos
         self.chain = ChainDecoder.on_target(target, setup.ckpt, setup.k)
 
     def generate(self, prompt_ids, max_new_tokens, sampling, seed, on_tokens=None) -> DecodeResult:
-        decoder = self.chain.variant(self.k, sampling)
+        decoder = self.chain.variant(self.chain.k, sampling)
         return decoder.decode(prompt_ids, max_new_tokens, self.eos, seed, on_tokens).to_decode_result()
 
 

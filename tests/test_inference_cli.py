@@ -17,7 +17,7 @@ from inference.cycle.result import COMPUTE, TIMING_FIELDS, WALL
 from inference.decode import main
 from inference.evaluation.repetition import repeated_kgrams, repeated_share
 from inference.processes.job import DecodeJob
-from inference.processes.launch import TooFewDevices, launch
+from inference.processes.launch import launch
 from inference.prompts import PromptError
 from inference.sampling import Sampling
 from spd_lightning.export import CKPT_KEY, DrafterLoadError, DrafterSpec, load_drafter, read_drafter_spec, save_drafter
@@ -244,7 +244,7 @@ def test_the_process_exits_non_zero_with_one_line(files):
 def test_too_few_gpus_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     job = DecodeJob("unused", Geometry.build(8, 4), [[1]], 4, [], 10, 8, Sampling(), device="cuda")
-    with pytest.raises(TooFewDevices, match="need 5 GPUs, 2 are visible"):
+    with pytest.raises(cli.UsageError, match="need 5 GPUs, 2 are visible"):
         launch(job)
 
 

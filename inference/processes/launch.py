@@ -50,7 +50,7 @@ from inference.processes.reports import Failed, Finished, Inbox, Started, Stream
 from inference.processes.roles import build_runner
 from inference.processes.store_binding import stores_listen_on
 from inference.runtime.stages import meta_target
-from spd_lightning.errors import UserError, first_line
+from spd_lightning.errors import UsageError, UserError, first_line
 
 log = logging.getLogger(__name__)
 # What a rank does between joining and leaving: (job, rank, device, request_channel, report, on_tokens) -> None.
@@ -72,10 +72,6 @@ class LaunchError(RuntimeError):
 
 class RankInputError(LaunchError, UserError):
     """A rank rejected its input (e.g. a target directory without the layers it must load): the user's to fix."""
-
-
-class TooFewDevices(UserError):
-    """The job needs more GPUs than this machine shows."""
 
 
 # -- the ranks ------------------------------------------------------------------------------------
@@ -163,11 +159,10 @@ def _rank_main(job: DecodeJob, messages, launcher_pid: int, request_channel=None
         report = lambda i, r: messages.put(Finished(i, r))  # noqa: E731
         run_rank(job, rank, local_rank, report, on_tokens, request_channel, work)
     except BaseException as e:  # noqa: BLE001 - whatever it was, the launcher must hear about it
-        first = first_line(e)
         messages.put(
             Failed(
                 rank,
-                f"{type(e).__name__}: {first}",
+                f"{type(e).__name__}: {first_line(e)}",
                 traceback.format_exc(),
                 getattr(e, "peer", None),
                 isinstance(e, UserError),
@@ -303,7 +298,7 @@ def _check_devices(job: DecodeJob) -> None:
         if available < job.local_ranks:
             pdm = "the PDM on stage 1's GPU" if job.pdm_placement == "shared" else "1 PDM rank"
             here = "" if job.nodes is None else f" ({job.local_ranks} on this node)"
-            raise TooFewDevices(
+            raise UsageError(
                 f"n={job.n} stages + {pdm} need {job.world_size} GPUs{here}, {available} are visible: "
                 f"lower n, use --pdm-placement shared, or run the one-process simulator with --simulate"
             )
