@@ -13,7 +13,7 @@ import time
 
 from inference.cycle.result import DecodeResult
 
-from .runs import REPO, free_port
+from .runs import REPO, descendant_pids, free_port
 
 SERVE_KEY = "sk-test"
 TOKEN_S = 0.05
@@ -65,9 +65,21 @@ class Server:
         return httpx.post(f"{self.url}{path}", content=content, headers=headers, timeout=60, **kw)
 
     def stop(self) -> int:
+        """SIGTERM, then the exit status. 60 s is a hang guard, not a timing: an idle server on a loaded 2-core CI
+        machine has taken over 20 s to stop its ranks. A server that does not stop is killed with its ranks, so a
+        failing test leaves no process behind."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(20)
+        try:
+            return self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            for pid in [*descendant_pids(self.process.pid), self.process.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            self.process.wait()
+            raise AssertionError(
+                "the server did not stop within 60 s of SIGTERM; it and its ranks were killed"
+            ) from None
 
 
 @contextlib.contextmanager
