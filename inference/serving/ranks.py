@@ -169,7 +169,6 @@ class RankBackend:
         self.in_flight = InFlight(self.channel.cancel)
         self.last_cancel: CancelReport | None = None
         self.pids: dict[int, int] = {}
-        self.failure = "the pipeline is not running"
         self._launcher = threading.Thread(target=self._launch, name="spd-serve-launcher", daemon=True)
         self._launcher.start()
 
@@ -183,10 +182,10 @@ class RankBackend:
                 request_channel=self.channel,
                 work=serve_requests,
             )
-            self.failure = "the pipeline stopped"
+            failure = "the pipeline stopped"
         except Exception as e:  # noqa: BLE001 - LaunchError names the rank; anything else is reported as is
-            self.failure = first_line(e)
-        self.in_flight.end(self.failure)
+            failure = first_line(e)
+        self.in_flight.end(failure)
 
     def alive(self) -> bool:
         return self._launcher.is_alive()
@@ -201,7 +200,7 @@ class RankBackend:
         self.in_flight.cancel(on_tokens)
 
     def generate(self, prompt_ids, max_new_tokens, sampling: Sampling, seed, on_tokens) -> DecodeResult:
-        request_id = self.in_flight.open(on_tokens)  # BackendFailure(self.failure) once the ranks have stopped
+        request_id = self.in_flight.open(on_tokens)  # BackendFailure once the ranks have stopped
         self.channel.put(QueuedRequest(request_id, list(prompt_ids), max_new_tokens, sampling, seed))
         return self.in_flight.follow(request_id, self._cancelled)
 
