@@ -93,11 +93,8 @@ class RequestChannel:
     def put(self, item) -> None:
         self.queue.put(item)
 
-    def get(self, timeout: float):
-        return self.queue.get(timeout=timeout)
-
-    def get_nowait(self):
-        return self.queue.get_nowait()
+    def get(self, block: bool = True, timeout: float | None = None):
+        return self.queue.get(block, timeout)
 
     def cancel(self, request_id: int) -> None:
         with self._lock:
