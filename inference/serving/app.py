@@ -97,7 +97,6 @@ ERRORS = {
 def _operation(body_model: type, reply: type, config: ServerConfig) -> dict:
     """What the schema says of a completion route: its JSON body, its answers (JSON, or server-sent events when
     `stream` is true) and its errors. The handler reads the body itself (size first, then off the loop)."""
-    statuses = [s for s in ERRORS if s != 401 or config.api_key]
     return {
         "openapi_extra": {
             "requestBody": {
@@ -111,9 +110,14 @@ def _operation(body_model: type, reply: type, config: ServerConfig) -> dict:
                 "content": {"text/event-stream": {"schema": SSE_EVENT}},
                 "description": "the completion, or its chunks as server-sent events",
             },
-            **{s: {"model": models.ErrorBody, "description": ERRORS[s]} for s in statuses},
+            **_errors(config, *ERRORS),
         },
     }
+
+
+def _errors(config: ServerConfig, *statuses: int) -> dict:
+    """The schema's error responses of a route among `statuses` (401 only when a key is required)."""
+    return {s: {"model": models.ErrorBody, "description": ERRORS[s]} for s in statuses if s != 401 or config.api_key}
 
 
 def _publish_schema(app: FastAPI, config: ServerConfig) -> None:
@@ -243,17 +247,11 @@ def _add_info_routes(app: FastAPI, engine: Engine, config: ServerConfig) -> None
     async def metrics():
         return PlainTextResponse(engine.metrics.render(engine.queue_depth, engine.mode, engine.ready))
 
-    auth = {401: {"model": models.ErrorBody, "description": ERRORS[401]}} if config.api_key else {}
-
-    @app.get("/v1/models", response_model=models.ModelList, responses=auth)
+    @app.get("/v1/models", response_model=models.ModelList, responses=_errors(config, 401))
     async def list_models():
         return {"object": "list", "data": [model]}
 
-    @app.get(
-        "/v1/models/{name}",
-        response_model=models.Model,
-        responses={**auth, 404: {"model": models.ErrorBody, "description": ERRORS[404]}},
-    )
+    @app.get("/v1/models/{name}", response_model=models.Model, responses=_errors(config, 401, 404))
     async def one_model(name: str):
         if name != config.model:
             raise unknown_model(name, config.model)
@@ -263,14 +261,15 @@ def _add_info_routes(app: FastAPI, engine: Engine, config: ServerConfig) -> None
 async def _body(http: HttpRequest, limit: int) -> bytes:
     """The body, read no further than `limit` bytes (refused at once when its declared length is over it): what
     a client sends never sizes the server's memory."""
+    too_large = ApiError(413, f"the request body is over {limit} bytes", code="request_too_large")
     declared = http.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"the request body is over {limit} bytes", code="request_too_large")
+        raise too_large
     chunks, size = [], 0
     async for chunk in http.stream():
         size += len(chunk)
         if size > limit:
-            raise ApiError(413, f"the request body is over {limit} bytes", code="request_too_large")
+            raise too_large
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -312,13 +311,16 @@ def _retry_after(engine: Engine, config: ServerConfig) -> int:
 
 
 async def _events(generation: Generation, http: HttpRequest):
-    """The generation's events until `done`; cancels it the moment the client disconnects."""
+    """The generation's `text` events until `done`, or the `ApiError` of its `error` event; cancels it the moment
+    the client disconnects."""
     watcher = asyncio.create_task(_watch(generation, http))
     try:
         while True:
             event = await generation.events.get()
+            if event[0] == "error":
+                raise ApiError(event[1], event[2], "server_error", "decoder_failed")
             yield event
-            if event[0] in ("done", "error"):
+            if event[0] == "done":
                 return
     finally:
         watcher.cancel()
@@ -339,8 +341,6 @@ async def _whole(generation: Generation, head: dict, chat: bool, http: HttpReque
     async for event in _events(generation, http):
         if event[0] == "text":
             text.append(event[1])
-        elif event[0] == "error":
-            raise ApiError(event[1], event[2], "server_error", "decoder_failed")
         else:
             finish, usage = event[1], _usage(*event[2:])
     content = "".join(text)
@@ -369,15 +369,15 @@ async def _sse(generation: Generation, head: dict, chat: bool, http: HttpRequest
 
     if chat:
         yield chunk(None, None, role=True)
-    async for event in _events(generation, http):
-        if event[0] == "text":
-            yield chunk(event[1], None)
-        elif event[0] == "error":
-            failed = ApiError(event[1], event[2], "server_error", "decoder_failed")
-            yield f"data: {json.dumps(error_body(failed))}\n\n"
-            return
-        else:
-            yield chunk(None, event[1])
-            if usage:
-                yield f"data: {json.dumps({**head, 'object': kind, 'choices': [], 'usage': _usage(*event[2:])})}\n\n"
+    try:
+        async for event in _events(generation, http):
+            if event[0] == "text":
+                yield chunk(event[1], None)
+            else:
+                yield chunk(None, event[1])
+                if usage:
+                    yield f"data: {json.dumps({**head, 'object': kind, 'choices': [], 'usage': _usage(*event[2:])})}\n\n"
+    except ApiError as failed:
+        yield f"data: {json.dumps(error_body(failed))}\n\n"
+        return
     yield "data: [DONE]\n\n"

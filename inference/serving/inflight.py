@@ -16,10 +16,8 @@ import queue
 import threading
 from collections.abc import Callable
 
-from inference.backends import BackendFailure, Cancelled
+from inference.backends import BackendFailure, Cancelled, OnTokens
 from inference.cycle.result import DecodeResult
-
-OnTokens = Callable[[list[int]], None]
 
 
 class InFlight:

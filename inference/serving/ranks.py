@@ -73,7 +73,7 @@ class RequestChannel:
         self._cancels = context.RawArray("q", [-1] * ring)  # the ids of the requests to stop
         self._written = context.RawValue("q", 0)  # cancels written so far (the next goes to this % ring)
         self._report = context.RawArray("q", [-1, -1, -1])  # CancelReport of the last cancelled decode
-        self._ready = context.RawValue("b", 0)  # rank 0 sets it once every rank has loaded
+        self.ready = context.RawValue("b", 0)  # rank 0 sets it to 1 once every rank has loaded
         self._subscribers: list[Callable[[int], None]] = []  # in the server's process: other nodes' listener
         self._lock = threading.Lock()  # the engine's threads cancel concurrently
 
@@ -93,11 +93,8 @@ class RequestChannel:
     def put(self, item) -> None:
         self.queue.put(item)
 
-    def get(self, timeout: float):
-        return self.queue.get(timeout=timeout)
-
-    def get_nowait(self):
-        return self.queue.get_nowait()
+    def get(self, block: bool = True, timeout: float | None = None):
+        return self.queue.get(block, timeout)
 
     def cancel(self, request_id: int) -> None:
         with self._lock:
@@ -106,12 +103,6 @@ class RequestChannel:
             self._written.value = written + 1
         for on_cancel in self._subscribers:
             on_cancel(request_id)
-
-    def mark_ready(self) -> None:
-        self._ready.value = 1
-
-    def is_ready(self) -> bool:
-        return bool(self._ready.value)
 
     def current_cancel(self) -> int:
         """The id cancelled last (-1: none yet)."""
@@ -147,7 +138,7 @@ def serve_requests(
     runner = build_runner(job, rank, device)
     dist.barrier()  # every rank has loaded its weights
     if rank == 0:
-        channel.mark_ready()
+        channel.ready.value = 1
     verifier, eos = rank == runner.verifier_rank, frozenset(job.eos_token_ids)
     hooks = (on_tokens, channel.cancelled) if verifier else (None, None)  # only the verifier streams and stops
 
@@ -175,7 +166,6 @@ class RankBackend:
         self.in_flight = InFlight(self.channel.cancel)
         self.last_cancel: CancelReport | None = None
         self.pids: dict[int, int] = {}
-        self.failure = "the pipeline is not running"
         self._launcher = threading.Thread(target=self._launch, name="spd-serve-launcher", daemon=True)
         self._launcher.start()
 
@@ -189,17 +179,17 @@ class RankBackend:
                 request_channel=self.channel,
                 work=serve_requests,
             )
-            self.failure = "the pipeline stopped"
+            failure = "the pipeline stopped"
         except Exception as e:  # noqa: BLE001 - LaunchError names the rank; anything else is reported as is
-            self.failure = first_line(e)
-        self.in_flight.end(self.failure)
+            failure = first_line(e)
+        self.in_flight.end(failure)
 
     def alive(self) -> bool:
         return self._launcher.is_alive()
 
     def ready(self) -> bool:
         """Every rank has loaded and met the others (true from then on; `alive` says whether they still run)."""
-        return self.channel.is_ready()
+        return bool(self.channel.ready.value)
 
     def cancel(self, on_tokens) -> None:
         """From any thread: stop the decode whose hook is `on_tokens` at the ranks' next verdict (a cancel that
@@ -207,26 +197,28 @@ class RankBackend:
         self.in_flight.cancel(on_tokens)
 
     def generate(self, prompt_ids, max_new_tokens, sampling: Sampling, seed, on_tokens) -> DecodeResult:
-        request_id = self.in_flight.open(on_tokens)  # BackendFailure(self.failure) once the ranks have stopped
+        request_id = self.in_flight.open(on_tokens)  # BackendFailure once the ranks have stopped
         self.channel.put(QueuedRequest(request_id, list(prompt_ids), max_new_tokens, sampling, seed))
         return self.in_flight.follow(request_id, self._cancelled)
 
     def _cancelled(self, request_id: int, result: DecodeResult) -> None:
         """Keep (and log) the verifier's report when the ranks stopped the request before its end. A verifier on
         another node sends the report and the result over two connections: the report may come a moment later."""
-        report = self.channel.last_cancel()
+        self.last_cancel = None
+        if result.stop_reason != "cancelled":
+            return
         deadline = time.monotonic() + REPORT_WAIT_S
-        while result.stop_reason == "cancelled" and report.request_id != request_id and time.monotonic() < deadline:
+        while (report := self.channel.last_cancel()).request_id != request_id:
+            if time.monotonic() >= deadline:
+                return
             time.sleep(0.005)
-            report = self.channel.last_cancel()
-        self.last_cancel = report if result.stop_reason == "cancelled" and report.request_id == request_id else None
-        if self.last_cancel is not None:
-            log.info(
-                "request %d cancelled at cycle %d, %d cycle(s) after the ranks saw it",
-                request_id,
-                report.stop_cycle,
-                report.stop_cycle - report.seen_cycle,
-            )
+        self.last_cancel = report
+        log.info(
+            "request %d cancelled at cycle %d, %d cycle(s) after the ranks saw it",
+            request_id,
+            report.stop_cycle,
+            report.stop_cycle - report.seen_cycle,
+        )
 
     def close(self) -> None:
         if self._launcher.is_alive():

@@ -52,16 +52,16 @@ class QueuedRequest(NamedTuple):
 
 
 def waiting(source, free: int, idle: bool) -> list[QueuedRequest] | str:
-    """Up to `free` requests from `source` (a queue of `QueuedRequest`, None to stop: `get`, `get_nowait`, `put`),
+    """Up to `free` requests from `source` (a queue of `QueuedRequest`, None to stop: `get`, `put`),
     waiting up to IDLE_TICK_S for the first only when `idle` (no slot busy); STOP when the stop comes first."""
     taken: list[QueuedRequest] = []
     try:
-        item = source.get(timeout=IDLE_TICK_S) if idle else source.get_nowait()
+        item = source.get(block=idle, timeout=IDLE_TICK_S)
         while item is not None:
             taken.append(item)
             if len(taken) == free:
                 return taken
-            item = source.get_nowait()
+            item = source.get(block=False)
     except queue.Empty:
         return taken
     if taken:
