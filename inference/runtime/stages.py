@@ -243,13 +243,9 @@ class Stage(nn.Module):
         Returns the output `[1, P, H]`, the anchors `[P, A, H]` and (last stage) the logits `[V]` of position P-1."""
         P = inputs.shape[1]
         self.cache.reset(slot, max(capacity, P))
-        positions = torch.arange(P, device=inputs.device)[None]
-        x = self.embed_tokens(inputs) if self.first else inputs
-        mask = attention_mask(positions, self.cache.capacity, x.dtype) if self.cache.attention_layers else None
-        x, anchors, normed = self.run_layers(x, positions, self.cache.row(slot), mask, self.cache.attention_layers)
+        x, anchors, logits = self._forward(inputs, torch.arange(P, device=inputs.device)[None], self.cache.row(slot))
         self.cache.positions.assign({slot: P})
-        logits = self.lm_head(normed[:, -1])[0] if self.last else None
-        return x, anchors[0], logits
+        return x, anchors[0], logits[0] if logits is not None else None
 
     @torch.no_grad()
     def step(self, inputs: torch.Tensor, tokens: dict[int, int]) -> StepOutput:
@@ -269,7 +265,7 @@ class Stage(nn.Module):
         mask = None
         if self.compiled or len(running) < rows:
             mask = leading(cache.sets.write(running, self.running), rows)
-        hidden, anchors, logits = self._step(inputs, mask, mask is not None)
+        hidden, anchors, logits = self._step(inputs, mask)
         if self.compiled:  # the captured graph owns its outputs and rewrites them on the next replay
             hidden, anchors = hidden.clone(), anchors.clone()
             logits = logits.clone() if logits is not None else None
@@ -277,26 +273,26 @@ class Stage(nn.Module):
         return StepOutput(hidden, anchors, logits)
 
     def _decode_step(
-        self, inputs: torch.Tensor, running: torch.Tensor | None, idle_rows: bool
+        self, inputs: torch.Tensor, running: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The step over `cache.rows` rows, all on the device: no host reads, fixed shapes per bucket."""
+        """The step over `cache.rows` rows, all on the device: no host reads, fixed shapes per bucket; `running`
+        (None: every row runs) masks the rows whose states it keeps."""
         cache = self.cache
         cache.snapshot()
-        x = self.embed_tokens(inputs) if self.first else inputs
-        positions = leading(cache.positions.device, cache.rows)[:, None]
-        mask = attention_mask(positions, cache.capacity, x.dtype) if cache.attention_layers else None
-        x, anchors, normed = self.run_layers(x, positions, cache, mask, cache.attention_layers)
-        if idle_rows:
+        x, anchors, logits = self._forward(inputs, leading(cache.positions.device, cache.rows)[:, None], cache)
+        if running is not None:
             cache.keep_idle_rows(running)
-        logits = self.lm_head(normed[:, -1]) if self.last else None
         return x, anchors[:, 0], logits
 
-    def run_layers(
-        self, x: torch.Tensor, positions: torch.Tensor, cache, mask: torch.Tensor | None, attention_layers
+    def _forward(
+        self, inputs: torch.Tensor, positions: torch.Tensor, cache
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The stage's layers over `x[B, S, H]` at `positions[B, S]` with `cache` (HF's cache interface: the stage
-        cache over every row, or one slot's row view): the output, the anchor states `[B, S, A, H]`, and on the last
-        stage the final-norm output."""
+        """The stage over `inputs` (ids `[B, S]` or states `[B, S, H]`) at `positions[B, S]` with `cache` (HF's cache
+        interface: the stage cache over every row, or one slot's row view): the output, the anchor states
+        `[B, S, A, H]`, and on the last stage the logits `[B, V]` of the last position."""
+        x = self.embed_tokens(inputs) if self.first else inputs
+        attention_layers = self.cache.attention_layers
+        mask = attention_mask(positions, self.cache.capacity, x.dtype) if attention_layers else None
         position_embeddings = self.rotary_emb(x, rotary_positions(self.rotary_emb, positions))
         L = self.geometry.num_layers
         captured = []
@@ -312,13 +308,14 @@ class Stage(nn.Module):
             )
             if index + 1 in self.anchor_layers and index + 1 < L:
                 captured.append(x)
-        normed = None
+        logits = None
         if self.last:
             normed = self.norm(x)
             if L in self.anchor_layers:
                 captured.append(normed)
+            logits = self.lm_head(normed[:, -1])
         anchors = torch.stack(captured, dim=2) if captured else x.new_zeros(*x.shape[:2], 0, x.shape[-1])
-        return x, anchors, normed
+        return x, anchors, logits
 
 
 def attention_mask(positions: torch.Tensor, capacity: int, dtype: torch.dtype) -> torch.Tensor:
