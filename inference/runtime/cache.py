@@ -50,18 +50,26 @@ def round_capacity(positions: int) -> int:
     return max(CAPACITY_STEP, 1 << max(0, positions - 1).bit_length())
 
 
+def layer_kinds(layers: list, indices: range, decoder: str) -> tuple[list[int], list[int]]:
+    """The attention and the linear-attention (Gated DeltaNet) layers among `indices` of an HF cache's `layers`;
+    any other kind is a `CacheError` (`decoder` names the decoder that cannot roll it back)."""
+    attention, linear = [], []
+    for i in indices:
+        kind = type(layers[i])
+        if kind not in (StaticLayer, LinearAttentionLayer):
+            raise CacheError(
+                f"target layer {i} uses a {kind.__name__} cache: the {decoder} decoder supports "
+                f"full attention and linear attention (Gated DeltaNet) layers only"
+            )
+        (attention if kind is StaticLayer else linear).append(i)
+    return attention, linear
+
+
 class StageCache(LegacyStateReads):
     def __init__(self, config, layer_indices: range, window: int, slots: int, device: torch.device):
-        self.layer_indices, self.window, self.slots = layer_indices, window, slots
+        self.window, self.slots = window, slots
         kinds = StaticCache(config=config, max_cache_len=1).layers  # which layers are attention / linear
-        for i in layer_indices:
-            if type(kinds[i]) not in (StaticLayer, LinearAttentionLayer):
-                raise CacheError(
-                    f"target layer {i} uses a {type(kinds[i]).__name__} cache: the pipeline decoder supports "
-                    f"full attention and linear attention (Gated DeltaNet) layers only"
-                )
-        self.attention_layers = [i for i in layer_indices if type(kinds[i]) is StaticLayer]
-        self.linear_layers = [i for i in layer_indices if type(kinds[i]) is LinearAttentionLayer]
+        self.attention_layers, self.linear_layers = layer_kinds(kinds, layer_indices, "pipeline")
         self.capacity = 0
         self.sets = RowSets(slots, device)
         self.positions = DeviceInts(slots, device, self.sets)  # positions each slot holds = the one it runs next
