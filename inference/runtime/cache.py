@@ -72,7 +72,7 @@ class StageCache(LegacyStateReads):
         self.attention_layers, self.linear_layers = layer_kinds(kinds, layer_indices, "pipeline")
         self.capacity = 0
         self.sets = RowSets(slots, device)
-        self.positions = DeviceInts(slots, device, self.sets)  # positions each slot holds = the one it runs next
+        self.positions = DeviceInts(slots, device)  # positions each slot holds = the one it runs next
         self.rows = slots  # the rows the current decode step runs (a bucket)
         self._rows = torch.arange(slots, device=device)
         self.keys: dict[int, torch.Tensor] = {}  # allocated at the first prefill (shapes come from the layer)
@@ -91,7 +91,7 @@ class StageCache(LegacyStateReads):
     def reset(self, slot: int, capacity: int) -> None:
         """Slot `slot` starts a new sequence of at most `capacity` positions (its prefill comes next)."""
         self.reserve(capacity)
-        self.positions.assign({slot: 0})
+        self.positions.set(slot, 0)
 
     def reserve(self, positions: int) -> None:
         """Room for `positions` positions in every slot, keeping what each holds (a power-of-two bucket)."""
@@ -116,7 +116,7 @@ class StageCache(LegacyStateReads):
         for i in self.linear_layers:
             self.conv[i][slot].copy_(self.conv_ring[i][keep % self.window, slot])
             self.recurrent[i][slot].copy_(self.recurrent_ring[i][keep % self.window, slot])
-        self.positions.assign({slot: keep})
+        self.positions.set(slot, keep)
 
     def row(self, slot: int) -> _RowView:
         return _RowView(self, slot)

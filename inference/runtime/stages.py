@@ -244,7 +244,7 @@ class Stage(nn.Module):
         P = inputs.shape[1]
         self.cache.reset(slot, max(capacity, P))
         x, anchors, logits = self._forward(inputs, torch.arange(P, device=inputs.device)[None], self.cache.row(slot))
-        self.cache.positions.assign({slot: P})
+        self.cache.positions.set(slot, P)
         return x, anchors[0], logits[0] if logits is not None else None
 
     @torch.no_grad()
