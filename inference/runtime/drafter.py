@@ -255,8 +255,8 @@ class PDMDrafter:
         seeded = bool(self._seeds)
         present = self._write_table(views, rows)
         table = self.table.upload(rows)
-        if seeded:
-            self._enter_seeds(table)
+        if seeded:  # the seed tokens' embeddings at their positions, in every row that has one
+            self._embed_at(table[:, SEED_POSITION], table[:, SEED_TOKEN].clamp(min=0), table[:, SEED_TOKEN] >= 0)
         logits = self._step(table, present)
         if self.compiled:  # the captured graph owns its output
             logits = logits.clone()
@@ -264,7 +264,8 @@ class PDMDrafter:
             self.lengths[b] = view[0][1]  # newly verified: cached for good
         ids, q = self.sampling.choose(logits, table[:, NEXT], not all(self.sampling.greedy[b] for b in views))
         tokens = self.pdm.d2t[ids]
-        self._write_embedding(table, tokens, every_row=len(views) == rows)
+        # each drafted token at the position it was drafted for (rows that did not draft keep theirs)
+        self._embed_at(table[:, NEXT], tokens, None if len(views) == rows else table[:, DRAFTING].bool())
         return DraftBatch(tokens, q)
 
     def _write_table(self, views: Mapping[int, Sequence[tuple[int, int]]], rows: int) -> tuple[int, ...]:
@@ -292,19 +293,13 @@ class PDMDrafter:
         self._seeds.clear()
         return self._all_types if self.compiled else tuple(sorted(present))
 
-    def _enter_seeds(self, table: torch.Tensor) -> None:
-        """The seed tokens' embeddings (anchor 0) at their positions, in every row that has one."""
-        rows, positions = leading(self._row_ids, table.shape[0]), table[:, SEED_POSITION]
-        seeded = table[:, SEED_TOKEN] >= 0
-        embedded = self.embed_tokens(table[:, SEED_TOKEN].clamp(min=0)).to(self.state_dtype)
-        self.states[rows, positions, 0] = torch.where(seeded[:, None], embedded, self.states[rows, positions, 0])
-
-    def _write_embedding(self, table: torch.Tensor, tokens: torch.Tensor, every_row: bool) -> None:
-        """H^0 of each drafted token at the position it was drafted for (rows that did not draft keep theirs)."""
-        rows, positions = leading(self._row_ids, table.shape[0]), table[:, NEXT]
+    def _embed_at(self, positions: torch.Tensor, tokens: torch.Tensor, writes: torch.Tensor | None) -> None:
+        """H^0 (anchor 0) of each row's token `tokens[R]` at its position `positions[R]`; the rows where `writes`
+        is False keep theirs (None: every row writes)."""
+        rows = leading(self._row_ids, positions.shape[0])
         embedded = self.embed_tokens(tokens).to(self.state_dtype)
-        if not every_row:
-            embedded = torch.where(table[:, DRAFTING, None].bool(), embedded, self.states[rows, positions, 0])
+        if writes is not None:
+            embedded = torch.where(writes[:, None], embedded, self.states[rows, positions, 0])
         self.states[rows, positions, 0] = embedded
 
     def _commit_overflow(self, slot: int, view: Sequence[tuple[int, int]]) -> None:
