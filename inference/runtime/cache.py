@@ -34,7 +34,7 @@ from transformers import StaticCache
 from transformers.cache_utils import LinearAttentionLayer, StaticLayer
 
 from inference.runtime.hf_compat import LegacyStateReads
-from inference.runtime.slot_rows import DeviceInts, RowSets, leading, mark_static
+from inference.runtime.slot_rows import DeviceInts, leading, mark_static
 from spd_lightning.errors import UserError
 
 CAPACITY_STEP = 256
@@ -71,7 +71,6 @@ class StageCache(LegacyStateReads):
         kinds = StaticCache(config=config, max_cache_len=1).layers  # which layers are attention / linear
         self.attention_layers, self.linear_layers = layer_kinds(kinds, layer_indices, "pipeline")
         self.capacity = 0
-        self.sets = RowSets(slots, device)
         self.positions = DeviceInts(slots, device)  # positions each slot holds = the one it runs next
         self.rows = slots  # the rows the current decode step runs (a bucket)
         self._rows = torch.arange(slots, device=device)

@@ -23,7 +23,7 @@ from torch import nn
 from inference.runtime.cache import StageCache
 from inference.runtime.capture import CompiledStep
 from inference.runtime.hf_compat import cache_kwargs, rotary_positions
-from inference.runtime.slot_rows import leading, mark_static
+from inference.runtime.slot_rows import RowSets, leading, mark_static
 from spd_lightning.errors import first_line
 from spd_lightning.geometry import Geometry
 from spd_lightning.target import Target, TargetError, resolve_dtype
@@ -197,7 +197,8 @@ class Stage(nn.Module):
         # n + 1 snapshots: a rejection discards at most n positions on stage 1 (n - 1 in flight plus the
         # draft it ran optimistically before the verdict arrived).
         self.cache = StageCache(pieces.config, self.layer_range, geometry.n + 1, slots, self.device)
-        self.running = self.cache.sets.mask()  # which rows run a real token this step
+        self.sets = RowSets(slots, self.device)
+        self.running = self.sets.mask()  # which rows run a real token this step
         mark_static(self.running)
         self.compiled = compile
         self._step = CompiledStep(self._decode_step, self.device) if compile else self._decode_step
@@ -264,7 +265,7 @@ class Stage(nn.Module):
         # position advances. A compiled one always restores (one graph per bucket).
         mask = None
         if self.compiled or len(running) < rows:
-            mask = leading(cache.sets.write(running, self.running), rows)
+            mask = leading(self.sets.write(running, self.running), rows)
         hidden, anchors, logits = self._step(inputs, mask)
         if self.compiled:  # the captured graph owns its outputs and rewrites them on the next replay
             hidden, anchors = hidden.clone(), anchors.clone()
