@@ -79,19 +79,15 @@ def _checkpoint_index(path: str) -> dict[str, tuple[str, str]]:
     index_file = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index_file):
         with open(index_file) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+            files = json.load(f)["weight_map"]  # name in file -> file
     elif os.path.isfile(os.path.join(path, "model.safetensors")):
-        files = ["model.safetensors"]
+        with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
+            files = dict.fromkeys(f.keys(), "model.safetensors")
     else:
         raise TargetError(
             f"{path!r} has no model.safetensors (or index): the pipeline decoder loads safetensors checkpoints only"
         )
-    index = {}
-    for name in files:
-        with safe_open(os.path.join(path, name), framework="pt") as f:
-            for key in f.keys():
-                index[_normalize(key)] = (os.path.join(path, name), key)
-    return index
+    return {_normalize(key): (os.path.join(path, file), key) for key, file in files.items()}
 
 
 def _normalize(key: str) -> str:
