@@ -86,9 +86,9 @@ class DeviceInts:
         """Rows `members` move by one: their device mask `mask`, of any leading length, or every one of the leading
         `mask` rows."""
         if isinstance(mask, int):
-            (self.device if mask == len(self.host) else self.device[:mask]).add_(1)
+            leading(self.device, mask).add_(1)
         else:
-            self.device[: mask.shape[0]].add_(mask)
+            leading(self.device, mask.shape[0]).add_(mask)
         for b in members:
             self.host[b] += 1
 
