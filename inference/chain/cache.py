@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 from transformers import StaticCache
-from transformers.cache_utils import LinearAttentionLayer, StaticLayer
+from transformers.cache_utils import StaticLayer
 
-from inference.runtime.cache import CAPACITY_STEP, CacheError, round_capacity
+from inference.runtime.cache import CAPACITY_STEP, layer_kinds, round_capacity
 from inference.runtime.hf_compat import crop_static
 
 
@@ -37,35 +37,24 @@ class ChainCache:
         self.window = window
         self.capacity = CAPACITY_STEP  # positions the attention storage holds (allocated at the first prefill)
         self.hf = StaticCache(config=config, max_cache_len=self.capacity)
-        for i, layer in enumerate(self.hf.layers):
-            if type(layer) not in (StaticLayer, LinearAttentionLayer):
-                raise CacheError(
-                    f"target layer {i} uses a {type(layer).__name__} cache: the chain decoder supports "
-                    f"full attention and linear attention (Gated DeltaNet) layers only"
-                )
-        self.attention_layers = [i for i, layer in enumerate(self.hf.layers) if type(layer) is StaticLayer]
-        self.linear_layers = [i for i, layer in enumerate(self.hf.layers) if type(layer) is LinearAttentionLayer]
+        self.attention_layers, self.linear_layers = layer_kinds(self.hf.layers, range(len(self.hf.layers)), "chain")
         self.length = 0  # positions held (the same for every layer)
         self._ring: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (conv ring, recurrent ring)
 
     def reset(self, capacity: int = 0) -> None:
         """Forget everything (a new prompt of at most `capacity` positions); the next forward is a prefill.
-        Storage is kept when it is large enough, allocated (lazily, at prefill) when not."""
+        Storage is kept when it is large enough, regrown when not."""
         self.length = 0
-        if capacity > self.capacity:
-            self.capacity = round_capacity(capacity)
-            for i in self.attention_layers:
-                self.hf.layers[i] = StaticLayer(max_cache_len=self.capacity)
-        else:
-            for i in self.attention_layers:
-                layer = self.hf.layers[i]
-                if layer.is_initialized:
-                    layer.cumulative_length.zero_()  # stale keys stay: masked, then overwritten
+        self.reserve(capacity)  # holds nothing: a regrow copies nothing
+        for i in self.attention_layers:
+            layer = self.hf.layers[i]
+            if layer.is_initialized:
+                layer.cumulative_length.zero_()  # stale keys stay: masked, then overwritten
         for i in self.linear_layers:
             self.hf.layers[i].reset()  # zeroes the states in place; the next update is a prefill
 
     def reserve(self, positions: int) -> None:
-        """Make room for `positions` positions, keeping what is held (a regrow: only without a budget)."""
+        """Make room for `positions` positions, keeping what is held."""
         if positions <= self.capacity:
             return
         capacity = round_capacity(max(positions, 2 * self.capacity))

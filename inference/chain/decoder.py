@@ -173,7 +173,7 @@ def chain_decode(
         new = judge_chain(logits, draft, sampling, d2t, generator)
         target.rollback(start + len(new))  # keeps x_t and the accepted drafts
         t_commit = time.perf_counter()
-        drafter.commit(features[: len(new)], torch.tensor(block[0, 1 : len(new)].tolist() + [new[-1]]))
+        drafter.commit(features[: len(new)], torch.tensor(new))  # row j's next token is new[j]
         result.draft_s += time.perf_counter() - t_commit
         result.verify_s += dt
         result.accept_lengths.append(len(new))

@@ -34,7 +34,7 @@ from transformers import StaticCache
 from transformers.cache_utils import LinearAttentionLayer, StaticLayer
 
 from inference.runtime.hf_compat import LegacyStateReads
-from inference.runtime.slot_rows import DeviceInts, RowSets, leading, mark_static
+from inference.runtime.slot_rows import DeviceInts, leading, mark_static
 from spd_lightning.errors import UserError
 
 CAPACITY_STEP = 256
@@ -50,21 +50,28 @@ def round_capacity(positions: int) -> int:
     return max(CAPACITY_STEP, 1 << max(0, positions - 1).bit_length())
 
 
+def layer_kinds(layers: list, indices: range, decoder: str) -> tuple[list[int], list[int]]:
+    """The attention and the linear-attention (Gated DeltaNet) layers among `indices` of an HF cache's `layers`;
+    any other kind is a `CacheError` (`decoder` names the decoder that cannot roll it back)."""
+    attention, linear = [], []
+    for i in indices:
+        kind = type(layers[i])
+        if kind not in (StaticLayer, LinearAttentionLayer):
+            raise CacheError(
+                f"target layer {i} uses a {kind.__name__} cache: the {decoder} decoder supports "
+                f"full attention and linear attention (Gated DeltaNet) layers only"
+            )
+        (attention if kind is StaticLayer else linear).append(i)
+    return attention, linear
+
+
 class StageCache(LegacyStateReads):
     def __init__(self, config, layer_indices: range, window: int, slots: int, device: torch.device):
-        self.layer_indices, self.window, self.slots = layer_indices, window, slots
+        self.window, self.slots = window, slots
         kinds = StaticCache(config=config, max_cache_len=1).layers  # which layers are attention / linear
-        for i in layer_indices:
-            if type(kinds[i]) not in (StaticLayer, LinearAttentionLayer):
-                raise CacheError(
-                    f"target layer {i} uses a {type(kinds[i]).__name__} cache: the pipeline decoder supports "
-                    f"full attention and linear attention (Gated DeltaNet) layers only"
-                )
-        self.attention_layers = [i for i in layer_indices if type(kinds[i]) is StaticLayer]
-        self.linear_layers = [i for i in layer_indices if type(kinds[i]) is LinearAttentionLayer]
+        self.attention_layers, self.linear_layers = layer_kinds(kinds, layer_indices, "pipeline")
         self.capacity = 0
-        self.sets = RowSets(slots, device)
-        self.positions = DeviceInts(slots, device, self.sets)  # positions each slot holds = the one it runs next
+        self.positions = DeviceInts(slots, device)  # positions each slot holds = the one it runs next
         self.rows = slots  # the rows the current decode step runs (a bucket)
         self._rows = torch.arange(slots, device=device)
         self.keys: dict[int, torch.Tensor] = {}  # allocated at the first prefill (shapes come from the layer)
@@ -83,7 +90,7 @@ class StageCache(LegacyStateReads):
     def reset(self, slot: int, capacity: int) -> None:
         """Slot `slot` starts a new sequence of at most `capacity` positions (its prefill comes next)."""
         self.reserve(capacity)
-        self.positions.assign({slot: 0})
+        self.positions.set(slot, 0)
 
     def reserve(self, positions: int) -> None:
         """Room for `positions` positions in every slot, keeping what each holds (a power-of-two bucket)."""
@@ -108,7 +115,7 @@ class StageCache(LegacyStateReads):
         for i in self.linear_layers:
             self.conv[i][slot].copy_(self.conv_ring[i][keep % self.window, slot])
             self.recurrent[i][slot].copy_(self.recurrent_ring[i][keep % self.window, slot])
-        self.positions.assign({slot: keep})
+        self.positions.set(slot, keep)
 
     def row(self, slot: int) -> _RowView:
         return _RowView(self, slot)

@@ -253,25 +253,26 @@ class PDMDrafter:
             self._commit_overflow(b, view)
         self._reserve(max(self.lengths[:rows]) + self.width + 1)
         seeded = bool(self._seeds)
-        width, present = self._write_table(views, rows)
+        present = self._write_table(views, rows)
         table = self.table.upload(rows)
-        if seeded:
-            self._enter_seeds(table)
-        logits = self._step(table, width, present)
+        if seeded:  # the seed tokens' embeddings at their positions, in every row that has one
+            self._embed_at(table[:, SEED_POSITION], table[:, SEED_TOKEN].clamp(min=0), table[:, SEED_TOKEN] >= 0)
+        logits = self._step(table, present)
         if self.compiled:  # the captured graph owns its output
             logits = logits.clone()
         for b, view in views.items():
             self.lengths[b] = view[0][1]  # newly verified: cached for good
         ids, q = self.sampling.choose(logits, table[:, NEXT], not all(self.sampling.greedy[b] for b in views))
         tokens = self.pdm.d2t[ids]
-        self._write_embedding(table, tokens, every_row=len(views) == rows)
+        # each drafted token at the position it was drafted for (rows that did not draft keep theirs)
+        self._embed_at(table[:, NEXT], tokens, None if len(views) == rows else table[:, DRAFTING].bool())
         return DraftBatch(tokens, q)
 
-    def _write_table(self, views: Mapping[int, Sequence[tuple[int, int]]], rows: int) -> tuple[int, tuple[int, ...]]:
+    def _write_table(self, views: Mapping[int, Sequence[tuple[int, int]]], rows: int) -> tuple[int, ...]:
         """Each row's segment into the host table (idle rows: an empty segment at their cached length). Returns
-        the columns and the types the step runs: every column always (the shapes of a draft never depend on what
-        the PDM knew of a verdict, so a draft it discards leaves the next one bit for bit as it would be), every
-        type when compiled (one graph), else the types present."""
+        the types the step runs: every type when compiled (one graph), else the types present. The step always
+        runs every column: the shapes of a draft never depend on what the PDM knew of a verdict, so a draft it
+        discards leaves the next one bit for bit as it would be."""
         geometry, table = self.geometry, self.table.writable()
         verified_type = geometry.type_of(geometry.n)
         table[:rows] = 0
@@ -290,21 +291,15 @@ class PDMDrafter:
         for b, (position, token) in self._seeds.items():
             table[b, SEED_POSITION], table[b, SEED_TOKEN] = position, token
         self._seeds.clear()
-        return self.width, self._all_types if self.compiled else tuple(sorted(present))
+        return self._all_types if self.compiled else tuple(sorted(present))
 
-    def _enter_seeds(self, table: torch.Tensor) -> None:
-        """The seed tokens' embeddings (anchor 0) at their positions, in every row that has one."""
-        rows, positions = leading(self._row_ids, table.shape[0]), table[:, SEED_POSITION]
-        seeded = table[:, SEED_TOKEN] >= 0
-        embedded = self.embed_tokens(table[:, SEED_TOKEN].clamp(min=0)).to(self.state_dtype)
-        self.states[rows, positions, 0] = torch.where(seeded[:, None], embedded, self.states[rows, positions, 0])
-
-    def _write_embedding(self, table: torch.Tensor, tokens: torch.Tensor, every_row: bool) -> None:
-        """H^0 of each drafted token at the position it was drafted for (rows that did not draft keep theirs)."""
-        rows, positions = leading(self._row_ids, table.shape[0]), table[:, NEXT]
+    def _embed_at(self, positions: torch.Tensor, tokens: torch.Tensor, writes: torch.Tensor | None) -> None:
+        """H^0 (anchor 0) of each row's token `tokens[R]` at its position `positions[R]`; the rows where `writes`
+        is False keep theirs (None: every row writes)."""
+        rows = leading(self._row_ids, positions.shape[0])
         embedded = self.embed_tokens(tokens).to(self.state_dtype)
-        if not every_row:
-            embedded = torch.where(table[:, DRAFTING, None].bool(), embedded, self.states[rows, positions, 0])
+        if writes is not None:
+            embedded = torch.where(writes[:, None], embedded, self.states[rows, positions, 0])
         self.states[rows, positions, 0] = embedded
 
     def _commit_overflow(self, slot: int, view: Sequence[tuple[int, int]]) -> None:
@@ -321,14 +316,14 @@ class PDMDrafter:
         pdm.body(g[None], positions, self.cache.row_attend(slot, start))
         self.lengths[slot] = start + count
 
-    def _logits(self, table: torch.Tensor, width: int, present: tuple[int, ...]) -> torch.Tensor:
+    def _logits(self, table: torch.Tensor, present: tuple[int, ...]) -> torch.Tensor:
         """Draft logits `[R, V_d]` at each row's newest column: its segment's states gathered and fused (each
         column at its type), through the body."""
         R = table.shape[0]
-        positions = table[:, START, None] + self._columns[:width]  # [R, width]
-        states = self.states[self._row_ids[:R, None], positions].to(self.dtype)  # [R, width, m, H]
-        g = self.pdm.fusion.by_type(states, table[:, TYPES : TYPES + width], present)
-        hidden = self.pdm.body(g, positions, self.cache)  # [R, width, d]
+        positions = table[:, START, None] + self._columns  # [R, W]
+        states = self.states[self._row_ids[:R, None], positions].to(self.dtype)  # [R, W, m, H]
+        g = self.pdm.fusion.by_type(states, table[:, TYPES:], present)
+        hidden = self.pdm.body(g, positions, self.cache)  # [R, W, d]
         return self.pdm.lm_head(hidden[leading(self._row_ids, R), table[:, NEWEST]])
 
 

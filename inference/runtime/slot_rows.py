@@ -8,8 +8,8 @@ copy per cycle (a sync on a GPU, which the hot path must not have: docs/DESIGN.m
 - `RowSets`: the boolean mask of any set of rows is a row of a table built once per chunk of up to 8 rows
   (every subset of the chunk), copied device to device into a mask buffer: one copy per chunk, no host data;
 - `DeviceInts`: a `[B]` vector of ints kept on the device with its host mirror, each write made on the device:
-  the rows that move by one (a position advancing, a segment growing by its newest token) in one add of a row
-  mask, any other change (a rollback, a join) by `fill_` of that row (the value is a kernel argument);
+  the rows that move by one (the positions after a step) in one add of a row mask, any other change (a rollback,
+  a join) by `fill_` of that row (the value is a kernel argument);
 - `HostTable`: a `[B, C]` table of ints the host writes in full each step (the PDM's per-slot segment geometry)
   and the device receives in ONE copy, from pinned memory without waiting (vLLM's input staging): a fixed
   number of ops for any B, where per-slot writes would grow with it;
@@ -20,7 +20,7 @@ copy per cycle (a sync on a GPU, which the hot path must not have: docs/DESIGN.m
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 import torch
 
@@ -71,30 +71,24 @@ class RowSets:
 class DeviceInts:
     """A `[B]` long vector on the device (`device`) and its host mirror (`host`), written only on the device."""
 
-    def __init__(self, rows: int, device: torch.device, sets: RowSets):
+    def __init__(self, rows: int, device: torch.device):
         self.host = [0] * rows
         self.device = torch.zeros(rows, dtype=torch.long, device=device)
-        self.sets, self._ones = sets, sets.mask()
         mark_static(self.device)
 
-    def assign(self, values: Mapping[int, int]) -> None:
-        """Rows `b` to `values[b]`: the ones that move by +1 in one masked add, the other changes by `fill_`."""
-        host = self.host
-        steps = [b for b, v in values.items() if v == host[b] + 1]
-        if steps:
-            self.add_one(steps, self.sets.write(steps, self._ones))
-        for b, v in values.items():
-            if v != host[b]:
-                self.device[b].fill_(v)
-                host[b] = v
+    def set(self, row: int, value: int) -> None:
+        """Row `row` to `value`, by `fill_` (a kernel argument: no host memory copied)."""
+        if value != self.host[row]:
+            self.device[row].fill_(value)
+            self.host[row] = value
 
     def add_one(self, members: Iterable[int], mask: torch.Tensor | int) -> None:
         """Rows `members` move by one: their device mask `mask`, of any leading length, or every one of the leading
         `mask` rows."""
         if isinstance(mask, int):
-            (self.device if mask == len(self.host) else self.device[:mask]).add_(1)
+            leading(self.device, mask).add_(1)
         else:
-            self.device[: mask.shape[0]].add_(mask)
+            leading(self.device, mask.shape[0]).add_(mask)
         for b in members:
             self.host[b] += 1
 

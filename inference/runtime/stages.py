@@ -23,7 +23,7 @@ from torch import nn
 from inference.runtime.cache import StageCache
 from inference.runtime.capture import CompiledStep
 from inference.runtime.hf_compat import cache_kwargs, rotary_positions
-from inference.runtime.slot_rows import leading, mark_static
+from inference.runtime.slot_rows import RowSets, leading, mark_static
 from spd_lightning.errors import first_line
 from spd_lightning.geometry import Geometry
 from spd_lightning.target import Target, TargetError, resolve_dtype
@@ -79,19 +79,15 @@ def _checkpoint_index(path: str) -> dict[str, tuple[str, str]]:
     index_file = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index_file):
         with open(index_file) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+            files = json.load(f)["weight_map"]  # name in file -> file
     elif os.path.isfile(os.path.join(path, "model.safetensors")):
-        files = ["model.safetensors"]
+        with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
+            files = dict.fromkeys(f.keys(), "model.safetensors")
     else:
         raise TargetError(
             f"{path!r} has no model.safetensors (or index): the pipeline decoder loads safetensors checkpoints only"
         )
-    index = {}
-    for name in files:
-        with safe_open(os.path.join(path, name), framework="pt") as f:
-            for key in f.keys():
-                index[_normalize(key)] = (os.path.join(path, name), key)
-    return index
+    return {_normalize(key): (os.path.join(path, file), key) for key, file in files.items()}
 
 
 def _normalize(key: str) -> str:
@@ -190,14 +186,13 @@ class Stage(nn.Module):
         self.embed_tokens = pieces.embed_tokens if self.first else None
         self.norm = pieces.norm if self.last else None
         self.lm_head = pieces.lm_head if self.last else None
-        if (self.first and self.embed_tokens is None) or (self.last and self.lm_head is None):
-            raise ValueError(f"stage {index} needs the {'embedding' if self.first else 'final norm and LM head'}")
         # Anchor 0 (the embedding output) is never sent: the PDM rank embeds tokens itself.
         self.anchor_layers = tuple(b for b in geometry.anchors_of_stage(index) if b > 0)
         # n + 1 snapshots: a rejection discards at most n positions on stage 1 (n - 1 in flight plus the
         # draft it ran optimistically before the verdict arrived).
         self.cache = StageCache(pieces.config, self.layer_range, geometry.n + 1, slots, self.device)
-        self.running = self.cache.sets.mask()  # which rows run a real token this step
+        self.sets = RowSets(slots, self.device)
+        self.running = self.sets.mask()  # which rows run a real token this step
         mark_static(self.running)
         self.compiled = compile
         self._step = CompiledStep(self._decode_step, self.device) if compile else self._decode_step
@@ -243,13 +238,9 @@ class Stage(nn.Module):
         Returns the output `[1, P, H]`, the anchors `[P, A, H]` and (last stage) the logits `[V]` of position P-1."""
         P = inputs.shape[1]
         self.cache.reset(slot, max(capacity, P))
-        positions = torch.arange(P, device=inputs.device)[None]
-        x = self.embed_tokens(inputs) if self.first else inputs
-        mask = attention_mask(positions, self.cache.capacity, x.dtype) if self.cache.attention_layers else None
-        x, anchors, normed = self.run_layers(x, positions, self.cache.row(slot), mask, self.cache.attention_layers)
-        self.cache.positions.assign({slot: P})
-        logits = self.lm_head(normed[:, -1])[0] if self.last else None
-        return x, anchors[0], logits
+        x, anchors, logits = self._forward(inputs, torch.arange(P, device=inputs.device)[None], self.cache.row(slot))
+        self.cache.positions.set(slot, P)
+        return x, anchors[0], logits[0] if logits is not None else None
 
     @torch.no_grad()
     def step(self, inputs: torch.Tensor, tokens: dict[int, int]) -> StepOutput:
@@ -268,8 +259,8 @@ class Stage(nn.Module):
         # position advances. A compiled one always restores (one graph per bucket).
         mask = None
         if self.compiled or len(running) < rows:
-            mask = leading(cache.sets.write(running, self.running), rows)
-        hidden, anchors, logits = self._step(inputs, mask, mask is not None)
+            mask = leading(self.sets.write(running, self.running), rows)
+        hidden, anchors, logits = self._step(inputs, mask)
         if self.compiled:  # the captured graph owns its outputs and rewrites them on the next replay
             hidden, anchors = hidden.clone(), anchors.clone()
             logits = logits.clone() if logits is not None else None
@@ -277,26 +268,26 @@ class Stage(nn.Module):
         return StepOutput(hidden, anchors, logits)
 
     def _decode_step(
-        self, inputs: torch.Tensor, running: torch.Tensor | None, idle_rows: bool
+        self, inputs: torch.Tensor, running: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The step over `cache.rows` rows, all on the device: no host reads, fixed shapes per bucket."""
+        """The step over `cache.rows` rows, all on the device: no host reads, fixed shapes per bucket; `running`
+        (None: every row runs) masks the rows whose states it keeps."""
         cache = self.cache
         cache.snapshot()
-        x = self.embed_tokens(inputs) if self.first else inputs
-        positions = leading(cache.positions.device, cache.rows)[:, None]
-        mask = attention_mask(positions, cache.capacity, x.dtype) if cache.attention_layers else None
-        x, anchors, normed = self.run_layers(x, positions, cache, mask, cache.attention_layers)
-        if idle_rows:
+        x, anchors, logits = self._forward(inputs, leading(cache.positions.device, cache.rows)[:, None], cache)
+        if running is not None:
             cache.keep_idle_rows(running)
-        logits = self.lm_head(normed[:, -1]) if self.last else None
         return x, anchors[:, 0], logits
 
-    def run_layers(
-        self, x: torch.Tensor, positions: torch.Tensor, cache, mask: torch.Tensor | None, attention_layers
+    def _forward(
+        self, inputs: torch.Tensor, positions: torch.Tensor, cache
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The stage's layers over `x[B, S, H]` at `positions[B, S]` with `cache` (HF's cache interface: the stage
-        cache over every row, or one slot's row view): the output, the anchor states `[B, S, A, H]`, and on the last
-        stage the final-norm output."""
+        """The stage over `inputs` (ids `[B, S]` or states `[B, S, H]`) at `positions[B, S]` with `cache` (HF's cache
+        interface: the stage cache over every row, or one slot's row view): the output, the anchor states
+        `[B, S, A, H]`, and on the last stage the logits `[B, V]` of the last position."""
+        x = self.embed_tokens(inputs) if self.first else inputs
+        attention_layers = self.cache.attention_layers
+        mask = attention_mask(positions, self.cache.capacity, x.dtype) if attention_layers else None
         position_embeddings = self.rotary_emb(x, rotary_positions(self.rotary_emb, positions))
         L = self.geometry.num_layers
         captured = []
@@ -312,13 +303,14 @@ class Stage(nn.Module):
             )
             if index + 1 in self.anchor_layers and index + 1 < L:
                 captured.append(x)
-        normed = None
+        logits = None
         if self.last:
             normed = self.norm(x)
             if L in self.anchor_layers:
                 captured.append(normed)
+            logits = self.lm_head(normed[:, -1])
         anchors = torch.stack(captured, dim=2) if captured else x.new_zeros(*x.shape[:2], 0, x.shape[-1])
-        return x, anchors, normed
+        return x, anchors, logits
 
 
 def attention_mask(positions: torch.Tensor, capacity: int, dtype: torch.dtype) -> torch.Tensor:
