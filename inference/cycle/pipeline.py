@@ -297,13 +297,12 @@ class PipelineRunner:
         self.verdicts.take_through(step - 1)
         if any(seq.step.final for seq in live.values()):
             self.verdicts.take_through(step)
-        rows = self.verdicts.rows.get(step)
         ran = 0  # the slots that ran a real cycle
         for b, seq in live.items():
             awaited = self._awaited(b) if seq.step.awaits else None
             real = seq.wasted(awaited) is False
             ran += real
-            own = VerdictMessage(*rows[b]) if seq.step.final and real else None
+            own = self.verdicts.message(step, b) if seq.step.final and real else None
             seq.advance(awaited, own)
         self.clock.count(self.hosted, ran)
         self.cycles += ran > 0

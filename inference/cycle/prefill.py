@@ -23,7 +23,7 @@ def prefill_slot(traffic: Traffic, stages: Mapping[int, Stage], b: int, seq: Slo
     prompt = torch.tensor([list(seq.request.prompt_ids)], dtype=torch.long, device=box.device)
     if drafter is not None:
         drafter.start(b, prompt, seq.capacity, seq.request.sampling, generator_seeds(seq.request.seed)[1])
-    n, P, H = traffic.n, prompt.shape[1], traffic.shapes.hidden_size
+    n, P, H = traffic.n, prompt.shape[1], box.hidden_size
     hidden, anchors, logits = None, {}, None
     for s in range(1, n + 1):
         if s in stages:

@@ -1,7 +1,7 @@
 """The runner's message traffic: what a step sends and receives between the ranks this process hosts and the
 others, in the order every rank derives from the same plans (docs/DESIGN.md, "One cycle over B slots").
 
-Every message has one shape, sized by B (`Mailboxes` with `slots`): draft tokens `[B]` and `q` `[B, V_d]`,
+Every message has one shape, sized by B (`Mailboxes`, `slots`): draft tokens `[B]` and `q` `[B, V_d]`,
 activations `[B, 1, H]`, anchors `[B, A_s, H]`; each is sent in a step when any slot's plan needs it, from the
 sender's output of the previous step (post-step anchors: of this step). Which rows of a message are valid never
 travels: every process derives it from the slots' plans. There is no barrier: sends never block and a rank waits
@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from inference.cycle.messages import Mailboxes, MessageShapes
+from inference.cycle.messages import Mailboxes
 from inference.cycle.profiler import Profiler
 from inference.cycle.result import COMM
 from inference.cycle.schedule import CyclePlan
@@ -60,17 +60,16 @@ class Traffic:
         self.transport, self.clock, self.drafter = transport, clock, drafter
         # stage -> the anchor states it sends the PDM per step (anchor 0, the embedding output, is not sent)
         self.anchor_counts = {s: len([b for b in geometry.anchors_of_stage(s) if b > 0]) for s in range(1, n + 1)}
-        self.shapes = MessageShapes(
-            n=n,
-            hosted=[r for r in range(n + 1) if transport.hosts(r)],
-            anchor_counts=self.anchor_counts,
+        self.box = Mailboxes(
+            n,
+            [r for r in range(n + 1) if transport.hosts(r)],
+            self.anchor_counts,
             hidden_size=hidden_size,
             state_dtype=state_dtype,
             draft_vocab_size=draft_vocab_size,
-            device=device,
             slots=slots,
+            device=device,
         )
-        self.box = Mailboxes(self.shapes)
         # the PDM's outgoing drafts: a discarded draft's row keeps what the slot sent last (`put_drafts`)
         self._draft_tokens = torch.zeros(slots, dtype=torch.long, device=device)
         self._draft_q = torch.zeros(slots, draft_vocab_size, device=device)
