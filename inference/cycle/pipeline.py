@@ -81,12 +81,12 @@ class PipelineRunner:
             raise ValueError(f"max_batch={max_batch} must be >= 1")
         self.geometry, self.stages, self.drafter, self.config = geometry, stages, drafter, config
         self.n, self.max_batch, self.device = geometry.n, max_batch, torch.device(config.device)
-        self.verifier_rank, self.drafter_rank = self.n - 1, self.n
+        self.verifier_rank = self.n - 1
         for s in stages:
             if not transport.hosts(s - 1):
                 raise ValueError(f"stage {s} is given to a process that does not host rank {s - 1}")
         self.hosted = [r for r in range(self.n + 1) if transport.hosts(r)]
-        if transport.hosts(self.drafter_rank) and drafter is None:
+        if transport.hosts(self.n) and drafter is None:
             raise ValueError("this process hosts the PDM rank but got no drafter")
         self.clock = Profiler(config.profile, self.device)
         self.traffic = Traffic(
@@ -255,10 +255,10 @@ class PipelineRunner:
         if tokens is None:
             return
         for b in entered:
-            seq = live[b]
-            if wasted[b] is False:
-                greedy = seq.request.sampling.greedy
-                seq.verifier.remember(inputs.plans[b].stage_positions[0], tokens[b : b + 1], None if greedy else q[b])
+            if wasted[b] is False:  # a greedy slot's verifier keeps no q
+                live[b].verifier.remember(
+                    inputs.plans[b].stage_positions[0], tokens[b : b + 1], None if q is None else q[b]
+                )
 
     def _draft(self, live: dict[int, SlotSequence], rows: int) -> None:
         """Post-step, this step's anchor states reach the PDM first; the PDM learns the previous verdict if it is

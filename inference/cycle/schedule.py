@@ -246,9 +246,8 @@ class Step:
     plan: CyclePlan
     awaits: bool = False  # runs before the previous cycle's verdict is known; that verdict arrives during the step
     redo: bool = False  # repeats a cycle whose optimistic run was wasted: its inputs came with that run, none travel
-    final: bool = (
-        False  # the decode ends with this cycle's verdict whatever it is: delivered at once, nothing anticipated
-    )
+    # the decode ends with this cycle's verdict whatever it is: delivered at once, nothing anticipated
+    final: bool = False
 
 
 class Steps:

@@ -75,15 +75,14 @@ class VerdictChannel:
         """The verifier judges each real slot's draft of `step` into its device row; one host read brings them
         all; one `[B, 2]` message to every other rank, in each step in which it judged some slot (so no host read
         nor message while the pipeline fills). The listeners may owe that message."""
-        judging, real = Judging(step, False, []), []
+        real, unknown = [], []
         for b, seq in live.items():
             if seq.step.plan.judged_position >= 0:
                 wasted = seq.wasted(self.message(step - 1, b))
                 if wasted is None:
-                    judging.unknown.append((b, seq.steps))
+                    unknown.append((b, seq.steps))
                 elif not wasted:
                     real.append(b)
-        judging.real = bool(real)
         if self.hosts_verifier and real:
             box = self.traffic.box
             index = step % 2  # a row pair is rewritten two steps later, once its sends have settled
@@ -94,8 +93,8 @@ class VerdictChannel:
             self.rows[step] = box.verdict_to_host(index)
             for r in self.others:
                 self.traffic.send(self.verifier_rank, r, "verdict", box.verdict_host[index])
-        if self.listeners and (judging.real or judging.unknown):
-            self._owed.append(judging)
+        if self.listeners and (real or unknown):
+            self._owed.append(Judging(step, bool(real), unknown))
 
     def post(self, step: int) -> None:
         """The listeners start receiving the verdict of `step`, if it is still owed."""
