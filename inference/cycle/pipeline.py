@@ -37,7 +37,7 @@ from inference.cycle.profiler import Profiler
 from inference.cycle.result import COMPUTE, WALL, DecodeResult, max_cycles, summarize_timing
 from inference.cycle.schedule import CyclePlan, VerdictMessage
 from inference.cycle.slots import Request, SlotSequence
-from inference.cycle.traffic import StepInputs, Traffic, sampled
+from inference.cycle.traffic import StepInputs, Traffic
 from inference.cycle.transport import Transport
 from inference.cycle.verdicts import VerdictChannel
 from inference.cycle.verify import Verifier
@@ -101,8 +101,7 @@ class PipelineRunner:
             device=self.device,
         )
         self.box = self.traffic.box  # the message buffers
-        listeners = [r for r in self.hosted if r != self.verifier_rank]  # hosted ranks the verdict goes to
-        self.verdicts = VerdictChannel(self.traffic, self.verifier_rank, listeners)
+        self.verdicts = VerdictChannel(self.traffic, self.verifier_rank)
         # where the PDM receives what comes from other processes: its own stream when it has one (`shared_stream`)
         self._drafter_receiving = getattr(drafter, "receiving", nullcontext)
         self.slots: list[SlotSequence | None] = [None] * max_batch
@@ -180,8 +179,8 @@ class PipelineRunner:
         self.box.next_step()
         for seq in live.values():
             seq.poll_stop()
-        inputs = self.traffic.inputs({b: seq.step.plan for b, seq in live.items() if not seq.step.redo})
-        self.traffic.send_inputs(live, inputs)
+        inputs = self.traffic.inputs(live)
+        self.traffic.send_inputs(inputs)
         self.verdicts.post(self.steps_run - 1)
         self.traffic.receive_inputs(inputs)
         rows = batch_bucket(max(live) + 1, self.max_batch)  # the forwards run the bucket of the live slots
@@ -251,7 +250,7 @@ class PipelineRunner:
         if not entered:
             return
         tokens = self.traffic.recv(n, n - 1, "draft_token")
-        q = self.traffic.recv(n, n - 1, "draft_q") if sampled(live, entered) else None
+        q = self.traffic.recv(n, n - 1, "draft_q") if inputs.sampled else None
         if tokens is None:
             return
         for b in entered:

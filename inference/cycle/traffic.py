@@ -33,6 +33,7 @@ class StepInputs(NamedTuple):
 
     plans: Mapping[int, CyclePlan]  # the slots whose inputs travel now, and their plans
     entered: list[int]  # the slots whose draft enters stage 1
+    sampled: bool  # some of those slots samples: the drafts travel with their distribution `q`
     acts: list[int]  # the stages `s` whose activation goes on to stage `s + 1`
     anchors: list[int]  # pre-step: the stages whose anchor states of the previous step go to the PDM
 
@@ -99,17 +100,20 @@ class Traffic:
         with self.clock.span(dst, COMM):
             arrival.wait()
 
-    def inputs(self, fresh: Mapping[int, CyclePlan]) -> StepInputs:
-        """What the `fresh` plans (those of the slots that do not redo a wasted step) take this step."""
+    def inputs(self, live: Mapping[int, SlotSequence]) -> StepInputs:
+        """What the plans of the `live` slots that do not redo a wasted step take this step."""
+        fresh = {b: seq.step.plan for b, seq in live.items() if not seq.step.redo}
+        entered = [b for b, plan in fresh.items() if plan.draft_entered]
         acts = {s for plan in fresh.values() for s, position in enumerate(plan.stage_positions) if s and position >= 0}
         return StepInputs(
             fresh,
-            [b for b, plan in fresh.items() if plan.draft_entered],
+            entered,
+            any(not live[b].request.sampling.greedy for b in entered),
             sorted(acts),
             self.anchor_stages(fresh, during=False) if self.pre_step else [],
         )
 
-    def send_inputs(self, live: Mapping[int, SlotSequence], inputs: StepInputs) -> None:
+    def send_inputs(self, inputs: StepInputs) -> None:
         """The previous step's outputs that this step's fresh plans take, in the order the receivers take them:
         the verifier takes the draft after the activation it runs (they share a channel when the PDM shares stage
         1's process)."""
@@ -120,7 +124,7 @@ class Traffic:
             self.send(s - 1, s, "act")
         if inputs.entered:
             self.send(n, n - 1, "draft_token")
-            if sampled(live, inputs.entered):
+            if inputs.sampled:
                 self.send(n, n - 1, "draft_q")
         for s in inputs.anchors:
             self.send(s - 1, n, f"anchors{s}")
@@ -182,11 +186,6 @@ class Traffic:
         """The stages whose anchor states some plan needs (this step's, or the previous step's)."""
         pairs = [pair for plan in plans.values() for pair in (plan.anchors_during if during else plan.anchors_before)]
         return sorted({s for s, _ in pairs if self.anchor_counts[s]})
-
-
-def sampled(live: Mapping[int, SlotSequence], slots: list[int]) -> bool:
-    """Whether any of those slots samples (its draft travels with its distribution `q`)."""
-    return any(not live[b].request.sampling.greedy for b in slots)
 
 
 def positions_of(stage: int, anchors: Mapping[int, Sequence[tuple[int, int]]]) -> dict[int, int]:

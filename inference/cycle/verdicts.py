@@ -42,10 +42,11 @@ class Judging:
 class VerdictChannel:
     """The verdicts of one process: the verifier's judging and sends where it is hosted, the listeners' receives."""
 
-    def __init__(self, traffic: Traffic, verifier_rank: int, listeners: list[int]):
-        self.traffic, self.verifier_rank, self.listeners = traffic, verifier_rank, listeners
+    def __init__(self, traffic: Traffic, verifier_rank: int):
+        self.traffic, self.verifier_rank = traffic, verifier_rank
         self.hosts_verifier = traffic.transport.hosts(verifier_rank)
         self.others = [r for r in range(traffic.n + 1) if r != verifier_rank]  # every rank the verifier sends to
+        self.listeners = [r for r in self.others if traffic.transport.hosts(r)]
         self.rows: dict[int, list[list[int]]] = {}  # step -> its verdict rows, once this process holds them
         self._owed: deque[Judging] = deque()  # steps whose message the listeners may not have taken yet (`_due`)
         self._arrivals: dict[int, Arrival] = {}  # listener rank -> its posted receive of the oldest owed verdict
