@@ -62,7 +62,7 @@ class Mailboxes:
                 self.rings[r, f"anchors{r + 1}"] = torch.zeros(SEND_RING, slots, count, H, **state)
         # each ring's buffers as views made once (a step picks one without a tensor op)
         self._ring_buffers = {key: ring.unbind(0) for key, ring in self.rings.items()}
-        self.outbox: dict[tuple[int, str], torch.Tensor] = {}  # kind -> the ring buffer (or prefill output) to send
+        self.outbox: dict[tuple[int, str], torch.Tensor] = {}  # kind -> the ring buffer to send
         self.prefill_inbox: dict[tuple[int, str], torch.Tensor] = {}
         # Two rows in turn (one verdict per cycle), so a row is rewritten only after its sends have settled.
         self.verdict_rows = torch.zeros(2, slots, 2, **long)

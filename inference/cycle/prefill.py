@@ -27,12 +27,11 @@ def prefill_slot(traffic: Traffic, stages: Mapping[int, Stage], b: int, seq: Slo
     hidden, anchors, logits = None, {}, None
     for s in range(1, n + 1):
         if s in stages:
+            # logits: the last stage's (the stages before it give None)
             with clock.span(s - 1, COMPUTE, device_work=True):
-                out = stages[s].prefill(b, prompt if s == 1 else hidden, seq.capacity)
-            box.outbox[s - 1, "act_prefill"], anchors[s], out_logits = out
-            logits = out_logits if s == n else logits
+                hidden, anchors[s], logits = stages[s].prefill(b, prompt if s == 1 else hidden, seq.capacity)
         if s < n:
-            traffic.send(s - 1, s, "act_prefill")
+            traffic.send(s - 1, s, "act_prefill", hidden)
             hidden = traffic.recv(s - 1, s, "act_prefill", box.prefill_buffer(s, "act", 1, 1, P, H))
     for s, count in traffic.anchor_counts.items():
         if count:
