@@ -12,24 +12,23 @@ grow with the longest prompt seen. docs/DESIGN.md lists every message with its s
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection
 
 import torch
 
 from inference.runtime.slot_rows import leading
+from spd_lightning.geometry import Geometry
 
 SEND_RING = 3
 
 
 class Mailboxes:
-    """The buffers of the ranks `hosted` here; `anchor_counts`: stage -> the anchors it sends to the PDM per cycle.
-    Every message carries one row per slot (`slots`)."""
+    """The buffers of the ranks `hosted` here; every message carries one row per slot (`slots`)."""
 
     def __init__(
         self,
-        n: int,
+        geometry: Geometry,
         hosted: Collection[int],
-        anchor_counts: Mapping[int, int],
         *,
         hidden_size: int,
         state_dtype: torch.dtype,
@@ -37,9 +36,13 @@ class Mailboxes:
         slots: int,
         device: torch.device,
     ):
-        H = hidden_size
+        n, H = geometry.n, hidden_size
         long, state = dict(dtype=torch.long, device=device), dict(dtype=state_dtype, device=device)
-        self.dtype, self.device, self.hidden_size = state_dtype, device, H
+        self.dtype, self.device, self.hidden_size, self.slots = state_dtype, device, H, slots
+        # stage -> the anchor states it sends the PDM per step (anchor 0, the embedding output, is not sent)
+        anchor_counts = self.anchor_counts = {
+            s: len([b for b in geometry.anchors_of_stage(s) if b > 0]) for s in range(1, n + 1)
+        }
         self.inbox: dict[tuple[int, str], torch.Tensor] = {}
         self.rings: dict[tuple[int, str], torch.Tensor] = {}
         for r in hosted:
@@ -56,6 +59,8 @@ class Mailboxes:
                     self.inbox[r, f"anchors{s}"] = torch.zeros(slots, count, H, **state)
                 self.rings[r, "draft_token"] = torch.zeros(SEND_RING, slots, **long)
                 self.rings[r, "draft_q"] = torch.zeros(SEND_RING, slots, draft_vocab_size, device=device)
+                # the PDM's drafts as last sent: a discarded draft's row keeps its slot's (`Traffic.put_drafts`)
+                self.drafts = torch.zeros(slots, **long), torch.zeros(slots, draft_vocab_size, device=device)
             else:
                 count = anchor_counts[r + 1]
                 self.rings[r, "act"] = torch.zeros(SEND_RING, slots, 1, H, **state)

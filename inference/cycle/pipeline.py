@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from inference.cycle.messages import Mailboxes
 from inference.cycle.prefill import prefill_slot
 from inference.cycle.profiler import Profiler
 from inference.cycle.result import COMPUTE, WALL, DecodeResult, max_cycles, summarize_timing
@@ -89,18 +90,16 @@ class PipelineRunner:
         if transport.hosts(self.n) and drafter is None:
             raise ValueError("this process hosts the PDM rank but got no drafter")
         self.clock = Profiler(config.profile, self.device)
-        self.traffic = Traffic(
+        self.box = Mailboxes(  # the message buffers
             geometry,
-            transport,
-            self.clock,
-            drafter,
+            self.hosted,
             hidden_size=config.hidden_size,
             state_dtype=config.state_dtype,
             draft_vocab_size=config.draft_vocab_size,
             slots=max_batch,
             device=self.device,
         )
-        self.box = self.traffic.box  # the message buffers
+        self.traffic = Traffic(geometry, transport, self.clock, drafter, self.box)
         self.verdicts = VerdictChannel(self.traffic, self.verifier_rank)
         # where the PDM receives what comes from other processes: its own stream when it has one (`shared_stream`)
         self._drafter_receiving = getattr(drafter, "receiving", nullcontext)

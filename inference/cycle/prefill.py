@@ -33,7 +33,7 @@ def prefill_slot(traffic: Traffic, stages: Mapping[int, Stage], b: int, seq: Slo
         if s < n:
             traffic.send(s - 1, s, "act_prefill", hidden)
             hidden = traffic.recv(s - 1, s, "act_prefill", box.prefill_buffer(s, "act", 1, 1, P, H))
-    for s, count in traffic.anchor_counts.items():
+    for s, count in box.anchor_counts.items():
         if count:
             traffic.send(s - 1, n, "anchors_prefill", anchors.get(s))
             states = traffic.recv(s - 1, n, "anchors_prefill", box.prefill_buffer(n, f"anchors{s}", 0, P, count, H))

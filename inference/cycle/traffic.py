@@ -42,39 +42,12 @@ class Traffic:
     """The messages of one process's ranks, over `transport` (which tests may swap for a recording one)."""
 
     def __init__(
-        self,
-        geometry: Geometry,
-        transport: Transport,
-        clock: Profiler,
-        drafter: Drafter | None,
-        *,
-        hidden_size: int,
-        state_dtype: torch.dtype,
-        draft_vocab_size: int,
-        slots: int,
-        device: torch.device,
+        self, geometry: Geometry, transport: Transport, clock: Profiler, drafter: Drafter | None, box: Mailboxes
     ):
-        """The messages' buffers (`box`) for `slots` slots; `drafter`: where the anchor states land (where the PDM
-        is hosted)."""
-        n = self.n = geometry.n
-        self.pre_step = geometry.schedule == "pre_step"
-        self.transport, self.clock, self.drafter = transport, clock, drafter
-        # stage -> the anchor states it sends the PDM per step (anchor 0, the embedding output, is not sent)
-        self.anchor_counts = {s: len([b for b in geometry.anchors_of_stage(s) if b > 0]) for s in range(1, n + 1)}
-        self.box = Mailboxes(
-            n,
-            [r for r in range(n + 1) if transport.hosts(r)],
-            self.anchor_counts,
-            hidden_size=hidden_size,
-            state_dtype=state_dtype,
-            draft_vocab_size=draft_vocab_size,
-            slots=slots,
-            device=device,
-        )
-        # the PDM's outgoing drafts: a discarded draft's row keeps what the slot sent last (`put_drafts`)
-        self._draft_tokens = torch.zeros(slots, dtype=torch.long, device=device)
-        self._draft_q = torch.zeros(slots, draft_vocab_size, device=device)
-        self._kept_rows = RowSets(slots, device)  # which rows of a draft the step sends
+        """`drafter`: where the anchor states land (where the PDM is hosted); `box`: the messages' buffers."""
+        self.n, self.pre_step = geometry.n, geometry.schedule == "pre_step"
+        self.transport, self.clock, self.drafter, self.box = transport, clock, drafter, box
+        self._kept_rows = RowSets(box.slots, box.device)  # which rows of a draft the step sends
         self._kept_mask = self._kept_rows.mask()
 
     def send(self, src: int, dst: int, kind: str, tensor: torch.Tensor | None = None) -> None:
@@ -168,7 +141,8 @@ class Traffic:
         """The PDM's outgoing draft message: the rows of the `kept` slots' drafts; the row of a discarded draft
         keeps what it held (a redo's input travelled with it)."""
         R = drafts.tokens.shape[0]
-        tokens, q = leading(self._draft_tokens, R), leading(self._draft_q, R)
+        sent_tokens, sent_q = self.box.drafts
+        tokens, q = leading(sent_tokens, R), leading(sent_q, R)
         if len(kept) == R:  # every row of the draft is sent
             tokens.copy_(drafts.tokens)
             if drafts.q is not None:
@@ -178,14 +152,14 @@ class Traffic:
             tokens.copy_(torch.where(keep, drafts.tokens, tokens))
             if drafts.q is not None:
                 q.copy_(torch.where(keep[:, None], drafts.q, q))
-        self.box.put(self.n, "draft_token", self._draft_tokens)
+        self.box.put(self.n, "draft_token", sent_tokens)
         if drafts.q is not None:  # else no slot that drafted samples, and no draft entering next step needs its q
-            self.box.put(self.n, "draft_q", self._draft_q)
+            self.box.put(self.n, "draft_q", sent_q)
 
     def anchor_stages(self, plans: Mapping[int, CyclePlan], during: bool) -> list[int]:
         """The stages whose anchor states some plan needs (this step's, or the previous step's)."""
         pairs = [pair for plan in plans.values() for pair in (plan.anchors_during if during else plan.anchors_before)]
-        return sorted({s for s, _ in pairs if self.anchor_counts[s]})
+        return sorted({s for s, _ in pairs if self.box.anchor_counts[s]})
 
 
 def positions_of(stage: int, anchors: Mapping[int, Sequence[tuple[int, int]]]) -> dict[int, int]:
