@@ -12,68 +12,71 @@ grow with the longest prompt seen. docs/DESIGN.md lists every message with its s
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from collections.abc import Collection
 
 import torch
 
 from inference.runtime.slot_rows import leading
+from spd_lightning.geometry import Geometry
 
 SEND_RING = 3
 
 
-@dataclass(frozen=True)
-class MessageShapes:
-    """What fixes every message's shape: the ranks this process hosts and the runner's sizes."""
-
-    n: int
-    hosted: Collection[int]
-    anchor_counts: Mapping[int, int]  # stage -> anchors it sends to the PDM per cycle
-    hidden_size: int
-    state_dtype: torch.dtype
-    draft_vocab_size: int
-    device: torch.device
-    slots: int  # every message carries one row per slot
-
-
 class Mailboxes:
-    def __init__(self, shapes: MessageShapes):
-        n, H, dev, dtype = shapes.n, shapes.hidden_size, shapes.device, shapes.state_dtype
-        long = dict(dtype=torch.long, device=dev)
-        rows = shapes.slots  # the leading dimension of every message
-        self.dtype, self.device = dtype, dev
+    """The buffers of the ranks `hosted` here; every message carries one row per slot (`slots`)."""
+
+    def __init__(
+        self,
+        geometry: Geometry,
+        hosted: Collection[int],
+        *,
+        hidden_size: int,
+        state_dtype: torch.dtype,
+        draft_vocab_size: int,
+        slots: int,
+        device: torch.device,
+    ):
+        n, H = geometry.n, hidden_size
+        long, state = dict(dtype=torch.long, device=device), dict(dtype=state_dtype, device=device)
+        self.dtype, self.device, self.hidden_size, self.slots = state_dtype, device, H, slots
+        # stage -> the anchor states it sends the PDM per step (anchor 0, the embedding output, is not sent)
+        anchor_counts = self.anchor_counts = {
+            s: len([b for b in geometry.anchors_of_stage(s) if b > 0]) for s in range(1, n + 1)
+        }
         self.inbox: dict[tuple[int, str], torch.Tensor] = {}
         self.rings: dict[tuple[int, str], torch.Tensor] = {}
-        for r in shapes.hosted:
+        for r in hosted:
             if 0 < r < n:
-                self.inbox[r, "act"] = torch.zeros(rows, 1, H, dtype=dtype, device=dev)
+                self.inbox[r, "act"] = torch.zeros(slots, 1, H, **state)
             if r in (0, n - 1):
-                self.inbox[r, "draft_token"] = torch.zeros(rows, **long)
+                self.inbox[r, "draft_token"] = torch.zeros(slots, **long)
             if r == n - 1:
-                self.inbox[r, "draft_q"] = torch.zeros(rows, shapes.draft_vocab_size, device=dev)
+                self.inbox[r, "draft_q"] = torch.zeros(slots, draft_vocab_size, device=device)
             if r != n - 1:
-                self.inbox[r, "verdict"] = torch.zeros(rows, 2, dtype=torch.long, device="cpu")
+                self.inbox[r, "verdict"] = torch.zeros(slots, 2, dtype=torch.long, device="cpu")
             if r == n:
-                for s, count in shapes.anchor_counts.items():
-                    self.inbox[r, f"anchors{s}"] = torch.zeros(rows, count, H, dtype=dtype, device=dev)
-                self.rings[r, "draft_token"] = torch.zeros(SEND_RING, rows, **long)
-                self.rings[r, "draft_q"] = torch.zeros(SEND_RING, rows, shapes.draft_vocab_size, device=dev)
+                for s, count in anchor_counts.items():
+                    self.inbox[r, f"anchors{s}"] = torch.zeros(slots, count, H, **state)
+                self.rings[r, "draft_token"] = torch.zeros(SEND_RING, slots, **long)
+                self.rings[r, "draft_q"] = torch.zeros(SEND_RING, slots, draft_vocab_size, device=device)
+                # the PDM's drafts as last sent: a discarded draft's row keeps its slot's (`Traffic.put_drafts`)
+                self.drafts = torch.zeros(slots, **long), torch.zeros(slots, draft_vocab_size, device=device)
             else:
-                count = shapes.anchor_counts[r + 1]
-                self.rings[r, "act"] = torch.zeros(SEND_RING, rows, 1, H, dtype=dtype, device=dev)
-                self.rings[r, f"anchors{r + 1}"] = torch.zeros(SEND_RING, rows, count, H, dtype=dtype, device=dev)
+                count = anchor_counts[r + 1]
+                self.rings[r, "act"] = torch.zeros(SEND_RING, slots, 1, H, **state)
+                self.rings[r, f"anchors{r + 1}"] = torch.zeros(SEND_RING, slots, count, H, **state)
         # each ring's buffers as views made once (a step picks one without a tensor op)
         self._ring_buffers = {key: ring.unbind(0) for key, ring in self.rings.items()}
-        self.outbox: dict[tuple[int, str], torch.Tensor] = {}  # kind -> the ring buffer (or prefill output) to send
+        self.outbox: dict[tuple[int, str], torch.Tensor] = {}  # kind -> the ring buffer to send
         self.prefill_inbox: dict[tuple[int, str], torch.Tensor] = {}
         # Two rows in turn (one verdict per cycle), so a row is rewritten only after its sends have settled.
-        self.verdict_rows = torch.zeros(2, rows, 2, **long)
-        pinned = dev.type == "cuda"
+        self.verdict_rows = torch.zeros(2, slots, 2, **long)
+        pinned = device.type == "cuda"
         # ... and a third host row for the first tokens of joins (each join writes only its own slot's row)
-        self.verdict_host = torch.zeros(3, rows, 2, dtype=torch.long, device="cpu", pin_memory=pinned)
+        self.verdict_host = torch.zeros(3, slots, 2, dtype=torch.long, device="cpu", pin_memory=pinned)
         self.first_host = self.verdict_host[2]
         self._verdict_copied = torch.cuda.Event() if pinned else None
-        self.seed_input = torch.zeros(rows, 1, **long)  # stage 1's input when it runs a seed (first token, correction)
+        self.seed_input = torch.zeros(slots, 1, **long)  # stage 1's input when it runs a seed (first token, correction)
         self._step = 0
 
     def verdict_to_host(self, index: int) -> list:

@@ -32,12 +32,13 @@ from dataclasses import dataclass
 
 import torch
 
+from inference.cycle.messages import Mailboxes
 from inference.cycle.prefill import prefill_slot
 from inference.cycle.profiler import Profiler
 from inference.cycle.result import COMPUTE, WALL, DecodeResult, max_cycles, summarize_timing
 from inference.cycle.schedule import CyclePlan, VerdictMessage
 from inference.cycle.slots import Request, SlotSequence
-from inference.cycle.traffic import StepInputs, Traffic, sampled
+from inference.cycle.traffic import StepInputs, Traffic
 from inference.cycle.transport import Transport
 from inference.cycle.verdicts import VerdictChannel
 from inference.cycle.verify import Verifier
@@ -81,28 +82,25 @@ class PipelineRunner:
             raise ValueError(f"max_batch={max_batch} must be >= 1")
         self.geometry, self.stages, self.drafter, self.config = geometry, stages, drafter, config
         self.n, self.max_batch, self.device = geometry.n, max_batch, torch.device(config.device)
-        self.verifier_rank, self.drafter_rank = self.n - 1, self.n
+        self.verifier_rank = self.n - 1
         for s in stages:
             if not transport.hosts(s - 1):
                 raise ValueError(f"stage {s} is given to a process that does not host rank {s - 1}")
         self.hosted = [r for r in range(self.n + 1) if transport.hosts(r)]
-        if transport.hosts(self.drafter_rank) and drafter is None:
+        if transport.hosts(self.n) and drafter is None:
             raise ValueError("this process hosts the PDM rank but got no drafter")
         self.clock = Profiler(config.profile, self.device)
-        self.traffic = Traffic(
+        self.box = Mailboxes(  # the message buffers
             geometry,
-            transport,
-            self.clock,
-            drafter,
+            self.hosted,
             hidden_size=config.hidden_size,
             state_dtype=config.state_dtype,
             draft_vocab_size=config.draft_vocab_size,
             slots=max_batch,
             device=self.device,
         )
-        self.box = self.traffic.box  # the message buffers
-        listeners = [r for r in self.hosted if r != self.verifier_rank]  # hosted ranks the verdict goes to
-        self.verdicts = VerdictChannel(self.traffic, self.verifier_rank, listeners)
+        self.traffic = Traffic(geometry, transport, self.clock, drafter, self.box)
+        self.verdicts = VerdictChannel(self.traffic, self.verifier_rank)
         # where the PDM receives what comes from other processes: its own stream when it has one (`shared_stream`)
         self._drafter_receiving = getattr(drafter, "receiving", nullcontext)
         self.slots: list[SlotSequence | None] = [None] * max_batch
@@ -180,8 +178,8 @@ class PipelineRunner:
         self.box.next_step()
         for seq in live.values():
             seq.poll_stop()
-        inputs = self.traffic.inputs({b: seq.step.plan for b, seq in live.items() if not seq.step.redo})
-        self.traffic.send_inputs(live, inputs)
+        inputs = self.traffic.inputs(live)
+        self.traffic.send_inputs(inputs)
         self.verdicts.post(self.steps_run - 1)
         self.traffic.receive_inputs(inputs)
         rows = batch_bucket(max(live) + 1, self.max_batch)  # the forwards run the bucket of the live slots
@@ -251,14 +249,14 @@ class PipelineRunner:
         if not entered:
             return
         tokens = self.traffic.recv(n, n - 1, "draft_token")
-        q = self.traffic.recv(n, n - 1, "draft_q") if sampled(live, entered) else None
+        q = self.traffic.recv(n, n - 1, "draft_q") if inputs.sampled else None
         if tokens is None:
             return
         for b in entered:
-            seq = live[b]
-            if wasted[b] is False:
-                greedy = seq.request.sampling.greedy
-                seq.verifier.remember(inputs.plans[b].stage_positions[0], tokens[b : b + 1], None if greedy else q[b])
+            if wasted[b] is False:  # a greedy slot's verifier keeps no q
+                live[b].verifier.remember(
+                    inputs.plans[b].stage_positions[0], tokens[b : b + 1], None if q is None else q[b]
+                )
 
     def _draft(self, live: dict[int, SlotSequence], rows: int) -> None:
         """Post-step, this step's anchor states reach the PDM first; the PDM learns the previous verdict if it is
@@ -297,13 +295,12 @@ class PipelineRunner:
         self.verdicts.take_through(step - 1)
         if any(seq.step.final for seq in live.values()):
             self.verdicts.take_through(step)
-        rows = self.verdicts.rows.get(step)
         ran = 0  # the slots that ran a real cycle
         for b, seq in live.items():
             awaited = self._awaited(b) if seq.step.awaits else None
             real = seq.wasted(awaited) is False
             ran += real
-            own = VerdictMessage(*rows[b]) if seq.step.final and real else None
+            own = self.verdicts.message(step, b) if seq.step.final and real else None
             seq.advance(awaited, own)
         self.clock.count(self.hosted, ran)
         self.cycles += ran > 0

@@ -23,18 +23,17 @@ def prefill_slot(traffic: Traffic, stages: Mapping[int, Stage], b: int, seq: Slo
     prompt = torch.tensor([list(seq.request.prompt_ids)], dtype=torch.long, device=box.device)
     if drafter is not None:
         drafter.start(b, prompt, seq.capacity, seq.request.sampling, generator_seeds(seq.request.seed)[1])
-    n, P, H = traffic.n, prompt.shape[1], traffic.shapes.hidden_size
+    n, P, H = traffic.n, prompt.shape[1], box.hidden_size
     hidden, anchors, logits = None, {}, None
     for s in range(1, n + 1):
         if s in stages:
+            # logits: the last stage's (the stages before it give None)
             with clock.span(s - 1, COMPUTE, device_work=True):
-                out = stages[s].prefill(b, prompt if s == 1 else hidden, seq.capacity)
-            box.outbox[s - 1, "act_prefill"], anchors[s], out_logits = out
-            logits = out_logits if s == n else logits
+                hidden, anchors[s], logits = stages[s].prefill(b, prompt if s == 1 else hidden, seq.capacity)
         if s < n:
-            traffic.send(s - 1, s, "act_prefill")
+            traffic.send(s - 1, s, "act_prefill", hidden)
             hidden = traffic.recv(s - 1, s, "act_prefill", box.prefill_buffer(s, "act", 1, 1, P, H))
-    for s, count in traffic.anchor_counts.items():
+    for s, count in box.anchor_counts.items():
         if count:
             traffic.send(s - 1, n, "anchors_prefill", anchors.get(s))
             states = traffic.recv(s - 1, n, "anchors_prefill", box.prefill_buffer(n, f"anchors{s}", 0, P, count, H))

@@ -127,11 +127,6 @@ class PipelineSchedule:
         verdict = Verdict(verdict)
         rollback_to = -1
         completed = None
-        if verdict == Verdict.STOP:
-            if not self._inflight or self.done:
-                raise RuntimeError("schedule received STOP outside a running decode")
-            self.stop_reason = "cancelled"
-            return None
         if verdict == Verdict.FIRST:
             if self.tokens or prompt_len < 1:
                 raise RuntimeError("FIRST is only valid once, right after a prefill of prompt_len >= 1 tokens")
@@ -140,6 +135,9 @@ class PipelineSchedule:
         else:
             if not self._inflight or self.done:
                 raise RuntimeError(f"schedule received {verdict.name} outside a running decode")
+            if verdict == Verdict.STOP:
+                self.stop_reason = "cancelled"
+                return None
             for slot in self._inflight:
                 slot.depth += 1
             if self._inflight[0].depth == self.n:
@@ -246,9 +244,8 @@ class Step:
     plan: CyclePlan
     awaits: bool = False  # runs before the previous cycle's verdict is known; that verdict arrives during the step
     redo: bool = False  # repeats a cycle whose optimistic run was wasted: its inputs came with that run, none travel
-    final: bool = (
-        False  # the decode ends with this cycle's verdict whatever it is: delivered at once, nothing anticipated
-    )
+    # the decode ends with this cycle's verdict whatever it is: delivered at once, nothing anticipated
+    final: bool = False
 
 
 class Steps:

@@ -58,10 +58,9 @@ class SlotSequence:
         self.request, self.geometry = request, geometry
         self.schedule = PipelineSchedule(geometry, request.max_new_tokens, request.eos_token_ids)
         self.steps = Steps(self.schedule)
-        verify_seed = generator_seeds(request.seed)[0]
         self.verifier = verifier
         if verifier is not None:
-            verifier.reset(verify_seed)
+            verifier.reset(generator_seeds(request.seed)[0])
         self.step: Step | None = None
         self.stop_seen = -1
         self.emitted = 0

@@ -1,7 +1,7 @@
 """The runner's message traffic: what a step sends and receives between the ranks this process hosts and the
 others, in the order every rank derives from the same plans (docs/DESIGN.md, "One cycle over B slots").
 
-Every message has one shape, sized by B (`Mailboxes` with `slots`): draft tokens `[B]` and `q` `[B, V_d]`,
+Every message has one shape, sized by B (`Mailboxes`, `slots`): draft tokens `[B]` and `q` `[B, V_d]`,
 activations `[B, 1, H]`, anchors `[B, A_s, H]`; each is sent in a step when any slot's plan needs it, from the
 sender's output of the previous step (post-step anchors: of this step). Which rows of a message are valid never
 travels: every process derives it from the slots' plans. There is no barrier: sends never block and a rank waits
@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from inference.cycle.messages import Mailboxes, MessageShapes
+from inference.cycle.messages import Mailboxes
 from inference.cycle.profiler import Profiler
 from inference.cycle.result import COMM
 from inference.cycle.schedule import CyclePlan
@@ -33,6 +33,7 @@ class StepInputs(NamedTuple):
 
     plans: Mapping[int, CyclePlan]  # the slots whose inputs travel now, and their plans
     entered: list[int]  # the slots whose draft enters stage 1
+    sampled: bool  # some of those slots samples: the drafts travel with their distribution `q`
     acts: list[int]  # the stages `s` whose activation goes on to stage `s + 1`
     anchors: list[int]  # pre-step: the stages whose anchor states of the previous step go to the PDM
 
@@ -41,40 +42,12 @@ class Traffic:
     """The messages of one process's ranks, over `transport` (which tests may swap for a recording one)."""
 
     def __init__(
-        self,
-        geometry: Geometry,
-        transport: Transport,
-        clock: Profiler,
-        drafter: Drafter | None,
-        *,
-        hidden_size: int,
-        state_dtype: torch.dtype,
-        draft_vocab_size: int,
-        slots: int,
-        device: torch.device,
+        self, geometry: Geometry, transport: Transport, clock: Profiler, drafter: Drafter | None, box: Mailboxes
     ):
-        """The messages' buffers (`box`) for `slots` slots; `drafter`: where the anchor states land (where the PDM
-        is hosted)."""
-        n = self.n = geometry.n
-        self.pre_step = geometry.schedule == "pre_step"
-        self.transport, self.clock, self.drafter = transport, clock, drafter
-        # stage -> the anchor states it sends the PDM per step (anchor 0, the embedding output, is not sent)
-        self.anchor_counts = {s: len([b for b in geometry.anchors_of_stage(s) if b > 0]) for s in range(1, n + 1)}
-        self.shapes = MessageShapes(
-            n=n,
-            hosted=[r for r in range(n + 1) if transport.hosts(r)],
-            anchor_counts=self.anchor_counts,
-            hidden_size=hidden_size,
-            state_dtype=state_dtype,
-            draft_vocab_size=draft_vocab_size,
-            device=device,
-            slots=slots,
-        )
-        self.box = Mailboxes(self.shapes)
-        # the PDM's outgoing drafts: a discarded draft's row keeps what the slot sent last (`put_drafts`)
-        self._draft_tokens = torch.zeros(slots, dtype=torch.long, device=device)
-        self._draft_q = torch.zeros(slots, draft_vocab_size, device=device)
-        self._kept_rows = RowSets(slots, device)  # which rows of a draft the step sends
+        """`drafter`: where the anchor states land (where the PDM is hosted); `box`: the messages' buffers."""
+        self.n, self.pre_step = geometry.n, geometry.schedule == "pre_step"
+        self.transport, self.clock, self.drafter, self.box = transport, clock, drafter, box
+        self._kept_rows = RowSets(box.slots, box.device)  # which rows of a draft the step sends
         self._kept_mask = self._kept_rows.mask()
 
     def send(self, src: int, dst: int, kind: str, tensor: torch.Tensor | None = None) -> None:
@@ -100,17 +73,20 @@ class Traffic:
         with self.clock.span(dst, COMM):
             arrival.wait()
 
-    def inputs(self, fresh: Mapping[int, CyclePlan]) -> StepInputs:
-        """What the `fresh` plans (those of the slots that do not redo a wasted step) take this step."""
+    def inputs(self, live: Mapping[int, SlotSequence]) -> StepInputs:
+        """What the plans of the `live` slots that do not redo a wasted step take this step."""
+        fresh = {b: seq.step.plan for b, seq in live.items() if not seq.step.redo}
+        entered = [b for b, plan in fresh.items() if plan.draft_entered]
         acts = {s for plan in fresh.values() for s, position in enumerate(plan.stage_positions) if s and position >= 0}
         return StepInputs(
             fresh,
-            [b for b, plan in fresh.items() if plan.draft_entered],
+            entered,
+            any(not live[b].request.sampling.greedy for b in entered),
             sorted(acts),
             self.anchor_stages(fresh, during=False) if self.pre_step else [],
         )
 
-    def send_inputs(self, live: Mapping[int, SlotSequence], inputs: StepInputs) -> None:
+    def send_inputs(self, inputs: StepInputs) -> None:
         """The previous step's outputs that this step's fresh plans take, in the order the receivers take them:
         the verifier takes the draft after the activation it runs (they share a channel when the PDM shares stage
         1's process)."""
@@ -121,7 +97,7 @@ class Traffic:
             self.send(s - 1, s, "act")
         if inputs.entered:
             self.send(n, n - 1, "draft_token")
-            if sampled(live, inputs.entered):
+            if inputs.sampled:
                 self.send(n, n - 1, "draft_q")
         for s in inputs.anchors:
             self.send(s - 1, n, f"anchors{s}")
@@ -165,7 +141,8 @@ class Traffic:
         """The PDM's outgoing draft message: the rows of the `kept` slots' drafts; the row of a discarded draft
         keeps what it held (a redo's input travelled with it)."""
         R = drafts.tokens.shape[0]
-        tokens, q = leading(self._draft_tokens, R), leading(self._draft_q, R)
+        sent_tokens, sent_q = self.box.drafts
+        tokens, q = leading(sent_tokens, R), leading(sent_q, R)
         if len(kept) == R:  # every row of the draft is sent
             tokens.copy_(drafts.tokens)
             if drafts.q is not None:
@@ -175,19 +152,14 @@ class Traffic:
             tokens.copy_(torch.where(keep, drafts.tokens, tokens))
             if drafts.q is not None:
                 q.copy_(torch.where(keep[:, None], drafts.q, q))
-        self.box.put(self.n, "draft_token", self._draft_tokens)
+        self.box.put(self.n, "draft_token", sent_tokens)
         if drafts.q is not None:  # else no slot that drafted samples, and no draft entering next step needs its q
-            self.box.put(self.n, "draft_q", self._draft_q)
+            self.box.put(self.n, "draft_q", sent_q)
 
     def anchor_stages(self, plans: Mapping[int, CyclePlan], during: bool) -> list[int]:
         """The stages whose anchor states some plan needs (this step's, or the previous step's)."""
         pairs = [pair for plan in plans.values() for pair in (plan.anchors_during if during else plan.anchors_before)]
-        return sorted({s for s, _ in pairs if self.anchor_counts[s]})
-
-
-def sampled(live: Mapping[int, SlotSequence], slots: list[int]) -> bool:
-    """Whether any of those slots samples (its draft travels with its distribution `q`)."""
-    return any(not live[b].request.sampling.greedy for b in slots)
+        return sorted({s for s, _ in pairs if self.box.anchor_counts[s]})
 
 
 def positions_of(stage: int, anchors: Mapping[int, Sequence[tuple[int, int]]]) -> dict[int, int]:

@@ -42,10 +42,11 @@ class Judging:
 class VerdictChannel:
     """The verdicts of one process: the verifier's judging and sends where it is hosted, the listeners' receives."""
 
-    def __init__(self, traffic: Traffic, verifier_rank: int, listeners: list[int]):
-        self.traffic, self.verifier_rank, self.listeners = traffic, verifier_rank, listeners
+    def __init__(self, traffic: Traffic, verifier_rank: int):
+        self.traffic, self.verifier_rank = traffic, verifier_rank
         self.hosts_verifier = traffic.transport.hosts(verifier_rank)
         self.others = [r for r in range(traffic.n + 1) if r != verifier_rank]  # every rank the verifier sends to
+        self.listeners = [r for r in self.others if traffic.transport.hosts(r)]
         self.rows: dict[int, list[list[int]]] = {}  # step -> its verdict rows, once this process holds them
         self._owed: deque[Judging] = deque()  # steps whose message the listeners may not have taken yet (`_due`)
         self._arrivals: dict[int, Arrival] = {}  # listener rank -> its posted receive of the oldest owed verdict
@@ -75,15 +76,14 @@ class VerdictChannel:
         """The verifier judges each real slot's draft of `step` into its device row; one host read brings them
         all; one `[B, 2]` message to every other rank, in each step in which it judged some slot (so no host read
         nor message while the pipeline fills). The listeners may owe that message."""
-        judging, real = Judging(step, False, []), []
+        real, unknown = [], []
         for b, seq in live.items():
             if seq.step.plan.judged_position >= 0:
                 wasted = seq.wasted(self.message(step - 1, b))
                 if wasted is None:
-                    judging.unknown.append((b, seq.steps))
+                    unknown.append((b, seq.steps))
                 elif not wasted:
                     real.append(b)
-        judging.real = bool(real)
         if self.hosts_verifier and real:
             box = self.traffic.box
             index = step % 2  # a row pair is rewritten two steps later, once its sends have settled
@@ -94,8 +94,8 @@ class VerdictChannel:
             self.rows[step] = box.verdict_to_host(index)
             for r in self.others:
                 self.traffic.send(self.verifier_rank, r, "verdict", box.verdict_host[index])
-        if self.listeners and (judging.real or judging.unknown):
-            self._owed.append(judging)
+        if self.listeners and (real or unknown):
+            self._owed.append(Judging(step, bool(real), unknown))
 
     def post(self, step: int) -> None:
         """The listeners start receiving the verdict of `step`, if it is still owed."""

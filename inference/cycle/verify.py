@@ -101,13 +101,12 @@ class Verifier:
         slot = position % self.window
         draft = self.tokens[slot]
         if self.sampling.greedy:
-            target = logits.argmax()
-            out[0] = torch.where(target == draft, Verdict.ACCEPT, Verdict.REJECT)
-            out[1] = target
-            return out
-        p = warp(logits, self.sampling)
-        q = self.q_target.zero_().index_copy_(0, self.d2t, self.q[slot])  # q over the target vocabulary
-        accepted, token = accept_or_correct(p, q, draft.view(1), self.generator)
+            token = logits.argmax()
+            accepted = token == draft
+        else:
+            p = warp(logits, self.sampling)
+            q = self.q_target.zero_().index_copy_(0, self.d2t, self.q[slot])  # q over the target vocabulary
+            accepted, token = accept_or_correct(p, q, draft.view(1), self.generator)
         out[0] = torch.where(accepted, Verdict.ACCEPT, Verdict.REJECT)
         out[1] = token
         return out
