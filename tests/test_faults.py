@@ -157,3 +157,39 @@ def test_the_failure_message_follows_the_chain_of_blame():
     assert failure_message(job, {3: 1}, own).startswith("rank 1 (stage 2) failed: TargetError: no layer 3")
     assert failure_message(job, {1: -9}, chain).startswith("rank 1 (stage 2) was killed by signal 9")
     assert failure_message(job, {1: 3}, chain).startswith("rank 1 (stage 2) exited with code 3 without reporting")
+
+
+KILLED_MID_REPORT = """
+import multiprocessing as mp, os, signal, time
+from inference.processes.reports import Inbox, Started
+
+def rank(messages, ready):
+    messages.put(Started(0, os.getpid()))
+    messages.put(b"x" * (1 << 20))  # its feeder thread takes the queue's write lock and fills the pipe
+    while messages._buffer:  # both taken by the feeder: the second send blocks, 1 MiB over the pipe's room
+        time.sleep(0.01)
+    time.sleep(0.2)
+    ready.set()
+    signal.pause()
+
+ctx = mp.get_context("fork")
+messages, ready = ctx.Queue(), ctx.Event()
+child = ctx.Process(target=rank, args=(messages, ready))
+child.start()
+ready.wait()
+os.kill(child.pid, signal.SIGKILL)  # mid-send: it dies holding the write lock, its report half written
+child.join()
+inbox = Inbox(messages, None, None)
+inbox.close(wait_s=1.0)
+print(inbox.pids == {0: child.pid})
+"""
+
+
+def test_a_rank_killed_mid_report_does_not_hang_the_launchers_exit():
+    """A rank SIGKILLed while its feeder thread sends a report keeps the report queue's write lock forever. The
+    launcher (the server, across restarts) only reads that queue, so closing its inbox and exiting still work;
+    with a stop sentinel written into the queue, its exit hung joining that sentinel's feeder thread."""
+    done = subprocess.run(
+        [sys.executable, "-c", KILLED_MID_REPORT], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "True"), done.stderr[-2000:]

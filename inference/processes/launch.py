@@ -272,7 +272,7 @@ def _listening(job: DecodeJob, inbox: Inbox, request_channel):
     the server's cancels (`request_channel`) go out to a verifier on another node."""
     if job.nodes is None or job.nodes.node_rank != 0:
         return contextlib.nullcontext()
-    return contextlib.closing(ReportListener(job.nodes, inbox.messages, request_channel))
+    return contextlib.closing(ReportListener(job.nodes, inbox, request_channel))
 
 
 @contextlib.contextmanager

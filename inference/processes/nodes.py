@@ -126,9 +126,10 @@ class ReportSender:
 
 
 class ReportListener:
-    """On node 0: accepts the other nodes' ranks and puts every report they send into `messages`; sends the
-    cancels of the server's `request_channel` to the verifier ranks that watch for them. It binds when built,
-    before any rank starts; `close` stops accepting (connections already made end with their rank)."""
+    """On node 0: accepts the other nodes' ranks and puts every report they send into `messages` (the launcher's
+    `Inbox`); sends the cancels of the server's `request_channel` to the verifier ranks that watch for them. It
+    binds when built, before any rank starts; `close` stops accepting (connections already made end with their
+    rank)."""
 
     def __init__(self, nodes: Nodes, messages, request_channel=None):
         self.nodes, self.messages, self.channel = nodes, messages, request_channel

@@ -8,6 +8,7 @@ fail, `failure_message` names the rank that caused it from these reports and the
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable
 from typing import NamedTuple
@@ -15,6 +16,8 @@ from typing import NamedTuple
 from inference.cycle.pipeline import role_name
 from inference.cycle.result import DecodeResult
 from inference.processes.job import DecodeJob
+
+DRAIN_POLL_S = 0.1  # how often the drain thread checks whether it is closed (a report wakes it at once)
 
 
 class Started(NamedTuple):
@@ -41,7 +44,12 @@ class Failed(NamedTuple):
 
 
 class Inbox:
-    """The launcher's side of the queue, drained by a thread while the agent watches the processes."""
+    """The launcher's side of the queue, drained by a thread while the agent watches the processes.
+
+    The launcher only reads that queue, never writes to it (not even a stop sentinel): a rank killed while its
+    feeder thread sends a report dies holding the queue's write lock, so a writer here would block forever, and
+    with it this process's exit, which joins the feeder thread of every queue it wrote to. Reports from other
+    nodes come in through `put` (`nodes.ReportListener`), not through the queue, for the same reason."""
 
     def __init__(
         self,
@@ -54,11 +62,24 @@ class Inbox:
         self.pids: dict[int, int] = {}
         self.results: dict[int, DecodeResult] = {}
         self.failures: dict[int, Failed] = {}
+        self._lock = threading.Lock()  # the drain thread and other nodes' listeners report concurrently
+        self._closing = threading.Event()
         self._thread = threading.Thread(target=self._drain, name="spd-launch-inbox", daemon=True)
         self._thread.start()
 
     def _drain(self) -> None:
-        while (message := self.messages.get()) is not None:
+        while True:
+            try:
+                message = self.messages.get(timeout=DRAIN_POLL_S)
+            except queue.Empty:
+                if self._closing.is_set():
+                    return
+                continue
+            self.put(message)
+
+    def put(self, message: Started | Streamed | Finished | Failed) -> None:
+        """One report: from the queue, or from a rank on another node."""
+        with self._lock:
             if isinstance(message, Started):
                 self.pids[message.rank] = message.pid
                 if self.on_start is not None:
@@ -74,10 +95,9 @@ class Inbox:
                 self.failures.setdefault(message.rank, message)
 
     def close(self, wait_s: float = 5.0) -> None:
-        """Every report the ranks made is in (they have all exited by now); a second call does nothing."""
-        if self._thread.is_alive():
-            self.messages.put(None)
-            self._thread.join(wait_s)
+        """Every report the ranks made is in (they have all exited by now): the queue is drained until empty."""
+        self._closing.set()
+        self._thread.join(wait_s)
 
     def pid_list(self) -> tuple[int, ...]:
         return tuple(self.pids[r] for r in sorted(self.pids))
