@@ -10,12 +10,14 @@ requests in flight.
 
 import contextlib
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 import httpx
 import pytest
-from kit import Server, chat_reply, make_tiny_model, random_pdm, served, simulated_decode
+from kit import REPO, Server, chat_reply, make_tiny_model, random_pdm, served, simulated_decode
 
 from inference.cycle.simulator import Simulator
 from inference.sampling import Sampling
@@ -313,3 +315,26 @@ def test_the_ranks_serve_a_batch_and_a_rank_killed_with_three_in_flight_fails_ea
         assert 'spd_requests_total{outcome="failed"' in metrics and "spd_pipeline_restarts_total" in metrics
     finally:
         assert server.stop() in (0, -signal.SIGTERM)
+
+
+QUEUED_FOR_DEAD_RANKS = """
+import multiprocessing as mp
+from inference.sampling import Sampling
+from inference.serving.ranks import RequestChannel
+from inference.serving.slot_feed import QueuedRequest
+
+channel = RequestChannel(mp.get_context("fork"))
+for i in range(8):  # the requests queued when the ranks died: 8 x 10k tokens, over the pipe's room
+    channel.put(QueuedRequest(i, list(range(10_000)), 8, Sampling(), 0))
+channel.close()
+print("closed")
+"""
+
+
+def test_requests_queued_for_ranks_that_died_do_not_block_the_restart():
+    """No rank reads the request queue once the ranks are gone: closing it (the engine's restart, the server's
+    exit) drops what is queued instead of waiting forever for the pipe to drain."""
+    done = subprocess.run(
+        [sys.executable, "-c", QUEUED_FOR_DEAD_RANKS], cwd=REPO, capture_output=True, text=True, timeout=30
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "closed"), done.stderr[-2000:]

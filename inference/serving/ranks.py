@@ -120,8 +120,11 @@ class RequestChannel:
         return CancelReport(*self._report[:])
 
     def close(self) -> None:
+        """What is still queued was for ranks that have stopped: dropped, not waited on. With no rank reading,
+        requests over the pipe's room (64 KiB) would block the queue's feeder thread forever, and this close (a
+        restart, the server's exit) with it."""
+        self.queue.cancel_join_thread()
         self.queue.close()
-        self.queue.join_thread()
 
 
 def serve_requests(
