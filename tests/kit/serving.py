@@ -65,9 +65,10 @@ class Server:
         return httpx.post(f"{self.url}{path}", content=content, headers=headers, timeout=60, **kw)
 
     def stop(self) -> int:
-        """SIGTERM, then the exit status. 60 s is a hang guard, not a timing: an idle server on a loaded 2-core CI
-        machine has taken over 20 s to stop its ranks. A server that does not stop is killed with its ranks, so a
-        failing test leaves no process behind."""
+        """SIGTERM, then the exit status. 60 s guards against a hang, with room for a loaded machine; it is not a
+        timing. A server that does not stop is killed with its ranks, so the failure is one line and leaves no process
+        behind. With a 20 s wait that raised and left them running, the hang at exit that `reports.Inbox` now avoids
+        looked like a slow machine."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         try:
