@@ -169,3 +169,22 @@ def test_node_options_make_the_jobs_nodes():
     args = serve.parse_args(["--ckpt", "d", "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "3"])
     assert serve.nodes_of(args) == Nodes(2, 1, 3, "127.0.0.1", 29500, 29501)
     assert serve.nodes_of(serve.parse_args(["--ckpt", "d"])) is None
+
+
+def test_closing_the_listener_while_another_node_is_mid_handshake_does_not_hang():
+    """Another node connects (its ranks' reports, or `join_pipeline` between pipelines) just as node 0 stops: the
+    accepting thread ends with that connection, so `close` must not wait on a handshake nobody will answer."""
+    import socket
+    from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+
+    port = free_port()
+    listener = ReportListener(nodes(0, port), LocalQueue())
+    peer = Connection(socket.create_connection(("127.0.0.1", port)).detach())  # accepted, its handshake pending
+    closing = threading.Thread(target=listener.close, daemon=True)
+    closing.start()
+    time.sleep(0.3)
+    answer_challenge(peer, b"spd-serve")  # the handshake completes after `close` began
+    deliver_challenge(peer, b"spd-serve")
+    closing.join(10)
+    assert not closing.is_alive(), "ReportListener.close hung"
+    peer.close()

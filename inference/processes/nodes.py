@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -153,7 +154,7 @@ class ReportListener:
         while True:
             try:
                 connection = self._listener.accept()
-            except OSError:
+            except (OSError, EOFError):  # a peer gone mid-handshake, or `close` waking this thread
                 if self._closed:
                     return
                 continue
@@ -201,8 +202,11 @@ class ReportListener:
         self._closed = True
         if self.channel is not None:
             self.channel.unsubscribe(self.cancel)
-        with contextlib.suppress(OSError):  # wakes the accepting thread, which then sees `_closed`
-            Client(self.nodes.report_address, authkey=self.nodes.authkey).close()
+        # Wake the accepting thread, which then sees `_closed`, with a bare connection that waits for nothing: an
+        # authenticated `Client` would wait forever for a handshake when that thread has just ended with another
+        # node's connection (which is what hung the server's exit while node 1 asked for the next pipeline).
+        with contextlib.suppress(OSError), socket.create_connection(self.nodes.report_address, timeout=1):
+            pass
         self._listener.close()
 
 
