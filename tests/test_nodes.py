@@ -172,8 +172,9 @@ def test_node_options_make_the_jobs_nodes():
 
 
 def test_closing_the_listener_while_another_node_is_mid_handshake_does_not_hang():
-    """Another node connects (its ranks' reports, or `join_pipeline` between pipelines) just as node 0 stops: the
-    accepting thread ends with that connection, so `close` must not wait on a handshake nobody will answer."""
+    """Another node connects (its ranks' reports, or `join_pipeline` between pipelines) just as node 0 stops, and
+    its handshake completes after `close` began: `close` must return whatever that connection does. (It hung when
+    it woke the accepting thread with a handshake of its own, which nobody answered once that thread had ended.)"""
     import socket
     from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
@@ -188,3 +189,22 @@ def test_closing_the_listener_while_another_node_is_mid_handshake_does_not_hang(
     closing.join(10)
     assert not closing.is_alive(), "ReportListener.close hung"
     peer.close()
+
+
+def test_a_connection_that_never_speaks_does_not_stop_the_other_nodes_reports():
+    """A peer that connects to the report port and says nothing (a probe, a half-dead host) holds only its own
+    connection: the ranks' reports still get in."""
+    import socket
+
+    port = free_port()
+    received = LocalQueue()
+    listener = ReportListener(nodes(0, port), received)
+    idle = socket.create_connection(("127.0.0.1", port))
+    try:
+        sender = ReportSender(nodes(1, port), LocalQueue(), local_kinds=())
+        threading.Thread(target=sender.put, args=(Streamed(0, [7]),), daemon=True).start()
+        assert received.get(timeout=10) == Streamed(0, [7])
+        sender.close()
+    finally:
+        idle.close()
+        listener.close()

@@ -30,7 +30,8 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from multiprocessing.connection import Client, Listener
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Listener, answer_challenge, deliver_challenge
 
 from spd_lightning.errors import UserError
 
@@ -134,7 +135,7 @@ class ReportListener:
 
     def __init__(self, nodes: Nodes, messages, request_channel=None):
         self.nodes, self.messages, self.channel = nodes, messages, request_channel
-        self._listener = Listener(nodes.report_address, authkey=nodes.authkey)
+        self._listener = Listener(nodes.report_address, backlog=16)  # authenticated per connection (`_forward`)
         self._closed = False
         self._watchers: list = []
         self._lock = threading.Lock()
@@ -154,12 +155,9 @@ class ReportListener:
         while True:
             try:
                 connection = self._listener.accept()
-            except (OSError, EOFError):  # a peer gone mid-handshake, or `close` waking this thread
+            except OSError:
                 if self._closed:
                     return
-                continue
-            except Exception as e:  # noqa: BLE001 - e.g. a wrong key: refuse this one, keep listening
-                log.warning("refused a report connection: %s", e)
                 continue
             if self._closed:
                 connection.close()
@@ -168,6 +166,15 @@ class ReportListener:
 
     def _forward(self, connection) -> None:
         with connection:
+            # The handshake runs here, not in `accept`: a peer that connects and says nothing holds only this thread.
+            try:
+                deliver_challenge(connection, self.nodes.authkey)
+                answer_challenge(connection, self.nodes.authkey)
+            except AuthenticationError as e:  # e.g. another run's key: refuse this one, keep listening
+                log.warning("refused a report connection: %s", e)
+                return
+            except (EOFError, OSError):  # a peer gone mid-handshake, or `close` waking the accepting thread
+                return
             while True:
                 try:
                     message = connection.recv()
@@ -203,8 +210,8 @@ class ReportListener:
         if self.channel is not None:
             self.channel.unsubscribe(self.cancel)
         # Wake the accepting thread, which then sees `_closed`, with a bare connection that waits for nothing: an
-        # authenticated `Client` would wait forever for a handshake when that thread has just ended with another
-        # node's connection (which is what hung the server's exit while node 1 asked for the next pipeline).
+        # authenticated `Client` would wait forever for its handshake when that thread has just ended with another
+        # node's connection (which hung the server's exit while node 1 asked for the next pipeline).
         with contextlib.suppress(OSError), socket.create_connection(self.nodes.report_address, timeout=1):
             pass
         self._listener.close()
