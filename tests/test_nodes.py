@@ -180,7 +180,8 @@ def test_closing_the_listener_while_another_node_is_mid_handshake_does_not_hang(
 
     port = free_port()
     listener = ReportListener(nodes(0, port), LocalQueue())
-    peer = Connection(socket.create_connection(("127.0.0.1", port)).detach())  # accepted, its handshake pending
+    peer = Connection(socket.create_connection(("127.0.0.1", port)).detach())
+    assert peer.poll(10)  # node 0's challenge is in: the connection is accepted, its handshake pending
     closing = threading.Thread(target=listener.close, daemon=True)
     closing.start()
     time.sleep(0.3)
