@@ -46,8 +46,10 @@ demo: env
 demo-tiny: env
 	PY=$(PY) TARGET=$(TARGET) bash scripts/demo.sh
 
+# Two workers, each taking whole files (a file's module fixtures are built once); most of a test's time is one core.
+TEST_WORKERS ?= 2
 test: env
-	$(PY) -m pytest -q --durations=20
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20
 
 test-slow: env
 	$(PY) -m pytest -q -m slow
