@@ -24,6 +24,9 @@ from spd_lightning.target import Target
 from spd_lightning.training.module import set_recompile_limit
 
 torch.set_num_threads(1)  # in case torch was imported before the variable above was set (a plugin)
+# dynamo's recompile limit in a fresh process: a compiled decode step (`CompiledStep`) raises it process-wide, so a
+# test that runs after one in the same process (a pytest-xdist worker) starts from this, as `fit` would.
+FRESH_RECOMPILE_LIMIT = torch._dynamo.config.recompile_limit
 
 
 @pytest.fixture(scope="session", params=["qwen3", "qwen3_5"])
@@ -108,6 +111,7 @@ def limited_dynamo():
     limit, fail = torch._dynamo.config.recompile_limit, torch._dynamo.config.fail_on_recompile_limit_hit
     torch._dynamo.reset()
     counters.clear()
+    torch._dynamo.config.recompile_limit = FRESH_RECOMPILE_LIMIT
     set_recompile_limit()
     yield
     torch._dynamo.reset()
