@@ -185,8 +185,8 @@ def test_closing_the_listener_while_another_node_is_mid_handshake_does_not_hang(
     closing = threading.Thread(target=listener.close, daemon=True)
     closing.start()
     time.sleep(0.3)
-    answer_challenge(peer, b"spd-serve")  # the handshake completes after `close` began
-    deliver_challenge(peer, b"spd-serve")
+    answer_challenge(peer, nodes(1, port).authkey)  # the handshake completes after `close` began
+    deliver_challenge(peer, nodes(1, port).authkey)
     closing.join(10)
     assert not closing.is_alive(), "ReportListener.close hung"
     peer.close()
