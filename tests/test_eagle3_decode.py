@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from kit import make_tiny_model
+from kit import assert_same_state, make_tiny_model, slot_state
 
 from inference.chain.decoder import ChainResult, chain_decode
 from inference.chain.drafter import Draft, Eagle3Runtime
@@ -144,34 +144,22 @@ def test_eos_stops_like_ar(family):
 
 
 # -- the verify forward's rollback -------------------------------------------------------------------
-def cache_state(chain_target: ChainTarget) -> list[torch.Tensor]:
-    """The state the cache holds: linear states, and attention keys/values of the positions held (the
-    static storage's tail past them is stale, masked, and overwritten by the next forward)."""
-    cache, tensors = chain_target.cache, []
-    for i in range(chain_target.num_layers):
-        read = cache.states if i in chain_target.linear else cache.keys_values
-        tensors += [t.clone() for t in read(i)]
-    return tensors
-
-
-def bitwise_equal(a, b) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
-
-
 PROMPT = torch.tensor([PROMPTS[0]])
 BLOCK = torch.tensor([[5, 6, 7, 8, 9, 10]])
 
 
+@pytest.mark.hf_internals
 def test_full_rollback_restores_the_cache_bitwise(tiny_target):
     chain_target = ChainTarget(tiny_target, [1, 2, 3], BLOCK.shape[1])
     chain_target.forward(PROMPT, 0)
-    before = cache_state(chain_target)
+    before = slot_state(chain_target.cache, 0)
     chain_target.forward(BLOCK, PROMPT.shape[1])
     chain_target.rollback(PROMPT.shape[1])
-    assert bitwise_equal(cache_state(chain_target), before)
+    assert_same_state(slot_state(chain_target.cache, 0), before)
 
 
 @pytest.mark.parametrize("accepted", [1, 3, 5])
+@pytest.mark.hf_internals
 def test_rejected_drafts_leave_no_trace(tiny_target, accepted):
     """Two verify forwards that share their first `accepted` tokens: after rollback, the caches and the
     next forward are bit-identical whatever the rejected tail was."""
@@ -184,16 +172,16 @@ def test_rejected_drafts_leave_no_trace(tiny_target, accepted):
         chain_target.forward(PROMPT, 0)
         chain_target.forward(block, start)
         chain_target.rollback(start + accepted)
-        state = cache_state(chain_target)
+        state = slot_state(chain_target.cache, 0)
         runs.append((state, *chain_target.forward(torch.tensor([[20, 21, 22]]), start + accepted)))
-    assert bitwise_equal(runs[0][0], runs[1][0])
+    assert_same_state(runs[0][0], runs[1][0])
     assert torch.equal(runs[0][1], runs[1][1]) and torch.equal(runs[0][2], runs[1][2])
     # ... and the kept cache is AR's (one token at a time), up to float round-off of the batched forward.
     chain_target.reset()
     chain_target.forward(PROMPT, 0)
     for j in range(accepted):
         chain_target.forward(BLOCK[:, j : j + 1], start + j)
-    for got, want in zip(runs[0][0], cache_state(chain_target)):
+    for got, want in zip(runs[0][0], slot_state(chain_target.cache, 0)):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from kit import hf_logits, make_tiny_model, save_target
+from kit import assert_same_state, hf_logits, make_tiny_model, save_target, slot_state
 
 from inference.runtime.stages import Stage, load_pieces
 from spd_lightning.geometry import Geometry
@@ -48,17 +48,6 @@ def test_anchor_states_are_hf_hidden_states(tiny_qwen35):
     assert torch.allclose(got, want, atol=1e-5)
 
 
-def cache_snapshot(stage):
-    """Every tensor a stage's cache holds, by name (keys/values of attention, conv/recurrent of linear layers)."""
-    out, cache = {}, stage.cache
-    held = cache.lengths[0]  # the positions held (the static tail is stale storage)
-    for i in cache.attention_layers:
-        out[f"k{i}"], out[f"v{i}"] = cache.keys[i][0, :, :held].clone(), cache.values[i][0, :, :held].clone()
-    for i in cache.linear_layers:
-        out[f"conv{i}"], out[f"rec{i}"] = cache.conv[i][0].clone(), cache.recurrent[i][0].clone()
-    return out
-
-
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
 def test_rollback_is_bit_exact(arch):
     """Run a, b, c, then d1..d4 (to be rejected; n = 4 is the most a rejection discards on stage 1: the n - 1
@@ -73,16 +62,14 @@ def test_rollback_is_bit_exact(arch):
         run_through(stages, prompt, 0)
         for i, t in enumerate(kept):
             run_through(stages, [t], len(prompt) + i)
-    clean = [cache_snapshot(s) for s in stage_b]
+    clean = [slot_state(s.cache, 0) for s in stage_b]
     keep = len(prompt) + len(kept)
     for i, t in enumerate(discarded):
         run_through(stage_a, [t], keep + i)
     for s in stage_a:
         s.cache.rollback(0, keep)
-    for restored, fresh in zip([cache_snapshot(s) for s in stage_a], clean):
-        assert restored.keys() == fresh.keys()
-        for name in fresh:
-            assert torch.equal(restored[name], fresh[name]), name
+    for restored, fresh in zip([slot_state(s.cache, 0) for s in stage_a], clean):
+        assert_same_state(restored, fresh)
     if arch == "qwen3_5":
         assert any(s.cache.linear_layers for s in stage_a)
     for i, t in enumerate(after):

@@ -8,7 +8,7 @@ forward of the same sequence, and the states to a fresh cache's, bit for bit."""
 
 import pytest
 import torch
-from kit import random_pdm
+from kit import assert_same_state, random_pdm, slot_state
 
 from inference.cycle.ar import ar_decode
 from inference.cycle.simulator import Simulator
@@ -48,21 +48,8 @@ class Pipe:
             stage.cache.rollback(slot, keep)
 
     def state(self, slot: int) -> list[torch.Tensor]:
-        """Slot `slot`'s caches: the keys and values of the positions it holds, its conv and recurrent states."""
-        out = []
-        for stage in self.stages:
-            cache, held = stage.cache, stage.cache.lengths[slot]
-            for i in cache.attention_layers:
-                out += [cache.keys[i][slot, :, :held].clone(), cache.values[i][slot, :, :held].clone()]
-            for i in cache.linear_layers:
-                out += [cache.conv[i][slot].clone(), cache.recurrent[i][slot].clone()]
-        return out
-
-
-def assert_same_state(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
-    assert len(got) == len(want) > 0
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert a.shape == b.shape and torch.equal(a, b), f"state tensor {i} differs by {(a - b).abs().max()}"
+        """Slot `slot`'s caches over every stage."""
+        return [tensor for stage in self.stages for tensor in slot_state(stage.cache, slot)]
 
 
 NEIGHBOUR = ([5, 6, 7, 8], [40, 41, 42, 43, 44, 45])  # slot 0's prompt and tokens, beside the slot under test

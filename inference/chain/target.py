@@ -4,17 +4,18 @@
 `start..start+S-1` on top of its cache and returns the logits of every position plus the EAGLE-3 feature states
 (`hidden_states[l]` for the drafter's feature layers).
 
-The cache is a `ChainCache` (cache.py) over every layer: static storage written in place, so
-every forward passes attention layers the additive mask of `stages.attention_mask`, over the storage's
-whole capacity (causal, the unwritten tail hidden).
+The cache is one slot of a `StageCache` (inference/runtime/cache.py, the pipeline stages' cache) over every layer:
+static storage written in place, so every forward passes attention layers the additive mask of
+`stages.attention_mask`, over the storage's whole capacity (causal, the unwritten tail hidden).
 
 - Prefill (`start == 0`): one causal forward, the path of a stage's prefill (and of AR).
 - Verify (`start > 0`, the last committed token plus k drafts): attention layers run all S tokens at once;
   linear-attention (Gated DeltaNet) layers step through the block one token at a time, each token's conv
-  and recurrent states snapshotted first with `ChainCache.snapshot_layer` (the per-token states SGLang's
-  verify kernel keeps). `rollback(keep)` is `ChainCache.rollback`: it moves the attention length back
-  (the next forward overwrites the rejected positions) and restores the linear states of position `keep`, so
-  the cache holds exactly the accepted positions, as if the rejected drafts had never been run.
+  and recurrent states snapshotted first (`StageCache.snapshot_row`, the per-token states SGLang's verify kernel
+  keeps). `rollback(keep)` is `StageCache.rollback`: it moves the slot's length back (the next forward overwrites
+  the rejected positions) and restores the linear states of position `keep`, so the cache holds exactly the
+  accepted positions, as if the rejected drafts had never been run. The snapshot ring holds `max_block + 1`
+  entries: a rollback discards at most one block.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from inference.chain.cache import ChainCache
+from inference.runtime.cache import StageCache
 from inference.runtime.hf_compat import cache_kwargs, rotary_positions
 from inference.runtime.stages import attention_mask
 from spd_lightning.eagle3.model import check_feature_layers
@@ -37,7 +38,7 @@ class ChainTarget:
         self.embed_tokens, self.norm, self.lm_head = target.embed_tokens, target.norm, target.lm_head
         self.rotary_emb = target.rotary_emb
         self.feature_layers = check_feature_layers(feature_layers, self.num_layers)
-        self.cache = ChainCache(target.config, window=max_block + 1)
+        self.cache = StageCache(target.config, range(self.num_layers), max_block + 1, 1, self.device)
         self.linear = set(self.cache.linear_layers)
 
     @property
@@ -46,26 +47,27 @@ class ChainTarget:
 
     def reset(self, capacity: int = 0) -> None:
         """Forget everything before a prompt of at most `capacity` positions (0: grow when needed)."""
-        self.cache.reset(capacity)
+        self.cache.reset(0, capacity)
 
     def rollback(self, keep: int) -> None:
         """Keep positions `< keep` (the accepted ones), discard the rest."""
-        self.cache.rollback(keep)
+        self.cache.rollback(0, keep)
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Run `tokens[1, S]` at positions `start..`; returns logits `[S, V]` and features `[S, 3, H]`."""
-        S = tokens.shape[1]
-        if start != self.cache.length:
-            raise RuntimeError(
-                f"the target cache holds {self.cache.length} positions but is asked to run position {start}"
-            )
+        S, held = tokens.shape[1], self.cache.lengths[0]
+        if start != held:
+            raise RuntimeError(f"the target cache holds {held} positions but is asked to run position {start}")
         self.cache.reserve(start + S)  # before the mask: a regrow changes the capacity
         x = self.embed_tokens(tokens.to(self.device))
         positions = torch.arange(start, start + S, device=self.device)[None]
         cos, sin = self.rotary_emb(x, rotary_positions(self.rotary_emb, positions))
         mask = attention_mask(positions, self.cache.capacity, x.dtype)  # causal, the unwritten tail hidden
-        step = start > 0  # a prefill is never rolled back: no snapshots, one chunked pass per layer
+        view, step = (
+            self.cache.row(0, start),
+            start > 0,
+        )  # a prefill is never rolled back: no snapshots, one chunked pass per layer
         wanted = set(self.feature_layers)
         captured = {0: x} if 0 in wanted else {}
         for i, layer in enumerate(self.layers):
@@ -74,7 +76,7 @@ class ChainTarget:
             outs = []
             for a, b in spans:
                 if linear and step:
-                    self.cache.snapshot_layer(i, start + a)
+                    self.cache.snapshot_row(0, i, start + a)
                 # Gated DeltaNet reads attention_mask as a padding mask: only attention layers get the causal one.
                 outs.append(
                     layer(
@@ -82,7 +84,7 @@ class ChainTarget:
                         position_embeddings=(cos[:, a:b], sin[:, a:b]),
                         attention_mask=None if linear else mask,
                         position_ids=positions[:, a:b],
-                        **cache_kwargs(layer, self.cache.hf),
+                        **cache_kwargs(layer, view),
                         use_cache=True,
                     )
                 )
@@ -91,6 +93,6 @@ class ChainTarget:
                 captured[i + 1] = x
         normed = self.norm(x)
         captured[self.num_layers] = normed  # hidden_states[L] is the final-norm output (docs/DESIGN.md, "Terms")
-        self.cache.length += S
+        self.cache.positions.set(0, start + S)
         features = torch.stack([captured[b][0] for b in self.feature_layers], dim=1)
         return self.lm_head(normed)[0], features

@@ -23,7 +23,8 @@ zero states. A rejection discards every position from `rollback_to` on, and the 
 for bit over the positions it holds, the cache of a run that never saw them (tests/test_slot_state.py).
 
 The object is also the HF cache the decoder layers call (`update`, `get_conv_state`, ...): over all rows in a
-decode step, over one row (`StageCache.row(b)`) in that slot's prefill.
+decode step, over one row (`StageCache.row(b, start)`) in that slot's prefill or a block forward of the chain
+decoder, whose per-token snapshots (`snapshot_row`) give the same exact rollback.
 """
 
 from __future__ import annotations
@@ -117,8 +118,14 @@ class StageCache(LegacyStateReads):
             self.recurrent[i][slot].copy_(self.recurrent_ring[i][keep % self.window, slot])
         self.positions.set(slot, keep)
 
-    def row(self, slot: int) -> _RowView:
-        return _RowView(self, slot)
+    def row(self, slot: int, start: int = 0) -> _RowView:
+        return _RowView(self, slot, start)
+
+    def snapshot_row(self, slot: int, layer: int, position: int) -> None:
+        """Slot `slot`'s states of linear-attention layer `layer` into ring entry `position % window`, before the
+        layer runs the token at `position` (a block forward steps such layers token by token)."""
+        self.conv_ring[layer][position % self.window, slot].copy_(self.conv[layer][slot])
+        self.recurrent_ring[layer][position % self.window, slot].copy_(self.recurrent[layer][slot])
 
     # -- one decode step over the leading rows -------------------------------------------------------
     def before_step(self, rows: int, running: list[int]) -> None:
@@ -190,24 +197,26 @@ class StageCache(LegacyStateReads):
 
 
 class _RowView(LegacyStateReads):
-    """Slot `slot`'s rows of a `StageCache` as the HF cache of its prefill (an empty slot, the whole prompt)."""
+    """Slot `slot`'s rows of a `StageCache` as the HF cache of a forward over that slot alone from position `start`:
+    its prefill (`start` 0, the whole prompt from zero states), or a block on top of what it holds (the chain
+    decoder's verify forward, which runs linear-attention layers one token at a time)."""
 
-    def __init__(self, cache: StageCache, slot: int):
-        self.cache, self.slot = cache, slot
+    def __init__(self, cache: StageCache, slot: int, start: int = 0):
+        self.cache, self.slot, self.start = cache, slot, start
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        c, b = self.cache, self.slot
+        c, b, start = self.cache, self.slot, self.start
         c._attention_storage(layer_idx, key_states)
-        P = key_states.shape[-2]
-        c.keys[layer_idx][b, :, :P] = key_states[0]
-        c.values[layer_idx][b, :, :P] = value_states[0]
+        end = start + key_states.shape[-2]
+        c.keys[layer_idx][b, :, start:end] = key_states[0]
+        c.values[layer_idx][b, :, start:end] = value_states[0]
         return c.keys[layer_idx][b : b + 1], c.values[layer_idx][b : b + 1]
 
     def get_conv_state(self, layer_idx, state_idx=0):
-        return None  # a prefill starts from zero states
+        return self.cache.conv[layer_idx][self.slot : self.slot + 1] if self.start else None  # a view: updated in place
 
     def get_recurrent_state(self, layer_idx, state_idx=0):
-        return None
+        return self.cache.recurrent[layer_idx][self.slot : self.slot + 1] if self.start else None
 
     def is_recording_past(self, layer_idx) -> bool:
         return False
@@ -216,6 +225,8 @@ class _RowView(LegacyStateReads):
         """As HF's `LinearAttentionLayer`: keep the last `conv_kernel_size` inputs (zero-padded on the left) and
         return the inputs the causal conv runs over."""
         c, b = self.cache, self.slot
+        if self.start:
+            raise RuntimeError("a block forward must step linear-attention layers one token at a time")
         width = conv_kernel_size or conv_states.shape[-1]
         c._linear_storage(c.conv, c.conv_ring, layer_idx, (*conv_states.shape[1:-1], width), conv_states)
         full = conv_states

@@ -1,9 +1,8 @@
 """The one place that knows how transformers' decoder-layer cache API differs between the supported releases
 (docs/DESIGN.md, "Supported versions").
 
-The decoders call the target's HF decoder layers directly, with caches of their own (the chain's `ChainCache`
-wraps HF's `StaticCache`; the stages' `StageCache` and its row view implement the cache interface themselves).
-Four things differ between the releases we support (transformers >= 5.15, see `spd_lightning.environment.versions`):
+The decoders call the target's HF decoder layers directly, with a cache of their own (`StageCache` and its row
+view, which the chain decoder's target uses too, implement the cache interface themselves). Three things differ between the releases we support (transformers >= 5.15, see `spd_lightning.environment.versions`):
 
 - the keyword a decoder layer takes its cache by: `cache` from 5.24, `past_key_values` before. A layer
   of the other generation swallows the wrong one in its `**kwargs` and runs without a cache, so the keyword
@@ -15,8 +14,7 @@ Four things differ between the releases we support (transformers >= 5.15, see `s
   calls, it sees the same tensors;
 - a multimodal rotary embedding (Qwen3.5's mRoPE, recognised by its `mrope_section`) takes text positions
   `[B, S]` in later releases (5.23 does) and only the `[3, B, S]` grid of its model's text path in 5.17 and
-  before: `rotary_positions` hands it the grid, which every release reads alike;
-- `StaticLayer.crop` exists from 5.24 only: `crop_static` moves the layer's device-side length itself.
+  before: `rotary_positions` hands it the grid, which every release reads alike.
 """
 
 from __future__ import annotations
@@ -56,12 +54,6 @@ def rotary_positions(rotary_emb: nn.Module, positions: torch.Tensor) -> torch.Te
     """The position ids to call `rotary_emb` with for text positions `positions` `[B, S]`: the same positions on
     each of the three mRoPE axes for a multimodal rotary embedding (what its model does for text), else as given."""
     return positions[None].expand(3, -1, -1) if hasattr(rotary_emb, "mrope_section") else positions
-
-
-def crop_static(layer, drop: int) -> None:
-    """Forget the last `drop` positions of HF `StaticLayer` `layer`, in place (its storage stays; the next
-    update overwrites them): what `StaticLayer.crop(-drop)` does from 5.24, on every release."""
-    layer.cumulative_length.sub_(drop)
 
 
 class LegacyStateReads:

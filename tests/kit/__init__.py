@@ -8,7 +8,14 @@ arguments are re-exported here."""
 
 from spd_lightning.testing import fit_args
 
-from .decoder_probes import LateArrival, RecordingTransport, check_batched_timing, forbid_device_sync
+from .decoder_probes import (
+    LateArrival,
+    RecordingTransport,
+    assert_same_state,
+    check_batched_timing,
+    forbid_device_sync,
+    slot_state,
+)
 from .drafters import (
     ANCHOR_BATCH,
     ANCHOR_HIDDEN,
@@ -82,6 +89,7 @@ __all__ = [
     "SyntheticChat",
     "agreeing_pdm",
     "anchor_pdm",
+    "assert_same_state",
     "attach_stub_trainer",
     "attached_module",
     "callback_args",
@@ -117,6 +125,7 @@ __all__ = [
     "saved_random_drafter",
     "served",
     "simulated_decode",
+    "slot_state",
     "started",
     "still_alive",
     "target_dir",

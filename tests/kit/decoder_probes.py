@@ -1,5 +1,6 @@
 """Probes into a decoder run (tests/test_hot_path.py, tests/test_pdm_placement.py, tests/test_compiled_decode.py):
-a transport that records every message, a message that arrives late, and a ban on device synchronisation."""
+a transport that records every message, a message that arrives late, a ban on device synchronisation, and what a
+slot's cache holds (tests/test_slot_state.py, tests/test_eagle3_decode.py)."""
 
 import torch
 
@@ -55,3 +56,21 @@ def check_batched_timing(prompts: list[dict], n: int, max_batch: int) -> None:
     assert sorted(runs) == list(range(1, len(runs) + 1))  # the prompts' rows cover the run's cycles
     assert sum(row[0] for row in runs.values()) == sum(p["K"] for p in prompts)
     assert max(row[0] for row in runs.values()) == max_batch  # some cycle ran every slot
+
+
+def slot_state(cache, slot: int) -> list[torch.Tensor]:
+    """What slot `slot` of a `StageCache` holds: the keys and values of its positions (the storage's tail past them is
+    stale, masked, and overwritten by the next forward), its conv and recurrent states; copies."""
+    out, held = [], cache.lengths[slot]
+    for i in cache.attention_layers:
+        out += [cache.keys[i][slot, :, :held].clone(), cache.values[i][slot, :, :held].clone()]
+    for i in cache.linear_layers:
+        out += [cache.conv[i][slot].clone(), cache.recurrent[i][slot].clone()]
+    return out
+
+
+def assert_same_state(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    """Two `slot_state`s bit for bit."""
+    assert len(got) == len(want) > 0
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.shape == b.shape and torch.equal(a, b), f"state tensor {i} differs by {(a - b).abs().max()}"
