@@ -64,10 +64,8 @@ class ChainTarget:
         positions = torch.arange(start, start + S, device=self.device)[None]
         cos, sin = self.rotary_emb(x, rotary_positions(self.rotary_emb, positions))
         mask = attention_mask(positions, self.cache.capacity, x.dtype)  # causal, the unwritten tail hidden
-        view, step = (
-            self.cache.row(0, start),
-            start > 0,
-        )  # a prefill is never rolled back: no snapshots, one chunked pass per layer
+        view = self.cache.row(0, start)
+        step = start > 0  # a prefill is never rolled back: no snapshots, one chunked pass per layer
         wanted = set(self.feature_layers)
         captured = {0: x} if 0 in wanted else {}
         for i, layer in enumerate(self.layers):
