@@ -1,4 +1,5 @@
-"""The whole target as ONE verify stage for chain speculative decoding (docs/DESIGN.md, "The EAGLE-3 baseline"), with exact rollback.
+"""The whole target as ONE verify stage for chain speculative decoding (docs/DESIGN.md, "The EAGLE-3 baseline"),
+with exact rollback.
 
 `ChainTarget` runs the whole target (embedding, every layer, final norm, LM head) over a block of tokens at
 `start..start+S-1` on top of its cache and returns the logits of every position plus the EAGLE-3 feature states

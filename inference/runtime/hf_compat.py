@@ -2,7 +2,8 @@
 (docs/DESIGN.md, "Supported versions").
 
 The decoders call the target's HF decoder layers directly, with a cache of their own (`StageCache` and its row
-view, which the chain decoder's target uses too, implement the cache interface themselves). Three things differ between the releases we support (transformers >= 5.15, see `spd_lightning.environment.versions`):
+view, which the chain decoder's target uses too, implement the cache interface themselves). Three things differ
+between the releases we support (transformers >= 5.15, see `spd_lightning.environment.versions`):
 
 - the keyword a decoder layer takes its cache by: `cache` from 5.24, `past_key_values` before. A layer
   of the other generation swallows the wrong one in its `**kwargs` and runs without a cache, so the keyword
