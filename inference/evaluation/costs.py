@@ -84,7 +84,8 @@ def pdm_r(results: Sequence[DecodeResult], ar: Sequence[DecodeResult]) -> list[f
 
 
 def eagle3_r(results: Sequence[DecodeResult], ar: Sequence[DecodeResult]) -> tuple[list, list]:
-    """Per prompt: (r = one chain step / T_full, v = one verify forward over k + 1 tokens / T_full)."""
+    """Per prompt: (r = one chain step, the drafter's commit of the accepted rows included, / T_full, v = one verify
+    forward over k + 1 tokens / T_full)."""
     rs, vs = [], []
     for chain, base in zip(results, ar, strict=True):
         totals, t_full = chain.timing["totals"], ar_token_s(base)

@@ -121,8 +121,10 @@ def _cycle_times(results: Sequence[DecodeResult], K: int) -> dict:
 
 
 def eagle3_row(k: int, results: list[DecodeResult], ar: list[DecodeResult]) -> dict:
-    """EAGLE-3 chain decoding at `k` on a group of prompts: tokens per target forward `N / K`, `tau`, and
-    `S_eagle3` with k draft steps and one verify over k + 1 tokens, each in units of the AR forward."""
+    """EAGLE-3 chain decoding at `k` on a group of prompts: tokens per target forward `alpha = N / K` (`K` verify
+    forwards after prefill, the prefill's token counted in `N` as in SPD's alpha; `S0 = alpha`, the speedup with a
+    free drafter at n = 1), `tau`, and `S_eagle3` with k draft steps and one verify over k + 1 tokens, each in
+    units of the AR forward."""
     N, K = sum(r.N for r in results), sum(r.K for r in results)
     accepted = [sum(r.counters["accept_lengths"]) for r in results]
     tau = sum(accepted) / K if K else None

@@ -21,7 +21,7 @@ decoding of the same target loaded in this process. Reported per set and overall
 
 EAGLE-3 beside it: `--eagle3 DRAFTER` (or an EAGLE-3 drafter as `--ckpt`) adds chain decoding at each
 `--k` (default 7; e.g. `--k 3 5 7`) on the same target, prompts and AR baseline, in
-`eagle3_results` (inference/evaluation/eagle3.py: tokens per target forward, S_eagle3, wall-clock), and a
+`eagle3_results` (inference/evaluation/rows.py: tokens per target forward, S_eagle3, wall-clock), and a
 side-by-side table of every method: tokens per target forward (`S0`: n*alpha for SPD, N/K for EAGLE-3),
 the theoretical speedup with the draft cost (S_spd, S_post for post-step/PPSD, S_eagle3), the same at the
 paper's GPU r, and the wall-clock speedup. More PDM drafters of the same target join the same report with `--compare CKPT ...`
@@ -51,9 +51,8 @@ from inference.backends import make_backend
 from inference.chain.decoder import ChainDecoder
 from inference.cycle.ar import ar_decode
 from inference.cycle.result import DecodeResult
-from inference.evaluation import eagle3 as eval_eagle3
 from inference.evaluation.report import markdown, write_outputs
-from inference.evaluation.rows import pdm_row
+from inference.evaluation.rows import eagle3_row, pdm_row
 from inference.processes.launch import launch
 from inference.prompts import dataset_spec, read_prompts
 from inference.sampling import Sampling
@@ -131,8 +130,10 @@ class PdmDecoder:
     results = "results"  # the report's list of this method's rows
 
     def __init__(self, args: argparse.Namespace, setup: Setup, target):
-        self.args, self.setup, self.target = args, setup, target
-        self.backend = None
+        self.args, self.setup = args, setup
+        self.backend = (
+            make_backend(setup, args.device, target, compile=args.compile, profile=True) if args.simulate else None
+        )
         self.n, self.L_s = setup.geometry.n, setup.spec.pdm.num_layers
         self.method = f"{setup.mode} n={self.n} L_s={self.L_s}"
 
@@ -144,10 +145,8 @@ class PdmDecoder:
         return {**identity, **pdm_row(mode, self.n, self.L_s, results, ar)}
 
     def warm_up(self, sampling: Sampling, prompt: list[int]) -> None:
-        if not self.args.simulate:
-            return
-        self.backend = make_backend(self.setup, self.args.device, self.target, compile=self.args.compile, profile=True)
-        self.backend.generate(prompt, min(4, self.args.max_new_tokens), sampling, self.args.seed)
+        if self.backend is not None:
+            self.backend.generate(prompt, min(4, self.args.max_new_tokens), sampling, self.args.seed)
 
     def decode(self, sampling: Sampling, prompts: list[list[int]], progress) -> list[DecodeResult]:
         args = self.args
@@ -157,6 +156,28 @@ class PdmDecoder:
         results = []
         for i, ids in enumerate(prompts):
             results.append(self.backend.generate(ids, args.max_new_tokens, sampling, args.seed + i))
+            progress(1)
+        return results
+
+
+class Eagle3Decoder:
+    """EAGLE-3 chain decoding at one k on the eval's target (one drafter, its weights shared by every k)."""
+
+    results = "eagle3_results"
+
+    def __init__(self, base: ChainDecoder, k: int, args: argparse.Namespace, eos: list[int]):
+        self.base, self.k, self.args, self.eos = base, k, args, eos
+
+    def row(self, results: list[DecodeResult], ar: list[DecodeResult]) -> dict:
+        return eagle3_row(self.k, results, ar)
+
+    def warm_up(self, sampling: Sampling, prompt: list[int]) -> None:
+        self.base.variant(self.k, sampling).decode(prompt, min(4, self.args.max_new_tokens), self.eos, self.args.seed)
+
+    def decode(self, sampling: Sampling, prompts: list[list[int]], progress) -> list[DecodeResult]:
+        decoder, args, results = self.base.variant(self.k, sampling), self.args, []
+        for i, ids in enumerate(prompts):
+            results.append(decoder.decode(ids, args.max_new_tokens, self.eos, args.seed + i).to_decode_result())
             progress(1)
         return results
 
@@ -178,7 +199,7 @@ class Decoders:
         self.methods: list = pdms
         if eagle3:
             base = ChainDecoder.on_target(self.target, eagle3, max(args.k))
-            self.methods += [eval_eagle3.Eagle3Decoder(base, k, args, self.setup.eos) for k in sorted(set(args.k))]
+            self.methods += [Eagle3Decoder(base, k, args, self.setup.eos) for k in sorted(set(args.k))]
 
     def warm_up(self, sampling: Sampling, prompt: list[int]) -> None:
         """Allocator and kernels warm, so the first measured prompt is not penalized."""
@@ -245,7 +266,7 @@ def run(args: argparse.Namespace) -> dict:
         bar.close()
     if report["results"]:
         _plan_inputs(report)
-    report["plan_inputs_eagle3"] = eval_eagle3.plan_inputs(report["eagle3_results"])
+    report["plan_inputs_eagle3"] = _eagle3_plan_inputs(report["eagle3_results"])
     write_outputs(report, args.out)
     return report
 
@@ -298,8 +319,7 @@ def _add_rows(report: dict, methods: list, where: dict, decoded: dict) -> None:
 
 def _plan_inputs(report: dict) -> None:
     """What `inference.plan --times eval.json` reads: measured T_full, draft time at this L_s, slowest stage, overhead."""
-    greedy = [r for r in report["results"] if r["set"] == "overall" and r["drafter"] == report["drafter"]]
-    row = min(greedy, key=lambda r: r["temperature"])
+    row = _lowest_overall([r for r in report["results"] if r["drafter"] == report["drafter"]])[0]
     overhead, draft = None, row["T_draft_s"]
     if row["mean_cycle_s"] is not None and draft is not None:
         # the simulator runs stages and drafter in sequence; the pipeline overlaps them
@@ -315,6 +335,19 @@ def _plan_inputs(report: dict) -> None:
         "L": report["L"],
         "slowest_stage_s": row["mean_slowest_stage_s"],
     }
+
+
+def _eagle3_plan_inputs(rows: list[dict]) -> list[dict]:
+    """Per k: what `inference.plan` predicts EAGLE-3 from."""
+    keys = ("k", "alpha", "tau", "T_full_s", "T_draft_step_s", "T_verify_s")
+    return [{key: r[key] for key in keys} for r in _lowest_overall(rows)]
+
+
+def _lowest_overall(rows: list[dict]) -> list[dict]:
+    """The pooled rows (every set) at the lowest temperature: what the planner reads."""
+    overall = [r for r in rows if r["set"] == "overall"]
+    lowest = min((r["temperature"] for r in overall), default=None)
+    return [r for r in overall if r["temperature"] == lowest]
 
 
 def finish(args: argparse.Namespace, report: dict) -> int:
