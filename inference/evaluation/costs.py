@@ -1,18 +1,10 @@
-"""One cost model for every method (docs/DESIGN.md, "Speedup formulas"): the speedup formulas, the draft cost
-`r` measured in one process, and the `r` a GPU has at the paper's shapes.
-
-Unit: one full target forward per token, `T_full`, timed by the AR baseline in the same process as the
-drafter. `r` = the drafter's time per draft token / `T_full`. Over AR decoding at batch 1:
-
-    SPD (pre-step)       S = n*alpha * min(1, 1/(n r))    drafting hidden while it is cheaper than a stage
-    PPSD, post-step      S = n*alpha / (1 + n r)          drafting follows each pipeline step
-    EAGLE-3, chain k     S = tau / (1 + k r + (v - 1))    k serial drafts and one verify over k + 1 tokens,
-                                                          v = T_verify(k + 1) / T_full
+"""One cost model for every method: the speedup formulas, the draft cost `r` measured in one process, and the
+`r` a GPU has at the paper's shapes (the unit `T_full`, `r`, `v` and the formulas: docs/DESIGN.md, "Speedup
+formulas").
 
 CPU timings are noisy, so `r` (and `v`) is the median of the per-prompt ratios, each prompt's drafter time
-over the same prompt's AR time (one repeat per prompt, at least MIN_REPEATS per row), with its spread.
-The formulas take floats or numpy arrays (the bootstrap of inference/evaluation/intervals.py evaluates them
-on every resample at once).
+over the same prompt's AR time (one repeat per prompt), with its spread. The formulas take floats or numpy
+arrays (the bootstrap of inference/evaluation/intervals.py evaluates them on every resample at once).
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """The planner's EAGLE-3 rows: its predicted speedup per k beside SPD's (`python -m inference.plan --times eval.json`
 of an eval with EAGLE-3 rows, whose `plan_inputs_eagle3` this reads).
 
-On one GPU each round drafts k tokens serially and verifies them in one target forward over k + 1 positions:
-
-    round(k)      = k * T_draft_step + T_verify(k)
-    speedup       = tau / (1 + k r + (T_verify/T_full - 1))   (inference/evaluation/costs.py, r = T_draft_step/T_full)
-
-with `tau` the tokens per target forward the eval measured. The table puts EAGLE-3's best k beside SPD's best
+On one GPU each round drafts k tokens serially and verifies them in one target forward over k + 1 positions: its
+time `round(k) = k * T_draft_step + T_verify(k)` and the speedup `costs.s_eagle3` (docs/DESIGN.md, "Speedup
+formulas"), with `tau` the tokens per target forward the eval measured. The table puts EAGLE-3's best k beside SPD's best
 prediction at each n (SPD needs n GPUs with the PDM sharing stage 1's, n + 1 with its own).
 """
 

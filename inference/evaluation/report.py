@@ -1,9 +1,6 @@
 """`inference.eval`'s report as people read it: `eval.md` (the PDM drafters' table, then every method side by
-side) and `eval.png`, from the `eval.json` dict (inference/eval.py). Side by side, every row is on one footing:
-tokens per target forward (`n * alpha` for a PDM drafter, `N / K` for EAGLE-3), the theoretical speedup with
-the draft cost (`S_spd`; `S_post` for post-step and PPSD; `S_eagle3`; inference/evaluation/costs.py), the same
-at the paper's GPU r, and the wall-clock speedup over the AR decodes of the same run, each with its 95 %
-bootstrap interval over prompts.
+side, on the footing `inference.eval`'s help describes) and `eval.png`, from the `eval.json` dict
+(inference/evaluation/run.py).
 """
 
 from __future__ import annotations
