@@ -114,8 +114,8 @@ def writing(path: str) -> Iterator[None]:
         raise UsageError(f"cannot write {path!r}: {e.strerror or e}; choose another output path") from e
 
 
-def debugging(args: argparse.Namespace | None = None) -> bool:
-    return debug_requested(bool(getattr(args, "debug", False)))
+def debugging(args: argparse.Namespace) -> bool:
+    return debug_requested(args.debug)
 
 
 def configure_logging(debug: bool) -> None:
