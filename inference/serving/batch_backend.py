@@ -1,11 +1,8 @@
 """The in-process backend of `serve --simulate` (any `--max-batch B`): a `Simulator` of B slots fed by the server.
 
-One driver thread owns the simulator and runs `slot_feed.feed_slots` over it: the requests the engine's
-threads hand over (`generate`, one thread per request) wait in this backend's FIFO and join free slots at step
-boundaries; each request's tokens and result go back to its own thread through `SlotBackend`, where the engine's
-hook runs. A cancelled request (`cancel`, or its hook raised) is stopped at its next verdict (`Request.stop`
-reads the set of cancelled ids once per cycle). If the driver fails, every request in flight fails with its
-message and `alive` turns false, so the engine builds a fresh backend.
+One driver thread owns the simulator and runs `slot_feed.feed_slots` over it, fed by this backend's FIFO; the
+hand-over, the routing and the failures are `SlotBackend`'s. A cancelled request is stopped at its next verdict
+(`Request.stop` reads the set of cancelled ids once per cycle).
 """
 
 from __future__ import annotations

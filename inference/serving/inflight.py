@@ -9,7 +9,8 @@ serving. `SlotBackend` routes each event to the one thread waiting for that requ
 decode of the other requests that share the pipeline. Such a request is cancelled inside the decoder
 (`cancel_inside(id)`, e.g. the ranks' shared cancel list) and ends with its next verdict; its late events are
 dropped. When the decoder ends, every request in flight fails with the one message that says why
-(`BackendFailure`: HTTP 503 each), and so does every later one.
+(`BackendFailure`: HTTP 503 each), and so does every later one; `alive` turns false, so the engine builds a
+fresh backend.
 """
 
 from __future__ import annotations
