@@ -20,9 +20,8 @@ records the cycle it saw the cancel at and the cycle it stopped at (`last_cancel
 gets each cancel from node 0's report listener instead (`nodes.RemoteRequestChannel`), which the cancel
 notifies (`subscribe`).
 
-Memory is bounded by configuration, not by what clients send: one runner with B slots serves every sampling
-setting. Once every rank has loaded its weights and
-met the others, rank 0 marks the pipeline ready (`/ready`).
+Once every rank has loaded its weights and met the others, rank 0 marks the pipeline ready (`/ready`). One
+runner with B slots serves every sampling setting (memory: docs/SERVING.md, "One node").
 """
 
 from __future__ import annotations
