@@ -190,6 +190,6 @@ def test_the_batched_servers_feed_of_every_step_travels_on_the_gloo_group(tmp_pa
     backend = RankBackend(job, in_flight=2)
     try:
         result = backend.generate([3, 14, 15, 92], 8, Sampling(), 0, lambda tokens: None)
-        assert result.N == 8, backend.in_flight.failure
+        assert result.N == 8, backend.failure
     finally:
         backend.close()

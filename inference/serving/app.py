@@ -1,17 +1,9 @@
-"""The OpenAI-compatible HTTP API over the engine (FastAPI).
-
-`POST /v1/chat/completions` and `/v1/completions`, streamed (server-sent events, one chunk per verified
-piece of text, then `data: [DONE]`) or not; `GET /v1/models`, `/v1/models/{id}`, `/health` (liveness),
-`/ready` (readiness), `/metrics`, and `/openapi.json`, the schema of exactly what it accepts and answers
-(`api_models`). Every error is a JSON body in OpenAI's shape, `{"error": {"message", "type", "param",
-"code"}}`, with a 4xx status for the client's mistakes (400 request, 401 key, 404 model or path, 405 method,
-413 body, 429 queue full, with `Retry-After`) and 503 when the decoder failed or the server is stopping.
+"""The OpenAI-compatible HTTP API over the engine (FastAPI): the routes, the error bodies and statuses, and
+`/openapi.json` (the schema of exactly what it accepts and answers, `api_models`) of docs/SERVING.md, "The API".
 
 The event loop only moves bytes: a body is read up to its size limit, then checked and tokenized on the
-intake's worker threads (`intake`), so a big prompt never stalls `/health` or another stream. Every field is
-checked there against what the ranks accept, so no request can reach the pipeline and fail there. A request
-whose client disconnects is cancelled the moment the disconnect arrives (`_watch`), streamed or not, even
-while its events keep coming.
+intake's worker threads (`intake`). A request whose client disconnects is cancelled the moment the disconnect
+arrives (`_watch`), streamed or not, even while its events keep coming.
 """
 
 from __future__ import annotations

@@ -1,28 +1,22 @@
 """The in-process backend of `serve --simulate` (any `--max-batch B`): a `Simulator` of B slots fed by the server.
 
-One driver thread owns the simulator and runs `slot_feed.feed_slots` over it: the requests the engine's
-threads hand over (`generate`, one thread per request) wait in this backend's FIFO and join free slots at step
-boundaries; each request's tokens and result go back to its own thread through `InFlight`, where the engine's
-hook runs. A cancelled request (`cancel`, or its hook raised) is stopped at its next verdict (`Request.stop`
-reads the set of cancelled ids once per cycle). If the driver fails, every request in flight fails with its
-message and `alive` turns false, so the engine builds a fresh backend.
+One driver thread owns the simulator and runs `slot_feed.feed_slots` over it, fed by this backend's FIFO; the
+hand-over, the routing and the failures are `SlotBackend`'s. A cancelled request is stopped at its next verdict
+(`Request.stop` reads the set of cancelled ids once per cycle).
 """
 
 from __future__ import annotations
 
 import logging
 import queue
-import threading
 from functools import partial
 
 from inference.cycle.result import DecodeResult
 from inference.cycle.simulator import Simulator
 from inference.cycle.slots import Request, SlotSequence
-from inference.sampling import Sampling
-from inference.serving.inflight import InFlight
+from inference.serving.inflight import SlotBackend
 from inference.serving.slot_feed import QueuedRequest, feed_slots, waiting
 from inference.setup import Setup
-from spd_lightning.errors import first_line
 from spd_lightning.export import load_drafter
 from spd_lightning.geometry import Geometry
 from spd_lightning.target import Target
@@ -30,15 +24,14 @@ from spd_lightning.target import Target
 log = logging.getLogger(__name__)
 
 
-class BatchSimulatorBackend:
+class BatchSimulatorBackend(SlotBackend):
+    stopped = "the batched decoder stopped"
+
     def __init__(self, target: Target, pdm, geometry: Geometry, eos: list[int], max_batch: int):
         self.runner = Simulator(target, pdm, geometry, max_batch=max_batch)
         self.eos = frozenset(eos)
         self._cancelled: set[int] = set()
-        self.in_flight = InFlight(self._cancelled.add)
-        self._queue: queue.SimpleQueue[QueuedRequest | None] = queue.SimpleQueue()
-        self._driver = threading.Thread(target=self._drive, name="spd-batch-driver", daemon=True)
-        self._driver.start()
+        super().__init__(queue.SimpleQueue(), self._cancelled.add, self._drive, "spd-batch-driver")
 
     @classmethod
     def from_setup(cls, setup: Setup, device: str, max_batch: int) -> BatchSimulatorBackend:
@@ -46,36 +39,19 @@ class BatchSimulatorBackend:
         pdm = load_drafter(setup.ckpt, device, target.lm_head.weight)[0].to(target.model.dtype)
         return cls(target, pdm, setup.geometry, setup.eos, max_batch)
 
-    def generate(self, prompt_ids, max_new_tokens, sampling: Sampling, seed, on_tokens=None) -> DecodeResult:
-        request_id = self.in_flight.open(on_tokens)
-        self._queue.put(QueuedRequest(request_id, list(prompt_ids), max_new_tokens, sampling, seed))
-        return self.in_flight.follow(request_id)
-
-    def cancel(self, on_tokens) -> None:
-        self.in_flight.cancel(on_tokens)
-
-    def alive(self) -> bool:
-        return self._driver.is_alive()
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._driver.join(30)
-
     def _drive(self) -> None:
         try:
             feed_slots(self.runner, self._take, self._start, self._ended)
-            failure = "the batched decoder stopped"
-        except Exception as e:  # noqa: BLE001 - every request in flight gets this message
+        except Exception:
             log.exception("the batched decoder failed")
-            failure = first_line(e)
-        self.in_flight.end(failure)
+            raise
 
     def _take(self, free: int, idle: bool) -> list[QueuedRequest] | str:
         return waiting(self._queue, free, idle)
 
     def _start(self, queued: QueuedRequest) -> Request:
-        return queued.as_request(self.eos, partial(self.in_flight.put, "tokens"), lambda i: i in self._cancelled)
+        return queued.as_request(self.eos, partial(self.put, "tokens"), lambda i: i in self._cancelled)
 
     def _ended(self, queued: QueuedRequest, result: DecodeResult, seq: SlotSequence) -> None:
         self._cancelled.discard(queued.request_id)
-        self.in_flight.put("result", queued.request_id, result)
+        self.put("result", queued.request_id, result)

@@ -1,14 +1,9 @@
 """`serve --max-batch`: how many requests share the pipeline, checked and defaulted before anything loads.
 
-The default (docs/SERVING.md, "Batched serving"):
-
-- the CPU: 1. A CPU stage's forward costs about its rows' compute, so batching there buys throughput with
-  every request's latency (measured in docs/SERVING.md); SPD is a latency method, batching is asked for.
-- GPUs: up to `GPU_BATCH` (8): a one-token stage step is bound by reading the weights, so 8 rows cost little
-  more than 1. Fewer when the slots' caches would not fit: B slots, each as long as the longest
-  request the server accepts (the target's context), must fit in `CACHE_SHARE` of one GPU's memory beside
-  its stage's weights. The caches are estimated as if every layer of the largest stage were attention (a
-  Gated DeltaNet layer's fixed state is smaller at long contexts), so the bound errs low.
+The default and why (docs/SERVING.md, "Batched serving", Default): 1 on the CPU (SPD is a latency method,
+batching is asked for); on GPUs up to `GPU_BATCH`, fewer when B slots' caches at the target's context would not
+fit in `CACHE_SHARE` of one GPU's memory beside its stage's weights. The estimate counts every layer of the
+largest stage as attention (a Gated DeltaNet layer's fixed state is smaller at long contexts), so it errs low.
 """
 
 from __future__ import annotations

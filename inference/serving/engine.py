@@ -10,16 +10,15 @@ decoder delivers them, through a `TextStream` (stop strings) to the request's ev
 event loop.
 
 A request whose client has gone is cancelled at once: `Generation.cancel` (the app calls it the moment it
-sees the disconnect) tells the backend, which stops the request at its next verdict (the ranks'
-`RankBackend.cancel`, the simulator's `BatchSimulatorBackend.cancel`); the one-request decoders of `--mode ar`
-and `eagle3` stop when their next cycle's hook raises `Cancelled`. Either way it counts as `cancelled`.
+sees the disconnect) tells the backend, which stops the request at its next verdict (`SlotBackend.cancel`,
+the ranks' and the simulator's); the one-request decoders of `--mode ar` and `eagle3` stop when their next
+cycle's hook raises `Cancelled`. Either way it counts as `cancelled`.
 
-While idle the workers check the backend every `HEALTH_POLL_S`: a pipeline whose ranks died is restarted
-then, before the next request comes, and `ready` (HTTP `/ready`) is false until the new one has loaded. When
-the backend fails with several requests in flight, each gets its 503 and the pipeline is restarted once.
+While idle the workers check the backend every `HEALTH_POLL_S`, so a pipeline whose ranks died is restarted
+before the next request comes (when and how: docs/SERVING.md, "One node", Failures).
 
-The backend (the decoder behind the engine) is one of `inference.backends` in this process, or the
-persistent ranks of `inference.serving.ranks`.
+The backend (the decoder behind the engine) is a `SlotBackend` (the persistent ranks, or the simulator of
+`--simulate`), or for `--mode ar` and `eagle3` one of `inference.backends` in this process.
 """
 
 from __future__ import annotations

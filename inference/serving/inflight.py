@@ -1,13 +1,16 @@
-"""The requests decoding at once in one backend, each followed by the engine thread that asked for it.
+"""The backends whose decoder serves many requests at once on a thread of their own, each request followed by the
+engine thread that asked for it: the ranks (`ranks.RankBackend`, the launcher's thread) and the batched simulator
+(`batch_backend.BatchSimulatorBackend`, a driver thread).
 
-A backend's decoder runs elsewhere (the ranks, or a driver thread in this process) and reports in events:
-`tokens` (what a cycle verified) and `result`, each tagged with its request's id, and `end` when the decoder
-stops serving. `InFlight` routes each event to the one thread waiting for that request (`follow`), which calls
-the engine's `on_tokens` there, never in the decoder: a hook that raises (the client is gone, a stop string)
-cannot break the decode of the other requests that share the pipeline. Such a request is cancelled inside the
-decoder (`cancel_inside(id)`, e.g. the ranks' shared cancel list) and ends with its next verdict; its late
-events are dropped. When the decoder ends, every request in flight fails with the one message that says why
-(`BackendFailure`: HTTP 503 each), and so does every later one.
+`generate` puts a `QueuedRequest` in the decoder's FIFO and follows it. The decoder reports in events: `tokens`
+(what a cycle verified) and `result`, each tagged with its request's id (`put`), and `ended` when it stops
+serving. `SlotBackend` routes each event to the one thread waiting for that request, which calls the engine's
+`on_tokens` there, never in the decoder: a hook that raises (the client is gone, a stop string) cannot break the
+decode of the other requests that share the pipeline. Such a request is cancelled inside the decoder
+(`cancel_inside(id)`, e.g. the ranks' shared cancel list) and ends with its next verdict; its late events are
+dropped. When the decoder ends, every request in flight fails with the one message that says why
+(`BackendFailure`: HTTP 503 each), and so does every later one; `alive` turns false, so the engine builds a
+fresh backend.
 """
 
 from __future__ import annotations
@@ -18,24 +21,42 @@ from collections.abc import Callable
 
 from inference.backends import BackendFailure, Cancelled, OnTokens
 from inference.cycle.result import DecodeResult
+from inference.sampling import Sampling
+from inference.serving.slot_feed import QueuedRequest
+from spd_lightning.errors import first_line
 
 
-class InFlight:
-    def __init__(self, cancel_inside: Callable[[int], None]):
-        self.cancel_inside = cancel_inside
+class SlotBackend:
+    stopped = "the decoder stopped"  # what a request fails with after the decoder ended cleanly
+
+    def __init__(self, requests, cancel_inside: Callable[[int], None], decode: Callable[[], None], thread: str):
+        """Starts `decode` (it serves the FIFO `requests` until it reads None) on a thread named `thread`."""
+        self._queue, self.cancel_inside = requests, cancel_inside
         self.failure: str | None = None
         self._lock = threading.Lock()
         self._next_id = 0
         self._routes: dict[int, tuple[queue.SimpleQueue, OnTokens | None]] = {}
+        self._thread = threading.Thread(target=self._serve, args=(decode,), name=thread, daemon=True)
+        self._thread.start()
 
-    def open(self, on_tokens: OnTokens | None) -> int:
-        """A new request's id and its route; `BackendFailure` once the decoder has ended."""
+    def _serve(self, decode: Callable[[], None]) -> None:
+        try:
+            decode()
+            failure = self.stopped
+        except Exception as e:  # noqa: BLE001 - every request in flight gets this message
+            failure = first_line(e)
         with self._lock:
-            if self.failure is not None:
-                raise BackendFailure(self.failure)
-            request_id, self._next_id = self._next_id, self._next_id + 1
-            self._routes[request_id] = (queue.SimpleQueue(), on_tokens)
-            return request_id
+            self.failure = failure
+            for events, _ in self._routes.values():
+                events.put(("ended", failure))
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(30)
 
     def put(self, kind: str, request_id: int, value) -> None:
         """From the decoder's side: `tokens` or `result` of `request_id` (a request no longer followed: dropped)."""
@@ -43,24 +64,26 @@ class InFlight:
         if route is not None:
             route[0].put((kind, value))
 
-    def end(self, failure: str) -> None:
-        """The decoder serves no more: every request in flight, and every later one, fails with `failure`."""
-        with self._lock:
-            self.failure = failure
-            for events, _ in self._routes.values():
-                events.put(("ended", failure))
-
     def cancel(self, on_tokens: OnTokens) -> None:
         """From any thread: stop the request whose hook is `on_tokens` at its next verdict (none: it has ended)."""
         for events, hook in list(self._routes.values()):
             if hook is on_tokens:
-                events.put(("cancel", None))  # wakes its `follow`, which tells the decoder at once
+                events.put(("cancel", None))  # wakes its `generate`, which tells the decoder at once
 
-    def follow(self, request_id: int, on_cancelled: Callable[[int, DecodeResult], None] | None = None) -> DecodeResult:
-        """In the asking thread, until the request's result: its hook gets each cycle's tokens. A hook that
-        raises (or a `cancel`) cancels it inside the decoder; its result then raises that exception, after
-        `on_cancelled(id, result)`."""
-        events, on_tokens = self._routes[request_id]
+    def _on_cancelled(self, request_id: int, result: DecodeResult) -> None:
+        """The result of a request cancelled inside the decoder, before its `generate` raises."""
+
+    def generate(self, prompt_ids, max_new_tokens, sampling: Sampling, seed, on_tokens=None) -> DecodeResult:
+        """In the asking thread, until the request's result: `on_tokens` gets each cycle's tokens. A hook that
+        raises (or a `cancel`) cancels it inside the decoder; its result then raises that exception.
+        `BackendFailure` once the decoder has ended."""
+        with self._lock:
+            if self.failure is not None:
+                raise BackendFailure(self.failure)
+            request_id, self._next_id = self._next_id, self._next_id + 1
+            events: queue.SimpleQueue = queue.SimpleQueue()
+            self._routes[request_id] = (events, on_tokens)
+        self._queue.put(QueuedRequest(request_id, list(prompt_ids), max_new_tokens, sampling, seed))
         cancelled: BaseException | None = None
         try:
             while True:
@@ -70,8 +93,7 @@ class InFlight:
                 if kind == "result":
                     if cancelled is None:
                         return value
-                    if on_cancelled is not None:
-                        on_cancelled(request_id, value)
+                    self._on_cancelled(request_id, value)
                     raise cancelled
                 if cancelled is not None:
                     continue

@@ -1,12 +1,7 @@
 """What `/metrics` reports, in Prometheus' text format: counters, gauges and latency histograms.
 
-The histograms (docs/SERVING.md, "The API") are cumulative-bucket histograms as Prometheus defines them
-(`_bucket{le=...}`, `_sum`, `_count`), so a scraper computes any quantile over any window:
-
-- `spd_time_to_first_token_seconds`: from the decode's start to its first verified token (the pipeline);
-- `spd_time_to_first_token_with_queue_seconds`: from the request's arrival, its wait in the FIFO included;
-- `spd_time_per_output_token_seconds`: the time between verified tokens (a cycle that verifies k tokens
-  counts k tokens of 1/k of its time each).
+The histograms (what each measures: docs/SERVING.md, "The API") are cumulative-bucket histograms as Prometheus
+defines them (`_bucket{le=...}`, `_sum`, `_count`), so a scraper computes any quantile over any window.
 
 Written by the engine's worker thread, read by the event loop: each update is a few integer additions
 under the GIL, and a scrape that sees one histogram a token ahead of another is harmless.

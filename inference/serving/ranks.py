@@ -5,7 +5,7 @@ thread) and hands them each request through that queue. Rank 0 takes the request
 them over the process group, so every rank decodes the same prompts with the same sampling and seeds; while no
 request comes it broadcasts a keep-alive every `IDLE_TICK_S`, so an idle pipeline never reaches the
 process-group timeout. The verifier's rank streams each cycle's tokens and each result back through the
-launcher's report queue, and `InFlight` routes them to the engine thread that waits for that request. When a
+launcher's report queue, and `SlotBackend` routes them to the engine thread that waits for that request. When a
 rank dies the launcher stops the others and names the rank; every request in flight fails with that message
 (HTTP 503 each) and the engine starts a fresh pipeline.
 
@@ -20,9 +20,8 @@ records the cycle it saw the cancel at and the cycle it stopped at (`last_cancel
 gets each cancel from node 0's report listener instead (`nodes.RemoteRequestChannel`), which the cancel
 notifies (`subscribe`).
 
-Memory is bounded by configuration, not by what clients send: one runner with B slots serves every sampling
-setting. Once every rank has loaded its weights and
-met the others, rank 0 marks the pipeline ready (`/ready`).
+Once every rank has loaded its weights and met the others, rank 0 marks the pipeline ready (`/ready`). One
+runner with B slots serves every sampling setting (memory: docs/SERVING.md, "One node").
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ import multiprocessing as mp
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -44,10 +44,8 @@ from inference.processes.job import DecodeJob
 from inference.processes.launch import launch, start_method
 from inference.processes.nodes import RemoteRequestChannel
 from inference.processes.roles import build_runner
-from inference.sampling import Sampling
-from inference.serving.inflight import InFlight
+from inference.serving.inflight import SlotBackend
 from inference.serving.slot_feed import QueuedRequest, feed_slots, waiting
-from spd_lightning.errors import first_line
 
 log = logging.getLogger(__name__)
 REPORT_WAIT_S = 1.0  # how long a cancelled result waits for its verifier's report from another node
@@ -159,52 +157,35 @@ def serve_requests(
     feed_slots(runner, take, lambda queued: queued.as_request(eos, *hooks), ended)
 
 
-class RankBackend:
+class RankBackend(SlotBackend):
     """The engine's backend over a persistent pipeline of n + 1 processes (see the module docstring);
     `in_flight`: the most requests the engine hands it at once (its slots and its queue)."""
+
+    stopped = "the pipeline stopped"
 
     def __init__(self, job: DecodeJob, in_flight: int = 1):
         self.job = job
         self.channel = RequestChannel(mp.get_context(start_method(job)), ring=max(16, 4 * in_flight))
-        self.in_flight = InFlight(self.channel.cancel)
         self.last_cancel: CancelReport | None = None
         self.pids: dict[int, int] = {}
-        self._launcher = threading.Thread(target=self._launch, name="spd-serve-launcher", daemon=True)
-        self._launcher.start()
+        super().__init__(self.channel, self.channel.cancel, self._launch, "spd-serve-launcher")
 
     def _launch(self) -> None:
-        try:
-            launch(
-                self.job,
-                on_result=lambda i, r: self.in_flight.put("result", i, r),
-                on_start=lambda rank, pid: self.pids.__setitem__(rank, pid),
-                on_tokens=lambda i, tokens: self.in_flight.put("tokens", i, tokens),
-                request_channel=self.channel,
-                work=serve_requests,
-            )
-            failure = "the pipeline stopped"
-        except Exception as e:  # noqa: BLE001 - LaunchError names the rank; anything else is reported as is
-            failure = first_line(e)
-        self.in_flight.end(failure)
-
-    def alive(self) -> bool:
-        return self._launcher.is_alive()
+        """Until the ranks stop; a `LaunchError` names the rank that failed."""
+        launch(
+            self.job,
+            on_result=partial(self.put, "result"),
+            on_start=self.pids.__setitem__,
+            on_tokens=partial(self.put, "tokens"),
+            request_channel=self.channel,
+            work=serve_requests,
+        )
 
     def ready(self) -> bool:
         """Every rank has loaded and met the others (true from then on; `alive` says whether they still run)."""
         return bool(self.channel.ready.value)
 
-    def cancel(self, on_tokens) -> None:
-        """From any thread: stop the decode whose hook is `on_tokens` at the ranks' next verdict (a cancel that
-        comes after that decode has ended reaches no other)."""
-        self.in_flight.cancel(on_tokens)
-
-    def generate(self, prompt_ids, max_new_tokens, sampling: Sampling, seed, on_tokens) -> DecodeResult:
-        request_id = self.in_flight.open(on_tokens)  # BackendFailure once the ranks have stopped
-        self.channel.put(QueuedRequest(request_id, list(prompt_ids), max_new_tokens, sampling, seed))
-        return self.in_flight.follow(request_id, self._cancelled)
-
-    def _cancelled(self, request_id: int, result: DecodeResult) -> None:
+    def _on_cancelled(self, request_id: int, result: DecodeResult) -> None:
         """Keep (and log) the verifier's report when the ranks stopped the request before its end. A verifier on
         another node sends the report and the result over two connections: the report may come a moment later."""
         self.last_cancel = None
@@ -224,7 +205,5 @@ class RankBackend:
         )
 
     def close(self) -> None:
-        if self._launcher.is_alive():
-            self.channel.put(None)
-            self._launcher.join(30)
+        super().close()
         self.channel.close()

@@ -1,16 +1,10 @@
-"""Continuous batching (docs/SERVING.md, "Batched serving"): the server's FIFO feeds the runner's free slots.
+"""Continuous batching: the server's FIFO feeds the runner's free slots (docs/DESIGN.md, "One cycle over B
+slots", its last paragraphs; docs/SERVING.md, "Batched serving").
 
-A slot is one row of the batched decoder: one sequence in flight. `feed_slots` is the one loop, in the ranks
-(`ranks.serve_requests`) and in this process (`batch_backend`): at every step boundary with a free slot it takes
-the queued requests (`take(free, idle)`, at most `free`, FIFO order; it waits for one only while no slot is busy),
-joins each to a free slot (its prefill and first token), then runs one step over every slot; a sequence that ends
-(EOS, `max_new_tokens`, a cancel's STOP) frees its slot for the next boundary. The scheduling itself is the
-runner's (`PipelineRunner.join` and `step`). So a request waits only for a free slot, never for the other
-requests' whole decodes, and its first token comes with its join, before the next step.
-
-In the ranks every process runs this loop and `take` is rank 0's read of the queue broadcast to the others: the
-slots are the same on every rank at a step boundary, so every rank asks at the same boundaries and joins the
-same requests into the same slots.
+`feed_slots` is the one loop, in every rank (`ranks.serve_requests`, where `take` is rank 0's read of the queue
+broadcast to the others) and in this process (`batch_backend`): at every step boundary with a free slot it takes
+the queued requests (`take(free, idle)`, at most `free`, FIFO order), joins each to a free slot, then runs one
+step over every slot. The scheduling itself is the runner's (`PipelineRunner.join` and `step`).
 """
 
 from __future__ import annotations
