@@ -106,8 +106,7 @@ class PipelineRunner:
         self.slots: list[SlotSequence | None] = [None] * max_batch
         self.steps_run = 0
         self.discarded_drafts = 0  # drafts the PDM made before learning that their slot's step was wasted
-        self.cycles = 0  # steps in which some slot ran a real cycle
-        self._clock_base = 0  # `cycles` when the clock last started
+        self.cycles = 0  # steps in which some slot ran a real cycle, since the last `run` began
         self.spans: dict[int, tuple[int, int]] = {}  # the last workload's requests: their timing rows (`run`)
         self._finished: list[tuple[int, DecodeResult]] = []
         self.stop_seen = -1  # the cycle at which the last request to end first saw its `stop()` say True (else -1)
@@ -164,7 +163,7 @@ class PipelineRunner:
         self._retire_ended()
         live = {b: seq for b, seq in enumerate(self.slots) if seq is not None}
         if live:
-            self.clock.cycle = self.cycles - self._clock_base + 1  # a wasted step and its redo share a row
+            self.clock.cycle = self.cycles + 1  # a wasted step and its redo share a row
             with self.clock.span(self.hosted, WALL):
                 self._run_step(live)
         finished, self._finished = self._finished, []
@@ -325,17 +324,17 @@ class PipelineRunner:
             raise RuntimeError("a workload starts on an idle runner: join a request beside the others instead")
         queue = deque(enumerate(requests))
         self.clock.start(self.n + 1, max((max_cycles(self.n, r.max_new_tokens) for _, r in queue), default=0))
-        self._clock_base, self.spans = self.cycles, {}
+        self.cycles, self.spans = 0, {}
         results: dict[int, DecodeResult] = {}
         owner: dict[int, int] = {}
         while queue or self.busy:
             while queue and self.free_slots:
                 index, request = queue.popleft()
                 owner[self.join(request)] = index
-                self.spans[index] = (self.cycles - self._clock_base + 1, -1)  # its first cycle is the next step's
+                self.spans[index] = (self.cycles + 1, -1)  # its first cycle is the next step's
             for b, result in self.step():
                 index = owner.pop(b)
-                self.spans[index] = (self.spans[index][0], self.cycles - self._clock_base + 1)
+                self.spans[index] = (self.spans[index][0], self.cycles + 1)
                 if self.clock.enabled:
                     result.timing = summarize_timing(torch.from_numpy(self.clock.rows), self.n, self.spans[index])
                 results[index] = result

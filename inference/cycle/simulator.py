@@ -54,12 +54,10 @@ class Simulator(PipelineRunner):
         through `torch.compile`, one graph per batch bucket (prefill stays eager)."""
         stages = {s: Stage.from_target(target, geometry, s, max_batch, compile) for s in range(1, geometry.n + 1)}
         first = stages[1]
-        d2t, draft_vocab = None, 1  # a replay drafter's
+        d2t, draft_vocab = None, 1  # a replay drafter's (greedy only: it refuses a sampled request itself)
         if isinstance(drafter, PipelineDraftModule):
             d2t, draft_vocab = drafter.d2t, drafter.cfg.draft_vocab_size
             drafter = PDMDrafter(drafter, geometry, target.embed_tokens, first.dtype, max_batch, compile)
-        elif not sampling.greedy:
-            raise ValueError("a replay drafter has no draft distribution: use it with greedy decoding only")
         self.sampling = sampling
         config = RunnerConfig(
             target.vocab_size,
