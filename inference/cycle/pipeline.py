@@ -1,26 +1,14 @@
-"""The pipeline runner: one scheduler over B slots, any transport (docs/DESIGN.md, "The decoder").
+"""The pipeline runner: one scheduler over B slots, any transport (docs/DESIGN.md, "One cycle over B slots", which
+gives a step's phases on each rank and why every process holds the same slots at a step boundary).
 
 Ranks `0..n-1` are the stages (stage `s` on rank `s-1`; the last one also verifies), rank `n` the PDM.
 `PipelineRunner` hosts the roles of whichever ranks live in its process: all of them in the simulator
 (`LocalTransport`), one in a distributed rank (`DistributedTransport`), stage 1 and the PDM in process 0 of the
-shared placement (`SharedTransport`). Batch 1 is `max_batch = 1`: there is no other cycle. Every process keeps
-every slot's `SlotSequence` (its schedule and optimistic steps; only the verifier's process holds verifiers) and
-feeds it the same verdicts, so every process derives the same per-slot plans. What travels, and in which order, is
-the step's message traffic (`traffic.py`); the verdicts travel on their own channel (`verdicts.py`).
-
-One step (`step`): sends of the previous step's outputs (nothing for a slot that redoes a wasted step: its inputs
-came with it), the receive of the previous step's verdict posted, this step's inputs, every hosted stage's one
-forward over the slots with a token at it, the verifier's copy of the entering drafts, pre-step the anchor states
-from other processes (after the forward of a stage the PDM shares a process with was launched, on the drafter's
-own stream), the draft, the verdicts. A process that does not know yet whether a slot's step is wasted (a stage
-rank before the verdict is in) runs it optimistically; the redo rolls it back per slot. The verifier's process
-knows, and skips wasted steps (unless `replay_wasted_work` makes the simulator's stages run them as distributed
-ranks do); the PDM drafts without a verdict that is not in yet and discards a wasted slot's draft. A step ends with
-the previous step's verdict taken everywhere, and this step's too when it ends some slot's decode whatever it says
-(`Step.final`): so at a step boundary every process holds the same slots, and requests join free slots in the
-same order on every rank (`run`: a FIFO; a join's prefill is a step of its own). Timing goes through one
-`Profiler`, off unless `RunnerConfig.profile`: a row per cycle of the runner with the slots it ran, each request's
-timing the rows of its cycles (`spans`).
+shared placement (`SharedTransport`). What travels, and in which order, is the step's message traffic
+(`traffic.py`); the verdicts travel on their own channel (`verdicts.py`). A process that does not know yet whether
+a slot's step is wasted (a stage rank before the verdict is in) runs it optimistically, and the redo rolls it back;
+the verifier's process knows, and skips wasted steps, unless `replay_wasted_work` makes the simulator's stages run
+them as distributed ranks do.
 """
 
 from __future__ import annotations
@@ -258,13 +246,9 @@ class PipelineRunner:
                 )
 
     def _draft(self, live: dict[int, SlotSequence], rows: int) -> None:
-        """Post-step, this step's anchor states reach the PDM first; the PDM learns the previous verdict if it is
-        in, then drafts for every slot whose step is real or not known to be wasted, in one forward. A verdict that
-        is late does not hold the draft up (docs/DESIGN.md, "The critical path"): the PDM drafts without it, then
-        waits for it, and a slot's draft for a step that turns out wasted is discarded: its row of the outgoing
-        message keeps what it held (a redo's input travelled with it). A draft's randomness is a function of its
-        request and position (`drafter`), so a discarded draft spends none: every draft is that of a PDM that knew
-        in time."""
+        """Post-step, this step's anchor states reach the PDM first; the PDM drafts for every slot whose step is
+        real or not known to be wasted, in one forward, without a verdict that is late, and discards the draft of a
+        slot whose step turns out wasted (docs/DESIGN.md, "The critical path")."""
         n = self.n
         late = self.drafter is not None and self.verdicts.late(n)
         if self.drafter is not None and not late:

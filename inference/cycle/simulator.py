@@ -8,9 +8,8 @@ distributed decoder's, and it checks their protocol too. It takes an in-memory t
     result = simulate_decode(target, pdm, geometry, prompt_ids, max_new_tokens=128)
     result.alpha, result.theoretical_speedup, result.counters
 
-Up to `max_batch` sequences share every stage forward and the draft (`run`, `join`, `step`); a slot whose step is
-wasted (its awaited verdict rejected, or ended it) idles in that cycle and redoes it in the next. The other slots'
-tokens never depend on who joins or leaves: every row of a forward is its own slot's computation.
+Up to `max_batch` sequences share every stage forward and the draft (`run`, `join`, `step`; docs/DESIGN.md, "One
+cycle over B slots").
 """
 
 from __future__ import annotations
