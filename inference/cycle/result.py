@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from inference.cycle.schedule import Counters
+
 COMPUTE, VERIFY, COMM, WALL, SLOTS = range(5)
 TIMING_FIELDS = 5
 
@@ -110,5 +112,5 @@ class DecodeResult:
     def from_dict(cls, d: dict) -> DecodeResult:
         """The result `to_dict` wrote (its derived values recomputed, its counters gathered back)."""
         names = {f.name for f in dataclasses.fields(cls)} - {"counters"}
-        counters = ("accepted_by_fill", "rejected_by_fill", "accepted_by_depth", "rejected_by_depth")
-        return cls(**{k: v for k, v in d.items() if k in names}, counters={k: d[k] for k in counters if k in d})
+        counters = {f.name for f in dataclasses.fields(Counters)}
+        return cls(**{k: v for k, v in d.items() if k in names}, counters={k: v for k, v in d.items() if k in counters})
