@@ -1,13 +1,12 @@
-"""The runner's message buffers: every point-to-point message has a fixed shape, allocated once per runner.
+"""The runner's message buffers: every point-to-point message has a fixed shape, allocated once per runner
+(docs/DESIGN.md, "The hot path: fixed messages, one host read per cycle", which lists every message and why a
+buffer of a send ring is never rewritten in flight).
 
-`inbox[rank, kind]` receives; what a rank sends comes from a ring of `SEND_RING` buffers per kind, one buffer
-per step in turn (`put`): a buffer written in step j is sent in step j + 1, and `Transport.settle` has seen
-that send complete by step j + 3, when the buffer is written again. So no message buffer is allocated during a
-decode, and a sent buffer is never rewritten in flight (the compiled step's own outputs, which its next
-replay overwrites, are never sent). The verdict lives twice: the verifier judges into a device row, and the
-message travels from host memory (`transport.CONTROL_KINDS`). On a GPU the host rows are pinned: the copy
-is asynchronous, and the host waits for an event recorded right after it, not for the whole CUDA stream. Prefill buffers, whose shape is the prompt's,
-grow with the longest prompt seen. docs/DESIGN.md lists every message with its shape.
+`inbox[rank, kind]` receives; what a rank sends comes from a ring of `SEND_RING` buffers per kind, one buffer per
+step in turn (`put`); the compiled step's own outputs, which its next replay overwrites, are never sent. The
+verdict lives twice: the verifier judges into a device row, and the message travels from host memory
+(`transport.CONTROL_KINDS`, `verdict_to_host`). Prefill buffers, whose shape is the prompt's, grow with the longest
+prompt seen.
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
-"""The pipeline runner: one scheduler over B slots, any transport (docs/DESIGN.md, "The decoder").
+"""The pipeline runner: one scheduler over B slots, any transport (docs/DESIGN.md, "One cycle over B slots", which
+gives a step's phases on each rank and why every process holds the same slots at a step boundary).
 
 Ranks `0..n-1` are the stages (stage `s` on rank `s-1`; the last one also verifies), rank `n` the PDM.
 `PipelineRunner` hosts the roles of whichever ranks live in its process: all of them in the simulator
 (`LocalTransport`), one in a distributed rank (`DistributedTransport`), stage 1 and the PDM in process 0 of the
-shared placement (`SharedTransport`). Batch 1 is `max_batch = 1`: there is no other cycle. Every process keeps
-every slot's `SlotSequence` (its schedule and optimistic steps; only the verifier's process holds verifiers) and
-feeds it the same verdicts, so every process derives the same per-slot plans. What travels, and in which order, is
-the step's message traffic (`traffic.py`); the verdicts travel on their own channel (`verdicts.py`).
-
-One step (`step`): sends of the previous step's outputs (nothing for a slot that redoes a wasted step: its inputs
-came with it), the receive of the previous step's verdict posted, this step's inputs, every hosted stage's one
-forward over the slots with a token at it, the verifier's copy of the entering drafts, pre-step the anchor states
-from other processes (after the forward of a stage the PDM shares a process with was launched, on the drafter's
-own stream), the draft, the verdicts. A process that does not know yet whether a slot's step is wasted (a stage
-rank before the verdict is in) runs it optimistically; the redo rolls it back per slot. The verifier's process
-knows, and skips wasted steps (unless `replay_wasted_work` makes the simulator's stages run them as distributed
-ranks do); the PDM drafts without a verdict that is not in yet and discards a wasted slot's draft. A step ends with
-the previous step's verdict taken everywhere, and this step's too when it ends some slot's decode whatever it says
-(`Step.final`): so at a step boundary every process holds the same slots, and requests join free slots in the
-same order on every rank (`run`: a FIFO; a join's prefill is a step of its own). Timing goes through one
-`Profiler`, off unless `RunnerConfig.profile`: a row per cycle of the runner with the slots it ran, each request's
-timing the rows of its cycles (`spans`).
+shared placement (`SharedTransport`). What travels, and in which order, is the step's message traffic
+(`traffic.py`); the verdicts travel on their own channel (`verdicts.py`). A process that does not know yet whether
+a slot's step is wasted (a stage rank before the verdict is in) runs it optimistically, and the redo rolls it back;
+the verifier's process knows, and skips wasted steps, unless `replay_wasted_work` makes the simulator's stages run
+them as distributed ranks do.
 """
 
 from __future__ import annotations
@@ -106,8 +94,7 @@ class PipelineRunner:
         self.slots: list[SlotSequence | None] = [None] * max_batch
         self.steps_run = 0
         self.discarded_drafts = 0  # drafts the PDM made before learning that their slot's step was wasted
-        self.cycles = 0  # steps in which some slot ran a real cycle
-        self._clock_base = 0  # `cycles` when the clock last started
+        self.cycles = 0  # steps in which some slot ran a real cycle, since the last `run` began
         self.spans: dict[int, tuple[int, int]] = {}  # the last workload's requests: their timing rows (`run`)
         self._finished: list[tuple[int, DecodeResult]] = []
         self.stop_seen = -1  # the cycle at which the last request to end first saw its `stop()` say True (else -1)
@@ -164,7 +151,7 @@ class PipelineRunner:
         self._retire_ended()
         live = {b: seq for b, seq in enumerate(self.slots) if seq is not None}
         if live:
-            self.clock.cycle = self.cycles - self._clock_base + 1  # a wasted step and its redo share a row
+            self.clock.cycle = self.cycles + 1  # a wasted step and its redo share a row
             with self.clock.span(self.hosted, WALL):
                 self._run_step(live)
         finished, self._finished = self._finished, []
@@ -259,13 +246,9 @@ class PipelineRunner:
                 )
 
     def _draft(self, live: dict[int, SlotSequence], rows: int) -> None:
-        """Post-step, this step's anchor states reach the PDM first; the PDM learns the previous verdict if it is
-        in, then drafts for every slot whose step is real or not known to be wasted, in one forward. A verdict that
-        is late does not hold the draft up (docs/DESIGN.md, "The critical path"): the PDM drafts without it, then
-        waits for it, and a slot's draft for a step that turns out wasted is discarded: its row of the outgoing
-        message keeps what it held (a redo's input travelled with it). A draft's randomness is a function of its
-        request and position (`drafter`), so a discarded draft spends none: every draft is that of a PDM that knew
-        in time."""
+        """Post-step, this step's anchor states reach the PDM first; the PDM drafts for every slot whose step is
+        real or not known to be wasted, in one forward, without a verdict that is late, and discards the draft of a
+        slot whose step turns out wasted (docs/DESIGN.md, "The critical path")."""
         n = self.n
         late = self.drafter is not None and self.verdicts.late(n)
         if self.drafter is not None and not late:
@@ -325,17 +308,17 @@ class PipelineRunner:
             raise RuntimeError("a workload starts on an idle runner: join a request beside the others instead")
         queue = deque(enumerate(requests))
         self.clock.start(self.n + 1, max((max_cycles(self.n, r.max_new_tokens) for _, r in queue), default=0))
-        self._clock_base, self.spans = self.cycles, {}
+        self.cycles, self.spans = 0, {}
         results: dict[int, DecodeResult] = {}
         owner: dict[int, int] = {}
         while queue or self.busy:
             while queue and self.free_slots:
                 index, request = queue.popleft()
                 owner[self.join(request)] = index
-                self.spans[index] = (self.cycles - self._clock_base + 1, -1)  # its first cycle is the next step's
+                self.spans[index] = (self.cycles + 1, -1)  # its first cycle is the next step's
             for b, result in self.step():
                 index = owner.pop(b)
-                self.spans[index] = (self.spans[index][0], self.cycles - self._clock_base + 1)
+                self.spans[index] = (self.spans[index][0], self.cycles + 1)
                 if self.clock.enabled:
                     result.timing = summarize_timing(torch.from_numpy(self.clock.rows), self.n, self.spans[index])
                 results[index] = result

@@ -1,6 +1,5 @@
-"""A joining slot's prefill through the ranks (`PipelineRunner.join`): every stage in order fills its own cache
-with the prompt and sends its output on, then each stage with anchor states sends them to the PDM, which stores
-them. The first token is the caller's: the verifier samples it from the returned logits.
+"""A joining slot's prefill through the ranks (`PipelineRunner.join`; docs/DESIGN.md, "One cycle over B slots",
+Prefill). The first token is the caller's: the verifier samples it from the returned logits.
 """
 
 from __future__ import annotations

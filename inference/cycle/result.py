@@ -1,15 +1,11 @@
 """What one decoded prompt reports (docs/DESIGN.md, "The decode schedule", "Speedup formulas"): tokens, N, K, alpha, counters, per-cycle timing.
 
-Timing comes as one row per rank and cycle of the runner (a step in which some slot ran a real cycle): the
-rank's compute (a stage's layers, or the PDM's draft), the verifier's time, the time the rank spent in
-messages (sending, and waiting to receive from its peers), the cycle's wall-clock time, and how many slots
-ran a real cycle in it (`SLOTS`, a count). With optimistic execution a late rejection costs a wasted step
-before the cycle is redone; both steps are charged to that cycle, so the rows add up to the decode time.
-A prompt's timing holds the cycles from its first to its last: at batch 1 its own `K` cycles; with `B` slots
-the runner's cycles while it decoded, which it shared with the `slots` sequences each row counts (so the
-prompts' rows overlap, and the rows with `slots = b` are what a cycle over `b` sequences costs).
-In the simulator every rank's row is filled by the one process, sequentially; in the distributed decoder
-each rank fills its own and the reporting rank gathers them.
+Timing comes as one row per rank and cycle of the runner (docs/DESIGN.md, "One cycle over B slots", which says
+which cycles a prompt's timing holds): the rank's compute (a stage's layers, or the PDM's draft), the verifier's
+time, the time the rank spent in messages (sending, and waiting to receive from its peers), the cycle's wall-clock
+time, and how many slots ran a real cycle in it (`SLOTS`, a count). A wasted step is charged to the cycle that
+redoes it, so the rows add up to the decode time. In the simulator every rank's row is filled by the one process,
+sequentially; in the distributed decoder each rank fills its own and the reporting rank gathers them.
 """
 
 from __future__ import annotations
@@ -18,6 +14,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 import torch
+
+from inference.cycle.schedule import Counters
 
 COMPUTE, VERIFY, COMM, WALL, SLOTS = range(5)
 TIMING_FIELDS = 5
@@ -114,5 +112,5 @@ class DecodeResult:
     def from_dict(cls, d: dict) -> DecodeResult:
         """The result `to_dict` wrote (its derived values recomputed, its counters gathered back)."""
         names = {f.name for f in dataclasses.fields(cls)} - {"counters"}
-        counters = ("accepted_by_fill", "rejected_by_fill", "accepted_by_depth", "rejected_by_depth")
-        return cls(**{k: v for k, v in d.items() if k in names}, counters={k: d[k] for k in counters if k in d})
+        counters = {f.name for f in dataclasses.fields(Counters)}
+        return cls(**{k: v for k, v in d.items() if k in names}, counters={k: v for k, v in d.items() if k in counters})

@@ -8,17 +8,8 @@ One cycle, seen from the schedule:
 
     begin(verdict of the previous cycle)  ->  CyclePlan  ->  the ranks run it  ->  verdict  ->  begin(...)
 
-At the start of a cycle the in-flight tokens sit at depths 0..a-1 (newest at depth 0, about to run
-stage 1; the one at depth d runs stage d+1). The PDM drafts the token after the newest one from the
-staircase that `Geometry.inflight_depth` defines (pre-step: before the cycle's compute; post-step: after
-it, one stage deeper). After the compute the token that ran stage n is complete; its final logits judge
-its successor (now at depth n-1). Accept: the successor is verified and the fresh draft enters stage 1.
-Reject: the correction replaces the successor at its position, every younger token and the fresh draft
-are discarded, and the correction reseeds stage 1 (fill 1). No token completed: the fresh draft enters.
-
 `PipelineSchedule` is the logical schedule: it only ever sees real verdicts, and `N`, `K` and the
-counters are its own. `Steps` lays the physical steps of optimistic execution (docs/DESIGN.md, "The decode schedule") over it: after a
-judged cycle every rank already runs the cycle that an ACCEPT would give, before the verdict arrives.
+counters are its own. `Steps` lays the physical steps of optimistic execution over it.
 """
 
 from __future__ import annotations

@@ -4,11 +4,8 @@ Process 0 hosts two ranks of the pipeline, stage 1 (rank 0) and the PDM (rank n)
 p + 1. `SharedTransport` carries the messages between the two ranks of process 0 through in-process
 queues (as the simulator's `LocalTransport` does) and every other message over the process group, from
 and to the process that hosts its rank. The runner is unchanged: it hosts the ranks `hosts()` names and
-runs their phases in its usual order, so the tokens, N and K are those of the separate placement. What
-sharing costs: process 0 launches stage 1's token first and then the PDM's receives of the other stages'
-pre-step anchor states and its draft (on a GPU these run beside the forward on a second stream,
-`inference/runtime/shared_stream.py`); stage 1 waits neither for those anchors nor for the verdict, which
-the PDM reads after its draft when it is late.
+runs their phases in its usual order, so the tokens, N and K are those of the separate placement. What sharing
+costs, and how stage 1 waits for no other process: docs/DESIGN.md, "The critical path" (Shared placement).
 """
 
 from __future__ import annotations

@@ -8,9 +8,8 @@ distributed decoder's, and it checks their protocol too. It takes an in-memory t
     result = simulate_decode(target, pdm, geometry, prompt_ids, max_new_tokens=128)
     result.alpha, result.theoretical_speedup, result.counters
 
-Up to `max_batch` sequences share every stage forward and the draft (`run`, `join`, `step`); a slot whose step is
-wasted (its awaited verdict rejected, or ended it) idles in that cycle and redoes it in the next. The other slots'
-tokens never depend on who joins or leaves: every row of a forward is its own slot's computation.
+Up to `max_batch` sequences share every stage forward and the draft (`run`, `join`, `step`; docs/DESIGN.md, "One
+cycle over B slots").
 """
 
 from __future__ import annotations
@@ -54,12 +53,10 @@ class Simulator(PipelineRunner):
         through `torch.compile`, one graph per batch bucket (prefill stays eager)."""
         stages = {s: Stage.from_target(target, geometry, s, max_batch, compile) for s in range(1, geometry.n + 1)}
         first = stages[1]
-        d2t, draft_vocab = None, 1  # a replay drafter's
+        d2t, draft_vocab = None, 1  # a replay drafter's (greedy only: it refuses a sampled request itself)
         if isinstance(drafter, PipelineDraftModule):
             d2t, draft_vocab = drafter.d2t, drafter.cfg.draft_vocab_size
             drafter = PDMDrafter(drafter, geometry, target.embed_tokens, first.dtype, max_batch, compile)
-        elif not sampling.greedy:
-            raise ValueError("a replay drafter has no draft distribution: use it with greedy decoding only")
         self.sampling = sampling
         config = RunnerConfig(
             target.vocab_size,

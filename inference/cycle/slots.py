@@ -1,14 +1,8 @@
-"""One sequence in a slot of the decoder: its request, its own schedule and optimistic steps, its verifier (with its
-generator), and the verdicts it awaits.
-
-Each slot runs the schedule of one sequence (`PipelineSchedule` and `Steps` of schedule.py, `Verifier` of
-verify.py, seeds from `generator_seeds`): only the forwards are shared with the other slots. So a slot's tokens,
-N, K and counters are those of its decode alone (batch 1), whatever the other slots do, and a seeded request draws
-the same randomness at any batch size.
-
-A slot's physical step (`Step`) is optimistic: after a judged cycle the slot runs the cycle an ACCEPT gives before
-its verdict is known; a REJECT, an EOS or a STOP makes that step wasted for this slot alone (it idles in that
-step; the other slots run on), and the next one redoes the cycle.
+"""One sequence in a slot of the decoder (docs/DESIGN.md, "One cycle over B slots"): its request, its own schedule
+and optimistic steps (`PipelineSchedule`, `Steps`), its verifier (with its generator, seeded by `generator_seeds`),
+and the verdicts it awaits. Only the forwards are shared with the other slots, so a slot's tokens, N, K and
+counters are those of its decode alone (batch 1), whatever the other slots do; a step wasted for one slot (a
+REJECT, an EOS or a STOP of its verdict) idles that slot alone, and its next step redoes the cycle.
 """
 
 from __future__ import annotations
@@ -83,7 +77,6 @@ class SlotSequence:
         self._emit()
 
     def poll_stop(self) -> None:
-        """Once per step: from the first True of the request's `stop()` the slot's next verdict is STOP."""
         stop = self.request.stop
         if stop is not None and self.stop_seen < 0 and stop():
             self.stop_seen = self.step.plan.cycle

@@ -1,13 +1,8 @@
 """The runner's message traffic: what a step sends and receives between the ranks this process hosts and the
-others, in the order every rank derives from the same plans (docs/DESIGN.md, "One cycle over B slots").
-
-Every message has one shape, sized by B (`Mailboxes`, `slots`): draft tokens `[B]` and `q` `[B, V_d]`,
-activations `[B, 1, H]`, anchors `[B, A_s, H]`; each is sent in a step when any slot's plan needs it, from the
-sender's output of the previous step (post-step anchors: of this step). Which rows of a message are valid never
-travels: every process derives it from the slots' plans. There is no barrier: sends never block and a rank waits
-only for the messages it needs. Nothing travels for a slot that redoes a wasted step: its inputs came with it.
-Every send and receive is timed on its hosted end (`Profiler`, `COMM`); the verdict channel (`verdicts.py`) and
-the prefill (`prefill.py`) send through the same `send` and `recv`.
+others, in the order every rank derives from the same plans (docs/DESIGN.md, "One cycle over B slots", which gives
+each message's `[B, ...]` shape and when it travels). A message carries the sender's output of the previous step
+(post-step anchors: of this step). Every send and receive is timed on its hosted end (`Profiler`, `COMM`); the
+verdict channel (`verdicts.py`) and the prefill (`prefill.py`) send through the same `send` and `recv`.
 """
 
 from __future__ import annotations

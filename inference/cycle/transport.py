@@ -11,10 +11,8 @@ test of the distributed protocol. The control messages (the verdict) travel in h
 of their own, in their own order: a stage rank learns the verdict without reading device memory (under NCCL
 a read of a received GPU tensor would wait for everything its device has queued).
 
-Every buffer has a fixed shape per message kind and is allocated once by the runner (docs/DESIGN.md lists
-them): received into preallocated buffers, sent from slots the sender does not touch again until the send
-has completed (`settle`). Every blocking call is bounded by the process-group timeout, and a failed message
-raises `PeerError` naming the peer.
+The buffers are the runner's (`messages.py`). Every blocking call is bounded by the process-group timeout, and a
+failed message raises `PeerError` naming the peer.
 """
 
 from __future__ import annotations
@@ -29,8 +27,7 @@ import torch.distributed as dist
 
 from inference.runtime.nccl_backend import enabled, failure_reason, guard_default_group, nccl_error_handling
 
-# Control messages travel in host memory, over a gloo group of their own (`DistributedTransport`): a rank reads
-# them without waiting for its device. The verdict is the only one.
+# the kinds of the control messages (host memory, the gloo group): the verdict is the only one
 CONTROL_KINDS = frozenset({"verdict"})
 
 

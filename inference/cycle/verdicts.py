@@ -1,11 +1,8 @@
-"""The verdict channel: the verifier's `[B, 2]` verdict rows of a step (`judge`) and their delivery to the other
-ranks of a process (docs/DESIGN.md, "One cycle over B slots").
-
-The verifier judges each slot's draft into its row of a device tensor, read on the host once per step in which it
-judged some slot. The verdict is `[B, 2]` host rows (`[verdict, token]` per slot) on the gloo control group, one
-message per such step, none while the pipeline fills; the rows of slots not judged are stale and never read. A
-join's first token travels the same way, before any step's verdict (`send_first`). Every process holds the rows of
-the steps it has taken (`rows`); the verifier's process holds them as soon as it judged.
+"""The verdict channel: the verifier's `[B, 2]` verdict rows of a step (`judge`: `[verdict, token]` per slot, one
+host read and one message on the gloo control group per step in which it judged some slot) and their delivery to
+the other ranks of a process (docs/DESIGN.md, "One cycle over B slots"). The rows of slots not judged are stale and
+never read. A join's first token travels the same way (`send_first`). Every process holds the rows of the steps it
+has taken (`rows`); the verifier's process holds them as soon as it judged.
 
 The other ranks hosted here (the listeners) do not know at the end of a step whether a message was sent in it
 when a slot's step was judged but might have been wasted: that is known only once the previous verdict is in. So
@@ -73,9 +70,8 @@ class VerdictChannel:
         return token
 
     def judge(self, step: int, live: Mapping[int, SlotSequence], logits: torch.Tensor | None) -> None:
-        """The verifier judges each real slot's draft of `step` into its device row; one host read brings them
-        all; one `[B, 2]` message to every other rank, in each step in which it judged some slot (so no host read
-        nor message while the pipeline fills). The listeners may owe that message."""
+        """The verifier judges each real slot's draft of `step` into its device row, read and sent to every other
+        rank at once (none of it in a step that judged no slot); the listeners may owe that message."""
         real, unknown = [], []
         for b, seq in live.items():
             if seq.step.plan.judged_position >= 0:

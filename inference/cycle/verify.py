@@ -1,15 +1,11 @@
-"""Sampling and lossless verification of drafted tokens (docs/DESIGN.md, "Verification").
+"""Sampling and lossless verification of drafted tokens (docs/DESIGN.md, "Verification": the warp, the greedy limit
+and `q`'s reduced vocabulary).
 
-The target distribution `P` (from the final logits of the token that just completed every stage) judges
-the next token, which the PDM proposed from its draft distribution `q`. Temperature, top-k and top-p are
-applied to BOTH `P` and `q` before the test, so the accepted stream is distributed exactly as plain
-sampling from the warped target:
+The target distribution `P` (from the final logits of the token that just completed every stage) judges the next
+token, which the PDM proposed from its draft distribution `q`. Both are warped alike before the test, so the
+accepted stream is distributed exactly as plain sampling from the warped target:
 
     accept x with probability min(1, P(x) / q(x));  on rejection sample from norm(max(0, P - q)).
-
-Greedy (temperature 0) is the limit where both distributions are one-hot: accept iff the draft is the
-target's argmax, otherwise the argmax is the correction. `q` lives on the reduced draft vocabulary `V_d`
-and is zero outside it; `d2t` maps it into the target vocabulary.
 """
 
 from __future__ import annotations
