@@ -104,14 +104,16 @@ class SlotDraftKV:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
     def row_attend(self, slot: int, start: int) -> Callable:
-        """The `attend` of slot `slot` alone, its new keys at `start..`: a commit of verified positions."""
+        """The `attend` of slot `slot` alone, its new keys at `start..` and causal over `[0, start + i]`: a commit
+        of verified positions (the EAGLE-3 drafter's chain steps too, one position each)."""
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             S, end = q.shape[-2], start + q.shape[-2]
             keys, values = self.keys[layer, slot : slot + 1], self.values[layer, slot : slot + 1]
             keys[:, :, start:end], values[:, :, start:end] = k, v
-            queries = start + torch.arange(S, device=q.device)
-            mask = torch.arange(end, device=q.device)[None, :] <= queries[:, None]
+            mask = None  # one query sees every key up to its own
+            if S > 1:
+                mask = torch.arange(end, device=q.device)[None, :] <= start + torch.arange(S, device=q.device)[:, None]
             return F.scaled_dot_product_attention(
                 q, keys[:, :, :end], values[:, :, :end], attn_mask=mask, enable_gqa=True
             )
