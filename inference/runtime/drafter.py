@@ -11,19 +11,12 @@ a segment holds at most one newly verified position and `n` in flight; a longer 
 commits its oldest positions alone.
 
 A draft is batched tensor work, a fixed number of ops for any number of slots: the host writes each slot's
-segment (where it starts, its newest column, the type of each column, the position drafted, a pending seed
-token) into one `[R, C]` table (`HostTable`) that reaches the device in one copy; the gather of the segments'
-states, the fusion (`Fusion.by_type`: each column its own type), the body, the head, the warp of every row under
-its own settings (`warp_rows`, the settings `[B]` tensors written when a request joins), the draw and the
-embedding write of the drafted tokens then run over all `R` rows of the step's bucket (`slot_rows.batch_bucket`)
-at once. Rows that do not draft this cycle, and the columns after a shorter segment, write keys past anything
-their slot holds: masked, and overwritten before any draft reads them, as in-flight positions are.
-
-A sampled draft is the inverse CDF of its `q` at a counter-based uniform of the request's seed and the drafted
-position (`sampling.counter_uniforms`): the same draw whichever slot, batch or step makes it, so a seeded request
-drafts exactly what it drafts alone, and a draft the runner discards (its step turned out wasted) needs no
-randomness given back. Reusing the uniform when a position is drafted again after a rejection keeps every draft
-distributed as its `q`: the uniform is independent of everything that made the new `q`.
+segment into one `[R, C]` table (`HostTable`, the columns below), and the gather, fusion, body, head, warp, draw
+and embedding write then run over all `R` rows of the step's bucket at once; a sampled draft is drawn at a
+counter-based uniform of the request's seed and the drafted position, so it is the same whichever slot, batch or
+step makes it (docs/DESIGN.md, "The critical path": "The draft is batched tensor work"). Rows that do not draft
+this cycle, and the columns after a shorter segment, write keys past anything their slot holds: masked, and
+overwritten before any draft reads them, as in-flight positions are.
 
 `compile` (`--compile`): the gather, fusion, body and head over the fixed `[R, W]` shape through `CompiledStep`,
 one graph per bucket and capacity (every type projected); eager steps project only the types present.
