@@ -79,13 +79,6 @@ class SlotDraftKV:
         self.positions = torch.arange(capacity, device=device)
         mark_static(self.keys, self.values, self.rows, self.positions)
 
-    def grown(self, capacity: int) -> SlotDraftKV:
-        L, B, heads, _, dim = self.keys.shape
-        new = SlotDraftKV(L, B, heads, dim, capacity, self.keys.dtype, self.offsets)
-        held = self.keys.shape[3]
-        new.keys[:, :, :, :held], new.values[:, :, :, :held] = self.keys, self.values
-        return new
-
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         R = q.shape[0]
         written = self.offsets[:R, None] + torch.arange(q.shape[-2], device=q.device)  # [R, S]
@@ -189,15 +182,13 @@ class PDMDrafter:
         capacity, cfg = round_capacity(positions + 1), self.pdm.cfg
         shape = (self.slots, capacity, self.geometry.num_types, cfg.target_hidden_size)
         states = torch.zeros(shape, dtype=self.state_dtype, device=self.device)
+        offsets = self.table.device[:, START]
+        cache = SlotDraftKV(cfg.num_layers, self.slots, cfg.num_kv_heads, cfg.head_dim, capacity, self.dtype, offsets)
         if self.capacity:
-            states[:, : self.capacity] = self.states
-            self.cache = self.cache.grown(capacity)
-        else:
-            offsets = self.table.device[:, START]
-            self.cache = SlotDraftKV(
-                cfg.num_layers, self.slots, cfg.num_kv_heads, cfg.head_dim, capacity, self.dtype, offsets
-            )
-        self.states, self.capacity = states, capacity
+            held = self.capacity
+            states[:, :held] = self.states
+            cache.keys[:, :, :, :held], cache.values[:, :, :, :held] = self.cache.keys, self.cache.values
+        self.states, self.cache, self.capacity = states, cache, capacity
 
     @torch.no_grad()
     def start(
