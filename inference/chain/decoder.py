@@ -2,20 +2,14 @@
 
 Each round the drafter chains `d_1..d_k` from the last committed row; the target runs the last committed
 token and the drafts, `[x_t, d_1..d_k]` at positions `t..t+k`, in one forward (inference/chain/target.py).
-Row `j` of its logits is the target distribution `P_{j+1}` that judges `d_{j+1}`:
+Row `j` of its logits is the target distribution `P_{j+1}` that judges `d_{j+1}`, greedily or by rejection
+sampling, and all k accepted add a bonus token from `P_{k+1}` (docs/EAGLE3.md, "Chain decoding"). The round
+yields `tau` = accepted + 1 tokens. The target cache is rolled back to the accepted positions, whose features the
+drafter then commits. Lossless: greedy output is AR's token for token, sampled output has the target's
+distribution (tests/test_eagle3_decode.py).
 
-    greedy: accept while d_{j+1} == argmax P_{j+1};
-    sampling (temperature / top-k / top-p on BOTH P and q, inference/cycle/verify.py): accept with probability
-        min(1, P(d)/q(d)), on the first rejection sample norm(max(0, P - q)) and stop;
-    all k accepted: one bonus token from P_{k+1}.
-
-The round yields `tau` = accepted + 1 tokens. The target cache is rolled back to the accepted positions,
-whose features the drafter then commits. Lossless: greedy output is AR's token for token, sampled output
-has the target's distribution (tests/test_eagle3_decode.py).
-
-Counting (docs/DESIGN.md, "Speedup formulas"): `N` generated tokens (the prefill's included), `K` target forwards after prefill,
-`tau` per forward, and the theoretical speedup `S = mean(tau) / (1 + k r)` with `r` the measured cost of
-one draft step over one verify forward.
+Counting: `N` generated tokens (the prefill's included), `K` target forwards after prefill, `tau` per forward;
+the speedup with the draft cost charged is evaluation's (docs/DESIGN.md, "Speedup formulas").
 """
 
 from __future__ import annotations

@@ -15,39 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from inference.runtime.drafter import SlotDraftKV
 from inference.sampling import Sampling, warp
 from spd_lightning.eagle3.model import Eagle3Drafter
-
-
-class DraftKVCache:
-    """Preallocated body keys/values of the verified positions, used as the drafter's `attend`.
-
-    Each call writes the new keys/values at `[length, length + S)` and attends causally over
-    `[0, length + S)`; `commit` makes them part of the cache (verified positions), otherwise the next
-    call overwrites them (in-flight positions)."""
-
-    def __init__(self, num_layers: int, heads: int, head_dim: int, max_len: int, dtype: torch.dtype, device):
-        self.keys = torch.zeros(num_layers, 1, heads, max_len, head_dim, dtype=dtype, device=device)
-        self.values = torch.zeros_like(self.keys)
-        self.length = 0
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        S, end = q.shape[-2], self.length + q.shape[-2]
-        if end > self.keys.shape[-2]:
-            raise RuntimeError(f"drafter cache holds {self.keys.shape[-2]} positions; position {end - 1} does not fit")
-        self.keys[layer, :, :, self.length : end] = k
-        self.values[layer, :, :, self.length : end] = v
-        keys, values = self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
-        if S == 1:
-            return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
-        mask = torch.arange(end, device=q.device)[None, :] <= (self.length + torch.arange(S, device=q.device))[:, None]
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-
-    def commit(self, count: int) -> None:
-        self.length += count
 
 
 @dataclass
@@ -67,15 +39,17 @@ class Eagle3Runtime:
         self.drafter, self.embed_tokens, self.sampling = drafter.eval(), embed_tokens, sampling
         p = next(drafter.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.cache: DraftKVCache | None = None
+        self.cache: SlotDraftKV | None = None  # one slot's body keys/values
+        self.length = 0  # committed rows: the chain's keys past them are overwritten by the next commit
         self.last_out: torch.Tensor | None = None  # [1, 1, H] output of the last committed row
 
     def start(self, capacity: int) -> None:
         """A new sequence of at most `capacity` positions (prompt, generated tokens and a chain)."""
         cfg = self.drafter.cfg
         if self.cache is None or self.cache.keys.shape[-2] < capacity:
-            self.cache = DraftKVCache(1, cfg.num_kv_heads, cfg.head_dim, capacity, self.dtype, self.device)
-        self.cache.length = 0
+            offsets = torch.zeros(1, dtype=torch.long, device=self.device)  # read by the batched attend only
+            self.cache = SlotDraftKV(1, 1, cfg.num_kv_heads, cfg.head_dim, capacity, self.dtype, offsets)
+        self.length = 0
         self.last_out = None
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -84,11 +58,11 @@ class Eagle3Runtime:
     @torch.no_grad()
     def commit(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
         """Rows at the next `S` positions: `features[S, 3, H]` of their tokens and `next_tokens[S]`."""
-        S, start = features.shape[0], self.cache.length
+        S, start = features.shape[0], self.length
         positions = torch.arange(start, start + S, device=self.device)[None]
         hidden = self.drafter.fuse(features.to(self.device, self.dtype)[None])
-        out = self.drafter.step(hidden, self._embed(next_tokens)[None], positions, self.cache)
-        self.cache.commit(S)
+        out = self.drafter.step(hidden, self._embed(next_tokens)[None], positions, self.cache.row_attend(0, start))
+        self.length += S
         self.last_out = out[:, -1:]
 
     @torch.no_grad()
@@ -97,7 +71,7 @@ class Eagle3Runtime:
         if self.last_out is None:
             raise RuntimeError("commit the prompt's rows before drafting")
         tokens, qs, logits_rows = [], [], []
-        out, committed = self.last_out, self.cache.length
+        out = self.last_out
         for j in range(k):
             logits = self.drafter.logits(out)[0, -1]
             q = None if self.sampling.greedy else warp(logits, self.sampling)
@@ -105,10 +79,10 @@ class Eagle3Runtime:
             tokens.append(int(self.drafter.d2t[index]))
             qs.append(q)
             logits_rows.append(logits)
-            if j + 1 < k:
-                position = torch.tensor([[self.cache.length]], device=self.device)
+            if j + 1 < k:  # chain step j + 1 at position length + j, attending to the chain steps before it
+                position = self.length + j
                 embeds = self._embed(torch.tensor([tokens[-1:]]))
-                out = self.drafter.step(out, embeds, position, self.cache)
-                self.cache.commit(1)  # later chain steps attend to this one ...
-        self.cache.length = committed  # ... but only until the next commit overwrites these positions
+                out = self.drafter.step(
+                    out, embeds, torch.tensor([[position]], device=self.device), self.cache.row_attend(0, position)
+                )
         return Draft(tokens, None if self.sampling.greedy else qs, logits_rows)

@@ -3,20 +3,12 @@ with exact rollback.
 
 `ChainTarget` runs the whole target (embedding, every layer, final norm, LM head) over a block of tokens at
 `start..start+S-1` on top of its cache and returns the logits of every position plus the EAGLE-3 feature states
-(`hidden_states[l]` for the drafter's feature layers).
-
-The cache is one slot of a `StageCache` (inference/runtime/cache.py, the pipeline stages' cache) over every layer:
-static storage written in place, so every forward passes attention layers the additive mask of
-`stages.attention_mask`, over the storage's whole capacity (causal, the unwritten tail hidden).
-
-- Prefill (`start == 0`): one causal forward, the path of a stage's prefill (and of AR).
-- Verify (`start > 0`, the last committed token plus k drafts): attention layers run all S tokens at once;
-  linear-attention (Gated DeltaNet) layers step through the block one token at a time, each token's conv
-  and recurrent states snapshotted first (`StageCache.snapshot_row`, the per-token states SGLang's verify kernel
-  keeps). `rollback(keep)` is `StageCache.rollback`: it moves the slot's length back (the next forward overwrites
-  the rejected positions) and restores the linear states of position `keep`, so the cache holds exactly the
-  accepted positions, as if the rejected drafts had never been run. The snapshot ring holds `max_block + 1`
-  entries: a rollback discards at most one block.
+(`hidden_states[l]` for the drafter's feature layers). Its cache is one slot of a `StageCache` over every layer
+(docs/EAGLE3.md, "Chain decoding"): a prefill (`start == 0`) is one causal forward, the path of a stage's prefill
+(and of AR); a verify block runs attention layers over all S tokens at once and steps linear-attention (Gated
+DeltaNet) layers one token at a time, each token's states snapshotted first (`StageCache.snapshot_row`), so
+`rollback(keep)` (`StageCache.rollback`) leaves exactly the accepted positions. The snapshot ring holds
+`max_block + 1` entries: a rollback discards at most one block.
 """
 
 from __future__ import annotations

@@ -17,9 +17,8 @@ adds to the agent:
   exits when it is gone, however it died, so a launcher that dies takes its ranks with it (and then its
   fork server, which lives as long as a rank holds its end of the server's pipe).
 
-Each rank loads only what its role needs (`roles`): a stage rank its layer range (plus the embedding or
-the head at the ends), the PDM rank the drafter and the target's embedding table. With `DecodeJob.nodes`
-this launcher runs one node's share of the ranks of a multi-node run (`nodes`).
+Each rank loads only what its role needs (`roles`). With `DecodeJob.nodes` this launcher runs one node's share
+of the ranks of a multi-node run (`nodes`).
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
-"""Captured decode steps (`--compile`): `torch.compile` of a fixed-shape step, with an eager fallback.
+"""Captured decode steps (`--compile`): `torch.compile` of a fixed-shape step, with an eager fallback (docs/DESIGN.md,
+"The decode step at GPU speed": CUDA graphs on a GPU and inductor on the CPU, graphs keyed by shape, a compile failure
+never kills a rank, CUDA graphs reported, not assumed).
 
-On a GPU the mode is "reduce-overhead" (CUDA graphs: one launch per step instead of one per kernel), on
-the CPU inductor's default. One graph, no break (`fullgraph`): a break would mean a host read inside the
-step. Dynamic shapes off: a new shape (a regrown cache, another fill level) is one more graph, not a
-slower one; the caches grow in powers of two (`inference/runtime/cache.py`), so a server meets few shapes.
-A step that cannot be compiled (a layer dynamo cannot trace, a backend that fails, dynamo's recompile limit
-reached) runs eagerly from then on, with one warning: the decode is the same, only slower.
-
-Whether CUDA graphs were captured is reported, not assumed: inductor silently runs a graph without them when
-it cannot capture it (an op on the CPU, a mutated input, ...), counting each skip in
-`counters["inductor"]["cudagraph_skips"]`. A call that compiled and bumped that counter marks the step as not
-captured (`cuda_graphs` False) and logs the reason once.
+One graph, no break (`fullgraph`): a break would mean a host read inside the step. Dynamic shapes off: a new shape (a
+regrown cache, another fill level) is one more graph, not a slower one. Inductor silently runs a graph without CUDA
+graphs when it cannot capture it, counting each skip in `counters["inductor"]["cudagraph_skips"]`: a call that
+compiled and bumped that counter marks the step as not captured (`cuda_graphs` False) and logs the reason once.
 """
 
 from __future__ import annotations

@@ -11,19 +11,12 @@ a segment holds at most one newly verified position and `n` in flight; a longer 
 commits its oldest positions alone.
 
 A draft is batched tensor work, a fixed number of ops for any number of slots: the host writes each slot's
-segment (where it starts, its newest column, the type of each column, the position drafted, a pending seed
-token) into one `[R, C]` table (`HostTable`) that reaches the device in one copy; the gather of the segments'
-states, the fusion (`Fusion.by_type`: each column its own type), the body, the head, the warp of every row under
-its own settings (`warp_rows`, the settings `[B]` tensors written when a request joins), the draw and the
-embedding write of the drafted tokens then run over all `R` rows of the step's bucket (`slot_rows.batch_bucket`)
-at once. Rows that do not draft this cycle, and the columns after a shorter segment, write keys past anything
-their slot holds: masked, and overwritten before any draft reads them, as in-flight positions are.
-
-A sampled draft is the inverse CDF of its `q` at a counter-based uniform of the request's seed and the drafted
-position (`sampling.counter_uniforms`): the same draw whichever slot, batch or step makes it, so a seeded request
-drafts exactly what it drafts alone, and a draft the runner discards (its step turned out wasted) needs no
-randomness given back. Reusing the uniform when a position is drafted again after a rejection keeps every draft
-distributed as its `q`: the uniform is independent of everything that made the new `q`.
+segment into one `[R, C]` table (`HostTable`, the columns below), and the gather, fusion, body, head, warp, draw
+and embedding write then run over all `R` rows of the step's bucket at once; a sampled draft is drawn at a
+counter-based uniform of the request's seed and the drafted position, so it is the same whichever slot, batch or
+step makes it (docs/DESIGN.md, "The critical path": "The draft is batched tensor work"). Rows that do not draft
+this cycle, and the columns after a shorter segment, write keys past anything their slot holds: masked, and
+overwritten before any draft reads them, as in-flight positions are.
 
 `compile` (`--compile`): the gather, fusion, body and head over the fixed `[R, W]` shape through `CompiledStep`,
 one graph per bucket and capacity (every type projected); eager steps project only the types present.
@@ -86,13 +79,6 @@ class SlotDraftKV:
         self.positions = torch.arange(capacity, device=device)
         mark_static(self.keys, self.values, self.rows, self.positions)
 
-    def grown(self, capacity: int) -> SlotDraftKV:
-        L, B, heads, _, dim = self.keys.shape
-        new = SlotDraftKV(L, B, heads, dim, capacity, self.keys.dtype, self.offsets)
-        held = self.keys.shape[3]
-        new.keys[:, :, :, :held], new.values[:, :, :, :held] = self.keys, self.values
-        return new
-
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         R = q.shape[0]
         written = self.offsets[:R, None] + torch.arange(q.shape[-2], device=q.device)  # [R, S]
@@ -104,14 +90,16 @@ class SlotDraftKV:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
     def row_attend(self, slot: int, start: int) -> Callable:
-        """The `attend` of slot `slot` alone, its new keys at `start..`: a commit of verified positions."""
+        """The `attend` of slot `slot` alone, its new keys at `start..` and causal over `[0, start + i]`: a commit
+        of verified positions (the EAGLE-3 drafter's chain steps too, one position each)."""
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             S, end = q.shape[-2], start + q.shape[-2]
             keys, values = self.keys[layer, slot : slot + 1], self.values[layer, slot : slot + 1]
             keys[:, :, start:end], values[:, :, start:end] = k, v
-            queries = start + torch.arange(S, device=q.device)
-            mask = torch.arange(end, device=q.device)[None, :] <= queries[:, None]
+            mask = None  # one query sees every key up to its own
+            if S > 1:
+                mask = torch.arange(end, device=q.device)[None, :] <= start + torch.arange(S, device=q.device)[:, None]
             return F.scaled_dot_product_attention(
                 q, keys[:, :, :end], values[:, :, :end], attn_mask=mask, enable_gqa=True
             )
@@ -194,15 +182,13 @@ class PDMDrafter:
         capacity, cfg = round_capacity(positions + 1), self.pdm.cfg
         shape = (self.slots, capacity, self.geometry.num_types, cfg.target_hidden_size)
         states = torch.zeros(shape, dtype=self.state_dtype, device=self.device)
+        offsets = self.table.device[:, START]
+        cache = SlotDraftKV(cfg.num_layers, self.slots, cfg.num_kv_heads, cfg.head_dim, capacity, self.dtype, offsets)
         if self.capacity:
-            states[:, : self.capacity] = self.states
-            self.cache = self.cache.grown(capacity)
-        else:
-            offsets = self.table.device[:, START]
-            self.cache = SlotDraftKV(
-                cfg.num_layers, self.slots, cfg.num_kv_heads, cfg.head_dim, capacity, self.dtype, offsets
-            )
-        self.states, self.capacity = states, capacity
+            held = self.capacity
+            states[:, :held] = self.states
+            cache.keys[:, :, :, :held], cache.values[:, :, :, :held] = self.cache.keys, self.cache.values
+        self.states, self.cache, self.capacity = states, cache, capacity
 
     @torch.no_grad()
     def start(

@@ -1,21 +1,8 @@
 """The one place that knows how transformers' decoder-layer cache API differs between the supported releases
-(docs/DESIGN.md, "Supported versions").
-
-The decoders call the target's HF decoder layers directly, with a cache of their own (`StageCache` and its row
-view, which the chain decoder's target uses too, implement the cache interface themselves). Three things differ
-between the releases we support (transformers >= 5.15, see `spd_lightning.environment.versions`):
-
-- the keyword a decoder layer takes its cache by: `cache` from 5.24, `past_key_values` before. A layer
-  of the other generation swallows the wrong one in its `**kwargs` and runs without a cache, so the keyword
-  is read off each layer class's own `forward` signature (`cache_kwargs`), never guessed from a version;
-- how a Gated DeltaNet layer reads its states: from 5.23 through `get_conv_state`, `get_recurrent_state`
-  and `is_recording_past`; before through `has_previous_state(layer_idx)` and the fields of
-  `cache.layers[layer_idx]` (`record_past`, `conv_states[0]`, `recurrent_states[0]`). Our own caches
-  implement the newer methods and inherit the older reads from `LegacyStateReads`, so whichever a release
-  calls, it sees the same tensors;
-- a multimodal rotary embedding (Qwen3.5's mRoPE, recognised by its `mrope_section`) takes text positions
-  `[B, S]` in later releases (5.23 does) and only the `[3, B, S]` grid of its model's text path in 5.17 and
-  before: `rotary_positions` hands it the grid, which every release reads alike.
+(transformers >= 5.15, `spd_lightning.environment.versions`): the keyword a layer takes its cache by
+(`cache_kwargs`), the Gated DeltaNet state reads of releases before 5.23 (`LegacyStateReads`) and the positions a
+multimodal rotary embedding takes (`rotary_positions`), each decided by what the installed code offers, never by a
+version string (docs/DESIGN.md, "Supported versions": "One adapter, chosen by feature").
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """The shared PDM's draft on its own CUDA stream, so it overlaps stage 1's forward on their one GPU.
 
-With `--pdm-placement shared` process 0 hosts stage 1 and the PDM. In a pre-step cycle it launches stage 1's
-token first (the runner's `_compute`, on the main stream), then takes the anchor states the other stages sent
-(`Traffic.receive_anchors_before`) and drafts (`_draft`), both on a second stream. Kernel launches and NCCL receives
-return at once, so the GPU runs the receives and the draft beside stage 1's forward instead of after it, and
-the host never waits between launching the forward and launching the draft (on the CPU's gloo a receive
-blocks the host, but only after the forward has run). The dependencies are CUDA events, never a
-device-wide synchronization:
+With `--pdm-placement shared` process 0 launches stage 1's token first (the runner's `_compute`, on the main
+stream), then receives the other stages' anchor states and drafts (`_draft`), both on a second stream, so the GPU
+runs them beside stage 1's forward, and the host never waits in between (docs/DESIGN.md, "The critical path":
+"Shared placement"). The dependencies are CUDA events, never a device-wide synchronization:
 
 - the draft reads what the drafter's inputs wrote on the main stream (`start`, `set_token`, and
   `store_anchors` of stage 1's own anchors, taken from within the process): each records `inputs_ready`
@@ -19,7 +16,7 @@ device-wide synchronization:
   states even when no draft follows (a wasted step);
 - what the draft returns (the token, `q`) and writes (the new token's embedding, the PDM's KV cache) is
   next used on the main stream (stage 1's next input, the message to the verifier, the next inputs):
-  the main stream waits on `drafted`, recorded on the side stream after the draft, and the returned
+  the draft runs inside `receiving()`, so the main stream waits on the event recorded after it, and the returned
   tensors are marked as used by the main stream, so the allocator does not hand out their memory early.
 
 On the CPU there are no streams: `draft_stream` is None, `use_stream(None)` is a no-op context and no

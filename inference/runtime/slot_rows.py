@@ -1,21 +1,14 @@
-"""Per-slot values on the device without a host-to-device copy, and the batch buckets of the batched step.
+"""Per-slot values on the device without a host-to-device copy, and the batch buckets of the batched step
+(docs/DESIGN.md, "One cycle over B slots": "No host sync per step" and "Batch buckets"; `HostTable` in "The
+critical path": "The draft is batched tensor work").
 
 The batched decoder's schedule runs on the host, one `SlotSequence` per slot; its forwards read per-slot values on
 the device: the position each row runs, which rows run a real token, where each slot's PDM segment starts and
 where its newest position lies. Building them as `torch.tensor(host_list)` each cycle would be a host-to-device
-copy per cycle (a sync on a GPU, which the hot path must not have: docs/DESIGN.md, "The hot path"). So:
-
-- `RowSets`: the boolean mask of any set of rows is a row of a table built once per chunk of up to 8 rows
-  (every subset of the chunk), copied device to device into a mask buffer: one copy per chunk, no host data;
-- `DeviceInts`: a `[B]` vector of ints kept on the device with its host mirror, each write made on the device:
-  the rows that move by one (the positions after a step) in one add of a row mask, any other change (a rollback,
-  a join) by `fill_` of that row (the value is a kernel argument);
-- `HostTable`: a `[B, C]` table of ints the host writes in full each step (the PDM's per-slot segment geometry)
-  and the device receives in ONE copy, from pinned memory without waiting (vLLM's input staging): a fixed
-  number of ops for any B, where per-slot writes would grow with it;
-- `batch_bucket`: the step over the slots runs the smallest power of two of rows that covers every live slot
-  (capped at the slot count), so a compiled step has one graph per bucket, as vLLM keys its CUDA graphs; the
-  rows of the bucket without a sequence run dummy inputs, as idle slots do.
+copy per cycle (a sync on a GPU, which the hot path must not have). So `RowSets` makes the mask of any set of rows
+by a device-to-device copy, `DeviceInts` keeps a `[B]` vector written on the device only, `HostTable` sends a
+table the host writes in full in ONE copy (a fixed number of ops for any B, where per-slot writes would grow with
+it), and `batch_bucket` runs a step over a power of two of rows, one compiled graph per bucket.
 """
 
 from __future__ import annotations
