@@ -166,7 +166,7 @@ CASES = [
         "missing --target directory",
         "decode",
         DEC + ("--prompt", "hi", "--target", "{root}/no_target"),
-        "not a local directory",
+        "does not exist",
     ),
     Case(
         "spd mode without a drafter",
@@ -222,8 +222,8 @@ CASES = [
     Case("fit: anchor out of range", "fit", FIT + ("--model.anchors", "[0, 2, 9]"), "out of range"),
     Case("fit: anchors unsorted", "fit", FIT + ("--model.anchors", "[0, 3, 2]"), "strictly increasing"),
     Case("fit: anchors not starting at 0", "fit", FIT + ("--model.anchors", "[1, 2]"), "must start with 0"),
-    Case("fit: unknown layout", "fit", FIT + ("--model.layout", "diagonal"), "diagonal"),
-    Case("fit: n not an int", "fit", FIT + ("--model.n", "two"), "two"),
+    Case("fit: unknown layout", "fit", FIT + ("--model.layout", "diagonal"), "model.layout: Expected"),
+    Case("fit: n not an int", "fit", FIT + ("--model.n", "two"), "model.n: Expected"),
     Case(
         "fit: split with an empty stage",
         "fit",

@@ -28,6 +28,7 @@ import argparse
 import importlib
 import netrc
 import os
+import re
 import signal
 import sys
 import traceback
@@ -181,7 +182,7 @@ def run_cli(args: Sequence[str]) -> SPDLightningCLI:
             parser_kwargs=parser_kwargs(),
         )
     except ArgumentError as e:  # a value the parser rejects (type, choice, unknown key, missing file)
-        raise ConfigError(one_line(e)) from e
+        raise ConfigError(parser_reason(e)) from e
     except (MisconfigurationException, ValueError) as e:
         cause = user_error_in(e)
         if cause is not None and cause is not e:  # jsonargparse wraps what a module's __init__ raised
@@ -189,6 +190,20 @@ def run_cli(args: Sequence[str]) -> SPDLightningCLI:
         if cause is None and raised_by_lightning(e):
             raise ConfigError(f"a setting Lightning rejects: {one_line(e)}") from e
         raise
+
+
+# In subclass mode `model` is a union of the class and None, so jsonargparse reports a bad init argument as the
+# union's failure: both subtypes' reasons on one long line. The class's own reason is the one a user needs.
+_CLASS_REASON = re.compile(
+    r"Problem with given class_path '[^']*': Parser key \"([^\"]+)\": (.*?)(?: - Expected a <class 'NoneType'>|$)"
+)
+
+
+def parser_reason(error: ArgumentError) -> str:
+    """The parser's message on one line; for a bad argument of the model class, that argument's reason alone."""
+    text = one_line(error)
+    match = _CLASS_REASON.search(text)
+    return f"model.{match[1]}: {match[2]}" if match else text
 
 
 def user_error_in(error: BaseException) -> UserError | None:

@@ -87,7 +87,7 @@ def load_hf_config(name_or_path: str, trust_remote_code: bool = False):
     except ValueError as e:
         raise TargetError(
             f"cannot load target {name_or_path!r}: {first_line(e)} "
-            f"(pass --trust_remote_code only if you trust that repository)"
+            f"(if you trust that repository: --trust-remote-code for inference, --model.trust_remote_code true for fit)"
         ) from e
     return config
 

@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 from kit import make_tiny_model, save_random_drafter, target_dir
@@ -313,3 +314,43 @@ def test_eval_reports_acceptance_per_depth(evaluated):
         rates = row["accept_by_depth"]
         assert len(rates) >= report["n"] and any(r is not None for r in rates)
         assert all(r is None or 0 <= r <= 1 for r in rates)
+
+
+CUSTOM_MODELING = """
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+
+class CustomQwen3Config(Qwen3Config):
+    model_type = "spd_custom_qwen3"
+
+
+class CustomQwen3ForCausalLM(Qwen3ForCausalLM):
+    config_class = CustomQwen3Config
+"""
+
+
+def test_eval_trusts_the_targets_own_code_when_told(tmp_path_factory, tmp_path, capsys):
+    """A target whose config names its own modeling code (`auto_map`) loads under `--trust-remote-code` everywhere
+    eval loads it (the decoder and the AR baseline), and nowhere without it."""
+    path, target = target_dir(tmp_path_factory, "qwen3", make_tiny_model)
+    (Path(path) / "custom_qwen3.py").write_text(CUSTOM_MODELING)
+    config_file = Path(path) / "config.json"
+    config = json.loads(config_file.read_text())
+    config["model_type"] = "spd_custom_qwen3"
+    config["auto_map"] = {
+        "AutoConfig": "custom_qwen3.CustomQwen3Config",
+        "AutoModelForCausalLM": "custom_qwen3.CustomQwen3ForCausalLM",
+    }
+    config_file.write_text(json.dumps(config))
+    drafter = save_random_drafter(target, Geometry.build(target.num_layers, 2), str(tmp_path / "drafter"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"question_id": 0, "turns": ["hello world"]}) + "\n")
+    argv = ["--ckpt", drafter, "--prompts", str(prompts), "--max-new-tokens", "4", "--temperatures", "0"]
+    argv += ["--out", str(tmp_path / "out"), "--simulate", "--no-progress"]
+    capsys.readouterr()  # the target's save progress
+    assert spd_eval.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "--trust-remote-code" in err, err  # says how to allow it
+    assert spd_eval.main([*argv, "--trust-remote-code"]) == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "out" / "eval.json").read_text())
+    assert [(r["set"], r["N"] > 0) for r in report["results"]] == [("p", True), ("overall", True)]

@@ -190,7 +190,8 @@ class Decoders:
         from spd_lightning.target import Target
 
         self.args, self.setup = args, setups[0]
-        self.target = Target.load(self.setup.target_path, self.setup.dtype, args.device)
+        first = self.setup
+        self.target = Target.load(first.target_path, first.dtype, args.device, first.trust_remote_code)
         pdms = [PdmDecoder(args, setup, self.target) for setup in setups if setup.mode != EAGLE3]
         methods = [pdm.method for pdm in pdms]
         for pdm in pdms:  # drafters of one mode, n and L_s (e.g. two layouts): named by their run

@@ -24,9 +24,8 @@ from inference.runtime.cache import StageCache
 from inference.runtime.capture import CompiledStep
 from inference.runtime.hf_compat import cache_kwargs, rotary_positions
 from inference.runtime.slot_rows import RowSets, leading, mark_static
-from spd_lightning.errors import first_line
 from spd_lightning.geometry import Geometry
-from spd_lightning.target import Target, TargetError, resolve_dtype
+from spd_lightning.target import Target, TargetError, load_hf_config, resolve_dtype
 from spd_lightning.target_source import resolve_target
 
 # Checkpoint key prefixes of the text model: causal-LM checkpoints use `model.`, the Qwen3.5
@@ -60,13 +59,10 @@ class TargetPieces:
 def meta_target(path: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False) -> Target:
     """The target's module tree on the meta device: shapes and names, no weights, no memory. `path` is a
     directory or a hub id (`resolve_target`); the Target's name is the resolved directory."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
+    config = load_hf_config(path, trust_remote_code)  # the loader's one-line errors (a missing path, remote code)
     path = resolve_target(path)
-    try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise TargetError(f"cannot read the target config in {path!r}: {first_line(e)[:160]}") from e
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     return Target(model, path)
