@@ -30,16 +30,14 @@ def summarize_timing(
     rows: torch.Tensor,
     n: int,
     cycles: tuple[int, int] | None = None,
-    has_drafter: bool = True,
     shared_pdm: bool = False,
 ) -> dict:
     """`rows[world, cycles, TIMING_FIELDS]` (ranks 0..n-1 are stages, rank n the PDM) -> JSON-ready dict, of the
     rows `cycles` = [first, end) when given (one prompt's, which the dict names). `shared_pdm` (the PDM in stage
     1's process, `--pdm-placement shared`) adds what sharing costs."""
     rows = rows.double() if cycles is None else rows[:, slice(*cycles)].double()
-    K = rows.shape[1]
     stage = rows[:n, :, COMPUTE].T  # [K, n]
-    draft = rows[n, :, COMPUTE] if has_drafter else torch.zeros(K, dtype=torch.float64)
+    draft = rows[n, :, COMPUTE]  # a replay drafter's too: what the PDM rank spent, in the simulator as on ranks
     verify = rows[n - 1, :, VERIFY]
     comm = rows[:, :, COMM].max(dim=0).values
     wall = rows[n - 1, :, WALL]

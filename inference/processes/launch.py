@@ -136,13 +136,8 @@ def decode_prompts(
     if rank == reporter:
         rows = torch.stack(rows).sum(0).cpu()
         for index, result in enumerate(results):
-            result.timing = summarize_timing(
-                rows,
-                runner.n,
-                runner.spans[index],
-                has_drafter=job.replay is None,
-                shared_pdm=job.pdm_placement == "shared",
-            )
+            shared = job.pdm_placement == "shared"
+            result.timing = summarize_timing(rows, runner.n, runner.spans[index], shared_pdm=shared)
             report(index, result)
 
 
