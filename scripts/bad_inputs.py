@@ -169,6 +169,12 @@ CASES = [
         "does not exist",
     ),
     Case(
+        "missing --target .gguf file",
+        "decode",
+        DEC + ("--prompt", "hi", "--target", "{root}/none.gguf"),
+        "pass an existing .gguf file",
+    ),
+    Case(
         "spd mode without a drafter",
         "decode",
         ("--ckpt", "none", "--target", "{target}", "--mode", "spd", "--prompt", "hi"),

@@ -63,7 +63,7 @@ def local_target(name_or_path: str) -> str:
     """The target's checkpoint directory (`resolve_target`: a directory, a GGUF converted once, a hub id), with
     the one-line error for a local path that does not exist."""
     path = os.path.expanduser(name_or_path)
-    if looks_local(name_or_path) and not os.path.exists(path):
+    if looks_local(name_or_path) and not os.path.exists(path) and not path.endswith(".gguf"):  # GGUF: its own error
         raise TargetError(
             f"target path {name_or_path!r} does not exist: build the tiny target with "
             f"`python -m spd_lightning.tiny_target --out {name_or_path}` or pass a hub name or a .gguf file"
