@@ -27,6 +27,7 @@ import itertools
 import pytest
 import torch
 from kit import ANCHOR_BATCH, anchor_pdm, padded_anchor_states
+from torch._inductor.exc import InductorError
 
 from spd_lightning.geometry import Geometry
 from spd_lightning.training import attention
@@ -39,17 +40,18 @@ BACKENDS = [
     "dense",
     "two_part",
     "flex",
-    pytest.param(
-        "flex_compiled",
-        marks=[
-            pytest.mark.skipif(not HAS_COMPILED_FLEX, reason="no compiled flex"),
-            # torch 2.13's CPU inductor emits C++ that does not compile for these flex shapes (`cur_kvSplitSize`
-            # undeclared); tests/test_attention_compile.py checks compiled flex == dense at shapes it can compile, and
-            # the GPU check runs the CUDA code generator. Not strict: a torch that compiles it makes these pass.
-            pytest.mark.xfail(reason="torch 2.13 CPU inductor codegen error for flex attention", strict=False),
-        ],
-    ),
+    pytest.param("flex_compiled", marks=pytest.mark.skipif(not HAS_COMPILED_FLEX, reason="no compiled flex")),
 ]
+# torch 2.13's CPU inductor emits C++ that does not compile for the type layout's flex shapes at n = 4 and 8
+# (`cur_qSplitSize9` undeclared); its depth layout (every n) and n = 2 compile and pass (measured over the slow grid).
+# tests/test_attention_compile.py checks compiled flex == dense, and the GPU check runs the CUDA code generator.
+# Strict on 2.13: a fix there turns these into failures that say the mark can go.
+TYPE_COMPILE_BUG = pytest.mark.xfail(
+    torch.__version__.startswith("2.13."),
+    reason="torch 2.13 CPU inductor: C++ codegen error for the type layout's flex attention at n >= 4",
+    raises=InductorError,
+    strict=True,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -198,7 +200,6 @@ def test_type_layout_every_block(n, T, backend, dtype, schedule):
 
 @pytest.mark.slow  # one CPU compile of flex attention takes about a minute on the 2-core machine
 @pytest.mark.skipif(not HAS_COMPILED_FLEX, reason="the attention module has no compiled flex backend")
-@pytest.mark.xfail(reason="torch 2.13 CPU inductor codegen error for flex attention (see BACKENDS)", strict=False)
 def test_compiled_flex_depth_layout():
     check_depth(4, 2, 16, "flex_compiled", "fp32")
 
@@ -215,5 +216,7 @@ def test_depth_layout_every_copy_full_grid(n, num_layers, backend, dtype):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("n", [2, 4, 8])
-def test_type_layout_every_block_full_grid(n, backend, dtype):
+def test_type_layout_every_block_full_grid(n, backend, dtype, request):
+    if backend == "flex_compiled" and n >= 4:
+        request.applymarker(TYPE_COMPILE_BUG)
     check_type(n, 64, backend, dtype)
