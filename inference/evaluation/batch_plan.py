@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 
+from inference.evaluation import costs
 from inference.evaluation.tables import markdown_table
 from spd_lightning.errors import UsageError
 
@@ -57,7 +58,7 @@ def batch_rows(report: dict, alpha: float | None, schedule: str, path: str) -> l
         if not isinstance(a, (int, float)) or not 0 < a <= 1:
             raise UsageError(f"{path}: B={B} has no alpha in (0, 1]: pass --batch-alpha")
         stage, draft, overhead = max(row["stage_s"]), row["draft_s"], row.get("overhead_s") or 0.0
-        cycle = (max(stage, draft) if schedule == "pre_step" else stage + draft) + overhead
+        cycle = costs.cycle(stage, draft, overhead, schedule)
         first = first if first is not None else cycle  # the first (smallest) B's cycle
         out.append(
             {

@@ -55,6 +55,7 @@ import os
 from dataclasses import asdict, dataclass
 
 from inference import cli
+from inference.evaluation import costs
 from inference.evaluation.batch_plan import batch_markdown, batch_rows
 from inference.evaluation.eagle3_plan import eagle3_markdown, eagle3_rows
 from inference.evaluation.tables import markdown_table, pyplot, save
@@ -78,12 +79,9 @@ class CostModel:
     def draft(self, L_s: int) -> float:
         return self.draft_fixed + L_s * self.t_draft_layer
 
-    def cycle(self, n: int, L_s: int) -> float:
-        s, d = self.stage(n), self.draft(L_s)
-        return (max(s, d) if self.schedule == "pre_step" else s + d) + self.overhead
-
     def predict(self, n: int, L_s: int, alpha: float) -> dict:
-        stage, draft, cycle = self.stage(n), self.draft(L_s), self.cycle(n, L_s)
+        stage, draft = self.stage(n), self.draft(L_s)
+        cycle = costs.cycle(stage, draft, self.overhead, self.schedule)
         return {
             "n": n,
             "L_s": L_s,
@@ -198,12 +196,10 @@ def _check_cost_args(args: argparse.Namespace) -> None:
             raise UsageError(f"--{name.replace('_', '-')}={v} must be >= 1")
 
 
-def cost_model(args: argparse.Namespace) -> CostModel:
-    """The cost model of the command line: measured seconds (`--times eval.json` or `--t-full ...`) or, without
-    times, target layers as the unit."""
+def cost_model(args: argparse.Namespace, measured: dict | None) -> CostModel:
+    """The cost model of the command line: measured seconds (`measured`, the `plan_inputs` of `--times eval.json`,
+    or `--t-full ...`) or, without times, target layers as the unit."""
     _check_cost_args(args)
-    measured = _read_json(args.times) if args.times else {"plan_inputs": {}}
-    measured = measured.get("plan_inputs") if isinstance(measured, dict) else None
     if not isinstance(measured, dict):
         raise UsageError(f"{args.times}: no plan_inputs (expected an eval.json from inference.eval)")
     t_full = args.t_full if args.t_full is not None else measured.get("T_full_s")
@@ -332,12 +328,13 @@ def run(args: argparse.Namespace) -> dict:
     alphas = read_alphas(args.alphas) if args.alphas else {}
     for spec in args.alpha:
         alphas.update([parse_alpha(spec)])
-    times = _read_json(args.times) if args.times else {}
-    eagle3_inputs = (times.get("plan_inputs_eagle3") if isinstance(times, dict) else None) or []
+    times = _read_json(args.times) if args.times else {"plan_inputs": {}}
+    times = times if isinstance(times, dict) else {}
+    eagle3_inputs = times.get("plan_inputs_eagle3") or []
     result: dict = {"rows": [], "markdown": ""}
     sections, t_full = [], None  # the markdown of each part; T_full in seconds when the cost model is measured
     if alphas or not (eagle3_inputs or args.batch_times):  # SPD's plan (EAGLE-3 or batch rows alone need no alpha)
-        model = cost_model(args)
+        model = cost_model(args, times.get("plan_inputs"))
         rows, best = plan(model, alphas)
         if args.plot:
             with cli.writing(args.plot):
