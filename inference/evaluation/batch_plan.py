@@ -79,22 +79,12 @@ def batch_rows(report: dict, alpha: float | None, schedule: str, path: str) -> l
 
 
 def batch_markdown(report: dict, rows: list[dict], schedule: str) -> str:
-    head = [
-        "B",
-        "alpha",
-        "stage (ms)",
-        "draft (ms)",
-        "overhead (ms)",
-        "cycle (ms)",
-        f"cycle / B={rows[0]['B']}",
-        "tok/s per request",
-        "tok/s total",
-        "GPU weight-bound: per request",
-        "GPU weight-bound: total",
-    ]
+    ms = ("stage", "draft", "overhead", "cycle")  # the times, in milliseconds
+    head = ["B", "alpha", *(f"{k} (ms)" for k in ms), f"cycle / B={rows[0]['B']}", "tok/s per request", "tok/s total"]
+    head += ["GPU weight-bound: per request", "GPU weight-bound: total"]
     cells = [
         [str(r["B"]), f"{r['alpha']:.3f}"]
-        + [f"{1e3 * r[k]:.3f}" for k in ("stage_s", "draft_s", "overhead_s", "cycle_s")]
+        + [f"{1e3 * r[f'{k}_s']:.3f}" for k in ms]
         + [f"{r['cycle_vs_first']:.2f}", f"{r['per_request_tok_s']:.1f}", f"{r['total_tok_s']:.1f}"]
         + [f"{r['weight_bound_per_request_tok_s']:.1f}", f"{r['weight_bound_total_tok_s']:.1f}"]
         for r in rows
