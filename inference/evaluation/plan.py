@@ -205,7 +205,6 @@ def cost_model(args: argparse.Namespace, measured: dict | None) -> CostModel:
     t_full = args.t_full if args.t_full is not None else measured.get("T_full_s")
     shape = target_shape(args.target) if args.target else (measured.get("L"), None)  # a target's L over the eval's
     layers = args.layers if args.layers is not None else shape[0]
-    hidden = args.hidden_size or shape[1]
     draft_fixed = args.draft_fixed or 0.0
     if t_full is not None:  # measured times
         t_draft = args.t_draft if args.t_draft is not None else measured.get("T_draft_s")
@@ -218,34 +217,23 @@ def cost_model(args: argparse.Namespace, measured: dict | None) -> CostModel:
         if t_draft <= draft_fixed:
             raise UsageError(f"--draft-fixed={draft_fixed} must be below the measured draft time {t_draft}")
         _positive("T_full", t_full)
-        stage_fixed = args.stage_fixed if args.stage_fixed is not None else _stage_fixed(measured, t_full)
-        return CostModel(
-            t_full,
-            (t_draft - draft_fixed) / draft_layers,
-            draft_fixed,
-            overhead,
-            args.schedule,
-            stage_fixed,
-            "s",
-            layers,
-        )
-    if args.t_draft is not None or args.overhead is not None or args.stage_fixed is not None:
-        raise UsageError("--t-draft/--overhead/--stage-fixed are seconds and need --t-full (or --times eval.json)")
-    if layers is None:
-        raise UsageError(
-            "no target shape or times: pass --target DIR|NAME, --layers L [--hidden-size H], "
-            "--times eval.json, or --t-full/--t-draft/--draft-layers"
-        )
-    per_layer = (args.pdm_hidden / hidden) ** 2 if args.pdm_hidden and hidden else 1.0
-    return CostModel(
-        float(layers), per_layer, draft_fixed, args.overhead_layers, args.schedule, 0.0, "target layers", layers
-    )
-
-
-def _stage_fixed(measured: dict, t_full: float) -> float:
-    """What the measured slowest stage costs beyond its even share `T_full / n` (0 when not measured)."""
-    slowest, n = measured.get("slowest_stage_s"), measured.get("n")
-    return max(0.0, slowest - t_full / n) if slowest is not None and n else 0.0
+        per_layer, unit = (t_draft - draft_fixed) / draft_layers, "s"
+        stage_fixed = args.stage_fixed
+        if stage_fixed is None:  # the slowest stage's cost beyond its share T_full / n, as measured (0 if not)
+            slowest, n = measured.get("slowest_stage_s"), measured.get("n")
+            stage_fixed = max(0.0, slowest - t_full / n) if slowest is not None and n else 0.0
+    else:  # a target config only: one target layer's forward is the unit
+        if args.t_draft is not None or args.overhead is not None or args.stage_fixed is not None:
+            raise UsageError("--t-draft/--overhead/--stage-fixed are seconds and need --t-full (or --times eval.json)")
+        if layers is None:
+            raise UsageError(
+                "no target shape or times: pass --target DIR|NAME, --layers L [--hidden-size H], "
+                "--times eval.json, or --t-full/--t-draft/--draft-layers"
+            )
+        hidden = args.hidden_size or shape[1]
+        per_layer = (args.pdm_hidden / hidden) ** 2 if args.pdm_hidden and hidden else 1.0
+        t_full, unit, overhead, stage_fixed = float(layers), "target layers", args.overhead_layers, 0.0
+    return CostModel(t_full, per_layer, draft_fixed, overhead, args.schedule, stage_fixed, unit, layers)
 
 
 def markdown(model: CostModel, rows: list[dict], best: dict) -> str:
