@@ -171,10 +171,10 @@ def test_plan_stage_fixed_cost_by_hand(tmp_path):
             }
         )
     )
-    args = spd_plan.parse_args(["--times", str(times), "--alpha", "4:1:0.5"])
-    assert spd_plan.cost_model(args).stage_fixed == pytest.approx(0.5)
-    args = spd_plan.parse_args(["--times", str(times), "--alpha", "4:1:0.5", "--stage-fixed", "0"])
-    assert spd_plan.cost_model(args).stage_fixed == 0.0  # the flag overrides the measurement
+    argv = ["--times", str(times), "--alpha", "4:1:0.5", "--plot", ""]
+    assert spd_plan.run(spd_plan.parse_args(argv))["model"]["stage_fixed"] == pytest.approx(0.5)
+    model = spd_plan.run(spd_plan.parse_args([*argv, "--stage-fixed", "0"]))["model"]
+    assert model["stage_fixed"] == 0.0  # the flag overrides the measurement
 
 
 def test_plan_from_a_target_config(files, tmp_path, capsys):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 
+from inference.evaluation import costs
 from inference.evaluation.tables import markdown_table
 from spd_lightning.errors import UsageError
 
@@ -57,7 +58,7 @@ def batch_rows(report: dict, alpha: float | None, schedule: str, path: str) -> l
         if not isinstance(a, (int, float)) or not 0 < a <= 1:
             raise UsageError(f"{path}: B={B} has no alpha in (0, 1]: pass --batch-alpha")
         stage, draft, overhead = max(row["stage_s"]), row["draft_s"], row.get("overhead_s") or 0.0
-        cycle = (max(stage, draft) if schedule == "pre_step" else stage + draft) + overhead
+        cycle = costs.cycle(stage, draft, overhead, schedule)
         first = first if first is not None else cycle  # the first (smallest) B's cycle
         out.append(
             {
@@ -78,22 +79,12 @@ def batch_rows(report: dict, alpha: float | None, schedule: str, path: str) -> l
 
 
 def batch_markdown(report: dict, rows: list[dict], schedule: str) -> str:
-    head = [
-        "B",
-        "alpha",
-        "stage (ms)",
-        "draft (ms)",
-        "overhead (ms)",
-        "cycle (ms)",
-        f"cycle / B={rows[0]['B']}",
-        "tok/s per request",
-        "tok/s total",
-        "GPU weight-bound: per request",
-        "GPU weight-bound: total",
-    ]
+    ms = ("stage", "draft", "overhead", "cycle")  # the times, in milliseconds
+    head = ["B", "alpha", *(f"{k} (ms)" for k in ms), f"cycle / B={rows[0]['B']}", "tok/s per request", "tok/s total"]
+    head += ["GPU weight-bound: per request", "GPU weight-bound: total"]
     cells = [
         [str(r["B"]), f"{r['alpha']:.3f}"]
-        + [f"{1e3 * r[k]:.3f}" for k in ("stage_s", "draft_s", "overhead_s", "cycle_s")]
+        + [f"{1e3 * r[f'{k}_s']:.3f}" for k in ms]
         + [f"{r['cycle_vs_first']:.2f}", f"{r['per_request_tok_s']:.1f}", f"{r['total_tok_s']:.1f}"]
         + [f"{r['weight_bound_per_request_tok_s']:.1f}", f"{r['weight_bound_total_tok_s']:.1f}"]
         for r in rows

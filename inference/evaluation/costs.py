@@ -33,6 +33,11 @@ def s_eagle3(tau, k: int, r, verify_ratio):
     return tau / (1.0 + k * r + (verify_ratio - 1.0))
 
 
+def cycle(stage, draft, overhead, schedule: str):
+    """The planner's cycle: drafting overlaps the stages pre-step and follows them post-step (PPSD)."""
+    return (max(stage, draft) if schedule == "pre_step" else stage + draft) + overhead
+
+
 FORMULAS = {"spd": s_spd, "post_step": s_ppsd, "ppsd": s_ppsd}
 
 

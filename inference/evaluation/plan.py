@@ -55,6 +55,7 @@ import os
 from dataclasses import asdict, dataclass
 
 from inference import cli
+from inference.evaluation import costs
 from inference.evaluation.batch_plan import batch_markdown, batch_rows
 from inference.evaluation.eagle3_plan import eagle3_markdown, eagle3_rows
 from inference.evaluation.tables import markdown_table, pyplot, save
@@ -78,12 +79,9 @@ class CostModel:
     def draft(self, L_s: int) -> float:
         return self.draft_fixed + L_s * self.t_draft_layer
 
-    def cycle(self, n: int, L_s: int) -> float:
-        s, d = self.stage(n), self.draft(L_s)
-        return (max(s, d) if self.schedule == "pre_step" else s + d) + self.overhead
-
     def predict(self, n: int, L_s: int, alpha: float) -> dict:
-        stage, draft, cycle = self.stage(n), self.draft(L_s), self.cycle(n, L_s)
+        stage, draft = self.stage(n), self.draft(L_s)
+        cycle = costs.cycle(stage, draft, self.overhead, self.schedule)
         return {
             "n": n,
             "L_s": L_s,
@@ -198,18 +196,15 @@ def _check_cost_args(args: argparse.Namespace) -> None:
             raise UsageError(f"--{name.replace('_', '-')}={v} must be >= 1")
 
 
-def cost_model(args: argparse.Namespace) -> CostModel:
-    """The cost model of the command line: measured seconds (`--times eval.json` or `--t-full ...`) or, without
-    times, target layers as the unit."""
+def cost_model(args: argparse.Namespace, measured: dict | None) -> CostModel:
+    """The cost model of the command line: measured seconds (`measured`, the `plan_inputs` of `--times eval.json`,
+    or `--t-full ...`) or, without times, target layers as the unit."""
     _check_cost_args(args)
-    measured = _read_json(args.times) if args.times else {"plan_inputs": {}}
-    measured = measured.get("plan_inputs") if isinstance(measured, dict) else None
     if not isinstance(measured, dict):
         raise UsageError(f"{args.times}: no plan_inputs (expected an eval.json from inference.eval)")
     t_full = args.t_full if args.t_full is not None else measured.get("T_full_s")
     shape = target_shape(args.target) if args.target else (measured.get("L"), None)  # a target's L over the eval's
     layers = args.layers if args.layers is not None else shape[0]
-    hidden = args.hidden_size or shape[1]
     draft_fixed = args.draft_fixed or 0.0
     if t_full is not None:  # measured times
         t_draft = args.t_draft if args.t_draft is not None else measured.get("T_draft_s")
@@ -222,34 +217,23 @@ def cost_model(args: argparse.Namespace) -> CostModel:
         if t_draft <= draft_fixed:
             raise UsageError(f"--draft-fixed={draft_fixed} must be below the measured draft time {t_draft}")
         _positive("T_full", t_full)
-        stage_fixed = args.stage_fixed if args.stage_fixed is not None else _stage_fixed(measured, t_full)
-        return CostModel(
-            t_full,
-            (t_draft - draft_fixed) / draft_layers,
-            draft_fixed,
-            overhead,
-            args.schedule,
-            stage_fixed,
-            "s",
-            layers,
-        )
-    if args.t_draft is not None or args.overhead is not None or args.stage_fixed is not None:
-        raise UsageError("--t-draft/--overhead/--stage-fixed are seconds and need --t-full (or --times eval.json)")
-    if layers is None:
-        raise UsageError(
-            "no target shape or times: pass --target DIR|NAME, --layers L [--hidden-size H], "
-            "--times eval.json, or --t-full/--t-draft/--draft-layers"
-        )
-    per_layer = (args.pdm_hidden / hidden) ** 2 if args.pdm_hidden and hidden else 1.0
-    return CostModel(
-        float(layers), per_layer, draft_fixed, args.overhead_layers, args.schedule, 0.0, "target layers", layers
-    )
-
-
-def _stage_fixed(measured: dict, t_full: float) -> float:
-    """What the measured slowest stage costs beyond its even share `T_full / n` (0 when not measured)."""
-    slowest, n = measured.get("slowest_stage_s"), measured.get("n")
-    return max(0.0, slowest - t_full / n) if slowest is not None and n else 0.0
+        per_layer, unit = (t_draft - draft_fixed) / draft_layers, "s"
+        stage_fixed = args.stage_fixed
+        if stage_fixed is None:  # the slowest stage's cost beyond its share T_full / n, as measured (0 if not)
+            slowest, n = measured.get("slowest_stage_s"), measured.get("n")
+            stage_fixed = max(0.0, slowest - t_full / n) if slowest is not None and n else 0.0
+    else:  # a target config only: one target layer's forward is the unit
+        if args.t_draft is not None or args.overhead is not None or args.stage_fixed is not None:
+            raise UsageError("--t-draft/--overhead/--stage-fixed are seconds and need --t-full (or --times eval.json)")
+        if layers is None:
+            raise UsageError(
+                "no target shape or times: pass --target DIR|NAME, --layers L [--hidden-size H], "
+                "--times eval.json, or --t-full/--t-draft/--draft-layers"
+            )
+        hidden = args.hidden_size or shape[1]
+        per_layer = (args.pdm_hidden / hidden) ** 2 if args.pdm_hidden and hidden else 1.0
+        t_full, unit, overhead, stage_fixed = float(layers), "target layers", args.overhead_layers, 0.0
+    return CostModel(t_full, per_layer, draft_fixed, overhead, args.schedule, stage_fixed, unit, layers)
 
 
 def markdown(model: CostModel, rows: list[dict], best: dict) -> str:
@@ -332,12 +316,13 @@ def run(args: argparse.Namespace) -> dict:
     alphas = read_alphas(args.alphas) if args.alphas else {}
     for spec in args.alpha:
         alphas.update([parse_alpha(spec)])
-    times = _read_json(args.times) if args.times else {}
-    eagle3_inputs = (times.get("plan_inputs_eagle3") if isinstance(times, dict) else None) or []
+    times = _read_json(args.times) if args.times else {"plan_inputs": {}}
+    times = times if isinstance(times, dict) else {}
+    eagle3_inputs = times.get("plan_inputs_eagle3") or []
     result: dict = {"rows": [], "markdown": ""}
     sections, t_full = [], None  # the markdown of each part; T_full in seconds when the cost model is measured
     if alphas or not (eagle3_inputs or args.batch_times):  # SPD's plan (EAGLE-3 or batch rows alone need no alpha)
-        model = cost_model(args)
+        model = cost_model(args, times.get("plan_inputs"))
         rows, best = plan(model, alphas)
         if args.plot:
             with cli.writing(args.plot):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from functools import partial
 
 import numpy as np
 
@@ -77,22 +78,21 @@ def pdm_row(mode: str, n: int, L_s: int, results: list[DecodeResult], ar: list[D
     rs = costs.pdm_r(results, ar)
     r = _spread("r", rs)
     r_gpu = costs.gpu_r(L_s)
-    draft_s = sum(x.timing.get("totals", {}).get("draft_s", 0.0) for x in results)
+    speedup = partial(costs.pdm_speedup, mode)
     row = {
         "prompts": len(results),
         "N": N,
         "K": K,
         "alpha": alpha,
         **r,
-        "T_draft_s": draft_s / K if K else None,
         **_cycle_times(results, K),
         "S0": n * alpha if alpha is not None else None,
         "S_spd": _maybe(costs.s_spd, n, alpha, r["r"]),
         "S_post": _maybe(costs.s_ppsd, n, alpha, r["r"]),
         "S_ppsd": _maybe(costs.s_ppsd, n, alpha, r["r"]),
-        "S": _maybe(lambda *a: costs.pdm_speedup(mode, *a), n, alpha, r["r"]),
+        "S": _maybe(speedup, n, alpha, r["r"]),
         "r_gpu": r_gpu,
-        "S_gpu": _maybe(lambda *a: costs.pdm_speedup(mode, *a), n, alpha, r_gpu),
+        "S_gpu": _maybe(speedup, n, alpha, r_gpu),
         **_wall_and_times(results, ar),
         "accept_by_depth": acceptance_by(results, "depth"),
         "accept_by_fill": acceptance_by(results, "fill"),
@@ -101,19 +101,20 @@ def pdm_row(mode: str, n: int, L_s: int, results: list[DecodeResult], ar: list[D
     statistics = {
         "S0": pooled_ratio("N", "K", n),
         "r": r_of,
-        "S": lambda c: costs.pdm_speedup(mode, n, alpha_of(c), r_of(c)),
-        "S_gpu": lambda c: costs.pdm_speedup(mode, n, alpha_of(c), r_gpu),
+        "S": lambda c: speedup(n, alpha_of(c), r_of(c)),
+        "S_gpu": lambda c: speedup(n, alpha_of(c), r_gpu),
     }
     row["ci"] = _intervals(results, ar, {"r": rs}, statistics)
     return row
 
 
 def _cycle_times(results: Sequence[DecodeResult], K: int) -> dict:
-    """Per-cycle means the planner reads (inference/evaluation/plan.py): wall, slowest stage, the stages' sum."""
+    """Per-cycle means the planner reads (evaluation/plan.py): draft, wall, slowest stage, the stages' sum."""
     if not K:
-        return {"mean_cycle_s": None, "mean_slowest_stage_s": None, "mean_stage_sum_s": None}
+        return dict.fromkeys(("T_draft_s", "mean_cycle_s", "mean_slowest_stage_s", "mean_stage_sum_s"))
     totals = [r.timing.get("totals", {}) for r in results]
     return {
+        "T_draft_s": sum(t.get("draft_s", 0.0) for t in totals) / K,
         "mean_cycle_s": sum(t.get("wall_s", 0.0) for t in totals) / K,
         "mean_slowest_stage_s": sum(t.get("mean_slowest_stage_s", 0.0) * r.K for t, r in zip(totals, results)) / K,
         "mean_stage_sum_s": sum(sum(t.get("stage_compute_s", [])) for t in totals) / K,
@@ -127,7 +128,7 @@ def eagle3_row(k: int, results: list[DecodeResult], ar: list[DecodeResult]) -> d
     units of the AR forward."""
     N, K = sum(r.N for r in results), sum(r.K for r in results)
     accepted = [sum(r.counters["accept_lengths"]) for r in results]
-    tau = sum(accepted) / K if K else None
+    alpha, tau = (N / K, sum(accepted) / K) if K else (None, None)
     rs, vs = costs.eagle3_r(results, ar)
     r, v = _spread("r", rs), _spread("verify_ratio", vs)
     totals = [x.timing["totals"] for x in results]
@@ -139,9 +140,9 @@ def eagle3_row(k: int, results: list[DecodeResult], ar: list[DecodeResult]) -> d
         "prompts": len(results),
         "N": N,
         "K": K,
-        "alpha": N / K if K else None,
+        "alpha": alpha,
         "tau": tau,
-        "S0": N / K if K else None,
+        "S0": alpha,
         **r,
         **v,
         "T_draft_step_s": sum(t["draft_s"] for t in totals) / steps if steps else None,
