@@ -15,19 +15,11 @@ from __future__ import annotations
 import json
 import os
 
-from spd_lightning.data.chat import load_tokenizer, render_prompt
+from spd_lightning.data.chat import load_tokenizer as load_tokenizer  # re-exported, as `render` below
+from spd_lightning.data.chat import render_prompt
 from spd_lightning.errors import UserError
 
 render = render_prompt  # the decoder's name for it
-__all__ = [
-    "PromptError",
-    "dataset_spec",
-    "load_tokenizer",
-    "looks_like_hub_name",
-    "read_dataset_prompts",
-    "read_prompts",
-    "render",
-]
 
 DATASET_COLUMNS = ("turns", "prompt", "question", "instruction")
 

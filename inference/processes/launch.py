@@ -228,6 +228,7 @@ def launch(
     inbox = Inbox(mp.get_context(method).Queue(), on_result, on_start, on_tokens)
     try:
         with (
+            contextlib.closing(inbox),  # first in, last out: every report is in before a failure is read
             tempfile.TemporaryDirectory(prefix="spd_launch_") as logs,
             _quiet_agent(job.debug),
             _callers_signal_handlers(),
@@ -239,13 +240,10 @@ def launch(
                 job, _reports_to(job, inbox), os.getpid(), request_channel, work
             )
     except ChildFailedError as e:
-        inbox.close()
         failed = {rank: f.exitcode for rank, f in e.failures.items()}
         blamed = blamed_report(failed, inbox.failures)
         cls = RankInputError if blamed is not None and blamed.user_error else LaunchError
         raise cls(failure_message(job, failed, inbox.failures), inbox.pid_list(), failed) from None
-    finally:
-        inbox.close()
     if request_channel is not None:
         return []
     missing = [i for i in range(len(job.prompts)) if i not in inbox.results]

@@ -1,25 +1,16 @@
-"""The distributed decoder's ranks over several nodes, for the server (`python -m inference.serve --nnodes 2`).
+"""The distributed decoder's ranks over several nodes, for the server (`python -m inference.serve --nnodes 2`);
+docs/SERVING.md, "Two nodes" says how the nodes meet, report, cancel and rejoin.
 
-Each node runs one elastic agent (what `torchrun` runs) for its share of the ranks; the agents meet in a
-static rendezvous at `--master-addr:--master-port` (node 0 hosts its store, as under `torchrun --nnodes 2
---node-rank R --master-addr A --master-port P`), so node `R`'s ranks follow node `R - 1`'s in rank order
-(rank r is stage r + 1, the last rank the PDM) and rank 0, the one that reads the requests, is on node 0,
-beside the HTTP server.
-
-The ranks of node 0 report to the launcher through its local queue (`reports.Inbox`); the ranks of the
-other nodes send the same reports (their pid, each cycle's verified tokens, each result, the error that
-ends them) over one TCP connection each to node 0's `ReportListener`, at `--master-addr:--report-port`,
-which puts them into that queue: to the launcher of node 0 every rank reports alike, wherever it runs.
-A verifier rank on another node also watches for cancels over a connection of its own to that listener
-(`RemoteRequestChannel.cancelled`), so a cancelled request stops on every node within a cycle or two.
-These ports, like torchrun's, carry no secret: the nodes must share a private network. The connection's
-key only keeps two runs on one network from mixing.
-
-Every pipeline node 0 starts has a name of its own (`Nodes.pipeline`), and the rendezvous's store keys carry
-it. A node's ranks can fail before node 0 has noticed: rejoining at once, under the same name, its new
-agent would meet node 0's old store and read the dead ranks' addresses from it. So another node asks
-node 0's listener for the pipeline to join (`join_pipeline`), naming the one it ran last; the listener of
-that same pipeline does not answer, the next one does.
+Each node runs one elastic agent (what `torchrun` runs) for its share of the ranks, in a static rendezvous
+(`agent_rendezvous`): node `R`'s ranks follow node `R - 1`'s in rank order, so rank 0, the one that reads the
+requests, is on node 0, beside the HTTP server. The ranks of node 0 report to the launcher through its local
+queue (`reports.Inbox`); the ranks of the other nodes send the same reports (`ReportSender`) to node 0's
+`ReportListener`, which puts them into that inbox: to the launcher of node 0 every rank reports alike, wherever
+it runs. A verifier rank on another node learns of cancels over a connection of its own to that listener
+(`RemoteRequestChannel.cancelled`). The connections' key carries no secret: it only keeps two runs on one
+network from mixing. Every pipeline node 0 starts has a name of its own (`Nodes.pipeline`) that the
+rendezvous's store keys carry; another node asks node 0's listener for the pipeline after the one it ran last
+(`join_pipeline`): the listener of that same pipeline does not answer, the next one does.
 """
 
 from __future__ import annotations
