@@ -5,10 +5,9 @@ Ranks `0..n-1` are the stages (stage `s` on rank `s-1`; the last one also verifi
 `PipelineRunner` hosts the roles of whichever ranks live in its process: all of them in the simulator
 (`LocalTransport`), one in a distributed rank (`DistributedTransport`), stage 1 and the PDM in process 0 of the
 shared placement (`SharedTransport`). What travels, and in which order, is the step's message traffic
-(`traffic.py`); the verdicts travel on their own channel (`verdicts.py`). A process that does not know yet whether
-a slot's step is wasted (a stage rank before the verdict is in) runs it optimistically, and the redo rolls it back;
-the verifier's process knows, and skips wasted steps, unless `replay_wasted_work` makes the simulator's stages run
-them as distributed ranks do.
+(`traffic.py`); the verdicts travel on their own channel (`verdicts.py`). The verifier's process skips the wasted
+steps it knows of (the others run them optimistically), unless `replay_wasted_work` makes the simulator's stages run
+them as distributed stage ranks do.
 """
 
 from __future__ import annotations
