@@ -5,8 +5,7 @@ buffer of a send ring is never rewritten in flight).
 `inbox[rank, kind]` receives; what a rank sends comes from a ring of `SEND_RING` buffers per kind, one buffer per
 step in turn (`put`); the compiled step's own outputs, which its next replay overwrites, are never sent. The
 verdict lives twice: the verifier judges into a device row, and the message travels from host memory
-(`transport.CONTROL_KINDS`, `verdict_to_host`). Prefill buffers, whose shape is the prompt's, grow with the longest
-prompt seen.
+(`transport.CONTROL_KINDS`, `verdict_to_host`). Prefill buffers grow with the prompt (`prefill_buffer`).
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
-"""NCCL's rules on every CPU run: a transport that fails where NCCL would hang, corrupt or refuse.
+"""NCCL's rules on every CPU run: a transport that fails where NCCL would hang, corrupt or refuse (docs/DESIGN.md,
+"Processes", which lists the rules and when they are on).
 
-On GPUs the decoder's data messages travel over NCCL, which gloo (every CPU test) does not hold to the same rules.
-`NcclRules` wraps any transport (`checked`) and enforces them, so a pattern that would deadlock or misbehave on
-NCCL raises here too:
-- a data tensor (sent or received into) is contiguous and on its rank's device (the device of that rank's first
-  data message, or the one given); a control message (`CONTROL_KINDS`) is in host memory and, over the process
-  group, travels on the gloo group (`DistributedTransport` puts it there);
-- a send and its receive agree on kind, shape and dtype (NCCL reads bytes: a mismatch hangs or corrupts);
-- with every rank in view (the simulators' `LocalTransport`), `_StreamModel` replays the messages as NCCL runs them:
-  per pair one stream on each side, in FIFO order; a send of more than the eager limit, or of a kind that is large at
-  the real shapes (`LARGE_AT_REAL_SHAPES`), completes only once its receive runs (rendezvous), a smaller one at once; a rank's later messages wait for each receive it waited on
-  and for each send `settle` waited on (on a GPU they queue behind those on its compute stream). At every `flush`
-  (the end of a prompt) every message must have completed; if not, the stuck ones are named (`NcclRuleError`).
-- `nccl_backend.guard_default_group` (installed in each rank process when the rules are on) refuses the object collectives on
-  the default group, which on GPUs is NCCL: a pickled broadcast there is a host-device copy and a sync on every rank;
-  control traffic goes over the gloo group (`control_group()`).
-The rules are on when `SPD_NCCL_RULES=1` (the test suite sets it, tests/conftest.py); `SPD_NCCL_EAGER_BYTES` sets
-the eager limit (default `EAGER_BYTES`; 0 makes every send a rendezvous).
+`NcclRules` wraps any transport (`checked`) and raises `NcclRuleError`. A data tensor's rank device is that of the
+rank's first data message, or the one given. With every rank in view (the simulators' `LocalTransport`),
+`_StreamModel` replays the messages as NCCL runs them; a rank's later messages queue behind each receive it waited
+on and each send `settle` waited on (on a GPU behind those on its compute stream). `nccl_backend.guard_default_group`
+refuses the object collectives on the default group, which on GPUs is NCCL: a pickled broadcast there is a
+host-device copy and a sync on every rank. `SPD_NCCL_EAGER_BYTES` sets the eager limit (default `EAGER_BYTES`; 0
+makes every send a rendezvous).
 """
 
 from __future__ import annotations

@@ -5,10 +5,9 @@ Ranks `0..n-1` are the stages (stage `s` on rank `s-1`; the last one also verifi
 `PipelineRunner` hosts the roles of whichever ranks live in its process: all of them in the simulator
 (`LocalTransport`), one in a distributed rank (`DistributedTransport`), stage 1 and the PDM in process 0 of the
 shared placement (`SharedTransport`). What travels, and in which order, is the step's message traffic
-(`traffic.py`); the verdicts travel on their own channel (`verdicts.py`). A process that does not know yet whether
-a slot's step is wasted (a stage rank before the verdict is in) runs it optimistically, and the redo rolls it back;
-the verifier's process knows, and skips wasted steps, unless `replay_wasted_work` makes the simulator's stages run
-them as distributed ranks do.
+(`traffic.py`); the verdicts travel on their own channel (`verdicts.py`). The verifier's process skips the wasted
+steps it knows of (the others run them optimistically), unless `replay_wasted_work` makes the simulator's stages run
+them as distributed stage ranks do.
 """
 
 from __future__ import annotations
@@ -249,18 +248,17 @@ class PipelineRunner:
         """Post-step, this step's anchor states reach the PDM first; the PDM drafts for every slot whose step is
         real or not known to be wasted, in one forward, without a verdict that is late, and discards the draft of a
         slot whose step turns out wasted (docs/DESIGN.md, "The critical path")."""
-        n = self.n
-        late = self.drafter is not None and self.verdicts.late(n)
-        if self.drafter is not None and not late:
-            self.verdicts.take_through(self.steps_run - 1)
-        drafting = []  # the slots whose step is real, or not known yet to be wasted
+        late, drafting = False, []
         if self.drafter is not None:
+            late = self.verdicts.late(self.n)
+            if not late:
+                self.verdicts.take_through(self.steps_run - 1)
             drafting = [b for b, seq in live.items() if seq.wasted(self._awaited(b)) is not True]
         if self.geometry.schedule == "post_step":
             self.traffic.exchange_anchors_during({b: seq.step.plan for b, seq in live.items()}, drafting)
         if not drafting:
             return
-        with self.clock.span(n, COMPUTE, device_work=True):
+        with self.clock.span(self.n, COMPUTE, device_work=True):
             drafts = self.drafter.draft({b: live[b].step.plan.draft_view for b in drafting}, rows)
         kept = drafting  # unless the verdict came late and makes some slot's step wasted
         if late:

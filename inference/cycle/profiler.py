@@ -4,10 +4,9 @@ Off (the default) every `span` is a shared no-op context and nothing touches the
 path has no timer and no device synchronization. On, host work (messages, the cycle's wall time) is timed
 with `perf_counter`, and device work (a stage's layers, the PDM's draft, verification) on a GPU with CUDA
 events, read once the prompt is done (`rows`), so timing adds no synchronization inside a cycle either;
-on the CPU device work is host work. Row 0 collects prefill, row `k` the runner's cycle `k` (its `k`-th step
-in which some slot ran a real cycle, a wasted step charged to the one that redoes it), and `count` adds the
-slots that ran a real cycle in it (see `result.py` for what each field means and `summarize_timing` for the
-report).
+on the CPU device work is host work. Row 0 collects prefill, row `k` the runner's cycle `k` (docs/DESIGN.md,
+"One cycle over B slots", Timing), and `count` adds the slots that ran a real cycle in it (`result.py` says what
+each field means and `summarize_timing` reports them).
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ def _mean(values: torch.Tensor) -> float:
 
 @dataclass(kw_only=True)
 class DecodeResult:
-    mode: str  # spd | post_step | ppsd | ar
+    mode: str  # spd | post_step | ppsd | ar | eagle3
     n: int
     prompt_len: int
     tokens: list[int]

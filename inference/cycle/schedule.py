@@ -168,7 +168,7 @@ class PipelineSchedule:
         """The plan an ACCEPT of the draft being judged would give, without applying anything.
 
         A later `begin(ACCEPT, token)` returns this very plan (unless the token ends the decode); a
-        REJECT replaces it. VerdictMessage cycles run at fill n, so the accepted successor keeps the fill at n."""
+        REJECT replaces it. Judged cycles run at fill n, so the accepted successor keeps the fill at n."""
         if not self.judging or self.done:
             raise RuntimeError(f"cycle {self.K}: nothing is being judged, there is no verdict to anticipate")
         slots = [Slot(s.position, s.depth + 1, s.fill) for s in self._inflight]
@@ -240,11 +240,9 @@ class Step:
 
 
 class Steps:
-    """Optimistic execution (docs/DESIGN.md, "The decode schedule") over the logical schedule.
-
-    After a judged cycle no rank waits for the verdict: every rank runs the cycle that an ACCEPT gives
-    (`PipelineSchedule.speculate`), so the fresh draft enters stage 1 at once, and the verdict travels
-    point-to-point while it runs. At the end of that step the verdict is applied to the logical schedule:
+    """Optimistic execution over the logical schedule (docs/DESIGN.md, "The decode schedule"): after a judged
+    cycle every rank runs the cycle an ACCEPT gives (`PipelineSchedule.speculate`) while the verdict travels
+    point-to-point, and at the end of that step the verdict is applied to the logical schedule:
 
     - ACCEPT: the step was the real cycle; the schedule confirms exactly its plan.
     - REJECT: the step is wasted. The next step redoes the cycle as the rejection plans it (every stage
@@ -252,10 +250,9 @@ class Steps:
       arrived for the wasted step (the previous cycle's outputs), so nothing travels for it.
     - a token that ends the decode (EOS), or STOP (a cancelled request): the step is wasted and decoding stops.
 
-    Non-judged cycles have the verdict NONE, known in advance: no waiting, nothing to anticipate. When any
-    verdict of a judged cycle ends the decode (`max_new_tokens`), it is delivered at once instead. So the
-    physical steps are the logical cycles plus one wasted step per rejection (and per EOS verdict), and
-    N, K and the counters are those of the logical schedule, which only ever sees real verdicts.
+    Non-judged cycles have the verdict NONE, known in advance. When any verdict of a judged cycle ends the decode
+    (`max_new_tokens`), it is delivered at once instead. So the physical steps are the logical cycles plus one
+    wasted step per rejection (and per EOS verdict).
     """
 
     def __init__(self, schedule: PipelineSchedule):

@@ -81,10 +81,9 @@ class Simulator(PipelineRunner):
         sampling: Sampling | None = None,
     ) -> DecodeResult:
         """Decode one prompt; `eos_token_id=None` never stops early (see `ar.target_eos` for the target's).
-        `on_tokens(new)` is called with the newly verified tokens after each cycle that verified some (for
-        streaming); an exception it raises ends the decode, leaving this simulator's messages half-delivered: it
-        must then be rebuilt. `stop()` cancels cleanly instead: polled once per cycle, from its first True the next
-        verdict is STOP (stop reason "cancelled"; `stop_seen` the cycle it first said so)."""
+        `on_tokens` and `stop` as in `Request`: an exception `on_tokens` raises ends the decode, leaving this
+        simulator's messages half-delivered (it must then be rebuilt); `stop()` cancels cleanly instead (stop reason
+        "cancelled"; `stop_seen` the cycle it first said so)."""
         request = Request(
             prompt_ids, max_new_tokens, eos_set(eos_token_id), sampling or self.sampling, seed, on_tokens, stop
         )

@@ -111,26 +111,31 @@ class Traffic:
         turns out wasted (they are its previous, real cycle's): those of a stage in this process (`from_here`)
         with this step's inputs, those of other processes after this process's stage forward was launched, so
         that forward never waits for them (the shared placement's stage 1)."""
-        if not self.transport.hosts(self.n):
-            return
         for s in inputs.anchors:
-            if self.transport.hosts(s - 1) != from_here:
-                continue
-            states = self.recv(s - 1, self.n, f"anchors{s}")
-            self.drafter.store_step_anchors(
-                s, positions_of(s, {b: plan.anchors_before for b, plan in inputs.plans.items()}), states
-            )
+            if self.transport.hosts(s - 1) == from_here:
+                self._store_anchors(s, {b: plan.anchors_before for b, plan in inputs.plans.items()})
 
     def exchange_anchors_during(self, plans: Mapping[int, CyclePlan], drafting: list[int]) -> None:
         """Post-step, this step's anchor states to the PDM, which stores those of the `drafting` slots (real, or
         drafted for before their verdict is in)."""
-        n = self.n
         for s in self.anchor_stages(plans, during=True):
-            self.send(s - 1, n, f"anchors{s}")
-            states = self.recv(s - 1, n, f"anchors{s}")
-            if states is None:
-                continue
-            self.drafter.store_step_anchors(s, positions_of(s, {b: plans[b].anchors_during for b in drafting}), states)
+            self.send(s - 1, self.n, f"anchors{s}")
+            self._store_anchors(s, {b: plans[b].anchors_during for b in drafting})
+
+    def _store_anchors(self, stage: int, anchors: Mapping[int, Sequence[tuple[int, int]]]) -> None:
+        """`stage`'s anchor message, received and stored where the PDM is hosted: slot `b`'s row holds the anchors
+        of the one position of `stage` in `anchors[b]` (a message has one row per slot)."""
+        states = self.recv(stage - 1, self.n, f"anchors{stage}")
+        if states is None:
+            return
+        positions: dict[int, int] = {}
+        for b, pairs in anchors.items():
+            for s, position in pairs:
+                if s == stage:
+                    if b in positions:
+                        raise RuntimeError(f"slot {b}: two positions of stage {stage}'s anchors in one message")
+                    positions[b] = position
+        self.drafter.store_step_anchors(stage, positions, states)
 
     def put_drafts(self, drafts: DraftBatch, kept: list[int]) -> None:
         """The PDM's outgoing draft message: the rows of the `kept` slots' drafts; the row of a discarded draft
@@ -155,16 +160,3 @@ class Traffic:
         """The stages whose anchor states some plan needs (this step's, or the previous step's)."""
         pairs = [pair for plan in plans.values() for pair in (plan.anchors_during if during else plan.anchors_before)]
         return sorted({s for s, _ in pairs if self.box.anchor_counts[s]})
-
-
-def positions_of(stage: int, anchors: Mapping[int, Sequence[tuple[int, int]]]) -> dict[int, int]:
-    """Slot -> the position whose anchors of `stage` its row of this step's message holds (one per slot: a
-    message has one row per slot)."""
-    positions: dict[int, int] = {}
-    for b, pairs in anchors.items():
-        for s, position in pairs:
-            if s == stage:
-                if b in positions:
-                    raise RuntimeError(f"slot {b}: two positions of stage {stage}'s anchors in one message")
-                positions[b] = position
-    return positions
