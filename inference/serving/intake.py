@@ -21,6 +21,7 @@ from pydantic import ValidationError
 
 from inference.sampling import Sampling
 from inference.serving.api_models import ChatRequest, CompletionRequest, refused
+from spd_lightning.data.chat import render_chat
 from spd_lightning.errors import first_line
 
 MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN = 1 << 20, 64  # a body that fills the context, JSON-escaped, fits
@@ -196,8 +197,8 @@ def _tokenized(tokenize) -> list[int]:
 
 
 def _render_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """The conversation with the chat template, as `prompts.render` renders one user turn."""
+    """The conversation with the chat template, by the renderer `prompts.render` uses for one user turn."""
     if not getattr(tokenizer, "chat_template", None):
         return tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    text = render_chat(tokenizer, messages, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

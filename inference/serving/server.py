@@ -27,7 +27,6 @@ import dataclasses
 import logging
 import os
 import socket
-import sys
 import uuid
 
 import torch
@@ -271,7 +270,3 @@ def graceful_timeout(args: argparse.Namespace, engine: Engine) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     return cli.main(argv, parse_args, run, lambda args, code: code)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
