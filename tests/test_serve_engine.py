@@ -6,7 +6,7 @@ import time
 
 import httpx
 import pytest
-from kit import TOKEN_S, Letters, SlowBackend, served
+from kit import TINY_VOCAB, TOKEN_S, Letters, SlowBackend, make_tokenizer, served
 
 from inference.backends import Cancelled
 from inference.cycle.result import DecodeResult
@@ -338,3 +338,25 @@ def test_a_cancel_reaches_the_backend_also_for_a_request_waiting_for_a_slot():
         while engine.metrics.requests.get("cancelled", 0) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
     assert engine.metrics.requests == {"cancelled": 2} and backend.started == [[0, 1]]
+
+
+def test_a_conversation_the_chat_template_refuses_is_a_400_and_the_server_keeps_serving():
+    """A template's `raise_exception` (Qwen3's "No user query found in messages.") raises jinja2's TemplateError,
+    which is the client's conversation at fault: a 400 that quotes the template, never a 500."""
+    tokenizer = make_tokenizer(TINY_VOCAB)
+    refuse = "{% if messages[0].role != 'user' %}{{ raise_exception('Start with a user turn.') }}{% endif %}"
+    tokenizer.chat_template = refuse + tokenizer.chat_template
+    engine = Engine(lambda: SlowBackend(), tokenizer, "ar", queue_size=1)
+    with served(build_app(engine, ServerConfig("fake", 100, 10, 200))) as url:
+
+        def chat(*roles: str) -> httpx.Response:
+            messages = [{"role": role, "content": "hello world"} for role in roles]
+            body = {"model": "fake", "messages": messages, "max_tokens": 2}
+            return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+
+        refused = chat("system", "user")
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["message"] == "the prompt cannot be tokenized: Start with a user turn."
+        assert error["param"] == "messages"
+        assert chat("user").status_code == 200

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+from jinja2 import TemplateError
 from pydantic import ValidationError
 
 from inference.sampling import Sampling
@@ -192,7 +193,7 @@ def _check_unicode(value, where: str) -> None:
 def _tokenized(tokenize) -> list[int]:
     try:
         return list(tokenize())
-    except (ValueError, TypeError, UnicodeError) as e:  # e.g. a template that refuses the conversation
+    except (ValueError, TypeError, UnicodeError, TemplateError) as e:  # TemplateError: the template refuses it
         raise ApiError(400, f"the prompt cannot be tokenized: {first_line(e)}", param="messages") from None
 
 

@@ -51,7 +51,15 @@ from .serving import (
     started,
 )
 from .stats import chisquare_pvalues, exact_distributions, merged_chisquare, pooling, random_dist
-from .targets import TINY_VOCAB, hf_logits, make_tiny_model, nearly_bigram_target, save_target, target_dir
+from .targets import (
+    TINY_VOCAB,
+    hf_logits,
+    make_tiny_model,
+    make_tokenizer,
+    nearly_bigram_target,
+    save_target,
+    target_dir,
+)
 from .training import (
     Record,
     RecordSamples,
@@ -111,6 +119,7 @@ __all__ = [
     "make_data",
     "make_module",
     "make_tiny_model",
+    "make_tokenizer",
     "make_trainer",
     "merged_chisquare",
     "nearly_bigram_target",
