@@ -118,8 +118,8 @@ class StageCache(LegacyStateReads):
             self.recurrent[i][slot].copy_(self.recurrent_ring[i][keep % self.window, slot])
         self.positions.set(slot, keep)
 
-    def row(self, slot: int, start: int = 0) -> _RowView:
-        return _RowView(self, slot, start)
+    def row(self, slot: int, start: int = 0) -> RowView:
+        return RowView(self, slot, start)
 
     def snapshot_row(self, slot: int, layer: int, position: int) -> None:
         """Slot `slot`'s states of linear-attention layer `layer` into ring entry `position % window`, before the
@@ -196,7 +196,7 @@ class StageCache(LegacyStateReads):
             mark_static(store[i], ring[i])
 
 
-class _RowView(LegacyStateReads):
+class RowView(LegacyStateReads):
     """Slot `slot`'s rows of a `StageCache` as the HF cache of a forward over that slot alone from position `start`:
     its prefill (`start` 0, the whole prompt from zero states), or a block on top of what it holds (the chain
     decoder's verify forward, which runs linear-attention layers one token at a time)."""
