@@ -158,18 +158,16 @@ def chain_decode(
         on_tokens(tokens[-1:])
     while tokens[-1] not in eos and len(tokens) < max_new_tokens:
         chain = min(k, max_new_tokens - len(tokens) - 1)  # never draft past the last token we may emit
-        draft, dt = _timed(drafter.draft, chain, generator)
-        result.draft_s += dt
-        result.draft_steps += chain
+        draft, draft_s = _timed(drafter.draft, chain, generator)
         start = P + len(tokens) - 1
         block = torch.tensor([[tokens[-1]] + draft.tokens], device=device)
-        (logits, features), dt = _timed(target.forward, block, start)
+        (logits, features), verify_s = _timed(target.forward, block, start)
         new = judge_chain(logits, draft, sampling, d2t, generator)
         target.rollback(start + len(new))  # keeps x_t and the accepted drafts
-        t_commit = time.perf_counter()
-        drafter.commit(features[: len(new)], torch.tensor(new))  # row j's next token is new[j]
-        result.draft_s += time.perf_counter() - t_commit
-        result.verify_s += dt
+        _, commit_s = _timed(drafter.commit, features[: len(new)], torch.tensor(new))  # row j's next token is new[j]
+        result.draft_s += draft_s + commit_s
+        result.verify_s += verify_s
+        result.draft_steps += chain
         result.accept_lengths.append(len(new))
         # Up to the first EOS; `chain` already keeps the tokens within max_new_tokens.
         new = new[: next((j + 1 for j, token in enumerate(new) if token in eos), len(new))]

@@ -3,12 +3,11 @@ with exact rollback.
 
 `ChainTarget` runs the whole target (embedding, every layer, final norm, LM head) over a block of tokens at
 `start..start+S-1` on top of its cache and returns the logits of every position plus the EAGLE-3 feature states
-(`hidden_states[l]` for the drafter's feature layers). Its cache is one slot of a `StageCache` over every layer
-(docs/EAGLE3.md, "Chain decoding"): a prefill (`start == 0`) is one causal forward, the path of a stage's prefill
-(and of AR); a verify block runs attention layers over all S tokens at once and steps linear-attention (Gated
-DeltaNet) layers one token at a time, each token's states snapshotted first (`StageCache.snapshot_row`), so
-`rollback(keep)` (`StageCache.rollback`) leaves exactly the accepted positions. The snapshot ring holds
-`max_block + 1` entries: a rollback discards at most one block.
+(`hidden_states[l]` for the drafter's feature layers). Its cache is one slot of a `StageCache` over every layer, and
+its layers run as a stage's (`stages.run_layers`): a prefill (`start == 0`) is one causal forward, a verify block
+steps linear-attention layers token by token with a snapshot each, so `rollback(keep)` leaves exactly the accepted
+positions (docs/EAGLE3.md, "Chain decoding"). A rollback discards at most one block: the snapshot ring holds
+`max_block + 1` entries.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from spd_lightning.target import Target
 
 class ChainTarget:
     def __init__(self, target: Target, feature_layers: Sequence[int], max_block: int):
-        """`max_block`: the most tokens one verify forward runs (k + 1); the snapshot ring holds one more."""
+        """`max_block`: the most tokens one verify forward runs (k + 1)."""
         self.num_layers, self.layers = target.num_layers, list(target.layers)
         self.embed_tokens, self.norm, self.lm_head = target.embed_tokens, target.norm, target.lm_head
         self.rotary_emb = target.rotary_emb
