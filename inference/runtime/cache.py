@@ -135,11 +135,6 @@ class StageCache(LegacyStateReads):
                 mask = running_mask.view(-1, *([1] * (state.dim() - 1)))
                 state.copy_(torch.where(mask, state, ring[ring_entries, rows]))
 
-    def after_step(self, running: list[int], running_mask: torch.Tensor | None) -> None:
-        """After the step: the running slots (every row of the step without `running_mask`) advance by one position,
-        on the device and on the host."""
-        self.positions.add_one(running, self.rows if running_mask is None else running_mask)
-
     # HF cache interface, decode step (every row, one token each)
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         keys, values = leading(self.keys[layer_idx], self.rows), leading(self.values[layer_idx], self.rows)

@@ -261,7 +261,7 @@ class Stage(nn.Module):
         if self.compiled:  # the captured graph owns its outputs and rewrites them on the next replay
             hidden, anchors = hidden.clone(), anchors.clone()
             logits = logits.clone() if logits is not None else None
-        cache.after_step(running, mask)
+        cache.positions.add_one(running, rows if mask is None else mask)  # the running slots advance by one
         return StepOutput(hidden, anchors, logits)
 
     def _decode_step(
