@@ -161,7 +161,6 @@ class PDMDrafter:
         self._row_ids = torch.arange(slots, device=self.device)
         mark_static(self._columns, self._row_ids)
         self.compiled = compile
-        self._all_types = tuple(range(1, geometry.num_types + 1))
         self._step = CompiledStep(self._logits, self.device) if compile else self._logits
         self._reserve(1)
 
@@ -268,7 +267,7 @@ class PDMDrafter:
         for b, (position, token) in self._seeds.items():
             table[b, SEED_POSITION], table[b, SEED_TOKEN] = position, token
         self._seeds.clear()
-        return self._all_types if self.compiled else tuple(sorted(present))
+        return tuple(range(1, geometry.num_types + 1)) if self.compiled else tuple(sorted(present))
 
     def _embed_at(self, positions: torch.Tensor, tokens: torch.Tensor, writes: torch.Tensor | None) -> None:
         """H^0 (anchor 0) of each row's token `tokens[R]` at its position `positions[R]`; the rows where `writes`
