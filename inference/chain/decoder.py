@@ -1,12 +1,10 @@
 """Chain speculative decoding (the EAGLE-3 baseline, docs/DESIGN.md, "The EAGLE-3 baseline"): k drafts, ONE target forward over k + 1.
 
-Each round the drafter chains `d_1..d_k` from the last committed row; the target runs the last committed
-token and the drafts, `[x_t, d_1..d_k]` at positions `t..t+k`, in one forward (inference/chain/target.py).
-Row `j` of its logits is the target distribution `P_{j+1}` that judges `d_{j+1}`, greedily or by rejection
-sampling, and all k accepted add a bonus token from `P_{k+1}` (docs/EAGLE3.md, "Chain decoding"). The round
-yields `tau` = accepted + 1 tokens. The target cache is rolled back to the accepted positions, whose features the
-drafter then commits. Lossless: greedy output is AR's token for token, sampled output has the target's
-distribution (tests/test_eagle3_decode.py).
+Each round the target runs the last committed token and the drafts `d_1..d_k`, `[x_t, d_1..d_k]` at positions
+`t..t+k` (inference/chain/target.py): row `j` of its logits is the target distribution `P_{j+1}` that judges
+`d_{j+1}`, and `P_{k+1}` gives the bonus token (the rules: docs/EAGLE3.md, "Chain decoding"). The target cache is
+rolled back to the accepted positions, whose features the drafter then commits. Lossless: greedy output is AR's
+token for token, sampled output has the target's distribution (tests/test_eagle3_decode.py).
 
 Counting: `N` generated tokens (the prefill's included), `K` target forwards after prefill, `tau` per forward;
 the speedup with the draft cost charged is evaluation's (docs/DESIGN.md, "Speedup formulas").

@@ -305,8 +305,8 @@ def run_layers(
     keep: Collection[int],
 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """HF decoder layers (`(global index, layer)` pairs) over `x[B, S, H]` at `positions[B, S]`, over every row of
-    `cache` or one slot's `view`: the output, and the residual after each layer `l - 1` for `l` in `keep` (HF
-    hidden-state index `l`). A view from a start > 0 (the chain decoder's verify block) steps linear-attention
+    `cache` or one slot's `view`: the output, and `captured[l]` for `l` in `keep`, the residual entering layer `l`
+    (HF hidden-state index `l`). A view from a start > 0 (the chain decoder's verify block) steps linear-attention
     layers one token at a time, each token's states snapshotted first (`StageCache.snapshot_row`), so that a
     rollback can keep any prefix of the block."""
     mask = attention_mask(positions, cache.capacity, x.dtype) if cache.attention_layers else None
