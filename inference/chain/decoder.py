@@ -1,12 +1,10 @@
 """Chain speculative decoding (the EAGLE-3 baseline, docs/DESIGN.md, "The EAGLE-3 baseline"): k drafts, ONE target forward over k + 1.
 
-Each round the drafter chains `d_1..d_k` from the last committed row; the target runs the last committed
-token and the drafts, `[x_t, d_1..d_k]` at positions `t..t+k`, in one forward (inference/chain/target.py).
-Row `j` of its logits is the target distribution `P_{j+1}` that judges `d_{j+1}`, greedily or by rejection
-sampling, and all k accepted add a bonus token from `P_{k+1}` (docs/EAGLE3.md, "Chain decoding"). The round
-yields `tau` = accepted + 1 tokens. The target cache is rolled back to the accepted positions, whose features the
-drafter then commits. Lossless: greedy output is AR's token for token, sampled output has the target's
-distribution (tests/test_eagle3_decode.py).
+Each round the target runs the last committed token and the drafts `d_1..d_k`, `[x_t, d_1..d_k]` at positions
+`t..t+k` (inference/chain/target.py): row `j` of its logits is the target distribution `P_{j+1}` that judges
+`d_{j+1}`, and `P_{k+1}` gives the bonus token (the rules: docs/EAGLE3.md, "Chain decoding"). The target cache is
+rolled back to the accepted positions, whose features the drafter then commits. Lossless: greedy output is AR's
+token for token, sampled output has the target's distribution (tests/test_eagle3_decode.py).
 
 Counting: `N` generated tokens (the prefill's included), `K` target forwards after prefill, `tau` per forward;
 the speedup with the draft cost charged is evaluation's (docs/DESIGN.md, "Speedup formulas").
@@ -158,18 +156,16 @@ def chain_decode(
         on_tokens(tokens[-1:])
     while tokens[-1] not in eos and len(tokens) < max_new_tokens:
         chain = min(k, max_new_tokens - len(tokens) - 1)  # never draft past the last token we may emit
-        draft, dt = _timed(drafter.draft, chain, generator)
-        result.draft_s += dt
-        result.draft_steps += chain
+        draft, draft_s = _timed(drafter.draft, chain, generator)
         start = P + len(tokens) - 1
         block = torch.tensor([[tokens[-1]] + draft.tokens], device=device)
-        (logits, features), dt = _timed(target.forward, block, start)
+        (logits, features), verify_s = _timed(target.forward, block, start)
         new = judge_chain(logits, draft, sampling, d2t, generator)
         target.rollback(start + len(new))  # keeps x_t and the accepted drafts
-        t_commit = time.perf_counter()
-        drafter.commit(features[: len(new)], torch.tensor(new))  # row j's next token is new[j]
-        result.draft_s += time.perf_counter() - t_commit
-        result.verify_s += dt
+        _, commit_s = _timed(drafter.commit, features[: len(new)], torch.tensor(new))  # row j's next token is new[j]
+        result.draft_s += draft_s + commit_s
+        result.verify_s += verify_s
+        result.draft_steps += chain
         result.accept_lengths.append(len(new))
         # Up to the first EOS; `chain` already keeps the tokens within max_new_tokens.
         new = new[: next((j + 1 for j, token in enumerate(new) if token in eos), len(new))]

@@ -1,26 +1,13 @@
 """A stage's target cache over B slots: static storage with a slot dimension, per-slot positions, per-slot reset and
-exact per-slot rollback (docs/DESIGN.md, "The decoder"). Batch 1 is one slot.
+exact per-slot rollback. Batch 1 is one slot. docs/DESIGN.md, "One cycle over B slots" ("Caches", "No host sync per
+step") gives the storage, the dummy rows of a decode step and the tests; "The decode step at GPU speed" the capacity
+buckets (`CAPACITY_STEP`).
 
-Every tensor has a slot dimension and every slot its own length, so B sequences at different positions share one
-forward per cycle:
-
-- attention layers: keys/values `[B, kv_heads, capacity, head_dim]`, `capacity` a power of two of at least
-  `CAPACITY_STEP` (a compiled step sees few shapes: longer requests reuse its graphs, a new one only at each
-  doubling); a decode step writes row `b`'s key at that row's own position (`index_put_` at the device-resident
-  positions, `DeviceInts` of slot_rows.py: advanced on the device after each step, rolled back per slot by
-  `fill_`, never copied from the host) and the additive mask hides every key past it;
-- Gated DeltaNet layers fold every token into conv and recurrent states `[B, ...]` that cannot be cropped: a
-  snapshot ring `[window, B, ...]` keeps them; before a decode step every row's states are copied into ring entry
-  `position_b % window`; a rollback of slot `b` to `p` copies ring entry `p % window` of row `b` back. Tokens that
-  can still be rejected are at most `n` positions behind the newest, so a ring of `n + 1` suffices.
-
-A decode step runs the leading `rows` rows (`batch_bucket`: fixed shapes per bucket), also the rows whose slot
-has no token at this stage this cycle: such a row runs a dummy token at its own length. Its attention key lands
-past what it holds (masked, and overwritten when that position really runs), and its Gated DeltaNet states are put
-back from the snapshot taken just before the step (`keep_idle_rows`), so an idle row ends the step exactly as it
-began. The prompt is never rolled back (the first generated token is always verified), and a prefill starts from
-zero states. A rejection discards every position from `rollback_to` on, and the slot's cache must then equal, bit
-for bit over the positions it holds, the cache of a run that never saw them (tests/test_slot_state.py).
+A decode step writes row `b`'s key at that row's own position (`index_put_` at the device-resident positions) and
+the additive mask hides every key past it. Before the step every row's Gated DeltaNet states are copied into ring
+entry `position_b % window`; a rollback of slot `b` to `p` copies ring entry `p % window` of row `b` back. Tokens
+that can still be rejected are at most `n` positions behind the newest, so a ring of `n + 1` suffices. The prompt is
+never rolled back (the first generated token is always verified), and a prefill starts from zero states.
 
 The object is also the HF cache the decoder layers call (`update`, `get_conv_state`, ...): over all rows in a
 decode step, over one row (`StageCache.row(b, start)`) in that slot's prefill or a block forward of the chain
@@ -51,26 +38,20 @@ def round_capacity(positions: int) -> int:
     return max(CAPACITY_STEP, 1 << max(0, positions - 1).bit_length())
 
 
-def layer_kinds(layers: list, indices: range, decoder: str) -> tuple[list[int], list[int]]:
-    """The attention and the linear-attention (Gated DeltaNet) layers among `indices` of an HF cache's `layers`;
-    any other kind is a `CacheError` (`decoder` names the decoder that cannot roll it back)."""
-    attention, linear = [], []
-    for i in indices:
-        kind = type(layers[i])
-        if kind not in (StaticLayer, LinearAttentionLayer):
-            raise CacheError(
-                f"target layer {i} uses a {kind.__name__} cache: the {decoder} decoder supports "
-                f"full attention and linear attention (Gated DeltaNet) layers only"
-            )
-        (attention if kind is StaticLayer else linear).append(i)
-    return attention, linear
-
-
 class StageCache(LegacyStateReads):
     def __init__(self, config, layer_indices: range, window: int, slots: int, device: torch.device):
         self.window, self.slots = window, slots
         kinds = StaticCache(config=config, max_cache_len=1).layers  # which layers are attention / linear
-        self.attention_layers, self.linear_layers = layer_kinds(kinds, layer_indices, "pipeline")
+        self.attention_layers: list[int] = []
+        self.linear_layers: list[int] = []
+        for i in layer_indices:
+            kind = type(kinds[i])
+            if kind not in (StaticLayer, LinearAttentionLayer):
+                raise CacheError(
+                    f"target layer {i} uses a {kind.__name__} cache: the pipeline decoder supports "
+                    f"full attention and linear attention (Gated DeltaNet) layers only"
+                )
+            (self.attention_layers if kind is StaticLayer else self.linear_layers).append(i)
         self.capacity = 0
         self.positions = DeviceInts(slots, device)  # positions each slot holds = the one it runs next
         self.rows = slots  # the rows the current decode step runs (a bucket)
@@ -118,8 +99,8 @@ class StageCache(LegacyStateReads):
             self.recurrent[i][slot].copy_(self.recurrent_ring[i][keep % self.window, slot])
         self.positions.set(slot, keep)
 
-    def row(self, slot: int, start: int = 0) -> _RowView:
-        return _RowView(self, slot, start)
+    def row(self, slot: int, start: int = 0) -> RowView:
+        return RowView(self, slot, start)
 
     def snapshot_row(self, slot: int, layer: int, position: int) -> None:
         """Slot `slot`'s states of linear-attention layer `layer` into ring entry `position % window`, before the
@@ -153,11 +134,6 @@ class StageCache(LegacyStateReads):
                 state = leading(state, self.rows)
                 mask = running_mask.view(-1, *([1] * (state.dim() - 1)))
                 state.copy_(torch.where(mask, state, ring[ring_entries, rows]))
-
-    def after_step(self, running: list[int], running_mask: torch.Tensor | None) -> None:
-        """After the step: the running slots (every row of the step without `running_mask`) advance by one position,
-        on the device and on the host."""
-        self.positions.add_one(running, self.rows if running_mask is None else running_mask)
 
     # HF cache interface, decode step (every row, one token each)
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -196,7 +172,7 @@ class StageCache(LegacyStateReads):
             mark_static(store[i], ring[i])
 
 
-class _RowView(LegacyStateReads):
+class RowView(LegacyStateReads):
     """Slot `slot`'s rows of a `StageCache` as the HF cache of a forward over that slot alone from position `start`:
     its prefill (`start` 0, the whole prompt from zero states), or a block on top of what it holds (the chain
     decoder's verify forward, which runs linear-attention layers one token at a time)."""

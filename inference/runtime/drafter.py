@@ -1,22 +1,13 @@
 """The drafter runtime on the PDM rank: the PDM with its KV cache over B slots, fed by the staircase (docs/DESIGN.md,
-"Terms"); one body forward drafts the next token of every drafting slot.
+"Terms"); one body forward drafts the next token of every drafting slot. docs/DESIGN.md gives each slot's segment
+and why `W = n + 1` columns hold it ("One cycle over B slots": "The PDM"), and the host table, the batched ops and
+the counter-based draw ("The critical path": "The draft is batched tensor work").
 
 Each slot keeps a row of anchor states per position (`states[B, capacity, m, H]`, filled as the stages send them;
 anchor 0 is the embedding, which this rank computes itself from the token id) and the body keys/values of its
-verified positions (`SlotDraftKV`, one length per slot): their depth-n view never changes, so they are cached once.
-A draft of slot `b` covers the consecutive positions from its cached length up to its newest in-flight token: the
-newly verified ones (read at depth n, committed to the cache afterwards) and the in-flight ones (at the depths of
-its view, recomputed every cycle). `W = n + 1` columns hold any segment: a cycle verifies at most one position, so
-a segment holds at most one newly verified position and `n` in flight; a longer one (a join's prompt) first
-commits its oldest positions alone.
-
-A draft is batched tensor work, a fixed number of ops for any number of slots: the host writes each slot's
-segment into one `[R, C]` table (`HostTable`, the columns below), and the gather, fusion, body, head, warp, draw
-and embedding write then run over all `R` rows of the step's bucket at once; a sampled draft is drawn at a
-counter-based uniform of the request's seed and the drafted position, so it is the same whichever slot, batch or
-step makes it (docs/DESIGN.md, "The critical path": "The draft is batched tensor work"). Rows that do not draft
-this cycle, and the columns after a shorter segment, write keys past anything their slot holds: masked, and
-overwritten before any draft reads them, as in-flight positions are.
+verified positions (`SlotDraftKV`, one length per slot). Rows that do not draft this cycle, and the columns after a
+shorter segment, write keys past anything their slot holds: masked, and overwritten before any draft reads them,
+as in-flight positions are.
 
 `compile` (`--compile`): the gather, fusion, body and head over the fixed `[R, W]` shape through `CompiledStep`,
 one graph per bucket and capacity (every type projected); eager steps project only the types present.
@@ -170,7 +161,6 @@ class PDMDrafter:
         self._row_ids = torch.arange(slots, device=self.device)
         mark_static(self._columns, self._row_ids)
         self.compiled = compile
-        self._all_types = tuple(range(1, geometry.num_types + 1))
         self._step = CompiledStep(self._logits, self.device) if compile else self._logits
         self._reserve(1)
 
@@ -277,7 +267,7 @@ class PDMDrafter:
         for b, (position, token) in self._seeds.items():
             table[b, SEED_POSITION], table[b, SEED_TOKEN] = position, token
         self._seeds.clear()
-        return self._all_types if self.compiled else tuple(sorted(present))
+        return tuple(range(1, geometry.num_types + 1)) if self.compiled else tuple(sorted(present))
 
     def _embed_at(self, positions: torch.Tensor, tokens: torch.Tensor, writes: torch.Tensor | None) -> None:
         """H^0 (anchor 0) of each row's token `tokens[R]` at its position `positions[R]`; the rows where `writes`

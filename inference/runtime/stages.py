@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from inference.runtime.cache import StageCache
+from inference.runtime.cache import RowView, StageCache
 from inference.runtime.capture import CompiledStep
 from inference.runtime.hf_compat import cache_kwargs, rotary_positions
 from inference.runtime.slot_rows import RowSets, leading, mark_static
@@ -260,7 +261,7 @@ class Stage(nn.Module):
         if self.compiled:  # the captured graph owns its outputs and rewrites them on the next replay
             hidden, anchors = hidden.clone(), anchors.clone()
             logits = logits.clone() if logits is not None else None
-        cache.after_step(running, mask)
+        cache.positions.add_one(running, rows if mask is None else mask)  # the running slots advance by one
         return StepOutput(hidden, anchors, logits)
 
     def _decode_step(
@@ -270,43 +271,65 @@ class Stage(nn.Module):
         (None: every row runs) masks the rows whose states it keeps."""
         cache = self.cache
         cache.snapshot()
-        x, anchors, logits = self._forward(inputs, leading(cache.positions.device, cache.rows)[:, None], cache)
+        x, anchors, logits = self._forward(inputs, leading(cache.positions.device, cache.rows)[:, None])
         if running is not None:
             cache.keep_idle_rows(running)
         return x, anchors[:, 0], logits
 
     def _forward(
-        self, inputs: torch.Tensor, positions: torch.Tensor, cache
+        self, inputs: torch.Tensor, positions: torch.Tensor, view: RowView | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The stage over `inputs` (ids `[B, S]` or states `[B, S, H]`) at `positions[B, S]` with `cache` (HF's cache
-        interface: the stage cache over every row, or one slot's row view): the output, the anchor states
-        `[B, S, A, H]`, and on the last stage the logits `[B, V]` of the last position."""
+        """The stage over `inputs` (ids `[B, S]` or states `[B, S, H]`) at `positions[B, S]`, over every row of its
+        cache or one slot's `view`: the output, the anchor states `[B, S, A, H]`, and on the last stage the logits
+        `[B, V]` of the last position."""
         x = self.embed_tokens(inputs) if self.first else inputs
-        attention_layers = self.cache.attention_layers
-        mask = attention_mask(positions, self.cache.capacity, x.dtype) if attention_layers else None
-        position_embeddings = self.rotary_emb(x, rotary_positions(self.rotary_emb, positions))
-        L = self.geometry.num_layers
-        captured = []
-        for offset, layer in enumerate(self.layers):
-            index = self.layer_range.start + offset
-            x = layer(
-                x,
-                position_embeddings=position_embeddings,
-                position_ids=positions,
-                **cache_kwargs(layer, cache),
-                attention_mask=mask if index in attention_layers else None,
-                use_cache=True,
-            )
-            if index + 1 in self.anchor_layers and index + 1 < L:
-                captured.append(x)
+        layers = zip(self.layer_range, self.layers)
+        x, captured = run_layers(layers, x, positions, self.rotary_emb, self.cache, view, self.anchor_layers)
         logits = None
         if self.last:
             normed = self.norm(x)
-            if L in self.anchor_layers:
-                captured.append(normed)
+            captured[self.geometry.num_layers] = normed  # hidden_states[L] is the final-norm output
             logits = self.lm_head(normed[:, -1])
-        anchors = torch.stack(captured, dim=2) if captured else x.new_zeros(*x.shape[:2], 0, x.shape[-1])
-        return x, anchors, logits
+        if not self.anchor_layers:
+            return x, x.new_zeros(*x.shape[:2], 0, x.shape[-1]), logits
+        return x, torch.stack([captured[b] for b in self.anchor_layers], dim=2), logits
+
+
+def run_layers(
+    layers: Iterable[tuple[int, nn.Module]],
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    rotary_emb: nn.Module,
+    cache: StageCache,
+    view: RowView | None,
+    keep: Collection[int],
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """HF decoder layers (`(global index, layer)` pairs) over `x[B, S, H]` at `positions[B, S]`, over every row of
+    `cache` or one slot's `view`: the output, and `captured[l]` for `l` in `keep`, the residual entering layer `l`
+    (HF hidden-state index `l`). A view from a start > 0 (the chain decoder's verify block) steps linear-attention
+    layers one token at a time, each token's states snapshotted first (`StageCache.snapshot_row`), so that a
+    rollback can keep any prefix of the block."""
+    mask = attention_mask(positions, cache.capacity, x.dtype) if cache.attention_layers else None
+    cos, sin = rotary_emb(x, rotary_positions(rotary_emb, positions))
+    held, stepped = (cache, False) if view is None else (view, view.start > 0)
+    captured = {}
+    for i, layer in layers:
+        linear = i in cache.linear_layers
+        # Gated DeltaNet reads attention_mask as a padding mask: only attention layers get the causal one.
+        kwargs = {"attention_mask": None if linear else mask, **cache_kwargs(layer, held), "use_cache": True}
+        if linear and stepped:
+            outs = []
+            for j in range(x.shape[1]):
+                cache.snapshot_row(view.slot, i, view.start + j)
+                token = slice(j, j + 1)
+                pe = (cos[:, token], sin[:, token])
+                outs.append(layer(x[:, token], position_embeddings=pe, position_ids=positions[:, token], **kwargs))
+            x = torch.cat(outs, dim=1)
+        else:
+            x = layer(x, position_embeddings=(cos, sin), position_ids=positions, **kwargs)
+        if i + 1 in keep:
+            captured[i + 1] = x
+    return x, captured
 
 
 def attention_mask(positions: torch.Tensor, capacity: int, dtype: torch.dtype) -> torch.Tensor:
