@@ -1,7 +1,8 @@
 """Prompts for the decoder: a text, an EAGLE-style jsonl file or a dataset, rendered with the chat template.
 
 EAGLE-style benchmark files (MT-Bench, GSM8K, HumanEval question files) hold one JSON object per line
-with a `turns` list; the decoder uses the first turn. Anything that is not a file is read with
+with a `turns` list; the decoder uses the first turn. They are read as UTF-8 (a leading byte-order mark is
+skipped) whatever the locale; a line in another encoding is an error that names it. Anything that is not a file is read with
 `datasets.load_dataset` (a hub name when a hub is reachable, or a local dataset directory), written
 `NAME[:CONFIG][@SPLIT]` (split `test` by default, e.g. `openai/gsm8k:main@test`); the prompt is the first
 turn of its `turns` column, or its `prompt`, `question` or `instruction` column. Each prompt becomes one
@@ -40,17 +41,30 @@ def read_prompts(text: str | None, path: str | None) -> list[str]:
             return read_dataset_prompts(path)
         raise PromptError(f"prompts file {path!r} does not exist")
     prompts = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:  # UTF-8 whatever the locale; a leading byte-order mark (Windows editors write one) is not text
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise PromptError(
+                    f"{path}:{number}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                    "save the file as UTF-8"
+                ) from e
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
-                turn = record["turns"][0]
+                turns = record["turns"]
+                turn = turns[0] if isinstance(turns, list) else None  # a string's [0] would be its first letter
             except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
                 raise PromptError(
                     f"{path}:{number}: expected a JSON object with a non-empty 'turns' list ({type(e).__name__})"
                 ) from e
+            if not isinstance(turns, list):
+                raise PromptError(
+                    f"{path}:{number}: 'turns' is a {type(turns).__name__}, expected a list of texts: "
+                    'write {"turns": ["..."]}'
+                )
             if not isinstance(turn, str) or not turn.strip():
                 raise PromptError(f"{path}:{number}: the first turn is empty or not text")
             prompts.append(turn)

@@ -112,6 +112,8 @@ CASES = [
     Case("prompts file with the wrong schema", "decode", DEC + ("--prompts", "{wrong_schema}"), "turns"),
     Case("prompts file that is not JSON", "decode", DEC + ("--prompts", "{not_json}"), "turns"),
     Case("empty prompts file", "decode", DEC + ("--prompts", "{empty_prompts}"), "holds no prompt"),
+    Case("prompts file not in UTF-8 (Latin-1)", "decode", DEC + ("--prompts", "{latin1}"), "save the file as UTF-8"),
+    Case("prompts file whose 'turns' is a string", "decode", DEC + ("--prompts", "{turns_text}"), "expected a list"),
     Case("temperature -1", "decode", DEC + ("--prompt", "hi", "--temperature", "-1"), "temperature"),
     Case("top-p 0", "decode", DEC + ("--prompt", "hi", "--top-p", "0"), "top_p"),
     Case("top-p 1.5", "decode", DEC + ("--prompt", "hi", "--top-p", "1.5"), "top_p"),
@@ -319,6 +321,10 @@ def build_files(root: str) -> dict:
     write("wrong_schema", '{"text": "hello world"}\n')
     write("not_json", "hello world\n")
     write("empty_prompts", "\n\n")
+    files["latin1"] = os.path.join(root, "latin1.jsonl")
+    with open(files["latin1"], "wb") as f:
+        f.write('{"turns": ["caf\u00e9"]}\n'.encode("latin-1"))
+    write("turns_text", '{"turns": "hello world"}\n')
     write("long", json.dumps({"turns": [" ".join(f"word{i} and more" for i in range(3000))]}) + "\n")
     return files
 
