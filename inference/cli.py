@@ -20,6 +20,9 @@ from spd_lightning.errors import UsageError, debug_requested, run_main
 from spd_lightning.geometry import MODES
 
 DEFAULT_K = 7  # EAGLE-3's chain length
+# --timeout's range: the process group counts milliseconds (below 1 ms is 0, "timed out after 0ms") and its
+# nanoseconds overflow int64 above about 9.2e9 s
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 0.001, 1e9
 
 
 def parser(prog: str, doc: str) -> argparse.ArgumentParser:
@@ -82,7 +85,8 @@ def add_decoder_arguments(
         "--timeout",
         type=float,
         default=300.0,
-        help="seconds any rank may wait on a peer before the run fails (no --simulate)",
+        help=f"seconds any rank may wait on a peer before the run fails (no --simulate), in [{MIN_TIMEOUT_S}, "
+        f"{MAX_TIMEOUT_S:g}]",
     )
     add_debug_argument(p)
 
@@ -97,8 +101,10 @@ def check_decoder_args(args: argparse.Namespace) -> None:
             raise UsageError(f"--k={k} must be >= 1 (draft tokens per verify forward)")
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
-    if args.timeout <= 0:
-        raise UsageError(f"--timeout={args.timeout} must be > 0 seconds")
+    if not MIN_TIMEOUT_S <= args.timeout <= MAX_TIMEOUT_S:  # NaN too; torch's process group takes neither end
+        raise UsageError(
+            f"--timeout={args.timeout} must be a number of seconds in [{MIN_TIMEOUT_S}, {MAX_TIMEOUT_S:g}]"
+        )
     if args.device != "cpu" and not args.device.startswith("cuda"):
         raise UsageError(f"--device {args.device!r}: use cpu or cuda")
     if args.device.startswith("cuda") and not torch.cuda.is_available():

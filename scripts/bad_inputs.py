@@ -183,6 +183,8 @@ CASES = [
         "needs a drafter",
     ),
     Case("unknown dtype", "decode", DEC + ("--prompt", "hi", "--dtype", "float13"), "float13"),
+    Case("timeout NaN", "decode", ("--ckpt", "{drafter}", "--prompt", "hi", "--timeout", "nan"), "--timeout=nan"),
+    Case("timeout infinite", "decode", ("--ckpt", "{drafter}", "--prompt", "hi", "--timeout", "inf"), "--timeout=inf"),
     Case(
         "lossless check while sampling",
         "decode",
