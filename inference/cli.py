@@ -46,7 +46,12 @@ def add_decoder_arguments(
         "cache when cached (default: the target the drafter was trained on)",
     )
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
-    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="verified tokens to generate per prompt")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=max_new_tokens,
+        help="verified tokens to generate per prompt (at most the target's context)",
+    )
     p.add_argument("--seed", type=int, default=0, help="prompt i uses seed + i")
     p.add_argument(
         "--mode",

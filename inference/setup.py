@@ -109,9 +109,16 @@ def _generation_config(path: str):
 
 
 def encode_prompts(setup: Setup, texts: list[str], max_new_tokens: int) -> list[list[int]]:
-    """Render each prompt with the chat template; a prompt longer than the target's context is an error."""
-    prompts = [render(setup.tokenizer, t) for t in texts]
+    """Render each prompt with the chat template; a prompt longer than the target's context, or a `max_new_tokens`
+    above it (its caches would be sized for them all), is an error; a prompt and answer that together exceed it
+    are a warning."""
     context = setup.info.max_position_embeddings
+    if context and max_new_tokens > context:
+        raise UsageError(
+            f"--max-new-tokens={max_new_tokens} is more than the target's context of {context} tokens: lower it "
+            "(the prompt and its answer share the context)"
+        )
+    prompts = [render(setup.tokenizer, t) for t in texts]
     for text, ids in zip(texts, prompts):
         if context and len(ids) >= context:
             raise PromptError(f"the prompt {text[:40]!r} has {len(ids)} tokens; the target's context is {context}")

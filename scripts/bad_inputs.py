@@ -119,6 +119,12 @@ CASES = [
     Case("top-p 1.5", "decode", DEC + ("--prompt", "hi", "--top-p", "1.5"), "top_p"),
     Case("top-k -1", "decode", DEC + ("--prompt", "hi", "--top-k", "-1"), "top_k"),
     Case("max-new-tokens 0", "decode", DEC + ("--prompt", "hi", "--max-new-tokens", "0"), "max-new-tokens"),
+    Case(
+        "max-new-tokens above the target's context",
+        "decode",
+        DEC + ("--prompt", "hi", "--max-new-tokens", "1000000000"),
+        "context of 4096",
+    ),
     Case("max-new-tokens not an int", "decode", DEC + ("--prompt", "hi", "--max-new-tokens", "ten"), "invalid int"),
     Case(
         "corrupt checkpoint (random bytes .ckpt)",
