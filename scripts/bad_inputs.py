@@ -232,6 +232,12 @@ CASES = [
         "does not exist",
     ),
     Case("plan: no alpha", "plan", ("--layers", "4", "--plot", ""), "no alpha"),
+    Case(
+        "plan: plot in a format matplotlib cannot write",
+        "plan",
+        ("--layers", "4", "--alpha", "2:1:0.5", "--plot", "{root}/plan.txt"),
+        "cannot write .txt",
+    ),
     # spd_lightning fit
     Case("fit: n > L", "fit", FIT + ("--model.n", "5"), "n=5"),
     Case("fit: n 0", "fit", FIT + ("--model.n", "0"), "n=0"),
