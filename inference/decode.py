@@ -68,7 +68,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=1,
         help="decode the prompts this many at a time through the ranks (batched pipeline decoding; each prompt's "
-        "tokens are its batch-1 decode's); 1 = one prompt at a time",
+        "tokens are its batch-1 decode's); 1 = one prompt at a time; at most the number of prompts is used",
     )
     cli.add_decoder_arguments(p, max_new_tokens=128, with_ar=True)
     return p.parse_args(argv)
@@ -89,6 +89,9 @@ def run(args: argparse.Namespace) -> dict:
     setup = prepare(args)
     texts = read_prompts(args.prompt, args.prompts)
     prompts = encode_prompts(setup, texts, args.max_new_tokens)
+    # A slot per prompt at most: a slot's caches are sized for a whole decode, so unused slots would only take
+    # memory (--max-batch 100000000 took all of it); the tokens do not depend on the batch size
+    args.max_batch = min(args.max_batch, len(prompts))
     if args.max_batch > 1 and setup.mode in ("ar", EAGLE3):
         raise cli.UsageError(f"--max-batch > 1 is pipeline decoding: --mode {setup.mode} decodes one prompt at a time")
     report = {

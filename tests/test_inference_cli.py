@@ -303,6 +303,19 @@ def test_simulated_batched_decode_profiles_each_prompt(files):
     assert [p["tokens"] for p in report["prompts"]] == [p["tokens"] for p in json.loads(plain.read_text())["prompts"]]
 
 
+def test_a_max_batch_above_the_prompts_gets_a_slot_per_prompt(files, monkeypatch):
+    """Each slot's caches are sized for a whole decode: `--max-batch 100000000` on two prompts allocated them all
+    (the process was killed for memory). Slots beyond the prompts hold nothing, so the decoder runs one per prompt."""
+    import inference.backends as backends
+
+    built, simulator = [], backends.Simulator
+    monkeypatch.setattr(backends, "Simulator", lambda *a, **kw: built.append(kw["max_batch"]) or simulator(*a, **kw))
+    out = files["root"] / "max_batch.json"
+    argv = ["--ckpt", files["drafter"], "--prompts", files["prompts"], "--max-new-tokens", "2", "--simulate"]
+    assert main([*argv, "--max-batch", "64", "--json", str(out)]) == 0
+    assert built == [2] and json.loads(out.read_text())["max_batch"] == 2
+
+
 def test_timing_off_is_a_no_op_even_on_a_gpu_device():
     """Off, the profiler hands out one shared no-op span and never touches the device (no CUDA event, no sync)."""
     clock = Profiler(False, torch.device("cuda"))
