@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 
 from spd_lightning.eagle3.export import KIND as EAGLE3
-from spd_lightning.errors import UsageError, debug_requested, run_main
+from spd_lightning.errors import Stopped, UsageError, debug_requested, run_main
 from spd_lightning.geometry import MODES
 
 DEFAULT_K = 7  # EAGLE-3's chain length
@@ -151,4 +152,22 @@ def main(
     args = parse(argv)
     debug = debugging(args)
     configure_logging(debug)
-    return run_main(lambda: finish(args, run(args)), debug)
+    return run_main(lambda: interruptible(lambda: finish(args, run(args))), debug)
+
+
+def interruptible(work: Callable[[], int]) -> int:
+    """ctrl-C (or SIGTERM, SIGHUP, SIGQUIT while the launcher's agent watches the ranks, which then stops them
+    all) is an expected end, not a bug: `Stopped` with exit code 128 + the signal, one line."""
+    try:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+    except ImportError:  # a torch build without torch.distributed: no launcher, no agent signals
+        SignalException = KeyboardInterrupt  # noqa: N806
+    try:
+        return work()
+    except (KeyboardInterrupt, SignalException) as e:
+        number = getattr(e, "sigval", signal.SIGINT)
+        raise Stopped(
+            f"interrupted by {signal.Signals(number).name}: stopped, with every rank it had started, before writing "
+            "its results",
+            128 + number,
+        ) from None

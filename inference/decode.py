@@ -19,7 +19,8 @@ totals. With `--stream` each prompt's text is printed as its tokens are verified
 `--json` writes everything, token ids included (`--profile` adds each prompt's per-cycle timing: with
 `--max-batch B` a row per cycle of the batch while the prompt decoded, with the number of slots it ran). Exit status:
 0 done, 2 bad input, a rank's included (one line on stderr; `--debug` or SPD_DEBUG=1 shows tracebacks),
-1 anything else (e.g. a rank that died), 3 `--check-lossless` found a difference.
+1 anything else (e.g. a rank that died), 3 `--check-lossless` found a difference, 130 ctrl-C
+(128 + the signal for one the launcher's agent catches, e.g. 143 SIGTERM): every rank stopped, one line.
 """
 
 from __future__ import annotations

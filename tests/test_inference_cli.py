@@ -4,6 +4,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -370,6 +371,33 @@ def test_the_error_policy(monkeypatch, capsys):
     monkeypatch.setenv("SPD_DEBUG", "1")
     with pytest.raises(KeyError):
         cli.main([], parse, bug, finish)
+
+
+def test_an_interrupt_is_one_line_not_a_bug(monkeypatch, capsys):
+    """ctrl-C in this process (the simulator, AR, eval) and a signal while the launcher's agent runs the ranks
+    (the agent raises its SignalException, having stopped them): exit 128 + the signal and one line, neither a
+    traceback nor 'a bug'."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def parse(_argv):
+        return argparse.Namespace(debug=False)
+
+    def ctrl_c(_):
+        raise KeyboardInterrupt
+
+    def agent_sigterm(_):
+        raise SignalException("Process 1 got signal: 15", signal.SIGTERM)
+
+    monkeypatch.delenv("SPD_DEBUG", raising=False)
+    try:
+        assert cli.main([], parse, ctrl_c, lambda *_: 0) == 130
+    except KeyboardInterrupt:
+        pytest.fail("ctrl-C escaped main: Python printed its traceback")
+    assert capsys.readouterr().err == (
+        "error: interrupted by SIGINT: stopped, with every rank it had started, before writing its results\n"
+    )
+    assert cli.main([], parse, agent_sigterm, lambda *_: 0) == 143
+    assert capsys.readouterr().err.startswith("error: interrupted by SIGTERM: stopped")
 
 
 @pytest.mark.parametrize("mode,schedule,features", [(m, *MODES[m]) for m in MODES])
