@@ -114,6 +114,8 @@ CASES = [
     Case("empty prompts file", "decode", DEC + ("--prompts", "{empty_prompts}"), "holds no prompt"),
     Case("prompts file not in UTF-8 (Latin-1)", "decode", DEC + ("--prompts", "{latin1}"), "save the file as UTF-8"),
     Case("prompts file whose 'turns' is a string", "decode", DEC + ("--prompts", "{turns_text}"), "expected a list"),
+    Case("prompt with a byte that is not UTF-8", "decode", DEC + ("--prompt", "{not_utf8}"), "not Unicode text"),
+    Case("prompts file with a lone surrogate", "decode", DEC + ("--prompts", "{lone_surrogate}"), "not Unicode text"),
     Case("temperature -1", "decode", DEC + ("--prompt", "hi", "--temperature", "-1"), "temperature"),
     Case("top-p 0", "decode", DEC + ("--prompt", "hi", "--top-p", "0"), "top_p"),
     Case("top-p 1.5", "decode", DEC + ("--prompt", "hi", "--top-p", "1.5"), "top_p"),
@@ -339,6 +341,8 @@ def build_files(root: str) -> dict:
     with open(files["latin1"], "wb") as f:
         f.write('{"turns": ["caf\u00e9"]}\n'.encode("latin-1"))
     write("turns_text", '{"turns": "hello world"}\n')
+    files["not_utf8"] = "caf\udce9"  # `--prompt caf$'\xe9'` in a Latin-1 terminal: Python's surrogateescape
+    write("lone_surrogate", '{"turns": ["caf\\ud800"]}\n')  # valid JSON, not text
     write("long", json.dumps({"turns": [" ".join(f"word{i} and more" for i in range(3000))]}) + "\n")
     return files
 
