@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 
 from spd_lightning.eagle3.export import KIND as EAGLE3
-from spd_lightning.errors import UsageError, debug_requested, run_main
+from spd_lightning.errors import Stopped, UsageError, debug_requested, run_main
 from spd_lightning.geometry import MODES
 
 DEFAULT_K = 7  # EAGLE-3's chain length
+# --timeout's range: the process group counts milliseconds (below 1 ms is 0, "timed out after 0ms") and its
+# nanoseconds overflow int64 above about 9.2e9 s
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 0.001, 1e9
 
 
 def parser(prog: str, doc: str) -> argparse.ArgumentParser:
@@ -43,7 +47,12 @@ def add_decoder_arguments(
         "cache when cached (default: the target the drafter was trained on)",
     )
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
-    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="verified tokens to generate per prompt")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=max_new_tokens,
+        help="verified tokens to generate per prompt (at most the target's context)",
+    )
     p.add_argument("--seed", type=int, default=0, help="prompt i uses seed + i")
     p.add_argument(
         "--mode",
@@ -82,7 +91,8 @@ def add_decoder_arguments(
         "--timeout",
         type=float,
         default=300.0,
-        help="seconds any rank may wait on a peer before the run fails (no --simulate)",
+        help=f"seconds any rank may wait on a peer before the run fails (no --simulate), in [{MIN_TIMEOUT_S}, "
+        f"{MAX_TIMEOUT_S:g}]",
     )
     add_debug_argument(p)
 
@@ -97,8 +107,10 @@ def check_decoder_args(args: argparse.Namespace) -> None:
             raise UsageError(f"--k={k} must be >= 1 (draft tokens per verify forward)")
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
-    if args.timeout <= 0:
-        raise UsageError(f"--timeout={args.timeout} must be > 0 seconds")
+    if not MIN_TIMEOUT_S <= args.timeout <= MAX_TIMEOUT_S:  # NaN too; torch's process group takes neither end
+        raise UsageError(
+            f"--timeout={args.timeout} must be a number of seconds in [{MIN_TIMEOUT_S}, {MAX_TIMEOUT_S:g}]"
+        )
     if args.device != "cpu" and not args.device.startswith("cuda"):
         raise UsageError(f"--device {args.device!r}: use cpu or cuda")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -140,4 +152,22 @@ def main(
     args = parse(argv)
     debug = debugging(args)
     configure_logging(debug)
-    return run_main(lambda: finish(args, run(args)), debug)
+    return run_main(lambda: interruptible(lambda: finish(args, run(args))), debug)
+
+
+def interruptible(work: Callable[[], int]) -> int:
+    """ctrl-C (or SIGTERM, SIGHUP, SIGQUIT while the launcher's agent watches the ranks, which then stops them
+    all) is an expected end, not a bug: `Stopped` with exit code 128 + the signal, one line."""
+    try:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+    except ImportError:  # a torch build without torch.distributed: no launcher, no agent signals
+        SignalException = KeyboardInterrupt  # noqa: N806
+    try:
+        return work()
+    except (KeyboardInterrupt, SignalException) as e:
+        number = getattr(e, "sigval", signal.SIGINT)
+        raise Stopped(
+            f"interrupted by {signal.Signals(number).name}: stopped, with every rank it had started, before writing "
+            "its results",
+            128 + number,
+        ) from None

@@ -19,7 +19,8 @@ totals. With `--stream` each prompt's text is printed as its tokens are verified
 `--json` writes everything, token ids included (`--profile` adds each prompt's per-cycle timing: with
 `--max-batch B` a row per cycle of the batch while the prompt decoded, with the number of slots it ran). Exit status:
 0 done, 2 bad input, a rank's included (one line on stderr; `--debug` or SPD_DEBUG=1 shows tracebacks),
-1 anything else (e.g. a rank that died), 3 `--check-lossless` found a difference.
+1 anything else (e.g. a rank that died), 3 `--check-lossless` found a difference, 130 ctrl-C
+(128 + the signal for one the launcher's agent catches, e.g. 143 SIGTERM): every rank stopped, one line.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=1,
         help="decode the prompts this many at a time through the ranks (batched pipeline decoding; each prompt's "
-        "tokens are its batch-1 decode's); 1 = one prompt at a time",
+        "tokens are its batch-1 decode's); 1 = one prompt at a time; at most the number of prompts is used",
     )
     cli.add_decoder_arguments(p, max_new_tokens=128, with_ar=True)
     return p.parse_args(argv)
@@ -89,6 +90,9 @@ def run(args: argparse.Namespace) -> dict:
     setup = prepare(args)
     texts = read_prompts(args.prompt, args.prompts)
     prompts = encode_prompts(setup, texts, args.max_new_tokens)
+    # A slot per prompt at most: a slot's caches are sized for a whole decode, so unused slots would only take
+    # memory (--max-batch 100000000 took all of it); the tokens do not depend on the batch size
+    args.max_batch = min(args.max_batch, len(prompts))
     if args.max_batch > 1 and setup.mode in ("ar", EAGLE3):
         raise cli.UsageError(f"--max-batch > 1 is pipeline decoding: --mode {setup.mode} decodes one prompt at a time")
     report = {

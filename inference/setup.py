@@ -94,9 +94,22 @@ def prepare(args: argparse.Namespace) -> Setup:
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device.startswith("cuda") else "float32")
     eos = sorted(eos_set(target_eos(skeleton.config, _generation_config(target_path))))
     k = args.k if mode == EAGLE3 else None
+    if k is not None:
+        check_k(k, info)
     return Setup(
         ckpt, spec, mode, target_path, info, skeleton, geometry, dtype, load_tokenizer(target_path), eos, trust, k
     )
+
+
+def check_k(k: int | list[int], info: TargetInfo) -> None:
+    """EAGLE-3's `--k` (one value, or eval's list) fits in the target's context: the caches are sized for k drafts."""
+    context = info.max_position_embeddings
+    for value in k if isinstance(k, list) else [k]:
+        if context and value > context:
+            raise UsageError(
+                f"--k={value} is more than the target's context of {context} tokens: lower it (k drafts per verify "
+                "forward; EAGLE-3 runs k = 3 to 7)"
+            )
 
 
 def _generation_config(path: str):
@@ -109,9 +122,16 @@ def _generation_config(path: str):
 
 
 def encode_prompts(setup: Setup, texts: list[str], max_new_tokens: int) -> list[list[int]]:
-    """Render each prompt with the chat template; a prompt longer than the target's context is an error."""
-    prompts = [render(setup.tokenizer, t) for t in texts]
+    """Render each prompt with the chat template; a prompt longer than the target's context, or a `max_new_tokens`
+    above it (its caches would be sized for them all), is an error; a prompt and answer that together exceed it
+    are a warning."""
     context = setup.info.max_position_embeddings
+    if context and max_new_tokens > context:
+        raise UsageError(
+            f"--max-new-tokens={max_new_tokens} is more than the target's context of {context} tokens: lower it "
+            "(the prompt and its answer share the context)"
+        )
+    prompts = [render(setup.tokenizer, t) for t in texts]
     for text, ids in zip(texts, prompts):
         if context and len(ids) >= context:
             raise PromptError(f"the prompt {text[:40]!r} has {len(ids)} tokens; the target's context is {context}")

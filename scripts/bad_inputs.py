@@ -112,11 +112,21 @@ CASES = [
     Case("prompts file with the wrong schema", "decode", DEC + ("--prompts", "{wrong_schema}"), "turns"),
     Case("prompts file that is not JSON", "decode", DEC + ("--prompts", "{not_json}"), "turns"),
     Case("empty prompts file", "decode", DEC + ("--prompts", "{empty_prompts}"), "holds no prompt"),
+    Case("prompts file not in UTF-8 (Latin-1)", "decode", DEC + ("--prompts", "{latin1}"), "save the file as UTF-8"),
+    Case("prompts file whose 'turns' is a string", "decode", DEC + ("--prompts", "{turns_text}"), "expected a list"),
+    Case("prompt with a byte that is not UTF-8", "decode", DEC + ("--prompt", "{not_utf8}"), "not Unicode text"),
+    Case("prompts file with a lone surrogate", "decode", DEC + ("--prompts", "{lone_surrogate}"), "not Unicode text"),
     Case("temperature -1", "decode", DEC + ("--prompt", "hi", "--temperature", "-1"), "temperature"),
     Case("top-p 0", "decode", DEC + ("--prompt", "hi", "--top-p", "0"), "top_p"),
     Case("top-p 1.5", "decode", DEC + ("--prompt", "hi", "--top-p", "1.5"), "top_p"),
     Case("top-k -1", "decode", DEC + ("--prompt", "hi", "--top-k", "-1"), "top_k"),
     Case("max-new-tokens 0", "decode", DEC + ("--prompt", "hi", "--max-new-tokens", "0"), "max-new-tokens"),
+    Case(
+        "max-new-tokens above the target's context",
+        "decode",
+        DEC + ("--prompt", "hi", "--max-new-tokens", "1000000000"),
+        "context of 4096",
+    ),
     Case("max-new-tokens not an int", "decode", DEC + ("--prompt", "hi", "--max-new-tokens", "ten"), "invalid int"),
     Case(
         "corrupt checkpoint (random bytes .ckpt)",
@@ -181,6 +191,8 @@ CASES = [
         "needs a drafter",
     ),
     Case("unknown dtype", "decode", DEC + ("--prompt", "hi", "--dtype", "float13"), "float13"),
+    Case("timeout NaN", "decode", ("--ckpt", "{drafter}", "--prompt", "hi", "--timeout", "nan"), "--timeout=nan"),
+    Case("timeout infinite", "decode", ("--ckpt", "{drafter}", "--prompt", "hi", "--timeout", "inf"), "--timeout=inf"),
     Case(
         "lossless check while sampling",
         "decode",
@@ -222,6 +234,12 @@ CASES = [
         "does not exist",
     ),
     Case("plan: no alpha", "plan", ("--layers", "4", "--plot", ""), "no alpha"),
+    Case(
+        "plan: plot in a format matplotlib cannot write",
+        "plan",
+        ("--layers", "4", "--alpha", "2:1:0.5", "--plot", "{root}/plan.txt"),
+        "cannot write .txt",
+    ),
     # spd_lightning fit
     Case("fit: n > L", "fit", FIT + ("--model.n", "5"), "n=5"),
     Case("fit: n 0", "fit", FIT + ("--model.n", "0"), "n=0"),
@@ -319,6 +337,12 @@ def build_files(root: str) -> dict:
     write("wrong_schema", '{"text": "hello world"}\n')
     write("not_json", "hello world\n")
     write("empty_prompts", "\n\n")
+    files["latin1"] = os.path.join(root, "latin1.jsonl")
+    with open(files["latin1"], "wb") as f:
+        f.write('{"turns": ["caf\u00e9"]}\n'.encode("latin-1"))
+    write("turns_text", '{"turns": "hello world"}\n')
+    files["not_utf8"] = "caf\udce9"  # `--prompt caf$'\xe9'` in a Latin-1 terminal: Python's surrogateescape
+    write("lone_surrogate", '{"turns": ["caf\\ud800"]}\n')  # valid JSON, not text
     write("long", json.dumps({"turns": [" ".join(f"word{i} and more" for i in range(3000))]}) + "\n")
     return files
 

@@ -104,6 +104,19 @@ def test_a_drafter_of_the_wrong_kind_is_one_line(files, capsys, drafter, mode, e
     assert err.count("\n") == 1 and expected in err and "--mode" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("cli_name", ["decode", "eval"])
+def test_a_k_above_the_context_is_one_line(files, tmp_path, capsys, cli_name):
+    """The chain's caches are sized for k drafts: a k beyond the target's context (512) would be an allocation
+    failure (exit 1, 'a bug'), not a line that says which value to lower."""
+    if cli_name == "decode":
+        rc = spd_decode.main(["--ckpt", files["eagle3"], "--prompt", "hi", "--k", "1000000000"])
+    else:
+        argv = ["--ckpt", files["pdm"], "--eagle3", files["eagle3"], "--k", "3", "1000000000", "--simulate"]
+        rc = spd_eval.main([*argv, "--prompts", files["prompts"], "--max-new-tokens", "4", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "--k=1000000000" in err and "context of 512" in err, err
+
+
 def test_an_eagle3_drafter_to_compare_is_one_line(files, tmp_path, capsys):
     argv = ["--ckpt", files["pdm"], "--compare", files["eagle3"], "--prompts", files["prompts"], "--simulate"]
     assert spd_eval.main([*argv, "--out", str(tmp_path)]) == 2

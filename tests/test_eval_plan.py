@@ -286,6 +286,24 @@ def test_prompt_sets_can_be_datasets(tmp_path):
         read_prompts(None, str(tmp_path / "bad"))
 
 
+def test_a_prompts_file_is_read_as_utf8_and_its_turns_as_a_list(tmp_path):
+    """UTF-8 whatever the locale, a leading byte-order mark (Windows editors) included; another encoding, or a
+    'turns' that is one string (whose first "turn" would be its first letter), is one line naming the line."""
+    from inference.prompts import PromptError, read_prompts
+
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(("\ufeff" + json.dumps({"turns": ["caf\u00e9 \u2615"]}) + "\n").encode("utf-8"))
+    assert read_prompts(None, str(bom)) == ["caf\u00e9 \u2615"]
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(b'{"turns": ["hi"]}\n{"turns": ["caf\xe9"]}\n')
+    with pytest.raises(PromptError, match=r"latin1.jsonl:2: not UTF-8 text .*save the file as UTF-8"):
+        read_prompts(None, str(latin1))
+    text = tmp_path / "text.jsonl"
+    text.write_text(json.dumps({"turns": "Explain RoPE."}) + "\n")
+    with pytest.raises(PromptError, match=r"text.jsonl:1: 'turns' is a str, expected a list"):
+        read_prompts(None, str(text))
+
+
 def test_drafters_of_one_method_are_told_apart_by_their_run():
     assert spd_eval.drafter_name("runs/deep/type_n4_L3/checkpoints/last.ckpt") == "type_n4_L3"
     assert spd_eval.drafter_name("drafters/spd_n4/") == "spd_n4" == spd_eval.drafter_name("spd_n4")

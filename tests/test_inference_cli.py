@@ -4,6 +4,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -303,6 +304,19 @@ def test_simulated_batched_decode_profiles_each_prompt(files):
     assert [p["tokens"] for p in report["prompts"]] == [p["tokens"] for p in json.loads(plain.read_text())["prompts"]]
 
 
+def test_a_max_batch_above_the_prompts_gets_a_slot_per_prompt(files, monkeypatch):
+    """Each slot's caches are sized for a whole decode: `--max-batch 100000000` on two prompts allocated them all
+    (the process was killed for memory). Slots beyond the prompts hold nothing, so the decoder runs one per prompt."""
+    import inference.backends as backends
+
+    built, simulator = [], backends.Simulator
+    monkeypatch.setattr(backends, "Simulator", lambda *a, **kw: built.append(kw["max_batch"]) or simulator(*a, **kw))
+    out = files["root"] / "max_batch.json"
+    argv = ["--ckpt", files["drafter"], "--prompts", files["prompts"], "--max-new-tokens", "2", "--simulate"]
+    assert main([*argv, "--max-batch", "64", "--json", str(out)]) == 0
+    assert built == [2] and json.loads(out.read_text())["max_batch"] == 2
+
+
 def test_timing_off_is_a_no_op_even_on_a_gpu_device():
     """Off, the profiler hands out one shared no-op span and never touches the device (no CUDA event, no sync)."""
     clock = Profiler(False, torch.device("cuda"))
@@ -357,6 +371,33 @@ def test_the_error_policy(monkeypatch, capsys):
     monkeypatch.setenv("SPD_DEBUG", "1")
     with pytest.raises(KeyError):
         cli.main([], parse, bug, finish)
+
+
+def test_an_interrupt_is_one_line_not_a_bug(monkeypatch, capsys):
+    """ctrl-C in this process (the simulator, AR, eval) and a signal while the launcher's agent runs the ranks
+    (the agent raises its SignalException, having stopped them): exit 128 + the signal and one line, neither a
+    traceback nor 'a bug'."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def parse(_argv):
+        return argparse.Namespace(debug=False)
+
+    def ctrl_c(_):
+        raise KeyboardInterrupt
+
+    def agent_sigterm(_):
+        raise SignalException("Process 1 got signal: 15", signal.SIGTERM)
+
+    monkeypatch.delenv("SPD_DEBUG", raising=False)
+    try:
+        assert cli.main([], parse, ctrl_c, lambda *_: 0) == 130
+    except KeyboardInterrupt:
+        pytest.fail("ctrl-C escaped main: Python printed its traceback")
+    assert capsys.readouterr().err == (
+        "error: interrupted by SIGINT: stopped, with every rank it had started, before writing its results\n"
+    )
+    assert cli.main([], parse, agent_sigterm, lambda *_: 0) == 143
+    assert capsys.readouterr().err.startswith("error: interrupted by SIGTERM: stopped")
 
 
 @pytest.mark.parametrize("mode,schedule,features", [(m, *MODES[m]) for m in MODES])

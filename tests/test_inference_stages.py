@@ -1,5 +1,7 @@
 """Stages and their caches: same math as the HF model, exact rollback, per-rank loading of own weights only."""
 
+import json
+
 import pytest
 import torch
 from kit import assert_same_state, hf_logits, make_tiny_model, save_target, slot_state
@@ -108,6 +110,22 @@ def test_incomplete_checkpoint_is_named(tmp_path):
     Stage.load(str(tmp_path), Geometry.build(4, 2), 1)  # stage 1 never reads layer 3
     with pytest.raises(TargetError, match="layers.3"):
         Stage.load(str(tmp_path), Geometry.build(4, 2), 2)
+
+
+def test_a_truncated_checkpoint_is_one_line(tmp_path):
+    """A target file cut short (a full disk, an interrupted download) or a shard its index names that is missing:
+    a TargetError naming the file (a rank's input error: exit 2), not safetensors' own error (exit 1, 'a bug')."""
+    save_target(make_tiny_model("qwen3"), str(tmp_path / "cut"))
+    weights = tmp_path / "cut" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(TargetError, match=r"model.safetensors' cannot be read \(SafetensorError.*truncated"):
+        Stage.load(str(tmp_path / "cut"), Geometry.build(4, 2), 1)
+    save_target(make_tiny_model("qwen3"), str(tmp_path / "sharded"))
+    (tmp_path / "sharded" / "model.safetensors").unlink()
+    index = {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}
+    (tmp_path / "sharded" / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(TargetError, match=r"model-00001-of-00002.safetensors' cannot be read"):
+        load_pieces(str(tmp_path / "sharded"), range(0), embed=True, head=False)
 
 
 def test_tied_heads_and_prefixed_checkpoints_load(tmp_path):

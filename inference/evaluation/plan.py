@@ -306,13 +306,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--schedule", choices=["pre_step", "post_step"], default="pre_step")
     p.add_argument("--batch-times", help="JSON of scripts/bench_batch.py --json: step times per batch size B")
     p.add_argument("--batch-alpha", type=float, help="tokens per cycle of one sequence (default: the bench's)")
-    p.add_argument("--plot", default="plan.png", help="plot path ('' for none)")
+    p.add_argument(
+        "--plot", default="plan.png", help="plot path, its extension the format (png, pdf, svg, ...; '' for none)"
+    )
     p.add_argument("--json", dest="json_out", help="write the rows and the recommendation here")
     cli.add_debug_argument(p)
     return p.parse_args(argv)
 
 
+def _check_plot_path(path: str) -> None:
+    """A format matplotlib can write (`plan.txt` would fail in `savefig`); no extension writes a png."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    extension = os.path.splitext(path)[1].lstrip(".").lower()
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    if extension and extension not in formats:
+        raise UsageError(f"--plot {path!r}: matplotlib cannot write .{extension}; end it with one of {formats}")
+
+
 def run(args: argparse.Namespace) -> dict:
+    if args.plot:
+        _check_plot_path(args.plot)
     alphas = read_alphas(args.alphas) if args.alphas else {}
     for spec in args.alpha:
         alphas.update([parse_alpha(spec)])

@@ -56,7 +56,7 @@ from inference.evaluation.rows import eagle3_row, pdm_row
 from inference.processes.launch import launch
 from inference.prompts import dataset_spec, read_prompts
 from inference.sampling import Sampling
-from inference.setup import Setup, decode_job, drafter_for_mode, encode_prompts, prepare
+from inference.setup import Setup, check_k, decode_job, drafter_for_mode, encode_prompts, prepare
 from spd_lightning.eagle3.export import KIND as EAGLE3
 
 
@@ -251,6 +251,7 @@ def run(args: argparse.Namespace) -> dict:
         raise cli.UsageError("--ckpt is already an EAGLE-3 drafter: pass a PDM drafter as --ckpt, or drop --eagle3")
     if args.eagle3:
         drafter_for_mode(args.eagle3, EAGLE3)  # one line now if it is not an EAGLE-3 drafter
+        check_k(args.k, setup.info)
     setups = [setup, *compared_setups(args, setup)]
     sets = read_sets(args, setup)
     with cli.writing(args.out):
