@@ -140,6 +140,21 @@ def test_resume_continues_at_the_same_step_with_the_same_optimizer_state(tiny_ta
         torch.testing.assert_close(a, b, msg=name)
 
 
+def test_resume_with_another_draft_vocabulary_is_one_line(tiny_target_dir, tmp_path):
+    """`fit --ckpt_path` with data that gives another V_d (`data.draft_vocab_size` changed): LightningCLI restores the
+    model's settings from the checkpoint but not the data's, so the PDM built from the data does not fit the saved
+    weights. A `ConfigError` naming the field (exit 2), not a `RuntimeError` from `load_state_dict` (exit 1)."""
+    from spd_lightning.errors import ConfigError
+
+    trainer = make_trainer(tmp_path, max_steps=1, limit_val_batches=0)
+    trainer.fit(make_module(tiny_target_dir), datamodule=SyntheticChat(draft_vocab_size=64, batch_size=2))
+    ckpt = str(tmp_path / "step1.ckpt")
+    trainer.save_checkpoint(ckpt)
+    resumed = make_trainer(tmp_path, max_steps=2, limit_val_batches=0)
+    with pytest.raises(ConfigError, match="drafter has draft_vocab_size=64, this run builds draft_vocab_size=32"):
+        resumed.fit(make_module(tiny_target_dir), datamodule=SyntheticChat(draft_vocab_size=32), ckpt_path=ckpt)
+
+
 def test_bad_settings_fail_with_one_line(tiny_target_dir, tmp_path):
     from spd_lightning.geometry import GeometryError
     from spd_lightning.target import TargetError

@@ -738,6 +738,8 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         if CKPT_KEY not in checkpoint:
             raise TargetError("this checkpoint has no drafter description: it was not written by SPDModule")
         spec = DrafterSpec.from_dict(checkpoint[CKPT_KEY], "checkpoint")
+        if self.pdm is not None:  # a resume (or `validate --ckpt_path`) into the PDM this run built
+            self._check_resumed_shape(spec.pdm)
         self._target_info = self._target_info or spec.target
         if self.fill_estimate is not None and FILL_ESTIMATE_KEY in checkpoint:  # a resume draws what the run would
             self.fill_estimate.load_state_dict(checkpoint[FILL_ESTIMATE_KEY])
@@ -745,3 +747,16 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         if self.pdm is None:  # loaded without a trainer: build the PDM the checkpoint describes
             self.pdm = PipelineDraftModule(spec.pdm)
             self._freeze_unused_types()
+
+    def _check_resumed_shape(self, saved: PDMConfig) -> None:
+        """One line when the checkpoint's PDM is not the shape this run built. LightningCLI takes the model's
+        settings from the checkpoint, but `V_d` comes from the data (`data.draft_vocab_size`, the sources), and
+        loading the weights would fail on a size mismatch."""
+        built = self.pdm.cfg.to_dict()
+        for field, value in saved.to_dict().items():
+            if built[field] != value:
+                raise ConfigError(
+                    f"the checkpoint's drafter has {field}={value}, this run builds {field}={built[field]} (from its "
+                    f"data and target): resume with the data settings the run was trained with, or start a new run "
+                    f"from the checkpoint with --model.init_from CKPT"
+                )
