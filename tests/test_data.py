@@ -12,7 +12,7 @@ import datasets
 import numpy as np
 import pytest
 import torch
-from kit import REPO
+from kit import QWEN3_NO_USER_QUERY, REPO
 
 from spd_lightning.data import (
     ChatCollator,
@@ -191,6 +191,31 @@ def test_rewritten_and_refused_conversations_are_counted(tokenizer):
     ]
     assert strict_renderer.encode_messages(refused).status == "template_rejected"
     assert strict_renderer.encode_messages(refused[1:]).status == "ok"
+
+
+def test_a_first_turn_the_template_refuses_is_one_line_or_a_dropped_sample(tokenizer):
+    """Qwen3's template refuses a user turn that is a tool response when no real query follows: a prompt of the
+    decoder or the staircase evaluation is then one line naming it (it was jinja2's TemplateError, a bug), and a
+    conversation whose whole rendering it accepts but whose first turn alone (the held-out prompt) it refuses is
+    dropped and counted with the refused ones (it aborted the whole tokenization)."""
+    from spd_lightning.data.chat import render_prompt
+
+    qwen = copy.deepcopy(tokenizer)
+    qwen.chat_template = QWEN3_NO_USER_QUERY + qwen.chat_template
+    with pytest.raises(DataError, match="the chat template refuses the prompt .*No user query found in messages"):
+        render_prompt(qwen, "<tool_response>42</tool_response>")
+    assert render_prompt(qwen, "what is 6 x 7?") == render_prompt(tokenizer, "what is 6 x 7?")
+    renderer = ChatRenderer(qwen, max_length=512, column="messages", source_name="test")
+    tool_first = [
+        ("user", "<tool_response>42</tool_response>"),
+        ("assistant", "noted"),
+        ("user", "q"),
+        ("assistant", "a"),
+    ]
+    plain = [("user", "q"), ("assistant", "a")]
+    batch = {"messages": [messages_record(*tool_first)["messages"], messages_record(*plain)["messages"]]}
+    out = renderer(batch, [0, 1])
+    assert out["status"] == ["template_rejected", "ok"] and out["prompt"][0] == "" and out["input_ids"][0] == []
 
 
 def test_filter_counts(tokenizer, tokenizer_dir, tmp_path):

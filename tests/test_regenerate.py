@@ -7,11 +7,11 @@ import os
 
 import pytest
 import torch
-from kit import REPO
+from kit import QWEN3_NO_USER_QUERY, REPO, TINY_VOCAB, make_tokenizer
 
 from spd_lightning import prepare
 from spd_lightning.data.chat import load_tokenizer, render_chat
-from spd_lightning.data.regenerate import Generation, complete_records, regenerate
+from spd_lightning.data.regenerate import Generation, complete_records, fitting_prompts, regenerate
 from spd_lightning.target import load_hf_causal_lm
 
 PROMPTS = [[{"role": "user", "content": f"tell me about pears number {i}" + " please" * (i % 3)}] for i in range(5)]
@@ -85,3 +85,14 @@ def test_bad_generation_settings_are_one_line_errors():
         Generation(temperature=-1)
     with pytest.raises(ValueError, match="--gen-batch-size|--batch-size"):
         Generation(batch_size=0)
+
+
+def test_prompts_the_chat_template_refuses_are_skipped():
+    """Qwen3's template refuses a first turn that is a lone tool response; `prepare --regenerate` skips it as it
+    skips a prompt over `--max-prompt-tokens` (it stopped on jinja2's TemplateError, exit 1 'a bug'), and a source
+    left with no prompt it can render is no IndexError."""
+    tokenizer = make_tokenizer(TINY_VOCAB)
+    tokenizer.chat_template = QWEN3_NO_USER_QUERY + tokenizer.chat_template
+    tool = [{"role": "user", "content": "<tool_response>42</tool_response>"}]
+    assert fitting_prompts(tokenizer, [tool, *PROMPTS[:2], tool], Generation()) == PROMPTS[:2]
+    assert fitting_prompts(tokenizer, [tool], Generation()) == []
