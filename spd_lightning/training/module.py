@@ -729,10 +729,27 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         return DrafterSpec(self.pdm.cfg, self.geometry, self._target_info)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        self._check_weights_finite()
         # What inference/ and `export` read; the frozen target is not in state_dict to begin with.
         checkpoint[CKPT_KEY] = self.drafter_spec().to_dict()
         if self.fill_estimate is not None:
             checkpoint[FILL_ESTIMATE_KEY] = self.fill_estimate.state_dict()
+
+    def _check_weights_finite(self) -> None:
+        """A diverged run (a NaN or inf loss reached the weights) must not replace the checkpoints saved before it
+        (`last.ckpt`, the kept step checkpoint). One device read per save; every rank checks its own weights (its
+        shard under FSDP) and the decision is reduced over the ranks, so they all stop together."""
+        finite = torch.stack([torch.isfinite(p).all() for p in self.pdm.parameters()]).all()
+        diverged = not bool(finite)
+        if self._trainer is not None:
+            diverged = self.trainer.strategy.reduce_boolean_decision(diverged, all=False)
+        if diverged:
+            step = self.trainer.global_step if self._trainer is not None else "?"
+            raise ConfigError(
+                f"training diverged by step {step}: the PDM's weights are not finite (NaN or inf), so this checkpoint "
+                f"is not saved and the ones before it are kept; start again from the last one with a lower model.lr "
+                f"(--model.init_from CKPT) or a gradient_clip_val"
+            )
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if CKPT_KEY not in checkpoint:
