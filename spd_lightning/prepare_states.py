@@ -92,6 +92,11 @@ def plan_manifest(data: ChatDataModule, needs: Needs, options: argparse.Namespac
     """The manifest this run writes (complete: false until every shard exists)."""
     if options.states_shard_size < 1:
         raise ConfigError(f"--states-shard-size={options.states_shard_size}: use a positive number of samples")
+    if options.states_batch_size is not None and options.states_batch_size < 1:
+        raise ConfigError(
+            f"--states-batch-size={options.states_batch_size}: use a positive number of samples per target forward "
+            f"(default: data.batch_size)"
+        )
     dtype = options.states_dtype
     resolve_dtype(dtype)  # a one-line error for an unknown name, before anything runs
     target = target_identity(needs.target, needs.trust_remote_code)
