@@ -4,6 +4,7 @@ and prepare then tokenizes it as the data source."""
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -96,3 +97,28 @@ def test_prompts_the_chat_template_refuses_are_skipped():
     tool = [{"role": "user", "content": "<tool_response>42</tool_response>"}]
     assert fitting_prompts(tokenizer, [tool, *PROMPTS[:2], tool], Generation()) == PROMPTS[:2]
     assert fitting_prompts(tokenizer, [tool], Generation()) == []
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["--regenerate", "{tmp}"], "cannot write --regenerate '{tmp}': Is a directory"),
+        (["--regenerate", "{tmp}/taken/answers.jsonl"], "cannot write --regenerate '{tmp}/taken/answers.jsonl'"),
+        (["--regenerate", "{tmp}/answers.jsonl", "--limit", "0"], "--limit 0: use a positive number of prompts"),
+    ],
+    ids=["a_directory", "under_a_file", "limit_0"],
+)
+def test_bad_regenerate_flags_are_one_line_before_the_target_loads(
+    micro_target, tmp_path, monkeypatch, extra, expected
+):
+    """An output path that cannot be written was an unexpected IsADirectoryError / NotADirectoryError (exit 1) once
+    the target had loaded and answered nothing; `--limit 0` answered one prompt."""
+    from spd_lightning.data import regenerate as regenerate_module
+    from spd_lightning.errors import UserError
+
+    (tmp_path / "taken").write_text("")
+    monkeypatch.setattr(regenerate_module, "regenerate", lambda *a: pytest.fail("the target answered"))
+    args = ["--config", os.path.join(REPO, "configs", "tiny.yaml"), "--model.target", micro_target]
+    args += ["--data.cache_dir", str(tmp_path / "cache"), *(a.format(tmp=tmp_path) for a in extra)]
+    with pytest.raises(UserError, match=re.escape(expected.format(tmp=tmp_path))):
+        prepare.main(args)
