@@ -119,7 +119,12 @@ def plan_manifest(data: ChatDataModule, needs: Needs, options: argparse.Namespac
 
 def start(directory: str, plan: dict) -> bool:
     """Write the plan, or check it against a previous run's; returns whether the cache is already complete."""
-    os.makedirs(directory, exist_ok=True)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:  # a file, a path under one: the --states the user gave
+        raise ConfigError(
+            f"cannot write the state cache {directory!r}: {e.strerror or e}; pass another --states DIR"
+        ) from e
     found = read_manifest(directory)
     if found is None:
         write_json_atomic(os.path.join(directory, MANIFEST), plan)

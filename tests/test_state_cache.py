@@ -288,6 +288,17 @@ def test_a_states_batch_size_below_one_is_one_line(chats, capsys, tmp_path, size
     assert not directory.exists()
 
 
+@pytest.mark.parametrize("under", ["", "states"], ids=["a_file", "under_a_file"])
+def test_a_states_dir_that_cannot_be_made_is_one_line(chats, capsys, tmp_path, under):
+    """`--states` naming a file, or a path under one, was an unexpected FileExistsError / NotADirectoryError."""
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    directory = str(taken / under if under else taken)
+    code, err = run_main(["prepare", *config_args(chats, "--states", directory)], capsys)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and f"cannot write the state cache {directory!r}" in errors[0], err
+
+
 def test_fit_from_the_cache_trains_without_the_target(chats, states, tmp_path, monkeypatch):
     """Training and validation read the cache; only the staircase evaluation at the end loads the target."""
     loads = []
