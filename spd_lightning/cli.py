@@ -72,6 +72,11 @@ class CheckpointOnSigterm(ModelCheckpoint):
     the current step before it raises `SIGTERMException`, so the checkpoint lies on a step boundary and a resume
     loses no step. Other exceptions save only with `save_on_exception: true`."""
 
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage == "fit":
+            check_checkpoint_dir(trainer, self.dirpath)
+
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         if isinstance(exception, SIGTERMException) and not self.save_on_exception:
             self.save_on_exception = True
@@ -81,6 +86,21 @@ class CheckpointOnSigterm(ModelCheckpoint):
                 self.save_on_exception = False
         else:
             super().on_exception(trainer, pl_module, exception)
+
+
+def check_checkpoint_dir(trainer, dirpath) -> None:
+    """Before the first step, the checkpoint directory is made: a file there, or a path under one, would fail at the
+    first save, `every_n_train_steps` into the run. Rank 0 writes the checkpoints and makes it; every rank learns
+    whether it could, so they stop together."""
+    reason = None
+    if trainer.is_global_zero and dirpath and isinstance(get_filesystem(dirpath), LocalFileSystem):
+        try:
+            os.makedirs(dirpath, exist_ok=True)
+        except OSError as e:
+            reason = e.strerror or str(e)
+    reason = trainer.strategy.broadcast(reason)
+    if reason is not None:
+        raise ConfigError(f"checkpoint.dirpath {dirpath!r} cannot be made: {reason}; pass another directory")
 
 
 # The model's class when a config gives none: the PDM's module. Either drafter module can be named by its class.

@@ -186,6 +186,20 @@ def test_a_ckpt_path_that_holds_no_checkpoint_is_one_line(micro_target, tmp_path
     assert "Traceback" not in err and "Loading weights" not in err
 
 
+@pytest.mark.parametrize("under", ["", "ckpt"], ids=["a_file", "under_a_file"])
+def test_a_checkpoint_dir_that_cannot_be_made_is_one_line_before_training(micro_target, tmp_path, capsys, under):
+    """`checkpoint.dirpath` naming a file, or a path under one, failed at the first save, `every_n_train_steps` into
+    the run, as an unexpected FileExistsError / NotADirectoryError (exit 1); now one line as the run starts."""
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    dirpath = str(taken / under if under else taken)
+    args = ["--trainer.callbacks", "[]", "--trainer.max_steps", "1", "--checkpoint.dirpath", dirpath]
+    code, err = run_main(["fit", *fit_args(micro_target, tmp_path / "run"), *args], capsys)
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(lines) == 1 and f"checkpoint.dirpath {dirpath!r} cannot be made" in lines[0], err
+    assert "Loading weights" not in err  # before the target loads
+
+
 def test_missing_target_path(tmp_path, capsys):
     code, err = run_main(["fit", *fit_args(str(tmp_path / "no_target"), tmp_path)], capsys)
     assert code == 2 and "does not exist" in err and "Traceback" not in err
