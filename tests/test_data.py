@@ -231,6 +231,19 @@ def test_filter_counts(tokenizer, tokenizer_dir, tmp_path):
     assert part.usable.tolist() == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("name", ["empty.jsonl", "empty.jsonl.gz"])
+def test_an_empty_data_file_is_one_line(tokenizer, tokenizer_dir, tmp_path, name):
+    """An empty jsonl (a regeneration that answered nothing, a filter that kept nothing) made `datasets` raise a bare
+    StopIteration: 'unexpected StopIteration' (exit 1)."""
+    import gzip
+
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(b"") if name.endswith(".gz") else b"")
+    source = DataSource(path=str(path))
+    with pytest.raises(DataError, match=f"data file '{path}' holds no record"):
+        tokenize_source(source, tokenizer, tokenizer_dir, max_length=128, cache_dir=str(tmp_path / "cache"))
+
+
 def test_no_usable_sample_fails_loudly(tokenizer, tokenizer_dir, tmp_path):
     source = DataSource(path=write_jsonl(tmp_path / "q.jsonl", [sharegpt_record(("human", "q"))] * 3))
     with pytest.raises(DataError, match="yields no usable sample") as error:
