@@ -88,6 +88,11 @@ class StaircaseEvaluation(L.Callback):
         self._prompt_ids: list[list[int]] | None = None
 
     # -- when ------------------------------------------------------------------------------------
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        """Reads the prompts as the run starts (the data module is set up, no step has run): a prompts file that
+        cannot be read, or no held-out conversation, stops it with one line here, not `every_n_steps` into it."""
+        self.prompts(trainer)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
         if self.every_n_steps and step > 0 and step % self.every_n_steps == 0 and self._last_step() != step:

@@ -33,12 +33,15 @@ import signal
 import sys
 import traceback
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import lightning as L
 import torch
 import yaml
+from fsspec.implementations.local import LocalFileSystem
 from jsonargparse import ArgumentError, DefaultHelpFormatter
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
@@ -50,12 +53,13 @@ from .eagle3.export import KIND as EAGLE3
 from .eagle3.export import load_eagle3, save_eagle3
 from .eagle3.module import Eagle3Module
 from .environment.versions import TRAINING, require_supported
-from .errors import ConfigError, Stopped, UserError, debug_requested, one_line, run_main
-from .export import drafter_kind, load_drafter, save_drafter
+from .errors import ConfigError, Stopped, UsageError, UserError, debug_requested, first_line, one_line, run_main
+from .export import CONFIG_FILE, drafter_kind, load_drafter, save_drafter
 from .training.checkpoint_io import AtomicCheckpointIO
 from .training.module import SPDModule
 
 PROG = "python -m spd_lightning"
+SHARDED_METADATA = "meta.pt"  # what marks a directory as Lightning's sharded (FSDP) checkpoint
 WANDB_HOST = "api.wandb.ai"
 DEFAULT_LOGGER = {
     "class_path": "lightning.pytorch.loggers.WandbLogger",
@@ -68,6 +72,11 @@ class CheckpointOnSigterm(ModelCheckpoint):
     the current step before it raises `SIGTERMException`, so the checkpoint lies on a step boundary and a resume
     loses no step. Other exceptions save only with `save_on_exception: true`."""
 
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage == "fit":
+            check_checkpoint_dir(trainer, self.dirpath)
+
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         if isinstance(exception, SIGTERMException) and not self.save_on_exception:
             self.save_on_exception = True
@@ -77,6 +86,21 @@ class CheckpointOnSigterm(ModelCheckpoint):
                 self.save_on_exception = False
         else:
             super().on_exception(trainer, pl_module, exception)
+
+
+def check_checkpoint_dir(trainer, dirpath) -> None:
+    """Before the first step, the checkpoint directory is made: a file there, or a path under one, would fail at the
+    first save, `every_n_train_steps` into the run. Rank 0 writes the checkpoints and makes it; every rank learns
+    whether it could, so they stop together."""
+    reason = None
+    if trainer.is_global_zero and dirpath and isinstance(get_filesystem(dirpath), LocalFileSystem):
+        try:
+            os.makedirs(dirpath, exist_ok=True)
+        except OSError as e:
+            reason = e.strerror or str(e)
+    reason = trainer.strategy.broadcast(reason)
+    if reason is not None:
+        raise ConfigError(f"checkpoint.dirpath {dirpath!r} cannot be made: {reason}; pass another directory")
 
 
 # The model's class when a config gives none: the PDM's module. Either drafter module can be named by its class.
@@ -117,6 +141,14 @@ class SPDLightningCLI(LightningCLI):
             {"model": {"class_path": DEFAULT_MODEL}, "checkpoint.save_last": True, "checkpoint.dirpath": None}
         )
 
+    def _parse_ckpt_path(self) -> None:
+        """Lightning reads the hyperparameters saved in `ckpt_path` here, before anything is built: a path that does
+        not exist or holds no readable checkpoint is one line now, not a bug report (or one after the data and the
+        target have loaded)."""
+        subcommand = self.config.get("subcommand")
+        check_ckpt_path(self.config[subcommand].get("ckpt_path") if subcommand else None)
+        super()._parse_ckpt_path()
+
     def instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         check_model(config.model.class_path, config.trainer.callbacks)
@@ -144,6 +176,38 @@ def check_model(class_path: str, callbacks) -> None:
                 f"trainer.callbacks: {path} decodes with the PDM and does not apply to {model_class.__name__}: "
                 f"remove it from the config's trainer.callbacks"
             )
+
+
+def check_ckpt_path(path) -> None:
+    """One line for a local `--ckpt_path` that `fit` / `validate` cannot resume from: a missing path, a directory
+    that is no sharded checkpoint (an exported drafter, a run's root), a file `torch.load` cannot read (truncated,
+    corrupt, another format). Lightning's names (`last`, `best`, `hpc`, `registry:...`) and remote paths are its own."""
+    if path is None or str(path) in ("last", "best", "hpc") or str(path).startswith("registry"):
+        return
+    if not isinstance(get_filesystem(path), LocalFileSystem):
+        return
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise ConfigError(
+            f"ckpt_path {path!r} does not exist: pass a .ckpt that `fit` wrote (e.g. CHECKPOINT_DIR/last.ckpt), or "
+            f"`--ckpt_path last` for the newest last.ckpt in checkpoint.dirpath"
+        )
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, SHARDED_METADATA)):
+            return  # a sharded (FSDP) checkpoint: Lightning reads the directory
+        if os.path.isfile(os.path.join(path, CONFIG_FILE)):
+            raise ConfigError(
+                f"ckpt_path {path!r} is an exported drafter, which holds no optimizer or data position: resume from "
+                f"the run's .ckpt, or warm-start a new run from it with --model.init_from {path}"
+            )
+        raise ConfigError(f"ckpt_path {path!r} is a directory: pass a checkpoint file in it (e.g. last.ckpt)")
+    try:
+        torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # noqa: BLE001 - torch raises many types for a bad file (OSError, RuntimeError, ...)
+        raise ConfigError(
+            f"ckpt_path {path!r} is not a readable checkpoint: truncated, corrupt or another format "
+            f"({type(e).__name__}: {first_line(e)[:120]}); resume from another checkpoint of the run"
+        ) from e
 
 
 class LoggedConfigCallback(SaveConfigCallback):
@@ -274,14 +338,25 @@ def export(args: Sequence[str]) -> str:
         if opts.dtype != "float32":
             parser.error(f"--dtype {opts.dtype} applies to PDM drafters; {opts.ckpt} holds an EAGLE-3 drafter")
         drafter, spec = load_eagle3(opts.ckpt)
-        out = save_eagle3(drafter, spec, opts.out)
+        with writing(opts.out):
+            out = save_eagle3(drafter, spec, opts.out)
         shape = f"EAGLE-3, features {list(spec.drafter.feature_layers)}, V_d={spec.drafter.draft_vocab_size}"
     else:
         pdm, spec = load_drafter(opts.ckpt)
-        out = save_drafter(pdm, spec, opts.out, getattr(torch, opts.dtype))
+        with writing(opts.out):
+            out = save_drafter(pdm, spec, opts.out, getattr(torch, opts.dtype))
         shape = f"n={spec.geometry.n}, L_s={spec.pdm.num_layers}, V_d={spec.pdm.draft_vocab_size}"
     print(f"exported the drafter of {opts.ckpt} to {out} ({shape}, target {spec.target.name_or_path})")
     return out
+
+
+@contextmanager
+def writing(out: str) -> Iterator[None]:
+    """`export --out`: a directory that cannot be made or written (a file, a path under one) is bad input."""
+    try:
+        yield
+    except OSError as e:
+        raise UsageError(f"cannot write the drafter to {out!r}: {e.strerror or e}; choose another --out") from e
 
 
 def export_main(args: Sequence[str]) -> int:

@@ -33,7 +33,7 @@ from jsonargparse import ArgumentError
 from .cli import SPDLightningCLI
 from .data import ChatDataModule
 from .data.tokenized import processed_root
-from .errors import ConfigError, one_line
+from .errors import ConfigError, UsageError, one_line
 from .prepare_states import states_parser
 from .training.module import SPDModule
 
@@ -114,6 +114,15 @@ def regenerate_data(args: Sequence[str], options: argparse.Namespace) -> str:
     gen = Generation(
         options.temperature, options.max_new_tokens, options.gen_batch_size, options.max_prompt_tokens, options.seed
     )
+    if options.limit is not None and options.limit < 1:
+        raise UsageError(f"--limit {options.limit}: use a positive number of prompts (leave it out for all)")
+    try:  # the output, before the target loads: a path that cannot be written is bad input
+        os.makedirs(os.path.dirname(os.path.abspath(options.regenerate)), exist_ok=True)
+        open(options.regenerate, "a").close()
+    except OSError as e:
+        raise UsageError(
+            f"cannot write --regenerate {options.regenerate!r}: {e.strerror or e}; choose another path"
+        ) from e
     data = data_module(args)
     prompts = first_turns(data.sources, os.path.join(data.cache_dir, "raw"), options.limit)
     prompts = fitting_prompts(data.tokenizer, prompts, gen)

@@ -92,6 +92,11 @@ def plan_manifest(data: ChatDataModule, needs: Needs, options: argparse.Namespac
     """The manifest this run writes (complete: false until every shard exists)."""
     if options.states_shard_size < 1:
         raise ConfigError(f"--states-shard-size={options.states_shard_size}: use a positive number of samples")
+    if options.states_batch_size is not None and options.states_batch_size < 1:
+        raise ConfigError(
+            f"--states-batch-size={options.states_batch_size}: use a positive number of samples per target forward "
+            f"(default: data.batch_size)"
+        )
     dtype = options.states_dtype
     resolve_dtype(dtype)  # a one-line error for an unknown name, before anything runs
     target = target_identity(needs.target, needs.trust_remote_code)
@@ -114,7 +119,12 @@ def plan_manifest(data: ChatDataModule, needs: Needs, options: argparse.Namespac
 
 def start(directory: str, plan: dict) -> bool:
     """Write the plan, or check it against a previous run's; returns whether the cache is already complete."""
-    os.makedirs(directory, exist_ok=True)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:  # a file, a path under one: the --states the user gave
+        raise ConfigError(
+            f"cannot write the state cache {directory!r}: {e.strerror or e}; pass another --states DIR"
+        ) from e
     found = read_manifest(directory)
     if found is None:
         write_json_atomic(os.path.join(directory, MANIFEST), plan)

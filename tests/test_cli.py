@@ -149,6 +149,57 @@ def test_bad_settings_print_one_line(micro_target, tmp_path, capsys, extra, expe
     assert "Traceback" not in err
 
 
+def bad_ckpt_path(kind: str, tmp_path) -> str:
+    """A `--ckpt_path` that no run can resume from, of the given kind."""
+    if kind == "missing":
+        return str(tmp_path / "nope.ckpt")
+    if kind in ("truncated", "random_bytes"):
+        path = tmp_path / "last.ckpt"
+        torch.save({"state_dict": {"w": torch.zeros(1000)}, "global_step": 3}, path)
+        path.write_bytes(path.read_bytes()[:5000] if kind == "truncated" else os.urandom(5000))
+        return str(path)
+    if kind == "drafter_dir":
+        (tmp_path / "drafter").mkdir()
+        (tmp_path / "drafter" / "config.json").write_text("{}")
+        return str(tmp_path / "drafter")
+    return str(tmp_path)  # a run's root directory
+
+
+@pytest.mark.parametrize(
+    "kind, expected",
+    [
+        ("missing", "does not exist"),
+        ("truncated", "not a readable checkpoint"),
+        ("random_bytes", "not a readable checkpoint"),
+        ("drafter_dir", "exported drafter"),
+        ("run_dir", "is a directory"),
+    ],
+)
+def test_a_ckpt_path_that_holds_no_checkpoint_is_one_line(micro_target, tmp_path, capsys, kind, expected):
+    """A missing, truncated or corrupt `--ckpt_path`, or a directory, is bad input (exit 2, one line naming it),
+    found before the data and the target load; it was an `unexpected OSError` / `FileNotFoundError` /
+    `IsADirectoryError` (exit 1, a bug) after them."""
+    path = bad_ckpt_path(kind, tmp_path)
+    code, err = run_main(["fit", *fit_args(micro_target, tmp_path / "run"), "--ckpt_path", path], capsys)
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(lines) == 1 and expected in lines[0] and repr(path) in lines[0], err
+    assert "Traceback" not in err and "Loading weights" not in err
+
+
+@pytest.mark.parametrize("under", ["", "ckpt"], ids=["a_file", "under_a_file"])
+def test_a_checkpoint_dir_that_cannot_be_made_is_one_line_before_training(micro_target, tmp_path, capsys, under):
+    """`checkpoint.dirpath` naming a file, or a path under one, failed at the first save, `every_n_train_steps` into
+    the run, as an unexpected FileExistsError / NotADirectoryError (exit 1); now one line as the run starts."""
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    dirpath = str(taken / under if under else taken)
+    args = ["--trainer.callbacks", "[]", "--trainer.max_steps", "1", "--checkpoint.dirpath", dirpath]
+    code, err = run_main(["fit", *fit_args(micro_target, tmp_path / "run"), *args], capsys)
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(lines) == 1 and f"checkpoint.dirpath {dirpath!r} cannot be made" in lines[0], err
+    assert "Loading weights" not in err  # before the target loads
+
+
 def test_missing_target_path(tmp_path, capsys):
     code, err = run_main(["fit", *fit_args(str(tmp_path / "no_target"), tmp_path)], capsys)
     assert code == 2 and "does not exist" in err and "Traceback" not in err

@@ -12,7 +12,7 @@ import datasets
 import numpy as np
 import pytest
 import torch
-from kit import REPO
+from kit import QWEN3_NO_USER_QUERY, REPO
 
 from spd_lightning.data import (
     ChatCollator,
@@ -193,6 +193,31 @@ def test_rewritten_and_refused_conversations_are_counted(tokenizer):
     assert strict_renderer.encode_messages(refused[1:]).status == "ok"
 
 
+def test_a_first_turn_the_template_refuses_is_one_line_or_a_dropped_sample(tokenizer):
+    """Qwen3's template refuses a user turn that is a tool response when no real query follows: a prompt of the
+    decoder or the staircase evaluation is then one line naming it (it was jinja2's TemplateError, a bug), and a
+    conversation whose whole rendering it accepts but whose first turn alone (the held-out prompt) it refuses is
+    dropped and counted with the refused ones (it aborted the whole tokenization)."""
+    from spd_lightning.data.chat import render_prompt
+
+    qwen = copy.deepcopy(tokenizer)
+    qwen.chat_template = QWEN3_NO_USER_QUERY + qwen.chat_template
+    with pytest.raises(DataError, match="the chat template refuses the prompt .*No user query found in messages"):
+        render_prompt(qwen, "<tool_response>42</tool_response>")
+    assert render_prompt(qwen, "what is 6 x 7?") == render_prompt(tokenizer, "what is 6 x 7?")
+    renderer = ChatRenderer(qwen, max_length=512, column="messages", source_name="test")
+    tool_first = [
+        ("user", "<tool_response>42</tool_response>"),
+        ("assistant", "noted"),
+        ("user", "q"),
+        ("assistant", "a"),
+    ]
+    plain = [("user", "q"), ("assistant", "a")]
+    batch = {"messages": [messages_record(*tool_first)["messages"], messages_record(*plain)["messages"]]}
+    out = renderer(batch, [0, 1])
+    assert out["status"] == ["template_rejected", "ok"] and out["prompt"][0] == "" and out["input_ids"][0] == []
+
+
 def test_filter_counts(tokenizer, tokenizer_dir, tmp_path):
     records = chat_records(4) + [
         sharegpt_record(("human", "only a question")),
@@ -204,6 +229,19 @@ def test_filter_counts(tokenizer, tokenizer_dir, tmp_path):
     stats = part.stats
     assert (stats.records, stats.kept, stats.too_long, stats.no_assistant) == (7, 4, 1, 2)
     assert part.usable.tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("name", ["empty.jsonl", "empty.jsonl.gz"])
+def test_an_empty_data_file_is_one_line(tokenizer, tokenizer_dir, tmp_path, name):
+    """An empty jsonl (a regeneration that answered nothing, a filter that kept nothing) made `datasets` raise a bare
+    StopIteration: 'unexpected StopIteration' (exit 1)."""
+    import gzip
+
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(b"") if name.endswith(".gz") else b"")
+    source = DataSource(path=str(path))
+    with pytest.raises(DataError, match=f"data file '{path}' holds no record"):
+        tokenize_source(source, tokenizer, tokenizer_dir, max_length=128, cache_dir=str(tmp_path / "cache"))
 
 
 def test_no_usable_sample_fails_loudly(tokenizer, tokenizer_dir, tmp_path):

@@ -3,6 +3,7 @@
 import json
 import os
 
+import pytest
 import torch
 from kit import SyntheticChat, make_module, make_trainer
 from safetensors import safe_open
@@ -55,3 +56,15 @@ def test_export_round_trip(tiny_target_dir, tmp_path):
         assert loaded.dtype == tensor.dtype, name
         want = tensor.to(torch.bfloat16).to(tensor.dtype) if tensor.is_floating_point() else tensor
         torch.testing.assert_close(loaded, want, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("under", ["", "drafter"], ids=["a_file", "under_a_file"])
+def test_an_out_path_that_cannot_be_a_directory_is_one_line(drafter_dir, tmp_path, capsys, under):
+    """`export --out` naming a file, or a path under one: one `error:` line and exit 2 (it was an unexpected
+    FileExistsError / NotADirectoryError, exit 1 'a bug')."""
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    out = str(taken / under if under else taken)
+    code = cli.run_main(lambda: cli.export_main(["--ckpt", drafter_dir, "--out", out]), False)
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"error: cannot write the drafter to {out!r}: ") and err.count("\n") == 1

@@ -6,6 +6,8 @@ forward must equal a separate plain PDM forward over the explicit staircase view
 for a target: the property is about the mask and the feature placement, not about the target.
 """
 
+import math
+
 import pytest
 import torch
 from kit import ANCHOR_HIDDEN, ANCHOR_VOCAB, anchor_pdm
@@ -165,6 +167,14 @@ def test_fill_distribution():
     assert draws.min() == 1 and draws.max() == 4 and abs(draws.eq(4).float().mean() - 0.5) < 0.05
     with pytest.raises(ValueError, match="fill_probs"):
         FillDistribution(probs=[1, 1]).probabilities(3)
+
+
+@pytest.mark.parametrize("probs", [[math.nan, 1.0], [math.inf, 1.0], [1e308, 1e308]], ids=["nan", "inf", "overflow"])
+def test_fill_weights_that_are_no_distribution_are_refused_when_set(probs):
+    """`fill_probs` with a NaN or an infinite weight (or a sum that overflows) passed the check made when the module
+    is built and failed at the first training step in `torch.multinomial` (a RuntimeError, exit 1)."""
+    with pytest.raises(ValueError, match=r"fill_probs=.* must be 2 non-negative finite weights"):
+        FillDistribution(probs=probs).probabilities(2)
 
 
 def test_fusion_by_position_types_equals_fusing_each_position_alone():

@@ -140,6 +140,45 @@ def test_resume_continues_at_the_same_step_with_the_same_optimizer_state(tiny_ta
         torch.testing.assert_close(a, b, msg=name)
 
 
+def test_resume_with_another_draft_vocabulary_is_one_line(tiny_target_dir, tmp_path):
+    """`fit --ckpt_path` with data that gives another V_d (`data.draft_vocab_size` changed): LightningCLI restores the
+    model's settings from the checkpoint but not the data's, so the PDM built from the data does not fit the saved
+    weights. A `ConfigError` naming the field (exit 2), not a `RuntimeError` from `load_state_dict` (exit 1)."""
+    from spd_lightning.errors import ConfigError
+
+    trainer = make_trainer(tmp_path, max_steps=1, limit_val_batches=0)
+    trainer.fit(make_module(tiny_target_dir), datamodule=SyntheticChat(draft_vocab_size=64, batch_size=2))
+    ckpt = str(tmp_path / "step1.ckpt")
+    trainer.save_checkpoint(ckpt)
+    resumed = make_trainer(tmp_path, max_steps=2, limit_val_batches=0)
+    with pytest.raises(ConfigError, match="drafter has draft_vocab_size=64, this run builds draft_vocab_size=32"):
+        resumed.fit(make_module(tiny_target_dir), datamodule=SyntheticChat(draft_vocab_size=32), ckpt_path=ckpt)
+
+
+def test_a_diverged_run_stops_and_keeps_the_checkpoints_saved_before(tiny_target_dir, tmp_path):
+    """A NaN loss (here a teacher temperature that overflows, from step 3 on) makes the weights NaN: the run stops
+    with one line at the next save instead of replacing `last.ckpt` and the kept step checkpoint with NaN weights
+    (it finished with exit 0 and every checkpoint NaN)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from spd_lightning.errors import ConfigError
+
+    class Diverge(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, *args):
+            if trainer.global_step == 2:
+                pl_module.hparams.teacher_temperature = 1e-40
+
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True, every_n_train_steps=1)
+    trainer = make_trainer(
+        tmp_path, max_steps=4, enable_checkpointing=True, callbacks=[ckpt, Diverge()], limit_val_batches=0
+    )
+    with pytest.raises(ConfigError, match="diverged by step 3: the PDM's weights are not finite"):
+        trainer.fit(make_module(tiny_target_dir), datamodule=SyntheticChat(num_samples=16, batch_size=2))
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+    last = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
+    assert last["global_step"] == 2 and all(torch.isfinite(v).all() for v in last["state_dict"].values())
+
+
 def test_bad_settings_fail_with_one_line(tiny_target_dir, tmp_path):
     from spd_lightning.geometry import GeometryError
     from spd_lightning.target import TargetError

@@ -4,14 +4,15 @@ and prepare then tokenizes it as the data source."""
 
 import json
 import os
+import re
 
 import pytest
 import torch
-from kit import REPO
+from kit import QWEN3_NO_USER_QUERY, REPO, TINY_VOCAB, make_tokenizer
 
 from spd_lightning import prepare
 from spd_lightning.data.chat import load_tokenizer, render_chat
-from spd_lightning.data.regenerate import Generation, complete_records, regenerate
+from spd_lightning.data.regenerate import Generation, complete_records, fitting_prompts, regenerate
 from spd_lightning.target import load_hf_causal_lm
 
 PROMPTS = [[{"role": "user", "content": f"tell me about pears number {i}" + " please" * (i % 3)}] for i in range(5)]
@@ -85,3 +86,39 @@ def test_bad_generation_settings_are_one_line_errors():
         Generation(temperature=-1)
     with pytest.raises(ValueError, match="--gen-batch-size|--batch-size"):
         Generation(batch_size=0)
+
+
+def test_prompts_the_chat_template_refuses_are_skipped():
+    """Qwen3's template refuses a first turn that is a lone tool response; `prepare --regenerate` skips it as it
+    skips a prompt over `--max-prompt-tokens` (it stopped on jinja2's TemplateError, exit 1 'a bug'), and a source
+    left with no prompt it can render is no IndexError."""
+    tokenizer = make_tokenizer(TINY_VOCAB)
+    tokenizer.chat_template = QWEN3_NO_USER_QUERY + tokenizer.chat_template
+    tool = [{"role": "user", "content": "<tool_response>42</tool_response>"}]
+    assert fitting_prompts(tokenizer, [tool, *PROMPTS[:2], tool], Generation()) == PROMPTS[:2]
+    assert fitting_prompts(tokenizer, [tool], Generation()) == []
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["--regenerate", "{tmp}"], "cannot write --regenerate '{tmp}': Is a directory"),
+        (["--regenerate", "{tmp}/taken/answers.jsonl"], "cannot write --regenerate '{tmp}/taken/answers.jsonl'"),
+        (["--regenerate", "{tmp}/answers.jsonl", "--limit", "0"], "--limit 0: use a positive number of prompts"),
+    ],
+    ids=["a_directory", "under_a_file", "limit_0"],
+)
+def test_bad_regenerate_flags_are_one_line_before_the_target_loads(
+    micro_target, tmp_path, monkeypatch, extra, expected
+):
+    """An output path that cannot be written was an unexpected IsADirectoryError / NotADirectoryError (exit 1) once
+    the target had loaded and answered nothing; `--limit 0` answered one prompt."""
+    from spd_lightning.data import regenerate as regenerate_module
+    from spd_lightning.errors import UserError
+
+    (tmp_path / "taken").write_text("")
+    monkeypatch.setattr(regenerate_module, "regenerate", lambda *a: pytest.fail("the target answered"))
+    args = ["--config", os.path.join(REPO, "configs", "tiny.yaml"), "--model.target", micro_target]
+    args += ["--data.cache_dir", str(tmp_path / "cache"), *(a.format(tmp=tmp_path) for a in extra)]
+    with pytest.raises(UserError, match=re.escape(expected.format(tmp=tmp_path))):
+        prepare.main(args)

@@ -450,3 +450,26 @@ def test_checkpoints_are_renamed_into_place(chat_target, tmp_path, monkeypatch, 
     final = [(kind, path) for kind, path in writes if path.startswith(ckpt_dir) and path.endswith(".ckpt")]
     assert ("rename", str(tmp_path / "ckpt" / "last.ckpt")) in final
     assert [path for kind, path in final if kind == "open"] == []
+
+
+def test_a_checkpoint_the_disk_cannot_hold_is_one_line_and_keeps_the_one_before(tmp_path, monkeypatch):
+    """A full disk: torch's zip writer raises a RuntimeError that names no disk ('[enforce fail at
+    inline_container.cc:672] . unexpected pos 704 vs 598', measured on a full 64 KiB tmpfs), which `fit` reported as
+    'unexpected RuntimeError (a bug)'. Now one line that names the checkpoint, the reason and the free space; the
+    temporary file is removed and the checkpoint written before is kept."""
+    from spd_lightning.errors import UserError
+    from spd_lightning.training import checkpoint_io
+    from spd_lightning.training.checkpoint_io import AtomicCheckpointIO
+
+    path = tmp_path / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"step": 1}, path)
+
+    def full_disk(obj, f):
+        f.write(b"PK" * 100)
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(checkpoint_io.torch, "save", full_disk)
+    with pytest.raises(UserError, match=r"cannot write checkpoint .*last\.ckpt.* unexpected pos 704 vs 598.* free"):
+        AtomicCheckpointIO().save_checkpoint({"step": 2}, path)
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == ["last.ckpt"] and torch.load(path, weights_only=True) == {"step": 1}

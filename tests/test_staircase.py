@@ -177,6 +177,32 @@ def test_bad_callback_settings_fail_with_one_line():
         StaircaseEvaluation(num_prompts=0)
 
 
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        ({"prompts": "{root}/none.jsonl"}, "does not exist"),
+        ({"prompts": "null", "__val_size": "0"}, "no held-out prompt"),
+    ],
+    ids=["missing_prompts_file", "no_validation_split"],
+)
+def test_unreadable_prompts_stop_the_run_before_its_first_step(micro_target, tmp_path, monkeypatch, extra, expected):
+    """A prompts file that does not exist, or no held-out conversation to take prompts from, is one line when the
+    run starts: it used to surface at the first evaluation, `every_n_steps` into the run, dropping the steps trained
+    since the last checkpoint."""
+    from spd_lightning.errors import UserError
+    from spd_lightning.training.module import SPDModule
+
+    steps = []
+    step = SPDModule.training_step
+    monkeypatch.setattr(SPDModule, "training_step", lambda self, *a: steps.append(1) or step(self, *a))
+    settings = {k: v.format(root=tmp_path) for k, v in extra.items() if not k.startswith("__")}
+    val_size = ["--data.val_size", extra["__val_size"]] if "__val_size" in extra else []
+    args = fit_args(micro_target, tmp_path, "--trainer.max_steps", "2", *val_size, *callback_args(1, **settings))
+    with pytest.raises(UserError, match=expected):
+        cli.run_cli(["fit", *args])
+    assert steps == []
+
+
 @pytest.mark.slow  # fast: test_cli.py's test_ddp_two_cpu_processes logs one evaluation over 2 DDP processes
 @pytest.mark.timeout(240)
 def test_ddp_fit_with_the_callback_logs_once_per_evaluation(micro_target, tmp_path):

@@ -276,6 +276,29 @@ def test_a_cache_that_does_not_fit_the_run_is_one_line(chats, states, capsys, tm
     assert expected in errors[0], err
 
 
+@pytest.mark.parametrize("size", ["0", "-1"])
+def test_a_states_batch_size_below_one_is_one_line(chats, capsys, tmp_path, size):
+    """`--states-batch-size -1` ran no forward (`range(0, N, -1)` is empty), wrote empty shards and marked the cache
+    complete, so every rerun kept it; 0 silently took `data.batch_size`. Both are one line now, nothing written."""
+    directory = tmp_path / "states"
+    args = config_args(chats, "--states", str(directory), "--states-batch-size", size)
+    code, err = run_main(["prepare", *args], capsys)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and f"--states-batch-size={size}" in errors[0], err
+    assert not directory.exists()
+
+
+@pytest.mark.parametrize("under", ["", "states"], ids=["a_file", "under_a_file"])
+def test_a_states_dir_that_cannot_be_made_is_one_line(chats, capsys, tmp_path, under):
+    """`--states` naming a file, or a path under one, was an unexpected FileExistsError / NotADirectoryError."""
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    directory = str(taken / under if under else taken)
+    code, err = run_main(["prepare", *config_args(chats, "--states", directory)], capsys)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and f"cannot write the state cache {directory!r}" in errors[0], err
+
+
 def test_fit_from_the_cache_trains_without_the_target(chats, states, tmp_path, monkeypatch):
     """Training and validation read the cache; only the staircase evaluation at the end loads the target."""
     loads = []

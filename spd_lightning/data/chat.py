@@ -85,7 +85,10 @@ def render_prompt(tokenizer: Any, prompt: str) -> list[int]:
     """Token ids of one user turn, ready for the assistant's answer; a tokenizer without a chat template encodes the
     raw text (with its special tokens)."""
     if getattr(tokenizer, "chat_template", None):
-        text = render_chat(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)
+        try:
+            text = render_chat(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)
+        except TemplateError as e:  # the template's raise_exception, e.g. Qwen3's for a lone tool response
+            raise DataError(f"the chat template refuses the prompt {prompt[:40]!r}: {first_line(e)}") from e
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
         ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
@@ -243,9 +246,13 @@ class ChatRenderer:
             rendered = self.encode(messages, text, encodings["input_ids"][i], encodings["offset_mapping"][i])
             if isinstance(normalized[i], BadRecord):
                 rendered.status = BAD_RECORD + normalized[i].reason
+            prompt = first_user_turn(messages) if rendered.status == OK else []
+            try:
+                prompt_text = self.render_text(prompt, add_generation_prompt=True) if prompt else ""
+            except TemplateError:  # the first turn alone (the held-out prompt) refused: Qwen3's tool-response scan
+                rendered, prompt_text = RenderedChat([], [], TEMPLATE_REJECTED), ""
             out["input_ids"].append(rendered.input_ids)
             out["loss_mask"].append(rendered.loss_mask)
             out["status"].append(rendered.status)
-            prompt = first_user_turn(messages) if rendered.status == OK else []
-            out["prompt"].append(self.render_text(prompt, add_generation_prompt=True) if prompt else "")
+            out["prompt"].append(prompt_text)
         return out

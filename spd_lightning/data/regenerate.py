@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from jinja2 import TemplateError
 from tqdm.auto import tqdm
 
 from .chat import render_chat
@@ -67,10 +68,20 @@ def first_turns(sources: list[DataSource], raw_cache_dir: str, limit: int | None
 
 def fitting_prompts(tokenizer: Any, prompts: list[list[dict[str, str]]], gen: Generation) -> list:
     """The prompts whose rendered length is at most `max_prompt_tokens` (a clipped prompt would pair an answer
-    with a question the target never saw)."""
-    texts = [render_chat(tokenizer, turn, add_generation_prompt=True) for turn in prompts]
-    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
-    return [turn for turn, length in zip(prompts, lengths) if length <= gen.max_prompt_tokens]
+    with a question the target never saw) and that the chat template renders (Qwen3's refuses a lone tool
+    response: training drops such a conversation too)."""
+    rendered = [(turn, _rendered_or_none(tokenizer, turn)) for turn in prompts]
+    rendered = [(turn, text) for turn, text in rendered if text is not None]
+    texts = [text for _, text in rendered]
+    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
+    return [turn for (turn, _), length in zip(rendered, lengths) if length <= gen.max_prompt_tokens]
+
+
+def _rendered_or_none(tokenizer: Any, turn: list[dict[str, str]]) -> str | None:
+    try:
+        return render_chat(tokenizer, turn, add_generation_prompt=True)
+    except TemplateError:  # the template's raise_exception
+        return None
 
 
 def complete_records(path: str) -> int:

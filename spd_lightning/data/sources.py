@@ -132,6 +132,11 @@ def _load_file(source: DataSource, raw_cache_dir: str) -> datasets.Dataset:
             f"cannot read {source.path!r} as {builder} ({type(cause).__name__}: "
             f"{first_line(cause)[:160]}); fix the file or convert it to jsonl/parquet"
         ) from e
+    except StopIteration as e:  # `datasets` infers the columns from the first record and finds none
+        raise DataError(
+            f"data file {source.path!r} holds no record: give it chats (ShareGPT `conversations` or `messages`) or "
+            f"drop it from data.sources"
+        ) from e
 
 
 def _load_hub_or_directory(source: DataSource) -> datasets.Dataset:

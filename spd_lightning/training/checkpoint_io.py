@@ -8,14 +8,17 @@ truncated checkpoint. Nothing is fsynced either. It also stages the whole checkp
 small `/tmp` may not hold.
 
 `AtomicCheckpointIO` writes local checkpoints to a temporary file in the checkpoint's own directory, fsyncs it,
-renames it over the destination and fsyncs the directory. Remote paths (s3://, gs://, ...) keep Lightning's
-write. The temporary name ends in `.tmp`, so Lightning's `ckpt_path="last"` never picks one a kill left behind.
+renames it over the destination and fsyncs the directory; a write that fails (a full disk) is one line naming the
+path, the reason and the free space, the checkpoint there before untouched. Remote paths (s3://, gs://, ...) keep
+Lightning's write. The temporary name ends in `.tmp`, so Lightning's `ckpt_path="last"` never picks one a kill left
+behind.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import uuid
 from typing import Any
 
@@ -23,6 +26,8 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from ..errors import ConfigError, first_line
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -39,10 +44,18 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-        except BaseException:
+        except BaseException as e:
+            free = shutil.disk_usage(directory).free if isinstance(e, (OSError, RuntimeError)) else None
             with contextlib.suppress(OSError):
                 os.remove(tmp)
-            raise
+            if free is None:
+                raise
+            # A full disk reaches us as torch's RuntimeError "[enforce fail at inline_container.cc] unexpected pos".
+            raise ConfigError(
+                f"cannot write checkpoint {path!r} ({type(e).__name__}: {first_line(e)[:120]}; {free / 2**20:.1f} "
+                f"MiB free on its disk): the checkpoints written before are kept; free space or set "
+                f"checkpoint.dirpath, then resume with --ckpt_path last"
+            ) from e
         with contextlib.suppress(OSError):  # make the rename itself durable (not possible on every filesystem)
             fd = os.open(directory, os.O_RDONLY)
             try:

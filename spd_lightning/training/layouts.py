@@ -62,9 +62,9 @@ def _fill_probabilities(full_prob: float, probs: tuple[float, ...] | None, n: in
     """`FillDistribution.probabilities`, cached: a step draws from it without making a tensor from Python data."""
     if probs is not None:
         p = torch.tensor([float(x) for x in probs], dtype=torch.float64)
-        if p.numel() != n or (p < 0).any() or p.sum() <= 0:
+        if p.numel() != n or (p < 0).any() or not (0 < p.sum() < float("inf")):  # NaN fails the comparison too
             raise ConfigError(
-                f"fill_probs={list(probs)} must be {n} non-negative weights for a = 1..n={n} with a positive sum"
+                f"fill_probs={list(probs)} must be {n} non-negative finite weights for a = 1..n={n} with a positive sum"
             )
         return p / p.sum()
     if not 0.0 <= full_prob <= 1.0:

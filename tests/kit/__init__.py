@@ -52,6 +52,7 @@ from .serving import (
 )
 from .stats import chisquare_pvalues, exact_distributions, merged_chisquare, pooling, random_dist
 from .targets import (
+    QWEN3_NO_USER_QUERY,
     TINY_VOCAB,
     hf_logits,
     make_tiny_model,
@@ -75,6 +76,7 @@ from .training import (
 )
 
 __all__ = [
+    "QWEN3_NO_USER_QUERY",
     "ANCHOR_BATCH",
     "ANCHOR_HIDDEN",
     "ANCHOR_VOCAB",

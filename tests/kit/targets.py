@@ -14,6 +14,16 @@ CHAT_TEMPLATE = (
 )
 
 
+# The head of Qwen3's chat template: its scan for the last real user query, and its refusal when every user
+# turn is a tool response (prepend it to a template to refuse such conversations as a real Qwen3 target does)
+QWEN3_NO_USER_QUERY = (
+    "{%- set ns = namespace(multi_step_tool=true) %}{%- for m in messages[::-1] %}"
+    "{%- if ns.multi_step_tool and m.role == 'user' and not (m.content.startswith('<tool_response>') "
+    "and m.content.endswith('</tool_response>')) %}{%- set ns.multi_step_tool = false %}{%- endif %}{%- endfor %}"
+    "{%- if ns.multi_step_tool %}{{- raise_exception('No user query found in messages.') }}{%- endif %}"
+)
+
+
 def make_tiny_model(arch: str, num_layers: int = 4, vocab_size: int = TINY_VOCAB, hidden_size: int = 32, seed: int = 0):
     """A random-init tiny causal LM of a supported family (qwen3_5 is hybrid linear + full attention)."""
     from transformers import (
