@@ -37,9 +37,8 @@ class TextStream:
                 (k for k in range(before + 1, len(self.tokens)) if self._stop_at(self._decode(k)) >= 0),
                 len(self.tokens),
             )
-        elif full.endswith("\ufffd"):
-            full = full[:-1]
-        else:  # hold back a tail that may be the start of a stop string
+        else:  # hold back an unfinished last character, and a tail that may be the start of a stop string
+            full = full.removesuffix("\ufffd")
             full = full[: len(full) - self._held_back(full)]
         if not full.startswith(self.text):  # a later token changed earlier text: emit nothing older again
             return ""

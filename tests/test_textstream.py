@@ -71,3 +71,17 @@ def test_used_tokens_end_at_the_token_that_completed_the_stop_string():
     plain = TextStream(Chars())
     plain.feed(ids("abc"))
     assert plain.used_tokens == 3
+
+
+def test_a_stop_string_whose_next_character_is_still_partial_is_held_back():
+    """ "问" may begin the stop string "问题" even while the bytes after it are an unfinished character: it waits
+    (it was emitted, and the answer kept half a stop string, when a token ended inside "题")."""
+    stream = TextStream(Utf8Bytes(), stop=["问题"])
+    second = list("题".encode())
+    assert stream.feed(list("x问".encode()) + second[:1]) == "x"
+    assert stream.feed(second[1:]) == "" and stream.stopped
+    assert stream.text == "x" and stream.finish() == ""
+    plain = TextStream(Utf8Bytes(), stop=["问题"])
+    assert plain.feed(list("x问".encode()) + second[:1]) == "x"
+    assert plain.feed(list("好".encode())) == "问\ufffd好"  # half of "题" then "好": not the stop string
+    assert plain.finish() == "" and not plain.stopped
