@@ -360,3 +360,18 @@ def test_a_conversation_the_chat_template_refuses_is_a_400_and_the_server_keeps_
         assert error["message"] == "the prompt cannot be tokenized: Start with a user turn."
         assert error["param"] == "messages"
         assert chat("user").status_code == 200
+
+
+def test_a_model_name_with_a_slash_is_retrieved_by_its_name():
+    """`--model-name Qwen/Qwen3-8B` (a hub id, as clients name models): `client.models.retrieve` asks for
+    /v1/models/Qwen/Qwen3-8B, which the route's one path segment answered with a 404 for a model it lists."""
+    import openai
+
+    engine = Engine(lambda: SlowBackend(), Letters(), "ar", queue_size=1)
+    with served(build_app(engine, ServerConfig("org/fake", 100, 10, 200))) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=30, max_retries=0)
+        assert client.models.retrieve("org/fake").id == "org/fake"
+        assert httpx.get(f"{url}/v1/models/org%2Ffake").json()["id"] == "org/fake"
+        other = httpx.get(f"{url}/v1/models/org/other")
+        assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
+        assert client.completions.create(model="org/fake", prompt="ab", max_tokens=2).choices[0].text == "ab"

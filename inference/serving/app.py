@@ -243,7 +243,8 @@ def _add_info_routes(app: FastAPI, engine: Engine, config: ServerConfig) -> None
     async def list_models():
         return {"object": "list", "data": [model]}
 
-    @app.get("/v1/models/{name}", response_model=models.Model, responses=_errors(config, 401, 404))
+    # `:path`: a model id may hold slashes (`--model-name Qwen/Qwen3-8B`), which clients send unescaped
+    @app.get("/v1/models/{name:path}", response_model=models.Model, responses=_errors(config, 401, 404))
     async def one_model(name: str):
         if name != config.model:
             raise unknown_model(name, config.model)
