@@ -130,6 +130,8 @@ def test_latency_histograms_in_metrics(server):
         ("post", "/v1/completions", {"model": "fake", "prompt": "a" * (1 << 20)}, 413),
         ("post", "/v1/completions", '{"model": "fake", "prompt": "ab", "temperature": Infinity}', 400),
         ("post", "/v1/completions", '{"model": "fake", "prompt": "a\\ud800"}', 400),
+        ("post", "/v1/completions", '{"model": "fake", "prompt": "ab", "seed": 1' + "0" * 5000 + "}", 400),
+        ("post", "/v1/completions", '{"model": "fake", "prompt": "ab", "x": [-' + "9" * 5000 + "]}", 400),
     ],
     ids=[
         "no-path",
@@ -143,6 +145,8 @@ def test_latency_histograms_in_metrics(server):
         "huge-body",
         "inf",
         "surrogate",
+        "seed-of-5001-digits",  # over Python's int limit: json.loads raised a bare ValueError (a 500)
+        "ignored-field-of-5000-digits",
     ],
 )
 def test_errors_have_the_openai_shape(server, method, path, body, status):
