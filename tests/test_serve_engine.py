@@ -379,3 +379,37 @@ def test_a_model_name_with_a_slash_is_retrieved_by_its_name():
         other = httpx.get(f"{url}/v1/models/org/other")
         assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
         assert client.completions.create(model="org/fake", prompt="ab", max_tokens=2).choices[0].text == "ab"
+
+
+def test_a_client_gone_while_sending_its_body_is_a_499_not_an_error_with_a_traceback():
+    """The disconnect comes while the body is read: starlette's `ClientDisconnect` escaped the handler, and
+    uvicorn logged `Exception in ASGI application` with a traceback (and a 500) for an ordinary disconnect."""
+    import asyncio
+
+    app = build_app(Engine(lambda: SlowBackend(), Letters(), "ar", queue_size=1), ServerConfig("fake", 100, 10, 200))
+    path = "/v1/completions"
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", b"1000")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+    incoming = [{"type": "http.request", "body": b'{"model": ', "more_body": True}, {"type": "http.disconnect"}]
+    sent = []
+
+    async def receive():
+        return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499

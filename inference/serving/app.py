@@ -23,6 +23,7 @@ from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from inference.serving import api_models as models
 from inference.serving.engine import Engine, Generation, QueueFull
@@ -259,11 +260,14 @@ async def _body(http: HttpRequest, limit: int) -> bytes:
     if declared.isdigit() and int(declared) > limit:
         raise too_large
     chunks, size = [], 0
-    async for chunk in http.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
+    try:
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone before its body ended: answered as any disconnect, not a 500 and a traceback
+        raise ApiError(499, "the client disconnected") from None
     return b"".join(chunks)
 
 
