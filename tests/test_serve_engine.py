@@ -413,3 +413,26 @@ def test_a_client_gone_while_sending_its_body_is_a_499_not_an_error_with_a_trace
 
     asyncio.run(app(scope, receive, send))
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+
+
+def test_a_request_abandoned_while_queued_frees_its_place_at_once(server):
+    """Its client gone, a queued request holds no place in the queue: the next client is queued, not a 429
+    for as long as the decode ahead of it runs (an `openai` client that times out while queued retries)."""
+    url, engine, _ = server  # queue_size 1
+    results = {}
+    running = threading.Thread(target=_complete, args=(url, "abc", 60, results))
+    running.start()
+    while engine.queue_depth < 1:
+        time.sleep(0.01)
+    body = {"model": "fake", "prompt": "xy", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as queued:
+        assert queued.status_code == 200 and engine.queue_depth == 2
+    deadline = time.monotonic() + 1  # the decode ahead runs 3 s
+    while engine.queue_depth > 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.queue_depth == 1 and running.is_alive()
+    waiting = threading.Thread(target=_complete, args=(url, "q", 2, results))
+    waiting.start()
+    waiting.join(30), running.join(30)
+    assert results["q"].status_code == 200 and results["q"].json()["choices"][0]["text"] == "qq"
+    assert engine.metrics.requests == {"ok": 2, "cancelled": 1}
