@@ -376,6 +376,8 @@ def test_a_model_name_with_a_slash_is_retrieved_by_its_name():
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=30, max_retries=0)
         assert client.models.retrieve("org/fake").id == "org/fake"
         assert httpx.get(f"{url}/v1/models/org%2Ffake").json()["id"] == "org/fake"
+        assert httpx.get(f"{url}/v1/models/org/fake/", follow_redirects=True).json()["id"] == "org/fake"
+        assert httpx.get(f"{url}/v1/models/", follow_redirects=True).json()["object"] == "list"
         other = httpx.get(f"{url}/v1/models/org/other")
         assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
         assert client.completions.create(model="org/fake", prompt="ab", max_tokens=2).choices[0].text == "ab"

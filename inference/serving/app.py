@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.convertors import Convertor, register_url_convertor
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
@@ -32,6 +33,22 @@ from inference.serving.logs import completion_id
 
 log = logging.getLogger("inference.serve")
 MAX_RETRY_AFTER_S = 60
+
+
+class ModelId(Convertor):
+    """A model id in a path: it may hold slashes (`--model-name Qwen/Qwen3-8B`, which clients send unescaped),
+    but no empty segment, so that a trailing slash still redirects as on any route."""
+
+    regex = "[^/]+(?:/[^/]+)*"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("model_id", ModelId())
 
 
 @dataclass
@@ -244,8 +261,7 @@ def _add_info_routes(app: FastAPI, engine: Engine, config: ServerConfig) -> None
     async def list_models():
         return {"object": "list", "data": [model]}
 
-    # `:path`: a model id may hold slashes (`--model-name Qwen/Qwen3-8B`), which clients send unescaped
-    @app.get("/v1/models/{name:path}", response_model=models.Model, responses=_errors(config, 401, 404))
+    @app.get("/v1/models/{name:model_id}", response_model=models.Model, responses=_errors(config, 401, 404))
     async def one_model(name: str):
         if name != config.model:
             raise unknown_model(name, config.model)
