@@ -85,3 +85,21 @@ def test_a_stop_string_whose_next_character_is_still_partial_is_held_back():
     assert plain.feed(list("x问".encode()) + second[:1]) == "x"
     assert plain.feed(list("好".encode())) == "问\ufffd好"  # half of "题" then "好": not the stop string
     assert plain.finish() == "" and not plain.stopped
+
+
+def test_a_character_split_over_byte_fallback_tokens_waits_for_its_last_byte():
+    """SentencePiece's byte fallback (Llama-2, Mistral, Gemma) decodes each byte of an unfinished character
+    to its own U+FFFD: all of them wait. One was emitted, and as the finished character replaced it the
+    text no longer began with what was emitted, so nothing more came, the rest of the answer lost."""
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {"<unk>": 0, "a": 1, "b": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    tokenizer = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    tokenizer.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    zhong = [vocab[f"<0x{b:02X}>"] for b in "中".encode()]
+    stream = TextStream(tokenizer)
+    assert stream.feed([vocab["a"], zhong[0]]) == "a"
+    assert stream.feed(zhong[1:2]) == ""  # "a\ufffd\ufffd" until the third byte
+    assert stream.feed(zhong[2:]) == "中"
+    assert stream.feed([vocab["b"]]) == "b"
+    assert stream.finish() == "" and stream.text == "a中b"
