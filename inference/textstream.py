@@ -1,7 +1,8 @@
 """Text as tokens are verified: the new text each token adds, for `decode --stream` and the server.
 
-A token may end inside a multi-byte character (byte-level BPE), so each step decodes the whole output so
-far and emits only what is new and complete: a trailing replacement character waits for the next token.
+A token may end inside a multi-byte character (byte-level BPE, or SentencePiece's byte fallback), so each step
+decodes the whole output so far and emits only what is new and complete: trailing replacement characters
+(one, or one per byte of the unfinished character) wait for the next token.
 Stop strings are cut here too, so that no part of a stop string is ever emitted.
 """
 
@@ -37,9 +38,8 @@ class TextStream:
                 (k for k in range(before + 1, len(self.tokens)) if self._stop_at(self._decode(k)) >= 0),
                 len(self.tokens),
             )
-        elif full.endswith("\ufffd"):
-            full = full[:-1]
-        else:  # hold back a tail that may be the start of a stop string
+        else:  # hold back an unfinished last character and a tail that may be the start of a stop string
+            full = full.rstrip("\ufffd")  # one U+FFFD, or one per byte of it with a byte fallback
             full = full[: len(full) - self._held_back(full)]
         if not full.startswith(self.text):  # a later token changed earlier text: emit nothing older again
             return ""

@@ -130,6 +130,8 @@ def test_latency_histograms_in_metrics(server):
         ("post", "/v1/completions", {"model": "fake", "prompt": "a" * (1 << 20)}, 413),
         ("post", "/v1/completions", '{"model": "fake", "prompt": "ab", "temperature": Infinity}', 400),
         ("post", "/v1/completions", '{"model": "fake", "prompt": "a\\ud800"}', 400),
+        ("post", "/v1/completions", '{"model": "fake", "prompt": "ab", "seed": 1' + "0" * 5000 + "}", 400),
+        ("post", "/v1/completions", '{"model": "fake", "prompt": "ab", "x": [-' + "9" * 5000 + "]}", 400),
     ],
     ids=[
         "no-path",
@@ -143,6 +145,8 @@ def test_latency_histograms_in_metrics(server):
         "huge-body",
         "inf",
         "surrogate",
+        "seed-of-5001-digits",  # over Python's int limit: json.loads raised a bare ValueError (a 500)
+        "ignored-field-of-5000-digits",
     ],
 )
 def test_errors_have_the_openai_shape(server, method, path, body, status):
@@ -360,3 +364,77 @@ def test_a_conversation_the_chat_template_refuses_is_a_400_and_the_server_keeps_
         assert error["message"] == "the prompt cannot be tokenized: Start with a user turn."
         assert error["param"] == "messages"
         assert chat("user").status_code == 200
+
+
+def test_a_model_name_with_a_slash_is_retrieved_by_its_name():
+    """`--model-name Qwen/Qwen3-8B` (a hub id, as clients name models): `client.models.retrieve` asks for
+    /v1/models/Qwen/Qwen3-8B, which the route's one path segment answered with a 404 for a model it lists."""
+    import openai
+
+    engine = Engine(lambda: SlowBackend(), Letters(), "ar", queue_size=1)
+    with served(build_app(engine, ServerConfig("org/fake", 100, 10, 200))) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=30, max_retries=0)
+        assert client.models.retrieve("org/fake").id == "org/fake"
+        assert httpx.get(f"{url}/v1/models/org%2Ffake").json()["id"] == "org/fake"
+        assert httpx.get(f"{url}/v1/models/org/fake/", follow_redirects=True).json()["id"] == "org/fake"
+        assert httpx.get(f"{url}/v1/models/", follow_redirects=True).json()["object"] == "list"
+        other = httpx.get(f"{url}/v1/models/org/other")
+        assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
+        assert client.completions.create(model="org/fake", prompt="ab", max_tokens=2).choices[0].text == "ab"
+
+
+def test_a_client_gone_while_sending_its_body_is_a_499_not_an_error_with_a_traceback():
+    """The disconnect comes while the body is read: starlette's `ClientDisconnect` escaped the handler, and
+    uvicorn logged `Exception in ASGI application` with a traceback (and a 500) for an ordinary disconnect."""
+    import asyncio
+
+    app = build_app(Engine(lambda: SlowBackend(), Letters(), "ar", queue_size=1), ServerConfig("fake", 100, 10, 200))
+    path = "/v1/completions"
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", b"1000")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+    incoming = [{"type": "http.request", "body": b'{"model": ', "more_body": True}, {"type": "http.disconnect"}]
+    sent = []
+
+    async def receive():
+        return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+
+
+def test_a_request_abandoned_while_queued_frees_its_place_at_once(server):
+    """Its client gone, a queued request holds no place in the queue: the next client is queued, not a 429
+    for as long as the decode ahead of it runs (an `openai` client that times out while queued retries)."""
+    url, engine, _ = server  # queue_size 1
+    results = {}
+    running = threading.Thread(target=_complete, args=(url, "abc", 60, results))
+    running.start()
+    while engine.queue_depth < 1:
+        time.sleep(0.01)
+    body = {"model": "fake", "prompt": "xy", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as queued:
+        assert queued.status_code == 200 and engine.queue_depth == 2
+    deadline = time.monotonic() + 1  # the decode ahead runs 3 s
+    while engine.queue_depth > 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.queue_depth == 1 and running.is_alive()
+    waiting = threading.Thread(target=_complete, args=(url, "q", 2, results))
+    waiting.start()
+    waiting.join(30), running.join(30)
+    assert results["q"].status_code == 200 and results["q"].json()["choices"][0]["text"] == "qq"
+    assert engine.metrics.requests == {"ok": 2, "cancelled": 1}

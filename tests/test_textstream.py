@@ -71,3 +71,35 @@ def test_used_tokens_end_at_the_token_that_completed_the_stop_string():
     plain = TextStream(Chars())
     plain.feed(ids("abc"))
     assert plain.used_tokens == 3
+
+
+def test_a_stop_string_whose_next_character_is_still_partial_is_held_back():
+    """ "问" may begin the stop string "问题" even while the bytes after it are an unfinished character: it waits
+    (it was emitted, and the answer kept half a stop string, when a token ended inside "题")."""
+    stream = TextStream(Utf8Bytes(), stop=["问题"])
+    second = list("题".encode())
+    assert stream.feed(list("x问".encode()) + second[:1]) == "x"
+    assert stream.feed(second[1:]) == "" and stream.stopped
+    assert stream.text == "x" and stream.finish() == ""
+    plain = TextStream(Utf8Bytes(), stop=["问题"])
+    assert plain.feed(list("x问".encode()) + second[:1]) == "x"
+    assert plain.feed(list("好".encode())) == "问\ufffd好"  # half of "题" then "好": not the stop string
+    assert plain.finish() == "" and not plain.stopped
+
+
+def test_a_character_split_over_byte_fallback_tokens_waits_for_its_last_byte():
+    """SentencePiece's byte fallback (Llama-2, Mistral, Gemma) decodes each byte of an unfinished character
+    to its own U+FFFD: all of them wait. One was emitted, and as the finished character replaced it the
+    text no longer began with what was emitted, so nothing more came, the rest of the answer lost."""
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {"<unk>": 0, "a": 1, "b": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    tokenizer = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    tokenizer.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    zhong = [vocab[f"<0x{b:02X}>"] for b in "中".encode()]
+    stream = TextStream(tokenizer)
+    assert stream.feed([vocab["a"], zhong[0]]) == "a"
+    assert stream.feed(zhong[1:2]) == ""  # "a\ufffd\ufffd" until the third byte
+    assert stream.feed(zhong[2:]) == "中"
+    assert stream.feed([vocab["b"]]) == "b"
+    assert stream.finish() == "" and stream.text == "a中b"

@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.convertors import Convertor, register_url_convertor
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from inference.serving import api_models as models
 from inference.serving.engine import Engine, Generation, QueueFull
@@ -31,6 +33,22 @@ from inference.serving.logs import completion_id
 
 log = logging.getLogger("inference.serve")
 MAX_RETRY_AFTER_S = 60
+
+
+class ModelId(Convertor):
+    """A model id in a path: it may hold slashes (`--model-name Qwen/Qwen3-8B`, which clients send unescaped),
+    but no empty segment, so that a trailing slash still redirects as on any route."""
+
+    regex = "[^/]+(?:/[^/]+)*"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("model_id", ModelId())
 
 
 @dataclass
@@ -243,7 +261,7 @@ def _add_info_routes(app: FastAPI, engine: Engine, config: ServerConfig) -> None
     async def list_models():
         return {"object": "list", "data": [model]}
 
-    @app.get("/v1/models/{name}", response_model=models.Model, responses=_errors(config, 401, 404))
+    @app.get("/v1/models/{name:model_id}", response_model=models.Model, responses=_errors(config, 401, 404))
     async def one_model(name: str):
         if name != config.model:
             raise unknown_model(name, config.model)
@@ -258,11 +276,14 @@ async def _body(http: HttpRequest, limit: int) -> bytes:
     if declared.isdigit() and int(declared) > limit:
         raise too_large
     chunks, size = [], 0
-    async for chunk in http.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
+    try:
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone before its body ended: answered as any disconnect, not a 500 and a traceback
+        raise ApiError(499, "the client disconnected") from None
     return b"".join(chunks)
 
 

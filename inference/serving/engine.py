@@ -140,7 +140,15 @@ class Engine:
                 self.metrics.count("rejected_queue_full")
                 raise QueueFull
             self._admitted.add(generation)
+        generation.on_cancel = lambda: self._withdraw(generation)  # until a worker takes it (`_run`)
         self._queue.put(generation)
+
+    def _withdraw(self, generation: Generation) -> None:
+        """Cancelled while it waits in the FIFO: its place is free at once, not when a worker reaches it (it
+        counts as cancelled then); its prompt is dropped, so that abandoned requests hold no memory meanwhile."""
+        with self._lock:
+            self._admitted.discard(generation)
+        generation.prompt_ids = []
 
     def close(self) -> None:
         """After the requests in progress; a second call does nothing."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -142,6 +143,12 @@ def parse(raw: bytes, schema: type[ChatRequest] | type[CompletionRequest]):
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {first_line(e)}", code="invalid_json") from None
+    except ValueError:  # the one other: an integer over Python's digit limit, in any field
+        digits = sys.get_int_max_str_digits()
+        message = (
+            f"the JSON body has an integer of more than {digits} digits; no field takes one: send a shorter number"
+        )
+        raise ApiError(400, message, code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, not {type(data).__name__}", code="invalid_json")
     _check_unicode(data, "")
