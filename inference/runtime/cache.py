@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from transformers import StaticCache
 from transformers.cache_utils import LinearAttentionLayer, StaticLayer
 
-from inference.runtime.hf_compat import LegacyStateReads
+from inference.runtime.hf_compat import LegacyStateReads, NoPastRecording
 from inference.runtime.slot_rows import DeviceInts, leading, mark_static
 from spd_lightning.errors import UserError
 
@@ -38,7 +38,7 @@ def round_capacity(positions: int) -> int:
     return max(CAPACITY_STEP, 1 << max(0, positions - 1).bit_length())
 
 
-class StageCache(LegacyStateReads):
+class StageCache(NoPastRecording, LegacyStateReads):
     def __init__(self, config, layer_indices: range, window: int, slots: int, device: torch.device):
         self.window, self.slots = window, slots
         kinds = StaticCache(config=config, max_cache_len=1).layers  # which layers are attention / linear
@@ -149,9 +149,6 @@ class StageCache(LegacyStateReads):
     def get_recurrent_state(self, layer_idx, state_idx=0):
         return leading(self.recurrent[layer_idx], self.rows)
 
-    def is_recording_past(self, layer_idx) -> bool:
-        return False
-
     def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, **kwargs):
         return leading(self.recurrent[layer_idx], self.rows).copy_(recurrent_states)
 
@@ -172,7 +169,7 @@ class StageCache(LegacyStateReads):
             mark_static(store[i], ring[i])
 
 
-class RowView(LegacyStateReads):
+class RowView(NoPastRecording, LegacyStateReads):
     """Slot `slot`'s rows of a `StageCache` as the HF cache of a forward over that slot alone from position `start`:
     its prefill (`start` 0, the whole prompt from zero states), or a block on top of what it holds (the chain
     decoder's verify forward, which runs linear-attention layers one token at a time)."""
@@ -193,9 +190,6 @@ class RowView(LegacyStateReads):
 
     def get_recurrent_state(self, layer_idx, state_idx=0):
         return self.cache.recurrent[layer_idx][self.slot : self.slot + 1] if self.start else None
-
-    def is_recording_past(self, layer_idx) -> bool:
-        return False
 
     def update_conv_state(self, conv_states, layer_idx, state_idx=0, conv_kernel_size=None, **kwargs):
         """As HF's `LinearAttentionLayer`: keep the last `conv_kernel_size` inputs (zero-padded on the left) and

@@ -1,8 +1,9 @@
 """The one place that knows how transformers' decoder-layer cache API differs between the supported releases
 (transformers >= 5.15, `spd_lightning.environment.versions`): the keyword a layer takes its cache by
-(`cache_kwargs`), the Gated DeltaNet state reads of releases before 5.23 (`LegacyStateReads`) and the positions a
-multimodal rotary embedding takes (`rotary_positions`), each decided by what the installed code offers, never by a
-version string (docs/DESIGN.md, "Supported versions": "One adapter, chosen by feature").
+(`cache_kwargs`), the Gated DeltaNet state reads of releases before 5.23 (`LegacyStateReads`), the past-recording
+questions of 5.25 (`NoPastRecording`) and the positions a multimodal rotary embedding takes (`rotary_positions`),
+each decided by what the installed code offers, never by a version string (docs/DESIGN.md, "Supported versions":
+"One adapter, chosen by feature").
 """
 
 from __future__ import annotations
@@ -42,6 +43,22 @@ def rotary_positions(rotary_emb: nn.Module, positions: torch.Tensor) -> torch.Te
     """The position ids to call `rotary_emb` with for text positions `positions` `[B, S]`: the same positions on
     each of the three mRoPE axes for a multimodal rotary embedding (what its model does for text), else as given."""
     return positions[None].expand(3, -1, -1) if hasattr(rotary_emb, "mrope_section") else positions
+
+
+class NoPastRecording:
+    """A Gated DeltaNet cache that never records past states: ours roll back by their own snapshot ring
+    (docs/DESIGN.md, "One cycle over B slots"). From 5.23 a layer asks `is_recording_past`; from 5.25 it also asks
+    how many intermediate recurrent states to return (`get_recurrent_states_to_keep`: 0, the final state alone) and
+    reports a one-token conv update it made in place (`increase_count`: our caches count positions themselves)."""
+
+    def is_recording_past(self, layer_idx) -> bool:
+        return False
+
+    def get_recurrent_states_to_keep(self, layer_idx=None) -> int:
+        return 0
+
+    def increase_count(self, layer_idx, state_idx=0) -> None:
+        pass
 
 
 class LegacyStateReads:
