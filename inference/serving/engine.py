@@ -4,8 +4,9 @@ Each client request becomes a `Generation`: its prompt and settings, and the cha
 `max_batch` 1 the engine runs one decode at a time on one worker thread; requests wait in a FIFO of
 `queue_size` (`QueueFull` beyond it, HTTP 429). A batched backend (`max_batch` B > 1: `--max-batch`) decodes
 B requests at once in B slots and keeps its own FIFO, which feeds the slots at step boundaries
-(`slot_feed`): the engine then has a worker thread for every request it admits (B + `queue_size`), each
-handing its request over at once and following it. Each worker feeds its request's verified tokens, as the
+(`slot_feed`; a request cancelled while it waits there is withdrawn at once, `SlotBackend.cancel`): the
+engine then has a worker thread for every request it admits (B + `queue_size`), each handing its request
+over at once and following it. Each worker feeds its request's verified tokens, as the
 decoder delivers them, through a `TextStream` (stop strings) to the request's event queue on the server's
 event loop.
 
