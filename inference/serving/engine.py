@@ -121,7 +121,7 @@ class Engine:
             admitted = list(self._admitted)
         for generation in admitted:
             log.warning("%s: cutting %s after %d token(s)", message, generation.completion_id, generation.generated)
-            generation.emit("error", 503, message)
+            generation.emit("error", 503, message, "server_stopping")
             generation.cancel()
 
     @property
@@ -193,7 +193,7 @@ class Engine:
             backend = self.backend
         if backend is None:
             self._count("failed")
-            generation.emit("error", 503, "the pipeline is restarting after a failure; retry")
+            generation.emit("error", 503, "the pipeline is restarting after a failure; retry", "decoder_failed")
             return
         stream = TextStream(self.tokenizer, generation.stop)
         started = time.perf_counter()
@@ -265,7 +265,8 @@ class Engine:
         first = first_line(error)
         log.error("decode failed: %s; restarting the backend", first)
         self._count("failed")
-        generation.emit("error", 503, f"the decoder failed: {first}; the pipeline is being restarted, retry")
+        message = f"the decoder failed: {first}; the pipeline is being restarted, retry"
+        generation.emit("error", 503, message, "decoder_failed")
         with self._restarting:
             if self.backend is backend:
                 self._restart(first)
