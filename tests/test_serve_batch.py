@@ -33,7 +33,7 @@ pytestmark = pytest.mark.timeout(180)
 class Numbers:
     """Token i is the text "i,"; a prompt is its numbers."""
 
-    def decode(self, ids, skip_special_tokens=True):
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=None):
         return "".join(f"{i}," for i in ids)
 
     def __call__(self, text):
