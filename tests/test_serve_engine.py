@@ -190,6 +190,12 @@ def test_an_error_quotes_at_most_a_hundred_characters_of_what_the_client_sent(se
     assert short.json()["error"]["message"] == "model 'other' does not exist: this server serves 'fake'"
     short = httpx.post(f"{url}/v1/completions", json={"model": "fake", "prompt": "ab", "max_tokens": 0}, timeout=30)
     assert short.json()["error"]["message"] == "max_tokens=0 must be in [1, 100]"
+    newer = {"model": "fake", "prompt": "ab", "max_completion_tokens": 101}  # OpenAI's newer name: named as sent
+    error = httpx.post(f"{url}/v1/completions", json=newer, timeout=30).json()["error"]
+    assert (error["message"], error["param"]) == (
+        "max_completion_tokens=101 must be in [1, 100]",
+        "max_completion_tokens",
+    )
     assert engine.metrics.requests == {}
 
 

@@ -116,12 +116,12 @@ class Intake:
         limits = self.limits
         if body.model != limits.model:
             raise unknown_model(body.model, limits.model)
-        max_tokens = next(
-            (m for m in (body.max_completion_tokens, body.max_tokens) if m is not None), limits.default_max_tokens
-        )
+        fields = (("max_completion_tokens", body.max_completion_tokens), ("max_tokens", body.max_tokens))
+        sent = [(name, value) for name, value in fields if value is not None]  # the first sent wins
+        name, max_tokens = sent[0] if sent else ("max_tokens", limits.default_max_tokens)
         if not 1 <= max_tokens <= limits.max_tokens_cap:
-            message = f"max_tokens={shown(str(max_tokens))} must be in [1, {limits.max_tokens_cap}]"
-            raise ApiError(400, message, param="max_tokens")
+            message = f"{name}={shown(str(max_tokens))} must be in [1, {limits.max_tokens_cap}]"
+            raise ApiError(400, message, param=name)  # the field the client sent
         return max_tokens, Sampling(body.temperature, body.top_k, body.top_p)  # the schema bounds what it checks
 
     def _fits(self, texts: list[str], max_tokens: int) -> None:
