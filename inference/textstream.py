@@ -3,7 +3,10 @@
 A token may end inside a multi-byte character (byte-level BPE, or SentencePiece's byte fallback), so each step
 decodes the whole output so far and emits only what is new and complete: trailing replacement characters
 (one, or one per byte of the unfinished character) wait for the next token.
-Stop strings are cut here too, so that no part of a stop string is ever emitted.
+Stop strings are cut here too, so that no part of a stop string is ever emitted. The text is decoded without
+transformers' `clean_up_tokenization_spaces` (BERT's tokenizers set it): that cleanup rewrites text already
+sent once a later token comes ("it '" becomes "it'" when "s" follows), and the stream would have nothing
+newer to emit from then on.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ class TextStream:
     def feed(self, tokens: Sequence[int]) -> str:
         before = len(self.tokens)
         self.tokens.extend(tokens)
-        full = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        full = self._decode(len(self.tokens))
         cut = self._stop_at(full)
         if cut >= 0:
             full, self.stopped = full[:cut], True
@@ -50,13 +53,13 @@ class TextStream:
         """The rest of the text once the decode has ended (what `feed` held back)."""
         if self.stopped:
             return ""
-        full = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        full = self._decode(len(self.tokens))
         delta = full[len(self.text) :] if full.startswith(self.text) else ""
         self.text += delta
         return delta
 
     def _decode(self, count: int) -> str:
-        return self.tokenizer.decode(self.tokens[:count], skip_special_tokens=True)
+        return self.tokenizer.decode(self.tokens[:count], skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def _stop_at(self, text: str) -> int:
         """Where the first stop string in `text` begins (-1: none)."""

@@ -27,7 +27,7 @@ def test_streamed_text_is_the_final_text(drafter_dir, backend, capsys):
 class Chars:
     """A tokenizer whose token i is chr(i); 0xFFFD stands for half a character."""
 
-    def decode(self, ids, skip_special_tokens=True):
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=None):
         return "".join(chr(i) for i in ids)
 
 

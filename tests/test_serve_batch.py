@@ -33,7 +33,7 @@ pytestmark = pytest.mark.timeout(180)
 class Numbers:
     """Token i is the text "i,"; a prompt is its numbers."""
 
-    def decode(self, ids, skip_special_tokens=True):
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=None):
         return "".join(f"{i}," for i in ids)
 
     def __call__(self, text):
@@ -184,8 +184,8 @@ def test_twenty_clients_wait_for_a_slot_not_for_the_others_decodes(models, B):
         for t in threads:
             t.start()
 
-        def queued() -> bool:  # at B = 1 the engine holds them (one worker); batched, the backend's FIFO
-            return engine.queue_depth == 20 and (B == 1 or backend._queue.qsize() == 20)
+        def queued() -> bool:  # at B = 1 the engine holds them (one worker); batched, the backend
+            return engine.queue_depth == 20 and (B == 1 or len(backend._routes) == 20)
 
         deadline = time.monotonic() + 60
         while not queued() and time.monotonic() < deadline:
@@ -229,6 +229,40 @@ def test_a_cancelled_request_frees_its_slot_and_the_others_finish(models):
     order = [(kind, prompt) for kind, prompt, _ in schedule.events]
     assert order.index(("end", (6, 5))) < order.index(("join", (4, 4))) < order.index(("end", (9, 8, 7)))
     assert answers == {"long": reference(models, "9 8 7", 60), "waiting": reference(models, "4 4", 6)}
+
+
+def test_a_request_abandoned_while_it_waits_for_a_slot_frees_its_place_at_once(models):
+    """B = 2, a queue of 1, the decoder held at its first boundary: two requests take the slots' places and a
+    third waits for a slot. When its client goes, its place is free at once (a fourth client is queued, not
+    a 429), and it never joins a slot: the other three answer their batch-1 text."""
+    asks = {"a": dict(prompt="9 8 7", max_tokens=8), "b": dict(prompt="6 5", max_tokens=5)}
+    with serving(models, 2, queue_size=1, gated=True) as (url, engine, backend, schedule):
+        answers: dict = {}
+        threads = [
+            threading.Thread(target=complete, args=(url, {**a, "temperature": 0}, answers, k)) for k, a in asks.items()
+        ]
+        for t in threads:
+            t.start()
+        wait_for(lambda: engine.queue_depth == 2)
+        body = {"model": "spd", "prompt": "4 4", "max_tokens": 6, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30):
+            wait_for(lambda: len(backend._routes) == 3)  # handed to the backend, waiting for a slot
+        wait_for(lambda: engine.queue_depth == 2, timeout=10)
+        fourth = threading.Thread(
+            target=complete, args=(url, dict(prompt="3 1", max_tokens=4, temperature=0), answers, "d")
+        )
+        fourth.start()
+        wait_for(lambda: engine.queue_depth == 3)
+        backend.gate.set()
+        for t in [*threads, fourth]:
+            t.join(120)
+        wait_for(lambda: engine.metrics.requests.get("cancelled") == 1)
+    assert (4, 4) not in schedule.order("join")
+    assert answers == {
+        "a": reference(models, "9 8 7", 8),
+        "b": reference(models, "6 5", 5),
+        "d": reference(models, "3 1", 4),
+    }
 
 
 def wait_for(condition, timeout: float = 60) -> None:

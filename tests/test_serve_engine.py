@@ -159,6 +159,46 @@ def test_errors_have_the_openai_shape(server, method, path, body, status):
     assert engine.metrics.requests == {}  # nothing reached the decoder
 
 
+def test_an_error_quotes_at_most_a_hundred_characters_of_what_the_client_sent(server):
+    """A 10,000-character model name (in a body or a path), a max_tokens of 4,000 digits, a 10,000-character key
+    over a lone surrogate: each error quotes the value's start and an ellipsis, not the whole value; a normal
+    value is quoted whole."""
+    url, engine, _ = server
+    long = "m" * 10_000
+    replies = {
+        "model": httpx.post(f"{url}/v1/completions", json={"model": long, "prompt": "ab"}, timeout=30),
+        "path": httpx.get(f"{url}/v1/models/{long}", timeout=30),
+        "max_tokens": httpx.post(
+            f"{url}/v1/completions",
+            content='{"model": "fake", "prompt": "ab", "max_tokens": ' + "9" * 4000 + "}",
+            timeout=30,
+        ),
+        "key": httpx.post(
+            f"{url}/v1/completions",
+            content='{"model": "fake", "prompt": "ab", "x": {"' + long + '": "\\ud800"}}',
+            timeout=30,
+        ),
+    }
+    for name, reply in replies.items():
+        error = reply.json()["error"]
+        assert reply.status_code in (400, 404) and len(error["message"]) < 300, (name, len(error["message"]))
+        assert len(error["param"] or "") <= 101 and "…" in error["message"], name
+    assert (
+        replies["model"].json()["error"]["message"] == f"model '{'m' * 100}…' does not exist: this server serves 'fake'"
+    )
+    short = httpx.post(f"{url}/v1/completions", json={"model": "other", "prompt": "ab"}, timeout=30)
+    assert short.json()["error"]["message"] == "model 'other' does not exist: this server serves 'fake'"
+    short = httpx.post(f"{url}/v1/completions", json={"model": "fake", "prompt": "ab", "max_tokens": 0}, timeout=30)
+    assert short.json()["error"]["message"] == "max_tokens=0 must be in [1, 100]"
+    newer = {"model": "fake", "prompt": "ab", "max_completion_tokens": 101}  # OpenAI's newer name: named as sent
+    error = httpx.post(f"{url}/v1/completions", json=newer, timeout=30).json()["error"]
+    assert (error["message"], error["param"]) == (
+        "max_completion_tokens=101 must be in [1, 100]",
+        "max_completion_tokens",
+    )
+    assert engine.metrics.requests == {}
+
+
 def test_developer_role_and_content_parts_are_accepted(server):
     import openai
 

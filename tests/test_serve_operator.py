@@ -69,8 +69,8 @@ def test_health_answers_while_every_intake_worker_tokenizes_a_one_mib_body():
 
 
 def test_a_stop_that_runs_out_of_time_ends_each_stream_with_an_error_event():
-    """SIGTERM's wait (here 0.3 s) runs out mid-stream: the stream ends with an SSE error event naming the stop,
-    the server closes, and the request counts as cancelled."""
+    """SIGTERM's wait (here 0.3 s) runs out mid-stream: the stream ends with an SSE error event naming the stop
+    and its wait (code `server_stopping`), the server closes, and the request counts as cancelled."""
     import uvicorn
 
     engine = Engine(SlowBackend, Letters(), "ar", queue_size=2)
@@ -92,7 +92,8 @@ def test_a_stop_that_runs_out_of_time_ends_each_stream_with_an_error_event():
     thread.join(30)
     assert not thread.is_alive()
     error = json.loads(rest[-1].removeprefix("data: "))["error"]
-    assert "stopping" in error["message"] and error["type"] == "server_error"
+    assert "the server is stopping and the 0.3 s it waits" in error["message"] and error["type"] == "server_error"
+    assert error["code"] == "server_stopping"  # not the decoder's failure
     assert engine.metrics.requests == {"cancelled": 1}
 
 

@@ -6,14 +6,14 @@ from inference.textstream import TextStream
 class Chars:
     """Token i is chr(i)."""
 
-    def decode(self, ids, skip_special_tokens=True):
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=None):
         return "".join(chr(i) for i in ids)
 
 
 class Utf8Bytes:
     """Byte-level: token i is the byte i, so a character may take several tokens."""
 
-    def decode(self, ids, skip_special_tokens=True):
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=None):
         return bytes(ids).decode("utf-8", errors="replace")
 
 
@@ -92,10 +92,12 @@ def test_a_character_split_over_byte_fallback_tokens_waits_for_its_last_byte():
     to its own U+FFFD: all of them wait. One was emitted, and as the finished character replaced it the
     text no longer began with what was emitted, so nothing more came, the rest of the answer lost."""
     from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
 
     vocab = {"<unk>": 0, "a": 1, "b": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
-    tokenizer = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
-    tokenizer.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    model = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    model.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=model, unk_token="<unk>")  # as the targets load it
     zhong = [vocab[f"<0x{b:02X}>"] for b in "中".encode()]
     stream = TextStream(tokenizer)
     assert stream.feed([vocab["a"], zhong[0]]) == "a"
@@ -103,3 +105,23 @@ def test_a_character_split_over_byte_fallback_tokens_waits_for_its_last_byte():
     assert stream.feed(zhong[2:]) == "中"
     assert stream.feed([vocab["b"]]) == "b"
     assert stream.finish() == "" and stream.text == "a中b"
+
+
+def test_a_tokenizer_that_cleans_up_spaces_streams_every_token():
+    """A WordPiece tokenizer (BERT's pre-tokenizer and decoder) with `clean_up_tokenization_spaces=True`, BERT's
+    default: "it's" is ["it", "'", "s"], and the cleanup turns the decoded "it '" into "it'" once "s" comes. The
+    stream decodes without the cleanup, so that no later token rewrites what it has sent: it went silent after
+    "it '" for the rest of the answer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["[UNK]", "[SEP]", "it", "'", "s", "fine", ".", "isn", "t", "?", "yes"]
+    model = Tokenizer(models.WordPiece({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    model.pre_tokenizer, model.decoder = pre_tokenizers.BertPreTokenizer(), decoders.WordPiece()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=model, unk_token="[UNK]", eos_token="[SEP]", clean_up_tokenization_spaces=True
+    )
+    tokens = tokenizer("it's fine. isn't it? yes", add_special_tokens=False)["input_ids"]
+    stream = TextStream(tokenizer)
+    text = "".join(stream.feed([t]) for t in tokens) + stream.finish()
+    assert text == tokenizer.decode(tokens, clean_up_tokenization_spaces=False) == "it ' s fine. isn ' t it? yes"

@@ -324,14 +324,14 @@ def _retry_after(engine: Engine, config: ServerConfig) -> int:
 
 
 async def _events(generation: Generation, http: HttpRequest):
-    """The generation's `text` events until `done`, or the `ApiError` of its `error` event; cancels it the moment
-    the client disconnects."""
+    """The generation's `text` events until `done`, or the `ApiError` of its `error` event (status, message,
+    code); cancels it the moment the client disconnects."""
     watcher = asyncio.create_task(_watch(generation, http))
     try:
         while True:
             event = await generation.events.get()
             if event[0] == "error":
-                raise ApiError(event[1], event[2], "server_error", "decoder_failed")
+                raise ApiError(event[1], event[2], "server_error", event[3])
             yield event
             if event[0] == "done":
                 return
@@ -346,7 +346,7 @@ async def _watch(generation: Generation, http: HttpRequest) -> None:
     while (await http.receive())["type"] != "http.disconnect":
         pass
     generation.cancel()
-    generation.emit("error", 499, "the client disconnected")
+    generation.emit("error", 499, "the client disconnected", "client_disconnected")
 
 
 async def _whole(generation: Generation, head: dict, chat: bool, http: HttpRequest):

@@ -31,7 +31,7 @@ class BatchSimulatorBackend(SlotBackend):
         self.runner = Simulator(target, pdm, geometry, max_batch=max_batch)
         self.eos = frozenset(eos)
         self._cancelled: set[int] = set()
-        super().__init__(queue.SimpleQueue(), self._cancelled.add, self._drive, "spd-batch-driver")
+        super().__init__(queue.SimpleQueue(), self._cancelled.add, self._drive, "spd-batch-driver", max_batch)
 
     @classmethod
     def from_setup(cls, setup: Setup, device: str, max_batch: int) -> BatchSimulatorBackend:

@@ -4,8 +4,9 @@ Each client request becomes a `Generation`: its prompt and settings, and the cha
 `max_batch` 1 the engine runs one decode at a time on one worker thread; requests wait in a FIFO of
 `queue_size` (`QueueFull` beyond it, HTTP 429). A batched backend (`max_batch` B > 1: `--max-batch`) decodes
 B requests at once in B slots and keeps its own FIFO, which feeds the slots at step boundaries
-(`slot_feed`): the engine then has a worker thread for every request it admits (B + `queue_size`), each
-handing its request over at once and following it. Each worker feeds its request's verified tokens, as the
+(`slot_feed`; a request cancelled while it waits there is withdrawn at once, `SlotBackend.cancel`): the
+engine then has a worker thread for every request it admits (B + `queue_size`), each handing its request
+over at once and following it. Each worker feeds its request's verified tokens, as the
 decoder delivers them, through a `TextStream` (stop strings) to the request's event queue on the server's
 event loop.
 
@@ -120,7 +121,7 @@ class Engine:
             admitted = list(self._admitted)
         for generation in admitted:
             log.warning("%s: cutting %s after %d token(s)", message, generation.completion_id, generation.generated)
-            generation.emit("error", 503, message)
+            generation.emit("error", 503, message, "server_stopping")
             generation.cancel()
 
     @property
@@ -192,7 +193,7 @@ class Engine:
             backend = self.backend
         if backend is None:
             self._count("failed")
-            generation.emit("error", 503, "the pipeline is restarting after a failure; retry")
+            generation.emit("error", 503, "the pipeline is restarting after a failure; retry", "decoder_failed")
             return
         stream = TextStream(self.tokenizer, generation.stop)
         started = time.perf_counter()
@@ -264,7 +265,8 @@ class Engine:
         first = first_line(error)
         log.error("decode failed: %s; restarting the backend", first)
         self._count("failed")
-        generation.emit("error", 503, f"the decoder failed: {first}; the pipeline is being restarted, retry")
+        message = f"the decoder failed: {first}; the pipeline is being restarted, retry"
+        generation.emit("error", 503, message, "decoder_failed")
         with self._restarting:
             if self.backend is backend:
                 self._restart(first)

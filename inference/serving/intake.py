@@ -32,6 +32,7 @@ MAX_JSON_DEPTH = 32  # a chat body nests 5 deep; Python's parsers recurse, and 1
 INTAKE_WORKERS = 2  # parse + template + tokenize threads: a big body never blocks the event loop
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 _NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
+SHOWN_CHARS = 100  # the most of a client's value an error message quotes
 
 
 @dataclass(eq=False)  # hashed by identity, as exceptions are
@@ -47,9 +48,15 @@ class ApiError(Exception):
         super().__init__(self.message)
 
 
+def shown(text: str) -> str:
+    """A client's value as an error quotes it: whole, or its first SHOWN_CHARS characters and an ellipsis (a
+    body may hold megabytes: the answer, and a log that keeps it, never echo them)."""
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}…"
+
+
 def unknown_model(name: str, served: str) -> ApiError:
     """The 404 of a request (or `/v1/models/{name}`) that names another model than the one served."""
-    message = f"model {name!r} does not exist: this server serves {served!r}"
+    message = f"model {shown(name)!r} does not exist: this server serves {served!r}"
     return ApiError(404, message, code="model_not_found", param="model")
 
 
@@ -109,11 +116,12 @@ class Intake:
         limits = self.limits
         if body.model != limits.model:
             raise unknown_model(body.model, limits.model)
-        max_tokens = next(
-            (m for m in (body.max_completion_tokens, body.max_tokens) if m is not None), limits.default_max_tokens
-        )
+        fields = (("max_completion_tokens", body.max_completion_tokens), ("max_tokens", body.max_tokens))
+        sent = [(name, value) for name, value in fields if value is not None]  # the first sent wins
+        name, max_tokens = sent[0] if sent else ("max_tokens", limits.default_max_tokens)
         if not 1 <= max_tokens <= limits.max_tokens_cap:
-            raise ApiError(400, f"max_tokens={max_tokens} must be in [1, {limits.max_tokens_cap}]", param="max_tokens")
+            message = f"{name}={shown(str(max_tokens))} must be in [1, {limits.max_tokens_cap}]"
+            raise ApiError(400, message, param=name)  # the field the client sent
         return max_tokens, Sampling(body.temperature, body.top_k, body.top_p)  # the schema bounds what it checks
 
     def _fits(self, texts: list[str], max_tokens: int) -> None:
@@ -185,6 +193,7 @@ def _check_unicode(value, where: str) -> None:
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
+            where = shown(where)  # a path of the client's keys
             raise ApiError(
                 400, f"{where or 'body'}: not valid Unicode (a lone surrogate)", param=where or None
             ) from None

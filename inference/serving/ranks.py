@@ -168,7 +168,7 @@ class RankBackend(SlotBackend):
         self.channel = RequestChannel(mp.get_context(start_method(job)), ring=max(16, 4 * in_flight))
         self.last_cancel: CancelReport | None = None
         self.pids: dict[int, int] = {}
-        super().__init__(self.channel, self.channel.cancel, self._launch, "spd-serve-launcher")
+        super().__init__(self.channel, self.channel.cancel, self._launch, "spd-serve-launcher", job.max_batch)
 
     def _launch(self) -> None:
         """Until the ranks stop; a `LaunchError` names the rank that failed."""

@@ -30,8 +30,9 @@ class GracefulServer(uvicorn.Server):
 
     async def shutdown(self, sockets=None) -> None:
         wait = self.timeout()
-        log.warning("stopping: waiting up to %.0f s for the requests in progress", wait)
-        message = f"the server is stopping and the {wait:.0f} s it waits for requests in progress ran out"
+        seconds = f"{wait:.2f}".rstrip("0").rstrip(".")  # 0.3 (--graceful-timeout 0.3), 46.08, 120
+        log.warning("stopping: waiting up to %s s for the requests in progress", seconds)
+        message = f"the server is stopping and the {seconds} s it waits for requests in progress ran out"
         cutting = asyncio.get_running_loop().call_later(wait, self.cut, message)
         self.config.timeout_graceful_shutdown = wait + CUT_GRACE_S
         try:

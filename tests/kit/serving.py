@@ -137,7 +137,7 @@ def served(app):
 class Letters:
     """Token i is the letter chr(97 + i % 26); a prompt is its letters."""
 
-    def decode(self, ids, skip_special_tokens=True):
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=None):
         return "".join(chr(97 + i % 26) for i in ids)
 
     def __call__(self, text):
