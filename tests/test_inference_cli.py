@@ -242,6 +242,29 @@ def test_the_process_exits_non_zero_with_one_line(files):
     assert proc.stderr.strip().startswith("error:") and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize(
+    "where",
+    ["--simulate", pytest.param("processes", marks=pytest.mark.slow)],  # processes: 20 s, spawns 3 ranks
+)
+def test_a_reader_that_went_away_ends_the_decode_quietly(files, tmp_path, monkeypatch, capsys, where):
+    """`inference.decode --stream ... | head -1`: a closed stdout is no bug (Python's BrokenPipeError, not SIGPIPE):
+    exit 141 as a program SIGPIPE ended, no error line, and the decode still ends and writes its --json (the
+    launcher's report thread that prints the stream keeps every later result)."""
+    out = tmp_path / "out.json"
+    argv = ["--ckpt", files["drafter"], "--prompts", files["prompts"], "--max-new-tokens", "6", "--stream"]
+    argv += ["--json", str(out), "--timeout", "60"] + (["--simulate"] if where == "--simulate" else [])
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first token
+    with open(write, "w") as stdout:
+        monkeypatch.setattr(sys, "stdout", stdout)
+        monkeypatch.delenv("SPD_DEBUG", raising=False)
+        assert main(argv) == 141
+        monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert "error" not in err and "Traceback" not in err, err
+    assert len(json.loads(out.read_text())["prompts"]) == 2
+
+
 def test_too_few_gpus_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     job = DecodeJob("unused", Geometry.build(8, 4), [[1]], 4, [], 10, 8, Sampling(), device="cuda")
