@@ -76,7 +76,7 @@ def add_decoder_arguments(
         help="separate: the PDM is rank n on its own GPU (n + 1 GPUs); shared: the PDM runs in stage "
         "1's process, on its GPU (n GPUs)",
     )
-    p.add_argument("--device", default="cpu", help="cpu or cuda (the distributed decoder uses cuda:0..n)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:INDEX (the distributed decoder uses cuda:0..n)")
     p.add_argument(
         "--dtype", default="auto", help="target/PDM dtype: float32, bfloat16, float16; auto = bf16 on cuda, fp32 on cpu"
     )
@@ -115,6 +115,14 @@ def check_decoder_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--device {args.device!r}: use cpu or cuda")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"--device {args.device} but CUDA is not available here: use --device cpu")
+    if args.device.startswith("cuda"):  # torch fails on cuda:abc at once, on cuda:5 of fewer GPUs at the first tensor
+        try:
+            index = torch.device(args.device).index
+        except RuntimeError as e:
+            raise UsageError(f"--device {args.device!r}: use cuda or cuda:INDEX (e.g. cuda:0)") from e
+        count = torch.cuda.device_count()
+        if index is not None and index >= count:
+            raise UsageError(f"--device {args.device}: this machine has {count} GPU(s), cuda:0 to cuda:{count - 1}")
 
 
 @contextmanager

@@ -20,7 +20,8 @@ totals. With `--stream` each prompt's text is printed as its tokens are verified
 `--max-batch B` a row per cycle of the batch while the prompt decoded, with the number of slots it ran). Exit status:
 0 done, 2 bad input, a rank's included (one line on stderr; `--debug` or SPD_DEBUG=1 shows tracebacks),
 1 anything else (e.g. a rank that died), 3 `--check-lossless` found a difference, 130 ctrl-C
-(128 + the signal for one the launcher's agent catches, e.g. 143 SIGTERM): every rank stopped, one line.
+(128 + the signal for one the launcher's agent catches, e.g. 143 SIGTERM): every rank stopped, one line;
+141 (quietly) when the reader of stdout went away (`| head -1`): the decode still ends and writes its `--json`.
 """
 
 from __future__ import annotations
@@ -113,9 +114,9 @@ def run(args: argparse.Namespace) -> dict:
         "streamed": args.stream,
     }
     printer = StreamPrinter(setup.tokenizer, texts) if args.stream else None
-    results = _decode(setup, args, prompts, sampling, printer)
+    results = _decode(setup, args, prompts, sampling, _while_open(printer) if printer else None)
     if printer is not None:
-        printer.end()
+        _while_open(printer.end)()
     if results is None:  # a torchrun rank that does not report
         return {}
     for result in results:
@@ -161,9 +162,26 @@ def _distributed(job: DecodeJob, on_tokens: Callable[[int, list[int]], None] | N
         return [collected[i] for i in sorted(collected)] if rank == job.n - 1 else None
     return launch(
         job,
-        on_result=lambda i, r: print(f"prompt {i + 1}: {_counters(r)}", file=sys.stderr, flush=True),
+        on_result=_while_open(lambda i, r: print(f"prompt {i + 1}: {_counters(r)}", file=sys.stderr, flush=True)),
         on_tokens=on_tokens,
     )
+
+
+def _while_open(write: Callable[..., None]) -> Callable[..., None]:
+    """`write` (a print) until its reader goes away (`| head -1`: BrokenPipeError), then nothing: the decode goes on
+    (a callback on the launcher's report thread that raised would lose every later result) and its `--json` holds
+    every result; the closed stdout then ends the run quietly (`run_main`: exit 141)."""
+    closed = False
+
+    def call(*args) -> None:
+        nonlocal closed
+        if not closed:
+            try:
+                write(*args)
+            except BrokenPipeError:
+                closed = True
+
+    return call
 
 
 def _counters(r: DecodeResult) -> str:
@@ -210,10 +228,12 @@ def print_report(report: dict) -> None:
 def finish(args: argparse.Namespace, report: dict) -> int:
     if not report:
         return 0
-    print_report(report)  # first: a path that cannot be written loses no result
-    if args.json_out:
-        with cli.writing(args.json_out), open(args.json_out, "w") as f:
-            json.dump(report, f, indent=1)
+    try:
+        print_report(report)  # first: a path that cannot be written loses no result
+    finally:  # nor does a reader of stdout that went away (`| head -1`)
+        if args.json_out:
+            with cli.writing(args.json_out), open(args.json_out, "w") as f:
+                json.dump(report, f, indent=1)
     return 0 if report["totals"].get("lossless", True) else 3
 
 

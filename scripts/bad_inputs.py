@@ -179,6 +179,18 @@ CASES = [
         "does not exist",
     ),
     Case(
+        "--target whose model.safetensors is cut short",
+        "decode",
+        DEC + ("--prompt", "hi", "--target", "{truncated_target}"),
+        "cannot be read",
+    ),
+    Case(
+        "--mode ar, --target whose model.safetensors is cut short",
+        "decode",
+        ("--mode", "ar", "--prompt", "hi", "--target", "{truncated_target}"),
+        "cannot be read",
+    ),
+    Case(
         "missing --target .gguf file",
         "decode",
         DEC + ("--prompt", "hi", "--target", "{root}/none.gguf"),
@@ -255,6 +267,12 @@ CASES = [
         "stage split",
     ),
     Case("fit: missing target path", "fit", FIT + ("--model.target", "{root}/no_target"), "does not exist"),
+    Case(
+        "fit: target whose model.safetensors is cut short",
+        "fit",
+        FIT + ("--model.target", "{truncated_target}"),
+        "cannot be read",
+    ),
     Case("fit: max_length below any sample", "fit", FIT + ("--data.max_length", "8"), "max_length"),
     Case("fit: negative lr", "fit", FIT + ("--model.lr=-1e-3",), "lr="),
     # spd_lightning export
@@ -320,6 +338,13 @@ def build_files(root: str) -> dict:
     files["truncated"] = os.path.join(root, "drafter_truncated")
     shutil.copytree(files["drafter"], files["truncated"])
     weights = os.path.join(files["truncated"], "model.safetensors")
+    with open(weights, "rb") as f:
+        data = f.read()
+    with open(weights, "wb") as f:
+        f.write(data[: len(data) // 2])
+    files["truncated_target"] = os.path.join(root, "target_truncated")
+    shutil.copytree(files["target"], files["truncated_target"])
+    weights = os.path.join(files["truncated_target"], "model.safetensors")
     with open(weights, "rb") as f:
         data = f.read()
     with open(weights, "wb") as f:

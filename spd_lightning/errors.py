@@ -2,7 +2,9 @@
 
 `UserError` is bad input a user can fix (a config value, a path, a flag, a request field): every package raises
 a subclass of it, and every CLI prints its message on one line and exits with code 2. Anything else that
-escapes is a bug in this project: exit code 1, with the traceback under `--debug` (or `SPD_DEBUG=1`).
+escapes is a bug in this project: exit code 1, with the traceback under `--debug` (or `SPD_DEBUG=1`). A reader
+of standard output that went away (`| head -1`) is neither: the CLI stops quietly, as one killed by SIGPIPE does
+(exit 141).
 
 `run_main` applies the policy for every CLI of the project (`python -m spd_lightning`, `inference.*`). This module
 imports only the standard library, so `inference/` can use it without pulling in Lightning.
@@ -11,6 +13,7 @@ imports only the standard library, so `inference/` can use it without pulling in
 from __future__ import annotations
 
 import os
+import select
 import sys
 from collections.abc import Callable
 
@@ -58,17 +61,41 @@ def debug_requested(flag: bool = False) -> bool:
     return flag or os.environ.get("SPD_DEBUG", "") not in ("", "0")
 
 
+# The exit code of a command line whose standard output was closed by its reader: 128 + SIGPIPE, what a shell
+# shows for a program SIGPIPE ended (Python ignores the signal and raises BrokenPipeError instead)
+CLOSED_STDOUT_EXIT = 141
+
+
+def stdout_closed() -> bool:
+    """Whether the reader of standard output went away (`| head -1` has read its line): a pipe whose read end is
+    closed polls as an error. False when that cannot be told (no poll, no real stdout)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
 def run_main(work: Callable[[], int], debug: bool) -> int:
     """A CLI's work under the policy; returns its exit code. A `UserError` or `Stopped`: one `error:` line and its
-    code; anything else is a bug: one line and 1. With `debug` every exception propagates with its traceback."""
+    code; a closed standard output (`stdout_closed`): no line, `CLOSED_STDOUT_EXIT`; anything else is a bug: one
+    line and 1. With `debug` every exception but the closed output propagates with its traceback."""
     try:
-        return work()
+        code = work()
+        sys.stdout.flush()  # a reader that went away shows here, not in Python's own message at exit
+        return code
     except (UserError, Stopped) as e:
         if debug:
             raise
         print(f"error: {one_line(e)}", file=sys.stderr)
         return e.exit_code
     except Exception as e:  # noqa: BLE001 - the last line of defence: any other exception is a bug
+        if isinstance(e, BrokenPipeError) and stdout_closed():
+            # what is still buffered goes nowhere, so that the flush at exit does not fail again (Python's docs, "Note
+            # on SIGPIPE")
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return CLOSED_STDOUT_EXIT
         if debug:
             raise
         print(

@@ -15,10 +15,12 @@ installed (`pip install .[gpu]`), its slow torch fallback otherwise (`Target.lin
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -105,24 +107,75 @@ def load_hf_causal_lm(
 
     config = load_hf_config(name_or_path, trust_remote_code)
     path = local_target(name_or_path)  # resolved twice, cheaply: a GGUF is converted once, a hub id read from the cache
+    check_checkpoint_files(path)
     device = torch.device(device)
-    if importlib.util.find_spec("accelerate") is None:  # transformers needs it for `device_map`
-        if device.type != "cpu":
-            log.warning(
-                f"loading the target through CPU memory before moving it to {device}: install `accelerate` "
-                f"(a dependency of this package) to load it straight onto the device"
+    with reading_weights(path):
+        if importlib.util.find_spec("accelerate") is None:  # transformers needs it for `device_map`
+            if device.type != "cpu":
+                log.warning(
+                    f"loading the target through CPU memory before moving it to {device}: install `accelerate` "
+                    f"(a dependency of this package) to load it straight onto the device"
+                )
+            model = AutoModelForCausalLM.from_pretrained(
+                path, config=config, dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code
             )
-        model = AutoModelForCausalLM.from_pretrained(
-            path, config=config, dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code
+            return model.to(device)
+        return AutoModelForCausalLM.from_pretrained(
+            path,
+            config=config,
+            dtype=resolve_dtype(dtype),
+            device_map={"": str(device)},
+            trust_remote_code=trust_remote_code,
         )
-        return model.to(device)
-    return AutoModelForCausalLM.from_pretrained(
-        path,
-        config=config,
-        dtype=resolve_dtype(dtype),
-        device_map={"": str(device)},
-        trust_remote_code=trust_remote_code,
-    )
+
+
+@contextmanager
+def reading_weights(path: str) -> Iterator[None]:
+    """transformers' OSError while loading (no weights file it knows: a download of the config alone; a file it
+    cannot open) is the user's to fix: one line naming the target."""
+    try:
+        yield
+    except OSError as e:
+        raise TargetError(
+            f"cannot read the weights of target {path!r} ({type(e).__name__}: {first_line(e)[:160]}): download, "
+            "copy or convert the target again"
+        ) from e
+
+
+@contextmanager
+def reading_checkpoint(file: str) -> Iterator[None]:
+    """A checkpoint file that cannot be read (cut short by a full disk or an interrupted download or copy, a shard
+    its index names that is not there, an index that is not JSON) is the user's to fix: one line naming it, as the
+    pipeline's ranks say (inference/runtime/stages.py)."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (SafetensorError, OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise TargetError(
+            f"target checkpoint file {file!r} cannot be read ({type(e).__name__}: {first_line(e)[:160]}): it is "
+            "truncated or incomplete; download, copy or convert the target again"
+        ) from e
+
+
+def check_checkpoint_files(path: str) -> None:
+    """Open the header of every safetensors file of the checkpoint in `path` (cheap: no tensor is read) so that
+    one that cannot be read is named (`reading_checkpoint`), not reported by safetensors or transformers without
+    its name (as 'a bug'). Other weight formats (pytorch_model.bin) are transformers' to check."""
+    from safetensors import safe_open
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with reading_checkpoint(index), open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(path, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        return
+    for name in files:
+        file = os.path.join(path, name)
+        with reading_checkpoint(file), safe_open(file, framework="pt"):
+            pass
 
 
 def _bound_fast_kernel(function, package: str) -> bool:

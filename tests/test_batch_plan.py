@@ -52,6 +52,7 @@ def test_post_step_adds_the_draft_and_an_alpha_flag_overrides_the_measured_one(t
         ({"rows": [{"B": 0, "stage_s": [0.1], "draft_s": 0.1, "alpha": 0.5}]}, "B >= 1"),
         ({"rows": [{"B": 2, "stage_s": [None], "draft_s": 0.1, "alpha": 0.5}]}, "requests >= B"),
         ({"rows": [{"B": 2, "stage_s": [0.1], "draft_s": 0.1}]}, "--batch-alpha"),
+        ({"rows": [{"B": 2, "stage_s": [0.1], "draft_s": 0.1, "alpha": 0.5, "overhead_s": "x"}]}, "overhead_s='x'"),
     ],
 )
 def test_bad_batch_times_are_one_line(tmp_path, capsys, report, message):

@@ -231,6 +231,41 @@ def test_plan_bad_input_is_one_line(files, tmp_path, capsys, case):
     assert err.startswith("error: ") and err.count("\n") == 1
 
 
+TIMES = {"T_full_s": 0.1, "T_draft_s": 0.01, "L_s": 3, "overhead_s": 0.0, "n": 2, "L": 4, "slowest_stage_s": 0.06}
+EAGLE3 = {"k": 3, "alpha": 2.0, "tau": 2.0, "T_full_s": 0.1, "T_draft_step_s": 0.01, "T_verify_s": 0.1}
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        ({"L_s": 0}, "plan_inputs.L_s=0 must be an integer >= 1"),  # was ZeroDivisionError
+        ({"L_s": "3"}, "plan_inputs.L_s='3' must be an integer >= 1"),  # the TypeErrors below
+        ({"T_full_s": "0.1"}, "plan_inputs.T_full_s='0.1' must be a number > 0"),
+        ({"T_draft_s": "0.01"}, "plan_inputs.T_draft_s='0.01' must be a number > 0"),
+        ({"n": "2"}, "plan_inputs.n='2' must be an integer >= 1"),
+        ({"overhead_s": "x"}, "plan_inputs.overhead_s='x' must be a number >= 0"),
+        ({"L": "4"}, "plan_inputs.L='4' must be an integer >= 1"),
+        ({"T_draft_s": math.nan}, "plan_inputs.T_draft_s=nan must be a number > 0"),  # was a silent 1.00x
+        ({"plan_inputs_eagle3": [{**EAGLE3, "T_full_s": 0}]}, "plan_inputs_eagle3[0].T_full_s=0 must be a number > 0"),
+        ({"plan_inputs_eagle3": [{**EAGLE3, "k": "3"}]}, "plan_inputs_eagle3[0].k='3' must be an integer >= 1"),
+        ({"plan_inputs_eagle3": [{"alpha": 2.0}]}, "plan_inputs_eagle3[0] has no k"),
+        ({"plan_inputs_eagle3": {"k": 3}}, "plan_inputs_eagle3 must be a list of rows"),
+    ],
+)
+def test_plan_reads_a_hand_edited_eval_json_with_one_line(tmp_path, capsys, edit, message):
+    """`--times eval.json` edited by hand: a zero, a string, a NaN is one line naming the value, not a
+    ZeroDivisionError/TypeError (exit 1, a bug) nor a silent prediction."""
+    edit = dict(edit)
+    eagle3 = edit.pop("plan_inputs_eagle3", [EAGLE3])
+    times = tmp_path / "eval.json"
+    times.write_text(json.dumps({"plan_inputs": {**TIMES, **edit}, "plan_inputs_eagle3": eagle3}))
+    assert spd_plan.main(["--times", str(times), "--alpha", "2:3:0.5", "--plot", ""]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+    times.write_text(json.dumps({"plan_inputs": TIMES, "plan_inputs_eagle3": [EAGLE3]}))
+    assert spd_plan.main(["--times", str(times), "--alpha", "2:3:0.5", "--plot", ""]) == 0  # as written by eval
+
+
 @pytest.mark.parametrize("case", ["missing_prompts", "bad_jsonl", "max_new_tokens", "missing_ckpt", "limit"])
 def test_eval_bad_input_is_one_line(files, tmp_path, capsys, case):
     base = [

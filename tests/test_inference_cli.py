@@ -242,6 +242,55 @@ def test_the_process_exits_non_zero_with_one_line(files):
     assert proc.stderr.strip().startswith("error:") and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize(
+    "where",
+    ["--simulate", pytest.param("processes", marks=pytest.mark.slow)],  # processes: 20 s, spawns 3 ranks
+)
+def test_a_reader_that_went_away_ends_the_decode_quietly(files, tmp_path, monkeypatch, capsys, where):
+    """`inference.decode --stream ... | head -1`: a closed stdout is no bug (Python's BrokenPipeError, not SIGPIPE):
+    exit 141 as a program SIGPIPE ended, no error line, and the decode still ends and writes its --json (the
+    launcher's report thread that prints the stream keeps every later result)."""
+    out = tmp_path / "out.json"
+    argv = ["--ckpt", files["drafter"], "--prompts", files["prompts"], "--max-new-tokens", "6", "--stream"]
+    argv += ["--json", str(out), "--timeout", "60"] + (["--simulate"] if where == "--simulate" else [])
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first token
+    with open(write, "w") as stdout:
+        monkeypatch.setattr(sys, "stdout", stdout)
+        monkeypatch.delenv("SPD_DEBUG", raising=False)
+        assert main(argv) == 141
+        monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert "error" not in err and "Traceback" not in err, err
+    assert len(json.loads(out.read_text())["prompts"]) == 2
+
+
+@pytest.mark.parametrize(
+    "device,message",
+    [
+        (
+            "cuda:abc",
+            "--device 'cuda:abc': use cuda or cuda:INDEX",
+        ),  # was 'unexpected RuntimeError: Invalid device string'
+        ("cudax", "--device 'cudax': use cuda or cuda:INDEX"),
+        ("cuda:-1", "--device 'cuda:-1': use cuda or cuda:INDEX"),
+        ("cuda:5", "--device cuda:5: this machine has 2 GPU(s), cuda:0 to cuda:1"),  # failed at the first tensor
+    ],
+)
+def test_a_device_this_machine_lacks_is_one_line(files, monkeypatch, capsys, device, message):
+    """On a machine with 2 GPUs (faked: this one may have none), before anything loads."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("SPD_DEBUG", raising=False)
+    for mode in (
+        ["--ckpt", files["drafter"], "--simulate"],
+        ["--ckpt", "none", "--target", files["target"], "--mode", "ar"],
+    ):
+        assert main([*mode, "--prompt", "hi", "--device", device]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+
+
 def test_too_few_gpus_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     job = DecodeJob("unused", Geometry.build(8, 4), [[1]], 4, [], 10, 8, Sampling(), device="cuda")

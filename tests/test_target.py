@@ -60,3 +60,30 @@ def test_conditional_generation_checkpoint_loads_text_model(tmp_path):
     assert target.num_layers == 4 and target.hidden_size == 32
     states, logits = target.anchor_states(torch.randint(1, 90, (1, 5)), None, [0, 4])
     assert states.shape == (1, 5, 2, 32) and logits.shape[-1] == 97
+
+
+def test_an_unreadable_checkpoint_is_one_line(tmp_path):
+    """A target file cut short (a full disk, an interrupted download or copy), a shard its index names that is
+    missing, an index that is not JSON, no weights at all: a TargetError naming the file, as the pipeline's ranks
+    say (inference/runtime/stages.py), not safetensors' or transformers' own error ('a bug', exit 1) on the paths
+    that load the whole target (--simulate, --mode ar, eval, fit, prepare)."""
+    model = make_tiny_model("qwen3")
+    model.save_pretrained(tmp_path / "cut")
+    weights = tmp_path / "cut" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(TargetError, match=r"cut/model.safetensors' cannot be read \(SafetensorError.*truncated"):
+        Target.load(str(tmp_path / "cut"))
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    (tmp_path / "sharded" / "model-00002-of-00012.safetensors").unlink()
+    with pytest.raises(TargetError, match=r"model-00002-of-00012.safetensors' cannot be read \(FileNotFoundError"):
+        Target.load(str(tmp_path / "sharded"))
+    (tmp_path / "sharded" / "model.safetensors.index.json").write_text('{"weight_map": ')
+    with pytest.raises(TargetError, match=r"index.json' cannot be read \(JSONDecodeError"):
+        Target.load(str(tmp_path / "sharded"))
+    model.save_pretrained(tmp_path / "bare")
+    (tmp_path / "bare" / "model.safetensors").unlink()
+    with pytest.raises(
+        TargetError,
+        match=r"cannot read the weights of target .*bare. \(OSError: .*download, copy or convert the target again",
+    ):
+        Target.load(str(tmp_path / "bare"))

@@ -9,13 +9,35 @@ arrays (the bootstrap of inference/evaluation/intervals.py evaluates them on eve
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
 
 from inference.cycle.result import DecodeResult
+from spd_lightning.errors import UsageError
 
 MIN_REPEATS = 5  # per-prompt timings behind one median r; fewer is flagged in the row (`r_repeats`)
+
+
+def measured_value(value: object, where: str, fix: str, integer: bool = False, zero_ok: bool = False):
+    """A number an eval or bench JSON holds, before any formula reads it (a hand-edited file: a string, 0, NaN, a
+    negative): None when absent, else a finite number > 0 (>= 0 with `zero_ok`; an integer >= 1 with `integer`);
+    one line naming it (`where`) and the `fix` otherwise."""
+    if value is None:
+        return None
+    kind = int if integer else (int, float)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, kind)
+        or not math.isfinite(value)
+        or value < 0
+        or value == 0
+        and not zero_ok
+    ):
+        what = "an integer >= 1" if integer else f"a number {'>= 0' if zero_ok else '> 0'}"
+        raise UsageError(f"{where}={value!r} must be {what}: {fix}")
+    return value
 
 
 def s_spd(n: int, alpha, r):

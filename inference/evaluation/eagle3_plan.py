@@ -14,11 +14,12 @@ from inference.evaluation.tables import markdown_table
 from spd_lightning.errors import UsageError
 
 
-def eagle3_rows(inputs: list[dict], t_full: float | None) -> list[dict]:
+def eagle3_rows(inputs: list[dict], t_full: float | None, path: str = "eval.json") -> list[dict]:
     """EAGLE-3's predicted speedup per k from its measured draft-step and verify costs (`T_full` in seconds:
-    the cost model's when measured, else the eval's)."""
+    the cost model's when measured, else the eval's); `inputs`: the `plan_inputs_eagle3` of the eval.json at `path`,
+    checked first (a hand-edited file)."""
     rows = []
-    for p in inputs:
+    for p in _checked(inputs, path):
         full = t_full or p["T_full_s"]
         if None in (full, p["alpha"], p["T_draft_step_s"], p["T_verify_s"]):
             raise UsageError(f"EAGLE-3 k={p['k']}: the eval report lacks a measured time; rerun inference.eval")
@@ -34,6 +35,21 @@ def eagle3_rows(inputs: list[dict], t_full: float | None) -> list[dict]:
             }
         )
     return rows
+
+
+def _checked(inputs: object, path: str) -> list[dict]:
+    """Each row a dict whose k is an integer >= 1 and whose times and tokens per forward are numbers > 0 (or
+    absent); one line naming the value otherwise."""
+    fix = "rerun inference.eval --eagle3 to write it again"
+    if not isinstance(inputs, list) or not all(isinstance(p, dict) for p in inputs):
+        raise UsageError(f"{path}: plan_inputs_eagle3 must be a list of rows, one per k: {fix}")
+    for i, p in enumerate(inputs):
+        where = f"{path}: plan_inputs_eagle3[{i}]"
+        if costs.measured_value(p.get("k"), f"{where}.k", fix, integer=True) is None:
+            raise UsageError(f"{where} has no k: {fix}")
+        for key in ("alpha", "T_full_s", "T_draft_step_s", "T_verify_s"):
+            costs.measured_value(p.get(key), f"{where}.{key}", fix)
+    return inputs
 
 
 def eagle3_markdown(rows: list[dict], spd_rows: list[dict]) -> str:

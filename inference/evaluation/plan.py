@@ -40,7 +40,8 @@ Batched decoding (`--batch-times batch_times.json` of `scripts/bench_batch.py --
 per request at each measured B from the stage and draft step times at that B, and their weight-bound GPU reading
 (`inference/evaluation/batch_plan.py`); `--batch-alpha` overrides the measured tokens per cycle.
 
-Flags override the JSON. The recommendation is the (n, L_s) with the highest predicted speedup among
+Flags override the JSON; a value of the JSON that a flag does not override must be a finite number > 0 (overheads
+>= 0; n, L, L_s and k integers >= 1), else one error line names it (a hand-edited eval.json). The recommendation is the (n, L_s) with the highest predicted speedup among
 those with an alpha (n must be <= L). Writes a markdown table to stdout and a plot (`--plot`, default
 plan.png); `--json` writes every row. Exit status 0, 2 on bad input (one line on stderr),
 1 on anything else (`--debug` shows the traceback).
@@ -202,14 +203,21 @@ def cost_model(args: argparse.Namespace, measured: dict | None) -> CostModel:
     _check_cost_args(args)
     if not isinstance(measured, dict):
         raise UsageError(f"{args.times}: no plan_inputs (expected an eval.json from inference.eval)")
-    t_full = args.t_full if args.t_full is not None else measured.get("T_full_s")
-    shape = target_shape(args.target) if args.target else (measured.get("L"), None)  # a target's L over the eval's
+
+    def read(key: str, flag: str, integer: bool = False, zero_ok: bool = False):  # a value the flags did not override
+        fix = f"rerun inference.eval to write it again, or pass {flag}"
+        return costs.measured_value(measured.get(key), f"{args.times}: plan_inputs.{key}", fix, integer, zero_ok)
+
+    t_full = args.t_full if args.t_full is not None else read("T_full_s", "--t-full")
+    shape = target_shape(args.target) if args.target else (read("L", "--layers", integer=True), None)  # over the eval's
     layers = args.layers if args.layers is not None else shape[0]
     draft_fixed = args.draft_fixed or 0.0
     if t_full is not None:  # measured times
-        t_draft = args.t_draft if args.t_draft is not None else measured.get("T_draft_s")
-        draft_layers = args.draft_layers if args.draft_layers is not None else measured.get("L_s")
-        overhead = args.overhead if args.overhead is not None else (measured.get("overhead_s") or 0.0)
+        t_draft = args.t_draft if args.t_draft is not None else read("T_draft_s", "--t-draft")
+        draft_layers = args.draft_layers if args.draft_layers is not None else read("L_s", "--draft-layers", True)
+        overhead = (
+            args.overhead if args.overhead is not None else (read("overhead_s", "--overhead", zero_ok=True) or 0.0)
+        )
         if t_draft is None or draft_layers is None:
             raise UsageError(
                 "measured times need the draft time too: --t-draft SECONDS --draft-layers L_S (or --times eval.json)"
@@ -220,7 +228,7 @@ def cost_model(args: argparse.Namespace, measured: dict | None) -> CostModel:
         per_layer, unit = (t_draft - draft_fixed) / draft_layers, "s"
         stage_fixed = args.stage_fixed
         if stage_fixed is None:  # the slowest stage's cost beyond its share T_full / n, as measured (0 if not)
-            slowest, n = measured.get("slowest_stage_s"), measured.get("n")
+            slowest, n = read("slowest_stage_s", "--stage-fixed"), read("n", "--stage-fixed", integer=True)
             stage_fixed = max(0.0, slowest - t_full / n) if slowest is not None and n else 0.0
     else:  # a target config only: one target layer's forward is the unit
         if args.t_draft is not None or args.overhead is not None or args.stage_fixed is not None:
@@ -350,7 +358,7 @@ def run(args: argparse.Namespace) -> dict:
         sections.append(markdown(model, rows, best))
         t_full = model.t_full if model.unit == "s" else None
     if eagle3_inputs:
-        result["eagle3"] = eagle3_rows(eagle3_inputs, t_full)
+        result["eagle3"] = eagle3_rows(eagle3_inputs, t_full, args.times)
         sections.append(eagle3_markdown(result["eagle3"], result["rows"]))
     if args.batch_times:
         report = _read_json(args.batch_times)
