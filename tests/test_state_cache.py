@@ -10,6 +10,7 @@ the target, `fit --data.states DIR` trains from it without loading the target.
 
 import json
 import os
+import shutil
 import traceback
 
 import pytest
@@ -274,6 +275,36 @@ def test_a_cache_that_does_not_fit_the_run_is_one_line(chats, states, capsys, tm
     errors = [line for line in err.splitlines() if line.startswith("error:")]  # the rest: progress bars, logs
     assert code == 2 and len(errors) == 1 and err.rstrip().endswith(errors[0]), err
     assert expected in errors[0], err
+
+
+def damage(directory, kind: str) -> str:
+    """`kind` done to a cache (a copy): the file it damages."""
+    if kind == "manifest-not-json":  # a hand edit that left a trailing comma
+        path = os.path.join(directory, "manifest.json")
+        with open(path, "a") as f:
+            f.write(",")
+    elif kind == "missing-shard":
+        path = os.path.join(directory, prepare_states.shard_name("val", 0))
+        os.remove(path)
+    else:  # cut short by an interrupted copy or a full disk
+        path = os.path.join(directory, "init.safetensors" if kind == "truncated-init" else "train-00004.safetensors")
+        os.truncate(path, os.path.getsize(path) // 2)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["truncated-shard", "truncated-init", "missing-shard", "manifest-not-json"])
+def test_a_damaged_cache_is_one_line_naming_the_file_before_training(chats, states, capsys, tmp_path, kind):
+    """A shard or init.safetensors cut short (an interrupted copy), a shard missing, a manifest.json that is not JSON:
+    safetensors' / json's own error, 'unexpected ... (a bug)' exit 1, the shard's only when a batch first read it
+    (mid-epoch). Now one line naming the file and the fix, exit 2, before the target loads and the first step."""
+    copy = tmp_path / "states"
+    shutil.copytree(states, copy)
+    path = damage(copy, kind)
+    run = ["--trainer.logger", "false", "--trainer.max_steps", "1", "--trainer.default_root_dir", str(tmp_path)]
+    code, err = run_main(["fit", *config_args(chats, "--data.states", str(copy), *run)], capsys)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and path in errors[0] and "prepare" in errors[0], err
+    assert "Loading weights" not in err
 
 
 @pytest.mark.parametrize("size", ["0", "-1"])

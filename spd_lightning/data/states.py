@@ -31,7 +31,7 @@ import os
 from collections.abc import Sequence
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from .formats import DataError
 
@@ -92,12 +92,21 @@ def check_same(directory: str, section: str, expected: dict, found: dict, fix: s
         )
 
 
+REBUILD = "prepare the cache again: `python -m spd_lightning prepare --config CFG --states NEW_DIR`"
+
+
 def read_manifest(directory: str) -> dict | None:
     path = os.path.join(directory, MANIFEST)
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except ValueError as e:  # not JSON (a hand edit, a file cut short), not UTF-8
+        raise DataError(f"state cache manifest {path} is not valid JSON ({e}); {REBUILD}") from e
+    if not isinstance(manifest, dict):
+        raise DataError(f"state cache manifest {path} holds a {type(manifest).__name__}, not an object; {REBUILD}")
+    return manifest
 
 
 def write_json_atomic(path: str, payload: dict) -> None:
@@ -131,6 +140,10 @@ class StateCache:
         self.manifest = manifest
         self.layers: tuple[int, ...] = tuple(manifest["layers"])
         self._handles: dict[str, object] = {}
+        # every file read now, so a shard missing or cut short (an interrupted copy) is one line before the first
+        # step, not an error the first time a batch reads it
+        for name in (INIT_FILE, *(shard_name(s, k) for s in SPLITS for k in range(-(-self.size(s) // self.shard)))):
+            self._open(name)
 
     @property
     def final_layer(self) -> int:
@@ -143,6 +156,11 @@ class StateCache:
 
     def size(self, split: str) -> int:
         return self.manifest["splits"][split]
+
+    @property
+    def shard(self) -> int:
+        """Samples per shard file."""
+        return self.manifest["shard_size"]
 
     def check_data(self, data: dict) -> None:
         fix = "prepare a cache for this data with `prepare --config CFG --states NEW_DIR`, or fit with the data config that prepared it"
@@ -163,7 +181,12 @@ class StateCache:
     # -- reading ----------------------------------------------------------------------------------
     def _open(self, name: str):
         if name not in self._handles:
-            self._handles[name] = safe_open(os.path.join(self.directory, name), framework="pt")
+            path = os.path.join(self.directory, name)
+            try:
+                self._handles[name] = safe_open(path, framework="pt")
+            except (OSError, SafetensorError) as e:  # missing, or cut short (its header names more bytes)
+                reason = "no such file" if isinstance(e, FileNotFoundError) else getattr(e, "strerror", None) or str(e)
+                raise DataError(f"state cache file {path} cannot be read ({reason}); {REBUILD}") from e
         return self._handles[name]
 
     def __getstate__(self) -> dict:  # DataLoader workers open their own memory maps
@@ -172,7 +195,7 @@ class StateCache:
     def sample(self, split: str, index: int, layers: Sequence[int], in_vd: torch.Tensor) -> dict[str, torch.Tensor]:
         """Sample `index` of `split`: its token ids, the hidden states at `layers` `[T, A, H]`, the final-norm
         state `[T, H]` and `outside_vd` `[T]` for the draft vocabulary whose membership `in_vd` `[V]` marks."""
-        shard = self._open(shard_name(split, index // self.manifest["shard_size"]))
+        shard = self._open(shard_name(split, index // self.shard))
         return {
             "input_ids": shard.get_tensor(f"{index}.input_ids"),
             "states": torch.stack([shard.get_tensor(f"{index}.h{layer}") for layer in layers], dim=1),
