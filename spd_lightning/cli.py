@@ -46,6 +46,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from .data import ChatDataModule
@@ -147,7 +148,10 @@ class SPDLightningCLI(LightningCLI):
         target have loaded)."""
         subcommand = self.config.get("subcommand")
         check_ckpt_path(self.config[subcommand].get("ckpt_path") if subcommand else None)
+        given = self.config[subcommand].model.clone() if subcommand else None
         super()._parse_ckpt_path()
+        if given is not None:
+            warn_overridden(given, self.config[subcommand].model, self.config[subcommand].ckpt_path)
 
     def instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
@@ -159,6 +163,34 @@ class SPDLightningCLI(LightningCLI):
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # keep a user's or a strategy's own IO
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         return trainer
+
+
+def warn_overridden(given, restored, ckpt_path) -> None:
+    """A resume takes the model's settings from the checkpoint (LightningCLI's rule): one warning naming each one the
+    config or the command line gave otherwise, which the run does not use."""
+    given, restored = given.as_dict(), restored.as_dict()
+    if given.get("class_path") != restored.get("class_path"):
+        differ = ["class_path"]
+    else:
+        mine, theirs = given.get("init_args") or {}, restored.get("init_args") or {}
+        differ = [f"init_args.{k}" for k in sorted(set(mine) & set(theirs)) if mine[k] != theirs[k]]
+    if differ:
+        settings = ", ".join(
+            f"model.{k.removeprefix('init_args.')}={setting_value(given, k)} (checkpoint: {setting_value(restored, k)})"
+            for k in differ
+        )
+        rank_zero_warn(
+            f"--ckpt_path {ckpt_path}: a resume keeps the model settings saved in the checkpoint, so these given here "
+            f"are not used: {settings}; to train with them, start a new run from its weights: --model.init_from "
+            f"{ckpt_path} without --ckpt_path"
+        )
+
+
+def setting_value(config: dict, dotted: str) -> str:
+    for key in dotted.split("."):
+        config = config[key]
+    text = str(config)
+    return text if len(text) <= 60 else f"{text[:57]}..."
 
 
 def check_model(class_path: str, callbacks) -> None:

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -324,6 +325,22 @@ def test_fit_validate_resume_and_export(micro_target, tmp_path):
 
     out = cli.export(["--ckpt", str(last), "--out", str(tmp_path / "drafter")])
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+
+
+def test_a_resume_names_the_model_settings_it_takes_from_the_checkpoint(micro_target, tmp_path):
+    """A resume takes the model's settings from the checkpoint (LightningCLI's rule, docs/DESIGN.md): a `--model.*`
+    flag that differs from them was ignored without a word. Now one warning names each one and the way to train
+    with it (`--model.init_from`, a new run); the same settings resume without it."""
+    args = fit_args(micro_target, tmp_path, "--trainer.callbacks", "[]", "--checkpoint.every_n_train_steps", "1")
+    cli.run_cli(["fit", *args, "--trainer.max_steps", "1"])
+    last = str(tmp_path / "ckpt" / "last.ckpt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = cli.run_cli(["fit", *args, "--trainer.max_steps", "2", "--ckpt_path", last, "--model.lr", "0.5"])
+        cli.run_cli(["fit", *args, "--trainer.max_steps", "3", "--ckpt_path", last])
+    assert resumed.model.hparams.lr != 0.5 and resumed.trainer.global_step == 2  # Lightning's rule stands
+    ignored = [str(w.message) for w in caught if "--ckpt_path" in str(w.message)]
+    assert len(ignored) == 1 and "model.lr=0.5" in ignored[0] and "--model.init_from" in ignored[0], ignored
 
 
 @pytest.mark.timeout(300)
