@@ -145,8 +145,8 @@ def reading_weights(path: str) -> Iterator[None]:
 @contextmanager
 def reading_checkpoint(file: str) -> Iterator[None]:
     """A checkpoint file that cannot be read (cut short by a full disk or an interrupted download or copy, a shard
-    its index names that is not there, an index that is not JSON) is the user's to fix: one line naming it, as the
-    pipeline's ranks say (inference/runtime/stages.py)."""
+    its index names that is not there, an index that is not JSON) is the user's to fix: one line naming it (the
+    pipeline's ranks read their layers' tensors under it too, inference/runtime/stages.py)."""
     from safetensors import SafetensorError
 
     try:

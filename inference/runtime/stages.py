@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Collection, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -26,9 +25,8 @@ from inference.runtime.cache import RowView, StageCache
 from inference.runtime.capture import CompiledStep
 from inference.runtime.hf_compat import cache_kwargs, rotary_positions
 from inference.runtime.slot_rows import RowSets, leading, mark_static
-from spd_lightning.errors import first_line
 from spd_lightning.geometry import Geometry
-from spd_lightning.target import Target, TargetError, load_hf_config, resolve_dtype
+from spd_lightning.target import Target, TargetError, load_hf_config, reading_checkpoint, resolve_dtype
 from spd_lightning.target_source import resolve_target
 
 # Checkpoint key prefixes of the text model: causal-LM checkpoints use `model.`, the Qwen3.5
@@ -77,32 +75,17 @@ def _checkpoint_index(path: str) -> dict[str, tuple[str, str]]:
 
     index_file = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index_file):
-        with _reading(index_file), open(index_file) as f:
+        with reading_checkpoint(index_file), open(index_file) as f:
             files = json.load(f)["weight_map"]  # name in file -> file
     elif os.path.isfile(os.path.join(path, "model.safetensors")):
         file = os.path.join(path, "model.safetensors")
-        with _reading(file), safe_open(file, framework="pt") as f:
+        with reading_checkpoint(file), safe_open(file, framework="pt") as f:
             files = dict.fromkeys(f.keys(), "model.safetensors")
     else:
         raise TargetError(
             f"{path!r} has no model.safetensors (or index): the pipeline decoder loads safetensors checkpoints only"
         )
     return {_normalize(key): (os.path.join(path, file), key) for key, file in files.items()}
-
-
-@contextmanager
-def _reading(file: str) -> Iterator[None]:
-    """A checkpoint file that cannot be read (cut short by a full disk or an interrupted download or copy, a shard
-    its index names that is not there, an index that is not JSON) is the user's to fix: one line naming it."""
-    from safetensors import SafetensorError
-
-    try:
-        yield
-    except (SafetensorError, OSError, json.JSONDecodeError, KeyError) as e:
-        raise TargetError(
-            f"target checkpoint file {file!r} cannot be read ({type(e).__name__}: {first_line(e)[:160]}): it is "
-            "truncated or incomplete; download, copy or convert the target again"
-        ) from e
 
 
 def _normalize(key: str) -> str:
@@ -133,7 +116,7 @@ def _copy_tensors(path: str, wanted: dict[str, nn.Module], tied: bool, device) -
             by_file.setdefault(file, []).append((stored, name, module))
     with torch.no_grad():
         for file, entries in by_file.items():
-            with _reading(file), safe_open(file, framework="pt", device=str(device)) as f:
+            with reading_checkpoint(file), safe_open(file, framework="pt", device=str(device)) as f:
                 for stored, name, module in entries:
                     owner_name, _, leaf = name.rpartition(".")
                     owner = module.get_submodule(owner_name) if owner_name else module
