@@ -102,7 +102,9 @@ def load_hf_causal_lm(
 ) -> nn.Module:
     """`AutoModelForCausalLM` with the checks a user needs: a missing local path or a hub name that cannot
     be reached fails with one line; remote code runs only when the caller passes `trust_remote_code`.
-    The weights are created on `device` directly (no full copy in CPU memory first)."""
+    The weights are created on `device` directly (no full copy in CPU memory first). Hub kernels stay off, the
+    default before transformers 5.25: 5.25 turns them on, fetching layer code from the hub at load time and failing
+    on the meta device, while the decoders drive the layers the tests check (docs/DESIGN.md, "Supported versions")."""
     from transformers import AutoModelForCausalLM
 
     config = load_hf_config(name_or_path, trust_remote_code)
@@ -117,7 +119,7 @@ def load_hf_causal_lm(
                     f"(a dependency of this package) to load it straight onto the device"
                 )
             model = AutoModelForCausalLM.from_pretrained(
-                path, config=config, dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code
+                path, config=config, dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code, use_kernels=False
             )
             return model.to(device)
         return AutoModelForCausalLM.from_pretrained(
@@ -126,6 +128,7 @@ def load_hf_causal_lm(
             dtype=resolve_dtype(dtype),
             device_map={"": str(device)},
             trust_remote_code=trust_remote_code,
+            use_kernels=False,
         )
 
 
