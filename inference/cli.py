@@ -11,13 +11,13 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import torch
 
 from spd_lightning.eagle3.export import KIND as EAGLE3
 from spd_lightning.errors import Stopped, UsageError, debug_requested, run_main
+from spd_lightning.errors import writing as writing  # re-exported: the commands write their outputs through `cli`
 from spd_lightning.geometry import MODES
 
 DEFAULT_K = 7  # EAGLE-3's chain length
@@ -123,15 +123,6 @@ def check_decoder_args(args: argparse.Namespace) -> None:
         count = torch.cuda.device_count()
         if index is not None and index >= count:
             raise UsageError(f"--device {args.device}: this machine has {count} GPU(s), cuda:0 to cuda:{count - 1}")
-
-
-@contextmanager
-def writing(path: str) -> Iterator[None]:
-    """Output the user asked for: a path that cannot be written is bad input, not a bug."""
-    try:
-        yield
-    except OSError as e:
-        raise UsageError(f"cannot write {path!r}: {e.strerror or e}; choose another output path") from e
 
 
 def debugging(args: argparse.Namespace) -> bool:

@@ -33,8 +33,7 @@ import signal
 import sys
 import traceback
 import warnings
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import lightning as L
 import torch
@@ -54,7 +53,16 @@ from .eagle3.export import KIND as EAGLE3
 from .eagle3.export import load_eagle3, save_eagle3
 from .eagle3.module import Eagle3Module
 from .environment.versions import TRAINING, require_supported
-from .errors import ConfigError, Stopped, UsageError, UserError, debug_requested, first_line, one_line, run_main
+from .errors import (
+    ConfigError,
+    Stopped,
+    UserError,
+    debug_requested,
+    first_line,
+    one_line,
+    run_main,
+    writing,
+)
 from .export import CONFIG_FILE, drafter_kind, load_drafter, save_drafter
 from .training.checkpoint_io import AtomicCheckpointIO
 from .training.module import SPDModule
@@ -370,25 +378,16 @@ def export(args: Sequence[str]) -> str:
         if opts.dtype != "float32":
             parser.error(f"--dtype {opts.dtype} applies to PDM drafters; {opts.ckpt} holds an EAGLE-3 drafter")
         drafter, spec = load_eagle3(opts.ckpt)
-        with writing(opts.out):
+        with writing(opts.out, "the drafter", "choose another --out"):
             out = save_eagle3(drafter, spec, opts.out)
         shape = f"EAGLE-3, features {list(spec.drafter.feature_layers)}, V_d={spec.drafter.draft_vocab_size}"
     else:
         pdm, spec = load_drafter(opts.ckpt)
-        with writing(opts.out):
+        with writing(opts.out, "the drafter", "choose another --out"):
             out = save_drafter(pdm, spec, opts.out, getattr(torch, opts.dtype))
         shape = f"n={spec.geometry.n}, L_s={spec.pdm.num_layers}, V_d={spec.pdm.draft_vocab_size}"
     print(f"exported the drafter of {opts.ckpt} to {out} ({shape}, target {spec.target.name_or_path})")
     return out
-
-
-@contextmanager
-def writing(out: str) -> Iterator[None]:
-    """`export --out`: a directory that cannot be made or written (a file, a path under one) is bad input."""
-    try:
-        yield
-    except OSError as e:
-        raise UsageError(f"cannot write the drafter to {out!r}: {e.strerror or e}; choose another --out") from e
 
 
 def export_main(args: Sequence[str]) -> int:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 import select
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 
 class UserError(ValueError):
@@ -54,6 +55,17 @@ def first_line(error: BaseException) -> str:
 def one_line(error: BaseException) -> str:
     """The whole message of an error on one line (a parser's message spans several), or its type's name."""
     return " ".join(str(error).split()) or type(error).__name__
+
+
+@contextmanager
+def writing(path: str, what: str = "", fix: str = "choose another output path") -> Iterator[None]:
+    """Output the user asked for (`what`, e.g. "the drafter", written to `path`): a path that cannot be written (a
+    file where a directory goes, a path under a file, no permission, a full disk) is bad input, not a bug."""
+    try:
+        yield
+    except OSError as e:
+        target = f"{what} to {path!r}" if what else repr(path)
+        raise UsageError(f"cannot write {target}: {e.strerror or e}; {fix}") from e
 
 
 def debug_requested(flag: bool = False) -> bool:
