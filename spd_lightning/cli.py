@@ -9,7 +9,7 @@ drops the others. Several `--config` files stack, later values winning (Lightnin
 config is complete on its own. Defaults every run gets:
 - a `WandbLogger`, offline when no W&B key is configured (no WANDB_API_KEY and no netrc entry);
 - a `ModelCheckpoint` under `checkpoint.*` that keeps `last.ckpt` (resume: `--ckpt_path .../last.ckpt` or
-  `--ckpt_path last`), also written when SIGTERM stops the run;
+  `--ckpt_path last`), also written when SIGTERM or ctrl-C stops the run;
 - checkpoint files written atomically (`checkpoint_io.py`): a killed run never leaves a half-written one.
 `export --ckpt PATH --out DIR` writes the drafter directory that `inference/` loads, for either kind (the
 checkpoint records it).
@@ -18,8 +18,9 @@ Errors: a `UserError` (a bad setting: geometry, target path, vocabulary, data, a
 line on stderr and exit code 2; anything else is a bug: one line and exit code 1. `--debug` or `SPD_DEBUG=1`
 shows the traceback instead (`spd_lightning.errors.run_main`, the policy of every CLI of the project). A setting
 Lightning itself rejects (e.g. `trainer.val_check_interval` above the batches of an epoch) is bad input too. SIGTERM
-ends `fit` after the current step with exit code 143 (128 + SIGTERM), its checkpoint saved. More subcommands: one
-line in `EXTRA_COMMANDS`.
+ends `fit` after the current step with exit code 143 (128 + SIGTERM), its checkpoint saved; a first ctrl-C does the
+same with exit code 130 (128 + SIGINT), a second stops at once (130, the last periodic checkpoint kept). More
+subcommands: one line in `EXTRA_COMMANDS`.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from .errors import (
 )
 from .export import CONFIG_FILE, drafter_kind, load_drafter, save_drafter
 from .training.checkpoint_io import AtomicCheckpointIO
+from .training.ctrl_c import CTRL_C
 from .training.module import SPDModule
 
 PROG = "python -m spd_lightning"
@@ -76,25 +78,42 @@ DEFAULT_LOGGER = {
 }
 
 
-class CheckpointOnSigterm(ModelCheckpoint):
-    """`ModelCheckpoint` that also saves (and updates last.ckpt) when SIGTERM stops the run: Lightning finishes
-    the current step before it raises `SIGTERMException`, so the checkpoint lies on a step boundary and a resume
-    loses no step. Other exceptions save only with `save_on_exception: true`."""
+class CheckpointOnStop(ModelCheckpoint):
+    """`ModelCheckpoint` that also saves (and updates last.ckpt) when SIGTERM or a first ctrl-C stops the run
+    (`training/ctrl_c.py`): Lightning finishes the current step before it raises `SIGTERMException`, so the
+    checkpoint lies on a step boundary and a resume loses no step. Other exceptions save only with
+    `save_on_exception: true`."""
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         if stage == "fit":
             check_checkpoint_dir(trainer, self.dirpath)
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        CTRL_C.install(trainer)  # after Lightning notes the signal handlers it restores at the end (`setup` is before)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        super().teardown(trainer, pl_module, stage)
+        if stage == "fit":
+            CTRL_C.uninstall()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        CTRL_C.after_step()
+
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        if isinstance(exception, SIGTERMException) and not self.save_on_exception:
-            self.save_on_exception = True
-            try:
+        try:
+            if isinstance(exception, SIGTERMException) and not self.save_on_exception:
+                self.save_on_exception = True
+                try:
+                    super().on_exception(trainer, pl_module, exception)
+                finally:
+                    self.save_on_exception = False
+            else:
                 super().on_exception(trainer, pl_module, exception)
-            finally:
-                self.save_on_exception = False
-        else:
-            super().on_exception(trainer, pl_module, exception)
+        finally:
+            CTRL_C.uninstall()  # Lightning calls no `teardown` hook after an exception
 
 
 def check_checkpoint_dir(trainer, dirpath) -> None:
@@ -145,7 +164,7 @@ class SPDLightningCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("model.init_args.target", "data.tokenizer")
-        parser.add_lightning_class_args(CheckpointOnSigterm, "checkpoint")
+        parser.add_lightning_class_args(CheckpointOnStop, "checkpoint")
         parser.set_defaults(
             {"model": {"class_path": DEFAULT_MODEL}, "checkpoint.save_last": True, "checkpoint.dirpath": None}
         )
@@ -417,17 +436,26 @@ def dispatch(args: Sequence[str]) -> int:
     try:
         run_cli(args)
     except SIGTERMException:  # a SystemExit without a code: it would exit 0 as if the run had finished
+        by, code = ("ctrl-C", 128 + signal.SIGINT) if CTRL_C.stopped_the_run else ("SIGTERM", 128 + signal.SIGTERM)
         raise Stopped(
-            "stopped by SIGTERM after a complete step, saved as last.ckpt: resume with `--ckpt_path last`",
-            128 + signal.SIGTERM,
+            f"stopped by {by} after a complete step, saved as last.ckpt: resume with `--ckpt_path last`", code
         ) from None
+    except KeyboardInterrupt:  # before Lightning's fit began, which has its own handling
+        raise Stopped("interrupted by ctrl-C before training began: no step to save", 128 + signal.SIGINT) from None
+    except SystemExit as e:
+        if CTRL_C.presses < 2:
+            raise
+        raise Stopped(  # Lightning's end for a KeyboardInterrupt: exit code 1
+            "stopped at once by a second ctrl-C: resume from the last periodic checkpoint with `--ckpt_path last`",
+            128 + signal.SIGINT,
+        ) from e
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Runs a subcommand and exits: 0 done, 2 a `UserError` (one line), 1 a bug (one line; the traceback with
-    `--debug` or SPD_DEBUG=1), 143 stopped by SIGTERM after a saved step. DDP starts each rank with this process's
-    command line, so every rank takes `--debug` out the same way."""
+    `--debug` or SPD_DEBUG=1), 143 stopped by SIGTERM after a saved step, 130 by ctrl-C. DDP starts each rank with
+    this process's command line, so every rank takes `--debug` out the same way."""
     require_supported(TRAINING)  # `python -m spd_lightning.prepare` etc. come here without __main__.py
     args = list(sys.argv[1:] if argv is None else argv)
     debug = debug_requested("--debug" in args)

@@ -321,25 +321,30 @@ def saved_step(path) -> int:
         return -1
 
 
-def fit_and_kill(chat_target, root, sig, after_step: int = 3, timeout: float = 120) -> subprocess.CompletedProcess:
-    """`python -m spd_lightning fit` in a subprocess (one thread), sent `sig` once last.ckpt holds `after_step`."""
+def fit_and_kill(
+    chat_target, root, sig, after_step: int = 3, timeout: float = 120, extra: tuple = (), group: bool = False
+) -> subprocess.CompletedProcess:
+    """`python -m spd_lightning fit` in a subprocess (one thread), sent `sig` once last.ckpt holds `after_step`: to
+    the process, or with `group` to its whole process group, as a terminal sends ctrl-C."""
     env = {**os.environ, "PYTHONPATH": REPO, "WANDB_MODE": "disabled"}
     cmd = [
         sys.executable,
         "-m",
         "spd_lightning",
         "fit",
-        *resume_fit_args(chat_target, root, "--trainer.max_steps", "1000"),
+        *resume_fit_args(chat_target, root, "--trainer.max_steps", "1000", *extra),
     ]
     last = root / "ckpt" / "last.ckpt"
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=group
+    )
     deadline = time.time() + timeout
     try:
         while saved_step(last) < after_step:
             assert proc.poll() is None, proc.communicate()[0][-3000:]
             assert time.time() < deadline, "no checkpoint in time"
             time.sleep(0.05)
-        proc.send_signal(sig)
+        os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
         out, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
@@ -387,6 +392,20 @@ def test_killed_fit_leaves_a_loadable_last_ckpt_and_resumes(chat_target, tmp_pat
     if sig == signal.SIGTERM:
         assert "Received SIGTERM" in killed.stdout
     assert killed.returncode != 0, killed.stdout[-2000:]
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_stops_fit_after_a_step_in_one_line_with_exit_130(chat_target, tmp_path):
+    """ctrl-C from a terminal reaches the whole process group, the loader's workers too (`num_workers` 2, which
+    ignore it): `fit` completes its step, saves it and ends with one line and exit code 130, and resumes from it."""
+    killed = fit_and_kill(chat_target, tmp_path, signal.SIGINT, extra=("--data.num_workers", "2"), group=True)
+    assert killed.returncode == 130, killed.stdout[-3000:]
+    lines = killed.stdout.strip().splitlines()
+    assert lines[-1].startswith("error: stopped by ctrl-C after a complete step, saved as last.ckpt"), lines[-5:]
+    assert "Traceback" not in killed.stdout and "KeyboardInterrupt" not in killed.stdout
+    ckpt = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
+    step = ckpt["global_step"]
+    assert 3 <= step < 24 and ckpt["ChatDataModule"]["train_position"]["offset"] == 2 * step
 
 
 # -- how Lightning writes last.ckpt ---------------------------------------------------------------------

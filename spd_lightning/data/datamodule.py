@@ -25,10 +25,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
+from functools import partial
 
 import datasets
 import numpy as np
 import torch
+from lightning.fabric.utilities.seed import pl_worker_init_function
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
@@ -52,6 +55,15 @@ from .tokenized import (
 from .vocab import check_draft_vocab_size, load_or_build_d2t
 
 DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "spd_lightning", "data")
+
+
+def init_worker(worker_id: int, rank: int) -> None:
+    """A loader worker ignores ctrl-C, which a terminal sends it too: the main process stops the run after its step
+    (`training/ctrl_c.py`) and ends the workers; a worker that stopped on its own would fail that step's next batch.
+    Lightning seeds the worker as it would without a `worker_init_fn` of ours (`seed_everything(workers=True)`)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if int(os.environ.get("PL_SEED_WORKERS", 0)):
+        pl_worker_init_function(worker_id, rank)
 
 
 class ChatDataModule(LightningDataModule):
@@ -217,12 +229,14 @@ class ChatDataModule(LightningDataModule):
 
     # -- loaders ----------------------------------------------------------------------------------
     def _loader_kwargs(self) -> dict:
+        rank = self.trainer.global_rank if self.trainer is not None else 0
         return dict(
             batch_size=self.batch_size,
             collate_fn=self.collate if self.state_cache is None else StateCollator(self.collate),
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             pin_memory=torch.cuda.is_available(),
+            worker_init_fn=partial(init_worker, rank=rank) if self.num_workers > 0 else None,
         )
 
     def _require_setup(self) -> None:

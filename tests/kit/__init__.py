@@ -62,6 +62,7 @@ from .targets import (
     target_dir,
 )
 from .training import (
+    CtrlCAt,
     Record,
     RecordSamples,
     StopAt,
@@ -140,4 +141,5 @@ __all__ = [
     "started",
     "still_alive",
     "target_dir",
+    "CtrlCAt",
 ]

@@ -1,8 +1,11 @@
 """Training without the command line: a synthetic data module, a ShareGPT-style chat set and its data module, an
 SPDModule with small defaults, a quiet CPU Trainer, a stand-in trainer for a step without one, and what a run
 trained on, in order (tests/test_resume.py, also inside its DDP child processes): recorders of the steps, samples
-and losses, an interruption, and a model that trains on nothing but the data order."""
+and losses, an interruption (`StopAt`, or ctrl-C pressed: `CtrlCAt`), and a model that trains on nothing but the data
+order."""
 
+import os
+import signal
 from types import SimpleNamespace
 
 import lightning as L
@@ -152,6 +155,18 @@ class Record(L.Callback):
         self.steps.append(trainer.global_step)
         self.batches.append(sample_keys(batch))
         self.losses.append(float(outputs["loss"]))
+
+
+class CtrlCAt(L.Callback):
+    """Presses ctrl-C (SIGINT to this process) `times` times during step `step`, on rank `rank` only."""
+
+    def __init__(self, step: int, times: int = 1, rank: int = 0):
+        self.step, self.times, self.rank = step, times, rank
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step + 1 == self.step and trainer.global_rank == self.rank:
+            for _ in range(self.times):
+                os.kill(os.getpid(), signal.SIGINT)
 
 
 class StopAt(L.Callback):

@@ -1,0 +1,147 @@
+"""Ctrl-C in `fit` (spd_lightning/training/ctrl_c.py): the first press stops after a complete step with last.ckpt
+saved, a second stops at once; with several ranks every rank stops at the same step, whichever rank was pressed.
+The command line's exit codes and the loader workers: tests/test_resume.py (`test_ctrl_c_...`)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import lightning as L
+import pytest
+import torch
+from kit import REPO, CtrlCAt, Record, RecordSamples, make_data
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from spd_lightning import cli
+from spd_lightning.cli import CheckpointOnStop
+from spd_lightning.errors import Stopped
+from spd_lightning.training.ctrl_c import CTRL_C
+
+
+def fit(chat_target, root, *callbacks, **trainer_args):
+    checkpoint = CheckpointOnStop(dirpath=str(root), save_last=True, every_n_train_steps=100)
+    args = dict(accelerator="cpu", max_steps=20, logger=False, enable_progress_bar=False, limit_val_batches=0)
+    trainer = L.Trainer(default_root_dir=str(root), callbacks=[checkpoint, *callbacks], **{**args, **trainer_args})
+    trainer.fit(RecordSamples(), datamodule=make_data(chat_target))
+    return trainer
+
+
+@pytest.mark.timeout(120)
+def test_a_first_ctrl_c_stops_after_the_step_with_its_checkpoint(chat_target, tmp_path):
+    record = Record()
+    with pytest.raises(SystemExit) as stopped:  # Lightning's SIGTERMException, which `dispatch` makes exit 130
+        fit(chat_target, tmp_path, record, CtrlCAt(7))
+    assert stopped.value.code is None and CTRL_C.stopped_the_run and CTRL_C.presses == 1
+    assert record.steps == [1, 2, 3, 4, 5, 6, 7]  # the step pressed in is completed, no later one starts
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 7
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is gone with the run
+
+
+@pytest.mark.timeout(120)
+def test_a_second_ctrl_c_stops_at_once(chat_target, tmp_path):
+    record = Record()
+    with pytest.raises(SystemExit) as stopped:
+        fit(chat_target, tmp_path, record, CtrlCAt(4, times=2))
+    assert stopped.value.code == 1 and CTRL_C.presses == 2  # Lightning's end for a KeyboardInterrupt
+    assert record.steps == [1, 2, 3] and not (tmp_path / "last.ckpt").exists()
+
+
+def test_a_run_without_ctrl_c_keeps_the_default_handler(chat_target, tmp_path):
+    fit(chat_target, tmp_path, max_steps=2)
+    assert not CTRL_C.stopped_the_run and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_loader_workers_ignore_ctrl_c(chat_target):
+    """A terminal's ctrl-C reaches the loader's workers too; they must live on to hand over the batches the step in
+    progress and the validation batch in progress still fetch (the main process ends them)."""
+    data = make_data(chat_target, num_workers=2)
+    data.setup("fit")
+    loader = data.train_dataloader()
+    batches = iter(loader)
+    next(batches)
+    for worker in batches._workers:
+        os.kill(worker.pid, signal.SIGINT)
+    time.sleep(0.5)
+    assert all(worker.is_alive() for worker in batches._workers)
+    assert len(list(batches)) == len(loader) - 1
+
+
+@pytest.mark.parametrize(
+    "presses, raised, code, says",
+    [
+        (1, SIGTERMException(), 130, "stopped by ctrl-C after a complete step, saved as last.ckpt"),
+        (0, SIGTERMException(), 143, "stopped by SIGTERM after a complete step, saved as last.ckpt"),
+        (2, SystemExit(1), 130, "stopped at once by a second ctrl-C"),
+        (0, KeyboardInterrupt(), 130, "interrupted by ctrl-C before training began"),
+    ],
+)
+def test_the_command_line_names_what_stopped_the_run(monkeypatch, presses, raised, code, says):
+    def run_cli(args):
+        CTRL_C.presses = presses
+        raise raised
+
+    monkeypatch.setattr(cli, "run_cli", run_cli)
+    with pytest.raises(Stopped) as stopped:
+        cli.dispatch(["fit"])
+    assert stopped.value.exit_code == code and str(stopped.value).startswith(says)
+
+
+def test_a_bug_that_exits_is_not_taken_for_ctrl_c(monkeypatch):
+    monkeypatch.setattr(cli, "run_cli", lambda args: sys.exit(1))
+    CTRL_C.presses = 0
+    with pytest.raises(SystemExit):
+        cli.dispatch(["fit"])
+
+
+DDP_SCRIPT = """
+import json, os, sys
+import torch
+torch.set_num_threads(1)
+import lightning as L
+sys.path.insert(0, {tests!r})
+from kit import CtrlCAt, Record, RecordSamples, make_data
+from spd_lightning.cli import CheckpointOnStop
+from spd_lightning.training.ctrl_c import CTRL_C
+
+chat_target, out, pressed_rank = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+record = Record()
+callbacks = [CheckpointOnStop(dirpath=out, save_last=True, every_n_train_steps=100), record, CtrlCAt(3, rank=pressed_rank)]
+trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=20, logger=False,
+                    enable_progress_bar=False, limit_val_batches=0, default_root_dir=out, callbacks=callbacks)
+try:
+    trainer.fit(RecordSamples(), datamodule=make_data(chat_target))
+    end = "finished"
+except SystemExit as e:
+    end = f"exit {{e.code}}"
+with open(f"{{out}}/rank{{trainer.global_rank}}.json", "w") as f:
+    json.dump({{"end": end, "steps": record.steps, "presses": CTRL_C.presses}}, f)
+"""
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("pressed_rank", [0, 1])
+def test_ranks_stop_together_whichever_rank_is_pressed(chat_target, tmp_path, pressed_rank):
+    """Lightning's DDP (gloo, 2 CPU processes): one rank hears ctrl-C during step 3; both complete it and stop
+    there, and last.ckpt holds step 3. A rank that stopped alone would leave the other in a collective (a hang)."""
+    script = tmp_path / "ddp_ctrl_c.py"
+    script.write_text(DDP_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.Popen(
+        [sys.executable, str(script), json.dumps(chat_target), str(tmp_path), str(pressed_rank)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # the ranks Lightning starts are in its group: a hang is killed whole
+    )
+    try:
+        out, _ = proc.communicate(timeout=100)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"the ranks did not stop together (a hang): {proc.communicate()[0][-3000:]}")
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks == [{"end": "exit None", "steps": [1, 2, 3], "presses": 1}] * 2, out[-3000:]
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 3
