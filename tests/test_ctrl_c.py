@@ -108,7 +108,8 @@ from spd_lightning.training.ctrl_c import CTRL_C
 
 chat_target, out, pressed_rank = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 record = Record()
-callbacks = [CheckpointOnStop(dirpath=out, save_last=True, every_n_train_steps=100), record, CtrlCAt(3, rank=pressed_rank)]
+checkpoint = CheckpointOnStop(dirpath=out, save_last=True, every_n_train_steps=100)
+callbacks = [checkpoint, record, CtrlCAt(3, rank=pressed_rank)]
 trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=20, logger=False,
                     enable_progress_bar=False, limit_val_batches=0, default_root_dir=out, callbacks=callbacks)
 try:
@@ -124,8 +125,9 @@ with open(f"{{out}}/rank{{trainer.global_rank}}.json", "w") as f:
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("pressed_rank", [0, 1])
 def test_ranks_stop_together_whichever_rank_is_pressed(chat_target, tmp_path, pressed_rank):
-    """Lightning's DDP (gloo, 2 CPU processes): one rank hears ctrl-C during step 3; both complete it and stop
-    there, and last.ckpt holds step 3. A rank that stopped alone would leave the other in a collective (a hang)."""
+    """Lightning's DDP (gloo, 2 CPU processes): one rank hears ctrl-C during step 3; the ranks agree on it during
+    step 4 and both stop after it, and last.ckpt holds step 4. A rank that stopped alone would leave the other in a
+    collective (a hang)."""
     script = tmp_path / "ddp_ctrl_c.py"
     script.write_text(DDP_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.Popen(
@@ -143,5 +145,5 @@ def test_ranks_stop_together_whichever_rank_is_pressed(chat_target, tmp_path, pr
         os.killpg(proc.pid, signal.SIGKILL)
         pytest.fail(f"the ranks did not stop together (a hang): {proc.communicate()[0][-3000:]}")
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert ranks == [{"end": "exit None", "steps": [1, 2, 3], "presses": 1}] * 2, out[-3000:]
-    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 3
+    assert ranks == [{"end": "exit None", "steps": [1, 2, 3, 4], "presses": 1}] * 2, out[-3000:]
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 4

@@ -6,10 +6,11 @@ saves on it), so a resume loses no step. A second press is an ordinary `Keyboard
 and the last periodic checkpoint is the one to resume from.
 
 With several ranks no rank may stop on its own: a terminal's ctrl-C reaches every rank, each at another point of
-its step, and a rank that stops alone leaves the others waiting in a collective. So a press is only noted, and at
-the end of every training step the ranks agree (the most presses over a gloo group: host memory only, never a
-device sync), then stop at the same step boundary. One process stops as SIGTERM would, after the validation batch
-it may be in. DataLoader workers ignore ctrl-C (`spd_lightning.data.datamodule`): the main process ends them.
+its step, and a rank that stops alone leaves the others waiting in a collective. So a press is only noted: at the
+end of every training step the ranks start to agree (the most presses over a gloo group: host memory only, never a
+device sync), and at the next step's end all of them read the result and stop there together if any was pressed.
+One process stops as SIGTERM would, after the step or the validation batch it is in. DataLoader workers ignore
+ctrl-C (`spd_lightning.data.datamodule`): the main process ends them.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class CtrlC:
         self._trainer = None
         self._previous = None
         self._group = None
+        self._pending = None  # the agreement in flight (a gloo `Work`)
         self._agreed = torch.zeros(1, dtype=torch.int64)  # host memory: what the ranks reduce
 
     def install(self, trainer) -> None:
@@ -47,9 +49,11 @@ class CtrlC:
     def uninstall(self) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
+        if self._pending is not None:
+            self._pending.wait()  # every rank started it at the same step, so it ends
         if self._group is not None:
             dist.destroy_process_group(self._group)
-        self._trainer = self._previous = self._group = None
+        self._trainer = self._previous = self._group = self._pending = None
 
     @property
     def stopped_the_run(self) -> bool:
@@ -65,14 +69,19 @@ class CtrlC:
             self._stop()
 
     def after_step(self) -> None:
-        """At the end of every training step: with several ranks, all of them stop here if any was pressed."""
+        """At the end of every training step, with several ranks: all of them stop here if any had been pressed by
+        the end of the step before. The agreement runs on gloo's thread during the step between (`async_op`), so
+        no step waits for its latency."""
         if self._group is None or self._trainer is None:
             return
+        if self._pending is not None:
+            self._pending.wait()
+            if self._agreed.item():
+                self.presses = max(self.presses, 1)
+                self._stop()
+                return
         self._agreed.fill_(self.presses)
-        dist.all_reduce(self._agreed, op=dist.ReduceOp.MAX, group=self._group)
-        if self._agreed.item():
-            self.presses = max(self.presses, 1)
-            self._stop()
+        self._pending = dist.all_reduce(self._agreed, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
 
     def _stop(self) -> None:
         # Lightning's flag for SIGTERM: its loops read it at a step's end and between validation batches (it has no
