@@ -66,8 +66,8 @@ from .errors import (
 )
 from .export import CONFIG_FILE, drafter_kind, load_drafter, save_drafter
 from .training.checkpoint_io import AtomicCheckpointIO
-from .training.ctrl_c import CTRL_C
 from .training.module import SPDModule
+from .training.stopping import STOP
 
 PROG = "python -m spd_lightning"
 SHARDED_METADATA = "meta.pt"  # what marks a directory as Lightning's sharded (FSDP) checkpoint
@@ -80,7 +80,7 @@ DEFAULT_LOGGER = {
 
 class CheckpointOnStop(ModelCheckpoint):
     """`ModelCheckpoint` that also saves (and updates last.ckpt) when SIGTERM or a first ctrl-C stops the run
-    (`training/ctrl_c.py`): Lightning finishes the current step before it raises `SIGTERMException`, so the
+    (`training/stopping.py`): Lightning finishes the current step before it raises `SIGTERMException`, so the
     checkpoint lies on a step boundary and a resume loses no step. Other exceptions save only with
     `save_on_exception: true`."""
 
@@ -91,16 +91,17 @@ class CheckpointOnStop(ModelCheckpoint):
 
     def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)
-        CTRL_C.install(trainer)  # after Lightning notes the signal handlers it restores at the end (`setup` is before)
+        # not in `setup`: Lightning installs its own handlers after it, noting the ones it finds to put them back
+        STOP.install(trainer)
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         super().teardown(trainer, pl_module, stage)
         if stage == "fit":
-            CTRL_C.uninstall()
+            STOP.uninstall()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        CTRL_C.after_step()
+        STOP.after_step()
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         try:
@@ -113,7 +114,7 @@ class CheckpointOnStop(ModelCheckpoint):
             else:
                 super().on_exception(trainer, pl_module, exception)
         finally:
-            CTRL_C.uninstall()  # Lightning calls no `teardown` hook after an exception
+            STOP.uninstall()  # Lightning calls no `teardown` hook after an exception
 
 
 def check_checkpoint_dir(trainer, dirpath) -> None:
@@ -436,14 +437,16 @@ def dispatch(args: Sequence[str]) -> int:
     try:
         run_cli(args)
     except SIGTERMException:  # a SystemExit without a code: it would exit 0 as if the run had finished
-        by, code = ("ctrl-C", 128 + signal.SIGINT) if CTRL_C.stopped_the_run else ("SIGTERM", 128 + signal.SIGTERM)
+        by, code = (
+            ("ctrl-C", 128 + signal.SIGINT) if STOP.signal == signal.SIGINT else ("SIGTERM", 128 + signal.SIGTERM)
+        )
         raise Stopped(
             f"stopped by {by} after a complete step, saved as last.ckpt: resume with `--ckpt_path last`", code
         ) from None
     except KeyboardInterrupt:  # before Lightning's fit began, which has its own handling
         raise Stopped("interrupted by ctrl-C before training began: no step to save", 128 + signal.SIGINT) from None
     except SystemExit as e:
-        if CTRL_C.presses < 2:
+        if STOP.presses < 2:
             raise
         raise Stopped(  # Lightning's end for a KeyboardInterrupt: exit code 1
             "stopped at once by a second ctrl-C: resume from the last periodic checkpoint with `--ckpt_path last`",

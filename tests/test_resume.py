@@ -390,7 +390,7 @@ def test_killed_fit_leaves_a_loadable_last_ckpt_and_resumes(chat_target, tmp_pat
     assert resumed.trainer.global_step == step + 2 and not not_resumable_warnings(caught)
     assert torch.load(last, weights_only=True)["global_step"] == step + 2
     if sig == signal.SIGTERM:
-        assert "Received SIGTERM" in killed.stdout
+        assert "SIGTERM: stopping after this step with last.ckpt saved" in killed.stdout
     assert killed.returncode != 0, killed.stdout[-2000:]
 
 

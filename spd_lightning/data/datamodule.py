@@ -59,7 +59,7 @@ DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "spd_lightning", "data")
 
 def init_worker(worker_id: int, rank: int) -> None:
     """A loader worker ignores ctrl-C, which a terminal sends it too: the main process stops the run after its step
-    (`training/ctrl_c.py`) and ends the workers; a worker that stopped on its own would fail that step's next batch.
+    (`training/stopping.py`) and ends the workers; a worker that stopped on its own would fail that step's next batch.
     Lightning seeds the worker as it would without a `worker_init_fn` of ours (`seed_everything(workers=True)`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if int(os.environ.get("PL_SEED_WORKERS", 0)):

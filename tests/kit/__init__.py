@@ -62,9 +62,9 @@ from .targets import (
     target_dir,
 )
 from .training import (
-    CtrlCAt,
     Record,
     RecordSamples,
+    SignalAt,
     StopAt,
     SyntheticChat,
     attach_stub_trainer,
@@ -141,5 +141,5 @@ __all__ = [
     "started",
     "still_alive",
     "target_dir",
-    "CtrlCAt",
+    "SignalAt",
 ]

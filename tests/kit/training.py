@@ -1,7 +1,7 @@
 """Training without the command line: a synthetic data module, a ShareGPT-style chat set and its data module, an
 SPDModule with small defaults, a quiet CPU Trainer, a stand-in trainer for a step without one, and what a run
 trained on, in order (tests/test_resume.py, also inside its DDP child processes): recorders of the steps, samples
-and losses, an interruption (`StopAt`, or ctrl-C pressed: `CtrlCAt`), and a model that trains on nothing but the data
+and losses, an interruption (`StopAt`, or a signal: `SignalAt`), and a model that trains on nothing but the data
 order."""
 
 import os
@@ -157,16 +157,16 @@ class Record(L.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-class CtrlCAt(L.Callback):
-    """Presses ctrl-C (SIGINT to this process) `times` times during step `step`, on rank `rank` only."""
+class SignalAt(L.Callback):
+    """Sends this process `signum` (ctrl-C by default) `times` times during step `step`, on rank `rank` only."""
 
-    def __init__(self, step: int, times: int = 1, rank: int = 0):
-        self.step, self.times, self.rank = step, times, rank
+    def __init__(self, step: int, signum: int = signal.SIGINT, times: int = 1, rank: int = 0):
+        self.step, self.signum, self.times, self.rank = step, signum, times, rank
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step + 1 == self.step and trainer.global_rank == self.rank:
             for _ in range(self.times):
-                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), self.signum)
 
 
 class StopAt(L.Callback):

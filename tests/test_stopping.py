@@ -1,6 +1,6 @@
-"""Ctrl-C in `fit` (spd_lightning/training/ctrl_c.py): the first press stops after a complete step with last.ckpt
-saved, a second stops at once; with several ranks every rank stops at the same step, whichever rank was pressed.
-The command line's exit codes and the loader workers: tests/test_resume.py (`test_ctrl_c_...`)."""
+"""Stopping `fit` by a signal (spd_lightning/training/stopping.py): SIGTERM or a first ctrl-C stops after a complete
+step with last.ckpt saved, a second ctrl-C stops at once; with several ranks every rank stops at the same step,
+whichever rank heard the signal. The command line itself: tests/test_resume.py (`test_ctrl_c_...`)."""
 
 import json
 import os
@@ -12,13 +12,13 @@ import time
 import lightning as L
 import pytest
 import torch
-from kit import REPO, CtrlCAt, Record, RecordSamples, make_data
+from kit import REPO, Record, RecordSamples, SignalAt, make_data
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from spd_lightning import cli
 from spd_lightning.cli import CheckpointOnStop
 from spd_lightning.errors import Stopped
-from spd_lightning.training.ctrl_c import CTRL_C
+from spd_lightning.training.stopping import STOP
 
 
 def fit(chat_target, root, *callbacks, **trainer_args):
@@ -30,28 +30,30 @@ def fit(chat_target, root, *callbacks, **trainer_args):
 
 
 @pytest.mark.timeout(120)
-def test_a_first_ctrl_c_stops_after_the_step_with_its_checkpoint(chat_target, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
+def test_a_signal_stops_after_the_step_with_its_checkpoint(chat_target, tmp_path, signum):
     record = Record()
-    with pytest.raises(SystemExit) as stopped:  # Lightning's SIGTERMException, which `dispatch` makes exit 130
-        fit(chat_target, tmp_path, record, CtrlCAt(7))
-    assert stopped.value.code is None and CTRL_C.stopped_the_run and CTRL_C.presses == 1
-    assert record.steps == [1, 2, 3, 4, 5, 6, 7]  # the step pressed in is completed, no later one starts
+    with pytest.raises(SystemExit) as stopped:  # Lightning's SIGTERMException, which `dispatch` makes exit 130/143
+        fit(chat_target, tmp_path, record, SignalAt(7, signum))
+    assert stopped.value.code is None and STOP.signal == signum
+    assert record.steps == [1, 2, 3, 4, 5, 6, 7]  # the step signalled in is completed, no later one starts
     assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 7
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is gone with the run
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are gone with the run
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 @pytest.mark.timeout(120)
 def test_a_second_ctrl_c_stops_at_once(chat_target, tmp_path):
     record = Record()
     with pytest.raises(SystemExit) as stopped:
-        fit(chat_target, tmp_path, record, CtrlCAt(4, times=2))
-    assert stopped.value.code == 1 and CTRL_C.presses == 2  # Lightning's end for a KeyboardInterrupt
+        fit(chat_target, tmp_path, record, SignalAt(4, times=2))
+    assert stopped.value.code == 1 and STOP.presses == 2  # Lightning's end for a KeyboardInterrupt
     assert record.steps == [1, 2, 3] and not (tmp_path / "last.ckpt").exists()
 
 
 def test_a_run_without_ctrl_c_keeps_the_default_handler(chat_target, tmp_path):
     fit(chat_target, tmp_path, max_steps=2)
-    assert not CTRL_C.stopped_the_run and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert STOP.signal is None and signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_loader_workers_ignore_ctrl_c(chat_target):
@@ -80,7 +82,7 @@ def test_loader_workers_ignore_ctrl_c(chat_target):
 )
 def test_the_command_line_names_what_stopped_the_run(monkeypatch, presses, raised, code, says):
     def run_cli(args):
-        CTRL_C.presses = presses
+        STOP.signal, STOP.presses = signal.SIGINT if presses else signal.SIGTERM, presses
         raise raised
 
     monkeypatch.setattr(cli, "run_cli", run_cli)
@@ -91,7 +93,7 @@ def test_the_command_line_names_what_stopped_the_run(monkeypatch, presses, raise
 
 def test_a_bug_that_exits_is_not_taken_for_ctrl_c(monkeypatch):
     monkeypatch.setattr(cli, "run_cli", lambda args: sys.exit(1))
-    CTRL_C.presses = 0
+    STOP.presses = 0
     with pytest.raises(SystemExit):
         cli.dispatch(["fit"])
 
@@ -102,14 +104,14 @@ import torch
 torch.set_num_threads(1)
 import lightning as L
 sys.path.insert(0, {tests!r})
-from kit import CtrlCAt, Record, RecordSamples, make_data
+from kit import Record, RecordSamples, SignalAt, make_data
 from spd_lightning.cli import CheckpointOnStop
-from spd_lightning.training.ctrl_c import CTRL_C
+from spd_lightning.training.stopping import STOP
 
-chat_target, out, pressed_rank = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+chat_target, out, pressed_rank, signum = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 record = Record()
 checkpoint = CheckpointOnStop(dirpath=out, save_last=True, every_n_train_steps=100)
-callbacks = [checkpoint, record, CtrlCAt(3, rank=pressed_rank)]
+callbacks = [checkpoint, record, SignalAt(3, signum, rank=pressed_rank)]
 trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=20, logger=False,
                     enable_progress_bar=False, limit_val_batches=0, default_root_dir=out, callbacks=callbacks)
 try:
@@ -118,20 +120,21 @@ try:
 except SystemExit as e:
     end = f"exit {{e.code}}"
 with open(f"{{out}}/rank{{trainer.global_rank}}.json", "w") as f:
-    json.dump({{"end": end, "steps": record.steps, "presses": CTRL_C.presses}}, f)
+    json.dump({{"end": end, "steps": record.steps, "signal": STOP.signal}}, f)
 """
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
 @pytest.mark.parametrize("pressed_rank", [0, 1])
-def test_ranks_stop_together_whichever_rank_is_pressed(chat_target, tmp_path, pressed_rank):
-    """Lightning's DDP (gloo, 2 CPU processes): one rank hears ctrl-C during step 3; the ranks agree on it during
+def test_ranks_stop_together_whichever_rank_is_signalled(chat_target, tmp_path, pressed_rank, signum):
+    """Lightning's DDP (gloo, 2 CPU processes): one rank hears the signal during step 3; the ranks agree on it during
     step 4 and both stop after it, and last.ckpt holds step 4. A rank that stopped alone would leave the other in a
-    collective (a hang)."""
-    script = tmp_path / "ddp_ctrl_c.py"
+    collective, and so does Lightning's own SIGTERM handler (a hang, seen before stopping.py took SIGTERM over)."""
+    script = tmp_path / "ddp_stop.py"
     script.write_text(DDP_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.Popen(
-        [sys.executable, str(script), json.dumps(chat_target), str(tmp_path), str(pressed_rank)],
+        [sys.executable, str(script), json.dumps(chat_target), str(tmp_path), str(pressed_rank), str(int(signum))],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": REPO},
         stdout=subprocess.PIPE,
@@ -145,5 +148,5 @@ def test_ranks_stop_together_whichever_rank_is_pressed(chat_target, tmp_path, pr
         os.killpg(proc.pid, signal.SIGKILL)
         pytest.fail(f"the ranks did not stop together (a hang): {proc.communicate()[0][-3000:]}")
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert ranks == [{"end": "exit None", "steps": [1, 2, 3, 4], "presses": 1}] * 2, out[-3000:]
+    assert ranks == [{"end": "exit None", "steps": [1, 2, 3, 4], "signal": signum}] * 2, out[-3000:]
     assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 4
