@@ -94,10 +94,9 @@ class CheckpointOnStop(ModelCheckpoint):
         # not in `setup`: Lightning installs its own handlers after it, noting the ones it finds to put them back
         STOP.install(trainer)
 
-    def teardown(self, trainer, pl_module, stage: str) -> None:
-        super().teardown(trainer, pl_module, stage)
-        if stage == "fit":
-            STOP.uninstall()
+    def on_train_end(self, trainer, pl_module) -> None:
+        super().on_train_end(trainer, pl_module)
+        STOP.uninstall()  # not in `teardown`: Lightning puts back the handlers it found before it calls that
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)

@@ -21,6 +21,10 @@ from spd_lightning.errors import Stopped
 from spd_lightning.training.stopping import STOP
 
 
+def handlers() -> dict:
+    return {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+
+
 def fit(chat_target, root, *callbacks, **trainer_args):
     checkpoint = CheckpointOnStop(dirpath=str(root), save_last=True, every_n_train_steps=100)
     args = dict(accelerator="cpu", max_steps=20, logger=False, enable_progress_bar=False, limit_val_batches=0)
@@ -32,14 +36,13 @@ def fit(chat_target, root, *callbacks, **trainer_args):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
 def test_a_signal_stops_after_the_step_with_its_checkpoint(chat_target, tmp_path, signum):
-    record = Record()
+    record, before = Record(), handlers()
     with pytest.raises(SystemExit) as stopped:  # Lightning's SIGTERMException, which `dispatch` makes exit 130/143
         fit(chat_target, tmp_path, record, SignalAt(7, signum))
     assert stopped.value.code is None and STOP.signal == signum
     assert record.steps == [1, 2, 3, 4, 5, 6, 7]  # the step signalled in is completed, no later one starts
     assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 7
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are gone with the run
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert handlers() == before  # the handlers are gone with the run
 
 
 @pytest.mark.timeout(120)
@@ -51,9 +54,10 @@ def test_a_second_ctrl_c_stops_at_once(chat_target, tmp_path):
     assert record.steps == [1, 2, 3] and not (tmp_path / "last.ckpt").exists()
 
 
-def test_a_run_without_ctrl_c_keeps_the_default_handler(chat_target, tmp_path):
+def test_a_run_without_a_signal_leaves_the_handlers_as_they_were(chat_target, tmp_path):
+    before = handlers()
     fit(chat_target, tmp_path, max_steps=2)
-    assert STOP.signal is None and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert STOP.signal is None and handlers() == before
 
 
 def test_loader_workers_ignore_ctrl_c(chat_target):
