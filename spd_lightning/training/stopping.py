@@ -52,6 +52,9 @@ class StopSignals:
         if threading.current_thread() is not threading.main_thread():
             return
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+            if not dist.is_gloo_available():
+                log.warning("torch has no gloo backend: SIGTERM and ctrl-C stop this run in Lightning's own way")
+                return
             self._group = dist.new_group(backend="gloo")  # every rank installs, so every rank makes it
         self._previous = {signum: signal.signal(signum, self._heard_signal) for signum in SIGNALS}
 
