@@ -51,6 +51,9 @@ class StopSignals:
         self.signal, self.presses, self._heard, self._trainer = None, 0, 0, trainer
         if threading.current_thread() is not threading.main_thread():
             return
+        if not hasattr(getattr(trainer, "_signal_connector", None), "received_sigterm"):
+            log.warning("this Lightning has no SIGTERM flag where we set it: signals stop the run in its own way")
+            return
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
             if not dist.is_gloo_available():
                 log.warning("torch has no gloo backend: SIGTERM and ctrl-C stop this run in Lightning's own way")
