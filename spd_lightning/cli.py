@@ -10,7 +10,8 @@ config is complete on its own. Defaults every run gets:
 - a `WandbLogger`, offline when no W&B key is configured (no WANDB_API_KEY and no netrc entry);
 - a `ModelCheckpoint` under `checkpoint.*` that keeps `last.ckpt` (resume: `--ckpt_path .../last.ckpt` or
   `--ckpt_path last`), also written when SIGTERM or ctrl-C stops the run;
-- checkpoint files written atomically (`checkpoint_io.py`): a killed run never leaves a half-written one.
+- checkpoint files written atomically (`checkpoint_io.py`): a killed run never leaves a half-written one; a write
+  that fails (a full disk) ends every rank with its one line (`SPDTrainer`).
 `export --ckpt PATH --out DIR` writes the drafter directory that `inference/` loads, for either kind (the
 checkpoint records it).
 
@@ -116,6 +117,30 @@ class CheckpointOnStop(ModelCheckpoint):
             STOP.uninstall()  # Lightning calls no `teardown` hook after an exception
 
 
+class SPDTrainer(L.Trainer):
+    """Lightning's `Trainer`, whose checkpoint write that fails (`AtomicCheckpointIO`'s one line) ends every rank."""
+
+    def save_checkpoint(self, filepath, weights_only: bool | None = None, storage_options=None) -> None:
+        """Rank 0 writes the checkpoint while the other ranks wait in Lightning's barrier after the write: a write
+        that failed there (a full disk) raised on rank 0 alone and left the others in that barrier until rank 0's
+        process was gone (gloo: 'unexpected RuntimeError: Connection closed by peer' on each, a bug report; NCCL: a
+        hang until the process group's timeout). Now rank 0 joins the barrier anyway and every rank raises the line."""
+        failed = None
+        try:
+            super().save_checkpoint(filepath, weights_only, storage_options)
+        except UserError as e:
+            if self.world_size == 1:
+                raise
+            failed = e
+            self.strategy.barrier("Trainer.save_checkpoint")  # where the ranks whose part succeeded wait
+        if self.world_size > 1:
+            reason = self.strategy.broadcast(None if failed is None else one_line(failed))
+            if failed is not None:
+                raise failed
+            if reason is not None:
+                raise ConfigError(reason)
+
+
 def check_checkpoint_dir(trainer, dirpath) -> None:
     """Before the first step, the checkpoint directory is made: a file there, or a path under one, would fail at the
     first save, `every_n_train_steps` into the run. Rank 0 writes the checkpoints and makes it; every rank learns
@@ -154,6 +179,7 @@ class SPDLightningCLI(LightningCLI):
                 run=run,
                 seed_everything_default=0,
                 auto_configure_optimizers=False,  # the module's configure_optimizers owns AdamW + the linear schedule
+                trainer_class=SPDTrainer,
                 **kwargs,
             )
 

@@ -492,3 +492,54 @@ def test_a_checkpoint_the_disk_cannot_hold_is_one_line_and_keeps_the_one_before(
         AtomicCheckpointIO().save_checkpoint({"step": 2}, path)
     monkeypatch.undo()
     assert os.listdir(tmp_path) == ["last.ckpt"] and torch.load(path, weights_only=True) == {"step": 1}
+
+
+FULL_DISK_SCRIPT = """
+import os, sys, types
+import torch
+torch.set_num_threads(1)
+from spd_lightning import cli
+from spd_lightning.training import checkpoint_io
+
+class FullDisk(types.ModuleType):  # `os` for checkpoint_io, whose 5th rename (step 3's first file) finds a full disk
+    renames = 0
+    def __getattr__(self, name):
+        return getattr(os, name)
+    def replace(self, src, dst):
+        FullDisk.renames += 1
+        if FullDisk.renames >= 5:
+            raise OSError(28, "No space left on device")
+        os.replace(src, dst)
+
+checkpoint_io.os = FullDisk("os")
+cli.main(sys.argv[1:])
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_checkpoint_rank_0_cannot_write_ends_every_rank_with_its_line(chat_target, tmp_path):
+    """`fit` on 2 ranks (DDP, gloo) whose checkpoint write fails on rank 0, the one that writes (a full disk). Rank 0
+    ended with the one line, while rank 1 waited in Lightning's barrier after the write until rank 0's process was gone:
+    on gloo it then failed with 'unexpected RuntimeError: ... Connection closed by peer (a bug ...)' (seen), on NCCL it
+    hangs until the process group's timeout. Now every rank ends with the line (exit 2), last.ckpt holds step 2."""
+    script = tmp_path / "full_disk.py"
+    script.write_text(FULL_DISK_SCRIPT)
+    args = resume_fit_args(chat_target, tmp_path, "--trainer.devices", "2", "--trainer.strategy", "ddp")
+    proc = subprocess.Popen(
+        [sys.executable, str(script), "fit", *args, "--trainer.max_steps", "8"],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO, "WANDB_MODE": "disabled"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # the rank Lightning starts is in its group: a hang is killed whole
+    )
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"a rank hung after the failed write: {proc.communicate()[1][-3000:]}")
+    # each rank's line (both write to one pipe, so the two may run together)
+    assert proc.returncode == 2 and err.count("error: ") == 2, err[-3000:]
+    assert err.count("error: cannot write checkpoint") == 2 and err.count("No space left on device") == 2, err[-3000:]
+    assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["global_step"] == 2
