@@ -20,7 +20,8 @@ line on stderr and exit code 2; anything else is a bug: one line and exit code 1
 shows the traceback instead (`spd_lightning.errors.run_main`, the policy of every CLI of the project). A setting
 Lightning itself rejects (e.g. `trainer.val_check_interval` above the batches of an epoch) is bad input too. SIGTERM
 ends `fit` after the current step with exit code 143 (128 + SIGTERM), its checkpoint saved; a first ctrl-C does the
-same with exit code 130 (128 + SIGINT), a second stops at once (130, the last periodic checkpoint kept). More
+same with exit code 130 (128 + SIGINT), a second stops at once (130, the last periodic checkpoint kept), and so does
+one outside the training steps (loading, `validate`, the run's end). More
 subcommands: one line in `EXTRA_COMMANDS`.
 """
 
@@ -471,6 +472,11 @@ def dispatch(args: Sequence[str]) -> int:
     except KeyboardInterrupt:  # before Lightning's fit began, which has its own handling
         raise Stopped("interrupted by ctrl-C before training began: no step to save", 128 + signal.SIGINT) from None
     except SystemExit as e:
+        if STOP.presses < 2 and isinstance(e.__context__, KeyboardInterrupt):
+            raise Stopped(  # Lightning's end for a ctrl-C while no step runs (loading, validation, the run's end)
+                "interrupted by ctrl-C outside a training step: the checkpoints saved before are kept",
+                128 + signal.SIGINT,
+            ) from e
         if STOP.presses < 2:
             raise
         raise Stopped(  # Lightning's end for a KeyboardInterrupt: exit code 1

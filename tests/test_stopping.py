@@ -12,11 +12,12 @@ import time
 import lightning as L
 import pytest
 import torch
-from kit import REPO, Record, RecordSamples, SignalAt, make_data
+from kit import REPO, Record, RecordSamples, SignalAt, fit_args, make_data
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from spd_lightning import cli
 from spd_lightning.cli import CheckpointOnStop
+from spd_lightning.data import ChatDataModule
 from spd_lightning.errors import Stopped
 from spd_lightning.training.stopping import STOP
 
@@ -100,6 +101,24 @@ def test_a_bug_that_exits_is_not_taken_for_ctrl_c(monkeypatch):
     STOP.presses = 0
     with pytest.raises(SystemExit):
         cli.dispatch(["fit"])
+
+
+def test_ctrl_c_while_fit_prepares_is_one_line_with_exit_130(micro_target, tmp_path, monkeypatch):
+    """A ctrl-C while `fit` prepares, before its first step (the data, the target: minutes with a real model), reached
+    Lightning's own handler, whose end is `sys.exit(1)`: exit code 1, a bug's, and no line. Now the line and 130."""
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ChatDataModule, "prepare_data", interrupted)
+    monkeypatch.setattr(STOP, "presses", 0)
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(Stopped) as stopped:
+            cli.dispatch(["fit", *fit_args(micro_target, tmp_path)])
+    finally:
+        signal.signal(signal.SIGINT, before)  # Lightning ignores ctrl-C once it has seen one
+    assert stopped.value.exit_code == 130 and str(stopped.value).startswith("interrupted by ctrl-C"), stopped.value
 
 
 DDP_SCRIPT = """
