@@ -276,6 +276,68 @@ def test_resume_gives_the_same_losses_as_the_uninterrupted_run(chat_target, tmp_
     assert len(set(straight.losses)) == 7
 
 
+FILL_RESUME_SCRIPT = """
+import json, sys
+import torch
+torch.set_num_threads(1)
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+sys.path.insert(0, {tests!r})
+from kit import Record, StopAt, make_data, make_module
+from spd_lightning.training import module as spd_module
+
+spd_module.REFRESH_STEPS = 3  # `fill_probs: auto` draws from new weights after steps 3 and 6
+chat_target, out = json.loads(sys.argv[1]), sys.argv[2]
+
+def run(root, stop_at=None, ckpt_path=None):
+    L.seed_everything(0)
+    record = Record()
+    callbacks = [record, ModelCheckpoint(dirpath=root, save_last=True, every_n_train_steps=1)]
+    callbacks += [StopAt(stop_at)] if stop_at else []
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=8, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        default_root_dir=root, callbacks=callbacks)
+    module = make_module(chat_target["target"])
+    trainer.fit(module, datamodule=make_data(chat_target, batch_size=3), ckpt_path=ckpt_path)
+    return trainer.global_rank, record.losses, list(module.fill_estimate.weights)
+
+rank, straight, weights = run(out + "/straight")
+_, first, _ = run(out + "/run", stop_at=4)
+_, resumed, resumed_weights = run(out + "/run", ckpt_path=out + "/run/last.ckpt")
+with open(f"{{out}}/rank{{rank}}.json", "w") as f:
+    json.dump({{"straight": straight, "split": first + resumed, "weights": weights,
+               "resumed_weights": resumed_weights}}, f)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_ddp_resume_with_auto_fills_gives_the_same_losses(chat_target, tmp_path):
+    """`fill_probs: auto` under DDP (gloo, 2 processes): each rank keeps its own running acceptance and the fill
+    weights come from their sum over the ranks. The checkpoint held rank 0's alone, which every rank loaded, so from
+    the first refresh after a resume the weights, the fill draws and the losses were not the uninterrupted run's."""
+    script = tmp_path / "ddp_fill_resume.py"
+    script.write_text(FILL_RESUME_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.Popen(
+        [sys.executable, str(script), json.dumps(chat_target), str(tmp_path)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # the rank Lightning starts is in its group: a hang is killed whole
+    )
+    try:
+        out, _ = proc.communicate(timeout=200)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"the runs did not end: {proc.communicate()[0][-3000:]}")
+    assert proc.returncode == 0, out[-3000:]
+    for rank in (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)):
+        assert len(rank["straight"]) == 8
+        torch.testing.assert_close(rank["resumed_weights"], rank["weights"], rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(rank["split"], rank["straight"], rtol=1e-5, atol=1e-6)
+
+
 # -- (b) a killed `fit` leaves a loadable last.ckpt, and `--ckpt_path last` continues ---------------------
 def resume_fit_args(chat_target, root, *extra: str) -> list[str]:
     """A config of its own (configs/ change with the project): the tiny target and the local chats on CPU, a
