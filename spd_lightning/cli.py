@@ -91,10 +91,14 @@ class CheckpointOnStop(ModelCheckpoint):
         if stage == "fit":
             check_checkpoint_dir(trainer, self.dirpath)
 
+    def on_sanity_check_start(self, trainer, pl_module) -> None:
+        super().on_sanity_check_start(trainer, pl_module)
+        STOP.install(trainer)  # Lightning's handlers are installed already: its SIGTERM one would break DDP here too
+
     def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)
         # not in `setup`: Lightning installs its own handlers after it, noting the ones it finds to put them back
-        STOP.install(trainer)
+        STOP.install(trainer)  # a run without a sanity check; after one, installed already
 
     def on_train_end(self, trainer, pl_module) -> None:
         super().on_train_end(trainer, pl_module)
