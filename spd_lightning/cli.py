@@ -10,7 +10,8 @@ config is complete on its own. Defaults every run gets:
 - a `WandbLogger`, offline when no W&B key is configured (no WANDB_API_KEY and no netrc entry);
 - a `ModelCheckpoint` under `checkpoint.*` that keeps `last.ckpt` (resume: `--ckpt_path .../last.ckpt` or
   `--ckpt_path last`), also written when SIGTERM or ctrl-C stops the run;
-- checkpoint files written atomically (`checkpoint_io.py`): a killed run never leaves a half-written one.
+- checkpoint files written atomically (`checkpoint_io.py`): a killed run never leaves a half-written one; a write
+  that fails (a full disk) ends every rank with its one line (`SPDTrainer`).
 `export --ckpt PATH --out DIR` writes the drafter directory that `inference/` loads, for either kind (the
 checkpoint records it).
 
@@ -19,7 +20,8 @@ line on stderr and exit code 2; anything else is a bug: one line and exit code 1
 shows the traceback instead (`spd_lightning.errors.run_main`, the policy of every CLI of the project). A setting
 Lightning itself rejects (e.g. `trainer.val_check_interval` above the batches of an epoch) is bad input too. SIGTERM
 ends `fit` after the current step with exit code 143 (128 + SIGTERM), its checkpoint saved; a first ctrl-C does the
-same with exit code 130 (128 + SIGINT), a second stops at once (130, the last periodic checkpoint kept). More
+same with exit code 130 (128 + SIGINT), a second stops at once (130, the last periodic checkpoint kept), and so does
+one outside the training steps (loading, `validate`, the run's end). More
 subcommands: one line in `EXTRA_COMMANDS`.
 """
 
@@ -89,10 +91,14 @@ class CheckpointOnStop(ModelCheckpoint):
         if stage == "fit":
             check_checkpoint_dir(trainer, self.dirpath)
 
+    def on_sanity_check_start(self, trainer, pl_module) -> None:
+        super().on_sanity_check_start(trainer, pl_module)
+        STOP.install(trainer)  # Lightning's handlers are installed already: its SIGTERM one would break DDP here too
+
     def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)
         # not in `setup`: Lightning installs its own handlers after it, noting the ones it finds to put them back
-        STOP.install(trainer)
+        STOP.install(trainer)  # a run without a sanity check; after one, installed already
 
     def on_train_end(self, trainer, pl_module) -> None:
         super().on_train_end(trainer, pl_module)
@@ -114,6 +120,30 @@ class CheckpointOnStop(ModelCheckpoint):
                 super().on_exception(trainer, pl_module, exception)
         finally:
             STOP.uninstall()  # Lightning calls no `teardown` hook after an exception
+
+
+class SPDTrainer(L.Trainer):
+    """Lightning's `Trainer`, whose checkpoint write that fails (`AtomicCheckpointIO`'s one line) ends every rank."""
+
+    def save_checkpoint(self, filepath, weights_only: bool | None = None, storage_options=None) -> None:
+        """Rank 0 writes the checkpoint while the other ranks wait in Lightning's barrier after the write: a write
+        that failed there (a full disk) raised on rank 0 alone and left the others in that barrier until rank 0's
+        process was gone (gloo: 'unexpected RuntimeError: Connection closed by peer' on each, a bug report; NCCL: a
+        hang until the process group's timeout). Now rank 0 joins the barrier anyway and every rank raises the line."""
+        failed = None
+        try:
+            super().save_checkpoint(filepath, weights_only, storage_options)
+        except UserError as e:
+            if self.world_size == 1:
+                raise
+            failed = e
+            self.strategy.barrier("Trainer.save_checkpoint")  # where the ranks whose part succeeded wait
+        if self.world_size > 1:
+            reason = self.strategy.broadcast(None if failed is None else one_line(failed))
+            if failed is not None:
+                raise failed
+            if reason is not None:
+                raise ConfigError(reason)
 
 
 def check_checkpoint_dir(trainer, dirpath) -> None:
@@ -154,6 +184,7 @@ class SPDLightningCLI(LightningCLI):
                 run=run,
                 seed_everything_default=0,
                 auto_configure_optimizers=False,  # the module's configure_optimizers owns AdamW + the linear schedule
+                trainer_class=SPDTrainer,
                 **kwargs,
             )
 
@@ -445,6 +476,11 @@ def dispatch(args: Sequence[str]) -> int:
     except KeyboardInterrupt:  # before Lightning's fit began, which has its own handling
         raise Stopped("interrupted by ctrl-C before training began: no step to save", 128 + signal.SIGINT) from None
     except SystemExit as e:
+        if STOP.presses < 2 and isinstance(e.__context__, KeyboardInterrupt):
+            raise Stopped(  # Lightning's end for a ctrl-C while no step runs (loading, validation, the run's end)
+                "interrupted by ctrl-C outside a training step: the checkpoints saved before are kept",
+                128 + signal.SIGINT,
+            ) from e
         if STOP.presses < 2:
             raise
         raise Stopped(  # Lightning's end for a KeyboardInterrupt: exit code 1

@@ -6,6 +6,7 @@ import glob
 import inspect
 import os
 import re
+import signal
 import subprocess
 import sys
 import warnings
@@ -379,3 +380,33 @@ def test_ddp_two_cpu_processes(micro_target, tmp_path):
     rows = [r for r in csv_rows(tmp_path) if r.get("staircase/alpha")]
     assert len(rows) == 1 and int(rows[0]["step"]) == 2
     assert 0.0 < float(rows[0]["staircase/alpha"]) <= 1.0
+
+
+@pytest.mark.timeout(150)
+def test_a_bad_data_file_ends_every_ddp_rank_with_its_line(micro_target, tmp_path):
+    """Lightning reads the data on one process per node (`prepare_data`) while the others wait in a barrier: a source
+    that cannot be read ended that rank with the one line, and rank 1 left the barrier only when rank 0 was gone
+    (gloo: 'unexpected RuntimeError: ... Connection closed by peer (a bug ...)', seen; NCCL: a hang until the process
+    group's timeout). Now every rank ends with the line, exit 2."""
+    bad = tmp_path / "chats.jsonl"
+    bad.write_text('{"conversations": [{"from": "human", "value": "hi"}]}\n{"conversations": [\n')
+    cmd = [sys.executable, "-m", "spd_lightning", "fit", *fit_args(micro_target, tmp_path)]
+    cmd += ["--data.sources", f"[{{path: {bad}}}]", "--trainer.strategy", "ddp", "--trainer.devices", "2"]
+    cmd += ["--trainer.accelerator", "cpu"]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # the rank Lightning starts is in its group: a hang is killed whole
+    )
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"a rank hung after the bad data file: {proc.communicate()[1][-3000:]}")
+    # each rank's line (both write to one pipe, so the two may run together)
+    assert proc.returncode == 2 and "error: unexpected" not in err, err[-3000:]
+    assert err.count(f"error: cannot read '{bad}' as json") == 2, err[-3000:]

@@ -276,6 +276,68 @@ def test_resume_gives_the_same_losses_as_the_uninterrupted_run(chat_target, tmp_
     assert len(set(straight.losses)) == 7
 
 
+FILL_RESUME_SCRIPT = """
+import json, sys
+import torch
+torch.set_num_threads(1)
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+sys.path.insert(0, {tests!r})
+from kit import Record, StopAt, make_data, make_module
+from spd_lightning.training import module as spd_module
+
+spd_module.REFRESH_STEPS = 3  # `fill_probs: auto` draws from new weights after steps 3 and 6
+chat_target, out = json.loads(sys.argv[1]), sys.argv[2]
+
+def run(root, stop_at=None, ckpt_path=None):
+    L.seed_everything(0)
+    record = Record()
+    callbacks = [record, ModelCheckpoint(dirpath=root, save_last=True, every_n_train_steps=1)]
+    callbacks += [StopAt(stop_at)] if stop_at else []
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=8, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        default_root_dir=root, callbacks=callbacks)
+    module = make_module(chat_target["target"])
+    trainer.fit(module, datamodule=make_data(chat_target, batch_size=3), ckpt_path=ckpt_path)
+    return trainer.global_rank, record.losses, list(module.fill_estimate.weights)
+
+rank, straight, weights = run(out + "/straight")
+_, first, _ = run(out + "/run", stop_at=4)
+_, resumed, resumed_weights = run(out + "/run", ckpt_path=out + "/run/last.ckpt")
+with open(f"{{out}}/rank{{rank}}.json", "w") as f:
+    json.dump({{"straight": straight, "split": first + resumed, "weights": weights,
+               "resumed_weights": resumed_weights}}, f)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_ddp_resume_with_auto_fills_gives_the_same_losses(chat_target, tmp_path):
+    """`fill_probs: auto` under DDP (gloo, 2 processes): each rank keeps its own running acceptance and the fill
+    weights come from their sum over the ranks. The checkpoint held rank 0's alone, which every rank loaded, so from
+    the first refresh after a resume the weights, the fill draws and the losses were not the uninterrupted run's."""
+    script = tmp_path / "ddp_fill_resume.py"
+    script.write_text(FILL_RESUME_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.Popen(
+        [sys.executable, str(script), json.dumps(chat_target), str(tmp_path)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # the rank Lightning starts is in its group: a hang is killed whole
+    )
+    try:
+        out, _ = proc.communicate(timeout=200)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"the runs did not end: {proc.communicate()[0][-3000:]}")
+    assert proc.returncode == 0, out[-3000:]
+    for rank in (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)):
+        assert len(rank["straight"]) == 8
+        torch.testing.assert_close(rank["resumed_weights"], rank["weights"], rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(rank["split"], rank["straight"], rtol=1e-5, atol=1e-6)
+
+
 # -- (b) a killed `fit` leaves a loadable last.ckpt, and `--ckpt_path last` continues ---------------------
 def resume_fit_args(chat_target, root, *extra: str) -> list[str]:
     """A config of its own (configs/ change with the project): the tiny target and the local chats on CPU, a
@@ -492,3 +554,54 @@ def test_a_checkpoint_the_disk_cannot_hold_is_one_line_and_keeps_the_one_before(
         AtomicCheckpointIO().save_checkpoint({"step": 2}, path)
     monkeypatch.undo()
     assert os.listdir(tmp_path) == ["last.ckpt"] and torch.load(path, weights_only=True) == {"step": 1}
+
+
+FULL_DISK_SCRIPT = """
+import os, sys, types
+import torch
+torch.set_num_threads(1)
+from spd_lightning import cli
+from spd_lightning.training import checkpoint_io
+
+class FullDisk(types.ModuleType):  # `os` for checkpoint_io, whose 5th rename (step 3's first file) finds a full disk
+    renames = 0
+    def __getattr__(self, name):
+        return getattr(os, name)
+    def replace(self, src, dst):
+        FullDisk.renames += 1
+        if FullDisk.renames >= 5:
+            raise OSError(28, "No space left on device")
+        os.replace(src, dst)
+
+checkpoint_io.os = FullDisk("os")
+cli.main(sys.argv[1:])
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_checkpoint_rank_0_cannot_write_ends_every_rank_with_its_line(chat_target, tmp_path):
+    """`fit` on 2 ranks (DDP, gloo) whose checkpoint write fails on rank 0, the one that writes (a full disk). Rank 0
+    ended with the one line, while rank 1 waited in Lightning's barrier after the write until rank 0's process was gone:
+    on gloo it then failed with 'unexpected RuntimeError: ... Connection closed by peer (a bug ...)' (seen), on NCCL it
+    hangs until the process group's timeout. Now every rank ends with the line (exit 2), last.ckpt holds step 2."""
+    script = tmp_path / "full_disk.py"
+    script.write_text(FULL_DISK_SCRIPT)
+    args = resume_fit_args(chat_target, tmp_path, "--trainer.devices", "2", "--trainer.strategy", "ddp")
+    proc = subprocess.Popen(
+        [sys.executable, str(script), "fit", *args, "--trainer.max_steps", "8"],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO, "WANDB_MODE": "disabled"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # the rank Lightning starts is in its group: a hang is killed whole
+    )
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"a rank hung after the failed write: {proc.communicate()[1][-3000:]}")
+    # each rank's line (both write to one pipe, so the two may run together)
+    assert proc.returncode == 2 and err.count("error: ") == 2, err[-3000:]
+    assert err.count("error: cannot write checkpoint") == 2 and err.count("No space left on device") == 2, err[-3000:]
+    assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["global_step"] == 2

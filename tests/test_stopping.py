@@ -12,11 +12,12 @@ import time
 import lightning as L
 import pytest
 import torch
-from kit import REPO, Record, RecordSamples, SignalAt, make_data
+from kit import REPO, Record, RecordSamples, SignalAt, fit_args, make_data
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from spd_lightning import cli
 from spd_lightning.cli import CheckpointOnStop
+from spd_lightning.data import ChatDataModule
 from spd_lightning.errors import Stopped
 from spd_lightning.training.stopping import STOP
 
@@ -102,6 +103,24 @@ def test_a_bug_that_exits_is_not_taken_for_ctrl_c(monkeypatch):
         cli.dispatch(["fit"])
 
 
+def test_ctrl_c_while_fit_prepares_is_one_line_with_exit_130(micro_target, tmp_path, monkeypatch):
+    """A ctrl-C while `fit` prepares, before its first step (the data, the target: minutes with a real model), reached
+    Lightning's own handler, whose end is `sys.exit(1)`: exit code 1, a bug's, and no line. Now the line and 130."""
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ChatDataModule, "prepare_data", interrupted)
+    monkeypatch.setattr(STOP, "presses", 0)
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(Stopped) as stopped:
+            cli.dispatch(["fit", *fit_args(micro_target, tmp_path)])
+    finally:
+        signal.signal(signal.SIGINT, before)  # Lightning ignores ctrl-C once it has seen one
+    assert stopped.value.exit_code == 130 and str(stopped.value).startswith("interrupted by ctrl-C"), stopped.value
+
+
 DDP_SCRIPT = """
 import json, os, sys
 import torch
@@ -154,3 +173,70 @@ def test_ranks_stop_together_whichever_rank_is_signalled(chat_target, tmp_path, 
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks == [{"end": "exit None", "steps": [1, 2, 3, 4], "signal": signum}] * 2, out[-3000:]
     assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 4
+
+
+SANITY_CHECK_SCRIPT = """
+import json, os, sys
+import torch
+torch.set_num_threads(1)
+import lightning as L
+sys.path.insert(0, {tests!r})
+from kit import Record, RecordSamples, make_data
+from spd_lightning.cli import CheckpointOnStop
+from spd_lightning.training.stopping import STOP
+
+chat_target, out, signalled_rank, signum = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+
+class Validated(RecordSamples):
+    def validation_step(self, batch, batch_idx):
+        self.log("val/mask", batch["attention_mask"].float().mean(), sync_dist=True)
+
+class SignalInSanityCheck(L.Callback):
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if trainer.sanity_checking and batch_idx == 0 and trainer.global_rank == signalled_rank:
+            os.kill(os.getpid(), signum)
+
+record = Record()
+checkpoint = CheckpointOnStop(dirpath=out, save_last=True, every_n_train_steps=100)
+trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=20, logger=False,
+                    enable_progress_bar=False, limit_val_batches=2, num_sanity_val_steps=2, val_check_interval=10,
+                    default_root_dir=out, callbacks=[checkpoint, record, SignalInSanityCheck()])
+try:
+    trainer.fit(Validated(), datamodule=make_data(chat_target, val_size=8))
+    end = "finished"
+except SystemExit as e:
+    end = f"exit {{e.code}}"
+with open(f"{{out}}/rank{{trainer.global_rank}}.json", "w") as f:
+    json.dump({{"end": end, "steps": record.steps, "signal": STOP.signal}}, f)
+"""
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("signalled_rank", [0, 1])
+def test_sigterm_in_the_sanity_check_stops_the_ranks_together(chat_target, tmp_path, signalled_rank):
+    """SIGTERM to one rank during the sanity check, before the first step: Lightning's own handler was still the one
+    installed there, and its broadcast from inside the handler met the other rank's validation sync: a rank aborted on
+    gloo's 'collective mismatch' (on NCCL a hang or garbage), no checkpoint, and the CLI said 'saved as last.ckpt'
+    (seen for either rank). Now the signal is noted as during training: both ranks stop after step 2, last.ckpt
+    saved."""
+    script = tmp_path / "ddp_sanity_stop.py"
+    script.write_text(SANITY_CHECK_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.Popen(
+        [sys.executable, str(script), json.dumps(chat_target), str(tmp_path), str(signalled_rank), str(signal.SIGTERM)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # the ranks Lightning starts are in its group: a hang is killed whole
+    )
+    try:
+        out, _ = proc.communicate(timeout=100)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"the ranks did not stop together (a hang): {proc.communicate()[0][-3000:]}")
+    ranks = [tmp_path / f"rank{r}.json" for r in range(2)]
+    assert all(r.exists() for r in ranks), out[-3000:]
+    ended = [json.loads(r.read_text()) for r in ranks]
+    assert ended == [{"end": "exit None", "steps": [1, 2], "signal": signal.SIGTERM}] * 2, out[-3000:]
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 2

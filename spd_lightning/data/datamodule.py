@@ -37,6 +37,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
+from ..errors import UserError
 from .chat import check_chat_tokenizer, load_tokenizer
 from .collate import ChatCollator
 from .formats import DataError
@@ -127,6 +128,7 @@ class ChatDataModule(LightningDataModule):
         self.stats: list[SourceStats] = []
         self._train_loader: ResumableDataLoader | None = None
         self._resume_position: dict | None = None  # from a checkpoint, for the next train loader
+        self._prepare_failed: UserError | None = None  # raised by `setup` (see `prepare_data`)
 
     def _pad_token_id(self) -> int:
         tokenizer = self.tokenizer
@@ -202,10 +204,22 @@ class ChatDataModule(LightningDataModule):
 
     def prepare_data(self) -> None:
         """Build the caches (Lightning runs this on one process per node before `setup` anywhere). The state it
-        sets is exactly what `setup` would set, so this process's `setup` then has nothing left to do."""
-        self._load()
+        sets is exactly what `setup` would set, so this process's `setup` then has nothing left to do. With several
+        processes a failure (a source that cannot be read) is raised by `setup`: the other processes wait for this
+        one in a barrier, which they left only when it was gone (gloo: 'Connection closed by peer', a bug report;
+        NCCL: a hang until the process group's timeout); in `setup` every process reads the data and ends with the
+        line."""
+        try:
+            self._load()
+        except UserError as e:
+            if self.trainer is None or self.trainer.world_size == 1:
+                raise
+            self._prepare_failed = e
 
     def setup(self, stage: str | None = None) -> None:
+        failed, self._prepare_failed = self._prepare_failed, None
+        if failed is not None:
+            raise failed
         self._load()
 
     def _load(self) -> None:

@@ -733,7 +733,18 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         # What inference/ and `export` read; the frozen target is not in state_dict to begin with.
         checkpoint[CKPT_KEY] = self.drafter_spec().to_dict()
         if self.fill_estimate is not None:
-            checkpoint[FILL_ESTIMATE_KEY] = self.fill_estimate.state_dict()
+            checkpoint[FILL_ESTIMATE_KEY] = self._fill_estimate_state()
+
+    def _fill_estimate_state(self) -> dict:
+        """The running acceptance to resume from. Each rank keeps its own and the fill weights come from their sum over
+        the ranks, while every rank loads the one checkpoint: it holds their mean, so the ranks resume with the sum the
+        uninterrupted run has (the estimate is linear in its counts). One reduce per save under DDP/FSDP."""
+        state = self.fill_estimate.state_dict()
+        if self._trainer is not None and self.trainer.world_size > 1:
+            device = self.trainer.strategy.root_device
+            for key, counts in (("correct", self.fill_estimate.correct), ("total", self.fill_estimate.total)):
+                state[key] = self.trainer.strategy.reduce(counts.to(device, copy=True), reduce_op="mean").cpu()
+        return state
 
     def _check_weights_finite(self) -> None:
         """A diverged run (a NaN or inf loss reached the weights) must not replace the checkpoints saved before it

@@ -9,8 +9,9 @@ last periodic checkpoint is the one to resume from.
 With several ranks no rank may stop on its own: a terminal's ctrl-C or a scheduler's SIGTERM reaches the ranks each
 at another point of its step (or only one of them: `kill PID`), and a rank that stops alone leaves the others
 waiting in a collective. Lightning's own SIGTERM handler broadcasts from inside the handler, wherever the step is,
-which under DDP pairs with another rank's gradient all-reduce and hangs the run (tests/test_stopping.py). So these
-handlers replace it while the run trains, and a signal is only noted: at the end of every training step the ranks
+which under DDP pairs with another rank's gradient all-reduce and hangs the run (tests/test_stopping.py), or with
+the validation sync of the sanity check before the first step. So these handlers replace it from the sanity check
+on, and a signal is only noted: at the end of every training step the ranks
 start to agree (the largest signal number heard, over a gloo group: host memory only, never a device sync), and at
 the next step's end all of them read the result and stop there together. One process stops as soon as Lightning's
 loops look, after the step or the validation batch it is in. DataLoader workers ignore ctrl-C
@@ -46,7 +47,10 @@ class StopSignals:
 
     def install(self, trainer) -> None:
         """From now on SIGINT and SIGTERM on this process stop `trainer`'s fit (only the main thread handles
-        signals). Call it after Lightning installed its own handlers, which it puts back at the end."""
+        signals). Call it after Lightning installed its own handlers, which it puts back at the end; called again for
+        the same run, it keeps what it heard."""
+        if self._trainer is trainer:
+            return
         self.uninstall()
         self.signal, self.presses, self._heard, self._trainer = None, 0, 0, trainer
         if threading.current_thread() is not threading.main_thread():
