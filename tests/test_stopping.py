@@ -175,6 +175,39 @@ def test_ranks_stop_together_whichever_rank_is_signalled(chat_target, tmp_path, 
     assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 4
 
 
+class Validated(RecordSamples):
+    def validation_step(self, batch, batch_idx):
+        self.log("val/mask", batch["attention_mask"].float().mean())
+
+
+class SignalInSanityCheck(L.Callback):
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if trainer.sanity_checking and batch_idx == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.timeout(120)
+def test_a_signal_in_the_sanity_check_stops_one_process_after_its_first_step(chat_target, tmp_path):
+    """Lightning saves nothing in the sanity check: a stop there ended the run with no checkpoint, while the line
+    said 'saved as last.ckpt'. The signal is kept for the first step's end instead, as with several ranks."""
+    record, checkpoint = Record(), CheckpointOnStop(dirpath=str(tmp_path), save_last=True, every_n_train_steps=100)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=20,
+        logger=False,
+        enable_progress_bar=False,
+        limit_val_batches=2,
+        num_sanity_val_steps=2,
+        val_check_interval=10,
+        default_root_dir=str(tmp_path),
+        callbacks=[checkpoint, record, SignalInSanityCheck()],
+    )
+    with pytest.raises(SystemExit):
+        trainer.fit(Validated(), datamodule=make_data(chat_target, val_size=8))
+    assert STOP.signal == signal.SIGTERM and record.steps == [1]
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 1
+
+
 SANITY_CHECK_SCRIPT = """
 import json, os, sys
 import torch

@@ -87,14 +87,18 @@ class StopSignals:
             name = "ctrl-C" if signum == signal.SIGINT else signum.name
             again = "; press ctrl-C again to stop at once" if signum == signal.SIGINT else ""
             log.warning("%s: stopping after this step with last.ckpt saved%s", name, again)
-        if self._group is None:
+        if self._group is None and not self._trainer.sanity_checking:  # in the sanity check: after the first step
             self._stop(signum)
 
     def after_step(self) -> None:
         """At the end of every training step, with several ranks: all of them stop here if any had heard a signal by
         the end of the step before. The agreement runs on gloo's thread during the step between (`async_op`), so no
         step waits for its latency."""
-        if self._group is None or self._trainer is None:
+        if self._trainer is None:
+            return
+        if self._group is None:
+            if self._heard and self.signal is None:  # heard in the sanity check, where nothing can be saved
+                self._stop(self._heard)
             return
         if self._pending is not None:
             self._pending.wait()
