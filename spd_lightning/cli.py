@@ -48,6 +48,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -99,6 +100,22 @@ class CheckpointOnStop(ModelCheckpoint):
         super().on_train_start(trainer, pl_module)
         # not in `setup`: Lightning installs its own handlers after it, noting the ones it finds to put them back
         STOP.install(trainer)  # a run without a sanity check; after one, installed already
+
+    # `validate` has no step to save, but its ranks too must stop together: they agree after every batch
+    def on_validation_start(self, trainer, pl_module) -> None:
+        super().on_validation_start(trainer, pl_module)
+        if trainer.state.fn == TrainerFn.VALIDATING:
+            STOP.install(trainer)
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        super().on_validation_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
+        if trainer.state.fn == TrainerFn.VALIDATING:
+            STOP.after_step()
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        super().on_validation_end(trainer, pl_module)
+        if trainer.state.fn == TrainerFn.VALIDATING:
+            STOP.uninstall()
 
     def on_train_end(self, trainer, pl_module) -> None:
         super().on_train_end(trainer, pl_module)
@@ -470,6 +487,8 @@ def dispatch(args: Sequence[str]) -> int:
         by, code = (
             ("ctrl-C", 128 + signal.SIGINT) if STOP.signal == signal.SIGINT else ("SIGTERM", 128 + signal.SIGTERM)
         )
+        if args[0] == "validate":
+            raise Stopped(f"stopped by {by} during validation: no result", code) from None
         raise Stopped(
             f"stopped by {by} after a complete step, saved as last.ckpt: resume with `--ckpt_path last`", code
         ) from None

@@ -77,22 +77,23 @@ def test_loader_workers_ignore_ctrl_c(chat_target):
 
 
 @pytest.mark.parametrize(
-    "presses, raised, code, says",
+    "command, presses, raised, code, says",
     [
-        (1, SIGTERMException(), 130, "stopped by ctrl-C after a complete step, saved as last.ckpt"),
-        (0, SIGTERMException(), 143, "stopped by SIGTERM after a complete step, saved as last.ckpt"),
-        (2, SystemExit(1), 130, "stopped at once by a second ctrl-C"),
-        (0, KeyboardInterrupt(), 130, "interrupted by ctrl-C before training began"),
+        ("fit", 1, SIGTERMException(), 130, "stopped by ctrl-C after a complete step, saved as last.ckpt"),
+        ("fit", 0, SIGTERMException(), 143, "stopped by SIGTERM after a complete step, saved as last.ckpt"),
+        ("validate", 0, SIGTERMException(), 143, "stopped by SIGTERM during validation: no result"),
+        ("fit", 2, SystemExit(1), 130, "stopped at once by a second ctrl-C"),
+        ("fit", 0, KeyboardInterrupt(), 130, "interrupted by ctrl-C before training began"),
     ],
 )
-def test_the_command_line_names_what_stopped_the_run(monkeypatch, presses, raised, code, says):
+def test_the_command_line_names_what_stopped_the_run(monkeypatch, command, presses, raised, code, says):
     def run_cli(args):
         STOP.signal, STOP.presses = signal.SIGINT if presses else signal.SIGTERM, presses
         raise raised
 
     monkeypatch.setattr(cli, "run_cli", run_cli)
     with pytest.raises(Stopped) as stopped:
-        cli.dispatch(["fit"])
+        cli.dispatch([command])
     assert stopped.value.exit_code == code and str(stopped.value).startswith(says)
 
 
@@ -119,6 +120,31 @@ def test_ctrl_c_while_fit_prepares_is_one_line_with_exit_130(micro_target, tmp_p
     finally:
         signal.signal(signal.SIGINT, before)  # Lightning ignores ctrl-C once it has seen one
     assert stopped.value.exit_code == 130 and str(stopped.value).startswith("interrupted by ctrl-C"), stopped.value
+
+
+def run_ranks(script_text: str, chat_target, tmp_path, signalled_rank: int, signum: int) -> tuple[list[dict], str]:
+    """A 2-rank DDP script (gloo) in a session of its own: what each rank wrote, and the output. A hang is killed whole
+    (the ranks Lightning starts are in the script's group) and fails the test."""
+    script = tmp_path / "ranks.py"
+    script.write_text(script_text.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    args = [json.dumps(chat_target), str(tmp_path), str(signalled_rank), str(int(signum))]
+    proc = subprocess.Popen(
+        [sys.executable, str(script), *args],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=100)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"the ranks did not stop together (a hang): {proc.communicate()[0][-3000:]}")
+    ranks = [tmp_path / f"rank{r}.json" for r in range(2)]
+    assert all(r.exists() for r in ranks), out[-3000:]
+    return [json.loads(r.read_text()) for r in ranks], out
 
 
 DDP_SCRIPT = """
@@ -154,23 +180,7 @@ def test_ranks_stop_together_whichever_rank_is_signalled(chat_target, tmp_path, 
     """Lightning's DDP (gloo, 2 CPU processes): one rank hears the signal during step 3; the ranks agree on it during
     step 4 and both stop after it, and last.ckpt holds step 4. A rank that stopped alone would leave the other in a
     collective, and so does Lightning's own SIGTERM handler (a hang, seen before stopping.py took SIGTERM over)."""
-    script = tmp_path / "ddp_stop.py"
-    script.write_text(DDP_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.Popen(
-        [sys.executable, str(script), json.dumps(chat_target), str(tmp_path), str(pressed_rank), str(int(signum))],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": REPO},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # the ranks Lightning starts are in its group: a hang is killed whole
-    )
-    try:
-        out, _ = proc.communicate(timeout=100)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"the ranks did not stop together (a hang): {proc.communicate()[0][-3000:]}")
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks, out = run_ranks(DDP_SCRIPT, chat_target, tmp_path, pressed_rank, signum)
     assert ranks == [{"end": "exit None", "steps": [1, 2, 3, 4], "signal": signum}] * 2, out[-3000:]
     assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 4
 
@@ -252,24 +262,46 @@ def test_sigterm_in_the_sanity_check_stops_the_ranks_together(chat_target, tmp_p
     gloo's 'collective mismatch' (on NCCL a hang or garbage), no checkpoint, and the CLI said 'saved as last.ckpt'
     (seen for either rank). Now the signal is noted as during training: both ranks stop after step 2, last.ckpt
     saved."""
-    script = tmp_path / "ddp_sanity_stop.py"
-    script.write_text(SANITY_CHECK_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.Popen(
-        [sys.executable, str(script), json.dumps(chat_target), str(tmp_path), str(signalled_rank), str(signal.SIGTERM)],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": REPO},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # the ranks Lightning starts are in its group: a hang is killed whole
-    )
-    try:
-        out, _ = proc.communicate(timeout=100)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"the ranks did not stop together (a hang): {proc.communicate()[0][-3000:]}")
-    ranks = [tmp_path / f"rank{r}.json" for r in range(2)]
-    assert all(r.exists() for r in ranks), out[-3000:]
-    ended = [json.loads(r.read_text()) for r in ranks]
+    ended, out = run_ranks(SANITY_CHECK_SCRIPT, chat_target, tmp_path, signalled_rank, signal.SIGTERM)
     assert ended == [{"end": "exit None", "steps": [1, 2], "signal": signal.SIGTERM}] * 2, out[-3000:]
     assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 2
+
+
+VALIDATE_SCRIPT = """
+import json, os, sys
+import torch
+torch.set_num_threads(1)
+import lightning as L
+sys.path.insert(0, {tests!r})
+from kit import make_data, make_module
+from spd_lightning.cli import CheckpointOnStop
+from spd_lightning.training.stopping import STOP
+
+chat_target, out, signalled_rank, signum = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+
+class SignalAtFirstBatch(L.Callback):
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if batch_idx == 0 and trainer.global_rank == signalled_rank:
+            os.kill(os.getpid(), signum)
+
+checkpoint = CheckpointOnStop(dirpath=out, save_last=True)
+trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_progress_bar=False,
+                    limit_val_batches=4, default_root_dir=out, callbacks=[checkpoint, SignalAtFirstBatch()])
+try:
+    trainer.validate(make_module(chat_target["target"]), datamodule=make_data(chat_target, val_size=16))
+    end = "finished"
+except SystemExit as e:
+    end = f"exit {{e.code}}"
+with open(f"{{out}}/rank{{trainer.global_rank}}.json", "w") as f:
+    json.dump({{"end": end, "signal": STOP.signal}}, f)
+"""
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("signalled_rank", [0, 1])
+def test_sigterm_in_validate_stops_the_ranks_together(chat_target, tmp_path, signalled_rank):
+    """`validate` on 2 ranks, SIGTERM to one of them at its first batch: Lightning's own handler hung both (seen);
+    now the ranks agree after a batch and both stop, with nothing saved."""
+    ended, out = run_ranks(VALIDATE_SCRIPT, chat_target, tmp_path, signalled_rank, signal.SIGTERM)
+    assert ended == [{"end": "exit None", "signal": signal.SIGTERM}] * 2, out[-3000:]
+    assert not (tmp_path / "last.ckpt").exists()
