@@ -174,8 +174,16 @@ with open(f"{{out}}/rank{{trainer.global_rank}}.json", "w") as f:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
-@pytest.mark.parametrize("pressed_rank", [0, 1])
+@pytest.mark.parametrize(
+    "signum, pressed_rank",
+    [
+        (signal.SIGINT, 1),
+        (signal.SIGTERM, 0),
+        pytest.param(signal.SIGINT, 0, marks=pytest.mark.slow),  # the same handler on the other rank
+        pytest.param(signal.SIGTERM, 1, marks=pytest.mark.slow),
+    ],
+    ids=["ctrl_c-rank1", "sigterm-rank0", "ctrl_c-rank0", "sigterm-rank1"],
+)
 def test_ranks_stop_together_whichever_rank_is_signalled(chat_target, tmp_path, pressed_rank, signum):
     """Lightning's DDP (gloo, 2 CPU processes): one rank hears the signal during step 3; the ranks agree on it during
     step 4 and both stop after it, and last.ckpt holds step 4. A rank that stopped alone would leave the other in a
@@ -255,7 +263,7 @@ with open(f"{{out}}/rank{{trainer.global_rank}}.json", "w") as f:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("signalled_rank", [0, 1])
+@pytest.mark.parametrize("signalled_rank", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_sigterm_in_the_sanity_check_stops_the_ranks_together(chat_target, tmp_path, signalled_rank):
     """SIGTERM to one rank during the sanity check, before the first step: Lightning's own handler was still the one
     installed there, and its broadcast from inside the handler met the other rank's validation sync: a rank aborted on
@@ -298,7 +306,7 @@ with open(f"{{out}}/rank{{trainer.global_rank}}.json", "w") as f:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("signalled_rank", [0, 1])
+@pytest.mark.parametrize("signalled_rank", [pytest.param(0, marks=pytest.mark.slow), 1])
 def test_sigterm_in_validate_stops_the_ranks_together(chat_target, tmp_path, signalled_rank):
     """`validate` on 2 ranks, SIGTERM to one of them at its first batch: Lightning's own handler hung both (seen);
     now the ranks agree after a batch and both stop, with nothing saved."""
