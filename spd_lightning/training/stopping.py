@@ -1,5 +1,5 @@
 """Stopping `fit` by a signal: SIGTERM or a first ctrl-C ends the run after a complete step with last.ckpt saved, a
-second ctrl-C at once.
+second ctrl-C at once (`validate` too, after a batch, with nothing to save).
 
 A stop takes Lightning's own way out (its `received_sigterm` flag: Lightning raises `SIGTERMException` after the
 step's scheduler update and logging, or after the validation batch it is in, and the checkpoint callback saves on
@@ -26,6 +26,7 @@ import threading
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
 
 log = logging.getLogger(__name__)
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -86,7 +87,9 @@ class StopSignals:
         if self._trainer.is_global_zero:
             name = "ctrl-C" if signum == signal.SIGINT else signum.name
             again = "; press ctrl-C again to stop at once" if signum == signal.SIGINT else ""
-            log.warning("%s: stopping after this step with last.ckpt saved%s", name, again)
+            training = self._trainer.state.fn == TrainerFn.FITTING
+            what = "after this step with last.ckpt saved" if training else "after this batch, with no result"
+            log.warning("%s: stopping %s%s", name, what, again)
         if self._group is None and not self._trainer.sanity_checking:  # in the sanity check: after the first step
             self._stop(signum)
 
