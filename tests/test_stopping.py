@@ -263,7 +263,8 @@ with open(f"{{out}}/rank{{trainer.global_rank}}.json", "w") as f:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("signalled_rank", [0, pytest.param(1, marks=pytest.mark.slow)])
+@pytest.mark.slow  # one process: test_a_signal_in_the_sanity_check_stops_one_process_after_its_first_step
+@pytest.mark.parametrize("signalled_rank", [0, 1])
 def test_sigterm_in_the_sanity_check_stops_the_ranks_together(chat_target, tmp_path, signalled_rank):
     """SIGTERM to one rank during the sanity check, before the first step: Lightning's own handler was still the one
     installed there, and its broadcast from inside the handler met the other rank's validation sync: a rank aborted on
