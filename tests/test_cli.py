@@ -6,14 +6,13 @@ import glob
 import inspect
 import os
 import re
-import signal
 import subprocess
 import sys
 import warnings
 
 import pytest
 import torch
-from kit import REPO, callback_args, csv_rows, fit_args
+from kit import REPO, callback_args, csv_rows, fit_args, run_unless_hung
 
 from spd_lightning import cli
 from spd_lightning.errors import UserError
@@ -390,23 +389,10 @@ def test_a_bad_data_file_ends_every_ddp_rank_with_its_line(micro_target, tmp_pat
     group's timeout). Now every rank ends with the line, exit 2."""
     bad = tmp_path / "chats.jsonl"
     bad.write_text('{"conversations": [{"from": "human", "value": "hi"}]}\n{"conversations": [\n')
-    cmd = [sys.executable, "-m", "spd_lightning", "fit", *fit_args(micro_target, tmp_path)]
-    cmd += ["--data.sources", f"[{{path: {bad}}}]", "--trainer.strategy", "ddp", "--trainer.devices", "2"]
-    cmd += ["--trainer.accelerator", "cpu"]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": REPO},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # the rank Lightning starts is in its group: a hang is killed whole
-    )
-    try:
-        _, err = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"a rank hung after the bad data file: {proc.communicate()[1][-3000:]}")
+    args = ["-m", "spd_lightning", "fit", *fit_args(micro_target, tmp_path)]
+    args += ["--data.sources", f"[{{path: {bad}}}]", "--trainer.strategy", "ddp", "--trainer.devices", "2"]
+    proc = run_unless_hung([*args, "--trainer.accelerator", "cpu"], 120, "a rank hung after the bad data file")
+    err = proc.stderr
     # each rank's line (both write to one pipe, so the two may run together)
     assert proc.returncode == 2 and "error: unexpected" not in err, err[-3000:]
     assert err.count(f"error: cannot read '{bad}' as json") == 2, err[-3000:]

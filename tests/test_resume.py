@@ -23,6 +23,7 @@ from kit import (
     make_module,
     make_trainer,
     not_resumable_warnings,
+    run_unless_hung,
     sample_keys,
 )
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -197,10 +198,9 @@ DDP_SCRIPT = """
 import json, sys, warnings
 import torch
 torch.set_num_threads(1)
-import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 sys.path.insert(0, {tests!r})
-from kit import Record, RecordSamples, StopAt, make_data, not_resumable_warnings
+from kit import Record, RecordSamples, StopAt, ddp_trainer, make_data, not_resumable_warnings
 
 chat_target, out = json.loads(sys.argv[1]), sys.argv[2]
 
@@ -208,9 +208,7 @@ def run(root, stop_at=None, ckpt_path=None):
     record = Record()
     callbacks = [record, ModelCheckpoint(dirpath=root, save_last=True, every_n_train_steps=1)]
     callbacks += [StopAt(stop_at)] if stop_at else []
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=8, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        default_root_dir=root, callbacks=callbacks)
+    trainer = ddp_trainer(root, callbacks, max_steps=8)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(RecordSamples(), datamodule=make_data(chat_target, batch_size=3), ckpt_path=ckpt_path)
@@ -283,7 +281,7 @@ torch.set_num_threads(1)
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 sys.path.insert(0, {tests!r})
-from kit import Record, StopAt, make_data, make_module
+from kit import Record, StopAt, ddp_trainer, make_data, make_module
 from spd_lightning.training import module as spd_module
 
 spd_module.REFRESH_STEPS = 3  # `fill_probs: auto` draws from new weights after steps 3 and 6
@@ -294,9 +292,7 @@ def run(root, stop_at=None, ckpt_path=None):
     record = Record()
     callbacks = [record, ModelCheckpoint(dirpath=root, save_last=True, every_n_train_steps=1)]
     callbacks += [StopAt(stop_at)] if stop_at else []
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=8, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        default_root_dir=root, callbacks=callbacks)
+    trainer = ddp_trainer(root, callbacks, max_steps=8)
     module = make_module(chat_target["target"])
     trainer.fit(module, datamodule=make_data(chat_target, batch_size=3), ckpt_path=ckpt_path)
     return trainer.global_rank, record.losses, list(module.fill_estimate.weights)
@@ -317,20 +313,10 @@ def test_ddp_resume_with_auto_fills_gives_the_same_losses(chat_target, tmp_path)
     the first refresh after a resume the weights, the fill draws and the losses were not the uninterrupted run's."""
     script = tmp_path / "ddp_fill_resume.py"
     script.write_text(FILL_RESUME_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.Popen(
-        [sys.executable, str(script), json.dumps(chat_target), str(tmp_path)],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": REPO},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # the rank Lightning starts is in its group: a hang is killed whole
+    proc = run_unless_hung(
+        [str(script), json.dumps(chat_target), str(tmp_path)], 200, "the runs did not end", None, True
     )
-    try:
-        out, _ = proc.communicate(timeout=200)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"the runs did not end: {proc.communicate()[0][-3000:]}")
+    out = proc.stdout
     assert proc.returncode == 0, out[-3000:]
     for rank in (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)):
         assert len(rank["straight"]) == 8
@@ -587,20 +573,9 @@ def test_a_checkpoint_rank_0_cannot_write_ends_every_rank_with_its_line(chat_tar
     script = tmp_path / "full_disk.py"
     script.write_text(FULL_DISK_SCRIPT)
     args = resume_fit_args(chat_target, tmp_path, "--trainer.devices", "2", "--trainer.strategy", "ddp")
-    proc = subprocess.Popen(
-        [sys.executable, str(script), "fit", *args, "--trainer.max_steps", "8"],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": REPO, "WANDB_MODE": "disabled"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # the rank Lightning starts is in its group: a hang is killed whole
-    )
-    try:
-        _, err = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"a rank hung after the failed write: {proc.communicate()[1][-3000:]}")
+    command = [str(script), "fit", *args, "--trainer.max_steps", "8"]
+    proc = run_unless_hung(command, 120, "a rank hung after the failed write", {"WANDB_MODE": "disabled"})
+    err = proc.stderr
     # each rank's line (both write to one pipe, so the two may run together)
     assert proc.returncode == 2 and err.count("error: ") == 2, err[-3000:]
     assert err.count("error: cannot write checkpoint") == 2 and err.count("No space left on device") == 2, err[-3000:]

@@ -5,14 +5,13 @@ whichever rank heard the signal. The command line itself: tests/test_resume.py (
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 
 import lightning as L
 import pytest
 import torch
-from kit import REPO, Record, RecordSamples, SignalAt, fit_args, make_data
+from kit import Record, RecordSamples, SignalAt, fit_args, make_data, run_unless_hung
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from spd_lightning import cli
@@ -123,25 +122,11 @@ def test_ctrl_c_while_fit_prepares_is_one_line_with_exit_130(micro_target, tmp_p
 
 
 def run_ranks(script_text: str, chat_target, tmp_path, signalled_rank: int, signum: int) -> tuple[list[dict], str]:
-    """A 2-rank DDP script (gloo) in a session of its own: what each rank wrote, and the output. A hang is killed whole
-    (the ranks Lightning starts are in the script's group) and fails the test."""
+    """A 2-rank DDP script (gloo): what each rank wrote, and the output; a hang fails the test."""
     script = tmp_path / "ranks.py"
     script.write_text(script_text.format(tests=os.path.dirname(os.path.abspath(__file__))))
-    args = [json.dumps(chat_target), str(tmp_path), str(signalled_rank), str(int(signum))]
-    proc = subprocess.Popen(
-        [sys.executable, str(script), *args],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": REPO},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=100)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"the ranks did not stop together (a hang): {proc.communicate()[0][-3000:]}")
+    args = [str(script), json.dumps(chat_target), str(tmp_path), str(signalled_rank), str(int(signum))]
+    out = run_unless_hung(args, 100, "the ranks did not stop together", merge_output=True).stdout
     ranks = [tmp_path / f"rank{r}.json" for r in range(2)]
     assert all(r.exists() for r in ranks), out[-3000:]
     return [json.loads(r.read_text()) for r in ranks], out
@@ -151,9 +136,8 @@ DDP_SCRIPT = """
 import json, os, sys
 import torch
 torch.set_num_threads(1)
-import lightning as L
 sys.path.insert(0, {tests!r})
-from kit import Record, RecordSamples, SignalAt, make_data
+from kit import Record, RecordSamples, SignalAt, ddp_trainer, how_it_ended, make_data
 from spd_lightning.cli import CheckpointOnStop
 from spd_lightning.training.stopping import STOP
 
@@ -161,13 +145,8 @@ chat_target, out, pressed_rank, signum = json.loads(sys.argv[1]), sys.argv[2], i
 record = Record()
 checkpoint = CheckpointOnStop(dirpath=out, save_last=True, every_n_train_steps=100)
 callbacks = [checkpoint, record, SignalAt(3, signum, rank=pressed_rank)]
-trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=20, logger=False,
-                    enable_progress_bar=False, limit_val_batches=0, default_root_dir=out, callbacks=callbacks)
-try:
-    trainer.fit(RecordSamples(), datamodule=make_data(chat_target))
-    end = "finished"
-except SystemExit as e:
-    end = f"exit {{e.code}}"
+trainer = ddp_trainer(out, callbacks, max_steps=20)
+end = how_it_ended(lambda: trainer.fit(RecordSamples(), datamodule=make_data(chat_target)))
 with open(f"{{out}}/rank{{trainer.global_rank}}.json", "w") as f:
     json.dump({{"end": end, "steps": record.steps, "signal": STOP.signal}}, f)
 """
@@ -232,7 +211,7 @@ import torch
 torch.set_num_threads(1)
 import lightning as L
 sys.path.insert(0, {tests!r})
-from kit import Record, RecordSamples, make_data
+from kit import Record, RecordSamples, ddp_trainer, how_it_ended, make_data
 from spd_lightning.cli import CheckpointOnStop
 from spd_lightning.training.stopping import STOP
 
@@ -249,14 +228,9 @@ class SignalInSanityCheck(L.Callback):
 
 record = Record()
 checkpoint = CheckpointOnStop(dirpath=out, save_last=True, every_n_train_steps=100)
-trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=20, logger=False,
-                    enable_progress_bar=False, limit_val_batches=2, num_sanity_val_steps=2, val_check_interval=10,
-                    default_root_dir=out, callbacks=[checkpoint, record, SignalInSanityCheck()])
-try:
-    trainer.fit(Validated(), datamodule=make_data(chat_target, val_size=8))
-    end = "finished"
-except SystemExit as e:
-    end = f"exit {{e.code}}"
+trainer = ddp_trainer(out, [checkpoint, record, SignalInSanityCheck()], max_steps=20, limit_val_batches=2,
+                      num_sanity_val_steps=2, val_check_interval=10)
+end = how_it_ended(lambda: trainer.fit(Validated(), datamodule=make_data(chat_target, val_size=8)))
 with open(f"{{out}}/rank{{trainer.global_rank}}.json", "w") as f:
     json.dump({{"end": end, "steps": record.steps, "signal": STOP.signal}}, f)
 """
@@ -282,7 +256,7 @@ import torch
 torch.set_num_threads(1)
 import lightning as L
 sys.path.insert(0, {tests!r})
-from kit import make_data, make_module
+from kit import ddp_trainer, how_it_ended, make_data, make_module
 from spd_lightning.cli import CheckpointOnStop
 from spd_lightning.training.stopping import STOP
 
@@ -294,13 +268,9 @@ class SignalAtFirstBatch(L.Callback):
             os.kill(os.getpid(), signum)
 
 checkpoint = CheckpointOnStop(dirpath=out, save_last=True)
-trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_progress_bar=False,
-                    limit_val_batches=4, default_root_dir=out, callbacks=[checkpoint, SignalAtFirstBatch()])
-try:
-    trainer.validate(make_module(chat_target["target"]), datamodule=make_data(chat_target, val_size=16))
-    end = "finished"
-except SystemExit as e:
-    end = f"exit {{e.code}}"
+trainer = ddp_trainer(out, [checkpoint, SignalAtFirstBatch()], limit_val_batches=4)
+module, data = make_module(chat_target["target"]), make_data(chat_target, val_size=16)
+end = how_it_ended(lambda: trainer.validate(module, datamodule=data))
 with open(f"{{out}}/rank{{trainer.global_rank}}.json", "w") as f:
     json.dump({{"end": end, "signal": STOP.signal}}, f)
 """

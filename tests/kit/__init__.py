@@ -37,6 +37,7 @@ from .runs import (
     descendant_pids,
     free_port,
     load_script,
+    run_unless_hung,
     still_alive,
 )
 from .serving import (
@@ -69,6 +70,8 @@ from .training import (
     SyntheticChat,
     attach_stub_trainer,
     chat_records,
+    ddp_trainer,
+    how_it_ended,
     make_data,
     make_module,
     make_trainer,
@@ -142,4 +145,7 @@ __all__ = [
     "still_alive",
     "target_dir",
     "SignalAt",
+    "run_unless_hung",
+    "ddp_trainer",
+    "how_it_ended",
 ]

@@ -1,14 +1,19 @@
 """Runs of the repository's own code: the checkout's root, a script loaded in the test's process, the
 staircase-evaluation callback of configs/tiny.yaml, what a CSV logger wrote, and child processes (a free local
-port, the process tree read from /proc)."""
+port, the process tree read from /proc, a run whose hang fails the test)."""
 
 import csv
 import functools
 import glob
 import importlib.util
 import os
+import signal
 import socket
+import subprocess
+import sys
 import time
+
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO_PROMPTS = os.path.join(REPO, "docs", "demo_prompts.jsonl")
@@ -81,3 +86,24 @@ def still_alive(pids, within_s: float) -> list[int]:
     while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     return [p for p in pids if pid_alive(p)]
+
+
+def run_unless_hung(args: list[str], timeout: float, hung: str, env: dict | None = None, merge_output: bool = False):
+    """`python ARGS` from the checkout in a session of its own (so the ranks Lightning starts are in its group): a
+    run still going after `timeout` seconds is killed whole and fails the test with `hung` and its last output."""
+    proc = subprocess.Popen(
+        [sys.executable, *args],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if merge_output else subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{hung} (a hang): {(err or out)[-3000:]}")
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)

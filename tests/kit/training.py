@@ -127,6 +127,31 @@ def make_trainer(root, max_steps: int, **overrides) -> L.Trainer:
     return L.Trainer(**{**args, **overrides})
 
 
+def ddp_trainer(root, callbacks: list, **overrides) -> L.Trainer:
+    """A quiet Lightning DDP trainer of 2 CPU processes over gloo, for a script that `run_unless_hung` runs."""
+    args = dict(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=str(root),
+        callbacks=callbacks,
+    )
+    return L.Trainer(**{**args, **overrides})
+
+
+def how_it_ended(work) -> str:
+    """'finished', or 'exit CODE' for the `SystemExit` that ended `work()` (a stop's `SIGTERMException`: None)."""
+    try:
+        work()
+    except SystemExit as e:
+        return f"exit {e.code}"
+    return "finished"
+
+
 def attach_stub_trainer(module, datamodule) -> None:
     """Give a module only what `setup`, `configure_model` and `training_step` read of a trainer (CPU, rank 0, step
     0), with logging and the optimizer's lr stubbed: a training step can then run without a `Trainer`."""
