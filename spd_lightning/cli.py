@@ -21,8 +21,7 @@ shows the traceback instead (`spd_lightning.errors.run_main`, the policy of ever
 Lightning itself rejects (e.g. `trainer.val_check_interval` above the batches of an epoch) is bad input too. SIGTERM
 ends `fit` after the current step with exit code 143 (128 + SIGTERM), its checkpoint saved; a first ctrl-C does the
 same with exit code 130 (128 + SIGINT), a second stops at once (130, the last periodic checkpoint kept), and so does
-one outside the training steps (loading, `validate`, the run's end). More
-subcommands: one line in `EXTRA_COMMANDS`.
+one outside the training steps (loading, the run's end). More subcommands: one line in `EXTRA_COMMANDS`.
 """
 
 from __future__ import annotations
@@ -495,16 +494,15 @@ def dispatch(args: Sequence[str]) -> int:
     except KeyboardInterrupt:  # before Lightning's fit began, which has its own handling
         raise Stopped("interrupted by ctrl-C before training began: no step to save", 128 + signal.SIGINT) from None
     except SystemExit as e:
-        if STOP.presses < 2 and isinstance(e.__context__, KeyboardInterrupt):
-            raise Stopped(  # Lightning's end for a ctrl-C while no step runs (loading, validation, the run's end)
-                "interrupted by ctrl-C outside a training step: the checkpoints saved before are kept",
+        if not isinstance(e.__context__, KeyboardInterrupt):  # not Lightning's end for a ctrl-C (`sys.exit(1)`)
+            raise
+        if STOP.presses >= 2:
+            raise Stopped(
+                "stopped at once by a second ctrl-C: resume from the last periodic checkpoint with `--ckpt_path last`",
                 128 + signal.SIGINT,
             ) from e
-        if STOP.presses < 2:
-            raise
-        raise Stopped(  # Lightning's end for a KeyboardInterrupt: exit code 1
-            "stopped at once by a second ctrl-C: resume from the last periodic checkpoint with `--ckpt_path last`",
-            128 + signal.SIGINT,
+        raise Stopped(  # while no step runs: loading, validation, the run's end
+            "interrupted by ctrl-C outside a training step: the checkpoints saved before are kept", 128 + signal.SIGINT
         ) from e
     return 0
 

@@ -23,6 +23,7 @@ from kit import (
     make_module,
     make_trainer,
     not_resumable_warnings,
+    quiet_trainer,
     run_unless_hung,
     sample_keys,
 )
@@ -118,15 +119,7 @@ def run_order(
         trainer_args["strategy"] = trainer_args["strategy"](torch.device("cpu"))
     else:
         trainer_args["accelerator"] = "cpu"
-    trainer = L.Trainer(
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        default_root_dir=str(root),
-        callbacks=callbacks,
-        **trainer_args,
-    )
+    trainer = quiet_trainer(root, callbacks, **trainer_args)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(

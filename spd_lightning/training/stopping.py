@@ -105,8 +105,9 @@ class StopSignals:
             return
         if self._pending is not None:
             self._pending.wait()
-            if self._agreed.item():
-                self._stop(signal.Signals(self._agreed.item()))
+            agreed = int(self._agreed.item())
+            if agreed:
+                self._stop(signal.Signals(agreed))
                 return
         self._agreed.fill_(self._heard)
         self._pending = dist.all_reduce(self._agreed, op=dist.ReduceOp.MAX, group=self._group, async_op=True)

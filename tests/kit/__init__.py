@@ -76,6 +76,7 @@ from .training import (
     make_module,
     make_trainer,
     not_resumable_warnings,
+    quiet_trainer,
     sample_keys,
 )
 
@@ -148,4 +149,5 @@ __all__ = [
     "run_unless_hung",
     "ddp_trainer",
     "how_it_ended",
+    "quiet_trainer",
 ]

@@ -127,12 +127,9 @@ def make_trainer(root, max_steps: int, **overrides) -> L.Trainer:
     return L.Trainer(**{**args, **overrides})
 
 
-def ddp_trainer(root, callbacks: list, **overrides) -> L.Trainer:
-    """A quiet Lightning DDP trainer of 2 CPU processes over gloo, for a script that `run_unless_hung` runs."""
+def quiet_trainer(root, callbacks: list, **overrides) -> L.Trainer:
+    """A Lightning trainer with no logger, progress bar, model summary or validation, writing under `root`."""
     args = dict(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp",
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -141,6 +138,11 @@ def ddp_trainer(root, callbacks: list, **overrides) -> L.Trainer:
         callbacks=callbacks,
     )
     return L.Trainer(**{**args, **overrides})
+
+
+def ddp_trainer(root, callbacks: list, **overrides) -> L.Trainer:
+    """A quiet Lightning DDP trainer of 2 CPU processes over gloo, for a script that `run_unless_hung` runs."""
+    return quiet_trainer(root, callbacks, **{"accelerator": "cpu", "devices": 2, "strategy": "ddp", **overrides})
 
 
 def how_it_ended(work) -> str:
