@@ -70,8 +70,11 @@ def test_loader_workers_ignore_ctrl_c(chat_target):
     for worker in batches._workers:
         os.kill(worker.pid, signal.SIGINT)
     time.sleep(0.5)
-    assert all(worker.is_alive() for worker in batches._workers)
-    assert len(list(batches)) == len(loader) - 2
+    try:
+        assert all(worker.is_alive() for worker in batches._workers)
+        assert len(list(batches)) == len(loader) - 2
+    finally:
+        batches._shutdown_workers()  # persistent workers: none is left for a later test's fork
 
 
 @pytest.mark.parametrize(
