@@ -9,6 +9,7 @@ and a launcher that dies takes its ranks with it. The replay pattern makes rejec
 `redo` points come within the first cycles.
 """
 
+import dataclasses
 import json
 import pickle
 import subprocess
@@ -37,11 +38,11 @@ def qwen3(tmp_path_factory):
     return path, target, [ar_decode(target, p, 24).tokens for p in PROMPTS]
 
 
-def job_for(qwen3, n: int, fault: str | None, timeout_s: float = TIMEOUT_S, repeat: int = 1) -> DecodeJob:
+def job_for(qwen3, n: int, fault: str | None, timeout_s: float = TIMEOUT_S, repeat: int = 1, **geometry) -> DecodeJob:
     path, target, references = qwen3
     return DecodeJob(
         target_path=path,
-        geometry=Geometry.build(target.num_layers, n),
+        geometry=Geometry.build(target.num_layers, n, **geometry),
         prompts=PROMPTS * repeat,
         max_new_tokens=24,
         eos_token_ids=[],
@@ -80,6 +81,14 @@ def test_a_stalled_peer_is_caught_by_the_timeout(qwen3):
         r"^rank 2 \(PDM\) stopped responding: .* timed out",
     )
     assert 2 not in error.failed  # the staller never noticed; the launcher ended it
+
+
+def test_a_stalled_verifier_is_caught_by_the_timeout_on_the_control_group(qwen3):
+    """PPSD: the last stage sends the PDM no anchors, so with the verifier stalled every other rank waits on the
+    verdict alone, which travels on the gloo control group: its receives time out after `timeout_s` as the data
+    messages' do (that group once kept gloo's 30-minute default)."""
+    job = job_for(qwen3, 2, "1:step:6:stall", timeout_s=STALL_TIMEOUT_S, schedule="post_step", features="first_stage")
+    failing_launch(job, r"^rank 1 \(stage 2\) stopped responding: .* timed out")
 
 
 @pytest.mark.slow
@@ -156,6 +165,12 @@ def test_the_failure_message_follows_the_chain_of_blame():
     own = {**chain, 1: Failed(1, "TargetError: no layer 3", "trace", None, True)}
     assert failure_message(job, {3: 1}, own).startswith("rank 1 (stage 2) failed: TargetError: no layer 3")
     assert failure_message(job, {1: -9}, chain).startswith("rank 1 (stage 2) was killed by signal 9")
+    on_gpus = dataclasses.replace(job, device="cuda")  # NCCL's watchdog aborts the rank whose message timed out
+    assert failure_message(on_gpus, {1: -6}, {}).startswith(
+        "rank 1 (stage 2) was killed by signal 6 (NCCL's watchdog ends a rank whose message failed or timed out: a "
+        "peer may have stalled)"
+    )
+    assert failure_message(job, {1: -6}, {}).startswith("rank 1 (stage 2) was killed by signal 6; every rank")
     assert failure_message(job, {1: 3}, chain).startswith("rank 1 (stage 2) exited with code 3 without reporting")
 
 

@@ -11,15 +11,16 @@ import signal
 import time
 
 import pytest
-from kit import make_tiny_model, save_random_drafter, target_dir
+import torch
+from kit import REPO, make_tiny_model, run_unless_hung, save_random_drafter, target_dir
 
 from inference.cycle.ar import ar_decode
 from inference.cycle.simulator import Simulator
 from inference.processes.job import DecodeJob
-from inference.processes.launch import LaunchError, launch
+from inference.processes.launch import LaunchError, launch, run_rank
 from inference.runtime.replay import ReplayDrafter
 from inference.sampling import Sampling
-from spd_lightning.errors import UserError
+from spd_lightning.errors import UsageError, UserError
 from spd_lightning.export import load_drafter
 from spd_lightning.geometry import Geometry
 
@@ -202,3 +203,47 @@ def test_a_rank_killed_mid_decode_ends_every_rank(targets):
     assert time.monotonic() - start < TIMEOUT_S
     assert len(pids) == 3 and not [p for p in mp.active_children() if p.pid in pids.values()]
     assert not isinstance(info.value, UserError)  # a dead rank is not bad input
+
+
+FORKSERVER_PROBE = """
+import multiprocessing as mp, sys
+from inference.processes.launch import start_method
+from inference.processes.job import DecodeJob
+
+def fla_imported(answer):
+    answer.put("fla" in sys.modules)  # a rank inherits the fork server's modules
+
+if __name__ == "__main__":
+    job = DecodeJob(sys.argv[1], None, [], 1, [], 1, 1, None, device=sys.argv[2])
+    context = mp.get_context(start_method(job))
+    answer = context.SimpleQueue()
+    rank = context.Process(target=fla_imported, args=(answer,))
+    rank.start()
+    rank.join()
+    print(answer.get())
+"""
+
+
+@pytest.mark.parametrize("device,preloaded", [("cpu", True), ("cuda", False)])
+def test_a_gpu_jobs_fork_server_never_imports_the_targets_modeling_code(targets, tmp_path, device, preloaded):
+    """Qwen3.5's modeling code imports `fla` where it is installed (the `gpu` extra), and `fla` reads the GPU's
+    properties at import: in the fork server that initialises CUDA, and every rank forked from it fails at its first
+    CUDA call. A stand-in `fla` shows where the modeling code was imported: the fork server of a CPU job preloads it
+    (the fast start), that of a GPU job must not."""
+    (tmp_path / "fla").mkdir()
+    (tmp_path / "fla" / "__init__.py").write_text("def chunk_gated_delta_rule(*a, **k): ...\n")
+    (tmp_path / "probe.py").write_text(FORKSERVER_PROBE)
+    path, _ = targets["qwen3_5"]
+    env = {"PYTHONPATH": f"{REPO}{os.pathsep}{tmp_path}"}
+    run = run_unless_hung([str(tmp_path / "probe.py"), path, device], 120, "the fork server probe", env=env)
+    assert run.returncode == 0 and run.stdout.split()[-1] == str(preloaded), run.stderr[-2000:]
+
+
+def test_a_rank_without_a_gpu_of_its_own_is_one_line(targets, monkeypatch):
+    """`torchrun --nproc-per-node 5` for n = 4 on a 4-GPU node: the fifth rank has no device (no launcher checked)."""
+    path, target = targets["qwen3"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)  # stands in for the node's GPUs
+    monkeypatch.setenv("WORLD_SIZE", "5")
+    job = job_for(path, target, Geometry.build(target.num_layers, 4), device="cuda")
+    with pytest.raises(UsageError, match=r"LOCAL_RANK=4 has no GPU \(4 visible on this node\): start at most 4 ranks"):
+        run_rank(job, 4, 4, report=lambda *_: None)

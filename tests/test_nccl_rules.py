@@ -14,7 +14,7 @@ from inference.cycle import nccl_rules
 from inference.cycle.nccl_rules import NcclRuleError, NcclRules
 from inference.cycle.simulator import simulate_decode
 from inference.cycle.transport import LocalTransport, _peer_error
-from inference.runtime.nccl_backend import OBJECT_COLLECTIVES, failure_reason, guard_default_group, nccl_error_handling
+from inference.runtime.nccl_backend import OBJECT_COLLECTIVES, failure_reason, guard_default_group
 from inference.sampling import Sampling
 from spd_lightning.geometry import Geometry
 
@@ -139,15 +139,6 @@ def test_nccl_and_gloo_failures_become_the_same_one_line_peer_error(text, reason
     error = _peer_error("no act from rank 1 (stage 2)", 1, RuntimeError(text))
     assert str(error) == f"no act from rank 1 (stage 2): {reason}" and error.peer == 1
     assert "\n" not in failure_reason(RuntimeError(text))
-
-
-def test_nccl_failures_raise_instead_of_killing_the_rank_unless_the_user_chose():
-    environ = {}
-    nccl_error_handling(environ)
-    assert environ == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
-    environ = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
-    nccl_error_handling(environ)
-    assert environ == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
 
 
 # -- the server's control traffic ---------------------------------------------------------------------------------

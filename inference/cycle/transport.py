@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from inference.runtime.nccl_backend import enabled, failure_reason, guard_default_group, nccl_error_handling
+from inference.runtime.nccl_backend import enabled, failure_reason, guard_default_group
 
 # the kinds of the control messages (host memory, the gloo group): the verdict is the only one
 CONTROL_KINDS = frozenset({"verdict"})
@@ -211,12 +211,13 @@ class _PostedArrival(Arrival):
 _control_groups: dict[int, object] = {}
 
 
-def control_group():
+def control_group(timeout: timedelta | None = None):
     """The gloo group of the control traffic (the verdict, the server's requests), one per process group: created (a
-    collective) by the first transport or the first caller, on every rank at the same point of its program."""
+    collective) by `init_distributed` with the process group's timeout, or else by the first caller (torch's default
+    timeout), on every rank at the same point of its program."""
     key = id(dist.group.WORLD)
     if key not in _control_groups:
-        _control_groups[key] = dist.new_group(backend="gloo")
+        _control_groups[key] = dist.new_group(backend="gloo", timeout=timeout)
     return _control_groups[key]
 
 
@@ -235,11 +236,12 @@ def _peer_error(what: str, peer: int, cause: Exception) -> PeerError:
 
 
 def init_distributed(backend: str, rank: int, world_size: int, timeout_s: float) -> None:
-    """Join the process group (its address from the environment, `env://`); every later blocking call fails after
-    `timeout_s` instead of hanging."""
-    if backend == "nccl":  # a dead peer raises PeerError, as under gloo, instead of the watchdog killing the rank
-        nccl_error_handling()
-    dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    """Join the process group (its address from the environment, `env://`) and make its control group; every later
+    blocking call, on either group, fails after `timeout_s` instead of hanging. Under NCCL a failed or timed-out
+    message kills the rank (its watchdog: `runtime/nccl_backend.py` says why we keep that)."""
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout)
+    control_group(timeout)  # gloo's own default would be 30 minutes, whatever `timeout_s` says
     if enabled():  # NCCL's rules (tests): no object collective on the default group
         guard_default_group()
 

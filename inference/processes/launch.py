@@ -89,6 +89,7 @@ def run_rank(
     _check_world_size(job, int(os.environ["WORLD_SIZE"]))
     device = torch.device(f"cuda:{local_rank}" if job.device.startswith("cuda") else "cpu")
     if device.type == "cuda":
+        _check_local_device(local_rank)
         torch.cuda.set_device(device)
     else:  # ranks share the CPU: oversubscribed threads make every rank slower
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.local_ranks))
@@ -179,6 +180,17 @@ def _check_world_size(job: DecodeJob, world_size: int) -> None:
         raise NodesMismatch(
             f"{world_size} ranks were started in all; n={job.n} stages with --pdm-placement {job.pdm_placement} "
             f"need {job.world_size}: make the nodes' --nproc-per-node add up to it"
+        )
+
+
+def _check_local_device(local_rank: int) -> None:
+    """Under torchrun (or hand-set ranks) nothing checked the GPUs before the ranks started: one line, not CUDA's
+    "invalid device ordinal" from `set_device`."""
+    visible = torch.cuda.device_count()
+    if local_rank >= visible:
+        raise UsageError(
+            f"this rank's LOCAL_RANK={local_rank} has no GPU ({visible} visible on this node): start at most {visible} "
+            f"ranks per node (torchrun --nproc-per-node), lower n, or use --pdm-placement shared"
         )
 
 
@@ -326,15 +338,17 @@ def _agent_config(job: DecodeJob, start_method: str, log_dir: str):
 def start_method(job: DecodeJob) -> str:
     """Fresh interpreters for the ranks (never `fork`: torch's thread pools and CUDA do not survive it).
 
-    On Linux a fork server that has already imported torch, transformers, the decoder and the target's
-    modeling code starts every rank in milliseconds instead of re-importing them all; it stays up for the
-    life of this process, so later launches are fast too. Elsewhere `spawn`."""
+    On Linux a fork server that has already imported torch, transformers and the decoder (and on the CPU the target's
+    modeling code) starts every rank in milliseconds instead of re-importing them all; it stays up for the life of
+    this process, so later launches are fast too. Elsewhere `spawn`."""
     if "forkserver" not in mp.get_all_start_methods():
         return "spawn"
-    modeling = type(meta_target(job.target_path, trust_remote_code=job.trust_remote_code).model).__module__
-    mp.get_context("forkserver").set_forkserver_preload(
-        ["torch", "transformers", "inference.processes.launch", modeling]
-    )
+    preload = ["torch", "transformers", "inference.processes.launch"]
+    # Modeling code may touch the GPU when imported (Qwen3.5's imports `fla`, which reads the device's properties):
+    # a fork server with CUDA initialised starts ranks that fail "Cannot re-initialize CUDA in forked subprocess".
+    if not job.device.startswith("cuda"):
+        preload.append(type(meta_target(job.target_path, trust_remote_code=job.trust_remote_code).model).__module__)
+    mp.get_context("forkserver").set_forkserver_preload(preload)
     return "forkserver"
 
 

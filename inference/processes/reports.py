@@ -9,6 +9,7 @@ fail, `failure_message` names the rank that caused it from these reports and the
 from __future__ import annotations
 
 import queue
+import signal
 import threading
 from collections.abc import Callable
 from typing import NamedTuple
@@ -122,6 +123,8 @@ def failure_message(job: DecodeJob, failed: dict[int, int], reports: dict[int, F
     report = blamed_report(failed, reports)
     if code < 0:
         head = f"rank {rank} ({role_name(rank, n)}) was killed by signal {-code}"
+        if code == -signal.SIGABRT and job.device.startswith("cuda"):  # how NCCL ends a rank (runtime/nccl_backend.py)
+            head += " (NCCL's watchdog ends a rank whose message failed or timed out: a peer may have stalled)"
     elif report is None:
         head = f"rank {rank} ({role_name(rank, n)}) exited with code {code} without reporting an error"
     else:

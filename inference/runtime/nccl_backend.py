@@ -1,4 +1,4 @@
-"""What choosing NCCL sets up in a rank process (`cycle/transport.init_distributed`), and a failed message as one line.
+"""NCCL in a rank process: the guard on object collectives (`cycle/transport.init_distributed`), a failed message as one line.
 It lies below the cycle layer so that the transport can use it.
 
 A failed message reads the same under gloo and NCCL: what the `PeerError` naming the peer says.
@@ -6,11 +6,13 @@ A failed message reads the same under gloo and NCCL: what the `PeerError` naming
 Gloo raises at the call that failed, with `[file:line]` in front of its reason ("Connection closed by peer",
 "Timed out waiting ... for recv operation to complete"). NCCL fails differently: a receive whose sender died never
 completes on the device, and it is the process group's watchdog that notices, after the process-group timeout, or
-when NCCL reports the peer's connection lost (`ncclRemoteError`). By default its error handling then kills the
-process (`TORCH_NCCL_ASYNC_ERROR_HANDLING=3`), so the rank ends by SIGABRT with a C++ trace and never reports whom it
-lost. `nccl_error_handling` (called where the backend is chosen, before the group exists) asks it to abort the
-communicators only (mode 2): the failed work then raises `DistBackendError` in Python at the transport's next call
-on it, and `failure_reason` turns the watchdog's text into the same one-line reason gloo's gets.
+when NCCL reports the peer's connection lost (`ncclRemoteError`). Its error handling then kills the process: the
+rank ends by SIGABRT, and the launcher says so (`processes/reports.py`). We keep that: the mode that would raise in
+Python instead (`TORCH_NCCL_ASYNC_ERROR_HANDLING=2`) aborts the communicators, which ends the pending receive
+kernels with their buffers unfilled, and the work already queued behind them would read those buffers (a wrong
+token out of a lossless decoder), while the elastic agent sets mode 1 for its workers anyway. Where NCCL's error
+does reach Python (the next call on an aborted communicator), `failure_reason` turns its text into the same one-line
+reason gloo's gets.
 """
 
 from __future__ import annotations
@@ -38,14 +40,6 @@ _NCCL_REASONS = (  # (pattern in NCCL's or its watchdog's text, the reason it me
     (re.compile(r"remote process exited|ncclRemoteError", re.I), "the peer exited or its connection failed (NCCL)"),
     (re.compile(r"communicator was aborted", re.I), "NCCL aborted the communicator after an error on another rank"),
 )
-
-
-def nccl_error_handling(environ=os.environ) -> None:
-    """Before the NCCL process group exists: failures raise in Python (see the module docstring). A value the user
-    set is kept."""
-    # What the rank does when NCCL or its watchdog sees an error: 2 aborts the communicators and lets the error raise
-    # at the call that waits on the failed work (1 and 3, the default, kill the process from the watchdog thread).
-    environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
 
 
 def failure_reason(cause: BaseException) -> str:
