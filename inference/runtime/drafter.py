@@ -68,7 +68,7 @@ class SlotDraftKV:
         self.offsets = offsets
         self.rows = torch.arange(slots, device=device)
         self.positions = torch.arange(capacity, device=device)
-        mark_static(self.keys, self.values, self.rows, self.positions)
+        mark_static(self.keys, self.values, self.offsets, self.rows, self.positions)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         R = q.shape[0]
@@ -178,6 +178,7 @@ class PDMDrafter:
             held = self.capacity
             states[:, :held] = self.states
             cache.keys[:, :, :, :held], cache.values[:, :, :, :held] = self.cache.keys, self.cache.values
+        mark_static(states)  # unmarked, a CUDA graph would copy the whole store into a buffer of its own each replay
         self.states, self.cache, self.capacity = states, cache, capacity
 
     @torch.no_grad()
