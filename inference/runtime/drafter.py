@@ -10,7 +10,8 @@ shorter segment, write keys past anything their slot holds: masked, and overwrit
 as in-flight positions are.
 
 `compile` (`--compile`): the gather, fusion, body and head over the fixed `[R, W]` shape through `CompiledStep`,
-one graph per bucket and capacity (every type projected); eager steps project only the types present.
+one graph per bucket and capacity (every type projected); eager steps project only the types present. `capture=False`
+(the shared placement, whose draft runs beside stage 1's captured step): compiled without CUDA graphs.
 
 `replay.ReplayDrafter` proposes from a known continuation instead, behind the same `Drafter` interface.
 """
@@ -140,6 +141,7 @@ class PDMDrafter:
         state_dtype,
         slots: int,
         compile: bool = False,
+        capture: bool = True,
     ):
         check_drafter(pdm, geometry, embed_tokens)
         self.pdm, self.geometry, self.embed_tokens, self.slots = pdm, geometry, embed_tokens, slots
@@ -161,7 +163,7 @@ class PDMDrafter:
         self._row_ids = torch.arange(slots, device=self.device)
         mark_static(self._columns, self._row_ids)
         self.compiled = compile
-        self._step = CompiledStep(self._logits, self.device) if compile else self._logits
+        self._step = CompiledStep(self._logits, self.device, capture) if compile else self._logits
         self._reserve(1)
 
     def _reserve(self, positions: int) -> None:
