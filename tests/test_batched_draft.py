@@ -131,3 +131,24 @@ def test_draws_follow_each_rows_distribution_and_never_a_zero():
             assert chi_square_p(counts, row[row > 0].double() * len(u)) > 1e-3
     top = torch.tensor([1.0 - 2**-53])  # rounds to the total: falls back to the last positive index
     assert int(draw_rows(probs[:1], top)) == 3
+
+
+def test_every_tensor_the_compiled_draft_reads_keeps_its_address_through_growth(drafting_setup):
+    """A CUDA graph copies each input not marked static into a buffer of its own before every replay: the anchor
+    store (`states`, the largest tensor the draft reads) and the cached lengths would be copied every step. Marked
+    when made, and again when a longer request regrows them."""
+    from torch._dynamo.utils import get_static_address_type
+
+    target, geometry, pdm = drafting_setup
+    drafter = PDMDrafter(pdm, geometry, target.embed_tokens, torch.float32, 2)
+
+    def unmarked() -> list[str]:
+        cache = drafter.cache
+        read = dict(states=drafter.states, keys=cache.keys, values=cache.values, offsets=cache.offsets)
+        read |= dict(rows=cache.rows, positions=cache.positions, columns=drafter._columns, row_ids=drafter._row_ids)
+        return [name for name, tensor in read.items() if get_static_address_type(tensor) is None]
+
+    assert unmarked() == []
+    held = drafter.capacity
+    drafter.start(0, torch.tensor([3, 4]), 4 * held)
+    assert drafter.capacity > held and unmarked() == []

@@ -80,6 +80,23 @@ def test_a_step_that_cannot_be_captured_runs_eagerly(caplog):
     assert not step.compiled and step.cuda_graphs is False and "runs eagerly" in caplog.text
 
 
+def test_a_step_beside_a_captured_one_compiles_without_cuda_graphs(monkeypatch):
+    """The shared PDM's draft (`capture=False`) on a GPU: inductor without CUDA graphs, so it never joins the device's
+    one graph pool, where its replays on the side stream would run concurrently with stage 1's; reported so."""
+    from inference.runtime.capture import SIDE_STREAM, CompiledStep
+
+    compiled, step_begins = [], []
+    monkeypatch.setattr(torch, "compile", lambda step, **kw: compiled.append(kw) or step)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: step_begins.append(1))
+    gpu = torch.device("cuda", 0)
+    stage, draft = CompiledStep(torch.neg, gpu), CompiledStep(torch.neg, gpu, capture=False)
+    assert compiled[0]["mode"] == "reduce-overhead"
+    assert "mode" not in compiled[1] and compiled[1]["options"] == {"triton.cudagraphs": False}
+    x = torch.ones(2)
+    assert torch.equal(draft(x), -x) and step_begins == [] and torch.equal(stage(x), -x) and step_begins == [1]
+    assert (draft.cuda_graphs, draft.skip_reason) == (False, SIDE_STREAM) and stage.cuda_graphs is True
+
+
 def growing_prompts(count: int, vocab: int) -> list[list[int]]:
     return [[(7 * i + 3 * j) % vocab for j in range(1 + 3 * i)] for i in range(count)]
 
@@ -149,9 +166,9 @@ def test_the_recompile_limit_falls_back_to_eager_with_one_warning(
 
 
 def limited_compiled_step_init(init, limit: int):
-    def lowered(self, step, device):
+    def lowered(self, *args, **kwargs):
         init(
-            self, step, device
+            self, *args, **kwargs
         )  # raises the limit to CompiledStep's floor; lowered after it (`dynamo_recompile_limit`)
         torch._dynamo.config.recompile_limit = limit
 
@@ -182,7 +199,8 @@ def test_twenty_growing_prompts_reuse_bucketed_graphs(tmp_path, monkeypatch):
 @pytest.mark.parametrize("placement", ["separate", "shared"])
 def test_the_ranks_compile_what_the_job_asks_for(tmp_path, monkeypatch, placement):
     """`DecodeJob.compile` (from `--compile`) reaches every stage's one-token step and the PDM drafter in the rank
-    processes. Building a role compiles nothing yet: graphs are captured at the first decode step."""
+    processes, the shared placement's drafter without CUDA graphs. Building a role compiles nothing yet: graphs are
+    captured at the first decode step."""
     from kit import save_random_drafter, save_target
 
     from inference.processes import roles
@@ -190,7 +208,9 @@ def test_the_ranks_compile_what_the_job_asks_for(tmp_path, monkeypatch, placemen
     from inference.runtime.capture import CompiledStep
 
     drafter_compile = []
-    monkeypatch.setattr(roles, "PDMDrafter", lambda *a, compile=False, **kw: drafter_compile.append(compile))
+    monkeypatch.setattr(
+        roles, "PDMDrafter", lambda *a, compile=False, capture=True, **kw: drafter_compile.append((compile, capture))
+    )
     monkeypatch.setattr(roles, "PipelineRunner", lambda *a, **kw: None)  # no process group in this test
     monkeypatch.setattr(roles, "DistributedTransport", lambda names: None)
     monkeypatch.setattr(roles, "SharedTransport", lambda n, names: None)
@@ -216,7 +236,8 @@ def test_the_ranks_compile_what_the_job_asks_for(tmp_path, monkeypatch, placemen
         loaded = roles.load_role(job, 0, torch.device("cpu"))
         assert isinstance(loaded.stages[1]._step, CompiledStep) is compile_
         roles.build_runner(job, drafter_rank, torch.device("cpu"))
-        assert drafter_compile[-1] is compile_
+        # the shared draft runs beside stage 1's captured step: compiled, never in its CUDA graphs' pool
+        assert drafter_compile[-1] == (compile_, placement == "separate")
 
 
 def compiled_ranks_equal_eager(arch, tmp_path):

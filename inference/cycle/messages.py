@@ -84,7 +84,7 @@ class Mailboxes:
         host = self.verdict_host[index]
         host.copy_(self.verdict_rows[index], non_blocking=self._verdict_copied is not None)
         if self._verdict_copied is not None:
-            self._verdict_copied.record()
+            self._verdict_copied.record(torch.cuda.current_stream(self.device))  # the copy's stream, not cuda:0's
             self._verdict_copied.synchronize()
         return host.tolist()
 

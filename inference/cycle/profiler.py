@@ -27,6 +27,7 @@ class Profiler:
     def __init__(self, enabled: bool, device: torch.device):
         self.enabled = enabled
         self._events = enabled and device.type == "cuda"
+        self.device = device
         self.cycle = 0
         self._rows = np.zeros((0, 0, TIMING_FIELDS))
         self._pending: list[tuple[Sequence[int], int, int, torch.cuda.Event, torch.cuda.Event]] = []
@@ -62,9 +63,10 @@ class Profiler:
     @contextmanager
     def _device_span(self, ranks: Sequence[int], field: int) -> Iterator[None]:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        stream = torch.cuda.current_stream(self.device)  # the work's device, which need not be the current one
+        start.record(stream)
         yield
-        end.record()
+        end.record(stream)
         self._pending.append((ranks, self.cycle, field, start, end))
 
     @property

@@ -80,9 +80,9 @@ def build_runner(job: DecodeJob, rank: int, device: torch.device) -> PipelineRun
         drafter = (
             ReplayDrafter(job.replay.references, job.replay.policy, job.vocab_size)
             if job.replay is not None
-            else PDMDrafter(loaded.pdm, geometry, loaded.embed, dtype, B, compile=job.compile)
+            else PDMDrafter(loaded.pdm, geometry, loaded.embed, dtype, B, compile=job.compile, capture=not shared)
         )
-        if shared:  # beside stage 1's forward on their one GPU (`shared_stream`)
+        if shared:  # beside stage 1's forward on their one GPU (`shared_stream`): so not in its CUDA graph pool
             drafter = SideStreamDrafter(drafter, draft_stream(device))
     config = RunnerConfig(
         job.vocab_size,

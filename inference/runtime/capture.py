@@ -26,6 +26,7 @@ log = logging.getLogger("inference")
 RECOMPILE_LIMIT = 64
 # Raised while tracing or compiling, before the step ran (nothing was written yet): the step runs eagerly.
 COMPILE_FAILURES = (TorchDynamoException, FailOnRecompileLimitHit)
+SIDE_STREAM = "not captured: it runs on a second stream beside another captured step"
 
 
 class _SkipReasons(logging.Handler):
@@ -53,24 +54,31 @@ def _listen_for_cudagraph_skips() -> None:
 
 class CompiledStep:
     """`step` compiled; `compiled` says whether it still runs compiled, `cuda_graphs` whether its graphs are
-    captured as CUDA graphs (None until the first call, always False off a GPU), `skip_reason` why not."""
+    captured as CUDA graphs (None until the first call, always False off a GPU or without `capture`), `skip_reason`
+    why not.
 
-    def __init__(self, step: Callable, device: torch.device):
+    `capture=False`: inductor without CUDA graphs, for a step launched on a second stream beside another captured
+    step (the shared PDM's draft, `shared_stream`). Inductor's graphs of a device share one memory pool and assume
+    one graph runs at a time: two replayed concurrently write each other's activations."""
+
+    def __init__(self, step: Callable, device: torch.device, capture: bool = True):
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self.eager = step
         self.name = getattr(step, "__qualname__", repr(step))
-        self.on_gpu = device.type == "cuda"
+        self.captures = device.type == "cuda" and capture
         self.compiled = True
-        self.cuda_graphs: bool | None = None if self.on_gpu else False
-        self.skip_reason = "" if self.on_gpu else "not a CUDA device"
-        if self.on_gpu:
+        self.cuda_graphs: bool | None = None if self.captures else False
+        self.skip_reason = "" if self.captures else "not a CUDA device" if device.type != "cuda" else SIDE_STREAM
+        if self.captures:
             _listen_for_cudagraph_skips()
-        self._run = torch.compile(step, mode="reduce-overhead" if self.on_gpu else None, dynamic=False, fullgraph=True)
+        # explicit: TORCHINDUCTOR_CUDAGRAPHS=1 or a config set elsewhere must not capture an uncaptured step
+        graphs = dict(mode="reduce-overhead") if self.captures else dict(options={"triton.cudagraphs": False})
+        self._run = torch.compile(step, dynamic=False, fullgraph=True, **graphs)
 
     def __call__(self, *args):
         if not self.compiled:
             return self.eager(*args)
-        if self.on_gpu:  # the previous replay's outputs are consumed (cloned) by now
+        if self.captures:  # the previous replay's outputs are consumed (cloned) by now
             torch.compiler.cudagraph_mark_step_begin()
         skips, messages = counters["inductor"]["cudagraph_skips"], len(_SKIPS.messages)
         try:

@@ -10,7 +10,8 @@ shorter segment, write keys past anything their slot holds: masked, and overwrit
 as in-flight positions are.
 
 `compile` (`--compile`): the gather, fusion, body and head over the fixed `[R, W]` shape through `CompiledStep`,
-one graph per bucket and capacity (every type projected); eager steps project only the types present.
+one graph per bucket and capacity (every type projected); eager steps project only the types present. `capture=False`
+(the shared placement, whose draft runs beside stage 1's captured step): compiled without CUDA graphs.
 
 `replay.ReplayDrafter` proposes from a known continuation instead, behind the same `Drafter` interface.
 """
@@ -68,7 +69,7 @@ class SlotDraftKV:
         self.offsets = offsets
         self.rows = torch.arange(slots, device=device)
         self.positions = torch.arange(capacity, device=device)
-        mark_static(self.keys, self.values, self.rows, self.positions)
+        mark_static(self.keys, self.values, self.offsets, self.rows, self.positions)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         R = q.shape[0]
@@ -140,6 +141,7 @@ class PDMDrafter:
         state_dtype,
         slots: int,
         compile: bool = False,
+        capture: bool = True,
     ):
         check_drafter(pdm, geometry, embed_tokens)
         self.pdm, self.geometry, self.embed_tokens, self.slots = pdm, geometry, embed_tokens, slots
@@ -161,7 +163,7 @@ class PDMDrafter:
         self._row_ids = torch.arange(slots, device=self.device)
         mark_static(self._columns, self._row_ids)
         self.compiled = compile
-        self._step = CompiledStep(self._logits, self.device) if compile else self._logits
+        self._step = CompiledStep(self._logits, self.device, capture) if compile else self._logits
         self._reserve(1)
 
     def _reserve(self, positions: int) -> None:
@@ -178,6 +180,7 @@ class PDMDrafter:
             held = self.capacity
             states[:, :held] = self.states
             cache.keys[:, :, :, :held], cache.values[:, :, :, :held] = self.cache.keys, self.cache.values
+        mark_static(states)  # unmarked, a CUDA graph would copy the whole store into a buffer of its own each replay
         self.states, self.cache, self.capacity = states, cache, capacity
 
     @torch.no_grad()

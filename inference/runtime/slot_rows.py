@@ -98,6 +98,7 @@ class HostTable:
         self.host = self._host.numpy()
         self.device = torch.zeros(rows, columns, dtype=torch.long, device=device)
         self._copied = torch.cuda.Event() if pinned else None
+        self._device = device
         mark_static(self.device)
 
     def writable(self):
@@ -110,6 +111,6 @@ class HostTable:
         """The leading `rows` rows on the device."""
         device = leading(self.device, rows)
         device.copy_(leading(self._host, rows), non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+        if self._copied is not None:  # on the stream of the copy: `device`'s, not the current device's
+            self._copied.record(torch.cuda.current_stream(self._device))
         return device
