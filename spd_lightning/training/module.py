@@ -468,7 +468,7 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
             return
         totals = (self.fill_estimate.correct, self.fill_estimate.total)
         if self.trainer.world_size > 1:
-            totals = tuple(self.trainer.strategy.reduce(t.clone(), reduce_op="sum") for t in totals)
+            totals = tuple(self._over_ranks(t, "sum") for t in totals)
         logged = self.fill_estimate.refresh(totals)
         self._use_estimated_fills()
         self.log_dict(logged, batch_size=1)
@@ -741,10 +741,17 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         uninterrupted run has (the estimate is linear in its counts). One reduce per save under DDP/FSDP."""
         state = self.fill_estimate.state_dict()
         if self._trainer is not None and self.trainer.world_size > 1:
-            device = self.trainer.strategy.root_device
             for key, counts in (("correct", self.fill_estimate.correct), ("total", self.fill_estimate.total)):
-                state[key] = self.trainer.strategy.reduce(counts.to(device, copy=True), reduce_op="mean").cpu()
+                state[key] = self._over_ranks(counts, "mean").cpu()
         return state
+
+    def _over_ranks(self, counts: torch.Tensor, reduce_op: str) -> torch.Tensor:
+        """The estimate's `counts` reduced over the ranks, from a copy on the strategy's device: NCCL serves only the
+        GPU, and a resumed run's counts stay on the host (as saved) until its first training step moves them, while
+        a refresh may come before it (a resume at a multiple of `REFRESH_STEPS`)."""
+        return self.trainer.strategy.reduce(
+            counts.to(self.trainer.strategy.root_device, copy=True), reduce_op=reduce_op
+        )
 
     def _check_weights_finite(self) -> None:
         """A diverged run (a NaN or inf loss reached the weights) must not replace the checkpoints saved before it
