@@ -77,6 +77,11 @@ def set_recompile_limit() -> tuple[int, bool]:
     return before
 
 
+def plain_name(name: str) -> str:
+    """A PDM parameter's name as the unwrapped PDM has it (FSDP's units insert their wrapper's attribute)."""
+    return name.replace("_fsdp_wrapped_module.", "")
+
+
 def check_right_padded(attention_mask: torch.Tensor) -> None:
     if not bool((attention_mask[:, :-1] >= attention_mask[:, 1:]).all()):
         raise ValueError(
@@ -382,7 +387,7 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
             return
         with FullyShardedDataParallel.summon_full_params(wrapped, writeback=False, recurse=True):
             tensors = [*self.pdm.named_parameters(), *self.pdm.named_buffers()]
-            gathered = {name.replace("_fsdp_wrapped_module.", ""): t.detach().clone() for name, t in tensors}
+            gathered = {plain_name(name): t.detach().clone() for name, t in tensors}
         plain = PipelineDraftModule(self.pdm.cfg).to(self.device)
         plain.load_state_dict({name: gathered[name] for name in plain.state_dict()})
         yield plain.eval()
@@ -413,6 +418,7 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         hp = self.hparams
         self.pdm = PipelineDraftModule(self._pdm_config(d2t.numel(), self._target_info.rope_theta), d2t)
         self._freeze_unused_types()
+        self._name_decayed()
         if hp.init_head:
             self.pdm.init_head_from_rows(self._head_rows())
         for i, layer in enumerate(hp.init_layers_from or []):
@@ -447,6 +453,11 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         used = set(self.layout.copy_types)
         for tau, proj in enumerate(self.pdm.fusion.proj, start=1):
             proj.requires_grad_(tau in used)
+
+    def _name_decayed(self) -> None:
+        """AdamW decays the PDM's matrices (not norms, not biases), named here, as the PDM is built: under FSDP the
+        optimizer is made after the wrapping, whose parameters are flat 1-D shards."""
+        self._decayed = frozenset(name for name, p in self.pdm.named_parameters() if p.ndim >= 2)
 
     # -- one replicated forward ----------------------------------------------------------------
     def _fill_generator(self, phase: int, index: int) -> torch.Generator:
@@ -693,11 +704,11 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
 
     # -- optimizer -------------------------------------------------------------------------------
     def configure_optimizers(self):
-        params = [p for p in self.pdm.parameters() if p.requires_grad]
+        params = [(plain_name(name), p) for name, p in self.pdm.named_parameters() if p.requires_grad]
         groups = [
-            {"params": [p for p in params if p.ndim >= 2], "weight_decay": self.hparams.weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-        ]  # no decay on norms
+            {"params": [p for name, p in params if name in self._decayed], "weight_decay": self.hparams.weight_decay},
+            {"params": [p for name, p in params if name not in self._decayed], "weight_decay": 0.0},
+        ]
         optimizer = torch.optim.AdamW(groups, lr=self.hparams.lr)
         total = max(1, int(self.trainer.estimated_stepping_batches))
         warmup, floor = self.hparams.warmup_steps, self.hparams.min_lr_ratio
@@ -782,6 +793,7 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         if self.pdm is None:  # loaded without a trainer: build the PDM the checkpoint describes
             self.pdm = PipelineDraftModule(spec.pdm)
             self._freeze_unused_types()
+            self._name_decayed()
 
     def _check_resumed_shape(self, saved: PDMConfig) -> None:
         """One line when the checkpoint's PDM is not the shape this run built. LightningCLI takes the model's
