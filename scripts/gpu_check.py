@@ -169,9 +169,20 @@ def build_target(arch: str, opts, device: torch.device, dtype: torch.dtype) -> t
     return Target(model.eval(), config_dir), config_dir
 
 
+class ValidatedChats(RandomChats):
+    """`RandomChats` with one validation batch, so that the training run starts as `fit` does: with the sanity
+    check, which on one GPU (and on NCCL) runs under inference mode; what it caches, the training steps use."""
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(self.train_dataloader().dataset[:1], batch_size=None)
+
+
 class StepTimer(L.Callback):
     def __init__(self, device: torch.device):
-        self.device, self.times = device, []
+        self.device, self.times, self.validated_first = device, [], 0
+
+    def on_validation_batch_end(self, *args):
+        self.validated_first += not self.times  # validation batches before the first training step
 
     def on_train_batch_start(self, *args):
         sync(self.device)
@@ -195,7 +206,7 @@ def train_row(target: Target, config_dir: str, layout: str, checkpointing: bool,
         init_head=True,
     )
     module.use_target(target)
-    data = RandomChats(target.vocab_size, opts.length, opts.batch, opts.steps, opts.draft_vocab)
+    data = ValidatedChats(target.vocab_size, opts.length, opts.batch, opts.steps, opts.draft_vocab)
     timer = StepTimer(device)
     trainer = L.Trainer(
         accelerator="gpu" if on_gpu else "cpu",
@@ -206,8 +217,9 @@ def train_row(target: Target, config_dir: str, layout: str, checkpointing: bool,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
+        limit_val_batches=1,
+        num_sanity_val_steps=1,
+        check_val_every_n_epoch=2,  # the run is one epoch: the sanity check is its only validation
         callbacks=[timer],
     )
     if on_gpu:
@@ -238,6 +250,7 @@ def train_row(target: Target, config_dir: str, layout: str, checkpointing: bool,
         "checkpointing": checkpointing,
         "step_s": step_s,
         "first_step_s": timer.times[0],
+        "validated_first": timer.validated_first,
         "tokens_per_s": opts.batch * opts.length / step_s,
         "peak_gib": peak,
         "estimate_gib": predicted["total"] / 2**30,

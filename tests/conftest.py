@@ -17,10 +17,12 @@ os.environ["OMP_NUM_THREADS"] = "1"
 
 import pytest
 import torch
+import torch.nn.attention.flex_attention as flex_module
 from kit import chat_records, loss_target, make_tiny_model, saved_random_drafter
 from torch._dynamo.utils import counters
 
 from spd_lightning.target import Target
+from spd_lightning.training import attention
 from spd_lightning.training.module import set_recompile_limit
 
 torch.set_num_threads(1)  # in case torch was imported before the variable above was set (a plugin)
@@ -116,3 +118,16 @@ def limited_dynamo():
     yield
     torch._dynamo.reset()
     torch._dynamo.config.recompile_limit, torch._dynamo.config.fail_on_recompile_limit_hit = limit, fail
+
+
+@pytest.fixture
+def aot_eager_flex(monkeypatch, limited_dynamo):
+    """Compiled flex with its backward on the CPU: `aot_eager` stands in for inductor (whose CPU flex template cannot
+    compile every variant) and torch's refusal of flex's backward on the CPU (a device check in front of the same
+    math the aot_eager graph runs) is lifted."""
+    monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)
+    compiled = {
+        "mask": torch.compile(flex_module.create_block_mask, dynamic=True, backend="aot_eager"),
+        "flex": torch.compile(flex_module.flex_attention, dynamic=True, backend="aot_eager"),
+    }
+    monkeypatch.setattr(attention, "_COMPILED", compiled)  # what `compiled_flex` compiles, on another backend

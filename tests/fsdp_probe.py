@@ -64,6 +64,8 @@ class FSDPProbe(Callback):
 
         wrapped = trainer.strategy.model
         managed = {id(p) for p in wrapped.parameters()}
+        names = {id(p): name.replace("_fsdp_wrapped_module.", "") for name, p in pl_module.pdm.named_parameters()}
+        decayed, undecayed = (group["params"] for group in trainer.optimizers[0].param_groups)
         target_params = list(pl_module.target.model.parameters())
         report = {
             "strategy": type(trainer.strategy).__name__,
@@ -75,6 +77,8 @@ class FSDPProbe(Callback):
             "target_has_fsdp": any(isinstance(m, FullyShardedDataParallel) for m in pl_module.target.model.modules()),
             "target_full": all(p.numel() > 0 for p in target_params),
             "target_requires_grad": any(p.requires_grad for p in target_params),
+            "decayed": sorted(names[id(p)] for p in decayed),  # the optimizer's groups, by the PDM's plain names
+            "undecayed": sorted(names[id(p)] for p in undecayed),
             "sharding": sorted(
                 {
                     f"{h._sharding_strategy.name} over {h.world_size}"

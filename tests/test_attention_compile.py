@@ -9,7 +9,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from spd_lightning.geometry import Geometry
-from spd_lightning.training import block_sparsity
+from spd_lightning.training import block_sparsity, layouts
 from spd_lightning.training.attention import dense_attend, dense_mask, make_attend
 from spd_lightning.training.layouts import build_layout
 
@@ -60,3 +60,22 @@ def test_compiled_flex_with_the_block_structure_of_the_shape_equals_dense(fresh_
         expected = dense_attend(dense_mask(rep.mask_mod, 2, rep.seq_len, rep.device))(0, q, k, v)
         torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
     assert len(block_sparsity._SKELETONS) == 1  # one shape, built once, used by both steps
+
+
+@pytest.mark.parametrize("layout_name", ["depth", "type"])
+def test_a_training_step_after_validation_under_inference_mode_backpropagates(aot_eager_flex, layout_name):
+    """Lightning validates under inference mode on NCCL (the sanity check comes before the first step): a tensor
+    cached there and closed over by a later training step's mask_mod would be an inference tensor, which flex's
+    backward cannot save ("Inference tensors cannot be saved for backward")."""
+    layouts.index_table.cache_clear()
+    block_sparsity._SKELETONS.clear()
+    layout = build_layout(layout_name, Geometry.build(32, 8))
+    gen = torch.Generator().manual_seed(2)
+    T, lengths = 128, torch.tensor([128, 100])
+    with torch.inference_mode():  # the validation step fills the caches: the index tables, the shape's blocks
+        rep = layout.replicate(lengths, T, layout.validation_fill(2, T))
+        rep.attend("flex_compiled")(0, *(torch.randn(2, 2, rep.seq_len, 16, generator=gen) for _ in range(3)))
+    rep = layout.replicate(lengths, T, layout.draw_fill(2, T, gen))
+    q, k, v = (torch.randn(2, 2, rep.seq_len, 16, generator=gen, requires_grad=True) for _ in range(3))
+    rep.attend("flex_compiled")(0, q, k, v).sum().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))

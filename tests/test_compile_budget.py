@@ -17,18 +17,7 @@ from kit import attached_module, loss_batch
 from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.utils import counters
 
-from spd_lightning.training import attention
 from spd_lightning.training.module import FLEX_RECOMPILE_LIMIT
-
-
-@pytest.fixture
-def aot_eager_flex(monkeypatch, limited_dynamo):
-    monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)
-    compiled = {
-        "mask": torch.compile(flex_module.create_block_mask, dynamic=True, backend="aot_eager"),
-        "flex": torch.compile(flex_module.flex_attention, dynamic=True, backend="aot_eager"),
-    }
-    monkeypatch.setattr(attention, "_COMPILED", compiled)  # what `compiled_flex` compiles, on another backend
 
 
 def batch_of(rows: int, length: int, seed: int) -> dict:

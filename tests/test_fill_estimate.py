@@ -1,9 +1,15 @@
 """`fill_probs: auto` (spd_lightning/training/fill_estimate.py): the running acceptance converges to the drafter's,
 the fill weights follow the refill chain, both layouts validate every fill, and a fit logs and checkpoints it."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+import torch.distributed as dist
 from kit import SyntheticChat, make_module, make_trainer
+from lightning.pytorch.strategies import DDPStrategy
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from spd_lightning.fill_chain import judged_fill_shares
 from spd_lightning.geometry import Geometry
@@ -64,6 +70,23 @@ def test_auto_is_the_default_and_a_fit_logs_it(tiny_target_dir, tmp_path):
     restored.on_load_checkpoint(ckpt)
     assert restored.layout.fill_dist.probs == module.fill_estimate.weights
     assert torch.equal(restored.fill_estimate.total, ckpt[FILL_ESTIMATE_KEY]["total"])
+
+
+def test_a_restored_estimate_is_reduced_over_the_ranks_on_the_gpu(tiny_target_dir):
+    """A resumed run's counts are on the host (as saved) until its first training step moves them, and a refresh may
+    come first (a resume at a multiple of REFRESH_STEPS): its reduce must not hand NCCL a host tensor ("No backend
+    type associated with device type cpu"). A fake process group that serves only cuda and a fake cuda device
+    (FakeTensorMode) stand in for NCCL and the GPU."""
+    module = make_module(tiny_target_dir, n=3)
+    module.fill_estimate.load_state_dict(AcceptanceEstimate(3).state_dict())  # what on_load_checkpoint does
+    module._trainer = SimpleNamespace(strategy=DDPStrategy(parallel_devices=[torch.device("cuda", 0)]))
+    dist.init_process_group("cuda:fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            summed = [module._over_ranks(t, "sum") for t in (module.fill_estimate.correct, module.fill_estimate.total)]
+    finally:
+        dist.destroy_process_group()
+    assert [t.device for t in summed] == [torch.device("cuda", 0)] * 2
 
 
 def test_fixed_fills_stay_available(tiny_target_dir):

@@ -73,7 +73,8 @@ def fsdp_fit(target: str, root, *extra: str) -> list[dict]:
 
 def fsdp_fit_and_save(micro_target, tmp_path):
     """Per-layer FSDP units, the staircase evaluation of a sharded PDM and a full checkpoint; returns its path."""
-    for report in fsdp_fit(micro_target, tmp_path, "--trainer.max_steps", "2"):
+    reports = fsdp_fit(micro_target, tmp_path, "--trainer.max_steps", "2")
+    for report in reports:
         assert report["strategy"] == "CPUFSDPStrategy" and report["root_is_fsdp"]
         assert report["fsdp_units"] == 2  # the root (fusion, norm, head) and the one PDM decoder layer
         assert report["staircase_alpha"] and report["global_step"] == 2
@@ -83,6 +84,11 @@ def fsdp_fit_and_save(micro_target, tmp_path):
     saved = torch.load(last, map_location="cpu", weights_only=False)
     assert saved["global_step"] == 2 and CKPT_KEY in saved and saved["optimizer_states"]
     assert all(k.startswith("pdm.") and "_fsdp" not in k for k in saved["state_dict"])  # what `export` reads
+    # AdamW decays the matrices, as without FSDP (whose flat shards are 1-D: by shape, nothing was decayed)
+    matrices = {k.removeprefix("pdm.") for k, v in saved["state_dict"].items() if v.ndim >= 2}
+    for report in reports:
+        trainable = set(report["decayed"]) | set(report["undecayed"])
+        assert report["decayed"] and set(report["decayed"]) == matrices & trainable
     return last
 
 

@@ -89,6 +89,7 @@ def test_gpu_check_rehearsal_on_cpu_without_optional_packages(tmp_path):
         ("type", True),
     }
     assert all(r["tokens_per_s"] > 0 and r["estimate_gib"] > 0 for r in arch["train"])
+    assert all(r["validated_first"] == 1 for r in arch["train"])  # the sanity check ran, as in `fit`
     assert {k: len(v) for k, v in arch["stage_latency_ms"].items()} == {"4": 4, "8": 8}
     assert sorted(arch["draft_latency_ms"]) == ["1", "2", "3", "4"]
     assert arch["decode"]["identical"] and arch["decode"]["new_tokens"] == 4

@@ -210,6 +210,18 @@ def test_validation_from_the_cache_reports_the_full_vocabulary_metric(chats, sta
     assert shares[1] > shares[0], shares
 
 
+def test_the_cached_head_rows_of_a_draft_vocabulary_on_the_gpu(chats, states):
+    """The teacher's head is built on first use, after the strategy moved the PDM (its `d2t` buffer) to the GPU, from
+    the cached head in host memory. A fake cuda `d2t` stands in for the GPU (FakeTensorMode)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    data = data_module(chats, "--data.states", states)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        d2t_on_gpu = torch.zeros(len(data.d2t), dtype=torch.long, device="cuda")
+    rows = data.state_cache.head_rows(d2t_on_gpu)  # before: a cuda index into a host tensor
+    assert rows.device.type == "cpu" and rows.shape == data.state_cache.head_rows(data.d2t).shape
+
+
 def test_prepare_resumes_an_interrupted_run_and_keeps_its_shards(chats, states, tmp_path, monkeypatch):
     directory = str(tmp_path / "resumed")
     args = config_args(chats, "--states", directory, "--states-shard-size", str(SHARD), "--states-dtype", "float32")

@@ -204,9 +204,11 @@ class StateCache:
         }
 
     def head_rows(self, d2t: torch.Tensor) -> torch.Tensor:
-        """`[V_d, H]`: the target head's rows of the draft vocabulary `d2t` (the teacher's head, the PDM head's
-        seed)."""
-        return self._open(INIT_FILE).get_tensor("head").index_select(0, torch.as_tensor(d2t, dtype=torch.long))
+        """`[V_d, H]` on the host: the target head's rows of the draft vocabulary `d2t` (the teacher's head, the PDM
+        head's seed). `d2t` may be on any device: the teacher's head is built after the PDM (its `d2t`) moved to the
+        GPU, while the cached head is read into host memory."""
+        index = torch.as_tensor(d2t, dtype=torch.long, device="cpu")
+        return self._open(INIT_FILE).get_tensor("head").index_select(0, index)
 
     def layer_state(self, layer: int) -> dict[str, torch.Tensor]:
         """The state dict of target decoder layer `layer` (0-based), stored for `init_layers_from`."""

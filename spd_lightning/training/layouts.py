@@ -58,6 +58,7 @@ class FillDistribution:
 
 
 @lru_cache(maxsize=8)
+@torch.inference_mode(False)  # shared by training and validation (`index_table`)
 def _fill_probabilities(full_prob: float, probs: tuple[float, ...] | None, n: int) -> torch.Tensor:
     """`FillDistribution.probabilities`, cached: a step draws from it without making a tensor from Python data."""
     if probs is not None:
@@ -85,8 +86,11 @@ def to_device_async(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 @lru_cache(maxsize=32)
+@torch.inference_mode(False)
 def index_table(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """A small constant index tensor on `device`, made once (per step it would be a host-to-device copy)."""
+    """A small constant index tensor on `device`, made once (per step it would be a host-to-device copy). Made outside
+    inference mode: the first call may come from validation (the sanity check, under inference mode on NCCL), and a
+    `type` mask_mod of every later training step closes over the table, which flex saves for the backward."""
     return torch.tensor(values, device=device)
 
 
@@ -444,6 +448,7 @@ def _shape_masks(layout, T: int, uniform_fill: Callable[[int], torch.Tensor], de
 
 
 @lru_cache(maxsize=16)
+@torch.inference_mode(False)  # shared by training and validation (`index_table`)
 def _depth_grid(n: int, T: int, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The shape-only part of a `depth` plan for the first `rows` rows: the rows `q[R]`; for staircase slot `w`
     of row `(c, i)` (time `t = i + c`) the copy `j = c + w` it reads, `[R, W]`, and its key `(j, t - j)`, or -1
@@ -456,6 +461,7 @@ def _depth_grid(n: int, T: int, rows: int, device: torch.device) -> tuple[torch.
 
 
 @lru_cache(maxsize=16)
+@torch.inference_mode(False)  # shared by training and validation (`index_table`)
 def _type_grid(
     block_of_j: tuple[int, ...], first_deep_j: int, T: int, rows: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

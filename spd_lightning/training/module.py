@@ -77,6 +77,11 @@ def set_recompile_limit() -> tuple[int, bool]:
     return before
 
 
+def plain_name(name: str) -> str:
+    """A PDM parameter's name as the unwrapped PDM has it (FSDP's units insert their wrapper's attribute)."""
+    return name.replace("_fsdp_wrapped_module.", "")
+
+
 def check_right_padded(attention_mask: torch.Tensor) -> None:
     if not bool((attention_mask[:, :-1] >= attention_mask[:, 1:]).all()):
         raise ValueError(
@@ -382,7 +387,7 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
             return
         with FullyShardedDataParallel.summon_full_params(wrapped, writeback=False, recurse=True):
             tensors = [*self.pdm.named_parameters(), *self.pdm.named_buffers()]
-            gathered = {name.replace("_fsdp_wrapped_module.", ""): t.detach().clone() for name, t in tensors}
+            gathered = {plain_name(name): t.detach().clone() for name, t in tensors}
         plain = PipelineDraftModule(self.pdm.cfg).to(self.device)
         plain.load_state_dict({name: gathered[name] for name in plain.state_dict()})
         yield plain.eval()
@@ -413,6 +418,7 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         hp = self.hparams
         self.pdm = PipelineDraftModule(self._pdm_config(d2t.numel(), self._target_info.rope_theta), d2t)
         self._freeze_unused_types()
+        self._name_decayed()
         if hp.init_head:
             self.pdm.init_head_from_rows(self._head_rows())
         for i, layer in enumerate(hp.init_layers_from or []):
@@ -448,6 +454,11 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         for tau, proj in enumerate(self.pdm.fusion.proj, start=1):
             proj.requires_grad_(tau in used)
 
+    def _name_decayed(self) -> None:
+        """AdamW decays the PDM's matrices (not norms, not biases), named here, as the PDM is built: under FSDP the
+        optimizer is made after the wrapping, whose parameters are flat 1-D shards."""
+        self._decayed = frozenset(name for name, p in self.pdm.named_parameters() if p.ndim >= 2)
+
     # -- one replicated forward ----------------------------------------------------------------
     def _fill_generator(self, phase: int, index: int) -> torch.Generator:
         """Fill draws are a function of (seed, phase, batch counter, rank): reproducible, and a resumed run
@@ -468,7 +479,7 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
             return
         totals = (self.fill_estimate.correct, self.fill_estimate.total)
         if self.trainer.world_size > 1:
-            totals = tuple(self.trainer.strategy.reduce(t.clone(), reduce_op="sum") for t in totals)
+            totals = tuple(self._over_ranks(t, "sum") for t in totals)
         logged = self.fill_estimate.refresh(totals)
         self._use_estimated_fills()
         self.log_dict(logged, batch_size=1)
@@ -693,11 +704,11 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
 
     # -- optimizer -------------------------------------------------------------------------------
     def configure_optimizers(self):
-        params = [p for p in self.pdm.parameters() if p.requires_grad]
+        params = [(plain_name(name), p) for name, p in self.pdm.named_parameters() if p.requires_grad]
         groups = [
-            {"params": [p for p in params if p.ndim >= 2], "weight_decay": self.hparams.weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-        ]  # no decay on norms
+            {"params": [p for name, p in params if name in self._decayed], "weight_decay": self.hparams.weight_decay},
+            {"params": [p for name, p in params if name not in self._decayed], "weight_decay": 0.0},
+        ]
         optimizer = torch.optim.AdamW(groups, lr=self.hparams.lr)
         total = max(1, int(self.trainer.estimated_stepping_batches))
         warmup, floor = self.hparams.warmup_steps, self.hparams.min_lr_ratio
@@ -741,10 +752,17 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         uninterrupted run has (the estimate is linear in its counts). One reduce per save under DDP/FSDP."""
         state = self.fill_estimate.state_dict()
         if self._trainer is not None and self.trainer.world_size > 1:
-            device = self.trainer.strategy.root_device
             for key, counts in (("correct", self.fill_estimate.correct), ("total", self.fill_estimate.total)):
-                state[key] = self.trainer.strategy.reduce(counts.to(device, copy=True), reduce_op="mean").cpu()
+                state[key] = self._over_ranks(counts, "mean").cpu()
         return state
+
+    def _over_ranks(self, counts: torch.Tensor, reduce_op: str) -> torch.Tensor:
+        """The estimate's `counts` reduced over the ranks, from a copy on the strategy's device: NCCL serves only the
+        GPU, and a resumed run's counts stay on the host (as saved) until its first training step moves them, while
+        a refresh may come before it (a resume at a multiple of `REFRESH_STEPS`)."""
+        return self.trainer.strategy.reduce(
+            counts.to(self.trainer.strategy.root_device, copy=True), reduce_op=reduce_op
+        )
 
     def _check_weights_finite(self) -> None:
         """A diverged run (a NaN or inf loss reached the weights) must not replace the checkpoints saved before it
@@ -775,6 +793,7 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         if self.pdm is None:  # loaded without a trainer: build the PDM the checkpoint describes
             self.pdm = PipelineDraftModule(spec.pdm)
             self._freeze_unused_types()
+            self._name_decayed()
 
     def _check_resumed_shape(self, saved: PDMConfig) -> None:
         """One line when the checkpoint's PDM is not the shape this run built. LightningCLI takes the model's
