@@ -21,29 +21,10 @@ from torch import nn
 from ..errors import ConfigError
 from ..export import CKPT_KEY
 from ..target import FrozenTargetHolder, Target, TargetError, load_hf_config
+from ..training.optimizer import adamw_linear_schedule, matrix_names
 from .export import Eagle3Spec
 from .model import Eagle3Config, Eagle3Drafter, check_feature_layers, eagle_feature_layers
 from .ttt import ttt_outputs, ttt_step_losses, ttt_total
-
-
-def adamw_linear_schedule(
-    params: list[nn.Parameter], lr: float, weight_decay: float, warmup_steps: int, min_lr_ratio: float, total_steps: int
-) -> dict:
-    """AdamW (no decay on norms / 1-d tensors), linear warmup, then linear decay to `min_lr_ratio * lr`."""
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    optimizer = torch.optim.AdamW(groups, lr=lr)
-    total = max(1, total_steps)
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        return max(min_lr_ratio, 1.0 - (1.0 - min_lr_ratio) * (step - warmup_steps) / max(1, total - warmup_steps))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 class Eagle3Module(FrozenTargetHolder, L.LightningModule):
@@ -149,6 +130,7 @@ class Eagle3Module(FrozenTargetHolder, L.LightningModule):
                 f"{self.target.vocab_size}: use the target's own tokenizer"
             )
         self.drafter = Eagle3Drafter(self.drafter_config(d2t.numel(), self._target_info.rope_theta), d2t)
+        self._decayed = matrix_names(self.drafter)  # before a strategy wraps it (spd_lightning/training/optimizer.py)
         if self.hparams.init_head:
             self.drafter.init_head_from_target(self.target.lm_head.weight)
 
@@ -200,9 +182,9 @@ class Eagle3Module(FrozenTargetHolder, L.LightningModule):
 
     def configure_optimizers(self):
         hp = self.hparams
-        params = [p for p in self.drafter.parameters() if p.requires_grad]
         return adamw_linear_schedule(
-            params,
+            self.drafter,
+            self._decayed,
             hp.lr,
             hp.weight_decay,
             hp.warmup_steps,
@@ -226,3 +208,4 @@ class Eagle3Module(FrozenTargetHolder, L.LightningModule):
         self._target_info = self._target_info or spec.target
         if self.drafter is None:
             self.drafter = Eagle3Drafter(spec.drafter)
+            self._decayed = matrix_names(self.drafter)

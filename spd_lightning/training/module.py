@@ -58,6 +58,7 @@ from .deltanet_fallback import fallback_warning
 from .fill_estimate import REFRESH_STEPS, AcceptanceEstimate
 from .layouts import FillDistribution, LayoutName, Replication, build_layout
 from .metrics import GroupedAgreement
+from .optimizer import adamw_linear_schedule, matrix_names, plain_name
 
 # Compiled flex graphs a run may need per code object: {grad, no_grad, inference_mode} x {every copy's rows, the
 # loss copy's} x {a size specialized at 1 (one block, a last batch of 1) or not} (tests/test_recompile_limit.py).
@@ -75,11 +76,6 @@ def set_recompile_limit() -> tuple[int, bool]:
     config.recompile_limit = max(config.recompile_limit, FLEX_RECOMPILE_LIMIT)
     config.fail_on_recompile_limit_hit = True
     return before
-
-
-def plain_name(name: str) -> str:
-    """A PDM parameter's name as the unwrapped PDM has it (FSDP's units insert their wrapper's attribute)."""
-    return name.replace("_fsdp_wrapped_module.", "")
 
 
 def check_right_padded(attention_mask: torch.Tensor) -> None:
@@ -418,7 +414,7 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         hp = self.hparams
         self.pdm = PipelineDraftModule(self._pdm_config(d2t.numel(), self._target_info.rope_theta), d2t)
         self._freeze_unused_types()
-        self._name_decayed()
+        self._decayed = matrix_names(self.pdm)  # before a strategy wraps it (spd_lightning/training/optimizer.py)
         if hp.init_head:
             self.pdm.init_head_from_rows(self._head_rows())
         for i, layer in enumerate(hp.init_layers_from or []):
@@ -453,11 +449,6 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         used = set(self.layout.copy_types)
         for tau, proj in enumerate(self.pdm.fusion.proj, start=1):
             proj.requires_grad_(tau in used)
-
-    def _name_decayed(self) -> None:
-        """AdamW decays the PDM's matrices (not norms, not biases), named here, as the PDM is built: under FSDP the
-        optimizer is made after the wrapping, whose parameters are flat 1-D shards."""
-        self._decayed = frozenset(name for name, p in self.pdm.named_parameters() if p.ndim >= 2)
 
     # -- one replicated forward ----------------------------------------------------------------
     def _fill_generator(self, phase: int, index: int) -> torch.Generator:
@@ -704,22 +695,16 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
 
     # -- optimizer -------------------------------------------------------------------------------
     def configure_optimizers(self):
-        params = [(plain_name(name), p) for name, p in self.pdm.named_parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for name, p in params if name in self._decayed], "weight_decay": self.hparams.weight_decay},
-            {"params": [p for name, p in params if name not in self._decayed], "weight_decay": 0.0},
-        ]
-        optimizer = torch.optim.AdamW(groups, lr=self.hparams.lr)
-        total = max(1, int(self.trainer.estimated_stepping_batches))
-        warmup, floor = self.hparams.warmup_steps, self.hparams.min_lr_ratio
-
-        def factor(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            return max(floor, 1.0 - (1.0 - floor) * (step - warmup) / max(1, total - warmup))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        hp = self.hparams
+        return adamw_linear_schedule(
+            self.pdm,
+            self._decayed,
+            hp.lr,
+            hp.weight_decay,
+            hp.warmup_steps,
+            hp.min_lr_ratio,
+            int(self.trainer.estimated_stepping_batches),
+        )
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Under FSDP the gradients are sharded and Lightning's norm clipping refuses to run: FSDP's own
@@ -793,7 +778,7 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
         if self.pdm is None:  # loaded without a trainer: build the PDM the checkpoint describes
             self.pdm = PipelineDraftModule(spec.pdm)
             self._freeze_unused_types()
-            self._name_decayed()
+            self._decayed = matrix_names(self.pdm)  # before a strategy wraps it (spd_lightning/training/optimizer.py)
 
     def _check_resumed_shape(self, saved: PDMConfig) -> None:
         """One line when the checkpoint's PDM is not the shape this run built. LightningCLI takes the model's

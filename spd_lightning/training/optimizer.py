@@ -1,0 +1,51 @@
+"""The optimizer of every drafter this package trains (the PDM, the EAGLE-3 baseline): AdamW with a linear warmup,
+then a linear decay to a floor, stepped per optimizer step.
+
+Weight decay applies to the matrices, not to norms or biases. They are named when the drafter is built
+(`matrix_names`), before any wrapping: Lightning's FSDP wraps the model before it calls `configure_optimizers`, and
+the parameters it sees then are flat 1-D shards, so their `ndim` says nothing (it once decayed none of them).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+FSDP_PREFIX = "_fsdp_wrapped_module."
+
+
+def plain_name(name: str) -> str:
+    """A parameter's name as the unwrapped module has it (FSDP's units insert their wrapper's attribute)."""
+    return name.replace(FSDP_PREFIX, "")
+
+
+def matrix_names(module: nn.Module) -> frozenset[str]:
+    """The parameters AdamW decays, by name; call it on the module as built, before a strategy wraps it."""
+    return frozenset(name for name, p in module.named_parameters() if p.ndim >= 2)
+
+
+def adamw_linear_schedule(
+    module: nn.Module,
+    decayed: frozenset[str],
+    lr: float,
+    weight_decay: float,
+    warmup_steps: int,
+    min_lr_ratio: float,
+    total_steps: int,
+) -> dict:
+    """Lightning's `configure_optimizers` answer for `module`'s trainable parameters (wrapped or not)."""
+    params = [(plain_name(name), p) for name, p in module.named_parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for name, p in params if name in decayed], "weight_decay": weight_decay},
+        {"params": [p for name, p in params if name not in decayed], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=lr)
+    total = max(1, total_steps)
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        return max(min_lr_ratio, 1.0 - (1.0 - min_lr_ratio) * (step - warmup_steps) / max(1, total - warmup_steps))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
