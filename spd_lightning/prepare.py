@@ -28,6 +28,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+import torch
 from jsonargparse import ArgumentError
 
 from .cli import SPDLightningCLI
@@ -123,10 +124,13 @@ def regenerate_data(args: Sequence[str], options: argparse.Namespace) -> str:
         raise UsageError(
             f"cannot write --regenerate {options.regenerate!r}: {e.strerror or e}; choose another path"
         ) from e
-    data = data_module(args)
+    parsed = _parse(args)
+    data, target = parsed.datamodule, parsed.config.model.init_args
     prompts = first_turns(data.sources, os.path.join(data.cache_dir, "raw"), options.limit)
     prompts = fitting_prompts(data.tokenizer, prompts, gen)
-    model = load_hf_causal_lm(data.tokenizer_name).eval()
+    # as the state cache runs it (prepare_states.py): in the config's dtype, on the GPU when there is one
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = load_hf_causal_lm(data.tokenizer_name, target.target_dtype, device, target.trust_remote_code).eval()
     written, total = regenerate(model, data.tokenizer, prompts, options.regenerate, gen)
     return f"regenerated {written:,} answers now, {total:,} in {options.regenerate}"
 

@@ -81,6 +81,32 @@ def test_prepare_regenerate_writes_the_answers_and_prepares_them(micro_target, t
     assert "regenerated 0 answers now, 4 in" in capsys.readouterr().out
 
 
+def test_on_a_gpu_node_the_target_answers_on_the_gpu_in_the_configs_dtype(micro_target, tmp_path, monkeypatch):
+    """`prepare --config configs/qwen35_9b.yaml --regenerate` on a GPU node once loaded the target in float32 into
+    host memory and generated on the CPU: it runs as the state cache runs it (the GPU, the config's target_dtype)."""
+    loaded = []
+
+    class Asked(Exception):
+        pass
+
+    def load(path, dtype="float32", device="cpu", trust_remote_code=False):
+        loaded.append((dtype, device, trust_remote_code))
+        raise Asked  # stands in for the GPU: what was asked of the loader is all this test reads
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr("spd_lightning.target.load_hf_causal_lm", load)
+    data = tmp_path / "chats.jsonl"
+    data.write_text(
+        "".join(json.dumps({"messages": [*t, {"role": "assistant", "content": "a"}]}) + "\n" for t in PROMPTS)
+    )
+    config = ["--config", os.path.join(REPO, "configs", "tiny.yaml"), "--model.target", micro_target]
+    args = [*config, "--model.target_dtype", "bfloat16", "--data.sources", f"[{{path: {data}}}]"]
+    args += ["--data.cache_dir", str(tmp_path / "cache"), "--regenerate", str(tmp_path / "out.jsonl")]
+    with pytest.raises(Asked):
+        prepare.main(args)
+    assert loaded == [("bfloat16", "cuda", False)]
+
+
 def test_bad_generation_settings_are_one_line_errors():
     with pytest.raises(ValueError, match="--temperature -1"):
         Generation(temperature=-1)

@@ -99,7 +99,7 @@ def complete_records(path: str) -> int:
 
 def _answers(model: Any, tokenizer: Any, texts: list[str], gen: Generation, seed: int) -> list[str]:
     """One batched `generate` over rendered prompts (left-padded), decoded without special tokens."""
-    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     kwargs: dict[str, Any] = {"max_new_tokens": gen.max_new_tokens, "pad_token_id": tokenizer.pad_token_id}
     if gen.temperature > 0:
         kwargs.update(do_sample=True, temperature=gen.temperature, top_k=0, top_p=1.0)
