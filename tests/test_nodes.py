@@ -157,8 +157,9 @@ def test_the_nodes_must_start_the_pipelines_number_of_ranks():
         (["--nnodes", "2"], "--nproc-per-node"),
         (["--nnodes", "2", "--nproc-per-node", "1", "--simulate"], "drop --simulate"),
         (["--nnodes", "2", "--node-rank", "2", "--nproc-per-node", "1"], "node rank < nnodes"),
+        (["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "localhost"], r"resolves to \S+ \(loopback\)"),
     ],
-    ids=["no-nproc", "simulate", "node-rank"],
+    ids=["no-nproc", "simulate", "node-rank", "name-of-loopback"],
 )
 def test_bad_node_options_are_usage_errors(argv, message):
     with pytest.raises(UsageError, match=message):

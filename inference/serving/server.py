@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import logging
 import os
 import socket
@@ -118,6 +119,27 @@ def check_node_args(args: argparse.Namespace) -> None:
         raise cli.UsageError("--nnodes > 1 runs the distributed decoder: drop --simulate and --mode ar")
     if args.nproc_per_node is None or args.nproc_per_node < 1:
         raise cli.UsageError("--nnodes > 1 needs --nproc-per-node N >= 1: the ranks this node runs")
+    loopback = loopback_name(args.master_addr)
+    if loopback is not None:
+        raise cli.UsageError(
+            f"--master-addr {args.master_addr} resolves to {loopback} (loopback) on this node, which the other nodes "
+            "cannot reach: pass node 0's address on the network (e.g. from `hostname -I`)"
+        )
+
+
+def loopback_name(host: str) -> str | None:
+    """The loopback address a host NAME resolves to here (many distributions map the machine's own name to
+    127.0.1.1), else None. An address literal is meant as written (one machine's rehearsal of several nodes)."""
+    try:
+        ipaddress.ip_address(host)
+        return None
+    except ValueError:
+        pass
+    try:
+        address = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+        return address if ipaddress.ip_address(address).is_loopback else None
+    except (OSError, ValueError):  # unresolvable here: the connection attempt says so
+        return None
 
 
 def nodes_of(args: argparse.Namespace) -> Nodes | None:
