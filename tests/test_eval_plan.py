@@ -10,6 +10,9 @@ from kit import make_tiny_model, save_random_drafter, target_dir
 from inference.evaluation import costs
 from inference.evaluation import plan as spd_plan
 from inference.evaluation import run as spd_eval
+from inference.runtime.stages import Stage
+from inference.sampling import Sampling
+from inference.setup import prepare
 from spd_lightning.geometry import Geometry
 
 pytestmark = pytest.mark.timeout(120)
@@ -407,3 +410,19 @@ def test_eval_trusts_the_targets_own_code_when_told(tmp_path_factory, tmp_path, 
     assert spd_eval.main([*argv, "--trust-remote-code"]) == 0, capsys.readouterr().err
     report = json.loads((tmp_path / "out" / "eval.json").read_text())
     assert [(r["set"], r["N"] > 0) for r in report["results"]] == [("p", True), ("overall", True)]
+
+
+def test_compile_compiles_the_ar_baseline_too(files, monkeypatch):
+    """`--compile` compiles the AR baseline's step as it does SPD's: T_full, which every speedup divides by, is
+    then not the eager launch-bound time beside SPD's captured graphs. Chain decoding (EAGLE-3) has no compiled
+    path, and the report says so."""
+    argv = ["--ckpt", files["drafter"], "--prompts", files["sets"][0], "--simulate", "--compile"]
+    args = spd_eval.parse_args([*argv, "--max-new-tokens", "1"])
+    setup = prepare(args)
+    decoders = spd_eval.Decoders(args, [setup], None)
+    ran = []  # the stages whose prefill ran the AR decode: one token, so no step (nothing is compiled here)
+    prefill = Stage.prefill
+    monkeypatch.setattr(Stage, "prefill", lambda stage, *a: ran.append(stage.compiled) or prefill(stage, *a))
+    decoders.ar(Sampling(), [[3, 14, 15]])
+    assert ran == [True]
+    assert spd_eval._report_head(args, setup, None)["compiled"] == {"pdm": True, "ar": True, "eagle3": False}

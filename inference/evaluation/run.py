@@ -40,6 +40,7 @@ DIR/eval.md (markdown tables) and DIR/eval.png. Exit status: 0 done, 2 bad input
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -49,15 +50,19 @@ from tqdm import tqdm
 from inference import cli
 from inference.backends import make_backend
 from inference.chain.decoder import ChainDecoder
-from inference.cycle.ar import ar_decode
+from inference.cycle.ar import ar_decode_stages
 from inference.cycle.result import DecodeResult
 from inference.evaluation.report import markdown, write_outputs
 from inference.evaluation.rows import eagle3_row, pdm_row
 from inference.processes.launch import launch
 from inference.prompts import dataset_spec, read_prompts
+from inference.runtime.stages import Stage
 from inference.sampling import Sampling
 from inference.setup import Setup, check_k, decode_job, drafter_for_mode, encode_prompts, prepare
 from spd_lightning.eagle3.export import KIND as EAGLE3
+from spd_lightning.geometry import Geometry
+
+log = logging.getLogger("inference")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -184,7 +189,9 @@ class Eagle3Decoder:
 
 class Decoders:
     """Every drafter under test (PDM drafters, simulated or distributed; EAGLE-3 at each k), in `methods`, and
-    the AR baseline, all on one target loaded once."""
+    the AR baseline, all on one target loaded once. Under `--compile` the AR baseline's step is compiled as the
+    PDM decoders' stages are: T_full, the unit of every speedup, is then the captured step's time, not the
+    eager launch-bound one. Its stage is built once, so its graphs serve every prompt."""
 
     def __init__(self, args: argparse.Namespace, setups: list[Setup], eagle3: str | None):
         from spd_lightning.target import Target
@@ -198,7 +205,13 @@ class Decoders:
             if methods.count(pdm.method) > 1:
                 pdm.method += f" ({drafter_name(pdm.setup.ckpt)})"
         self.methods: list = pdms
+        geometry = Geometry.build(self.target.num_layers, 1)
+        self.ar_stages = [Stage.from_target(self.target, geometry, 1, compile=args.compile)]
         if eagle3:
+            if args.compile:
+                log.warning(
+                    "--compile: EAGLE-3 runs eagerly (chain decoding has no compiled path); SPD and AR compiled"
+                )
             base = ChainDecoder.on_target(self.target, eagle3, max(args.k))
             self.methods += [Eagle3Decoder(base, k, args, self.setup.eos) for k in sorted(set(args.k))]
 
@@ -206,12 +219,14 @@ class Decoders:
         """Allocator and kernels warm, so the first measured prompt is not penalized."""
         for method in self.methods:
             method.warm_up(sampling, prompt)
-        ar_decode(self.target, prompt, min(4, self.args.max_new_tokens), sampling, self.setup.eos, self.args.seed)
+        ar_decode_stages(
+            self.ar_stages, prompt, min(4, self.args.max_new_tokens), sampling, self.setup.eos, self.args.seed
+        )
 
     def ar(self, sampling: Sampling, prompts: list[list[int]]) -> list[DecodeResult]:
         args = self.args
         return [
-            ar_decode(self.target, ids, args.max_new_tokens, sampling, self.setup.eos, args.seed + i)
+            ar_decode_stages(self.ar_stages, ids, args.max_new_tokens, sampling, self.setup.eos, args.seed + i)
             for i, ids in enumerate(prompts)
         ]
 
@@ -289,6 +304,8 @@ def _report_head(args: argparse.Namespace, setup: Setup, eagle3: str | None) -> 
         "max_new_tokens": args.max_new_tokens,
         "limit": args.limit,
         "simulate": args.simulate,
+        # what ran through torch.compile (CUDA graphs on a GPU): chain decoding has no compiled path
+        "compiled": {"pdm": args.compile, "ar": args.compile, "eagle3": False},
         "device": args.device,
         "dtype": setup.dtype,
         "seed": args.seed,
