@@ -143,9 +143,15 @@ def encode_prompts(setup: Setup, texts: list[str], max_new_tokens: int) -> list[
 
 
 def decode_job(
-    setup: Setup, args: argparse.Namespace, prompts: list[list[int]], sampling: Sampling, profile: bool
+    setup: Setup,
+    args: argparse.Namespace,
+    prompts: list[list[int]],
+    sampling: Sampling,
+    profile: bool,
+    warm_up: bool = False,
 ) -> DecodeJob:
-    """The distributed decoder's job for these prompts (`profile`: with per-cycle timing)."""
+    """The distributed decoder's job for these prompts (`profile`: with per-cycle timing; `warm_up`: the ranks
+    decode the longest prompt once, unreported, before them)."""
     if setup.mode == EAGLE3:
         raise UsageError(f"--mode {EAGLE3} decodes in one process, not on pipeline ranks: add --simulate")
     info = setup.info
@@ -168,4 +174,5 @@ def decode_job(
         trust_remote_code=setup.trust_remote_code,
         pdm_placement=args.pdm_placement,
         compile=args.compile,
+        warm_up=warm_up,
     )

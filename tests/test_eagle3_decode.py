@@ -4,12 +4,14 @@ forward, TTT == inference drafting, the sampled output distribution, and the spe
 
 import functools
 import math
+import time
 
 import numpy as np
 import pytest
 import torch
 from kit import assert_same_state, make_tiny_model, slot_state
 
+from inference.chain import decoder as chain_decoder
 from inference.chain.decoder import ChainResult, chain_decode
 from inference.chain.drafter import Draft, Eagle3Runtime
 from inference.chain.target import ChainTarget
@@ -238,13 +240,46 @@ def test_sampled_chain_follows_the_target_distribution():
 def test_measured_costs_of_one_prompt():
     # k = 3, two forwards yielding 3 and 1 tokens; 6 draft steps of 0.1 s, forwards of 1 s. The speedup with the
     # draft cost charged needs T_full from an AR decode: evaluation's cost model (tests/test_costs.py) owns it.
-    result = ChainResult(3, 5, [1] * 5, [3, 1], "max_new_tokens", draft_s=0.6, verify_s=2.0, draft_steps=6)
+    result = ChainResult(
+        3, 5, [1] * 5, [3, 1], "max_new_tokens", draft_s=0.6, verify_s=2.0, draft_steps=6, decode_s=2.6
+    )
     assert result.tau == 2.0 and result.draft_over_verify == pytest.approx(0.1)
     assert "S_eagle3" not in result.counters()
     reported = result.to_decode_result()  # what the decode and eval reports hold
     assert (
         reported.K == 2 and reported.counters["tau"] == 2.0 and reported.decode_tokens_per_s == pytest.approx(4 / 2.6)
     )
+
+
+def test_decode_seconds_are_the_wall_clock_of_the_whole_loop(tiny_qwen3, monkeypatch):
+    """decode_s is wall-clock like AR's: judging (and rollbacks) count too, not only the timed draft and verify."""
+    target, k, pause = tiny_qwen3, 3, 0.02
+    layers = eagle_feature_layers(target.num_layers)
+    chain_target = ChainTarget(target, layers, k + 1)
+    runtime = Eagle3Runtime(
+        drafter_for(target, torch.arange(target.vocab_size), layers), target.embed_tokens, Sampling()
+    )
+    judge = chain_decoder.judge_chain
+
+    def slow_judge(*args):
+        time.sleep(pause)
+        return judge(*args)
+
+    monkeypatch.setattr(chain_decoder, "judge_chain", slow_judge)
+    result = chain_decode(chain_target, runtime, PROMPTS[0], 8, k)
+    assert result.K >= 1
+    assert result.to_decode_result().decode_s >= result.draft_s + result.verify_s + result.K * pause
+
+
+def test_timed_parts_wait_for_the_gpu(monkeypatch):
+    """On a GPU a timed draft / verify / commit ends with a device sync (a launch returns before its kernels
+    ran); on the CPU nothing is synchronised. The GPU is a monkeypatched `torch.cuda.synchronize`."""
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device: events.append(("sync", device)))
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert chain_decoder._timed(cuda, lambda x: events.append(("ran", x)) or x, 5)[0] == 5
+    chain_decoder._timed(cpu, lambda: None)
+    assert events == [("ran", 5), ("sync", cuda)]
 
 
 def test_chain_target_loads_from_a_checkpoint_directory(tmp_path):

@@ -3,14 +3,26 @@
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 from kit import make_tiny_model, save_random_drafter, target_dir
 
+import inference.runtime.cache
+from inference.cycle.simulator import Simulator
 from inference.evaluation import costs
 from inference.evaluation import plan as spd_plan
 from inference.evaluation import run as spd_eval
+from inference.processes import launch as launch_module
+from inference.runtime.cache import StageCache
+from inference.runtime.drafter import PDMDrafter
+from inference.runtime.stages import Stage
+from inference.sampling import Sampling
+from inference.setup import decode_job, prepare
+from spd_lightning.export import load_drafter
 from spd_lightning.geometry import Geometry
+from spd_lightning.target import Target
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -407,3 +419,94 @@ def test_eval_trusts_the_targets_own_code_when_told(tmp_path_factory, tmp_path, 
     assert spd_eval.main([*argv, "--trust-remote-code"]) == 0, capsys.readouterr().err
     report = json.loads((tmp_path / "out" / "eval.json").read_text())
     assert [(r["set"], r["N"] > 0) for r in report["results"]] == [("p", True), ("overall", True)]
+
+
+def test_compile_compiles_the_ar_baseline_too(files, monkeypatch):
+    """`--compile` compiles the AR baseline's step as it does SPD's: T_full, which every speedup divides by, is
+    then not the eager launch-bound time beside SPD's captured graphs. Chain decoding (EAGLE-3) has no compiled
+    path, and the report says so."""
+    argv = ["--ckpt", files["drafter"], "--prompts", files["sets"][0], "--simulate", "--compile"]
+    args = spd_eval.parse_args([*argv, "--max-new-tokens", "1"])
+    setup = prepare(args)
+    decoders = spd_eval.Decoders(args, [setup], None)
+    ran = []  # the stages whose prefill ran the AR decode: one token, so no step (nothing is compiled here)
+    prefill = Stage.prefill
+    monkeypatch.setattr(Stage, "prefill", lambda stage, *a: ran.append(stage.compiled) or prefill(stage, *a))
+    decoders.ar(Sampling(), [[3, 14, 15]])
+    assert ran == [True]
+    assert spd_eval._report_head(args, setup, None)["compiled"] == {"pdm": True, "ar": True, "eagle3": False}
+
+
+@pytest.fixture
+def growth(monkeypatch):
+    """Every capacity bucket a stage cache or the PDM's cache grows to (under `--compile` a new bucket is a new graph
+    per stage and fill level), tagged with `growth.phase` at the time; buckets of 4 positions, so a few tokens more
+    cross one."""
+    monkeypatch.setattr(inference.runtime.cache, "CAPACITY_STEP", 4)
+    growth = SimpleNamespace(phase="warm-up", grew=[])
+
+    def recorded(reserve):
+        def recording(self, positions):
+            held = self.capacity
+            reserve(self, positions)
+            if self.capacity != held:
+                growth.grew.append((growth.phase, type(self).__name__, self.capacity))
+
+        return recording
+
+    monkeypatch.setattr(StageCache, "reserve", recorded(StageCache.reserve))
+    monkeypatch.setattr(PDMDrafter, "_reserve", recorded(PDMDrafter._reserve))
+    return growth
+
+
+def test_warm_up_reserves_the_buckets_of_every_measured_decode(files, tmp_path, growth, monkeypatch):
+    """The warm-up (simulator, AR) reaches every capacity bucket the measured decodes need: no graph is compiled
+    and captured inside a measured prompt's times under `--compile`."""
+    sets = []
+    for name, turns in (("short", ["hi"]), ("long", ["the cat sat on the mat and then " * 6])):
+        sets.append(tmp_path / f"{name}.jsonl")
+        sets[-1].write_text(json.dumps({"question_id": 0, "turns": turns}) + "\n")
+    warm_up = spd_eval.Decoders.warm_up
+
+    def warm_up_then_measure(decoders, *args):
+        warm_up(decoders, *args)
+        growth.phase = "measured"
+
+    monkeypatch.setattr(spd_eval.Decoders, "warm_up", warm_up_then_measure)
+    argv = ["--ckpt", files["drafter"], "--prompts", *map(str, sets), "--max-new-tokens", "12", "--temperatures", "0"]
+    assert spd_eval.main([*argv, "--out", str(tmp_path / "out"), "--simulate", "--no-progress"]) == 0
+    assert {kind for phase, kind, _ in growth.grew} == {"StageCache", "PDMDrafter"}
+    assert [grew for grew in growth.grew if grew[0] == "measured"] == []
+
+
+def test_distributed_ranks_warm_up_before_the_measured_prompts(files, growth, monkeypatch):
+    """Fresh ranks per launch: with `DecodeJob.warm_up` each rank decodes the longest request first, unreported.
+    The ranks' runner is the simulator here (the same runner over a local transport: no process group)."""
+    args = spd_eval.parse_args(["--ckpt", files["drafter"], "--prompts", files["sets"][0], "--max-new-tokens", "12"])
+    setup = prepare(args)
+    target = Target.load(setup.target_path, setup.dtype, "cpu")
+    runner = Simulator(target, load_drafter(setup.ckpt, "cpu", target.lm_head.weight)[0], setup.geometry)
+    growth.grew.clear()  # the drafter's first bucket, at construction
+    run, runs = runner.run, []
+
+    def counted(requests, on_result=None):  # growth.phase: which workload of the rank's it is
+        growth.phase = len(runs)
+        runs.append([len(r.prompt_ids) for r in requests])
+        return run(requests, on_result)
+
+    monkeypatch.setattr(runner, "run", counted)
+    monkeypatch.setattr(launch_module, "build_runner", lambda job, rank, device: runner)
+    prompts = [[3, 14], list(range(3, 33))]  # capacities 17 and 45: buckets 32 and 64
+    job = decode_job(setup, args, prompts, Sampling(), profile=False, warm_up=True)
+    reported = []
+
+    def report(index, result):
+        reported.append(index)
+
+    launch_module.decode_prompts(job, runner.verifier_rank, torch.device("cpu"), None, report, None)
+    assert runs == [[30], [2, 30]] and reported == [0, 1]  # the longest first, alone and unreported
+    assert {phase for phase, _, _ in growth.grew} == {0} and (0, "StageCache", 64) in growth.grew
+    launched = []  # eval's distributed decodes ask for it
+    monkeypatch.setattr(spd_eval, "launch", lambda job, on_result: launched.append(job) or [])
+    spd_eval.PdmDecoder(args, setup, target).decode(Sampling(), prompts, lambda done: None)
+    assert launched[0].warm_up

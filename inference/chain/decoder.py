@@ -49,6 +49,7 @@ class ChainResult:
     draft_s: float = 0.0
     verify_s: float = 0.0
     draft_steps: int = 0
+    decode_s: float = 0.0  # wall-clock after the prefill: drafts, verifies, judging and rollbacks (like AR's)
 
     @property
     def N(self) -> int:
@@ -93,7 +94,7 @@ class ChainResult:
             stop_reason=self.stop_reason,
             counters=self.counters(),
             prefill_s=self.prefill_s,
-            decode_s=self.draft_s + self.verify_s,
+            decode_s=self.decode_s,
             timing=timing,
         )
 
@@ -114,9 +115,12 @@ def judge_chain(
     return out
 
 
-def _timed(fn, *args):
+def _timed(device: torch.device, fn, *args):
+    """`fn(*args)` and its seconds; on a GPU after its kernels ran (launches return before the work is done)."""
     t0 = time.perf_counter()
     value = fn(*args)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return value, time.perf_counter() - t0
 
 
@@ -154,15 +158,17 @@ def chain_decode(
     result = ChainResult(k, P, tokens, [], "max_new_tokens", prefill_s=time.perf_counter() - t0)
     if on_tokens is not None:
         on_tokens(tokens[-1:])
+    t_start = time.perf_counter()
     while tokens[-1] not in eos and len(tokens) < max_new_tokens:
         chain = min(k, max_new_tokens - len(tokens) - 1)  # never draft past the last token we may emit
-        draft, draft_s = _timed(drafter.draft, chain, generator)
+        draft, draft_s = _timed(device, drafter.draft, chain, generator)
         start = P + len(tokens) - 1
         block = torch.tensor([[tokens[-1]] + draft.tokens], device=device)
-        (logits, features), verify_s = _timed(target.forward, block, start)
+        (logits, features), verify_s = _timed(device, target.forward, block, start)
         new = judge_chain(logits, draft, sampling, d2t, generator)
         target.rollback(start + len(new))  # keeps x_t and the accepted drafts
-        _, commit_s = _timed(drafter.commit, features[: len(new)], torch.tensor(new))  # row j's next token is new[j]
+        # row j's next token is new[j]
+        _, commit_s = _timed(device, drafter.commit, features[: len(new)], torch.tensor(new))
         result.draft_s += draft_s + commit_s
         result.verify_s += verify_s
         result.draft_steps += chain
@@ -173,6 +179,7 @@ def chain_decode(
         if on_tokens is not None:
             on_tokens(new)
     result.stop_reason = "eos" if tokens[-1] in eos else "max_new_tokens"
+    result.decode_s = time.perf_counter() - t_start  # after the last `_timed` commit: the device is done
     return result
 
 

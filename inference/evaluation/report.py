@@ -108,6 +108,12 @@ def markdown(report: dict) -> str:
         parts += _spd_table(report)
     if several_methods(report):
         parts += ([""] if parts else []) + side_by_side_table(report)
+    compiled = report.get("compiled", {})
+    if report["eagle3_results"] and compiled.get("ar") and not compiled.get("eagle3"):
+        parts += [
+            "",
+            "EAGLE-3 ran eagerly (chain decoding has no compiled path); SPD and AR ran compiled (`--compile`).",
+        ]
     return "\n".join(parts) + "\n"
 
 

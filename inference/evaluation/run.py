@@ -15,7 +15,8 @@ decoding of the same target loaded in this process. Reported per set and overall
   (drafting masked while it fits in one stage), `S_post = S_ppsd = n*alpha / (1 + n*r)`, and `S` the
   row's own mode's; `S_gpu` the same at `r_gpu`, the r a GPU has at the paper's shapes;
 - wall-clock: decode-phase tokens/s of the decoder over the AR baseline's (prefill excluded). Under
-  `--simulate` the stages run in sequence, so this number is not the pipeline's;
+  `--simulate` the stages run in sequence, so this number is not the pipeline's. A warm-up decode of the
+  longest prompt (in each launch's ranks too) keeps allocation and `--compile`'s graphs out of the times;
 - `ci`: 95 % bootstrap intervals over prompts (inference/evaluation/intervals.py) of alpha, `n*alpha`, r,
   S, S_gpu and the wall-clock speedup; acceptance per depth and per fill.
 
@@ -40,6 +41,7 @@ DIR/eval.md (markdown tables) and DIR/eval.png. Exit status: 0 done, 2 bad input
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -49,15 +51,19 @@ from tqdm import tqdm
 from inference import cli
 from inference.backends import make_backend
 from inference.chain.decoder import ChainDecoder
-from inference.cycle.ar import ar_decode
+from inference.cycle.ar import ar_decode_stages
 from inference.cycle.result import DecodeResult
 from inference.evaluation.report import markdown, write_outputs
 from inference.evaluation.rows import eagle3_row, pdm_row
 from inference.processes.launch import launch
 from inference.prompts import dataset_spec, read_prompts
+from inference.runtime.stages import Stage
 from inference.sampling import Sampling
 from inference.setup import Setup, check_k, decode_job, drafter_for_mode, encode_prompts, prepare
 from spd_lightning.eagle3.export import KIND as EAGLE3
+from spd_lightning.geometry import Geometry
+
+log = logging.getLogger("inference")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -145,13 +151,14 @@ class PdmDecoder:
         return {**identity, **pdm_row(mode, self.n, self.L_s, results, ar)}
 
     def warm_up(self, sampling: Sampling, prompt: list[int]) -> None:
+        """The simulator's; fresh ranks warm up in each launch (`DecodeJob.warm_up`)."""
         if self.backend is not None:
-            self.backend.generate(prompt, min(4, self.args.max_new_tokens), sampling, self.args.seed)
+            self.backend.generate(prompt, self.args.max_new_tokens, sampling, self.args.seed)
 
     def decode(self, sampling: Sampling, prompts: list[list[int]], progress) -> list[DecodeResult]:
         args = self.args
         if self.backend is None:
-            job = decode_job(self.setup, args, prompts, sampling, profile=True)
+            job = decode_job(self.setup, args, prompts, sampling, profile=True, warm_up=True)
             return launch(job, on_result=lambda i, r: progress(1))
         results = []
         for i, ids in enumerate(prompts):
@@ -172,7 +179,7 @@ class Eagle3Decoder:
         return eagle3_row(self.k, results, ar)
 
     def warm_up(self, sampling: Sampling, prompt: list[int]) -> None:
-        self.base.variant(self.k, sampling).decode(prompt, min(4, self.args.max_new_tokens), self.eos, self.args.seed)
+        self.base.variant(self.k, sampling).decode(prompt, self.args.max_new_tokens, self.eos, self.args.seed)
 
     def decode(self, sampling: Sampling, prompts: list[list[int]], progress) -> list[DecodeResult]:
         decoder, args, results = self.base.variant(self.k, sampling), self.args, []
@@ -184,7 +191,9 @@ class Eagle3Decoder:
 
 class Decoders:
     """Every drafter under test (PDM drafters, simulated or distributed; EAGLE-3 at each k), in `methods`, and
-    the AR baseline, all on one target loaded once."""
+    the AR baseline, all on one target loaded once. Under `--compile` the AR baseline's step is compiled as the
+    PDM decoders' stages are: T_full, the unit of every speedup, is then the captured step's time, not the
+    eager launch-bound one. Its stage is built once, so its graphs serve every prompt."""
 
     def __init__(self, args: argparse.Namespace, setups: list[Setup], eagle3: str | None):
         from spd_lightning.target import Target
@@ -198,20 +207,28 @@ class Decoders:
             if methods.count(pdm.method) > 1:
                 pdm.method += f" ({drafter_name(pdm.setup.ckpt)})"
         self.methods: list = pdms
+        geometry = Geometry.build(self.target.num_layers, 1)
+        self.ar_stages = [Stage.from_target(self.target, geometry, 1, compile=args.compile)]
         if eagle3:
+            if args.compile:
+                log.warning(
+                    "--compile: EAGLE-3 runs eagerly (chain decoding has no compiled path); SPD and AR compiled"
+                )
             base = ChainDecoder.on_target(self.target, eagle3, max(args.k))
             self.methods += [Eagle3Decoder(base, k, args, self.setup.eos) for k in sorted(set(args.k))]
 
     def warm_up(self, sampling: Sampling, prompt: list[int]) -> None:
-        """Allocator and kernels warm, so the first measured prompt is not penalized."""
+        """Allocator and kernels warm and, under `--compile`, the graphs compiled and captured outside the times: a
+        whole decode of the longest prompt at the measured `max_new_tokens` reserves the largest capacity bucket
+        any measured decode needs (caches never shrink; graphs are keyed by capacity) and visits the fill levels."""
         for method in self.methods:
             method.warm_up(sampling, prompt)
-        ar_decode(self.target, prompt, min(4, self.args.max_new_tokens), sampling, self.setup.eos, self.args.seed)
+        ar_decode_stages(self.ar_stages, prompt, self.args.max_new_tokens, sampling, self.setup.eos, self.args.seed)
 
     def ar(self, sampling: Sampling, prompts: list[list[int]]) -> list[DecodeResult]:
         args = self.args
         return [
-            ar_decode(self.target, ids, args.max_new_tokens, sampling, self.setup.eos, args.seed + i)
+            ar_decode_stages(self.ar_stages, ids, args.max_new_tokens, sampling, self.setup.eos, args.seed + i)
             for i, ids in enumerate(prompts)
         ]
 
@@ -289,6 +306,8 @@ def _report_head(args: argparse.Namespace, setup: Setup, eagle3: str | None) -> 
         "max_new_tokens": args.max_new_tokens,
         "limit": args.limit,
         "simulate": args.simulate,
+        # what ran through torch.compile (CUDA graphs on a GPU): chain decoding has no compiled path
+        "compiled": {"pdm": args.compile, "ar": args.compile, "eagle3": False},
         "device": args.device,
         "dtype": setup.dtype,
         "seed": args.seed,
@@ -300,7 +319,7 @@ def _report_head(args: argparse.Namespace, setup: Setup, eagle3: str | None) -> 
 def _evaluate(decoders: Decoders, sampling: Sampling, sets: list[PromptSet], bar, report: dict) -> None:
     """One row per set and one pooling every set, at one temperature, for each PDM drafter (`results`) and
     for EAGLE-3 at each k (`eagle3_results`), all against the same AR decodes."""
-    decoders.warm_up(sampling, sets[0].prompts[0])
+    decoders.warm_up(sampling, max((p for s in sets for p in s.prompts), key=len))
     pooled: dict = {"ar": [], **{method: [] for method in decoders.methods}}
     head = {"temperature": sampling.temperature, "sampling": sampling.to_dict()}
     for prompt_set in sets:

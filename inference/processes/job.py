@@ -47,6 +47,7 @@ class DecodeJob:
     nodes: Nodes | None = None  # this node's share of the ranks when they span several nodes (`nodes`)
     max_batch: int = 1  # the slots: the prompts decode that many at a time (`launch.decode_prompts`)
     max_new_tokens_each: list[int] | None = None  # prompt i's own max_new_tokens (else the job's)
+    warm_up: bool = False  # the longest request decoded once, unreported, first (`launch.decode_prompts`)
 
     def __post_init__(self):
         if self.replay is not None:

@@ -124,10 +124,13 @@ def decode_prompts(
     the job brings the prompts): every rank runs the same FIFO, so every rank joins the same prompt into the same
     slot at the same step. The verifier's rank reports the results, and with `on_tokens(prompt index, tokens)`
     the tokens each cycle verified. `job.profile`: the results wait for the end, when every process's timing
-    rows are gathered on the reporter, which gives each prompt the rows of its cycles (`PipelineRunner.spans`)."""
+    rows are gathered on the reporter, which gives each prompt the rows of its cycles (`PipelineRunner.spans`).
+    `job.warm_up`: first the longest request once, unreported (each workload starts its own timing rows)."""
     runner = build_runner(job, rank, device)
     reporter = runner.verifier_rank
     work = job_requests(job, on_tokens if rank == reporter else None)
+    if job.warm_up:  # timed work (eval): the largest capacity bucket's graphs compiled and captured before it
+        runner.run([max(job_requests(job, None), key=lambda r: len(r.prompt_ids) + r.max_new_tokens)])
     if not job.profile:
         runner.run(work, on_result=report if rank == reporter else None)
         return
