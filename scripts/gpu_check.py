@@ -55,7 +55,7 @@ from inference.runtime.drafter import PDMDrafter  # noqa: E402
 from inference.runtime.stages import Stage  # noqa: E402
 from spd_lightning.estimate import Shape, estimate, target_config  # noqa: E402
 from spd_lightning.geometry import Geometry  # noqa: E402
-from spd_lightning.target import Target  # noqa: E402
+from spd_lightning.target import Target, deltanet_kernels  # noqa: E402
 from spd_lightning.testing import RandomChats, target_shaped_pdm  # noqa: E402
 from spd_lightning.training.module import SPDModule  # noqa: E402
 
@@ -97,10 +97,15 @@ def emit(out: str, kind: str, row: dict) -> None:
         f.write(json.dumps({"kind": kind, **row}, default=str) + "\n")
 
 
-def gpu_extra_installed() -> bool:
-    import importlib.util
+def gated_deltanet() -> str:
+    """What the Gated DeltaNet layers run, as transformers' Qwen3.5 modeling bound it at import: the delta rule on
+    flash-linear-attention's kernels (what `gpu_bundle/` carries) or the torch fallback, and the short convolution
+    on causal-conv1d (a CUDA build, never carried) or torch, which costs little beside the delta rule."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    return all(importlib.util.find_spec(m) is not None for m in ("fla", "causal_conv1d"))
+    kernels = deltanet_kernels(modeling_qwen3_5)
+    rule = "fla kernels" if kernels["flash-linear-attention"] else "torch fallback"
+    return f"{rule}; short conv: {'causal-conv1d' if kernels['causal-conv1d'] else 'torch'}"
 
 
 def flex_compile_check(opts, device) -> list[dict]:
@@ -339,15 +344,14 @@ def check_arch(arch: str, opts, device, budget: Budget) -> None:
     dtype = torch.bfloat16 if opts.dtype == "bfloat16" else torch.float32
     t0 = time.perf_counter()
     target, config_dir = build_target(arch, opts, device, dtype)
-    kernels, extra = target.linear_attention_path, gpu_extra_installed()
+    kernels = gated_deltanet()
     emit(
         opts.out,
         "arch",
         {
             "arch": ARCHS[arch],
             "layers": target.num_layers,
-            "linear_attention_path": kernels,
-            "gpu_extra": extra,
+            "gated_deltanet": kernels,
             "params_b": sum(p.numel() for p in target.parameters()) / 1e9,
             "build_s": time.perf_counter() - t0,
         },
@@ -359,7 +363,7 @@ def check_arch(arch: str, opts, device, budget: Budget) -> None:
                     row = train_row(target, config_dir, layout, checkpointing, opts, device)
                 except Exception as e:  # noqa: BLE001 - the row says what failed; the next rows still run
                     row = {"layout": layout, "checkpointing": checkpointing, "error": f"{type(e).__name__}: {e}"[:300]}
-                row.update(arch=ARCHS[arch], fallback=not extra, linear_attention_path=kernels)
+                row.update(arch=ARCHS[arch], gated_deltanet=kernels)
                 emit(opts.out, "train", row)
     prompt = torch.randint(0, target.vocab_size, (1, opts.prompt), device=device)
     for n in (4, 8):
@@ -467,6 +471,7 @@ def report_from_rows(rows: list[dict], opts, device_name: str, t0: float) -> dic
     skipped += [f"{s['section']} ({s['error']})" for s in sections.values() if s["error"] and "cut short" in s["error"]]
     return {
         "device": device_name,
+        "gated_deltanet": gated_deltanet(),
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "torch": torch.__version__,
         "options": dict(vars(opts)),
@@ -527,7 +532,7 @@ def markdown(report: dict) -> str:
     lines = [
         f"GPU check: `bash scripts/gpu_check.sh` on {report['device']}, {report['date']}; random-init targets "
         f"({o['dtype']}), T={o['length']}, B={o['batch']}, n={o['n']}, L_s={o['ls']}, "
-        f"V_d={o['draft_vocab']}.",
+        f"V_d={o['draft_vocab']}. Gated DeltaNet: {report['gated_deltanet']}.",
     ]
     if report.get("decode_gpu") is not None:
         lines += decode_markdown(report["decode_gpu"])
@@ -547,7 +552,7 @@ def markdown(report: dict) -> str:
                 f"{head} {t['tokens_per_s']:.0f} | {t['step_s']:.3f} | {t['first_step_s']:.1f} | "
                 f"{'n/a' if t['peak_gib'] is None else format(t['peak_gib'], '.1f')} | "
                 f"{t['estimate_gib']:.1f} | {'n/a' if t['mfu'] is None else format(t['mfu'], '.1%')} | "
-                f"{(t['linear_attention_path'] or 'none').split(' (')[0]}{' (no gpu extra)' if t['fallback'] else ''} |"
+                f"{t['gated_deltanet']} |"
             )
     lines += [
         "",
