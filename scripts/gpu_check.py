@@ -139,12 +139,17 @@ def flex_compile_check(opts, device) -> list[dict]:
     return rows
 
 
+DEADLINE = "GPU_CHECK_DEADLINE"  # the wall-clock instant (epoch seconds) the parent cuts a section's child
+
+
 class Budget:
-    def __init__(self, seconds: float):
-        self.start, self.seconds, self.skipped = time.perf_counter(), seconds, []
+    """Rows that would end past `deadline` (epoch seconds) are skipped and listed."""
+
+    def __init__(self, deadline: float):
+        self.deadline, self.skipped = deadline, []
 
     def allows(self, what: str, needs: float) -> bool:
-        if time.perf_counter() - self.start + needs > self.seconds:
+        if time.time() + needs > self.deadline:
             self.skipped.append(what)
             return False
         return True
@@ -382,8 +387,15 @@ def check_arch(arch: str, opts, device, budget: Budget) -> None:
         torch.cuda.empty_cache()
 
 
+def section_budget(limit_s: float) -> Budget:
+    """A child's budget: it ends 5 s before the parent cuts the child, at the instant the parent set when it
+    spawned it (the child's imports take seconds of the limit: counted from here, a row planned to fit would be
+    killed, not skipped); `limit_s` from now when run by hand."""
+    return Budget(float(os.environ.get(DEADLINE, time.time() + limit_s)) - 5)
+
+
 def train_section(opts, device) -> None:
-    budget = Budget(opts.train_s - 5)  # a row that would end past the limit is skipped, not cut
+    budget = section_budget(opts.train_s)
     if opts.layers:
         print(f"note: targets cut to {opts.layers} layers (the real models have 32)", flush=True)
     for arch in opts.archs:
@@ -404,10 +416,12 @@ DECODE_KINDS = ("decode_stage", "decode_draft", "decode_simulator", "decode_cycl
 
 
 def run_section(opts, name: str, command: list[str], limit: float) -> dict:
-    """One section as a child process cut at `limit` seconds; what it measured is already in rows.jsonl."""
+    """One section as a child process cut at `limit` seconds, told that instant ($GPU_CHECK_DEADLINE); what it
+    measured is already in rows.jsonl."""
     t0, result = time.perf_counter(), {"section": name, "command": command, "limit_s": limit}
+    env = {**os.environ, DEADLINE: repr(time.time() + limit)}
     try:
-        done = subprocess.run(command, timeout=limit)  # its log: our stdout and stderr
+        done = subprocess.run(command, timeout=limit, env=env)  # its log: our stdout and stderr
         result["error"] = None if done.returncode == 0 else f"exit code {done.returncode}"
     except subprocess.TimeoutExpired:
         result["error"] = f"cut short at its {limit:.0f} s limit"

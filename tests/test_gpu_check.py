@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import zipfile
 
 import pytest
@@ -197,3 +198,25 @@ def test_gpu_check_sh_installs_the_bundle_outside_out_and_says_what_runs(tmp_pat
         assert "carried but flash-linear-attention's kernels do not install or import" in proc.stderr
         assert report["gated_deltanet"] == "torch fallback; short conv: torch"
     assert f"Gated DeltaNet: {report['gated_deltanet']}." in (out / "gpu_check.md").read_text()
+
+
+def test_a_section_child_budgets_to_the_instant_the_parent_cuts_it(tmp_path, monkeypatch):
+    """The parent's limit counts from the spawn, the child's imports take seconds of it: the child is told the
+    wall-clock instant of its cut, and its rows must end 5 s before that, not 5 s before its limit counted from
+    when it got to its budget."""
+    monkeypatch.syspath_prepend(os.path.join(REPO, "scripts"))
+    import gpu_check
+
+    opts = gpu_check.parse(["--tiny", "--device", "cpu", "--out", str(tmp_path)])
+    seen = tmp_path / "deadline"
+    tell = f"import os; open({str(seen)!r}, 'w').write(os.environ[{gpu_check.DEADLINE!r}])"
+    spawned = time.time()
+    assert gpu_check.run_section(opts, "train", [sys.executable, "-c", tell], limit=30)["error"] is None
+    deadline = float(seen.read_text())
+    assert spawned + 30 <= deadline <= time.time() + 30
+    monkeypatch.setenv(gpu_check.DEADLINE, str(deadline))
+    time.sleep(1)  # the child's imports
+    budget = gpu_check.section_budget(30)
+    assert budget.allows("ends 6 s before the cut", deadline - 6 - time.time())
+    assert not budget.allows("ends 4 s before the cut", deadline - 4 - time.time())
+    assert budget.skipped == ["ends 4 s before the cut"]
