@@ -15,9 +15,9 @@ token per call followed by the rollback of it (what a rejected cycle costs; a st
 PDM (`L_s` layers of the target's width, the geometry's anchor types, `--draft-vocab` ids) is timed on a
 full pipeline's draft at the largest n (fill n; the planner's draft cost does not depend on n), and the simulator (one layer per stage, eager, timing on) gives the time
 per cycle that is neither a stage nor the draft. Device times are CUDA events (medians); on the CPU
-`perf_counter`. `weights_ms` is a stage's weight bytes / `--hbm-tbps`: a batch-1 decode step cannot beat
-it. The planner (`inference.evaluation.plan.CostModel`) turns the numbers into predicted speedups for `--alpha`
-(default: the paper's 4B alphas).
+`perf_counter`. `weights_ms` is the weight bytes a stage's step reads (one row of the embedding, all of the LM
+head) / `--hbm-tbps`: a batch-1 decode step cannot beat it. The planner (`inference.evaluation.plan.CostModel`)
+turns the numbers into predicted speedups for `--alpha` (default: the paper's 4B alphas).
 
 Output: one JSON (`--json`) and a markdown table (stdout, and `--md`). Every stage and draft row carries
 `cuda_graphs` (whether the compiled step's graphs run as CUDA graphs: False when eager, off a GPU, or when
@@ -179,7 +179,11 @@ def cuda_graphs(step) -> dict:
 
 
 def weight_bytes(stage: Stage) -> int:
-    return sum(p.numel() * p.element_size() for p in stage.parameters())
+    """The weight bytes one decode step reads: all of the stage's but the embedding table, of which it reads one
+    row (a tied LM head, read whole, still counts)."""
+    ids = lambda module: {id(p) for p in module.parameters()} if module is not None else set()  # noqa: E731
+    table = ids(stage.embed_tokens) - ids(stage.lm_head)
+    return sum(p.numel() * p.element_size() for p in stage.parameters() if id(p) not in table)
 
 
 def bench_stages(shape: dict, n: int, args, device: torch.device, on_row=None) -> list[dict]:

@@ -55,7 +55,7 @@ from inference.runtime.drafter import PDMDrafter  # noqa: E402
 from inference.runtime.stages import Stage  # noqa: E402
 from spd_lightning.estimate import Shape, estimate, target_config  # noqa: E402
 from spd_lightning.geometry import Geometry  # noqa: E402
-from spd_lightning.target import Target  # noqa: E402
+from spd_lightning.target import Target, deltanet_kernels  # noqa: E402
 from spd_lightning.testing import RandomChats, target_shaped_pdm  # noqa: E402
 from spd_lightning.training.module import SPDModule  # noqa: E402
 
@@ -97,10 +97,15 @@ def emit(out: str, kind: str, row: dict) -> None:
         f.write(json.dumps({"kind": kind, **row}, default=str) + "\n")
 
 
-def gpu_extra_installed() -> bool:
-    import importlib.util
+def gated_deltanet() -> str:
+    """What the Gated DeltaNet layers run, as transformers' Qwen3.5 modeling bound it at import: the delta rule on
+    flash-linear-attention's kernels (what `gpu_bundle/` carries) or the torch fallback, and the short convolution
+    on causal-conv1d (a CUDA build, never carried) or torch, which costs little beside the delta rule."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    return all(importlib.util.find_spec(m) is not None for m in ("fla", "causal_conv1d"))
+    kernels = deltanet_kernels(modeling_qwen3_5)
+    rule = "fla kernels" if kernels["flash-linear-attention"] else "torch fallback"
+    return f"{rule}; short conv: {'causal-conv1d' if kernels['causal-conv1d'] else 'torch'}"
 
 
 def flex_compile_check(opts, device) -> list[dict]:
@@ -134,12 +139,17 @@ def flex_compile_check(opts, device) -> list[dict]:
     return rows
 
 
+DEADLINE = "GPU_CHECK_DEADLINE"  # the wall-clock instant (epoch seconds) the parent cuts a section's child
+
+
 class Budget:
-    def __init__(self, seconds: float):
-        self.start, self.seconds, self.skipped = time.perf_counter(), seconds, []
+    """Rows that would end past `deadline` (epoch seconds) are skipped and listed."""
+
+    def __init__(self, deadline: float):
+        self.deadline, self.skipped = deadline, []
 
     def allows(self, what: str, needs: float) -> bool:
-        if time.perf_counter() - self.start + needs > self.seconds:
+        if time.time() + needs > self.deadline:
             self.skipped.append(what)
             return False
         return True
@@ -339,15 +349,14 @@ def check_arch(arch: str, opts, device, budget: Budget) -> None:
     dtype = torch.bfloat16 if opts.dtype == "bfloat16" else torch.float32
     t0 = time.perf_counter()
     target, config_dir = build_target(arch, opts, device, dtype)
-    kernels, extra = target.linear_attention_path, gpu_extra_installed()
+    kernels = gated_deltanet()
     emit(
         opts.out,
         "arch",
         {
             "arch": ARCHS[arch],
             "layers": target.num_layers,
-            "linear_attention_path": kernels,
-            "gpu_extra": extra,
+            "gated_deltanet": kernels,
             "params_b": sum(p.numel() for p in target.parameters()) / 1e9,
             "build_s": time.perf_counter() - t0,
         },
@@ -359,7 +368,7 @@ def check_arch(arch: str, opts, device, budget: Budget) -> None:
                     row = train_row(target, config_dir, layout, checkpointing, opts, device)
                 except Exception as e:  # noqa: BLE001 - the row says what failed; the next rows still run
                     row = {"layout": layout, "checkpointing": checkpointing, "error": f"{type(e).__name__}: {e}"[:300]}
-                row.update(arch=ARCHS[arch], fallback=not extra, linear_attention_path=kernels)
+                row.update(arch=ARCHS[arch], gated_deltanet=kernels)
                 emit(opts.out, "train", row)
     prompt = torch.randint(0, target.vocab_size, (1, opts.prompt), device=device)
     for n in (4, 8):
@@ -378,8 +387,15 @@ def check_arch(arch: str, opts, device, budget: Budget) -> None:
         torch.cuda.empty_cache()
 
 
+def section_budget(limit_s: float) -> Budget:
+    """A child's budget: it ends 5 s before the parent cuts the child, at the instant the parent set when it
+    spawned it (the child's imports take seconds of the limit: counted from here, a row planned to fit would be
+    killed, not skipped); `limit_s` from now when run by hand."""
+    return Budget(float(os.environ.get(DEADLINE, time.time() + limit_s)) - 5)
+
+
 def train_section(opts, device) -> None:
-    budget = Budget(opts.train_s - 5)  # a row that would end past the limit is skipped, not cut
+    budget = section_budget(opts.train_s)
     if opts.layers:
         print(f"note: targets cut to {opts.layers} layers (the real models have 32)", flush=True)
     for arch in opts.archs:
@@ -400,10 +416,12 @@ DECODE_KINDS = ("decode_stage", "decode_draft", "decode_simulator", "decode_cycl
 
 
 def run_section(opts, name: str, command: list[str], limit: float) -> dict:
-    """One section as a child process cut at `limit` seconds; what it measured is already in rows.jsonl."""
+    """One section as a child process cut at `limit` seconds, told that instant ($GPU_CHECK_DEADLINE); what it
+    measured is already in rows.jsonl."""
     t0, result = time.perf_counter(), {"section": name, "command": command, "limit_s": limit}
+    env = {**os.environ, DEADLINE: repr(time.time() + limit)}
     try:
-        done = subprocess.run(command, timeout=limit)  # its log: our stdout and stderr
+        done = subprocess.run(command, timeout=limit, env=env)  # its log: our stdout and stderr
         result["error"] = None if done.returncode == 0 else f"exit code {done.returncode}"
     except subprocess.TimeoutExpired:
         result["error"] = f"cut short at its {limit:.0f} s limit"
@@ -467,6 +485,7 @@ def report_from_rows(rows: list[dict], opts, device_name: str, t0: float) -> dic
     skipped += [f"{s['section']} ({s['error']})" for s in sections.values() if s["error"] and "cut short" in s["error"]]
     return {
         "device": device_name,
+        "gated_deltanet": gated_deltanet(),
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "torch": torch.__version__,
         "options": dict(vars(opts)),
@@ -527,7 +546,7 @@ def markdown(report: dict) -> str:
     lines = [
         f"GPU check: `bash scripts/gpu_check.sh` on {report['device']}, {report['date']}; random-init targets "
         f"({o['dtype']}), T={o['length']}, B={o['batch']}, n={o['n']}, L_s={o['ls']}, "
-        f"V_d={o['draft_vocab']}.",
+        f"V_d={o['draft_vocab']}. Gated DeltaNet: {report['gated_deltanet']}.",
     ]
     if report.get("decode_gpu") is not None:
         lines += decode_markdown(report["decode_gpu"])
@@ -547,7 +566,7 @@ def markdown(report: dict) -> str:
                 f"{head} {t['tokens_per_s']:.0f} | {t['step_s']:.3f} | {t['first_step_s']:.1f} | "
                 f"{'n/a' if t['peak_gib'] is None else format(t['peak_gib'], '.1f')} | "
                 f"{t['estimate_gib']:.1f} | {'n/a' if t['mfu'] is None else format(t['mfu'], '.1%')} | "
-                f"{(t['linear_attention_path'] or 'none').split(' (')[0]}{' (no gpu extra)' if t['fallback'] else ''} |"
+                f"{t['gated_deltanet']} |"
             )
     lines += [
         "",

@@ -181,14 +181,30 @@ def check_checkpoint_files(path: str) -> None:
             pass
 
 
+def _closure(function) -> dict:
+    code, closure = getattr(function, "__code__", None), getattr(function, "__closure__", None) or ()
+    return dict(zip(code.co_freevars, closure)) if code is not None else {}
+
+
 def _bound_fast_kernel(function, package: str) -> bool:
     """Whether transformers bound the package's kernel behind `function` (its hub-kernel wrapper records the
-    choice it made at import in the closure variable `is_new_implementation`); else whether it is importable."""
-    code, closure = getattr(function, "__code__", None), getattr(function, "__closure__", None) or ()
-    cells = dict(zip(code.co_freevars, closure)) if code is not None else {}
+    choice it made at import in the closure variable `is_new_implementation`); else whether it is importable.
+    Where the `kernels` package is installed, that wrapper is the `func` of the module `function` is then."""
+    if isinstance(function, nn.Module) and "func" in _closure(type(function).forward):
+        function = _closure(type(function).forward)["func"].cell_contents
+    cells = _closure(function)
     if "is_new_implementation" in cells:
         return bool(cells["is_new_implementation"].cell_contents)
     return importlib.util.find_spec(package) is not None
+
+
+def deltanet_kernels(modeling) -> dict[str, bool]:
+    """Per package of DELTANET_KERNELS (by its pip name): whether transformers' modeling module `modeling` (a
+    Qwen3.5 one) bound its kernel, or runs the torch fallback of it."""
+    return {
+        pip_name: _bound_fast_kernel(getattr(modeling, function, None), package)
+        for function, (package, pip_name) in DELTANET_KERNELS.items()
+    }
 
 
 def linear_attention_path(model: nn.Module) -> str | None:
@@ -197,12 +213,7 @@ def linear_attention_path(model: nn.Module) -> str | None:
     layer = next((m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")), None)
     if layer is None:
         return None
-    modeling = sys.modules[type(layer).__module__]
-    missing = [
-        pip_name
-        for function, (package, pip_name) in DELTANET_KERNELS.items()
-        if not _bound_fast_kernel(getattr(modeling, function, None), package)
-    ]
+    missing = [name for name, bound in deltanet_kernels(sys.modules[type(layer).__module__]).items() if not bound]
     if not missing:
         return "fast kernels (flash-linear-attention, causal-conv1d)"
     return f"torch fallback (slow on GPU; missing {', '.join(missing)}: `pip install .[gpu]`)"

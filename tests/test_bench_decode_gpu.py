@@ -4,7 +4,11 @@ add up, and the planner fed from them."""
 import json
 
 import pytest
+import torch
 from kit import load_script
+
+from inference.runtime.stages import Stage
+from spd_lightning.geometry import Geometry
 
 
 def test_tiny_cpu_smoke_run_writes_consistent_json_and_markdown(tmp_path, capsys):
@@ -46,3 +50,14 @@ def test_tiny_cpu_smoke_run_writes_consistent_json_and_markdown(tmp_path, capsys
     for section in ("stage forward", "PDM draft", "simulator per cycle", "planner"):
         assert f"tiny: {section}" in text
     assert text.strip() in capsys.readouterr().out
+
+
+def test_weight_bytes_leave_out_the_embedding_table_but_not_the_lm_head():
+    """A decode step reads one row of the embedding (stage 1) but the whole LM head (the last stage): the bound
+    `weights_ms` counts the bytes a step reads."""
+    bench = load_script("bench_decode_gpu")
+    target = bench.make_target(bench.SHAPES["tiny"], 2, torch.device("cpu"), torch.float32)
+    first, last = (Stage.from_target(target, Geometry.build(2, 2), s) for s in (1, 2))
+    size = lambda *modules: sum(4 * p.numel() for m in modules for p in m.parameters())  # noqa: E731 - float32
+    assert bench.weight_bytes(first) == size(first.layers)
+    assert bench.weight_bytes(last) == size(last.layers, last.norm, last.lm_head)

@@ -5,6 +5,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+import zipfile
 
 import pytest
 from kit import REPO
@@ -98,7 +100,7 @@ def test_gpu_check_rehearsal_on_cpu_without_optional_packages(tmp_path):
     assert [(c["layout"], c["ok"]) for c in report["flex_compile"]] == [("depth", True), ("type", True)]
     train = [r for r in rows if r["kind"] == "train"]
     assert all(r["model_tflops_per_s"] > 0 and r["mfu"] is None for r in train)  # no bf16 peak for a CPU
-    assert all(r["fallback"] == (not arch["gpu_extra"]) and r["linear_attention_path"] for r in train)
+    assert all(r["gated_deltanet"] == arch["gated_deltanet"] == report["gated_deltanet"] for r in train)
     # the decoder's rows: every step with whether it ran as CUDA graphs and why not, per planner row ms per cycle
     steps = [r for r in rows if r["kind"] in ("decode_stage", "decode_draft")]
     assert all(r["ms"] > 0 and r["cuda_graphs"] is False and r["cuda_graphs_skip"] == "eager" for r in steps)
@@ -132,3 +134,89 @@ def test_a_section_cut_at_its_limit_keeps_the_rows_it_wrote(tmp_path, monkeypatc
     rows = gpu_check.read_rows(str(tmp_path))
     assert [r["kind"] for r in rows] == ["train", "section"] and rows[0]["step_s"] == 1.0
     assert "train (cut short at its 2 s limit)" in gpu_check.report_from_rows(rows, opts, "cpu", 0.0)["skipped"]
+
+
+KERNELS = "def chunk_gated_delta_rule(*a, **k): ...\ndef fused_recurrent_gated_delta_rule(*a, **k): ...\n"
+
+
+def bundle_of(folder, kernels_module: str) -> str:
+    """gpu_bundle/ holding one pure-Python wheel: a stand-in for flash-linear-attention (no GPU here) whose
+    `fla.ops.gated_delta_rule`, the module transformers imports, is `kernels_module`."""
+    os.makedirs(folder)
+    dist = "flash_linear_attention-0.0.1.dist-info"
+    files = {
+        "fla/__init__.py": "",
+        "fla/ops/__init__.py": "",
+        "fla/ops/gated_delta_rule.py": kernels_module,
+        f"{dist}/METADATA": "Metadata-Version: 2.1\nName: flash-linear-attention\nVersion: 0.0.1\n",
+        f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    files[f"{dist}/RECORD"] = "".join(f"{path},,\n" for path in [*files, f"{dist}/RECORD"])
+    with zipfile.ZipFile(os.path.join(folder, "flash_linear_attention-0.0.1-py3-none-any.whl"), "w") as whl:
+        for path, text in files.items():
+            whl.writestr(path, text)
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    "out_path, kernels_module",
+    [("absolute", KERNELS), ("relative", "import triton_not_on_this_image\n" + KERNELS)],
+    ids=["absolute-out-kernels-import", "relative-out-kernels-fail"],
+)
+def test_gpu_check_sh_installs_the_bundle_outside_out_and_says_what_runs(tmp_path, out_path, kernels_module):
+    """gpu_check.sh with a carried bundle: its wheels go to a folder of their own under TMPDIR, which the check's
+    processes import from whether $OUT is absolute or relative (transformers binds the stand-in's kernels, and
+    the report says so); $OUT holds only the results. A bundle whose kernels do not import is one error line and
+    a non-zero exit, and the report says the torch fallback ran."""
+    out = tmp_path / "out"
+    (tmp_path / "tmp").mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(
+        PYTHON=sys.executable,
+        GPU_BUNDLE=bundle_of(tmp_path / "bundle", kernels_module),
+        TMPDIR=str(tmp_path / "tmp"),
+        OUT=str(out) if out_path == "absolute" else os.path.relpath(out, REPO),
+    )
+    sections = ["--device", "cpu", "--decode-s", "0", "--train-s", "0", "--compile-s", "0"]
+    proc = subprocess.run(
+        ["bash", os.path.join(REPO, "scripts", "gpu_check.sh"), *sections],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert sorted(os.listdir(out)) == ["gpu_check.json", "gpu_check.md", "rows.jsonl"], proc.stderr[-2000:]
+    [site] = os.listdir(tmp_path / "tmp")
+    assert site.startswith("spd_gpu_site.") and os.path.isdir(tmp_path / "tmp" / site / "fla" / "ops")
+    report = json.loads((out / "gpu_check.json").read_text())
+    if out_path == "absolute":
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert report["gated_deltanet"] == "fla kernels; short conv: torch"
+    else:
+        assert proc.returncode == 3 and "triton_not_on_this_image" in proc.stderr
+        assert "carried but flash-linear-attention's kernels do not install or import" in proc.stderr
+        assert report["gated_deltanet"] == "torch fallback; short conv: torch"
+    assert f"Gated DeltaNet: {report['gated_deltanet']}." in (out / "gpu_check.md").read_text()
+
+
+def test_a_section_child_budgets_to_the_instant_the_parent_cuts_it(tmp_path, monkeypatch):
+    """The parent's limit counts from the spawn, the child's imports take seconds of it: the child is told the
+    wall-clock instant of its cut, and its rows must end 5 s before that, not 5 s before its limit counted from
+    when it got to its budget."""
+    monkeypatch.syspath_prepend(os.path.join(REPO, "scripts"))
+    import gpu_check
+
+    opts = gpu_check.parse(["--tiny", "--device", "cpu", "--out", str(tmp_path)])
+    seen = tmp_path / "deadline"
+    tell = f"import os; open({str(seen)!r}, 'w').write(os.environ[{gpu_check.DEADLINE!r}])"
+    spawned = time.time()
+    assert gpu_check.run_section(opts, "train", [sys.executable, "-c", tell], limit=30)["error"] is None
+    deadline = float(seen.read_text())
+    assert spawned + 30 <= deadline <= time.time() + 30
+    monkeypatch.setenv(gpu_check.DEADLINE, str(deadline))
+    time.sleep(1)  # the child's imports
+    budget = gpu_check.section_budget(30)
+    assert budget.allows("ends 6 s before the cut", deadline - 6 - time.time())
+    assert not budget.allows("ends 4 s before the cut", deadline - 4 - time.time())
+    assert budget.skipped == ["ends 4 s before the cut"]
