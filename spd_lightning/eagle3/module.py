@@ -181,16 +181,8 @@ class Eagle3Module(FrozenTargetHolder, L.LightningModule):
                 metric.reset()
 
     def configure_optimizers(self):
-        hp = self.hparams
-        return adamw_linear_schedule(
-            self.drafter,
-            self._decayed,
-            hp.lr,
-            hp.weight_decay,
-            hp.warmup_steps,
-            hp.min_lr_ratio,
-            int(self.trainer.estimated_stepping_batches),
-        )
+        steps = int(self.trainer.estimated_stepping_batches)
+        return adamw_linear_schedule(self.drafter, self._decayed, self.hparams, steps)
 
     # -- checkpoints -----------------------------------------------------------------------------
     def drafter_spec(self) -> Eagle3Spec:

@@ -695,16 +695,8 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
 
     # -- optimizer -------------------------------------------------------------------------------
     def configure_optimizers(self):
-        hp = self.hparams
-        return adamw_linear_schedule(
-            self.pdm,
-            self._decayed,
-            hp.lr,
-            hp.weight_decay,
-            hp.warmup_steps,
-            hp.min_lr_ratio,
-            int(self.trainer.estimated_stepping_batches),
-        )
+        steps = int(self.trainer.estimated_stepping_batches)
+        return adamw_linear_schedule(self.pdm, self._decayed, self.hparams, steps)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Under FSDP the gradients are sharded and Lightning's norm clipping refuses to run: FSDP's own

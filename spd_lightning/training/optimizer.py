@@ -8,6 +8,8 @@ the parameters it sees then are flat 1-D shards, so their `ndim` says nothing (i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
@@ -24,16 +26,11 @@ def matrix_names(module: nn.Module) -> frozenset[str]:
     return frozenset(name for name, p in module.named_parameters() if p.ndim >= 2)
 
 
-def adamw_linear_schedule(
-    module: nn.Module,
-    decayed: frozenset[str],
-    lr: float,
-    weight_decay: float,
-    warmup_steps: int,
-    min_lr_ratio: float,
-    total_steps: int,
-) -> dict:
-    """Lightning's `configure_optimizers` answer for `module`'s trainable parameters (wrapped or not)."""
+def adamw_linear_schedule(module: nn.Module, decayed: frozenset[str], settings: Mapping, total_steps: int) -> dict:
+    """Lightning's `configure_optimizers` answer for `module`'s trainable parameters (wrapped or not). `settings`:
+    the module's `lr`, `weight_decay`, `warmup_steps` and `min_lr_ratio` (its hparams)."""
+    lr, weight_decay = settings["lr"], settings["weight_decay"]
+    warmup_steps, min_lr_ratio = settings["warmup_steps"], settings["min_lr_ratio"]
     params = [(plain_name(name), p) for name, p in module.named_parameters() if p.requires_grad]
     groups = [
         {"params": [p for name, p in params if name in decayed], "weight_decay": weight_decay},
