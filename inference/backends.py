@@ -20,10 +20,9 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from inference.chain.decoder import ChainDecoder
-from inference.cycle.ar import ar_decode_stages
+from inference.cycle.ar import ar_decode_stages, ar_stages
 from inference.cycle.result import DecodeResult
 from inference.cycle.simulator import Simulator
-from inference.runtime.stages import Stage
 from inference.sampling import Sampling
 from inference.setup import Setup
 from spd_lightning.eagle3.export import KIND as EAGLE3
@@ -86,7 +85,7 @@ def make_backend(
 class ARBackend(Backend):
     def __init__(self, setup: Setup, target: Target):
         self.eos = setup.eos
-        self.stages = [Stage.from_target(target, setup.geometry, s) for s in range(1, setup.geometry.n + 1)]
+        self.stages = ar_stages(target, setup.geometry)
 
     def generate(self, prompt_ids, max_new_tokens, sampling, seed, on_tokens=None) -> DecodeResult:
         return ar_decode_stages(self.stages, prompt_ids, max_new_tokens, sampling, self.eos, seed, on_tokens)

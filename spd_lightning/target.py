@@ -190,8 +190,9 @@ def _bound_fast_kernel(function, package: str) -> bool:
     """Whether transformers bound the package's kernel behind `function` (its hub-kernel wrapper records the
     choice it made at import in the closure variable `is_new_implementation`); else whether it is importable.
     Where the `kernels` package is installed, that wrapper is the `func` of the module `function` is then."""
-    if isinstance(function, nn.Module) and "func" in _closure(type(function).forward):
-        function = _closure(type(function).forward)["func"].cell_contents
+    wrapper = _closure(type(function).forward) if isinstance(function, nn.Module) else {}
+    if "func" in wrapper:
+        function = wrapper["func"].cell_contents
     cells = _closure(function)
     if "is_new_implementation" in cells:
         return bool(cells["is_new_implementation"].cell_contents)

@@ -86,6 +86,12 @@ def ar_decode_stages(
     )
 
 
+def ar_stages(target: Target, geometry: Geometry | None = None, compile: bool = False) -> list[Stage]:
+    """The target as stages in sequence, split like `geometry` (one stage when omitted: the same math)."""
+    geometry = geometry or Geometry.build(target.num_layers, 1)
+    return [Stage.from_target(target, geometry, s, compile=compile) for s in range(1, geometry.n + 1)]
+
+
 def ar_decode(
     target: Target,
     prompt_ids: Sequence[int],
@@ -95,7 +101,5 @@ def ar_decode(
     seed: int = 0,
     geometry: Geometry | None = None,
 ) -> DecodeResult:
-    """AR decoding of an in-memory target, split like `geometry` (one stage when omitted: same math)."""
-    geometry = geometry or Geometry.build(target.num_layers, 1)
-    stages = [Stage.from_target(target, geometry, s) for s in range(1, geometry.n + 1)]
-    return ar_decode_stages(stages, prompt_ids, max_new_tokens, sampling, eos_token_id, seed)
+    """AR decoding of an in-memory target, split like `geometry` (`ar_stages`)."""
+    return ar_decode_stages(ar_stages(target, geometry), prompt_ids, max_new_tokens, sampling, eos_token_id, seed)

@@ -51,17 +51,15 @@ from tqdm import tqdm
 from inference import cli
 from inference.backends import make_backend
 from inference.chain.decoder import ChainDecoder
-from inference.cycle.ar import ar_decode_stages
+from inference.cycle.ar import ar_decode_stages, ar_stages
 from inference.cycle.result import DecodeResult
 from inference.evaluation.report import markdown, write_outputs
 from inference.evaluation.rows import eagle3_row, pdm_row
 from inference.processes.launch import launch
 from inference.prompts import dataset_spec, read_prompts
-from inference.runtime.stages import Stage
 from inference.sampling import Sampling
 from inference.setup import Setup, check_k, decode_job, drafter_for_mode, encode_prompts, prepare
 from spd_lightning.eagle3.export import KIND as EAGLE3
-from spd_lightning.geometry import Geometry
 
 log = logging.getLogger("inference")
 
@@ -207,8 +205,7 @@ class Decoders:
             if methods.count(pdm.method) > 1:
                 pdm.method += f" ({drafter_name(pdm.setup.ckpt)})"
         self.methods: list = pdms
-        geometry = Geometry.build(self.target.num_layers, 1)
-        self.ar_stages = [Stage.from_target(self.target, geometry, 1, compile=args.compile)]
+        self.ar_stages = ar_stages(self.target, compile=args.compile)
         if eagle3:
             if args.compile:
                 log.warning(

@@ -1,4 +1,4 @@
-"""NCCL in a rank process: the guard on object collectives (`cycle/transport.init_distributed`), a failed message as one line.
+"""NCCL in a rank process: the guard on object collectives (`transport.init_distributed`); a failed message, one line.
 It lies below the cycle layer so that the transport can use it.
 
 A failed message reads the same under gloo and NCCL: what the `PeerError` naming the peer says.
