@@ -12,6 +12,9 @@ from kit import REPO, fit_args, load_script, make_tiny_model, save_random_drafte
 from inference import decode as spd_decode
 from inference.evaluation import plan as spd_plan
 from inference.evaluation import run as spd_eval
+from inference.runtime.stages import Stage
+from inference.sampling import Sampling
+from inference.setup import prepare
 from spd_lightning import cli
 from spd_lightning.eagle3.export import Eagle3Spec, save_eagle3
 from spd_lightning.eagle3.model import Eagle3Config, Eagle3Drafter, eagle_feature_layers
@@ -122,6 +125,27 @@ def test_an_eagle3_drafter_to_compare_is_one_line(files, tmp_path, capsys):
     assert spd_eval.main([*argv, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "pass it as --eagle3" in err and "Traceback" not in err
+
+
+def test_under_compile_eagle3_is_measured_against_an_eager_ar_baseline(files, monkeypatch):
+    """Chain decoding has no compiled path: under `--compile` EAGLE-3's r, verify ratio and wall-clock speedup divide
+    by an eager AR decode of the same prompts, the PDM drafter's by the compiled one its stages match."""
+    argv = ["--ckpt", files["pdm"], "--eagle3", files["eagle3"], "--k", "2", "--prompts", files["prompts"]]
+    args = spd_eval.parse_args([*argv, "--simulate", "--compile", "--max-new-tokens", "1"])
+    decoders = spd_eval.Decoders(args, [prepare(args)], files["eagle3"])
+    ran = []  # whether the stage of each AR decode ran compiled (one token: a prefill, nothing is compiled here)
+    prefill = Stage.prefill
+    monkeypatch.setattr(Stage, "prefill", lambda stage, *a: ran.append(stage.compiled) or prefill(stage, *a))
+    decoded = decoders.ar(Sampling(), [[3, 14, 15]])
+    assert sorted(ran) == [False, True]  # an eager AR decode of the prompt beside the compiled one
+    divided_by = {}  # each method's rows: the AR decodes they divide by
+    for method in decoders.methods:
+        monkeypatch.setattr(method, "row", lambda results, ar, m=method: divided_by.update({m.results: ar}) or {})
+    spd_eval._add_rows(
+        {"results": [], "eagle3_results": []}, decoders.methods, {}, {**decoded, **dict.fromkeys(decoders.methods)}
+    )
+    eager = next(name for name, stages in decoders.baselines.items() if not stages[0].compiled)
+    assert divided_by["eagle3_results"] is decoded[eager] and divided_by["results"] is not decoded[eager]
 
 
 @pytest.fixture(scope="module")

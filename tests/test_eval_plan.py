@@ -434,7 +434,8 @@ def test_compile_compiles_the_ar_baseline_too(files, monkeypatch):
     monkeypatch.setattr(Stage, "prefill", lambda stage, *a: ran.append(stage.compiled) or prefill(stage, *a))
     decoders.ar(Sampling(), [[3, 14, 15]])
     assert ran == [True]
-    assert spd_eval._report_head(args, setup, None)["compiled"] == {"pdm": True, "ar": True, "eagle3": False}
+    compiled = {"pdm": True, "ar": True, "eagle3": False, "eagle3_ar": False}
+    assert spd_eval._report_head(args, setup, None)["compiled"] == compiled
 
 
 @pytest.fixture

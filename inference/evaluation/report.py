@@ -109,10 +109,11 @@ def markdown(report: dict) -> str:
     if several_methods(report):
         parts += ([""] if parts else []) + side_by_side_table(report)
     compiled = report.get("compiled", {})
-    if report["eagle3_results"] and compiled.get("ar") and not compiled.get("eagle3"):
+    if report["eagle3_results"] and compiled.get("pdm") and not compiled.get("eagle3"):
         parts += [
             "",
-            "EAGLE-3 ran eagerly (chain decoding has no compiled path); SPD and AR ran compiled (`--compile`).",
+            "EAGLE-3 ran eagerly (chain decoding has no compiled path), its times over an eager AR baseline's; the PDM "
+            "drafters and their AR baseline ran compiled (`--compile`).",
         ]
     return "\n".join(parts) + "\n"
 

@@ -63,6 +63,8 @@ from spd_lightning.eagle3.export import KIND as EAGLE3
 
 log = logging.getLogger("inference")
 
+EAGER_AR = "ar_eager"  # under --compile, the AR baseline run eagerly: EAGLE-3's unit
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = cli.parser("python -m inference.eval", doc=__doc__)
@@ -132,6 +134,7 @@ class PdmDecoder:
     """One PDM drafter under test on the eval's target: the simulator (`--simulate`) or the n + 1 ranks."""
 
     results = "results"  # the report's list of this method's rows
+    baseline = "ar"  # the AR decodes its times are divided by: compiled under `--compile`, as its steps are
 
     def __init__(self, args: argparse.Namespace, setup: Setup, target):
         self.args, self.setup = args, setup
@@ -172,6 +175,8 @@ class Eagle3Decoder:
 
     def __init__(self, base: ChainDecoder, k: int, args: argparse.Namespace, eos: list[int]):
         self.base, self.k, self.args, self.eos = base, k, args, eos
+        # chain decoding runs eagerly: under `--compile` its unit is an eager AR forward, like with like
+        self.baseline = EAGER_AR if args.compile else "ar"
 
     def row(self, results: list[DecodeResult], ar: list[DecodeResult]) -> dict:
         return eagle3_row(self.k, results, ar)
@@ -189,9 +194,10 @@ class Eagle3Decoder:
 
 class Decoders:
     """Every drafter under test (PDM drafters, simulated or distributed; EAGLE-3 at each k), in `methods`, and
-    the AR baseline, all on one target loaded once. Under `--compile` the AR baseline's step is compiled as the
-    PDM decoders' stages are: T_full, the unit of every speedup, is then the captured step's time, not the
-    eager launch-bound one. Its stage is built once, so its graphs serve every prompt."""
+    the AR baselines, all on one target loaded once. Each method's times are divided by the AR decodes run as
+    its own steps run (`baseline`): under `--compile` the PDM decoders' by a compiled AR step (T_full, the unit of
+    their speedups, is the captured step's time, not the eager launch-bound one), EAGLE-3's, which has no compiled
+    path, by an eager one. Each baseline's stage is built once, so its graphs serve every prompt."""
 
     def __init__(self, args: argparse.Namespace, setups: list[Setup], eagle3: str | None):
         from spd_lightning.target import Target
@@ -205,12 +211,15 @@ class Decoders:
             if methods.count(pdm.method) > 1:
                 pdm.method += f" ({drafter_name(pdm.setup.ckpt)})"
         self.methods: list = pdms
-        self.ar_stages = ar_stages(self.target, compile=args.compile)
+        self.baselines = {"ar": ar_stages(self.target, compile=args.compile)} if pdms else {}
         if eagle3:
             if args.compile:
                 log.warning(
-                    "--compile: EAGLE-3 runs eagerly (chain decoding has no compiled path); SPD and AR compiled"
+                    "--compile: EAGLE-3 runs eagerly (chain decoding has no compiled path) and is measured "
+                    "against an eager AR baseline; SPD against a compiled one"
                 )
+            name = EAGER_AR if args.compile else "ar"
+            self.baselines[name] = self.baselines.get(name) or ar_stages(self.target)
             base = ChainDecoder.on_target(self.target, eagle3, max(args.k))
             self.methods += [Eagle3Decoder(base, k, args, self.setup.eos) for k in sorted(set(args.k))]
 
@@ -220,14 +229,19 @@ class Decoders:
         any measured decode needs (caches never shrink; graphs are keyed by capacity) and visits the fill levels."""
         for method in self.methods:
             method.warm_up(sampling, prompt)
-        ar_decode_stages(self.ar_stages, prompt, self.args.max_new_tokens, sampling, self.setup.eos, self.args.seed)
+        for stages in self.baselines.values():
+            ar_decode_stages(stages, prompt, self.args.max_new_tokens, sampling, self.setup.eos, self.args.seed)
 
-    def ar(self, sampling: Sampling, prompts: list[list[int]]) -> list[DecodeResult]:
+    def ar(self, sampling: Sampling, prompts: list[list[int]]) -> dict[str, list[DecodeResult]]:
+        """Each AR baseline's decodes of `prompts`, by name."""
         args = self.args
-        return [
-            ar_decode_stages(self.ar_stages, ids, args.max_new_tokens, sampling, self.setup.eos, args.seed + i)
-            for i, ids in enumerate(prompts)
-        ]
+        return {
+            name: [
+                ar_decode_stages(stages, ids, args.max_new_tokens, sampling, self.setup.eos, args.seed + i)
+                for i, ids in enumerate(prompts)
+            ]
+            for name, stages in self.baselines.items()
+        }
 
 
 def drafter_name(path: str) -> str:
@@ -288,13 +302,14 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _report_head(args: argparse.Namespace, setup: Setup, eagle3: str | None) -> dict:
+    pdm = setup.mode != EAGLE3
     return {
         "target": setup.target_path,
         "drafter": setup.ckpt,
         "mode": setup.mode,
         "n": setup.geometry.n,
         "L": setup.info.num_layers,
-        "L_s": setup.spec.pdm.num_layers if setup.mode != EAGLE3 else None,
+        "L_s": setup.spec.pdm.num_layers if pdm else None,
         "compared": args.compare,
         "eagle3_drafter": eagle3,
         "k": args.k if eagle3 else None,
@@ -303,8 +318,9 @@ def _report_head(args: argparse.Namespace, setup: Setup, eagle3: str | None) -> 
         "max_new_tokens": args.max_new_tokens,
         "limit": args.limit,
         "simulate": args.simulate,
-        # what ran through torch.compile (CUDA graphs on a GPU): chain decoding has no compiled path
-        "compiled": {"pdm": args.compile, "ar": args.compile, "eagle3": False},
+        # what ran through torch.compile (CUDA graphs on a GPU): chain decoding has no compiled path, so the AR
+        # baseline EAGLE-3's rows are measured against (`eagle3_ar`) is eager too
+        "compiled": {"pdm": pdm and args.compile, "ar": pdm and args.compile, "eagle3": False, "eagle3_ar": False},
         "device": args.device,
         "dtype": setup.dtype,
         "seed": args.seed,
@@ -317,11 +333,11 @@ def _evaluate(decoders: Decoders, sampling: Sampling, sets: list[PromptSet], bar
     """One row per set and one pooling every set, at one temperature, for each PDM drafter (`results`) and
     for EAGLE-3 at each k (`eagle3_results`), all against the same AR decodes."""
     decoders.warm_up(sampling, max((p for s in sets for p in s.prompts), key=len))
-    pooled: dict = {"ar": [], **{method: [] for method in decoders.methods}}
+    pooled: dict = {**{name: [] for name in decoders.baselines}, **{method: [] for method in decoders.methods}}
     head = {"temperature": sampling.temperature, "sampling": sampling.to_dict()}
     for prompt_set in sets:
         bar.set_description(f"{prompt_set.name} T={sampling.temperature:g}")
-        decoded = {"ar": decoders.ar(sampling, prompt_set.prompts)}
+        decoded = decoders.ar(sampling, prompt_set.prompts)
         for method in decoders.methods:
             decoded[method] = method.decode(sampling, prompt_set.prompts, bar.update)
         _add_rows(report, decoders.methods, {"set": prompt_set.name, "path": prompt_set.path, **head}, decoded)
@@ -332,7 +348,7 @@ def _evaluate(decoders: Decoders, sampling: Sampling, sets: list[PromptSet], bar
 
 def _add_rows(report: dict, methods: list, where: dict, decoded: dict) -> None:
     for method in methods:
-        report[method.results].append({**where, **method.row(decoded[method], decoded["ar"])})
+        report[method.results].append({**where, **method.row(decoded[method], decoded[method.baseline])})
 
 
 def _plan_inputs(report: dict) -> None:
