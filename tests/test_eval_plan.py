@@ -278,6 +278,19 @@ def test_plan_reads_a_hand_edited_eval_json_with_one_line(tmp_path, capsys, edit
     assert spd_plan.main(["--times", str(times), "--alpha", "2:3:0.5", "--plot", ""]) == 0  # as written by eval
 
 
+@pytest.mark.parametrize("flag", [[], ["--t-full", "0.4"]])
+def test_plan_divides_eagle3s_times_by_its_own_ar_baseline(tmp_path, flag):
+    """Under `--compile` eval measures EAGLE-3 (eager) against an eager AR baseline and SPD against a compiled one:
+    the plan divides EAGLE-3's times by its rows' own `T_full_s`, not SPD's (unless `--t-full` sets one for all)."""
+    times = tmp_path / "eval.json"
+    eagle3 = {**EAGLE3, "T_full_s": 0.2}  # the eager AR forward: slower than SPD's compiled 0.1
+    times.write_text(json.dumps({"plan_inputs": TIMES, "plan_inputs_eagle3": [eagle3]}))
+    result = spd_plan.run(spd_plan.parse_args(["--times", str(times), "--alpha", "2:3:0.5", "--plot", "", *flag]))
+    t_full = float(flag[1]) if flag else 0.2
+    expected = costs.s_eagle3(2.0, 3, 0.01 / t_full, 0.1 / t_full)
+    assert result["eagle3"][0]["speedup"] == pytest.approx(expected)
+
+
 @pytest.mark.parametrize("case", ["missing_prompts", "bad_jsonl", "max_new_tokens", "missing_ckpt", "limit"])
 def test_eval_bad_input_is_one_line(files, tmp_path, capsys, case):
     base = [

@@ -15,9 +15,10 @@ from spd_lightning.errors import UsageError
 
 
 def eagle3_rows(inputs: list[dict], t_full: float | None, path: str = "eval.json") -> list[dict]:
-    """EAGLE-3's predicted speedup per k from its measured draft-step and verify costs (`T_full` in seconds:
-    the cost model's when measured, else the eval's); `inputs`: the `plan_inputs_eagle3` of the eval.json at `path`,
-    checked first (a hand-edited file)."""
+    """EAGLE-3's predicted speedup per k from its measured draft-step and verify costs over `t_full` seconds (`--t-full`)
+    or, when None, each row's own `T_full_s`: the AR baseline its times were measured against (eager under
+    `--compile`, where SPD's is compiled); `inputs`: the `plan_inputs_eagle3` of the eval.json at `path`, checked
+    first (a hand-edited file)."""
     rows = []
     for p in _checked(inputs, path):
         full = t_full or p["T_full_s"]

@@ -342,7 +342,7 @@ def run(args: argparse.Namespace) -> dict:
     times = times if isinstance(times, dict) else {}
     eagle3_inputs = times.get("plan_inputs_eagle3") or []
     result: dict = {"rows": [], "markdown": ""}
-    sections, t_full = [], None  # the markdown of each part; T_full in seconds when the cost model is measured
+    sections = []  # the markdown of each part
     if alphas or not (eagle3_inputs or args.batch_times):  # SPD's plan (EAGLE-3 or batch rows alone need no alpha)
         model = cost_model(args, times.get("plan_inputs"))
         rows, best = plan(model, alphas)
@@ -356,9 +356,8 @@ def run(args: argparse.Namespace) -> dict:
             "markdown": "",
         }
         sections.append(markdown(model, rows, best))
-        t_full = model.t_full if model.unit == "s" else None
     if eagle3_inputs:
-        result["eagle3"] = eagle3_rows(eagle3_inputs, t_full, args.times)
+        result["eagle3"] = eagle3_rows(eagle3_inputs, args.t_full, args.times)
         sections.append(eagle3_markdown(result["eagle3"], result["rows"]))
     if args.batch_times:
         report = _read_json(args.batch_times)
