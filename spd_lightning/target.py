@@ -210,13 +210,20 @@ def deltanet_kernels(modeling) -> dict[str, bool]:
 
 def linear_attention_path(model: nn.Module) -> str | None:
     """Which implementation the target's Gated DeltaNet layers run: the fast kernels, or transformers' torch
-    fallback (naming what to install); None for targets without linear-attention layers."""
+    fallback (naming what to install); None for targets without linear-attention layers. The recurrence is what
+    the fallback makes slow: with flash-linear-attention bound and only causal-conv1d missing, the short convolution
+    alone runs in torch (one small op per layer), and the label does not say "torch fallback"."""
     layer = next((m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")), None)
     if layer is None:
         return None
-    missing = [name for name, bound in deltanet_kernels(sys.modules[type(layer).__module__]).items() if not bound]
+    bound = deltanet_kernels(sys.modules[type(layer).__module__])
+    missing = [name for name, ok in bound.items() if not ok]
     if not missing:
         return "fast kernels (flash-linear-attention, causal-conv1d)"
+    if bound["flash-linear-attention"]:
+        return (
+            "fast recurrence (flash-linear-attention), torch short convolution (no causal-conv1d: `pip install .[gpu]`)"
+        )
     return f"torch fallback (slow on GPU; missing {', '.join(missing)}: `pip install .[gpu]`)"
 
 

@@ -14,6 +14,7 @@ from kit import make_tiny_model
 
 from spd_lightning import target as target_module
 from spd_lightning.target import Target, linear_attention_path, load_hf_causal_lm
+from spd_lightning.training.deltanet_fallback import fallback_warning
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,11 @@ def test_gated_deltanet_path_reports_the_kernels_transformers_bound(saved_qwen35
         return wrapped
 
     monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule", wrapper_of(True))
-    assert linear_attention_path(model) == ("torch fallback (slow on GPU; missing causal-conv1d: `pip install .[gpu]`)")
+    path = linear_attention_path(model)  # the recurrence fast, the short convolution in torch: not the slow fallback
+    assert (
+        path.startswith("fast recurrence (flash-linear-attention), torch short convolution") and "causal-conv1d" in path
+    )
+    assert fallback_warning(path, torch.device("cuda"), "t") is None  # no "SLOW" line at fit's start
     monkeypatch.setattr(modeling, "causal_conv1d_fn", wrapper_of(True))
     assert linear_attention_path(model) == "fast kernels (flash-linear-attention, causal-conv1d)"
     assert set(target_module.DELTANET_KERNELS) <= set(vars(modeling))  # the names transformers 5 uses
