@@ -1,6 +1,6 @@
-"""Random stand-ins that the tests (tests/kit.py) and the scripts (scripts/) share: `fit`'s arguments for
-configs/tiny.yaml shrunk to seconds, a random-init PDM shaped like its target, and full-length random chat batches.
-Training and decoding never import this module."""
+"""Random stand-ins that the tests (tests/kit/) and the scripts (scripts/) share: `fit`'s arguments for
+configs/tiny.yaml (and tiny_eagle3.yaml) shrunk to seconds, a random-init PDM shaped like its target, and
+full-length random chat batches. Training and decoding never import this module."""
 
 from __future__ import annotations
 
@@ -50,6 +50,14 @@ def fit_args(target: str, root, *extra: str) -> list[str]:
         os.path.join(root, "ckpt"),
         *extra,
     ]
+
+
+def eagle3_fit_args(target: str, root, *extra: str) -> list[str]:
+    """`fit_args` on configs/tiny_eagle3.yaml (its model section is the EAGLE-3 drafter's): 2 TTT steps, 2 steps."""
+    args = fit_args(target, root, "--model.ttt_steps", "2", "--trainer.max_steps", "2", *extra)
+    args[args.index("--config") + 1] = os.path.join(REPO, "configs", "tiny_eagle3.yaml")
+    i = args.index("--model.n")
+    return args[:i] + args[i + 2 :]
 
 
 def target_shaped_pdm(

@@ -54,7 +54,8 @@ class CPUFSDPStrategy(FSDPStrategy):
 
 
 class FSDPProbe(Callback):
-    """Writes, per rank, what FSDP wrapped: the PDM's parameters (sharded) and never the frozen target's."""
+    """Writes, per rank, what FSDP wrapped: the drafter's parameters (the PDM's or EAGLE-3's, sharded) and never the
+    frozen target's."""
 
     def __init__(self, out: str):
         self.out = out
@@ -64,7 +65,8 @@ class FSDPProbe(Callback):
 
         wrapped = trainer.strategy.model
         managed = {id(p) for p in wrapped.parameters()}
-        names = {id(p): name.replace("_fsdp_wrapped_module.", "") for name, p in pl_module.pdm.named_parameters()}
+        drafter = pl_module.pdm if hasattr(pl_module, "pdm") else pl_module.drafter
+        names = {id(p): name.replace("_fsdp_wrapped_module.", "") for name, p in drafter.named_parameters()}
         decayed, undecayed = (group["params"] for group in trainer.optimizers[0].param_groups)
         target_params = list(pl_module.target.model.parameters())
         report = {

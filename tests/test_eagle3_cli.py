@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from kit import REPO, fit_args, load_script, make_tiny_model, save_random_drafter, target_dir
+from kit import REPO, eagle3_fit_args, load_script, make_tiny_model, save_random_drafter, target_dir
 
 from inference import decode as spd_decode
 from inference.evaluation import plan as spd_plan
@@ -21,14 +21,6 @@ from spd_lightning.eagle3.model import Eagle3Config, Eagle3Drafter, eagle_featur
 from spd_lightning.geometry import Geometry
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def eagle3_fit_args(target: str, root, *extra: str) -> list[str]:
-    """The shared tiny fit arguments on configs/tiny_eagle3.yaml (its model section is the EAGLE-3 drafter's)."""
-    args = fit_args(target, root, "--model.ttt_steps", "2", "--trainer.max_steps", "2", *extra)
-    args[args.index("--config") + 1] = os.path.join(REPO, "configs", "tiny_eagle3.yaml")
-    i = args.index("--model.n")
-    return args[:i] + args[i + 2 :]
 
 
 @pytest.fixture(scope="module")

@@ -21,13 +21,13 @@ from torch import nn
 from ..errors import ConfigError
 from ..export import CKPT_KEY
 from ..target import FrozenTargetHolder, Target, TargetError, load_hf_config
-from ..training.optimizer import adamw_linear_schedule, matrix_names
+from ..training.optimizer import ShardedGradientClipping, adamw_linear_schedule, matrix_names
 from .export import Eagle3Spec
 from .model import Eagle3Config, Eagle3Drafter, check_feature_layers, eagle_feature_layers
 from .ttt import ttt_outputs, ttt_step_losses, ttt_total
 
 
-class Eagle3Module(FrozenTargetHolder, L.LightningModule):
+class Eagle3Module(FrozenTargetHolder, ShardedGradientClipping, L.LightningModule):
     """Trains the EAGLE-3 baseline drafter by training-time test against a frozen target (docs/DESIGN.md, "The EAGLE-3 baseline").
 
     Args:

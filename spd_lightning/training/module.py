@@ -58,7 +58,7 @@ from .deltanet_fallback import fallback_warning
 from .fill_estimate import REFRESH_STEPS, AcceptanceEstimate
 from .layouts import FillDistribution, LayoutName, Replication, build_layout
 from .metrics import GroupedAgreement
-from .optimizer import adamw_linear_schedule, matrix_names, plain_name
+from .optimizer import ShardedGradientClipping, adamw_linear_schedule, matrix_names, plain_name
 
 # Compiled flex graphs a run may need per code object: {grad, no_grad, inference_mode} x {every copy's rows, the
 # loss copy's} x {a size specialized at 1 (one block, a last batch of 1) or not} (tests/test_recompile_limit.py).
@@ -139,7 +139,7 @@ class Distilled:
         return Distilled(counted=sel[sel], **picked)
 
 
-class SPDModule(FrozenTargetHolder, L.LightningModule):
+class SPDModule(FrozenTargetHolder, ShardedGradientClipping, L.LightningModule):
     """Distills the PDM from a frozen target (`fit`), measures its agreement (`validate`).
 
     Args:
@@ -697,18 +697,6 @@ class SPDModule(FrozenTargetHolder, L.LightningModule):
     def configure_optimizers(self):
         steps = int(self.trainer.estimated_stepping_batches)
         return adamw_linear_schedule(self.pdm, self._decayed, self.hparams, steps)
-
-    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
-        """Under FSDP the gradients are sharded and Lightning's norm clipping refuses to run: FSDP's own
-        `clip_grad_norm_` takes the norm over all shards, so `gradient_clip_val` works under DDP and FSDP alike."""
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        model = self.trainer.strategy.model
-        fsdp_norm = gradient_clip_algorithm in (None, "norm") and isinstance(model, FullyShardedDataParallel)
-        if gradient_clip_val and fsdp_norm:
-            model.clip_grad_norm_(gradient_clip_val)
-        else:
-            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     # -- checkpoints -----------------------------------------------------------------------------
     def drafter_spec(self) -> DrafterSpec:

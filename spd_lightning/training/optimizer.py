@@ -4,6 +4,8 @@ then a linear decay to a floor, stepped per optimizer step.
 Weight decay applies to the matrices, not to norms or biases. They are named when the drafter is built
 (`matrix_names`), before any wrapping: Lightning's FSDP wraps the model before it calls `configure_optimizers`, and
 the parameters it sees then are flat 1-D shards, so their `ndim` says nothing (it once decayed none of them).
+Gradient clipping by norm (`gradient_clip_val`, set by every shipped config) works under FSDP too
+(`ShardedGradientClipping`).
 """
 
 from __future__ import annotations
@@ -46,3 +48,19 @@ def adamw_linear_schedule(module: nn.Module, decayed: frozenset[str], settings: 
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class ShardedGradientClipping:
+    """A LightningModule mixin: `gradient_clip_val` under DDP and FSDP alike. Under FSDP the gradients are sharded
+    and Lightning's norm clipping refuses to run ("not supported for `FSDPPrecision`", at the first step); FSDP's
+    own `clip_grad_norm_` takes the norm over all shards."""
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        model = self.trainer.strategy.model
+        fsdp_norm = gradient_clip_algorithm in (None, "norm") and isinstance(model, FullyShardedDataParallel)
+        if gradient_clip_val and fsdp_norm:
+            model.clip_grad_norm_(gradient_clip_val)
+        else:
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)

@@ -6,7 +6,7 @@ scripts/bench_batch.py do too), conftest.py builds its fixtures from it, and no 
 (tests/test_architecture.py). What scripts share with the tests lives in `spd_lightning.testing`: its shrunk `fit`
 arguments are re-exported here."""
 
-from spd_lightning.testing import fit_args
+from spd_lightning.testing import eagle3_fit_args, fit_args
 
 from .decoder_probes import (
     LateArrival,
@@ -116,6 +116,7 @@ __all__ = [
     "csv_rows",
     "descendant_pids",
     "exact_distributions",
+    "eagle3_fit_args",
     "fit_args",
     "forbid_device_sync",
     "free_port",
