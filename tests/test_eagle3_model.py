@@ -2,6 +2,7 @@
 module trains and checkpoints without the target, export round trip, feature-layer choice."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -173,3 +174,50 @@ def test_module_trains_on_chat_data_module_batches(chat_target, tmp_path):
     assert torch.equal(module.drafter.d2t, torch.as_tensor(data.d2t))
     metrics = trainer.callback_metrics
     assert torch.isfinite(metrics["val/loss"]) and 0 <= float(metrics["val/agree_step1"]) <= 1
+
+
+def test_a_diverged_eagle3_run_stops_and_keeps_the_checkpoints_saved_before(target_dir, tmp_path):
+    """As the PDM's: a NaN loss from step 3 on (a teacher temperature that overflows) stops the run at its next save
+    with one line, instead of replacing `last.ckpt` and the kept step checkpoint with NaN weights."""
+    import lightning as L
+    from kit import SyntheticChat, make_trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from spd_lightning.eagle3.module import Eagle3Module
+    from spd_lightning.errors import ConfigError
+
+    class Diverge(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, *args):
+            if trainer.global_step == 2:
+                pl_module.hparams.teacher_temperature = 1e-40
+
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True, every_n_train_steps=1)
+    trainer = make_trainer(
+        tmp_path, max_steps=4, enable_checkpointing=True, callbacks=[ckpt, Diverge()], limit_val_batches=0
+    )
+    module = Eagle3Module(target=target_dir, target_dtype="float32", ttt_steps=2, lr=3e-3)
+    with pytest.raises(ConfigError, match="diverged by step 3: the EAGLE-3 drafter's weights are not finite"):
+        trainer.fit(module, datamodule=SyntheticChat(num_samples=16, batch_size=2))
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+    last = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
+    assert last["global_step"] == 2 and all(torch.isfinite(v).all() for v in last["state_dict"].values())
+
+
+def test_an_eagle3_resume_with_another_draft_vocabulary_is_one_line(target_dir, tmp_path):
+    """`fit --ckpt_path` with data that gives another V_d: a `ConfigError` naming the field (exit 2), not a
+    `RuntimeError` from `load_state_dict` (exit 1)."""
+    from kit import SyntheticChat, make_trainer
+
+    from spd_lightning.eagle3.module import Eagle3Module
+    from spd_lightning.errors import ConfigError
+
+    def module():
+        return Eagle3Module(target=target_dir, target_dtype="float32", ttt_steps=2, lr=3e-3)
+
+    trainer = make_trainer(tmp_path, max_steps=1, limit_val_batches=0)
+    trainer.fit(module(), datamodule=SyntheticChat(draft_vocab_size=64, batch_size=2))
+    ckpt = str(tmp_path / "step1.ckpt")
+    trainer.save_checkpoint(ckpt)
+    resumed = make_trainer(tmp_path, max_steps=2, limit_val_batches=0)
+    with pytest.raises(ConfigError, match="drafter has draft_vocab_size=64, this run builds draft_vocab_size=32"):
+        resumed.fit(module(), datamodule=SyntheticChat(draft_vocab_size=32), ckpt_path=ckpt)

@@ -21,6 +21,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..export import CKPT_KEY
 from ..target import FrozenTargetHolder, Target, TargetError, load_hf_config
+from ..training.checkpoint_io import check_resumed_shape, check_weights_finite
 from ..training.optimizer import ShardedGradientClipping, adamw_linear_schedule, matrix_names
 from .export import Eagle3Spec
 from .model import Eagle3Config, Eagle3Drafter, check_feature_layers, eagle_feature_layers
@@ -191,12 +192,15 @@ class Eagle3Module(FrozenTargetHolder, ShardedGradientClipping, L.LightningModul
         return Eagle3Spec(self.drafter.cfg, self._target_info)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        check_weights_finite(self, self.drafter, "EAGLE-3 drafter")
         checkpoint[CKPT_KEY] = self.drafter_spec().to_dict()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if CKPT_KEY not in checkpoint:
             raise TargetError("this checkpoint has no drafter description: it was not written by Eagle3Module")
         spec = Eagle3Spec.from_dict(checkpoint[CKPT_KEY], "checkpoint")
+        if self.drafter is not None:  # a resume into the drafter this run built (its V_d from this run's data)
+            check_resumed_shape(self.drafter.cfg.to_dict(), spec.drafter.to_dict())
         self._target_info = self._target_info or spec.target
         if self.drafter is None:
             self.drafter = Eagle3Drafter(spec.drafter)

@@ -5,7 +5,7 @@ layouts.py         sequence replication: one PDM forward yields every drafting t
 attention.py       the PDM's attention backends over a layout's mask (dense, two-part, FlexAttention)
 block_sparsity.py  FlexAttention's block mask built once per shape
 metrics.py         grouped agreement (per depth, per fill level)
-optimizer.py       AdamW with warmup and decay, for the PDM and the EAGLE-3 drafter
-checkpoint_io.py   checkpoint files written atomically
+optimizer.py       AdamW with warmup and decay, clipping under FSDP too: for the PDM and the EAGLE-3 drafter
+checkpoint_io.py   checkpoint files written atomically; no diverged or misshapen drafter saved over or resumed into one
 memory_meter.py    peak memory of a step (benchmarks)
 """

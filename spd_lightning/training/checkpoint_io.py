@@ -7,6 +7,10 @@ NFS/Lustre/another volume) `shutil.move` copies into the destination, and a kill
 truncated checkpoint. Nothing is fsynced either. It also stages the whole checkpoint in the temp dir, which a
 small `/tmp` may not hold.
 
+Two guards both drafters' modules call keep a good checkpoint from being lost: a diverged run stops at its next
+save instead of replacing the checkpoints before it (`check_weights_finite`), and a resume into a drafter of
+another shape is one line, not a size mismatch inside `load_state_dict` (`check_resumed_shape`).
+
 `AtomicCheckpointIO` writes local checkpoints to a temporary file in the checkpoint's own directory, fsyncs it,
 renames it over the destination and fsyncs the directory; a write that fails (a full disk) is one line naming the
 path, the reason and the free space, the checkpoint there before untouched. Remote paths (s3://, gs://, ...) keep
@@ -22,10 +26,12 @@ import shutil
 import uuid
 from typing import Any
 
+import lightning as L
 import torch
 from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from torch import nn
 
 from ..errors import ConfigError, first_line
 
@@ -62,3 +68,34 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 os.fsync(fd)
             finally:
                 os.close(fd)
+
+
+def check_weights_finite(module: L.LightningModule, drafter: nn.Module, name: str) -> None:
+    """Before a save: a diverged run (a NaN or inf loss reached the weights) must not replace the checkpoints saved
+    before it (`last.ckpt`, the kept step checkpoint). One device read per save; every rank checks its own weights
+    (its shard under FSDP) and the decision is reduced over the ranks, so they all stop together. `name`: the
+    drafter's, for the message."""
+    diverged = not bool(torch.stack([torch.isfinite(p).all() for p in drafter.parameters()]).all())
+    trainer = module._trainer
+    if trainer is not None:
+        diverged = trainer.strategy.reduce_boolean_decision(diverged, all=False)
+    if diverged:
+        step = trainer.global_step if trainer is not None else "?"
+        raise ConfigError(
+            f"training diverged by step {step}: the {name}'s weights are not finite (NaN or inf), so this checkpoint "
+            f"is not saved and the ones before it are kept; start again from the last one with a lower model.lr "
+            f"(--model.init_from CKPT) or a gradient_clip_val"
+        )
+
+
+def check_resumed_shape(built: dict, saved: dict) -> None:
+    """One line when a checkpoint's drafter (`saved`, its config as a dict) is not the shape this run built
+    (`built`). LightningCLI takes the model's settings from the checkpoint, but `V_d` comes from the data
+    (`data.draft_vocab_size`, the sources), and loading the weights would fail on a size mismatch."""
+    for field, value in saved.items():
+        if built.get(field) != value:
+            raise ConfigError(
+                f"the checkpoint's drafter has {field}={value}, this run builds {field}={built.get(field)} (from its "
+                f"data and target): resume with the data settings the run was trained with, or start a new run "
+                f"from the checkpoint with --model.init_from CKPT"
+            )

@@ -54,6 +54,7 @@ from ..target import (
     restrict_to_draft_vocab,
 )
 from .attention import Backend
+from .checkpoint_io import check_resumed_shape, check_weights_finite
 from .deltanet_fallback import fallback_warning
 from .fill_estimate import REFRESH_STEPS, AcceptanceEstimate
 from .layouts import FillDistribution, LayoutName, Replication, build_layout
@@ -705,7 +706,7 @@ class SPDModule(FrozenTargetHolder, ShardedGradientClipping, L.LightningModule):
         return DrafterSpec(self.pdm.cfg, self.geometry, self._target_info)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        self._check_weights_finite()
+        check_weights_finite(self, self.pdm, "PDM")
         # What inference/ and `export` read; the frozen target is not in state_dict to begin with.
         checkpoint[CKPT_KEY] = self.drafter_spec().to_dict()
         if self.fill_estimate is not None:
@@ -729,28 +730,12 @@ class SPDModule(FrozenTargetHolder, ShardedGradientClipping, L.LightningModule):
             counts.to(self.trainer.strategy.root_device, copy=True), reduce_op=reduce_op
         )
 
-    def _check_weights_finite(self) -> None:
-        """A diverged run (a NaN or inf loss reached the weights) must not replace the checkpoints saved before it
-        (`last.ckpt`, the kept step checkpoint). One device read per save; every rank checks its own weights (its
-        shard under FSDP) and the decision is reduced over the ranks, so they all stop together."""
-        finite = torch.stack([torch.isfinite(p).all() for p in self.pdm.parameters()]).all()
-        diverged = not bool(finite)
-        if self._trainer is not None:
-            diverged = self.trainer.strategy.reduce_boolean_decision(diverged, all=False)
-        if diverged:
-            step = self.trainer.global_step if self._trainer is not None else "?"
-            raise ConfigError(
-                f"training diverged by step {step}: the PDM's weights are not finite (NaN or inf), so this checkpoint "
-                f"is not saved and the ones before it are kept; start again from the last one with a lower model.lr "
-                f"(--model.init_from CKPT) or a gradient_clip_val"
-            )
-
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if CKPT_KEY not in checkpoint:
             raise TargetError("this checkpoint has no drafter description: it was not written by SPDModule")
         spec = DrafterSpec.from_dict(checkpoint[CKPT_KEY], "checkpoint")
         if self.pdm is not None:  # a resume (or `validate --ckpt_path`) into the PDM this run built
-            self._check_resumed_shape(spec.pdm)
+            check_resumed_shape(self.pdm.cfg.to_dict(), spec.pdm.to_dict())
         self._target_info = self._target_info or spec.target
         if self.fill_estimate is not None and FILL_ESTIMATE_KEY in checkpoint:  # a resume draws what the run would
             self.fill_estimate.load_state_dict(checkpoint[FILL_ESTIMATE_KEY])
@@ -759,16 +744,3 @@ class SPDModule(FrozenTargetHolder, ShardedGradientClipping, L.LightningModule):
             self.pdm = PipelineDraftModule(spec.pdm)
             self._freeze_unused_types()
             self._decayed = matrix_names(self.pdm)  # before a strategy wraps it (spd_lightning/training/optimizer.py)
-
-    def _check_resumed_shape(self, saved: PDMConfig) -> None:
-        """One line when the checkpoint's PDM is not the shape this run built. LightningCLI takes the model's
-        settings from the checkpoint, but `V_d` comes from the data (`data.draft_vocab_size`, the sources), and
-        loading the weights would fail on a size mismatch."""
-        built = self.pdm.cfg.to_dict()
-        for field, value in saved.to_dict().items():
-            if built[field] != value:
-                raise ConfigError(
-                    f"the checkpoint's drafter has {field}={value}, this run builds {field}={built[field]} (from its "
-                    f"data and target): resume with the data settings the run was trained with, or start a new run "
-                    f"from the checkpoint with --model.init_from CKPT"
-                )
