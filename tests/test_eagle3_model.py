@@ -221,3 +221,18 @@ def test_an_eagle3_resume_with_another_draft_vocabulary_is_one_line(target_dir, 
     resumed = make_trainer(tmp_path, max_steps=2, limit_val_batches=0)
     with pytest.raises(ConfigError, match="drafter has draft_vocab_size=64, this run builds draft_vocab_size=32"):
         resumed.fit(module(), datamodule=SyntheticChat(draft_vocab_size=32), ckpt_path=ckpt)
+
+
+def test_an_eagle3_fit_says_which_gated_deltanet_path_its_target_runs(target_dir, tmp_path, caplog):
+    """As the PDM's `fit`: the path of a hybrid target's linear-attention layers at start (on a GPU without the
+    kernels, the SLOW line of `fallback_warning` beside it)."""
+    import logging
+
+    from kit import SyntheticChat, make_trainer
+
+    from spd_lightning.eagle3.module import Eagle3Module
+
+    module = Eagle3Module(target=target_dir, target_dtype="float32", ttt_steps=2, lr=3e-3)
+    with caplog.at_level(logging.INFO):
+        make_trainer(tmp_path, max_steps=1, limit_val_batches=0).fit(module, datamodule=SyntheticChat(batch_size=2))
+    assert f"target {target_dir}: Gated DeltaNet layers run the torch fallback" in caplog.text

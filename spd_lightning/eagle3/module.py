@@ -22,6 +22,7 @@ from ..errors import ConfigError
 from ..export import CKPT_KEY
 from ..target import FrozenTargetHolder, Target, TargetError, load_hf_config
 from ..training.checkpoint_io import check_resumed_shape, check_weights_finite
+from ..training.deltanet_fallback import announce_linear_attention
 from ..training.optimizer import ShardedGradientClipping, adamw_linear_schedule, matrix_names
 from .export import Eagle3Spec
 from .model import Eagle3Config, Eagle3Drafter, check_feature_layers, eagle_feature_layers
@@ -110,8 +111,9 @@ class Eagle3Module(FrozenTargetHolder, ShardedGradientClipping, L.LightningModul
     # -- the frozen target (the `target` property: FrozenTargetHolder) and the drafter -----------------
     def setup(self, stage: str) -> None:
         if self._target is None:
-            hp = self.hparams
-            target = Target.load(hp.target, hp.target_dtype, self.trainer.strategy.root_device, hp.trust_remote_code)
+            hp, device = self.hparams, self.trainer.strategy.root_device
+            target = Target.load(hp.target, hp.target_dtype, device, hp.trust_remote_code)
+            announce_linear_attention(target.linear_attention_path, device, hp.target)
             object.__setattr__(self, "_target", target)  # not a submodule: no params, state_dict or .to()
             self._target_info = target.info
 

@@ -15,6 +15,7 @@ import statistics
 import time
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 # `python -m spd_lightning.training.deltanet_fallback` on a 2-core CPU shared with other jobs (load 13), 2026-12-02: 3.25x and
 # 5.40x in two runs; their mean. A CPU proxy (see the docstring), noisy on a loaded machine.
@@ -25,6 +26,16 @@ def target_slowdown(linear_layers: int, full_layers: int, factor: float = FALLBA
     """How much longer a target forward takes with the fallback: its linear-attention layers `factor` times
     slower, its full-attention layers unchanged."""
     return (linear_layers * factor + full_layers) / max(1, linear_layers + full_layers)
+
+
+def announce_linear_attention(path: str | None, device: torch.device, target: str) -> None:
+    """`fit`'s lines at start for a hybrid target (both drafters'): which Gated DeltaNet path it runs, and loudly
+    when a CUDA run takes the slow fallback (a long run at a fraction of its speed)."""
+    if path is not None:
+        rank_zero_info(f"target {target}: Gated DeltaNet layers run the {path}")
+    slow = fallback_warning(path, device, target)
+    if slow is not None:
+        rank_zero_warn(slow)
 
 
 def fallback_warning(path: str | None, device: torch.device, target: str) -> str | None:

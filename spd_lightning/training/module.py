@@ -35,7 +35,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 import torchmetrics
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 
 from ..data.states import StateCache, target_identity
 from ..errors import ConfigError
@@ -55,7 +55,7 @@ from ..target import (
 )
 from .attention import Backend
 from .checkpoint_io import check_resumed_shape, check_weights_finite
-from .deltanet_fallback import fallback_warning
+from .deltanet_fallback import announce_linear_attention
 from .fill_estimate import REFRESH_STEPS, AcceptanceEstimate
 from .layouts import FillDistribution, LayoutName, Replication, build_layout
 from .metrics import GroupedAgreement
@@ -314,13 +314,7 @@ class SPDModule(FrozenTargetHolder, ShardedGradientClipping, L.LightningModule):
             device = self.trainer.strategy.root_device
             target = Target.load(self.hparams.target, self.hparams.target_dtype, device, self.hparams.trust_remote_code)
             self.geometry.check_target(target.num_layers)
-            if target.linear_attention_path is not None:
-                rank_zero_info(
-                    f"target {self.hparams.target}: Gated DeltaNet layers run the {target.linear_attention_path}"
-                )
-            slow = fallback_warning(target.linear_attention_path, device, self.hparams.target)
-            if slow is not None:  # loud: a long run at a fraction of its speed
-                rank_zero_warn(slow)
+            announce_linear_attention(target.linear_attention_path, device, self.hparams.target)
             # object.__setattr__ keeps the target out of nn.Module registration (params, state_dict, .to()).
             object.__setattr__(self, "_target", target)
             self._target_info = target.info
