@@ -236,3 +236,18 @@ def test_an_eagle3_fit_says_which_gated_deltanet_path_its_target_runs(target_dir
     with caplog.at_level(logging.INFO):
         make_trainer(tmp_path, max_steps=1, limit_val_batches=0).fit(module, datamodule=SyntheticChat(batch_size=2))
     assert f"target {target_dir}: Gated DeltaNet layers run the torch fallback" in caplog.text
+
+
+def test_an_eagle3_fit_refuses_the_state_cache_with_one_line(target_dir, tmp_path):
+    """`--data.states` with `--model Eagle3Module`: the cache would be read for every batch and never used (the
+    target runs online), a run slower for nothing; one line instead."""
+    from kit import SyntheticChat, make_trainer
+
+    from spd_lightning.eagle3.module import Eagle3Module
+    from spd_lightning.errors import ConfigError
+
+    data = SyntheticChat(batch_size=2)
+    data.states = str(tmp_path / "states")
+    module = Eagle3Module(target=target_dir, target_dtype="float32", ttt_steps=2, lr=3e-3)
+    with pytest.raises(ConfigError, match="drop --data.states"):
+        make_trainer(tmp_path, max_steps=1, limit_val_batches=0).fit(module, datamodule=data)

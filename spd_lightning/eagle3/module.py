@@ -110,6 +110,11 @@ class Eagle3Module(FrozenTargetHolder, ShardedGradientClipping, L.LightningModul
 
     # -- the frozen target (the `target` property: FrozenTargetHolder) and the drafter -----------------
     def setup(self, stage: str) -> None:
+        if getattr(self.trainer.datamodule, "states", None) is not None:  # before the target's minutes of loading
+            raise ConfigError(
+                "Eagle3Module runs the target online and cannot read the state cache (it holds the PDM's anchor "
+                "layers, not EAGLE-3's feature layers): drop --data.states"
+            )
         if self._target is None:
             hp, device = self.hparams, self.trainer.strategy.root_device
             target = Target.load(hp.target, hp.target_dtype, device, hp.trust_remote_code)
