@@ -251,3 +251,13 @@ def test_an_eagle3_fit_refuses_the_state_cache_with_one_line(target_dir, tmp_pat
     module = Eagle3Module(target=target_dir, target_dtype="float32", ttt_steps=2, lr=3e-3)
     with pytest.raises(ConfigError, match="drop --data.states"):
         make_trainer(tmp_path, max_steps=1, limit_val_batches=0).fit(module, datamodule=data)
+
+
+def test_the_head_is_seeded_with_the_target_rows_of_the_drafted_tokens():
+    """Row j of the draft head is the target's LM-head row of token `d2t[j]`, not of token j: with a non-identity
+    draft vocabulary a positional copy seeds every row with another token's."""
+    d2t = torch.tensor([7, 3, 42, 0, 19])
+    drafter = small_drafter(d2t)
+    target_head = torch.randn(64, H)
+    drafter.init_head_from_target(target_head)
+    assert torch.equal(drafter.lm_head.weight, target_head[d2t])
