@@ -3,6 +3,7 @@ module trains and checkpoints without the target, export round trip, feature-lay
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -261,3 +262,26 @@ def test_the_head_is_seeded_with_the_target_rows_of_the_drafted_tokens():
     target_head = torch.randn(64, H)
     drafter.init_head_from_target(target_head)
     assert torch.equal(drafter.lm_head.weight, target_head[d2t])
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ({"lr": 0.0}, "lr=0.0 must be positive"),
+        ({"weight_decay": -0.1}, "weight_decay=-0.1 must be >= 0"),  # AdamW's own error came at the first step
+        ({"warmup_steps": -5}, "warmup_steps=-5 must be >= 0"),
+        ({"min_lr_ratio": 2.0}, "min_lr_ratio=2.0 must lie in [0, 1]"),  # the lr rose, silently
+    ],
+)
+@pytest.mark.parametrize("module", ["SPDModule", "Eagle3Module"])
+def test_optimizer_settings_are_checked_alike_for_both_drafters(target_dir, module, setting, message):
+    from kit import make_module
+
+    from spd_lightning.eagle3.module import Eagle3Module
+    from spd_lightning.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        if module == "SPDModule":
+            make_module(target_dir, **setting)
+        else:
+            Eagle3Module(target=target_dir, target_dtype="float32", **setting)

@@ -23,7 +23,12 @@ from ..export import CKPT_KEY
 from ..target import FrozenTargetHolder, Target, TargetError, load_hf_config
 from ..training.checkpoint_io import check_resumed_shape, check_weights_finite
 from ..training.deltanet_fallback import announce_linear_attention
-from ..training.optimizer import ShardedGradientClipping, adamw_linear_schedule, matrix_names
+from ..training.optimizer import (
+    ShardedGradientClipping,
+    adamw_linear_schedule,
+    check_optimizer_settings,
+    matrix_names,
+)
 from .export import Eagle3Spec
 from .model import Eagle3Config, Eagle3Drafter, check_feature_layers, eagle_feature_layers
 from .ttt import ttt_outputs, ttt_step_losses, ttt_total
@@ -76,7 +81,8 @@ class Eagle3Module(FrozenTargetHolder, ShardedGradientClipping, L.LightningModul
         self.save_hyperparameters()
         if ttt_steps < 1:
             raise ConfigError(f"ttt_steps={ttt_steps} must be >= 1")
-        for name, value in (("teacher_temperature", teacher_temperature), ("lr", lr), ("step_weight", step_weight)):
+        check_optimizer_settings(lr, weight_decay, warmup_steps, min_lr_ratio)
+        for name, value in (("teacher_temperature", teacher_temperature), ("step_weight", step_weight)):
             if value <= 0:
                 raise ConfigError(f"{name}={value} must be positive")
         config = load_hf_config(target, trust_remote_code)

@@ -59,7 +59,13 @@ from .deltanet_fallback import announce_linear_attention
 from .fill_estimate import REFRESH_STEPS, AcceptanceEstimate
 from .layouts import FillDistribution, LayoutName, Replication, build_layout
 from .metrics import GroupedAgreement
-from .optimizer import ShardedGradientClipping, adamw_linear_schedule, matrix_names, plain_name
+from .optimizer import (
+    ShardedGradientClipping,
+    adamw_linear_schedule,
+    check_optimizer_settings,
+    matrix_names,
+    plain_name,
+)
 
 # Compiled flex graphs a run may need per code object: {grad, no_grad, inference_mode} x {every copy's rows, the
 # loss copy's} x {a size specialized at 1 (one block, a last batch of 1) or not} (tests/test_recompile_limit.py).
@@ -225,19 +231,15 @@ class SPDModule(FrozenTargetHolder, ShardedGradientClipping, L.LightningModule):
         class docstring); the body is short."""
         super().__init__()
         self.save_hyperparameters()
-        for name, value in (("teacher_temperature", teacher_temperature), ("lr", lr)):
-            if value <= 0:
-                raise ConfigError(f"{name}={value} must be positive")
+        check_optimizer_settings(lr, weight_decay, warmup_steps, min_lr_ratio)
+        if teacher_temperature <= 0:
+            raise ConfigError(f"teacher_temperature={teacher_temperature} must be positive")
         for name, value in (
             ("aux_loss_weight", aux_loss_weight),
-            ("weight_decay", weight_decay),
-            ("warmup_steps", warmup_steps),
             ("full_vocab_metric_every_n_steps", full_vocab_metric_every_n_steps),
         ):
             if value < 0:
                 raise ConfigError(f"{name}={value} must be >= 0")
-        if not 0 <= min_lr_ratio <= 1:
-            raise ConfigError(f"min_lr_ratio={min_lr_ratio} must lie in [0, 1] (the final lr as a fraction of lr)")
         config = load_hf_config(target, trust_remote_code)
         self.target_config = getattr(config, "text_config", None) or config
         self.geometry = Geometry.build(self.target_config.num_hidden_layers, n, split, anchors, schedule, features)

@@ -15,6 +15,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from ..errors import ConfigError
+
 FSDP_PREFIX = "_fsdp_wrapped_module."
 
 
@@ -26,6 +28,18 @@ def plain_name(name: str) -> str:
 def matrix_names(module: nn.Module) -> frozenset[str]:
     """The parameters AdamW decays, by name; call it on the module as built, before a strategy wraps it."""
     return frozenset(name for name, p in module.named_parameters() if p.ndim >= 2)
+
+
+def check_optimizer_settings(lr: float, weight_decay: float, warmup_steps: int, min_lr_ratio: float) -> None:
+    """One line for a setting `adamw_linear_schedule` cannot use (AdamW's own error for a negative weight decay comes
+    at the first step, as a traceback; a ratio above 1 would make the learning rate rise, silently)."""
+    if lr <= 0:
+        raise ConfigError(f"lr={lr} must be positive")
+    for name, value in (("weight_decay", weight_decay), ("warmup_steps", warmup_steps)):
+        if value < 0:
+            raise ConfigError(f"{name}={value} must be >= 0")
+    if not 0 <= min_lr_ratio <= 1:
+        raise ConfigError(f"min_lr_ratio={min_lr_ratio} must lie in [0, 1] (the final lr as a fraction of lr)")
 
 
 def adamw_linear_schedule(module: nn.Module, decayed: frozenset[str], settings: Mapping, total_steps: int) -> dict:
