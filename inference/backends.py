@@ -4,8 +4,9 @@ A `Backend` turns one prompt into a `DecodeResult`, calling `on_tokens` with the
 `make_backend(setup, ...)` picks it from the setup's mode, with the target's weights loaded once (or shared
 with the caller's `target`):
 
-    ar                     `ARBackend`: plain autoregressive decoding through the same stages (the reference)
-    eagle3                 `ChainBackend`: EAGLE-3 chain decoding, `setup.k` drafts per verify forward
+    ar                     `ARBackend`: plain autoregressive decoding through the same stages (the reference;
+                           `compile`: their one-token steps compiled, as the pipeline's)
+    eagle3                 `ChainBackend`: EAGLE-3 chain decoding, `setup.k` drafts per verify forward (eager only)
     spd, post_step, ppsd   `SimulatorBackend`: the pipeline's runner with every rank in this process
 
 The n + 1 processes are the other backend: `inference.processes.launch` for a batch of prompts, and the
@@ -16,6 +17,7 @@ runner its requests at step boundaries, as the ranks do (`inference.serving.batc
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -28,6 +30,8 @@ from inference.setup import Setup
 from spd_lightning.eagle3.export import KIND as EAGLE3
 from spd_lightning.export import load_drafter
 from spd_lightning.target import Target
+
+log = logging.getLogger("inference")
 
 OnTokens = Callable[[list[int]], None]
 
@@ -76,16 +80,18 @@ def make_backend(
     """The in-process decoder of `setup.mode` (see the module docstring); `target`: weights already loaded."""
     target = target or Target.load(setup.target_path, setup.dtype, device, setup.trust_remote_code)
     if setup.mode == EAGLE3:
+        if compile:
+            log.warning("--compile: chain decoding (--mode eagle3) has no compiled path; it runs eagerly")
         return ChainBackend(setup, target)
     if setup.mode == "ar":
-        return ARBackend(setup, target)
+        return ARBackend(setup, target, compile)
     return SimulatorBackend(setup, target, device, compile, profile, max_batch)
 
 
 class ARBackend(Backend):
-    def __init__(self, setup: Setup, target: Target):
+    def __init__(self, setup: Setup, target: Target, compile: bool = False):
         self.eos = setup.eos
-        self.stages = ar_stages(target, setup.geometry)
+        self.stages = ar_stages(target, setup.geometry, compile=compile)
 
     def generate(self, prompt_ids, max_new_tokens, sampling, seed, on_tokens=None) -> DecodeResult:
         return ar_decode_stages(self.stages, prompt_ids, max_new_tokens, sampling, self.eos, seed, on_tokens)

@@ -140,7 +140,7 @@ def _decode(
 ) -> list[DecodeResult] | None:
     """Every prompt's result; `on_tokens(prompt index, tokens)` as tokens are verified."""
     if setup.mode in ("ar", EAGLE3):  # in this process, one prompt at a time
-        backend = make_backend(setup, args.device)
+        backend = make_backend(setup, args.device, compile=args.compile)
         return [
             backend.generate(ids, args.max_new_tokens, sampling, args.seed + i, on_tokens and partial(on_tokens, i))
             for i, ids in enumerate(prompts)

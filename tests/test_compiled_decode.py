@@ -8,6 +8,7 @@ import torch
 from kit import forbid_device_sync, make_tiny_model, random_pdm
 
 from inference.cycle.simulator import Simulator
+from inference.sampling import Sampling
 from spd_lightning.geometry import Geometry
 from spd_lightning.target import Target
 
@@ -288,3 +289,38 @@ def test_compiled_gloo_ranks_qwen3_equal_eager(tmp_path):
 @pytest.mark.timeout(300)
 def test_compiled_gloo_ranks_qwen35_equal_eager(tmp_path):
     compiled_ranks_equal_eager("qwen3_5", tmp_path)
+
+
+@pytest.mark.parametrize("mode", ["spd", "ar", "eagle3"])
+def test_every_in_process_backend_takes_the_compile_flag(tmp_path, monkeypatch, caplog, mode):
+    """`serve --simulate --compile` and `serve/decode --mode ar --compile` compile the one-token steps (they ran
+    eagerly, silently); chain decoding has no compiled path and says so. Building compiles nothing yet."""
+    from kit import save_random_drafter, save_target
+
+    from inference import decode as spd_decode
+    from inference.runtime.capture import CompiledStep
+    from inference.serving import server
+    from spd_lightning.eagle3.export import Eagle3Spec, save_eagle3
+    from spd_lightning.eagle3.model import Eagle3Config, Eagle3Drafter
+
+    target = Target(make_tiny_model("qwen3_5", num_layers=2), "tiny")
+    target_path = save_target(target.model, str(tmp_path / "target"))
+    if mode == "eagle3":
+        cfg = Eagle3Config(target.hidden_size, 32, (0, 1, 2), 4, 2, 8, 64)
+        drafter = save_eagle3(Eagle3Drafter(cfg, torch.arange(32)), Eagle3Spec(cfg, target.info), str(tmp_path / "d"))
+    else:
+        drafter = save_random_drafter(target, Geometry.build(2, 2), str(tmp_path / "d"))
+    ckpt = "none" if mode == "ar" else drafter
+    args = server.parse_args(["--ckpt", ckpt, "--target", target_path, "--mode", mode, "--simulate", "--compile"])
+    backend = server.make_backend(server.prepared(args), args)
+    stages = {"spd": lambda: backend.runner.stages.values(), "ar": lambda: backend.stages, "eagle3": lambda: []}[mode]()
+    assert all(isinstance(stage._step, CompiledStep) for stage in stages)
+    assert ("chain decoding (--mode eagle3) has no compiled path" in caplog.text) is (mode == "eagle3")
+    if mode == "spd":
+        backend.close()
+        return
+    built, make_backend = [], spd_decode.make_backend  # decode's in-process backends (ar, eagle3) get the flag too
+    monkeypatch.setattr(spd_decode, "make_backend", lambda *a, **kw: built.append(kw) or make_backend(*a, **kw))
+    args.max_new_tokens = 1  # a prefill: nothing to compile
+    assert len(spd_decode._decode(spd_decode.prepare(args), args, [[3, 4]], Sampling())) == 1
+    assert built == [{"compile": True}]

@@ -27,17 +27,17 @@ log = logging.getLogger(__name__)
 class BatchSimulatorBackend(SlotBackend):
     stopped = "the batched decoder stopped"
 
-    def __init__(self, target: Target, pdm, geometry: Geometry, eos: list[int], max_batch: int):
-        self.runner = Simulator(target, pdm, geometry, max_batch=max_batch)
+    def __init__(self, target: Target, pdm, geometry: Geometry, eos: list[int], max_batch: int, compile: bool = False):
+        self.runner = Simulator(target, pdm, geometry, max_batch=max_batch, compile=compile)
         self.eos = frozenset(eos)
         self._cancelled: set[int] = set()
         super().__init__(queue.SimpleQueue(), self._cancelled.add, self._drive, "spd-batch-driver", max_batch)
 
     @classmethod
-    def from_setup(cls, setup: Setup, device: str, max_batch: int) -> BatchSimulatorBackend:
+    def from_setup(cls, setup: Setup, device: str, max_batch: int, compile: bool = False) -> BatchSimulatorBackend:
         target = Target.load(setup.target_path, setup.dtype, device, setup.trust_remote_code)
         pdm = load_drafter(setup.ckpt, device, target.lm_head.weight)[0].to(target.model.dtype)
-        return cls(target, pdm, setup.geometry, setup.eos, max_batch)
+        return cls(target, pdm, setup.geometry, setup.eos, max_batch, compile)
 
     def _drive(self) -> None:
         try:

@@ -187,10 +187,10 @@ def make_backend(setup: Setup, args: argparse.Namespace):
         if args.threads:
             torch.set_num_threads(args.threads)
         if setup.mode in ("ar", "eagle3"):
-            return in_process_backend(setup, args.device)
+            return in_process_backend(setup, args.device, compile=args.compile)
         from inference.serving.batch_backend import BatchSimulatorBackend
 
-        return BatchSimulatorBackend.from_setup(setup, args.device, args.max_batch)
+        return BatchSimulatorBackend.from_setup(setup, args.device, args.max_batch, args.compile)
     from inference.serving.ranks import RankBackend
 
     return RankBackend(serving_job(setup, args), in_flight=args.max_batch + args.queue_size)
