@@ -119,6 +119,15 @@ def test_an_eagle3_drafter_to_compare_is_one_line(files, tmp_path, capsys):
     assert err.count("\n") == 1 and "pass it as --eagle3" in err and "Traceback" not in err
 
 
+def test_an_eagle3_ckpt_with_pdm_drafters_to_compare_is_one_line(files, tmp_path, capsys):
+    """An EAGLE-3 drafter as --ckpt with PDM drafters in --compare: decoded in full, then an IndexError (exit 1, no
+    report) where the plan inputs looked for --ckpt's PDM rows; one line before any decode instead."""
+    argv = ["--ckpt", files["eagle3"], "--compare", files["pdm"], "--prompts", files["prompts"], "--simulate"]
+    assert spd_eval.main([*argv, "--max-new-tokens", "4", "--out", str(tmp_path), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the EAGLE-3 one as --eagle3" in err and not os.listdir(tmp_path)
+
+
 def test_under_compile_eagle3_is_measured_against_an_eager_ar_baseline(files, monkeypatch):
     """Chain decoding has no compiled path: under `--compile` EAGLE-3's r, verify ratio and wall-clock speedup divide
     by an eager AR decode of the same prompts, the PDM drafter's by the compiled one its stages match."""

@@ -275,8 +275,11 @@ def run(args: argparse.Namespace) -> dict:
     setup = prepare(args)
     if setup.mode == "ar":
         raise cli.UsageError("inference.eval compares a drafter with AR decoding: --ckpt must name a drafter")
-    if args.eagle3 and setup.mode == EAGLE3:
-        raise cli.UsageError("--ckpt is already an EAGLE-3 drafter: pass a PDM drafter as --ckpt, or drop --eagle3")
+    if setup.mode == EAGLE3 and (args.eagle3 or args.compare):  # the report's plan inputs are --ckpt's PDM rows
+        raise cli.UsageError(
+            "--ckpt is an EAGLE-3 drafter: pass a PDM drafter as --ckpt and the EAGLE-3 one as --eagle3 "
+            "(or drop --eagle3 and --compare)"
+        )
     if args.eagle3:
         drafter_for_mode(args.eagle3, EAGLE3)  # one line now if it is not an EAGLE-3 drafter
         check_k(args.k, setup.info)
