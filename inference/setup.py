@@ -97,7 +97,18 @@ def prepare(args: argparse.Namespace) -> Setup:
     if k is not None:
         check_k(k, info)
     return Setup(
-        ckpt, spec, mode, target_path, info, skeleton, geometry, dtype, load_tokenizer(target_path), eos, trust, k
+        ckpt,
+        spec,
+        mode,
+        target_path,
+        info,
+        skeleton,
+        geometry,
+        dtype,
+        load_tokenizer(target_path, trust),
+        eos,
+        trust,
+        k,
     )
 
 

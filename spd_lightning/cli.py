@@ -211,6 +211,7 @@ class SPDLightningCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("model.init_args.target", "data.tokenizer")
+        parser.link_arguments("model.init_args.trust_remote_code", "data.trust_remote_code")  # its tokenizer's code too
         parser.add_lightning_class_args(CheckpointOnStop, "checkpoint")
         parser.set_defaults(
             {"model": {"class_path": DEFAULT_MODEL}, "checkpoint.save_last": True, "checkpoint.dirpath": None}

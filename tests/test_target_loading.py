@@ -6,6 +6,8 @@ What a CPU can show: the loading call asks transformers to place every tensor on
 on the CPU. That the CUDA load itself streams tensor by tensor is transformers' behaviour, not shown here.
 """
 
+import json
+import os
 import sys
 
 import pytest
@@ -89,3 +91,42 @@ def test_gated_deltanet_path_reports_the_kernels_transformers_bound(saved_qwen35
     monkeypatch.setattr(modeling, "causal_conv1d_fn", wrapper_of(True))
     assert linear_attention_path(model) == "fast kernels (flash-linear-attention, causal-conv1d)"
     assert set(target_module.DELTANET_KERNELS) <= set(vars(modeling))  # the names transformers 5 uses
+
+
+CUSTOM_TOKENIZER = """
+from transformers import PreTrainedTokenizerFast
+
+
+class CustomTokenizer(PreTrainedTokenizerFast):
+    pass
+"""
+
+
+def test_trust_remote_code_reaches_the_targets_tokenizer(tmp_path):
+    """A target whose tokenizer is its repository's own class: `--trust-remote-code` (decode, serve, eval) and
+    `model.trust_remote_code` (fit, linked to the data module) let it load; the flag reached only the model, so the
+    tokenizer was transformers' built-in stand-in (or, without one, an error or a question on a terminal)."""
+    from kit import REPO, save_target
+
+    from inference import decode as spd_decode
+    from inference.setup import prepare
+    from spd_lightning.data.chat import load_tokenizer
+    from spd_lightning.prepare import data_module
+
+    path = save_target(make_tiny_model("qwen3"), str(tmp_path / "target"))
+    (tmp_path / "target" / "custom_tokenizer.py").write_text(CUSTOM_TOKENIZER)
+    config_file = tmp_path / "target" / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config |= {
+        "tokenizer_class": "CustomTokenizer",
+        "auto_map": {"AutoTokenizer": [None, "custom_tokenizer.CustomTokenizer"]},
+    }
+    config_file.write_text(json.dumps(config))
+    assert type(load_tokenizer(path)).__name__ != "CustomTokenizer"  # a built-in class stands in, silently
+    assert type(load_tokenizer(path, trust_remote_code=True)).__name__ == "CustomTokenizer"
+    args = spd_decode.parse_args(["--ckpt", "none", "--target", path, "--mode", "ar", "--prompt", "hi"])
+    args.trust_remote_code = True
+    assert type(prepare(args).tokenizer).__name__ == "CustomTokenizer"
+    fit = ["--config", os.path.join(REPO, "configs", "tiny.yaml"), "--model.target", path]
+    data = data_module([*fit, "--model.trust_remote_code", "true", "--data.cache_dir", str(tmp_path / "cache")])
+    assert type(data.tokenizer).__name__ == "CustomTokenizer"

@@ -49,9 +49,10 @@ class RenderedChat:
     status: str
 
 
-def load_tokenizer(name_or_path: str) -> Any:
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> Any:
     """`AutoTokenizer` for a local directory, a GGUF target (target_source.py) or a hub name, with one-line errors (training also checks it with
-    `check_chat_tokenizer`; the decoder encodes raw text when a target has no chat template)."""
+    `check_chat_tokenizer`; the decoder encodes raw text when a target has no chat template). `trust_remote_code`:
+    the target repository's own tokenizer class may run (as its model's, under the same flag)."""
     from transformers import AutoTokenizer
 
     from ..target import looks_local
@@ -66,7 +67,7 @@ def load_tokenizer(name_or_path: str) -> Any:
     if gguf_file_of(path) is not None:  # the tokenizer and chat template of the converted GGUF
         path = resolve_target(path)
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise DataError(
             f"cannot load tokenizer {name_or_path!r} ({type(e).__name__}: {first_line(e)[:160]}); "

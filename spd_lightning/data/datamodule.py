@@ -83,6 +83,7 @@ class ChatDataModule(LightningDataModule):
         num_proc: processes for tokenization (None: this process).
         pad_to_multiple_of: round the padded batch length up (e.g. to the attention block size).
         states: a target-state cache written by `prepare --states DIR`: train without running the target.
+        trust_remote_code: let transformers run the tokenizer's own code (`fit` links it to the model's).
     """
 
     def __init__(
@@ -99,6 +100,7 @@ class ChatDataModule(LightningDataModule):
         num_proc: int | None = None,
         pad_to_multiple_of: int = 1,
         states: str | None = None,
+        trust_remote_code: bool = False,
     ):
         super().__init__()
         check_draft_vocab_size(draft_vocab_size)
@@ -106,7 +108,7 @@ class ChatDataModule(LightningDataModule):
             raise DataError(f"batch_size={batch_size}: use a positive number of samples per batch")
         check_val_size(val_size)
         self.tokenizer_name = tokenizer
-        self.tokenizer = load_tokenizer(tokenizer)
+        self.tokenizer = load_tokenizer(tokenizer, trust_remote_code)
         check_chat_tokenizer(self.tokenizer, tokenizer)
         self.sources = [s if isinstance(s, DataSource) else DataSource(**s) for s in (sources or [DataSource()])]
         self.max_length = max_length
