@@ -9,6 +9,7 @@ import time
 from multiprocessing.connection import Client
 
 import pytest
+import torch
 from kit import free_port
 
 from inference.cli import UsageError
@@ -210,3 +211,26 @@ def test_a_connection_that_never_speaks_does_not_stop_the_other_nodes_reports():
     finally:
         idle.close()
         listener.close()
+
+
+@pytest.mark.parametrize("mode", ["ar", "eagle3"])
+def test_one_process_modes_across_nodes_are_one_line(tmp_path, mode):
+    """`serve --nnodes 2` with a mode that decodes in one process, also where the drafter (or `--ckpt none`) implies
+    it: node 0 served alone in-process while node 1 failed ("add --simulate"); one line on every node instead."""
+    from kit import make_tiny_model, save_target
+
+    from spd_lightning.eagle3.export import Eagle3Spec, save_eagle3
+    from spd_lightning.eagle3.model import Eagle3Config, Eagle3Drafter
+    from spd_lightning.target import Target
+
+    target = Target(make_tiny_model("qwen3", num_layers=2), "tiny")
+    path = save_target(target.model, str(tmp_path / "target"))
+    ckpt = "none"
+    if mode == "eagle3":
+        cfg = Eagle3Config(target.hidden_size, 32, (0, 1, 2), 4, 2, 8, 64)
+        ckpt = save_eagle3(Eagle3Drafter(cfg, torch.arange(32)), Eagle3Spec(cfg, target.info), str(tmp_path / "d"))
+    for node_rank in (0, 1):
+        argv = ["--ckpt", ckpt, "--target", path, "--nnodes", "2", "--node-rank", str(node_rank)]
+        args = serve.parse_args([*argv, "--nproc-per-node", "2", "--master-addr", "10.0.0.1"])
+        with pytest.raises(UsageError, match=f"--mode {mode} decodes in one process: use --nnodes 1"):
+            serve.prepared(args)

@@ -115,8 +115,8 @@ def check_node_args(args: argparse.Namespace) -> None:
         raise cli.UsageError(f"--nnodes {args.nnodes} --node-rank {args.node_rank}: need 0 <= node rank < nnodes")
     if args.nnodes == 1:
         return
-    if args.simulate or args.mode == "ar":
-        raise cli.UsageError("--nnodes > 1 runs the distributed decoder: drop --simulate and --mode ar")
+    if args.simulate:
+        raise cli.UsageError("--nnodes > 1 runs the distributed decoder: drop --simulate")
     if args.nproc_per_node is None or args.nproc_per_node < 1:
         raise cli.UsageError("--nnodes > 1 needs --nproc-per-node N >= 1: the ranks this node runs")
     loopback = loopback_name(args.master_addr)
@@ -172,6 +172,10 @@ def build(args: argparse.Namespace):
 def prepared(args: argparse.Namespace) -> Setup:
     """The setup, and `--max-batch` checked against it (its default when not given)."""
     setup = prepare(args)
+    if args.nnodes > 1 and setup.mode in ("ar", "eagle3"):  # the mode a drafter (or --ckpt none) implies included
+        raise cli.UsageError(
+            f"--nnodes > 1 runs the pipeline's ranks; --mode {setup.mode} decodes in one process: use --nnodes 1"
+        )
     check_max_batch(args, setup.mode)
     if args.max_batch is None:
         args.max_batch = default_max_batch(args, setup)
