@@ -372,3 +372,14 @@ def test_requests_queued_for_ranks_that_died_do_not_block_the_restart():
         [sys.executable, "-c", QUEUED_FOR_DEAD_RANKS], cwd=REPO, capture_output=True, text=True, timeout=30
     )
     assert (done.returncode, done.stdout.strip()) == (0, "closed"), done.stderr[-2000:]
+
+
+def test_a_default_max_tokens_above_the_cap_is_one_line():
+    """`serve --max-new-tokens` (a request's default max_tokens) above `--max-tokens-cap` was cut to the cap,
+    silently; both are the operator's settings, so neither overrides the other quietly."""
+    from inference.cli import UsageError
+    from inference.serving import server
+
+    with pytest.raises(UsageError, match="--max-new-tokens 2048 .* is above --max-tokens-cap 1024"):
+        server.check_args(server.parse_args(["--ckpt", "d", "--max-new-tokens", "2048", "--max-tokens-cap", "1024"]))
+    server.check_args(server.parse_args(["--ckpt", "d", "--max-new-tokens", "1024", "--max-tokens-cap", "1024"]))

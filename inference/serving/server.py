@@ -105,6 +105,11 @@ def check_args(args: argparse.Namespace) -> None:
         raise cli.UsageError(f"--threads {args.threads} must be >= 1")
     if args.queue_size < 1 or args.max_tokens_cap < 1:
         raise cli.UsageError("--queue-size and --max-tokens-cap must be >= 1")
+    if args.max_new_tokens > args.max_tokens_cap:  # it was cut to the cap, silently
+        raise cli.UsageError(
+            f"--max-new-tokens {args.max_new_tokens} (a request's default max_tokens) is above --max-tokens-cap "
+            f"{args.max_tokens_cap}: raise --max-tokens-cap or lower --max-new-tokens"
+        )
     if args.graceful_timeout is not None and not args.graceful_timeout >= 0:
         raise cli.UsageError(f"--graceful-timeout {args.graceful_timeout} must be >= 0 seconds")
     check_node_args(args)
@@ -161,7 +166,7 @@ def build(args: argparse.Namespace):
     config = ServerConfig(
         name,
         args.max_tokens_cap,
-        min(args.max_new_tokens, args.max_tokens_cap),
+        args.max_new_tokens,
         setup.info.max_position_embeddings or 0,
         args.api_key,
         args.access_log,
