@@ -31,10 +31,11 @@ def parser(prog: str, doc: str) -> argparse.ArgumentParser:
 
 
 def add_decoder_arguments(
-    p: argparse.ArgumentParser, max_new_tokens: int, with_ar: bool, k_values: bool = False
+    p: argparse.ArgumentParser, max_new_tokens: int, with_ar: bool, k_values: bool = False, seed: bool = True
 ) -> None:
     """The options of every CLI that decodes: drafter, target, mode, where and how long to decode
-    (`k_values`: `--k` takes a list, one evaluation per value)."""
+    (`k_values`: `--k` takes a list, one evaluation per value; `seed`: a `--seed` for prompt lists, which the
+    server has not: each request brings its own)."""
     p.add_argument(
         "--ckpt",
         required=not with_ar,
@@ -53,7 +54,10 @@ def add_decoder_arguments(
         default=max_new_tokens,
         help="verified tokens to generate per prompt (at most the target's context)",
     )
-    p.add_argument("--seed", type=int, default=0, help="prompt i uses seed + i")
+    if seed:
+        p.add_argument("--seed", type=int, default=0, help="prompt i uses seed + i")
+    else:
+        p.set_defaults(seed=0)
     p.add_argument(
         "--mode",
         choices=[*MODES, EAGLE3, "ar"] if with_ar else [*MODES, EAGLE3],

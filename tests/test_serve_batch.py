@@ -383,3 +383,18 @@ def test_a_default_max_tokens_above_the_cap_is_one_line():
     with pytest.raises(UsageError, match="--max-new-tokens 2048 .* is above --max-tokens-cap 1024"):
         server.check_args(server.parse_args(["--ckpt", "d", "--max-new-tokens", "2048", "--max-tokens-cap", "1024"]))
     server.check_args(server.parse_args(["--ckpt", "d", "--max-new-tokens", "1024", "--max-tokens-cap", "1024"]))
+    args = server.parse_args(["--ckpt", "d", "--max-tokens-cap", "64"])  # the default follows a lower cap
+    server.check_args(args)
+    assert args.max_new_tokens == 64
+    args = server.parse_args(["--ckpt", "d"])
+    server.check_args(args)
+    assert args.max_new_tokens == server.DEFAULT_MAX_TOKENS == 256
+
+
+def test_serve_has_no_seed_flag_each_request_brings_its_own(capsys):
+    """`serve --seed` was accepted and never used (an unseeded request draws a random seed); argparse refuses it."""
+    from inference.serving import server
+
+    with pytest.raises(SystemExit) as exit_info:
+        server.parse_args(["--ckpt", "d", "--seed", "42"])
+    assert exit_info.value.code == 2 and "unrecognized arguments: --seed 42" in capsys.readouterr().err

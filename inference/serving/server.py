@@ -44,6 +44,7 @@ from inference.setup import Setup, decode_job, prepare
 from spd_lightning.errors import first_line
 
 DEFAULT_CAP = 1024
+DEFAULT_MAX_TOKENS = 256  # a request's max_tokens when it names none (--max-new-tokens)
 MIN_GRACE_S, MAX_GRACE_S = 10.0, 120.0  # the default --graceful-timeout's bounds
 UNMEASURED_S_PER_TOKEN = 0.25  # before any decode: a slow GPU pipeline's time per token, generously
 log = logging.getLogger("inference.serve")
@@ -82,7 +83,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="torch CPU threads of the in-process decoder (--simulate, --mode ar); "
         "default: torch's. Tiny models decode fastest with 1",
     )
-    cli.add_decoder_arguments(p, max_new_tokens=256, with_ar=True)
+    cli.add_decoder_arguments(p, max_new_tokens=DEFAULT_MAX_TOKENS, with_ar=True, seed=False)  # requests bring seeds
+    p.set_defaults(max_new_tokens=None)  # a request's default max_tokens: DEFAULT_MAX_TOKENS or a lower cap
     add_node_arguments(p)
     return p.parse_args(argv)
 
@@ -98,18 +100,20 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check_args(args: argparse.Namespace) -> None:
+    if args.queue_size < 1 or args.max_tokens_cap < 1:
+        raise cli.UsageError("--queue-size and --max-tokens-cap must be >= 1")
+    if args.max_new_tokens is None:  # not given: 256, or the cap when it is lower
+        args.max_new_tokens = min(DEFAULT_MAX_TOKENS, args.max_tokens_cap)
+    elif args.max_new_tokens > args.max_tokens_cap:  # given: it was cut to the cap, silently
+        raise cli.UsageError(
+            f"--max-new-tokens {args.max_new_tokens} (a request's default max_tokens) is above --max-tokens-cap "
+            f"{args.max_tokens_cap}: raise --max-tokens-cap or lower --max-new-tokens"
+        )
     cli.check_decoder_args(args)
     if not 0 < args.port < 65536:
         raise cli.UsageError(f"--port {args.port} must be in 1..65535")
     if args.threads is not None and args.threads < 1:
         raise cli.UsageError(f"--threads {args.threads} must be >= 1")
-    if args.queue_size < 1 or args.max_tokens_cap < 1:
-        raise cli.UsageError("--queue-size and --max-tokens-cap must be >= 1")
-    if args.max_new_tokens > args.max_tokens_cap:  # it was cut to the cap, silently
-        raise cli.UsageError(
-            f"--max-new-tokens {args.max_new_tokens} (a request's default max_tokens) is above --max-tokens-cap "
-            f"{args.max_tokens_cap}: raise --max-tokens-cap or lower --max-new-tokens"
-        )
     if args.graceful_timeout is not None and not args.graceful_timeout >= 0:
         raise cli.UsageError(f"--graceful-timeout {args.graceful_timeout} must be >= 0 seconds")
     check_node_args(args)
