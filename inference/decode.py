@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -47,6 +48,8 @@ from inference.sampling import Sampling
 from inference.setup import Setup, decode_job, encode_prompts, prepare
 from inference.textstream import StreamPrinter
 from spd_lightning.eagle3.export import KIND as EAGLE3
+
+log = logging.getLogger("inference")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -96,6 +99,10 @@ def run(args: argparse.Namespace) -> dict:
     args.max_batch = min(args.max_batch, len(prompts))
     if args.max_batch > 1 and setup.mode in ("ar", EAGLE3):
         raise cli.UsageError(f"--max-batch > 1 is pipeline decoding: --mode {setup.mode} decodes one prompt at a time")
+    if args.profile and setup.mode in ("ar", EAGLE3):
+        log.warning("--profile times the pipeline's cycles; --mode %s has none: ignored", setup.mode)
+    if args.check_lossless and setup.mode == "ar":
+        log.warning("--check-lossless compares a drafter's output with AR decoding, which --mode ar is: ignored")
     report = {
         "mode": setup.mode,
         "n": setup.geometry.n,

@@ -524,3 +524,17 @@ def test_distributed_ranks_warm_up_before_the_measured_prompts(files, growth, mo
     monkeypatch.setattr(spd_eval, "launch", lambda job, on_result: launched.append(job) or [])
     spd_eval.PdmDecoder(args, setup, target).decode(Sampling(), prompts, lambda done: None)
     assert launched[0].warm_up
+
+
+def test_plan_options_it_cannot_use_are_refused_or_warned_about(tmp_path, capsys, caplog):
+    """`--draft-fixed` is seconds (it was added to target layers in the config-only model); `--batch-alpha` needs a
+    batch plan; `--plot` plots the SPD plan, which an EAGLE-3-only plan has not (it wrote nothing, silently)."""
+    config_only = ["--layers", "32", "--alpha", "8:3:0.42", "--plot", ""]
+    assert spd_plan.main([*config_only, "--draft-fixed", "0.0005"]) == 2
+    assert "--draft-fixed/--overhead/--stage-fixed are seconds" in capsys.readouterr().err
+    assert spd_plan.main([*config_only, "--batch-alpha", "2"]) == 2
+    assert "--batch-alpha sets the batch plan's tokens per cycle: it needs --batch-times" in capsys.readouterr().err
+    times, out = tmp_path / "eval.json", tmp_path / "p.png"
+    times.write_text(json.dumps({"plan_inputs_eagle3": [EAGLE3]}))
+    assert spd_plan.main(["--times", str(times), "--plot", str(out)]) == 0
+    assert not out.exists() and f"--plot {out} not written: it plots the SPD plan" in caplog.text

@@ -472,3 +472,18 @@ def test_a_drafter_directory_names_its_missing_file(files, tmp_path, missing):
             read(str(broken))
         messages.add(str(info.value))
     assert len(messages) == 1
+
+
+def test_options_a_mode_cannot_use_are_warned_about(files, caplog):
+    """`--profile` and `--check-lossless` with `--mode ar`, and `--pdm-placement shared` in one process: accepted,
+    and nothing was said that they did nothing."""
+    argv = ["--ckpt", "none", "--target", files["target"], "--mode", "ar", "--prompt", "hi", "--max-new-tokens", "2"]
+    assert main([*argv, "--profile", "--check-lossless", "--pdm-placement", "shared"]) == 0
+    assert "--profile times the pipeline's cycles; --mode ar has none: ignored" in caplog.text
+    assert "--check-lossless compares a drafter's output with AR decoding, which --mode ar is: ignored" in caplog.text
+    assert "--pdm-placement shared places the PDM's rank process" in caplog.text
+    caplog.clear()
+    argv = ["--ckpt", files["drafter"], "--prompt", "hi", "--max-new-tokens", "2", "--simulate", "--check-lossless"]
+    assert main([*argv, "--profile", "--pdm-placement", "shared"]) == 0
+    assert "--profile" not in caplog.text and "--check-lossless" not in caplog.text  # the simulator uses both
+    assert "--pdm-placement shared places the PDM's rank process" in caplog.text

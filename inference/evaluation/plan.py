@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 from dataclasses import asdict, dataclass
@@ -61,6 +62,8 @@ from inference.evaluation.batch_plan import batch_markdown, batch_rows
 from inference.evaluation.eagle3_plan import eagle3_markdown, eagle3_rows
 from inference.evaluation.tables import markdown_table, pyplot, save
 from spd_lightning.errors import UsageError, first_line
+
+log = logging.getLogger("inference")
 
 
 @dataclass(frozen=True)
@@ -231,8 +234,10 @@ def cost_model(args: argparse.Namespace, measured: dict | None) -> CostModel:
             slowest, n = read("slowest_stage_s", "--stage-fixed"), read("n", "--stage-fixed", integer=True)
             stage_fixed = max(0.0, slowest - t_full / n) if slowest is not None and n else 0.0
     else:  # a target config only: one target layer's forward is the unit
-        if args.t_draft is not None or args.overhead is not None or args.stage_fixed is not None:
-            raise UsageError("--t-draft/--overhead/--stage-fixed are seconds and need --t-full (or --times eval.json)")
+        if any(x is not None for x in (args.t_draft, args.draft_fixed, args.overhead, args.stage_fixed)):
+            raise UsageError(
+                "--t-draft/--draft-fixed/--overhead/--stage-fixed are seconds and need --t-full (or --times eval.json)"
+            )
         if layers is None:
             raise UsageError(
                 "no target shape or times: pass --target DIR|NAME, --layers L [--hidden-size H], "
@@ -315,7 +320,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-times", help="JSON of scripts/bench_batch.py --json: step times per batch size B")
     p.add_argument("--batch-alpha", type=float, help="tokens per cycle of one sequence (default: the bench's)")
     p.add_argument(
-        "--plot", default="plan.png", help="plot path, its extension the format (png, pdf, svg, ...; '' for none)"
+        "--plot",
+        help="plot of the SPD plan, its extension the format (png, pdf, svg, ...; default plan.png; '' for none)",
     )
     p.add_argument("--json", dest="json_out", help="write the rows and the recommendation here")
     cli.add_debug_argument(p)
@@ -333,8 +339,11 @@ def _check_plot_path(path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    if args.plot:
-        _check_plot_path(args.plot)
+    plot_path = "plan.png" if args.plot is None else args.plot
+    if plot_path:
+        _check_plot_path(plot_path)
+    if args.batch_alpha is not None and not args.batch_times:
+        raise UsageError("--batch-alpha sets the batch plan's tokens per cycle: it needs --batch-times")
     alphas = read_alphas(args.alphas) if args.alphas else {}
     for spec in args.alpha:
         alphas.update([parse_alpha(spec)])
@@ -346,9 +355,9 @@ def run(args: argparse.Namespace) -> dict:
     if alphas or not (eagle3_inputs or args.batch_times):  # SPD's plan (EAGLE-3 or batch rows alone need no alpha)
         model = cost_model(args, times.get("plan_inputs"))
         rows, best = plan(model, alphas)
-        if args.plot:
-            with cli.writing(args.plot):
-                plot(rows, best, args.plot)
+        if plot_path:
+            with cli.writing(plot_path):
+                plot(rows, best, plot_path)
         result = {
             "model": asdict(model),
             "rows": rows,
@@ -356,6 +365,8 @@ def run(args: argparse.Namespace) -> dict:
             "markdown": "",
         }
         sections.append(markdown(model, rows, best))
+    elif args.plot:  # asked for, but only EAGLE-3 or batch rows: nothing it plots
+        log.warning("--plot %s not written: it plots the SPD plan, which needs alphas (--alpha, --alphas)", args.plot)
     if eagle3_inputs:
         result["eagle3"] = eagle3_rows(eagle3_inputs, args.t_full, args.times)
         sections.append(eagle3_markdown(result["eagle3"], result["rows"]))
