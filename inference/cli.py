@@ -20,6 +20,8 @@ from spd_lightning.errors import Stopped, UsageError, debug_requested, run_main
 from spd_lightning.errors import writing as writing  # re-exported: the commands write their outputs through `cli`
 from spd_lightning.geometry import MODES
 
+log = logging.getLogger("inference")
+
 DEFAULT_K = 7  # EAGLE-3's chain length
 # --timeout's range: the process group counts milliseconds (below 1 ms is 0, "timed out after 0ms") and its
 # nanoseconds overflow int64 above about 9.2e9 s
@@ -127,6 +129,12 @@ def check_decoder_args(args: argparse.Namespace) -> None:
         count = torch.cuda.device_count()
         if index is not None and index >= count:
             raise UsageError(f"--device {args.device}: this machine has {count} GPU(s), cuda:0 to cuda:{count - 1}")
+
+
+def warn_unused_placement(args: argparse.Namespace, mode: str) -> None:
+    """`--pdm-placement shared` where no rank process is placed: the simulator and the one-process modes."""
+    if args.pdm_placement == "shared" and (args.simulate or mode in ("ar", EAGLE3)):
+        log.warning("--pdm-placement shared places the PDM's rank process; here every part runs in this one: ignored")
 
 
 def debugging(args: argparse.Namespace) -> bool:

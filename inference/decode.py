@@ -99,6 +99,7 @@ def run(args: argparse.Namespace) -> dict:
     args.max_batch = min(args.max_batch, len(prompts))
     if args.max_batch > 1 and setup.mode in ("ar", EAGLE3):
         raise cli.UsageError(f"--max-batch > 1 is pipeline decoding: --mode {setup.mode} decodes one prompt at a time")
+    cli.warn_unused_placement(args, setup.mode)
     if args.profile and setup.mode in ("ar", EAGLE3):
         log.warning("--profile times the pipeline's cycles; --mode %s has none: ignored", setup.mode)
     if args.check_lossless and setup.mode == "ar":

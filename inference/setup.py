@@ -96,8 +96,6 @@ def prepare(args: argparse.Namespace) -> Setup:
     k = args.k if mode == EAGLE3 else None
     if k is not None:
         check_k(k, info)
-    if args.pdm_placement == "shared" and (args.simulate or mode in ("ar", EAGLE3)):
-        log.warning("--pdm-placement shared places the PDM's rank process; here every part runs in this one: ignored")
     return Setup(
         ckpt,
         spec,

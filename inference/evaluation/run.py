@@ -283,6 +283,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.eagle3:
         drafter_for_mode(args.eagle3, EAGLE3)  # one line now if it is not an EAGLE-3 drafter
         check_k(args.k, setup.info)
+    cli.warn_unused_placement(args, setup.mode)
     setups = [setup, *compared_setups(args, setup)]
     sets = read_sets(args, setup)
     with cli.writing(args.out):

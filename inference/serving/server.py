@@ -186,6 +186,7 @@ def prepared(args: argparse.Namespace) -> Setup:
             f"--nnodes > 1 runs the pipeline's ranks; --mode {setup.mode} decodes in one process: use --nnodes 1"
         )
     check_max_batch(args, setup.mode)
+    cli.warn_unused_placement(args, setup.mode)
     if args.max_batch is None:
         args.max_batch = default_max_batch(args, setup)
         log.info("--max-batch %d (its default here)", args.max_batch)
