@@ -17,6 +17,7 @@ from .errors import UserError
 Schedule = Literal["pre_step", "post_step"]
 Features = Literal["spd", "first_stage"]
 ANCHOR_PRESETS = ("quarters", "n_scaled")
+DEFAULT_ANCHORS = "n_scaled"
 # The decoding modes (docs/DESIGN.md, "Baselines and ablations") that use a drafter: mode -> (schedule, features). `ar` needs none.
 MODES: dict[str, tuple[Schedule, Features]] = {
     "spd": ("pre_step", "spd"),
@@ -102,7 +103,7 @@ class Geometry:
         num_layers: int,
         n: int,
         split: Sequence[int] | str | None = "uniform",
-        anchors: Sequence[int] | str = "n_scaled",
+        anchors: Sequence[int] | str = DEFAULT_ANCHORS,
         schedule: Schedule = "pre_step",
         features: Features = "spd",
     ) -> Geometry:
@@ -115,6 +116,12 @@ class Geometry:
             raise GeometryError(f"unknown features {features!r}: use 'spd' or 'first_stage'")
         if features == "first_stage":
             b = [0, e[1]]
+            preset = isinstance(anchors, str)
+            if (preset and anchors != DEFAULT_ANCHORS) or (not preset and list(anchors) != b):  # it was dropped
+                raise GeometryError(
+                    f"anchors={anchors!r} with features='first_stage': PPSD's drafter reads the embedding and stage "
+                    f"1's output (anchors {b}) whatever anchors say; drop anchors, or use features='spd'"
+                )
         elif isinstance(anchors, str):
             b = anchor_preset(anchors, num_layers, n)
         else:

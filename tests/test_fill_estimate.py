@@ -94,3 +94,6 @@ def test_fixed_fills_stay_available(tiny_target_dir):
     assert fixed.fill_estimate is None and fixed.layout.fill_dist.probabilities(3).tolist() == [0.25, 0.25, 0.5]
     with pytest.raises(ValueError, match="fill_probs='often'"):
         make_module(tiny_target_dir, fill_probs="often")
+    for fill_probs in ("auto", [0.2, 0.3, 0.5]):  # fill_full_prob applies only to fill_probs: null (it was dropped)
+        with pytest.raises(ValueError, match="fill_full_prob=0.9 applies with fill_probs: null"):
+            make_module(tiny_target_dir, n=3, fill_probs=fill_probs, fill_full_prob=0.9)

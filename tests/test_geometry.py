@@ -60,6 +60,16 @@ def test_first_stage_features_see_only_stage_one():
     assert [g.type_of(k) for k in range(5)] == [1, 2, 2, 2, 2]
 
 
+@pytest.mark.parametrize("anchors", [[0, 2, 4, 6, 8], "quarters"])
+def test_anchors_that_first_stage_features_would_drop_are_one_line(anchors):
+    """PPSD's drafter reads the embedding and stage 1's output: explicit anchors were replaced by [0, e_1] silently."""
+    with pytest.raises(GeometryError, match="with features='first_stage'"):
+        Geometry.build(8, 4, anchors=anchors, features="first_stage", schedule="post_step")
+    g = Geometry.build(8, 4, features="first_stage", schedule="post_step")
+    assert Geometry.build(8, 4, anchors=list(g.anchors), features="first_stage").anchors == g.anchors  # with_mode's
+    assert g.with_mode("ppsd") == g
+
+
 def test_round_trip_dict():
     g = Geometry.build(12, 3, split=[0, 3, 8, 12], anchors="quarters", schedule="post_step")
     assert Geometry.from_dict(g.to_dict()) == g

@@ -71,6 +71,7 @@ from .optimizer import (
 # loss copy's} x {a size specialized at 1 (one block, a last batch of 1) or not} (tests/test_recompile_limit.py).
 FLEX_RECOMPILE_LIMIT = 16
 FILL_ESTIMATE_KEY = "spd_fill_estimate"  # the running acceptance of `fill_probs: auto`, in a checkpoint
+FILL_FULL_PROB = 0.5  # `fill_full_prob` unless set: a full pipeline in half the steps (with `fill_probs: null`)
 
 
 def set_recompile_limit() -> tuple[int, bool]:
@@ -214,7 +215,7 @@ class SPDModule(FrozenTargetHolder, ShardedGradientClipping, L.LightningModule):
         head_from_target: bool = False,
         init_from: str | None = None,
         fill_probs: list[float] | Literal["auto"] | None = "auto",
-        fill_full_prob: float = 0.5,
+        fill_full_prob: float = FILL_FULL_PROB,
         teacher_temperature: float = 1.0,
         aux_loss_weight: float = 0.0,
         lr: float = 1e-4,
@@ -246,6 +247,11 @@ class SPDModule(FrozenTargetHolder, ShardedGradientClipping, L.LightningModule):
         self.fill_estimate = AcceptanceEstimate(n) if fill_probs == "auto" else None
         if isinstance(fill_probs, str) and self.fill_estimate is None:
             raise ConfigError(f"fill_probs={fill_probs!r}: use auto, a list of n={n} weights, or null")
+        if fill_probs is not None and fill_full_prob != FILL_FULL_PROB:  # it would be dropped, silently
+            raise ConfigError(
+                f"fill_full_prob={fill_full_prob} applies with fill_probs: null, but fill_probs={fill_probs!r} sets "
+                f"the fill weights: drop fill_full_prob, or set fill_probs: null"
+            )
         fixed = FillDistribution(fill_full_prob, None if self.fill_estimate else fill_probs)
         self.layout = build_layout(layout, self.geometry, fixed)
         self.layout.fill_dist.probabilities(n)  # validates the fill settings now, not at the first step
