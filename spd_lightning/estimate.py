@@ -1,7 +1,8 @@
 """`python -m spd_lightning estimate --config CFG [--gpus G] [--gpu-mem GiB]`: per-GPU memory and FLOPs of `fit`.
 
-Reads a `fit` config the way `fit` does: the PDM shape from `model.*` (defaults from `SPDModule`), batch and
-length from `data.*`, precision and strategy from `trainer.*`, and the target's architecture from its HF config
+Reads a `fit` config the way `fit` does: the PDM shape from `model.*` (defaults from `SPDModule`; a config of
+another model class is refused), batch and length from `data.*` (defaults from `ChatDataModule`), precision,
+strategy and the GPU count (`devices`, unless `--gpus`) from `trainer.*`, and the target's architecture from its HF config
 (a local directory or the hub cache; for the shipped configs' targets, `spd_lightning/archs/<name>.json` holds
 the real architecture, since the hub may be unreachable). Parameters are counted exactly by building both models
 on the meta device; activations are counted per saved tensor of one PDM layer (`_layer_saved_bytes`).
@@ -72,29 +73,39 @@ class Shape:
     backend: str  # attention backend: "flex" (GPU) or "dense" (CPU)
     module_args: dict
     accelerator: str = "gpu"  # "cpu": no CUDA/NCCL context
+    devices: int | None = None  # `trainer.devices` when the config names a count
+
+
+def _defaults(cls) -> dict:
+    return {
+        k: p.default
+        for k, p in inspect.signature(cls.__init__).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
 
 
 def read_config(path: str) -> Shape:
     from .cli import read_config_file
+    from .data import ChatDataModule
     from .training.module import SPDModule
 
     cfg = read_config_file(path)
-    defaults = {
-        k: p.default
-        for k, p in inspect.signature(SPDModule.__init__).parameters.items()
-        if p.default is not inspect.Parameter.empty
-    }
-    model = {**defaults, **(cfg.get("model") or {})}
+    model = cfg.get("model") or {}
+    class_path = model.pop("class_path", None) or SPDModule.__name__
+    if class_path.rsplit(".", 1)[-1] != SPDModule.__name__:  # its PDM shape would be SPDModule's defaults
+        raise EstimateError(f"config {path!r} trains {class_path}: estimate covers the PDM (SPDModule) only")
+    model = {**_defaults(SPDModule), **model}
     if "target" not in model:
         raise EstimateError(f"config {path!r} has no model.target: name the target model")
-    data, trainer = cfg.get("data") or {}, cfg.get("trainer") or {}
+    data = {**_defaults(ChatDataModule), **(cfg.get("data") or {})}  # fit's defaults where the config is silent
+    trainer = cfg.get("trainer") or {}
     strategy = trainer.get("strategy", "ddp")
     strategy = strategy.get("class_path", "ddp") if isinstance(strategy, dict) else str(strategy)
     backend = model.get("attention_backend", "auto")
     return Shape(
-        batch=int(data.get("batch_size", 1)),
-        length=int(data.get("max_length", 2048)),
-        draft_vocab=int(data.get("draft_vocab_size", 32000)),
+        batch=int(data["batch_size"]),
+        length=int(data["max_length"]),
+        draft_vocab=int(data["draft_vocab_size"]),
         precision=str(trainer.get("precision", "32")),
         strategy="fsdp" if "fsdp" in strategy.lower() else "ddp",
         target_dtype=str(model["target_dtype"]),
@@ -102,7 +113,18 @@ def read_config(path: str) -> Shape:
         backend="dense" if backend == "dense" else "flex",
         module_args=model,
         accelerator="cpu" if str(trainer.get("accelerator", "gpu")) == "cpu" else "gpu",
+        devices=_device_count(trainer.get("devices")),
     )
+
+
+def _device_count(devices) -> int | None:
+    """`trainer.devices` as a count (a list of indices, a number); None when the config leaves it to the node
+    (`-1`, `auto`, absent)."""
+    if isinstance(devices, list):
+        return len(devices)
+    if isinstance(devices, str) and devices.isdigit():
+        devices = int(devices)
+    return devices if isinstance(devices, int) and devices > 0 else None
 
 
 def pdm_config(shape: Shape, tcfg):
@@ -121,6 +143,7 @@ def pdm_config(shape: Shape, tcfg):
         num_kv_heads=m.get("num_kv_heads") or getattr(tcfg, "num_key_value_heads", None) or heads,
         head_dim=m.get("head_dim") or getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads,
         intermediate_size=m.get("intermediate_size") or tcfg.intermediate_size,
+        head_from_target=bool(m.get("head_from_target")),
     )
     return cfg, geometry
 
@@ -256,7 +279,8 @@ def estimate(shape: Shape, tcfg, gpus: int = 1) -> dict:
     pdm_params = count_params(lambda: PipelineDraftModule(c))
     vocab, H = tcfg.vocab_size, tcfg.hidden_size
     shard = gpus if shape.strategy == "fsdp" else 1
-    out = {"target_weights": target_params * tgt, "pdm_state": 16 * pdm_params / shard}
+    frozen = c.draft_vocab_size * c.hidden_size if c.head_from_target else 0  # the target's rows: fp32, no state
+    out = {"target_weights": target_params * tgt, "pdm_state": (16 * (pdm_params - frozen) + 4 * frozen) / shard}
     per_layer = B * S * _layer_saved_bytes(c, act, mixed)
     types = sorted(set(layout.copy_types))
     out["anchor_states"] = tokens * len(geometry.anchors) * H * tgt
@@ -363,8 +387,12 @@ def main(argv: Sequence[str]) -> int:
     """`estimate --config CFG [--gpus G] [--gpu-mem GiB] [--json]`; bad input raises a `UserError` (exit 2 through
     `python -m spd_lightning`)."""
     parser = argparse.ArgumentParser(prog="python -m spd_lightning estimate", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="a `fit` config (YAML)")
-    parser.add_argument("--gpus", type=int, default=8, help="GPUs the run uses (FSDP shards the PDM state over them)")
+    parser.add_argument("--config", required=True, action="append", help="a `fit` config (YAML), one")
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        help="GPUs the run uses (FSDP shards the PDM state over them; default: the config's trainer.devices, else 8)",
+    )
     parser.add_argument("--gpu-mem", type=float, default=80.0, help="memory of one GPU in GiB")
     parser.add_argument("--gpu-tflops", type=float, default=989.0, help="dense bf16 peak of one GPU (H200: 989)")
     parser.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilization for the step time")
@@ -376,13 +404,24 @@ def main(argv: Sequence[str]) -> int:
     )
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
     opts = parser.parse_args(list(argv))
+    if len(opts.config) > 1:  # `fit` stacks configs; this reads one file as written
+        raise EstimateError("estimate reads one --config: merge the files (`fit ... --print_config > one.yaml`)")
+    opts.config = opts.config[0]
     shape = read_config(opts.config)
     tcfg = target_config(shape.module_args["target"], shape.module_args["trust_remote_code"])
-    est = estimate(shape, tcfg, opts.gpus)
+    est = estimate(shape, tcfg, opts.gpus or shape.devices or 8)
     fallback = opts.deltanet == "fallback" or (opts.deltanet == "auto" and not deltanet_kernels_here())
     est.update(step_seconds(est, shape, tcfg, opts.gpu_tflops, opts.mfu, fallback))
     print(
-        json.dumps({"shape": {k: v for k, v in asdict(shape).items() if k != "module_args"}, **est}, indent=1)
+        json.dumps(
+            {
+                "shape": {k: v for k, v in asdict(shape).items() if k != "module_args"},
+                **est,
+                "gpu_mem_gib": opts.gpu_mem,
+                "fits": est["total_device"] <= opts.gpu_mem * GIB,
+            },
+            indent=1,
+        )
         if opts.json
         else report(opts.config, shape, est, opts.gpu_mem)
     )

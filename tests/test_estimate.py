@@ -124,3 +124,41 @@ def test_runtime_buffers_by_strategy_and_precision(tmp_path, capsys):
     assert 0 < sharded["fsdp_full_grads"] < sharded["fsdp_full_params"] < 4 * sharded["pdm_params"]
     assert 0 < ddp8["autocast_weight_copies"] <= 2 * ddp8["pdm_params"] and "autocast_weight_copies" not in plain
     assert ddp8["total_device"] == ddp8["total"] + ddp8["cuda_context"] and "cuda_context" not in plain
+
+
+def test_estimate_reads_what_fit_would_run(tmp_path, capsys):
+    """Settings estimate dropped, silently: `trainer.devices` (the GPUs, DDP's buckets on one), fit's data defaults
+    (batch 4 where the config is silent, not 1), `head_from_target` (a frozen head holds no gradient nor AdamW
+    state), the fit verdict in `--json`; and an EAGLE-3 config (estimated as a default PDM) or two `--config`
+    files (the first dropped) are one line."""
+    from spd_lightning import cli
+
+    shipped = yaml.safe_load(open(os.path.join(REPO, "configs", "qwen35_9b.yaml")))
+
+    def run(name, edit, *extra):
+        config = yaml.safe_load(yaml.safe_dump(shipped))
+        edit(config)
+        (tmp_path / name).write_text(yaml.safe_dump(config))
+        assert main(["--config", str(tmp_path / name), "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    base = run("base.yaml", lambda c: None)
+    one = run("one.yaml", lambda c: c["trainer"].update(devices=1))
+    assert base["gpus"] == 8 and one["gpus"] == 1 and "ddp_grad_buckets" not in one
+    silent = run("silent.yaml", lambda c: c["data"].pop("batch_size"))
+    assert silent["shape"]["batch"] == 4  # ChatDataModule's default
+    frozen = run("frozen.yaml", lambda c: c["model"].update(head_from_target=True))
+    head = base["shape"]["draft_vocab"] * 4096  # V_d x H rows of Qwen3.5-9B's width
+    assert base["pdm_state"] - frozen["pdm_state"] == pytest.approx(12 * head)
+    assert base["fits"] is (base["total_device"] <= base["gpu_mem_gib"] * 1024**3)
+    eagle3 = tmp_path / "eagle3.yaml"
+    eagle3.write_text(
+        yaml.safe_dump({**shipped, "model": {"class_path": "Eagle3Module", "init_args": {"target": "x"}}})
+    )
+    for argv, message in (
+        (["--config", str(eagle3)], "trains Eagle3Module: estimate covers the PDM (SPDModule) only"),
+        (["--config", str(tmp_path / "base.yaml"), "--config", str(tmp_path / "one.yaml")], "reads one --config"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["estimate", *argv])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
