@@ -584,3 +584,13 @@ def test_bad_input_raises_one_line_errors(tokenizer_dir, tmp_path):
     one_line_error(make_datamodule(tokenizer_dir, tmp_path, good, val_size=10).setup, "only 4 usable samples")
     offline_hub = [DataSource(path="HuggingFaceH4/ultrachat_200k", split="train_sft")]  # HF_HUB_OFFLINE=1 here
     one_line_error(make_datamodule(tokenizer_dir, tmp_path, offline_hub).setup, "cannot load hub dataset")
+
+
+def test_a_subset_of_a_source_without_subsets_is_one_line(tmp_path):
+    """`subset` names a configuration of a hub or directory dataset; on the embedded ShareGPT or a local file it
+    was accepted and ignored."""
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}]}) + "\n")
+    for source in (DataSource("sharegpt", subset="x"), DataSource(str(path), subset="x")):
+        with pytest.raises(DataError, match="has no subsets, got subset='x': drop `subset`"):
+            load_source(source, str(tmp_path / "raw"))

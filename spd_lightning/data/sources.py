@@ -47,7 +47,7 @@ class DataSource:
     path: `sharegpt` (embedded), a local .json/.jsonl(.gz)/.parquet file or dataset directory, or a hub name.
     weight: share of this source in the training mixture (weights are normalized over sources).
     split: the split to read (local files have only `train`).
-    subset: the hub configuration name, e.g. `all` for HuggingFaceTB/smoltalk.
+    subset: the hub configuration name, e.g. `all` for HuggingFaceTB/smoltalk (a dataset's only; refused elsewhere).
     max_samples: read only the first `max_samples` records (tiny runs, tests).
     """
 
@@ -155,6 +155,11 @@ def _load_hub_or_directory(source: DataSource) -> datasets.Dataset:
 def load_source(source: DataSource, raw_cache_dir: str) -> datasets.Dataset:
     """The raw records of one source (any columns; the conversation column is checked by the caller)."""
     kind = source.kind
+    if source.subset is not None and kind in ("embedded", "file"):  # only a dataset has configurations
+        raise DataError(
+            f"data source {source.path!r} has no subsets, got subset={source.subset!r}: drop `subset` (it names a "
+            f"configuration of a hub or directory dataset)"
+        )
     if kind == "embedded":
         if source.split != "train":
             raise DataError(f"the embedded `sharegpt` source has only split `train`, got split={source.split!r}")
