@@ -146,12 +146,23 @@ def prepare_states(args: Sequence[str], options: argparse.Namespace) -> str:
     return write_states(data, union_needs(needs, options.states_layers), options)
 
 
+def _check_parent_flags(options: argparse.Namespace, parser: argparse.ArgumentParser, parent: str) -> None:
+    """One line for an option of `--regenerate` or `--states` given without it (it was ignored, silently)."""
+    if getattr(options, parent):
+        return
+    given = [f"--{k.replace('_', '-')}" for k, v in vars(options).items() if k != parent and v != parser.get_default(k)]
+    if given:
+        raise UsageError(f"{', '.join(given)} set(s) how --{parent} runs: add --{parent}, or drop it")
+
+
 def main(args: Sequence[str]) -> int:
     """`prepare` with fit's arguments (`--config CFG [--data.num_proc N] ...`), optionally after `--regenerate`,
     optionally followed by `--states DIR`; bad input raises a `UserError`, which `python -m spd_lightning` prints as
     one line with exit code 2."""
     options, rest = regeneration_parser().parse_known_args(list(args))
     states, rest = states_parser().parse_known_args(rest)
+    _check_parent_flags(options, regeneration_parser(), "regenerate")
+    _check_parent_flags(states, states_parser(), "states")
     if options.regenerate:
         print(regenerate_data(rest, options), flush=True)
         rest = [*rest, f"--data.sources=[{{path: {os.path.abspath(options.regenerate)}}}]"]

@@ -131,3 +131,20 @@ def test_two_concurrent_runs_build_once_and_both_succeed(tokenizer_dir, tmp_path
     finals = [(tmp_path / f"out{i}").read_text().strip().splitlines()[-1] for i in range(2)]
     assert all("1,996 training and 4 validation samples" in f or "already prepared" in f for f in finals), finals
     assert not list((tmp_path / "cache").rglob("*.partial*"))  # no staging left behind
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--limit", "100"], "--limit set(s) how --regenerate runs"),
+        (["--temperature", "0.7", "--max-new-tokens", "64"], "--temperature, --max-new-tokens set(s) how --regenerate"),
+        (["--states-batch-size", "8"], "--states-batch-size set(s) how --states runs"),
+    ],
+)
+def test_an_option_of_regenerate_or_states_without_it_is_one_line(tokenizer_dir, tmp_path, capsys, extra, message):
+    """`prepare --limit 100` tokenized everything: the options of `--regenerate` and `--states` were ignored
+    without them, silently."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["prepare", *prepare_args(tokenizer_dir, tmp_path), *extra])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and message in err, err
