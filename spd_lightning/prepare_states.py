@@ -241,11 +241,12 @@ def union_needs(needs: Sequence[Needs], extra_layers: Sequence[int]) -> Needs:
     """One cache for several configs of one target: the union of what they read."""
     first = needs[0]
     for other in needs[1:]:
-        if other.target != first.target:
-            raise ConfigError(
-                f"--states-configs: a config trains against target {other.target!r}, the first against "
-                f"{first.target!r}; a state cache serves one target"
-            )
+        for field in ("target", "target_dtype", "trust_remote_code"):  # one target, run one way
+            if getattr(other, field) != getattr(first, field):
+                raise ConfigError(
+                    f"--states-configs: a config has {field}={getattr(other, field)!r}, the first "
+                    f"{getattr(first, field)!r}; a state cache serves one target run one way"
+                )
     layers = frozenset().union(*(n.layers for n in needs), extra_layers)
     init = frozenset().union(*(n.init_layers for n in needs))
     return Needs(first.target, first.target_dtype, first.trust_remote_code, layers, init)

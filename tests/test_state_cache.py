@@ -8,6 +8,7 @@ the target, `fit --data.states DIR` trains from it without loading the target.
 - a short `fit --data.states` trains and validates without the target; only the staircase evaluation loads it.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -74,7 +75,8 @@ def config_args(chats, *extra: str) -> list[str]:
 def other_config(chats) -> str:
     """A second config of the same target and data with other anchors and init layer: the cache serves both."""
     path = chats["root"] / "n4.yaml"
-    path.write_text(f"model: {{target: {chats['target']}, n: 4, anchors: [0, 3], init_layers_from: [2]}}\n")
+    model = f"target: {chats['target']}, target_dtype: float32, n: 4, anchors: [0, 3], init_layers_from: [2]"
+    path.write_text(f"model: {{{model}}}\n")
     return str(path)
 
 
@@ -275,8 +277,9 @@ def run_main(args, capsys) -> tuple[int, str]:
         ("fit", ["--model.anchors", "[0, 1]"], "holds hidden states [0, 2, 3, 4], anchors [0, 1] also needs [1]"),
         ("fit", ["--model.init_layers_from", "[3]"], "stores target layers [1, 2] for init_layers_from, not 3"),
         ("prepare", ["--states-dtype", "bfloat16"], "manifest.dtype is 'float32' in the cache, 'bfloat16' here"),
+        ("fit", ["--model.target_dtype", "bfloat16"], "states in float32, this run's target_dtype is bfloat16"),
     ],
-    ids=["other-data", "missing-anchor", "missing-init-layer", "other-plan"],
+    ids=["other-data", "missing-anchor", "missing-init-layer", "other-plan", "other-target-dtype"],
 )
 def test_a_cache_that_does_not_fit_the_run_is_one_line(chats, states, capsys, tmp_path, command, extra, expected):
     if command == "prepare":  # the same command with another dtype: a rerun must not mix two plans in one cache
@@ -377,3 +380,18 @@ def test_fit_from_the_cache_trains_without_the_target(chats, states, tmp_path, m
     assert "staircase/alpha" in metrics  # the evaluation decoded with a target loaded for it
     assert len(loads) == 1 and "evaluation_target" in loads[0], loads
     assert trainer.lightning_module._target is None  # and freed after it
+
+
+def test_configs_that_run_the_target_differently_share_no_cache():
+    """`--states-configs` whose target dtype (or remote-code setting) differs from the first config's: the cache
+    took the first's, silently."""
+    from spd_lightning.errors import ConfigError
+
+    first = prepare_states.Needs("t", "float32", False, frozenset({0}), frozenset())
+    for other in (
+        dataclasses.replace(first, target_dtype="bfloat16"),
+        dataclasses.replace(first, trust_remote_code=True),
+    ):
+        with pytest.raises(ConfigError, match="a state cache serves one target run one way"):
+            prepare_states.union_needs([first, other], [])
+    assert prepare_states.union_needs([first, dataclasses.replace(first, layers=frozenset({2}))], []).layers == {0, 2}

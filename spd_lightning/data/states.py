@@ -170,6 +170,16 @@ class StateCache:
         fix = "prepare a cache for this target with `prepare --config CFG --states NEW_DIR`"
         check_same(self.directory, "target", target, self.manifest["target"], fix)
 
+    def check_target_dtype(self, dtype: torch.dtype) -> None:
+        """The states were computed by the target in `dtype`, as this run's would be (a bf16 cache under a float32
+        run trains on other numbers, silently)."""
+        found = self.manifest["target_dtype"]
+        if found != str(dtype).removeprefix("torch."):
+            raise DataError(
+                f"state cache {self.directory} holds the target's states in {found}, this run's target_dtype is "
+                f"{str(dtype).removeprefix('torch.')}: fit with model.target_dtype {found}, or prepare a cache for it"
+            )
+
     def check_layers(self, layers: Sequence[int], what: str) -> None:
         missing = sorted(set(layers) - set(self.layers))
         if missing:

@@ -339,6 +339,7 @@ class SPDModule(FrozenTargetHolder, ShardedGradientClipping, L.LightningModule):
         data module's batches carry exactly the anchors (the target itself is not loaded)."""
         cache, hp = self.state_cache, self.hparams
         cache.check_target(target_identity(hp.target, hp.trust_remote_code))
+        cache.check_target_dtype(resolve_dtype(hp.target_dtype))
         cache.check_layers([*self.geometry.anchors, self.geometry.num_layers], f"anchors {list(self.geometry.anchors)}")
         self.trainer.datamodule.state_layers = self.geometry.anchors
         self._target_info = TargetInfo.from_config(self.target_config, hp.target)
