@@ -148,3 +148,19 @@ def test_bad_regenerate_flags_are_one_line_before_the_target_loads(
     args += ["--data.cache_dir", str(tmp_path / "cache"), *(a.format(tmp=tmp_path) for a in extra)]
     with pytest.raises(UserError, match=re.escape(expected.format(tmp=tmp_path))):
         prepare.main(args)
+
+
+def test_a_limit_over_several_sources_says_it_takes_them_in_order(tmp_path, caplog):
+    """`--limit N` with a mixture: the first sources fill the limit whatever the weights (SmolTalk at 77 % of the
+    weight got nothing behind 17.7k ShareGPT prompts), said in a warning; one source says nothing."""
+    from spd_lightning.data import DataSource
+    from spd_lightning.data.regenerate import first_turns
+
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps({"conversations": [{"from": "human", "value": "hi there"}]}) + "\n")
+    sources = [DataSource("sharegpt", weight=0.2, max_samples=5), DataSource(str(path), weight=0.8)]
+    assert len(first_turns(sources, str(tmp_path / "raw"), limit=3)) == 3
+    assert "--limit 3 takes the first prompts of the sources in order" in caplog.text
+    caplog.clear()
+    first_turns(sources[:1], str(tmp_path / "raw"), limit=3)
+    assert "--limit" not in caplog.text

@@ -49,7 +49,14 @@ class Generation:
 
 
 def first_turns(sources: list[DataSource], raw_cache_dir: str, limit: int | None) -> list[list[dict[str, str]]]:
-    """The first user turn (system prompt kept) of each readable conversation of the sources, in order."""
+    """The first user turn (system prompt kept) of each readable conversation of the sources, in order: with a
+    `limit`, the first sources fill it, whatever the mixture's weights (said in a warning)."""
+    if limit is not None and len(sources) > 1:
+        log.warning(
+            "--limit %d takes the first prompts of the sources in order (%s), not by their mixture weights",
+            limit,
+            ", ".join(s.path for s in sources),
+        )
     prompts: list[list[dict[str, str]]] = []
     for source in sources:
         raw = load_source(source, raw_cache_dir)
