@@ -231,6 +231,11 @@ class SPDLightningCLI(LightningCLI):
     def instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         check_model(config.model.class_path, config.trainer.callbacks)
+        if config.trainer.use_distributed_sampler is False:  # the data module's sampler shards whatever it says
+            raise ConfigError(
+                "trainer.use_distributed_sampler: false would not change the training data's sharding: the data "
+                "module's resumable sampler splits the samples over the ranks itself; drop the setting"
+            )
         super().instantiate_classes()
 
     def instantiate_trainer(self, **kwargs):

@@ -396,3 +396,20 @@ def test_a_bad_data_file_ends_every_ddp_rank_with_its_line(micro_target, tmp_pat
     # each rank's line (both write to one pipe, so the two may run together)
     assert proc.returncode == 2 and "error: unexpected" not in err, err[-3000:]
     assert err.count(f"error: cannot read '{bad}' as json") == 2, err[-3000:]
+
+
+def test_a_distributed_sampler_switched_off_is_one_line(capsys):
+    """`trainer.use_distributed_sampler: false` changed only validation: the data module's resumable sampler shards
+    the training samples over the ranks itself. One line before anything loads."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(
+            [
+                "fit",
+                "--config",
+                os.path.join(REPO, "configs", "tiny.yaml"),
+                "--trainer.use_distributed_sampler",
+                "false",
+            ]
+        )
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "use_distributed_sampler: false would not change" in err, err
