@@ -82,14 +82,15 @@ def test_another_node_joins_the_pipeline_after_the_one_it_ran_never_that_one_aga
     """The race that made a rejoining node read dead ranks' addresses: its ranks failed, node 0's listener
     (and store) of that pipeline are still up. The join waits them out and returns the next pipeline."""
     port = free_port()
-    first = dataclasses.replace(nodes(0, port), pipeline="first")
+    first = dataclasses.replace(nodes(0, port), pipeline="first", terms=(("max_batch", 4),))
+    ran_first = dataclasses.replace(nodes(1, port), pipeline="first")
     listener = ReportListener(first, LocalQueue())
-    try:
-        assert join_pipeline(nodes(1, port), "", timeout_s=10) == "first"
+    try:  # this node's own place, node 0's pipeline and terms
+        assert join_pipeline(nodes(1, port), timeout_s=10) == dataclasses.replace(ran_first, terms=first.terms)
         with pytest.raises(NodeZeroUnreachable, match="did not start a pipeline .* within --timeout 0.5 s"):
-            join_pipeline(nodes(1, port), "first", timeout_s=0.5)
+            join_pipeline(ran_first, timeout_s=0.5)
         joined = []
-        asking = threading.Thread(target=lambda: joined.append(join_pipeline(nodes(1, port), "first", 20)))
+        asking = threading.Thread(target=lambda: joined.append(join_pipeline(ran_first, 20).pipeline))
         asking.start()
         time.sleep(0.5)
         assert not joined  # still node 0's first pipeline: no answer
@@ -116,8 +117,9 @@ def eventually(condition, timeout_s: float = 10) -> bool:
 
 
 def test_a_verifier_on_another_node_sees_the_servers_cancels_and_reports_back():
-    """Node 0's cancel reaches a verifier on node 1 over its watch connection (one sent before it watched
-    included); its cancel report comes back into the server's `RequestChannel`."""
+    """Node 0's cancels reach a verifier on node 1 over its watch connection, those sent before it watched
+    included, and it keeps them all: with several slots, a request cancelled before another may still be
+    decoding. Its cancel report comes back into the server's `RequestChannel`."""
     import multiprocessing as mp
 
     from inference.serving.ranks import CancelReport, RequestChannel
@@ -126,18 +128,40 @@ def test_a_verifier_on_another_node_sees_the_servers_cancels_and_reports_back():
     channel = RequestChannel(mp.get_context("spawn"))
     listener = ReportListener(nodes(0, port), LocalQueue(), channel)
     try:
-        channel.cancel(3)  # before node 1's verifier watches: sent when it does
+        channel.cancel(2)  # two before node 1's verifier watches: both sent when it does
+        channel.cancel(3)
         verifier = RemoteRequestChannel(nodes(1, port))
-        assert eventually(lambda: verifier.cancelled(3))
+        assert eventually(lambda: verifier.cancelled(3)) and verifier.cancelled(2)
         assert not verifier.cancelled(4)
         channel.cancel(4)
-        assert eventually(lambda: verifier.cancelled(4)) and not verifier.cancelled(3)
+        assert eventually(lambda: verifier.cancelled(4)) and verifier.cancelled(3) and verifier.cancelled(2)
         verifier.record(CancelReport(4, 10, 11))
         assert eventually(lambda: channel.last_cancel() == CancelReport(4, 10, 11))
     finally:
         listener.close()
         channel.close()
     assert channel._subscribers == []
+
+
+def test_another_node_takes_node_0s_max_batch_unless_given_and_any_other_difference_is_one_line():
+    """Each node builds its job from its own command line; the ranks' messages are shaped by these settings, so a
+    difference would hang them or mix shapes: node 1 checks its job against node 0's terms before a rank starts."""
+    from spd_lightning.errors import UserError
+
+    def job(**changes) -> DecodeJob:
+        return DecodeJob("t", Geometry.build(4, 2), [], 4, [], 10, 8, Sampling(), **changes)
+
+    zero = job(max_batch=4).terms()
+    other = job()
+    other.agree(zero, adopt=("max_batch",))
+    assert other.max_batch == 4
+    with pytest.raises(UserError, match="this node's max_batch is 2, node 0's is 4: start every node with the same"):
+        job(max_batch=2).agree(zero, adopt=())
+    with pytest.raises(UserError, match="this node's dtype is 'bfloat16', node 0's is 'float32'"):
+        job(dtype="bfloat16", max_batch=4).agree(zero, adopt=("max_batch",))
+    with pytest.raises(UserError, match="this node's geometry is Geometry"):
+        DecodeJob("t", Geometry.build(4, 4), [], 4, [], 10, 8, Sampling(), max_batch=4).agree(zero)
+    job(max_batch=4).agree(zero)  # the same settings: nothing to say
 
 
 def test_only_rank_0_on_node_0_reads_requests():

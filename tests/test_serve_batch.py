@@ -283,11 +283,10 @@ def test_max_batch_is_checked_and_defaults_to_one_on_the_cpu():
     for changes, mode, message in (
         (dict(max_batch=0), "spd", "--max-batch 0 must be >= 1"),
         ({}, "ar", "--mode ar serves one request at a time"),
-        (dict(nnodes=2), "spd", "serves on one node so far"),
     ):
         with pytest.raises(UsageError, match=message):
             check_max_batch(argparse.Namespace(**{**base, **changes}), mode)
-    for accepted in ({}, dict(pdm_placement="shared"), dict(compile=True)):  # the one runner has both at any B
+    for accepted in ({}, dict(pdm_placement="shared"), dict(compile=True), dict(nnodes=2)):  # one runner, any B
         check_max_batch(argparse.Namespace(**{**base, **accepted}), "spd")
     assert default_max_batch(argparse.Namespace(**base), setup=None) == 1  # the CPU: nothing loaded to ask
     gib = 1 << 30

@@ -104,3 +104,45 @@ def test_the_server_on_two_nodes_answers_as_decode_restarts_after_a_killed_rank_
             if process.poll() is None:
                 process.kill()
     assert len(ranks) >= 3 and not still_alive(ranks, 15)
+
+
+@pytest.mark.slow
+def test_two_nodes_serve_two_requests_at_once_and_cancel_each_on_the_other_nodes_verifier(drafter_dir, capsys):
+    """`--max-batch 2` on node 0; node 1 is not told and takes node 0's (a node with B = 1 would exchange other
+    shapes and hang). Two requests decode side by side, each answering what decode prints for it alone; then two
+    requests are cancelled by their stop strings while both are in flight, each stopped by node 1's verifier."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [PROMPT, "the pipeline"]
+    decoded = [simulated_decode(drafter_dir, p, 8, capsys) for p in prompts]
+    nodes = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    nodes += ["--report-port", str(free_port()), "--timeout", "60", "--ckpt", drafter_dir]
+    server = Server(*nodes, "--node-rank", "0", "--nproc-per-node", "1", "--model-name", "spd", "--max-batch", "2")
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "inference.serve", *nodes, "--node-rank", "1", "--nproc-per-node", "2"],
+        env={**os.environ, "PYTHONPATH": REPO},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+    def stopped_at(i: int) -> str:
+        stop = decoded[i].split()[2]
+        body = {"model": "spd", "max_tokens": 40, "temperature": 0, "stop": [stop]}
+        reply = server.post("/v1/chat/completions", {**body, "messages": [{"role": "user", "content": prompts[i]}]})
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["message"]["content"], decoded[i].split(stop)[0]
+
+    try:
+        server.ready()
+        with ThreadPoolExecutor(2) as pool:
+            assert list(pool.map(lambda p: chat_reply(server, p, 8, stream=True), prompts)) == decoded
+            for got, expected in pool.map(stopped_at, range(2)):
+                assert got == expected
+        assert server.stop() in (0, -signal.SIGTERM)
+        assert worker.wait(30) == 0, worker.stderr.read()[-2000:]
+        assert server.process.stderr.read().count("cycle(s) after the ranks saw it") == 2  # both, on node 1
+    finally:
+        for process in (server.process, worker):
+            if process.poll() is None:
+                process.kill()

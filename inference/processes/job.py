@@ -8,7 +8,12 @@ from typing import NamedTuple
 
 from inference.processes.nodes import Nodes
 from inference.sampling import Sampling
+from spd_lightning.errors import UserError
 from spd_lightning.geometry import Geometry
+
+# What every node's ranks must share, each node building its job from its own command line: a difference makes
+# the ranks exchange messages of other shapes or dtypes, or wait for ones never sent.
+SHARED_TERMS = ("geometry", "vocab_size", "hidden_size", "dtype", "pdm_placement", "max_batch")
 
 
 class Replay(NamedTuple):
@@ -52,6 +57,23 @@ class DecodeJob:
     def __post_init__(self):
         if self.replay is not None:
             self.replay = Replay(*self.replay)
+
+    def terms(self) -> tuple[tuple[str, object], ...]:
+        """The settings every node's ranks must share (`SHARED_TERMS`): node 0 sends its own with the pipeline."""
+        return tuple((name, getattr(self, name)) for name in SHARED_TERMS)
+
+    def agree(self, terms: tuple[tuple[str, object], ...], adopt: tuple[str, ...] = ()) -> None:
+        """Take node 0's `terms` where this node's differ and the name is in `adopt` (a setting this node was not
+        given); any other difference is one line, before a rank starts."""
+        for name, value in terms:
+            if getattr(self, name) == value:
+                continue
+            if name not in adopt:
+                raise UserError(
+                    f"this node's {name} is {getattr(self, name)!r}, node 0's is {value!r}: start every node with "
+                    f"the same --ckpt, --target, --dtype, --pdm-placement and --max-batch"
+                )
+            setattr(self, name, value)
 
     @property
     def n(self) -> int:

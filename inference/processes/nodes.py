@@ -10,12 +10,15 @@ it runs. A verifier rank on another node learns of cancels over a connection of 
 (`RemoteRequestChannel.cancelled`). The connections' key carries no secret: it only keeps two runs on one
 network from mixing. Every pipeline node 0 starts has a name of its own (`Nodes.pipeline`) that the
 rendezvous's store keys carry; another node asks node 0's listener for the pipeline after the one it ran last
-(`join_pipeline`): the listener of that same pipeline does not answer, the next one does.
+(`join_pipeline`): the listener of that same pipeline does not answer, the next one does. With the name come
+the settings every rank must share (`Nodes.terms`), which the other nodes check theirs against
+(`DecodeJob.agree`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import socket
 import threading
@@ -23,10 +26,13 @@ import time
 from dataclasses import dataclass
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Listener, answer_challenge, deliver_challenge
+from typing import Any
 
 from spd_lightning.errors import UserError
 
 log = logging.getLogger(__name__)
+# The cancels a verifier on another node keeps: request ids only grow, so the oldest of so many have long ended.
+CANCELS_KEPT = 1024
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,7 @@ class Nodes:
     report_port: int
     run_id: str = "spd-serve"
     pipeline: str = ""  # the pipeline's name: node 0 picks it, the others get it from `join_pipeline`
+    terms: tuple[tuple[str, Any], ...] = ()  # node 0's settings every rank shares (`DecodeJob.terms`), sent with it
 
     @property
     def report_address(self) -> tuple[str, int]:
@@ -65,13 +72,14 @@ class RemoteRequestChannel:
     """The server's request channel (`serving.ranks.RequestChannel`, on node 0) as the ranks of the other nodes
     see it: only rank 0, on node 0, reads its queue. The verifier's rank, wherever it runs, stops a cancelled
     request: here it learns of cancels over a connection of its own to node 0's listener, opened at its first
-    poll (node 0 then sends the current cancel, so none is missed), and sends back its report of each cancelled
-    decode."""
+    poll (node 0 then sends its recent cancels, so none is missed), and sends back its report of each cancelled
+    decode. It keeps every cancel it got (the last `CANCELS_KEPT`): with several slots, a request cancelled
+    after another may still be decoding when the next cancel comes."""
 
     def __init__(self, nodes: Nodes):
         self.nodes = nodes
         self._connection = None  # opened in the rank's process
-        self._cancel = -1
+        self._cancels: dict[int, None] = {}  # an ordered set, oldest first
 
     def get(self, timeout: float | None = None):
         raise RuntimeError("this rank is not on node 0: only rank 0, on node 0, reads the requests")
@@ -82,8 +90,10 @@ class RemoteRequestChannel:
             self._connection = Client(self.nodes.report_address, authkey=self.nodes.authkey)
             self._connection.send(WatchCancels())
         while self._connection.poll(0):
-            self._cancel = self._connection.recv().request_id
-        return self._cancel == request_id
+            self._cancels[self._connection.recv().request_id] = None
+            if len(self._cancels) > CANCELS_KEPT:
+                del self._cancels[next(iter(self._cancels))]
+        return request_id in self._cancels
 
     def record(self, report) -> None:
         """The verifier's `CancelReport`, for node 0's `RequestChannel.last_cancel`."""
@@ -173,7 +183,7 @@ class ReportListener:
                     return
                 if isinstance(message, PipelineQuery):
                     if message.previous != self.nodes.pipeline:
-                        connection.send(self.nodes.pipeline)
+                        connection.send(self.nodes)
                     return
                 if isinstance(message, WatchCancels):
                     return self._watch(connection)
@@ -183,8 +193,8 @@ class ReportListener:
         """A verifier's connection: cancels go out (`cancel`), its cancel reports come in, until its rank ends."""
         with self._lock:
             self._watchers.append(connection)
-            if self.channel is not None and self.channel.current_cancel() >= 0:
-                connection.send(Cancel(self.channel.current_cancel()))
+            for request_id in self.channel.recent_cancels() if self.channel is not None else ():
+                connection.send(Cancel(request_id))
         while True:
             try:
                 report = connection.recv()
@@ -219,15 +229,17 @@ class NodeZeroUnreachable(UserError):
     pass
 
 
-def join_pipeline(nodes: Nodes, previous: str, timeout_s: float) -> str:
-    """The name of node 0's pipeline other than `previous` (the one this node ran last), once node 0 has
-    started it: until then node 0's listener is either down (between pipelines) or that of `previous`."""
+def join_pipeline(nodes: Nodes, timeout_s: float) -> Nodes:
+    """This node's `nodes` in node 0's pipeline after `nodes.pipeline` (the one this node ran last), with node 0's
+    `terms`, once node 0 has started it: until then node 0's listener is either down (between pipelines) or that
+    of the last one."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
             with Client(nodes.report_address, authkey=nodes.authkey) as connection:
-                connection.send(PipelineQuery(previous))
-                return connection.recv()
+                connection.send(PipelineQuery(nodes.pipeline))
+                zero = connection.recv()
+                return dataclasses.replace(nodes, pipeline=zero.pipeline, terms=zero.terms)
         except (OSError, EOFError):
             time.sleep(0.2)
     host, port = nodes.report_address

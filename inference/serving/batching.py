@@ -30,13 +30,11 @@ def check_max_batch(args: argparse.Namespace, mode: str) -> None:
         raise UsageError(f"--max-batch {B} must be >= 1 (1: one request at a time)")
     if mode in ("ar", "eagle3"):
         raise UsageError(f"--max-batch {B}: --mode {mode} serves one request at a time; use --max-batch 1")
-    if args.nnodes > 1:
-        raise UsageError(f"--max-batch {B} serves on one node so far: use --nnodes 1 or --max-batch 1")
 
 
 def default_max_batch(args: argparse.Namespace, setup: Setup) -> int:
     """`--max-batch` when it is not given (see the module docstring); `check_args` made sure CUDA is there."""
-    if not args.device.startswith("cuda") or setup.mode in ("ar", "eagle3") or args.nnodes > 1:
+    if not args.device.startswith("cuda") or setup.mode in ("ar", "eagle3"):
         return 1
     memory = min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
     return batch_that_fits(memory, stage_weight_bytes(setup), slot_cache_bytes(setup))

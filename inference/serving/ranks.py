@@ -102,10 +102,10 @@ class RequestChannel:
         for on_cancel in self._subscribers:
             on_cancel(request_id)
 
-    def current_cancel(self) -> int:
-        """The id cancelled last (-1: none yet)."""
-        written = self._written.value
-        return self._cancels[(written - 1) % len(self._cancels)] if written else -1
+    def recent_cancels(self) -> list[int]:
+        """The ids in the ring, oldest first: what a verifier on another node gets when it starts watching."""
+        written, ring = self._written.value, len(self._cancels)
+        return [self._cancels[i % ring] for i in range(max(0, written - ring), written)]
 
     def cancelled(self, request_id: int) -> bool:
         """One read of shared memory: what the verifier's rank polls once per cycle for each request."""

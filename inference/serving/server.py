@@ -218,21 +218,23 @@ def serving_job(setup: Setup, args: argparse.Namespace) -> DecodeJob:
     job.fault = os.environ.get("SPD_FAULT")  # test-only: see `faults.Fault`
     job.nodes = nodes_of(args)
     if job.nodes is not None and job.nodes.node_rank == 0:  # a name of its own for each pipeline (`nodes`)
-        job.nodes = dataclasses.replace(job.nodes, pipeline=uuid.uuid4().hex[:12])
+        job.nodes = dataclasses.replace(job.nodes, pipeline=uuid.uuid4().hex[:12], terms=job.terms())
     return job
 
 
 def run_ranks_only(args: argparse.Namespace) -> int:
     """A node other than node 0: its share of the ranks, until node 0 stops them (exit 0). When a rank
     fails, node 0 starts a fresh pipeline and this node joins it; it ends when node 0 cannot be reached
-    within --timeout, or when its ranks reject their input."""
+    within --timeout, or when its ranks reject their input. It takes node 0's --max-batch unless given its own;
+    any other setting the ranks must share differs in one line (`DecodeJob.agree`)."""
     from inference.serving.ranks import serve_requests
 
+    adopt = () if args.max_batch is not None else ("max_batch",)
     job = serving_job(prepared(args), args)
     where = f"node 0 at {args.master_addr}:{args.master_port}"
-    nodes = job.nodes
     while True:
-        job.nodes = dataclasses.replace(nodes, pipeline=join_pipeline(nodes, job.nodes.pipeline, job.timeout_s))
+        job.nodes = join_pipeline(job.nodes, job.timeout_s)
+        job.agree(job.nodes.terms, adopt)
         log.info(
             "node %d: %d ranks, joining pipeline %s of %s",
             args.node_rank,
