@@ -169,11 +169,6 @@ class Geometry:
         """`A(k)`: the anchor layers a token at depth `k` has produced."""
         return self.anchors[: self.type_of(depth)]
 
-    @property
-    def depth_types(self) -> tuple[int, ...]:
-        """`tau(k)` for k = 0..n."""
-        return self._types
-
     def representative_depth(self, tau: int) -> int:
         """`d(tau) = min{k : tau(k) = tau}` (the `type` layout); types no depth reaches map to n."""
         for k, t in enumerate(self._types):

@@ -36,7 +36,6 @@ from .attention import Backend, MaskMod, TwoPartPlan, make_attend
 from .block_sparsity import ShapeMasks, StepRows
 
 LayoutName = Literal["depth", "type"]
-LAYOUTS = ("depth", "type")
 
 
 @dataclass(frozen=True)
