@@ -14,6 +14,10 @@ The target's own no-grad forward peaks earlier (one layer's temporaries + full-v
 of the two phases counts. Runtime buffers come on top (`_runtime_terms`): autocast's bf16 copies of the PDM's
 weights (bf16-mixed), DDP's gradient buckets (a second copy of the gradients, G > 1), FSDP's unsharded parameters
 and gradients of the units in flight, and, outside the allocator, the CUDA/NCCL context (`total_device`). Checked against measured peaks in tests/test_estimate.py and docs/BENCHMARKS.md.
+
+A config that trains from a state cache (`data.states`) never loads the target: no target weights and no target
+forward; the head's V_d rows instead, and the anchor and final-norm states in the cache's dtype (its manifest's,
+else `prepare --states-dtype`'s default); its FLOPs are the V_d head's only.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ class Shape:
     module_args: dict
     accelerator: str = "gpu"  # "cpu": no CUDA/NCCL context
     devices: int | None = None  # `trainer.devices` when the config names a count
+    states_dtype: str | None = None  # the state cache's dtype when fit reads one (`data.states`): no target loaded
 
 
 def _defaults(cls) -> dict:
@@ -114,7 +119,19 @@ def read_config(path: str) -> Shape:
         module_args=model,
         accelerator="cpu" if str(trainer.get("accelerator", "gpu")) == "cpu" else "gpu",
         devices=_device_count(trainer.get("devices")),
+        states_dtype=_states_dtype(data.get("states")),
     )
+
+
+def _states_dtype(directory: str | None) -> str | None:
+    """The dtype of the cache at `directory` (its manifest's; `prepare --states-dtype`'s default before it is
+    built), None without one."""
+    from .data.states import DEFAULT_STATES_DTYPE, read_manifest
+
+    if not directory:
+        return None
+    manifest = read_manifest(directory) if os.path.isdir(directory) else None
+    return str((manifest or {}).get("dtype", DEFAULT_STATES_DTYPE))
 
 
 def _device_count(devices) -> int | None:
@@ -189,7 +206,7 @@ def _flops_per_token(tcfg, c, target_params: int, pdm: PipelineDraftModule, layo
     query_rows = (c.num_layers - 1) * copies + rows_out
     pdm_attn = query_rows * 4 * c.num_heads * c.head_dim * T / 2 * passes / 2
     return (
-        _target_flops_per_token(tcfg, c, target_params, T, opts["full_vocab_every"])
+        _target_flops_per_token(tcfg, c, target_params, T, opts["full_vocab_every"], opts["cached"])
         + 4 * fusion
         + passes * layer_rows
         + pdm_attn
@@ -204,9 +221,12 @@ def _layer_kinds(tcfg) -> tuple[int, int]:
     return len(types) - full, full
 
 
-def _target_flops_per_token(tcfg, c, target_params: int, T: int, every: int) -> float:
+def _target_flops_per_token(tcfg, c, target_params: int, T: int, every: int, cached: bool = False) -> float:
     """The target's no-grad forward per token: 2 per weight, its head over V_d (the full vocabulary only every
-    `full_vocab_metric_every_n_steps`), plus causal attention over T/2 keys on its full-attention layers."""
+    `full_vocab_metric_every_n_steps`), plus causal attention over T/2 keys on its full-attention layers. From a
+    state cache (`cached`) only the head over V_d runs, on the cached final-norm state."""
+    if cached:
+        return 2 * tcfg.hidden_size * c.draft_vocab_size
     target_attn = _layer_kinds(tcfg)[1] * 4 * tcfg.num_attention_heads * getattr(tcfg, "head_dim", 128) * T / 2
     head = tcfg.hidden_size * (c.draft_vocab_size + (tcfg.vocab_size / every if every else 0))
     return 2 * (target_params - tcfg.vocab_size * tcfg.hidden_size + head) + target_attn
@@ -226,12 +246,13 @@ def step_seconds(est: dict, shape: Shape, tcfg, tflops: float, mfu: float, fallb
     from .training.deltanet_fallback import FALLBACK_SLOWDOWN, target_slowdown
 
     linear, full = _layer_kinds(tcfg)
-    slowdown = target_slowdown(linear, full) if fallback and linear else 1.0
+    fallback = fallback and linear and shape.states_dtype is None  # from a cache no target layer runs
+    slowdown = target_slowdown(linear, full) if fallback else 1.0
     flops = est["flops_per_token"] + (slowdown - 1.0) * est["target_flops_per_token"]
     return {
         "step_s": shape.batch * shape.length * flops / (tflops * 1e12 * mfu),
         "target_slowdown": slowdown,
-        "fallback_factor": FALLBACK_SLOWDOWN if fallback and linear else None,
+        "fallback_factor": FALLBACK_SLOWDOWN if fallback else None,
         "mfu": mfu,
         "gpu_tflops": tflops,
     }
@@ -281,9 +302,16 @@ def estimate(shape: Shape, tcfg, gpus: int = 1) -> dict:
     shard = gpus if shape.strategy == "fsdp" else 1
     frozen = c.draft_vocab_size * c.hidden_size if c.head_from_target else 0  # the target's rows: fp32, no state
     out = {"target_weights": target_params * tgt, "pdm_state": (16 * (pdm_params - frozen) + 4 * frozen) / shard}
+    cached = shape.states_dtype is not None
+    if cached:  # the target is never loaded: the batch brings its states, the head's V_d rows are kept
+        out["target_weights"] = 0
+        out["cached_head"] = shape.draft_vocab * H * tgt
     per_layer = B * S * _layer_saved_bytes(c, act, mixed)
     types = sorted(set(layout.copy_types))
-    out["anchor_states"] = tokens * len(geometry.anchors) * H * tgt
+    # from a cache: the anchors and the final-norm state, in the cache's dtype
+    out["anchor_states"] = (
+        tokens * (len(geometry.anchors) + cached) * H * DTYPE_BYTES[shape.states_dtype or shape.target_dtype]
+    )
     # per type, the projection's input (the normalized states, in the activation dtype; with the norms' scales
     # folded into the weights, `Fusion._one`, nothing else of the norms is kept), and the fused output of every copy
     out["fusion"] = tokens * sum(act * tau * H for tau in types) + B * S * c.hidden_size * act
@@ -298,7 +326,7 @@ def estimate(shape: Shape, tcfg, gpus: int = 1) -> dict:
     # `full_vocab_metric_every_n_steps` (and on validation), so a step's peak is the V_d head unless that is 1
     every = shape.module_args.get("full_vocab_metric_every_n_steps", 0)
     head = vocab if every == 1 else shape.draft_vocab
-    out["target_forward"] = tokens * (head * tgt + 4 * max(tcfg.intermediate_size, 2 * H) * tgt)
+    out["target_forward"] = 0 if cached else tokens * (head * tgt + 4 * max(tcfg.intermediate_size, 2 * H) * tgt)
     pdm_phase = sum(
         out[k] for k in ("anchor_states", "fusion", "teacher_vd", "student_logits", "dense_attention") if k in out
     )
@@ -307,7 +335,12 @@ def estimate(shape: Shape, tcfg, gpus: int = 1) -> dict:
         pdm = PipelineDraftModule(c)
     runtime = _runtime_terms(shape, pdm, gpus, mixed)
     out.update(runtime)
-    persistent = out["target_weights"] + out["pdm_state"] + sum(v for k, v in runtime.items() if k != "cuda_context")
+    persistent = (
+        out["target_weights"]
+        + out.get("cached_head", 0)
+        + out["pdm_state"]
+        + sum(v for k, v in runtime.items() if k != "cuda_context")
+    )
     out["total"] = persistent + max(out["target_forward"] + out["anchor_states"], pdm_phase + acts)
     out["total_plain"] = persistent + max(
         out["target_forward"] + out["anchor_states"], pdm_phase + out["activations_plain"]
@@ -320,9 +353,10 @@ def estimate(shape: Shape, tcfg, gpus: int = 1) -> dict:
         "checkpointing": shape.checkpointing,
         "aux_loss_weight": shape.module_args.get("aux_loss_weight", 0.0),
         "full_vocab_every": shape.module_args.get("full_vocab_metric_every_n_steps", 0),
+        "cached": cached,
     }
     out["flops_per_token"] = _flops_per_token(tcfg, c, target_params, pdm, layout, T, opts)
-    out["target_flops_per_token"] = _target_flops_per_token(tcfg, c, target_params, T, opts["full_vocab_every"])
+    out["target_flops_per_token"] = _target_flops_per_token(tcfg, c, target_params, T, opts["full_vocab_every"], cached)
     out.update(target_params=target_params, pdm_params=pdm_params, gpus=gpus, replicated_length=S)
     return out
 
@@ -330,13 +364,17 @@ def estimate(shape: Shape, tcfg, gpus: int = 1) -> dict:
 def report(path: str, shape: Shape, est: dict, gpu_mem: float) -> str:
     gib = lambda x: f"{x / GIB:7.2f} GiB"  # noqa: E731
     rows = [
-        ("target weights", est["target_weights"]),
+        ("target weights" + (" (not loaded: the state cache)" if shape.states_dtype else ""), est["target_weights"]),
+        *([("the target head's V_d rows", est["cached_head"])] if "cached_head" in est else []),
         (
             f"PDM state ({est['pdm_params'] / 1e9:.2f} B params, "
             + (f"FSDP: 1/{est['gpus']} per GPU)" if shape.strategy == "fsdp" else "DDP: whole on every GPU)"),
             est["pdm_state"],
         ),
-        ("anchor states", est["anchor_states"]),
+        (
+            f"anchor + final-norm states ({shape.states_dtype} cache)" if shape.states_dtype else "anchor states",
+            est["anchor_states"],
+        ),
         ("teacher over V_d (+ fp32 loss copies)", est["teacher_vd"]),
         ("PDM activations, plain", est["activations_plain"]),
         ("PDM activations, checkpointed", est["activations_checkpointed"]),

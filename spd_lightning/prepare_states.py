@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from .data import ChatDataModule
 from .data.states import (
+    DEFAULT_STATES_DTYPE,
     FORMAT_VERSION,
     INIT_FILE,
     MANIFEST,
@@ -52,7 +53,9 @@ def states_parser() -> argparse.ArgumentParser:
     parser.add_argument("--states-configs", nargs="+", default=[], metavar="CFG", help="more fit configs it serves")
     parser.add_argument("--states-layers", nargs="+", type=int, default=[], help="more HF hidden-state indices")
     parser.add_argument(
-        "--states-dtype", default="bfloat16", help="dtype of the stored hidden states (bfloat16, float16, float32)"
+        "--states-dtype",
+        default=DEFAULT_STATES_DTYPE,
+        help="dtype of the stored hidden states (bfloat16, float16, float32)",
     )
     parser.add_argument("--states-shard-size", type=int, default=256, help="samples per safetensors shard")
     parser.add_argument("--states-batch-size", type=int, default=None, help="samples per target forward")

@@ -37,6 +37,7 @@ from .formats import DataError
 
 FORMAT_VERSION = 2  # 2: `teacher_top1` and the full head, where 1 stored one V_d's
 MANIFEST = "manifest.json"
+DEFAULT_STATES_DTYPE = "bfloat16"  # `prepare --states-dtype`'s default (tests/test_state_cache.py: the same loss)
 INIT_FILE = "init.safetensors"
 SPLITS = ("train", "val")
 
