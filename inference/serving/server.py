@@ -75,7 +75,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--max-batch",
         type=int,
         help="requests decoding at once, each in a slot of the batched pipeline (continuous batching); "
-        f"default: 1 on the CPU, up to {GPU_BATCH} on GPUs as their memory allows (docs/SERVING.md)",
+        f"default: 1 on the CPU, up to {GPU_BATCH} on GPUs as their memory allows (docs/SERVING.md); "
+        "the other nodes take node 0's",
     )
     p.add_argument(
         "--threads",
