@@ -162,6 +162,7 @@ def test_another_node_takes_node_0s_max_batch_unless_given_and_any_other_differe
     with pytest.raises(UserError, match="this node's geometry is Geometry"):
         DecodeJob("t", Geometry.build(4, 4), [], 4, [], 10, 8, Sampling(), max_batch=4).agree(zero)
     job(max_batch=4).agree(zero)  # the same settings: nothing to say
+    job(max_batch=4, dtype="fp32").agree(zero)  # another spelling of the same dtype
 
 
 def test_only_rank_0_on_node_0_reads_requests():

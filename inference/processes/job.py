@@ -10,6 +10,7 @@ from inference.processes.nodes import Nodes
 from inference.sampling import Sampling
 from spd_lightning.errors import UserError
 from spd_lightning.geometry import Geometry
+from spd_lightning.target import resolve_dtype
 
 # What every node's ranks must share, each node building its job from its own command line: a difference makes
 # the ranks exchange messages of other shapes or dtypes, or wait for ones never sent.
@@ -60,17 +61,22 @@ class DecodeJob:
 
     def terms(self) -> tuple[tuple[str, object], ...]:
         """The settings every node's ranks must share (`SHARED_TERMS`): node 0 sends its own with the pipeline."""
-        return tuple((name, getattr(self, name)) for name in SHARED_TERMS)
+        return tuple((name, self._term(name)) for name in SHARED_TERMS)
+
+    def _term(self, name: str) -> object:
+        if name == "dtype":  # one spelling of each dtype (`bf16` and `bfloat16` agree)
+            return str(resolve_dtype(self.dtype)).removeprefix("torch.")
+        return getattr(self, name)
 
     def agree(self, terms: tuple[tuple[str, object], ...], adopt: tuple[str, ...] = ()) -> None:
         """Take node 0's `terms` where this node's differ and the name is in `adopt` (a setting this node was not
         given); any other difference is one line, before a rank starts."""
         for name, value in terms:
-            if getattr(self, name) == value:
+            if self._term(name) == value:
                 continue
             if name not in adopt:
                 raise UserError(
-                    f"this node's {name} is {getattr(self, name)!r}, node 0's is {value!r}: start every node with "
+                    f"this node's {name} is {self._term(name)!r}, node 0's is {value!r}: start every node with "
                     f"the same --ckpt, --target, --dtype, --pdm-placement and --max-batch"
                 )
             setattr(self, name, value)
