@@ -320,7 +320,10 @@ def estimate(shape: Shape, tcfg, gpus: int = 1) -> dict:
     if shape.backend == "dense":  # the CPU path: a [B, S, S] bool mask (SDPA's CPU kernel is blockwise)
         out["dense_attention"] = B * S * S
     out["teacher_vd"] = tokens * shape.draft_vocab * (tgt + 3 * 4)  # kept in target dtype + fp32, log p, p
-    out["student_logits"] = tokens * shape.draft_vocab * (act + 3 * 4) + B * S * c.hidden_size * (4 + act)
+    # the student's logits over V_d with their fp32 loss copies (log-softmax, the teacher's p), of the loss copy, or
+    # of every copy when `aux_loss_weight` distills them all (`SPDModule.training_step`)
+    distilled = copies if shape.module_args.get("aux_loss_weight", 0.0) > 0 else 1
+    out["student_logits"] = distilled * tokens * shape.draft_vocab * (act + 3 * 4) + B * S * c.hidden_size * (4 + act)
     out["teacher_full_fp32_before_fix"] = tokens * vocab * 4  # what restricting after `.float()` cost
     # the target's head runs over V_d on training steps; the full vocabulary only every
     # `full_vocab_metric_every_n_steps` (and on validation), so a step's peak is the V_d head unless that is 1

@@ -34,19 +34,20 @@ class SyntheticChat(L.LightningDataModule):
         batch_size: int = 4,
         repeat_one: bool = False,
         seed: int = 0,
+        vocab_size: int = TINY_VOCAB,  # the target's: token ids and the draft vocabulary are drawn below it
     ):
         super().__init__()
         self.draft_vocab_size, self.num_samples, self.max_length = draft_vocab_size, num_samples, max_length
-        self.batch_size, self.repeat_one, self.seed = batch_size, repeat_one, seed
+        self.batch_size, self.repeat_one, self.seed, self.vocab_size = batch_size, repeat_one, seed, vocab_size
         self.d2t = None
 
     def setup(self, stage: str) -> None:
         gen = torch.Generator().manual_seed(self.seed)
-        self.d2t = torch.randperm(TINY_VOCAB - 1, generator=gen)[: self.draft_vocab_size].sort().values
+        self.d2t = torch.randperm(self.vocab_size - 1, generator=gen)[: self.draft_vocab_size].sort().values
         self.samples = []
         for _ in range(self.num_samples):
             n = int(torch.randint(self.max_length // 2, self.max_length + 1, (1,), generator=gen))
-            ids = torch.randint(1, TINY_VOCAB - 1, (n,), generator=gen)
+            ids = torch.randint(1, self.vocab_size - 1, (n,), generator=gen)
             self.samples.append((ids, torch.arange(n) >= n // 2))
         if self.repeat_one:
             self.samples = [self.samples[0]] * self.num_samples
