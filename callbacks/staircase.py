@@ -193,7 +193,7 @@ class StaircaseEvaluation(L.Callback):
             batch = {k: v.to(pl_module.device) if torch.is_tensor(v) else v for k, v in batch.items()}
             view = pl_module.staircase_agreement(batch, seed=self.seed + i, pdm=pdm)
             metric.update(view.agree, view.depth * n + (view.fill - 1))
-            accepted.update(view.loss_accepted, view.loss_fill)
+            accepted.update(view.loss.accepted(), view.loss.fill)
         rate = torch.full(((n + 1) * n,), torch.nan, dtype=torch.float64)
         for group, value in metric.compute().items():  # compute() sums the counts over the ranks
             rate[group] = value

@@ -381,16 +381,3 @@ def rebuilt_layer(name_or_path: str, trust_remote_code: bool, index: int, state:
     layer = Target(model, name_or_path).layers[index]
     layer.load_state_dict(state, strict=True, assign=True)
     return layer.eval().requires_grad_(False)
-
-
-class FrozenTargetHolder:
-    """The frozen-target property both drafter LightningModules share: the target is set in their `setup`
-    (with `object.__setattr__`, so it never becomes a submodule: no params, state_dict or `.to()`)."""
-
-    _target: Target | None = None
-
-    @property
-    def target(self) -> Target:
-        if self._target is None:
-            raise RuntimeError("the target is loaded in setup(); run this module through a Lightning Trainer")
-        return self._target

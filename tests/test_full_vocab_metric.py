@@ -36,7 +36,7 @@ def test_training_runs_the_full_head_only_on_the_metric_steps(loss_target_dir, e
     assert all("train/agree" in k and "train/loss" in k for k in keys)
     module.validation_step(loss_batch(), 0)
     assert calls.count == len(metric_steps) + 1  # validation measures the metric: the full head runs
-    assert torch.isfinite(module.val_outside.compute())
+    assert torch.isfinite(module.val_metrics.outside.compute())
 
 
 def test_the_draft_vocabulary_head_gives_the_restricted_teacher(loss_target_dir):

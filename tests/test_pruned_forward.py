@@ -18,6 +18,7 @@ from kit import anchor_pdm, attached_module, loss_batch, loss_target, padded_anc
 
 from spd_lightning.geometry import Geometry
 from spd_lightning.training import layouts
+from spd_lightning.training.distill import distill
 from spd_lightning.training.layouts import FillDistribution, build_layout
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -64,7 +65,7 @@ def target_dir(tmp_path_factory) -> str:
 def full_loss(module, batch):
     """The training loss read from the full (every copy) forward with the same fill draws."""
     fwd = module._forward(batch, module._fill_generator(0, 0), every_copy=True, full_vocab=False)
-    main = module._distill(fwd, fwd.rep.loss_copy)
+    main = distill(fwd, fwd.rep.loss_copy, module.hparams.teacher_temperature)
     return main.mean(main.kl)
 
 

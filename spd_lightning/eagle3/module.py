@@ -20,15 +20,15 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..export import CKPT_KEY
-from ..target import FrozenTargetHolder, Target, TargetError, load_hf_config
+from ..target import TargetError, load_hf_config
 from ..training.checkpoint_io import check_resumed_shape, check_weights_finite
-from ..training.deltanet_fallback import announce_linear_attention
 from ..training.optimizer import (
     ShardedGradientClipping,
     adamw_linear_schedule,
     check_optimizer_settings,
     matrix_names,
 )
+from ..training.teacher import FrozenTargetHolder
 from .export import Eagle3Spec
 from .model import Eagle3Config, Eagle3Drafter, check_feature_layers, eagle_feature_layers
 from .ttt import ttt_outputs, ttt_step_losses, ttt_total
@@ -92,8 +92,6 @@ class Eagle3Module(FrozenTargetHolder, ShardedGradientClipping, L.LightningModul
             eagle_feature_layers(L_) if feature_layers == "eagle" else check_feature_layers(feature_layers, L_)
         )
         self.drafter: Eagle3Drafter | None = None
-        self._target: Target | None = None
-        self._target_info = None
         self.train_agree = torchmetrics.MeanMetric()
         self.val_loss = torchmetrics.MeanMetric()
         self.val_step_loss = nn.ModuleList(torchmetrics.MeanMetric() for _ in range(ttt_steps))
@@ -114,7 +112,7 @@ class Eagle3Module(FrozenTargetHolder, ShardedGradientClipping, L.LightningModul
             rope_theta=rope_theta,
         )
 
-    # -- the frozen target (the `target` property: FrozenTargetHolder) and the drafter -----------------
+    # -- the frozen target (FrozenTargetHolder, spd_lightning/training/teacher.py) and the drafter --------
     def setup(self, stage: str) -> None:
         if getattr(self.trainer.datamodule, "states", None) is not None:  # before the target's minutes of loading
             raise ConfigError(
@@ -122,27 +120,12 @@ class Eagle3Module(FrozenTargetHolder, ShardedGradientClipping, L.LightningModul
                 "layers, not EAGLE-3's feature layers): drop --data.states"
             )
         if self._target is None:
-            hp, device = self.hparams, self.trainer.strategy.root_device
-            target = Target.load(hp.target, hp.target_dtype, device, hp.trust_remote_code)
-            announce_linear_attention(target.linear_attention_path, device, hp.target)
-            object.__setattr__(self, "_target", target)  # not a submodule: no params, state_dict or .to()
-            self._target_info = target.info
+            self._load_target()
 
     def configure_model(self) -> None:
         if self.drafter is not None or self._trainer is None:
             return  # without a trainer, on_load_checkpoint builds the drafter
-        d2t = getattr(self.trainer.datamodule, "d2t", None) if self.trainer.datamodule is not None else None
-        if d2t is None:
-            raise ConfigError(
-                "Eagle3Module needs a data module with a draft vocabulary `d2t` (ChatDataModule): "
-                "train through `python -m spd_lightning fit --model Eagle3Module`"
-            )
-        d2t = torch.as_tensor(d2t, dtype=torch.long)
-        if d2t.ndim != 1 or d2t.numel() == 0 or int(d2t.max()) >= self.target.vocab_size or int(d2t.min()) < 0:
-            raise ConfigError(
-                f"the draft vocabulary ({d2t.numel()} ids) does not fit the target vocabulary of "
-                f"{self.target.vocab_size}: use the target's own tokenizer"
-            )
+        d2t = self._draft_vocab()
         self.drafter = Eagle3Drafter(self.drafter_config(d2t.numel(), self._target_info.rope_theta), d2t)
         self._decayed = matrix_names(self.drafter)  # before a strategy wraps it (spd_lightning/training/optimizer.py)
         if self.hparams.init_head:

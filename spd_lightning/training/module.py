@@ -5,9 +5,10 @@ replicates the sequence so that one PDM forward yields the draft of every drafti
 simulated fill level; the loss is the forward KL from the teacher restricted to the draft vocabulary.
 
 The target is deliberately NOT a registered submodule: it never enters the optimizer, `state_dict`, the
-checkpoints or Lightning's device moves; `setup` loads it on the strategy's device. The PDM is built in
-`configure_model` (inside the FSDP sharding context when that strategy is used) from the data module's
-draft vocabulary `d2t`, or from a checkpoint's drafter description when loaded without a trainer.
+checkpoints or Lightning's device moves; `setup` loads it on the strategy's device (the teacher's code is in
+teacher.py beside this file; one copy's KL and agreement in distill.py; validation's figures in metrics.py). The
+PDM is built in `configure_model` (inside the FSDP sharding context when that strategy is used) from the data
+module's draft vocabulary `d2t`, or from a checkpoint's drafter description when loaded without a trainer.
 
 Positions whose teacher argmax falls outside `V_d` are KEPT: the restricted, renormalized teacher is still a
 valid target over what the drafter can propose; their share is logged as `*/teacher_top1_outside_vd`. That
@@ -20,7 +21,7 @@ latter (the product the online step computes), and `init_head` / `init_layers_fr
 the source of (states, teacher) differs; everything after `_teacher_view` is the same code. The staircase
 evaluation decodes with the target, which `evaluation_target` then loads for the evaluation and frees after.
 
-A training step makes no host/device synchronization once its shape has been seen (tests/test_host_syncs_step.py):
+A training step makes no host/device synchronization once its shape has been seen (tests/test_step_syncs.py):
 the loss is a masked sum over fixed shapes (no boolean indexing), the right-padding check runs on the host
 before the batch is moved (`on_before_batch_transfer`), and the logged values stay on the device.
 """
@@ -28,37 +29,28 @@ before the batch is moved (`on_before_batch_transfer`), and the logged values st
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import lightning as L
 import torch
 import torch.nn.functional as F
-import torchmetrics
 from lightning.pytorch.utilities import rank_zero_info
 
-from ..data.states import StateCache, target_identity
 from ..errors import ConfigError
 from ..export import CKPT_KEY, DrafterSpec, seed_from_drafter
-from ..fill_chain import measured_prediction
 from ..geometry import Features, Geometry, Schedule
 from ..pdm import DecoderLayer, PDMConfig, PipelineDraftModule
 from ..target import (
-    FrozenTargetHolder,
     Target,
     TargetError,
-    TargetInfo,
     load_hf_config,
-    rebuilt_layer,
-    resolve_dtype,
-    restrict_to_draft_vocab,
 )
 from .attention import Backend
 from .checkpoint_io import check_resumed_shape, check_weights_finite
-from .deltanet_fallback import announce_linear_attention
+from .distill import ReplicatedForward, ViewAgreement, auxiliary_kl, check_right_padded, distill, view_agreement
 from .fill_estimate import REFRESH_STEPS, AcceptanceEstimate
-from .layouts import FillDistribution, LayoutName, Replication, build_layout
-from .metrics import GroupedAgreement
+from .layouts import FillDistribution, LayoutName, build_layout
+from .metrics import ValidationMetrics
 from .optimizer import (
     ShardedGradientClipping,
     adamw_linear_schedule,
@@ -66,6 +58,7 @@ from .optimizer import (
     matrix_names,
     plain_name,
 )
+from .teacher import DistillationTeacher
 
 # Compiled flex graphs a run may need per code object: {grad, no_grad, inference_mode} x {every copy's rows, the
 # loss copy's} x {a size specialized at 1 (one block, a last batch of 1) or not} (tests/test_recompile_limit.py).
@@ -86,68 +79,7 @@ def set_recompile_limit() -> tuple[int, bool]:
     return before
 
 
-def check_right_padded(attention_mask: torch.Tensor) -> None:
-    if not bool((attention_mask[:, :-1] >= attention_mask[:, 1:]).all()):
-        raise ValueError(
-            "batches must be right-padded (attention_mask 1...1 0...0): the layouts read each "
-            "sequence's length as attention_mask.sum(1)"
-        )
-
-
-@dataclass(frozen=True, kw_only=True)
-class ReplicatedForward:
-    """One replicated PDM forward of a batch (`SPDModule._forward`)."""
-
-    rep: Replication
-    pdm: PipelineDraftModule  # the PDM that ran (its head makes the drafts)
-    hidden: torch.Tensor  # [B, T, d] (the loss copy only) or [B, S, d] (every copy)
-    teacher: torch.Tensor  # [B, T, V_d] the target's logits over the draft vocabulary
-    outside_vd: torch.Tensor | None  # [B, T] the full-vocabulary argmax lies outside V_d; None: not computed
-    predicts_loss_token: torch.Tensor  # [B, T] output i drafts an assistant token x_{i+1}
-
-
-class ViewAgreement(NamedTuple):
-    """`SPDModule.staircase_agreement`: per output of every copy, top-1 agreement, depth and fill; per output of
-    the loss copy, whether greedy decoding would accept it (`Distilled.accepted`) and its fill."""
-
-    agree: torch.Tensor
-    depth: torch.Tensor
-    fill: torch.Tensor
-    loss_accepted: torch.Tensor
-    loss_fill: torch.Tensor
-
-
-@dataclass(frozen=True, kw_only=True)
-class Distilled:
-    """One copy's outputs, `[B, T]` each; only the `counted` ones (active, predicting a loss token) enter the loss."""
-
-    kl: torch.Tensor
-    counted: torch.Tensor
-    student_top1: torch.Tensor
-    teacher_top1: torch.Tensor
-    fill: torch.Tensor
-    outside_vd: torch.Tensor | None
-
-    def accepted(self) -> torch.Tensor:
-        """What greedy decoding would accept: the student's top-1 is the teacher's, and (where known) the target's
-        top-1 over the full vocabulary lies inside V_d."""
-        agree = self.student_top1.eq(self.teacher_top1)
-        return agree if self.outside_vd is None else agree & (self.outside_vd == 0)
-
-    def mean(self, values: torch.Tensor) -> torch.Tensor:
-        """The mean of `values` over the counted outputs, 0 (with a graph) when there are none; no host sync."""
-        counted = self.counted
-        return (values * counted).sum() / counted.sum().clamp(min=1)
-
-    def selected(self) -> Distilled:
-        """The counted outputs alone, as 1-D tensors (validation and evaluation: a host sync per call)."""
-        sel = self.counted
-        pick = {k: getattr(self, k) for k in ("kl", "student_top1", "teacher_top1", "fill", "outside_vd")}
-        picked = {k: None if v is None else v[sel] for k, v in pick.items()}
-        return Distilled(counted=sel[sel], **picked)
-
-
-class SPDModule(FrozenTargetHolder, ShardedGradientClipping, L.LightningModule):
+class SPDModule(DistillationTeacher, ShardedGradientClipping, L.LightningModule):
     """Distills the PDM from a frozen target (`fit`), measures its agreement (`validate`).
 
     Args:
@@ -258,15 +190,8 @@ class SPDModule(FrozenTargetHolder, ShardedGradientClipping, L.LightningModule):
         self._use_estimated_fills()
         self._check_init_args()
         self.pdm: PipelineDraftModule | None = None
-        self._target: Target | None = None
-        self._target_info = None
-        n_groups = n + 1
-        self._head_vd: torch.nn.Module | None = None  # the V_d rows of the target's head, built on first use
         self._device_scalars: dict[str, torch.Tensor] = {}  # logged host numbers, on the device
-        self.val_agree = torchmetrics.MeanMetric()
-        self.val_loss, self.val_outside = torchmetrics.MeanMetric(), torchmetrics.MeanMetric()
-        self.val_agree_depth, self.val_agree_fill = GroupedAgreement(n_groups), GroupedAgreement(n_groups)
-        self.val_accept_fill = GroupedAgreement(n_groups)  # agreement whose teacher top-1 is inside V_d
+        self.val_metrics = ValidationMetrics(n)
 
     def _pdm_config(self, draft_vocab_size: int, rope_theta: float) -> PDMConfig:
         """The PDM shape: the configured values, the target's where none is given."""
@@ -306,7 +231,7 @@ class SPDModule(FrozenTargetHolder, ShardedGradientClipping, L.LightningModule):
                     f"layer) in 0..{cfg.num_hidden_layers - 1}"
                 )
 
-    # -- the frozen target (the `target` property: FrozenTargetHolder) ------------------------------
+    # -- setup: the teacher (DistillationTeacher), dynamo, FSDP -------------------------------------
     def teardown(self, stage: str) -> None:
         before = getattr(self, "_dynamo_before", None)
         if before is not None:
@@ -316,51 +241,7 @@ class SPDModule(FrozenTargetHolder, ShardedGradientClipping, L.LightningModule):
     def setup(self, stage: str) -> None:
         self._fsdp_unit_per_layer()
         self._dynamo_before = set_recompile_limit()
-        if self.state_cache is not None:
-            self._use_state_cache()
-        elif self._target is None:
-            device = self.trainer.strategy.root_device
-            target = Target.load(self.hparams.target, self.hparams.target_dtype, device, self.hparams.trust_remote_code)
-            self.geometry.check_target(target.num_layers)
-            announce_linear_attention(target.linear_attention_path, device, self.hparams.target)
-            # object.__setattr__ keeps the target out of nn.Module registration (params, state_dict, .to()).
-            object.__setattr__(self, "_target", target)
-            self._target_info = target.info
-
-    @property
-    def state_cache(self) -> StateCache | None:
-        """The data module's target-state cache when training from one (`--data.states`), else None."""
-        trainer = self._trainer
-        datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
-        return getattr(datamodule, "state_cache", None)
-
-    def _use_state_cache(self) -> None:
-        """Train from the cache: check it was made by this target and holds this geometry's states, and have the
-        data module's batches carry exactly the anchors (the target itself is not loaded)."""
-        cache, hp = self.state_cache, self.hparams
-        cache.check_target(target_identity(hp.target, hp.trust_remote_code))
-        cache.check_target_dtype(resolve_dtype(hp.target_dtype))
-        cache.check_layers([*self.geometry.anchors, self.geometry.num_layers], f"anchors {list(self.geometry.anchors)}")
-        self.trainer.datamodule.state_layers = self.geometry.anchors
-        self._target_info = TargetInfo.from_config(self.target_config, hp.target)
-        rank_zero_info(f"training from the state cache {cache.directory}: the target {hp.target} is not loaded")
-
-    @contextmanager
-    def evaluation_target(self):
-        """The target for code that decodes (the staircase evaluation): the resident one, or, when training from a
-        state cache, one loaded for the evaluation and freed after it (the training itself never holds it)."""
-        if self._target is not None:
-            yield self._target
-            return
-        hp = self.hparams
-        rank_zero_info(f"staircase evaluation: loading the target {hp.target} to decode (freed after it)")
-        target = Target.load(hp.target, hp.target_dtype, self.device, hp.trust_remote_code)
-        try:
-            yield target
-        finally:
-            del target
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+        self._prepare_teacher()
 
     def _fsdp_unit_per_layer(self) -> None:
         """Under FSDP each PDM decoder layer is its own unit (its parameters gathered only around its forward and
@@ -396,25 +277,12 @@ class SPDModule(FrozenTargetHolder, ShardedGradientClipping, L.LightningModule):
         """Train against this already-loaded target instead of loading `hparams.target` in `setup` (benchmarks
         and the GPU check build random-init targets of real shapes in memory)."""
         self.geometry.check_target(target.num_layers)
-        object.__setattr__(self, "_target", target)  # kept out of nn.Module registration, as in setup
-        self._target_info = target.info
+        self._hold_target(target)
 
     def configure_model(self) -> None:
         if self.pdm is not None or self._trainer is None:
             return  # without a trainer (`load_from_checkpoint`), on_load_checkpoint builds the PDM
-        d2t = getattr(self.trainer.datamodule, "d2t", None) if self.trainer.datamodule is not None else None
-        if d2t is None:
-            raise ConfigError(
-                "SPDModule needs a data module with a draft vocabulary `d2t` (ChatDataModule): "
-                "train through `python -m spd_lightning fit` or pass datamodule=ChatDataModule(...)"
-            )
-        d2t = torch.as_tensor(d2t, dtype=torch.long)
-        vocab = self._target_info.vocab_size
-        if d2t.ndim != 1 or d2t.numel() == 0 or int(d2t.max()) >= vocab or int(d2t.min()) < 0:
-            raise ConfigError(
-                f"the draft vocabulary ({d2t.numel()} ids, max {int(d2t.max()) if d2t.numel() else None}) "
-                f"does not fit the target vocabulary of {vocab}: use the target's own tokenizer"
-            )
+        d2t = self._draft_vocab()
         hp = self.hparams
         self.pdm = PipelineDraftModule(self._pdm_config(d2t.numel(), self._target_info.rope_theta), d2t)
         self._freeze_unused_types()
@@ -432,20 +300,6 @@ class SPDModule(FrozenTargetHolder, ShardedGradientClipping, L.LightningModule):
             rank_zero_info(
                 f"PDM warm-started from {hp.init_from}: {len(copied)} tensors{partial}, kept {skipped or 'none'}"
             )
-
-    def _head_rows(self) -> torch.Tensor:
-        """`[V_d, H]`: the target head's rows of the draft vocabulary (the cached copy when training from states)."""
-        if self.state_cache is not None:
-            return self.state_cache.head_rows(self.pdm.d2t).to(self.device, resolve_dtype(self.hparams.target_dtype))
-        return self.target.lm_head.weight.detach().index_select(0, self.pdm.d2t.to(self.target.lm_head.weight.device))
-
-    def _target_layer(self, layer: int) -> torch.nn.Module:
-        """Target decoder layer `layer`: the loaded target's, or rebuilt from the cached state dict."""
-        if self.state_cache is None:
-            return self.target.layers[layer]
-        return rebuilt_layer(
-            self.hparams.target, self.hparams.trust_remote_code, layer, self.state_cache.layer_state(layer)
-        )
 
     def _freeze_unused_types(self) -> None:
         """Fusion projections of aggregation types that no view uses would never receive a gradient (and
@@ -523,69 +377,6 @@ class SPDModule(FrozenTargetHolder, ShardedGradientClipping, L.LightningModule):
             predicts_loss_token=F.pad(batch["loss_mask"][:, 1:].bool(), (0, 1), value=False),
         )
 
-    def _teacher_view(self, batch: dict, full_vocab: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """What the PDM learns from: anchor states `[B, T, m, H]`, teacher logits over `V_d` `[B, T, V_d]` (the
-        target's dtype) and `outside_vd` `[B, T]` (None when not computed). Online, from one target forward; from
-        a state cache (the batch carries `states`), the same V_d head applied to the cached final-norm state, and
-        the cached `outside_vd`, which costs nothing there and so is always given."""
-        if "states" in batch:
-            if batch["states"].shape[2] != len(self.geometry.anchors):  # a shape, read on the host: no sync
-                raise ConfigError(
-                    f"the batch carries {batch['states'].shape[2]} cached hidden states, the geometry reads anchors "
-                    f"{list(self.geometry.anchors)}: build the loaders after the module's setup (the Trainer does)"
-                )
-            head = self._vd_head()  # the target's dtype, whatever the cache stores the states in (bfloat16 by default)
-            return batch["states"], head(batch["final_state"].to(head.weight.dtype)), batch["outside_vd"]
-        with self._teacher_head(full_vocab):
-            states, logits = self.target.anchor_states(
-                batch["input_ids"], batch["attention_mask"], self.geometry.anchors
-            )
-        if not full_vocab:
-            return states, logits, None
-        teacher, outside_vd = restrict_to_draft_vocab(logits, self.pdm.d2t)
-        return states, teacher, outside_vd  # the full-vocabulary logits are freed before the PDM's activations
-
-    def _vd_head(self) -> torch.nn.Module:
-        """The target's head restricted to the `V_d` rows (the teacher's head), built once (the target is frozen)."""
-        if self._head_vd is None:
-            rows = self._head_rows()
-            head = torch.nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
-            head.weight = torch.nn.Parameter(rows, requires_grad=False)
-            object.__setattr__(self, "_head_vd", head)  # like the target: not a submodule, not in checkpoints
-        return self._head_vd
-
-    @contextmanager
-    def _teacher_head(self, full_vocab: bool):
-        """Without `full_vocab`, the target's head is its `V_d` rows for the forward (its logits are then `[B, T,
-        V_d]`, what `restrict_to_draft_vocab` would select)."""
-        if full_vocab:
-            yield
-            return
-        model = self.target.model
-        full = model.get_output_embeddings()
-        model.set_output_embeddings(self._vd_head())
-        try:
-            yield
-        finally:
-            model.set_output_embeddings(full)
-
-    def _distill(self, fwd: ReplicatedForward, copy: int) -> Distilled:
-        """KL(P || q) at every output of `copy`, `[B, T]`, counted where the output is active and predicts a loss
-        token. Fixed shapes, no boolean indexing: the head runs on all `T` outputs of the copy."""
-        rep = fwd.rep
-        student = fwd.pdm.lm_head(fwd.hidden[:, rep.copy_slice(copy)]).float()
-        restricted = fwd.teacher.float()
-        log_p = F.log_softmax(restricted / self.hparams.teacher_temperature, dim=-1)
-        kl = (log_p.exp() * (log_p - F.log_softmax(student, dim=-1))).sum(-1)
-        return Distilled(
-            kl=kl,
-            counted=fwd.predicts_loss_token & rep.active[copy],
-            student_top1=student.argmax(-1),
-            teacher_top1=restricted.argmax(-1),
-            fill=rep.fill[copy],
-            outside_vd=fwd.outside_vd,
-        )
-
     def _full_vocab_due(self, step: int) -> bool:
         every = self.hparams.full_vocab_metric_every_n_steps
         return every > 0 and step % every == 0
@@ -595,19 +386,17 @@ class SPDModule(FrozenTargetHolder, ShardedGradientClipping, L.LightningModule):
         every_copy = self.hparams.aux_loss_weight > 0  # the auxiliary loss reads every copy; the main loss, copy 0
         full_vocab = self._full_vocab_due(step)
         fwd = self._forward(batch, self._fill_generator(0, step), every_copy, full_vocab)
-        main = self._distill(fwd, fwd.rep.loss_copy)
+        temperature = self.hparams.teacher_temperature
+        main = distill(fwd, fwd.rep.loss_copy, temperature)
         if self.fill_estimate is not None:
             self.fill_estimate.update(main.accepted(), main.counted, main.fill)
         loss = kl_draft = main.mean(main.kl)
         if every_copy:
-            aux = [self._distill(fwd, c) for c in range(fwd.rep.num_copies) if c != fwd.rep.loss_copy]
-            aux_sum = sum((d.kl * d.counted).sum() for d in aux)
-            aux_tokens = sum(d.counted.sum() for d in aux)
-            loss = loss + self.hparams.aux_loss_weight * aux_sum / aux_tokens.clamp(min=1)
+            loss = loss + self.hparams.aux_loss_weight * auxiliary_kl(fwd, temperature)
         B = batch["input_ids"].shape[0]
         self.log("train/loss", loss, prog_bar=True, batch_size=B)
         self.log("train/kl_draft", kl_draft, batch_size=B)
-        self.log("train/agree", main.mean(main.student_top1.eq(main.teacher_top1)), prog_bar=True, batch_size=B)
+        self.log("train/agree", main.mean(main.agree()), prog_bar=True, batch_size=B)
         if main.outside_vd is not None:  # on the due steps online; on every step from a state cache (free there)
             self.log("train/teacher_top1_outside_vd", main.mean(main.outside_vd), batch_size=B)
         self.log("train/loss_tokens", main.counted.sum().float(), batch_size=B)
@@ -623,18 +412,7 @@ class SPDModule(FrozenTargetHolder, ShardedGradientClipping, L.LightningModule):
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         B, T = batch["input_ids"].shape  # every fill level in turn, the same at every validation:
         fwd = self._forward(batch, None, fill=self.layout.validation_fill(B, T, batch_idx * B))
-        for c in range(fwd.rep.num_copies):
-            d = self._distill(fwd, c).selected()
-            if not d.kl.numel():
-                continue
-            agree = d.student_top1.eq(d.teacher_top1)
-            self.val_agree_depth.update(agree, torch.full_like(d.fill, fwd.rep.copy_depths[c]))
-            if c == fwd.rep.loss_copy:
-                self.val_loss.update(d.kl)
-                self.val_agree.update(agree.float())
-                self.val_outside.update(d.outside_vd.float())
-                self.val_agree_fill.update(agree, d.fill)
-                self.val_accept_fill.update(d.accepted(), d.fill)
+        self.val_metrics.update(view_agreement(fwd, self.hparams.teacher_temperature))
 
     @torch.no_grad()
     def staircase_agreement(self, batch: dict, seed: int = 0, pdm: PipelineDraftModule | None = None) -> ViewAgreement:
@@ -645,57 +423,16 @@ class SPDModule(FrozenTargetHolder, ShardedGradientClipping, L.LightningModule):
         check_right_padded(batch["attention_mask"])
         B, T = batch["input_ids"].shape
         fwd = self._forward(batch, None, pdm=pdm, fill=self.layout.validation_fill(B, T, seed))
-        agree, depth, fill = [], [], []
-        for c in range(fwd.rep.num_copies):
-            d = self._distill(fwd, c).selected()
-            agree.append(d.student_top1.eq(d.teacher_top1))
-            depth.append(torch.full_like(d.fill, fwd.rep.copy_depths[c]))
-            fill.append(d.fill)
-            if c == fwd.rep.loss_copy:
-                loss_accepted, loss_fill = d.accepted(), d.fill
-        return ViewAgreement(torch.cat(agree), torch.cat(depth), torch.cat(fill), loss_accepted, loss_fill)
+        return view_agreement(fwd, self.hparams.teacher_temperature)
 
     def on_validation_epoch_end(self) -> None:
         # compute() synchronizes across ranks, so every rank holds the same values and the same keys; the
         # sync_dist mean of identical values is a no-op that keeps Lightning's distributed bookkeeping happy.
-        values = {}
-        for name, metric in (
-            ("loss", self.val_loss),
-            ("agree", self.val_agree),
-            ("teacher_top1_outside_vd", self.val_outside),
-        ):
-            value = metric.compute()  # NaN (identically on every rank) when no loss token was seen
-            if torch.isfinite(value):
-                values[f"val/{name}"] = value
-        for prefix, metric in (("depth", self.val_agree_depth), ("fill", self.val_agree_fill)):
-            values.update({f"val/agree_{prefix}{group}": value for group, value in metric.compute().items()})
-        values.update(self._decode_prediction(self.val_accept_fill.compute()))
+        values = self.val_metrics.compute()
         shown = ("val/loss", "val/agree", "val/predicted_n_alpha")
         self.log_dict({k: v for k, v in values.items() if k in shown}, prog_bar=True, sync_dist=True)
         self.log_dict({k: v for k, v in values.items() if k not in shown}, sync_dist=True)
-        # `validate` runs under inference mode; states reset there would be inference tensors that the
-        # no-grad validation inside a later `fit` may not update in place.
-        with torch.inference_mode(False):
-            for metric in (
-                self.val_loss,
-                self.val_agree,
-                self.val_outside,
-                self.val_agree_depth,
-                self.val_agree_fill,
-                self.val_accept_fill,
-            ):
-                metric.reset()
-
-    def _decode_prediction(self, accept_by_fill: dict[int, float]) -> dict[str, float]:
-        """`val/accept_fill{k}` (what greedy decoding would accept at fill k, teacher-forced) and what the refill
-        chain predicts from them (spd_lightning/fill_chain.py): `val/accept_p` (per judged draft) and
-        `val/predicted_n_alpha`."""
-        predicted = measured_prediction(accept_by_fill, self.geometry.n)
-        if predicted is None:
-            return {}
-        values = {f"val/accept_fill{k}": v for k, v in accept_by_fill.items()}
-        values["val/accept_p"], values["val/predicted_n_alpha"] = predicted
-        return values
+        self.val_metrics.reset()
 
     # -- optimizer -------------------------------------------------------------------------------
     def configure_optimizers(self):
