@@ -18,12 +18,14 @@ from inference.processes.launch import Failed, NodesMismatch, Started, Streamed,
 from inference.processes.nodes import (
     Nodes,
     NodeZeroUnreachable,
+    Refused,
     RemoteRequestChannel,
     ReportListener,
     ReportSender,
     agent_rendezvous,
     join_pipeline,
 )
+from inference.processes.reports import Inbox
 from inference.sampling import Sampling
 from inference.serving import server as serve
 from spd_lightning.geometry import Geometry
@@ -163,6 +165,37 @@ def test_another_node_takes_node_0s_max_batch_unless_given_and_any_other_differe
         DecodeJob("t", Geometry.build(4, 4), [], 4, [], 10, 8, Sampling(), max_batch=4).agree(zero)
     job(max_batch=4).agree(zero)  # the same settings: nothing to say
     job(max_batch=4, dtype="fp32").agree(zero)  # another spelling of the same dtype
+
+
+def test_a_node_that_refuses_node_0s_terms_tells_node_0_why(caplog):
+    """Node 1 learns node 0's terms with the pipeline; on a difference it stops with one line. Node 0's ranks would
+    wait for it until the process-group timeout with no word of the cause: node 1 tells node 0's listener, which
+    logs the reason, and the failed pipeline's message ends with it."""
+    from spd_lightning.errors import UserError
+
+    port = free_port()
+    zero = DecodeJob("t", Geometry.build(4, 2), [], 4, [], 10, 8, Sampling(), max_batch=4)
+    received = LocalQueue()
+    listener = ReportListener(dataclasses.replace(nodes(0, port), pipeline="p1", terms=zero.terms()), received)
+    other = DecodeJob("t", Geometry.build(4, 2), [], 4, [], 10, 8, Sampling(), dtype="bfloat16", nodes=nodes(1, port))
+    reason = "this node's dtype is 'bfloat16', node 0's is 'float32'"
+    try:
+        with caplog.at_level("WARNING", logger="inference.processes.nodes"):
+            with pytest.raises(UserError, match=reason):
+                serve.join_next_pipeline(other, adopt=("max_batch",))
+            refused = received.get(timeout=10)
+        assert isinstance(refused, Refused) and refused.reason.startswith(reason)
+        assert (refused.node_rank, refused.pipeline) == (1, "p1")
+        assert f"node 1 will not join pipeline p1: {reason}" in caplog.text
+    finally:
+        listener.close()
+    inbox = Inbox(LocalQueue(), None, None)
+    inbox.put(refused)
+    inbox.close()
+    assert inbox.refusal_note() == f"; node 1 did not join: {refused.reason}"
+    quiet = Inbox(LocalQueue(), None, None)
+    quiet.close()
+    assert quiet.refusal_note() == ""
 
 
 def test_only_rank_0_on_node_0_reads_requests():

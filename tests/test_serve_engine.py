@@ -215,11 +215,12 @@ def test_developer_role_and_content_parts_are_accepted(server):
 
 
 class Pipeline(SlowBackend):
-    """A backend with the rank backend's lifecycle: not ready until told, and dead once killed."""
+    """A backend with the rank backend's lifecycle: not ready until told, dead once killed, and the reason it died."""
 
     def __init__(self):
         super().__init__()
         self.loaded, self.dead = threading.Event(), False
+        self.failure: str | None = None
 
     def alive(self) -> bool:
         return not self.dead
@@ -228,7 +229,9 @@ class Pipeline(SlowBackend):
         return self.loaded.is_set()
 
 
-def test_health_is_liveness_ready_follows_the_pipeline_and_an_idle_death_restarts_it():
+def test_health_is_liveness_ready_follows_the_pipeline_and_an_idle_death_restarts_it(caplog):
+    """An idle death is restarted with no request to notice it, and the log says why the pipeline died (nobody
+    else hears of it: no request got its 503)."""
 
     started: list[Pipeline] = []
 
@@ -244,12 +247,14 @@ def test_health_is_liveness_ready_follows_the_pipeline_and_an_idle_death_restart
             assert httpx.get(f"{url}/ready").status_code == 503  # ... but the ranks are still loading
             started[0].loaded.set()
             assert httpx.get(f"{url}/ready").status_code == 200
+            started[0].failure = "rank 2 (PDM) failed: RuntimeError: boom; every rank was stopped"
             started[0].dead = True  # a rank dies while no request is in flight
             assert httpx.get(f"{url}/ready").status_code == 503
             deadline = time.monotonic() + 10
             while len(started) < 2 and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert len(started) == 2 and engine.metrics.restarts == 1  # restarted with no request to notice it
+            assert f"{started[0].failure}: starting a fresh pipeline" in caplog.text
             assert httpx.get(f"{url}/health").status_code == 200 and httpx.get(f"{url}/ready").status_code == 503
             started[1].loaded.set()
             assert httpx.get(f"{url}/ready").status_code == 200

@@ -146,3 +146,36 @@ def test_two_nodes_serve_two_requests_at_once_and_cancel_each_on_the_other_nodes
         for process in (server.process, worker):
             if process.poll() is None:
                 process.kill()
+
+
+@pytest.mark.slow
+def test_a_node_started_with_another_dtype_stops_with_one_line_and_node_0_logs_why(drafter_dir):
+    """Node 1 started with --dtype bfloat16 beside node 0's float32 would exchange other dtypes with it. It stops
+    with one line (exit 2) as soon as it learns node 0's terms, and tells node 0: node 0 logs why at once, and
+    when its ranks stop waiting for node 1's (--timeout), the pipeline's failure names the reason too."""
+    import threading
+    import time
+
+    nodes = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    nodes += ["--report-port", str(free_port()), "--timeout", "8", "--ckpt", drafter_dir]
+    server = Server(*nodes, "--node-rank", "0", "--nproc-per-node", "1", "--model-name", "spd")
+    logged: list[str] = []
+    threading.Thread(target=lambda: logged.extend(server.process.stderr), daemon=True).start()
+    reason = "this node's dtype is 'bfloat16', node 0's is 'float32'"
+    try:
+        worker = subprocess.run(
+            [sys.executable, "-m", "inference.serve", *nodes, "--node-rank", "1", "--nproc-per-node", "2"]
+            + ["--dtype", "bfloat16"],
+            env={**os.environ, "PYTHONPATH": REPO},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert worker.returncode == 2 and reason in worker.stderr and "Traceback" not in worker.stderr, worker.stderr
+        deadline = time.monotonic() + 90
+        while not any(f"node 1 did not join: {reason}" in line for line in logged) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        text = "".join(logged)
+        assert "node 1 will not join pipeline" in text and f"node 1 did not join: {reason}" in text, worker.stderr
+    finally:
+        server.stop()

@@ -235,6 +235,7 @@ def launch(
     `RequestChannel`, made with this launcher's start method) and `work` (a module-level function, see
     `run_rank`) the ranks serve what it brings until it brings None (`inference.serving.ranks`). Raises
     `LaunchError` naming the rank that caused a failure, after every rank has ended."""
+    from torch.distributed import DistStoreError
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
@@ -254,11 +255,16 @@ def launch(
             elastic_launch(_agent_config(job, method, logs), _rank_main)(
                 job, _reports_to(job, inbox), os.getpid(), request_channel, work
             )
+    except DistStoreError as e:  # the agent's rendezvous: another node's agent never came
+        if job.nodes is None:
+            raise
+        raise LaunchError(f"the nodes did not meet: {first_line(e)}{inbox.refusal_note()}", inbox.pid_list()) from None
     except ChildFailedError as e:
         failed = {rank: f.exitcode for rank, f in e.failures.items()}
         blamed = blamed_report(failed, inbox.failures)
         cls = RankInputError if blamed is not None and blamed.user_error else LaunchError
-        raise cls(failure_message(job, failed, inbox.failures), inbox.pid_list(), failed) from None
+        message = failure_message(job, failed, inbox.failures) + inbox.refusal_note()
+        raise cls(message, inbox.pid_list(), failed) from None
     if request_channel is not None:
         return []
     missing = [i for i in range(len(job.prompts)) if i not in inbox.results]

@@ -12,7 +12,7 @@ network from mixing. Every pipeline node 0 starts has a name of its own (`Nodes.
 rendezvous's store keys carry; another node asks node 0's listener for the pipeline after the one it ran last
 (`join_pipeline`): the listener of that same pipeline does not answer, the next one does. With the name come
 the settings every rank must share (`Nodes.terms`), which the other nodes check theirs against
-(`DecodeJob.agree`).
+(`DecodeJob.agree`); a node that differs says why to node 0 (`refuse`), whose log and failed pipeline then name it.
 """
 
 from __future__ import annotations
@@ -187,6 +187,10 @@ class ReportListener:
                     return
                 if isinstance(message, WatchCancels):
                     return self._watch(connection)
+                if isinstance(message, Refused):
+                    log.warning(
+                        "node %d will not join pipeline %s: %s", message.node_rank, message.pipeline, message.reason
+                    )
                 self.messages.put(message)
 
     def _watch(self, connection) -> None:
@@ -225,8 +229,25 @@ class PipelineQuery:
     previous: str
 
 
+@dataclass(frozen=True)
+class Refused:
+    """Another node's answer to a pipeline whose terms differ from its own (`DecodeJob.agree`): it will not join."""
+
+    node_rank: int
+    pipeline: str
+    reason: str
+
+
 class NodeZeroUnreachable(UserError):
     pass
+
+
+def refuse(nodes: Nodes, reason: str) -> None:
+    """Tell node 0 why this node does not join its pipeline `nodes.pipeline`, where node 0's ranks would otherwise
+    wait for it until the process-group timeout with no word of the cause. Best effort: node 0 may be gone."""
+    with contextlib.suppress(OSError, EOFError, AuthenticationError):
+        with Client(nodes.report_address, authkey=nodes.authkey) as connection:
+            connection.send(Refused(nodes.node_rank, nodes.pipeline, reason))
 
 
 def join_pipeline(nodes: Nodes, timeout_s: float) -> Nodes:

@@ -17,6 +17,7 @@ from typing import NamedTuple
 from inference.cycle.pipeline import role_name
 from inference.cycle.result import DecodeResult
 from inference.processes.job import DecodeJob
+from inference.processes.nodes import Refused
 
 DRAIN_POLL_S = 0.1  # how often the drain thread checks whether it is closed (a report wakes it at once)
 
@@ -63,6 +64,7 @@ class Inbox:
         self.pids: dict[int, int] = {}
         self.results: dict[int, DecodeResult] = {}
         self.failures: dict[int, Failed] = {}
+        self.refusals: list[Refused] = []  # other nodes that will not join this pipeline, and why
         self._lock = threading.Lock()  # the drain thread and other nodes' listeners report concurrently
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._drain, name="spd-launch-inbox", daemon=True)
@@ -78,7 +80,7 @@ class Inbox:
                 continue
             self.put(message)
 
-    def put(self, message: Started | Streamed | Finished | Failed) -> None:
+    def put(self, message: Started | Streamed | Finished | Failed | Refused) -> None:
         """One report: from the queue, or from a rank on another node."""
         with self._lock:
             if isinstance(message, Started):
@@ -92,6 +94,8 @@ class Inbox:
                 self.results[message.index] = result = message.result
                 if self.on_result is not None:
                     self.on_result(message.index, result)
+            elif isinstance(message, Refused):
+                self.refusals.append(message)
             else:
                 self.failures.setdefault(message.rank, message)
 
@@ -102,6 +106,10 @@ class Inbox:
 
     def pid_list(self) -> tuple[int, ...]:
         return tuple(self.pids[r] for r in sorted(self.pids))
+
+    def refusal_note(self) -> str:
+        """What a failure message adds when other nodes refused to join: the ranks that waited for them timed out."""
+        return "".join(f"; node {r.node_rank} did not join: {r.reason}" for r in self.refusals)
 
 
 def blamed_report(failed: dict[int, int], reports: dict[int, Failed]) -> Failed | None:

@@ -183,10 +183,12 @@ class Engine:
 
     def _keep_alive(self) -> None:
         """A backend that died (or never started) is replaced now, not when a generation finds it dead; one that
-        keeps dying before it is ready is retried after a delay that doubles each time."""
+        keeps dying before it is ready is retried after a delay that doubles each time. The log says why it died
+        when the backend knows (`failure`): with no request in flight, nobody else hears of it."""
         with self._restarting:
             if (self.backend is None or not is_alive(self.backend)) and time.monotonic() >= self._next_restart:
-                self._restart("the pipeline is not running")
+                failure = getattr(self.backend, "failure", None)
+                self._restart(failure or "the pipeline is not running")
 
     def _run(self, generation: Generation) -> None:
         with self._restarting:  # a restart in progress: wait for the new backend

@@ -36,12 +36,12 @@ from inference import cli
 from inference.backends import make_backend as in_process_backend
 from inference.processes.job import DecodeJob
 from inference.processes.launch import LaunchError, RankInputError, launch
-from inference.processes.nodes import Nodes, RemoteRequestChannel, join_pipeline
+from inference.processes.nodes import Nodes, RemoteRequestChannel, join_pipeline, refuse
 from inference.sampling import Sampling
 from inference.serving.batching import GPU_BATCH, check_max_batch, default_max_batch
 from inference.serving.engine import Engine
 from inference.setup import Setup, decode_job, prepare
-from spd_lightning.errors import first_line
+from spd_lightning.errors import UserError, first_line
 
 DEFAULT_CAP = 1024
 DEFAULT_MAX_TOKENS = 256  # a request's max_tokens when it names none (--max-new-tokens)
@@ -223,6 +223,17 @@ def serving_job(setup: Setup, args: argparse.Namespace) -> DecodeJob:
     return job
 
 
+def join_next_pipeline(job: DecodeJob, adopt: tuple[str, ...]) -> None:
+    """This node's place in node 0's next pipeline, with node 0's terms taken (`adopt`) or refused: a refusal is
+    one line here and is told to node 0 (`nodes.refuse`), whose log and failed pipeline then say why."""
+    job.nodes = join_pipeline(job.nodes, job.timeout_s)
+    try:
+        job.agree(job.nodes.terms, adopt)
+    except UserError as e:
+        refuse(job.nodes, str(e))
+        raise
+
+
 def run_ranks_only(args: argparse.Namespace) -> int:
     """A node other than node 0: its share of the ranks, until node 0 stops them (exit 0). When a rank
     fails, node 0 starts a fresh pipeline and this node joins it; it ends when node 0 cannot be reached
@@ -234,8 +245,7 @@ def run_ranks_only(args: argparse.Namespace) -> int:
     job = serving_job(prepared(args), args)
     where = f"node 0 at {args.master_addr}:{args.master_port}"
     while True:
-        job.nodes = join_pipeline(job.nodes, job.timeout_s)
-        job.agree(job.nodes.terms, adopt)
+        join_next_pipeline(job, adopt)
         log.info(
             "node %d: %d ranks, joining pipeline %s of %s",
             args.node_rank,
