@@ -145,22 +145,19 @@ def _device_count(devices) -> int | None:
 
 
 def pdm_config(shape: Shape, tcfg):
-    from .pdm import PDMConfig
+    from .pdm import PDMConfig, block_shape
 
     m = shape.module_args
     geometry = Geometry.build(tcfg.num_hidden_layers, m["n"], m["split"], m["anchors"], m["schedule"], m["features"])
-    heads = m.get("num_heads") or tcfg.num_attention_heads
+    block = (m.get(k) for k in ("num_heads", "num_kv_heads", "head_dim", "intermediate_size"))
     cfg = PDMConfig(
         target_hidden_size=tcfg.hidden_size,
         num_types=geometry.num_types,
         draft_vocab_size=shape.draft_vocab,
         hidden_size=m.get("hidden_size") or tcfg.hidden_size,
         num_layers=m["num_layers"],
-        num_heads=heads,
-        num_kv_heads=m.get("num_kv_heads") or getattr(tcfg, "num_key_value_heads", None) or heads,
-        head_dim=m.get("head_dim") or getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads,
-        intermediate_size=m.get("intermediate_size") or tcfg.intermediate_size,
         head_from_target=bool(m.get("head_from_target")),
+        **block_shape(tcfg, *block),
     )
     return cfg, geometry
 

@@ -72,6 +72,27 @@ class PDMConfig:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
+def block_shape(
+    target_config,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    intermediate_size: int | None = None,
+) -> dict:
+    """A drafter block's attention and MLP shape (the PDM's and EAGLE-3's): each value given, else the target's
+    (`target_config`, a transformers text config). The one place these defaults are read: `fit`, `estimate` and
+    EAGLE-3 build the same drafter from the same settings."""
+    cfg = target_config
+    heads = num_heads or cfg.num_attention_heads
+    return dict(
+        num_heads=heads,
+        num_kv_heads=num_kv_heads or getattr(cfg, "num_key_value_heads", None) or heads,
+        head_dim=head_dim or getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        intermediate_size=intermediate_size or cfg.intermediate_size,
+        rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6),
+    )
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()

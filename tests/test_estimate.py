@@ -10,7 +10,7 @@ import pytest
 import yaml
 from kit import REPO, SyntheticChat, make_module, make_tiny_model, make_trainer
 
-from spd_lightning.estimate import GIB, Shape, estimate, main, target_config
+from spd_lightning.estimate import GIB, Shape, estimate, main, pdm_config, target_config
 from spd_lightning.training.memory_meter import PeakMemory
 
 BATCH, LENGTH = 2, 64
@@ -187,3 +187,16 @@ def test_estimate_reads_what_fit_would_run(tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_:
             cli.main(["estimate", *argv])
         assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"num_heads": 2, "num_kv_heads": 1, "head_dim": 16, "intermediate_size": 96, "hidden_size": 64}],
+)
+def test_the_estimate_builds_the_drafter_fit_builds(wide_target, overrides):
+    """`estimate` sizes the PDM that `fit` would build from the same settings (their shape defaults are one
+    function, `pdm.block_shape`): the same config, the target's values where none is given."""
+    module = make_module(wide_target, num_layers=2, init_head=not overrides, **overrides)
+    shape = Shape(BATCH, LENGTH, 64, "32", "ddp", "float32", False, "dense", {**module.hparams})
+    built, _ = pdm_config(shape, target_config(wide_target))
+    assert built == module._pdm_config(64, built.rope_theta)

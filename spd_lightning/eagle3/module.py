@@ -20,6 +20,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..export import CKPT_KEY
+from ..pdm import block_shape
 from ..target import TargetError, load_hf_config
 from ..training.checkpoint_io import check_resumed_shape, check_weights_finite
 from ..training.optimizer import (
@@ -99,17 +100,12 @@ class Eagle3Module(FrozenTargetHolder, ShardedGradientClipping, L.LightningModul
 
     def drafter_config(self, draft_vocab_size: int, rope_theta: float) -> Eagle3Config:
         hp, cfg = self.hparams, self.target_config
-        heads = hp.num_heads or cfg.num_attention_heads
         return Eagle3Config(
             hidden_size=cfg.hidden_size,
             draft_vocab_size=draft_vocab_size,
             feature_layers=tuple(self.feature_layers),
-            num_heads=heads,
-            num_kv_heads=hp.num_kv_heads or getattr(cfg, "num_key_value_heads", None) or heads,
-            head_dim=hp.head_dim or getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
-            intermediate_size=hp.intermediate_size or cfg.intermediate_size,
-            rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
+            **block_shape(cfg, hp.num_heads, hp.num_kv_heads, hp.head_dim, hp.intermediate_size),
         )
 
     # -- the frozen target (FrozenTargetHolder, spd_lightning/training/teacher.py) and the drafter --------

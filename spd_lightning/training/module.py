@@ -39,7 +39,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from ..errors import ConfigError
 from ..export import CKPT_KEY, DrafterSpec, seed_from_drafter
 from ..geometry import Features, Geometry, Schedule
-from ..pdm import DecoderLayer, PDMConfig, PipelineDraftModule
+from ..pdm import DecoderLayer, PDMConfig, PipelineDraftModule, block_shape
 from ..target import (
     Target,
     TargetError,
@@ -196,20 +196,15 @@ class SPDModule(DistillationTeacher, ShardedGradientClipping, L.LightningModule)
     def _pdm_config(self, draft_vocab_size: int, rope_theta: float) -> PDMConfig:
         """The PDM shape: the configured values, the target's where none is given."""
         hp, cfg = self.hparams, self.target_config
-        heads = hp.num_heads or cfg.num_attention_heads
         return PDMConfig(
             target_hidden_size=cfg.hidden_size,
             num_types=self.geometry.num_types,
             draft_vocab_size=draft_vocab_size,
             hidden_size=hp.hidden_size or cfg.hidden_size,
             num_layers=hp.num_layers,
-            num_heads=heads,
-            num_kv_heads=hp.num_kv_heads or getattr(cfg, "num_key_value_heads", None) or heads,
-            head_dim=hp.head_dim or getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
-            intermediate_size=hp.intermediate_size or cfg.intermediate_size,
-            rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             head_from_target=hp.head_from_target,
+            **block_shape(cfg, hp.num_heads, hp.num_kv_heads, hp.head_dim, hp.intermediate_size),
         )
 
     def _check_init_args(self) -> None:
