@@ -294,7 +294,7 @@ class PipelineDraftModule(nn.Module):
         attention output, MLP and final norm for those rows alone, while every row still supplies keys and
         values; `attend` receives their queries (`q.shape[-2] == outputs`) and the result is `[B, outputs, d]`.
         Earlier layers run every row: later rows are keys of the last one. (Training's loss copy is the first
-        `T` rows of the replicated sequence: spd_lightning/training/layouts.py.)
+        `T` rows of the replicated sequence: spd_lightning/training/layouts/.)
 
         With `checkpointing` (and grad enabled) each layer keeps only its input and recomputes its inside in
         the backward pass (non-reentrant `torch.utils.checkpoint`): the activations of `n+1` replicated

@@ -6,8 +6,8 @@ import torch
 from kit import SyntheticChat, make_module, make_trainer
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import spd_lightning.training.layouts as layouts
 from spd_lightning.pdm import PDMConfig, PipelineDraftModule
+from spd_lightning.training.layouts import replication
 
 
 class GradRecorder(L.Callback):
@@ -59,7 +59,7 @@ class DtypeRecorder:
 
     def __init__(self, monkeypatch):
         self.calls = []
-        real = layouts.make_attend
+        real = replication.make_attend
 
         def wrapped(backend, *args):
             attend = real(backend, *args)
@@ -70,7 +70,7 @@ class DtypeRecorder:
 
             return recording
 
-        monkeypatch.setattr(layouts, "make_attend", wrapped)
+        monkeypatch.setattr(replication, "make_attend", wrapped)
 
 
 def test_bf16_mixed_step_and_compiled_flex_forward(tiny_target_dir, tmp_path, monkeypatch):

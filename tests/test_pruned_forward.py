@@ -17,9 +17,8 @@ import torch
 from kit import anchor_pdm, attached_module, loss_batch, loss_target, padded_anchor_states
 
 from spd_lightning.geometry import Geometry
-from spd_lightning.training import layouts
 from spd_lightning.training.distill import distill
-from spd_lightning.training.layouts import FillDistribution, build_layout
+from spd_lightning.training.layouts import FillDistribution, build_layout, depth_copies, replication
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 T = 40
@@ -91,7 +90,7 @@ class QueryRows:
     """Records the number of query rows of every attention call the training layouts serve."""
 
     def __init__(self, monkeypatch):
-        self.calls, real = [], layouts.make_attend
+        self.calls, real = [], replication.make_attend
 
         def wrapped(*args):
             attend = real(*args)
@@ -102,7 +101,7 @@ class QueryRows:
 
             return recording
 
-        monkeypatch.setattr(layouts, "make_attend", wrapped)
+        monkeypatch.setattr(replication, "make_attend", wrapped)
 
 
 @pytest.mark.parametrize("aux_loss_weight", [0.0, 0.5])
@@ -122,12 +121,12 @@ def test_plan_grids_are_reused_across_batches():
     """The shape-only part of the two-part plan is built once per shape; each batch cuts it by its own fill."""
     layout = build_layout("depth", Geometry.build(8, 4))
     gen = torch.Generator().manual_seed(0)
-    layouts._depth_grid.cache_clear()
+    depth_copies._depth_grid.cache_clear()
     for lengths in ([12, 7], [12, 3]):
         rep = layout.replicate(torch.tensor(lengths), 12, layout.draw_fill(2, 12, gen))
         predicate = torch.stack(
             [rep.mask_mod(torch.tensor(b), 0, torch.arange(12)[:, None], torch.arange(60)) for b in range(2)]
         )
         assert torch.equal(rep.plan(12).dense(rep.seq_len), predicate)
-    info = layouts._depth_grid.cache_info()
+    info = depth_copies._depth_grid.cache_info()
     assert (info.misses, info.hits) == (1, 1) and info.maxsize is not None

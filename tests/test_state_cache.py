@@ -209,7 +209,9 @@ def test_validation_from_the_cache_reports_the_full_vocabulary_metric(chats, sta
             with torch.no_grad():
                 module.validation_step(next(iter(data.val_dataloader())), 0)
         torch.testing.assert_close(online.val_metrics.outside.compute(), cached.val_metrics.outside.compute())
-        torch.testing.assert_close(online.val_metrics.loss.compute(), cached.val_metrics.loss.compute(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            online.val_metrics.loss.compute(), cached.val_metrics.loss.compute(), rtol=1e-5, atol=1e-6
+        )
         shares.append(cached.val_metrics.outside.compute().item())
     assert shares[1] > shares[0], shares
 

@@ -1,6 +1,6 @@
 """Attention backends for a structural mask given ONCE as a FlexAttention-style predicate.
 
-A training layout (spd_lightning/training/layouts.py) describes its mask as `mask_mod(b, h, q_idx, kv_idx) -> bool`
+A training layout (spd_lightning/training/layouts/) describes its mask as `mask_mod(b, h, q_idx, kv_idx) -> bool`
 over the replicated sequence of length `S`. The same predicate drives three backends:
 
 - `flex`: a block mask + `flex_attention` (compiled on CUDA). The mask is never materialized as a

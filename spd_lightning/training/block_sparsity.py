@@ -88,7 +88,7 @@ def skeleton(shape: ShapeMasks, rows: int, seq_len: int, device: torch.device, b
     return built
 
 
-@torch.inference_mode(False)  # the cache serves training and validation (layouts.index_table)
+@torch.inference_mode(False)  # the cache serves training and validation (layouts.replication.index_table)
 def _build(shape: ShapeMasks, rows: int, seq_len: int, device: torch.device, block: int) -> Skeleton:
     num_q, num_k = -(-rows // block), -(-seq_len // block)
     touched = torch.zeros(shape.levels, num_q, num_k, dtype=torch.bool, device=device)
