@@ -15,9 +15,9 @@ from kit import Record, RecordSamples, SignalAt, fit_args, make_data, quiet_trai
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from spd_lightning import cli
-from spd_lightning.cli import CheckpointOnStop
 from spd_lightning.data import ChatDataModule
 from spd_lightning.errors import Stopped
+from spd_lightning.training.checkpoints import CheckpointOnStop
 from spd_lightning.training.stopping import STOP
 
 
@@ -148,7 +148,7 @@ import torch
 torch.set_num_threads(1)
 sys.path.insert(0, {tests!r})
 from kit import Record, RecordSamples, SignalAt, ddp_trainer, how_it_ended, make_data
-from spd_lightning.cli import CheckpointOnStop
+from spd_lightning.training.checkpoints import CheckpointOnStop
 from spd_lightning.training.stopping import STOP
 
 chat_target, out, pressed_rank, signum = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
@@ -221,7 +221,7 @@ torch.set_num_threads(1)
 import lightning as L
 sys.path.insert(0, {tests!r})
 from kit import Record, RecordSamples, ddp_trainer, how_it_ended, make_data
-from spd_lightning.cli import CheckpointOnStop
+from spd_lightning.training.checkpoints import CheckpointOnStop
 from spd_lightning.training.stopping import STOP
 
 chat_target, out, signalled_rank, signum = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
@@ -266,7 +266,7 @@ torch.set_num_threads(1)
 import lightning as L
 sys.path.insert(0, {tests!r})
 from kit import ddp_trainer, how_it_ended, make_data, make_module
-from spd_lightning.cli import CheckpointOnStop
+from spd_lightning.training.checkpoints import CheckpointOnStop
 from spd_lightning.training.stopping import STOP
 
 chat_target, out, signalled_rank, signum = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])

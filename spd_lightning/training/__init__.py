@@ -10,6 +10,7 @@ fill_estimate.py    `fill_probs: auto`: the running acceptance per fill the fill
 metrics.py          grouped agreement (per depth, per fill level) and validation's figures
 optimizer.py        AdamW with warmup and decay, clipping under FSDP too: for the PDM and the EAGLE-3 drafter
 checkpoint_io.py    checkpoint files written atomically; no diverged or misshapen drafter saved over or resumed into one
+checkpoints.py      a run's checkpoints: saved on a stop, a failed write ending every rank, `--ckpt_path` checked first
 stopping.py         a run cut off (SIGTERM, Ctrl-C) saves its step's checkpoint
 deltanet_fallback.py  the cost of the Gated DeltaNet torch fallback (fit's warning, estimate's step time)
 memory_meter.py     peak memory of a step (benchmarks)
