@@ -23,6 +23,7 @@ from inference.processes.nodes import (
     ReportListener,
     ReportSender,
     agent_rendezvous,
+    answer,
     join_pipeline,
 )
 from inference.processes.reports import Inbox
@@ -193,9 +194,31 @@ def test_a_node_that_refuses_node_0s_terms_tells_node_0_why(caplog):
     inbox.put(refused)
     inbox.close()
     assert inbox.refusal_note() == f"; node 1 did not join: {refused.reason}"
+    assert inbox.await_nodes(1, timeout_s=60) == f"node 1 did not join: {refused.reason}"  # at once
     quiet = Inbox(LocalQueue(), None, None)
     quiet.close()
     assert quiet.refusal_note() == ""
+
+
+def test_node_0_starts_its_ranks_once_every_other_node_joined_and_ignores_answers_to_another_pipeline():
+    """Node 0's ranks start only when every other node has answered its pipeline `Joined` (`Inbox.await_nodes`): a
+    missing node is a line after --timeout; an answer meant for another of node 0's pipelines is not counted."""
+    port = free_port()
+    inbox = Inbox(LocalQueue(), None, None)
+    listener = ReportListener(dataclasses.replace(nodes(0, port), nnodes=3, pipeline="p2"), inbox)
+    try:
+        assert inbox.await_nodes(2, timeout_s=0.3) == "2 other node(s) did not answer within --timeout 0.3 s"
+        answer(dataclasses.replace(nodes(1, port), pipeline="p1"))  # the previous pipeline's: ignored
+        answer(dataclasses.replace(nodes(1, port), pipeline="p2"))
+        assert inbox.await_nodes(2, timeout_s=0.5) == "1 other node(s) did not answer within --timeout 0.5 s"
+        waiting = threading.Thread(target=lambda: answer(dataclasses.replace(nodes(2, port), pipeline="p2")))
+        waiting.start()
+        assert inbox.await_nodes(2, timeout_s=30) is None
+        waiting.join()
+        assert inbox.joined == {1, 2} and inbox.refusals == []
+    finally:
+        listener.close()
+        inbox.close()
 
 
 def test_only_rank_0_on_node_0_reads_requests():

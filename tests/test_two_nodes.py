@@ -151,13 +151,14 @@ def test_two_nodes_serve_two_requests_at_once_and_cancel_each_on_the_other_nodes
 @pytest.mark.slow
 def test_a_node_started_with_another_dtype_stops_with_one_line_and_node_0_logs_why(drafter_dir):
     """Node 1 started with --dtype bfloat16 beside node 0's float32 would exchange other dtypes with it. It stops
-    with one line (exit 2) as soon as it learns node 0's terms, and tells node 0: node 0 logs why at once, and
-    when its ranks stop waiting for node 1's (--timeout), the pipeline's failure names the reason too."""
+    with one line (exit 2) as soon as it learns node 0's terms, and tells node 0, which logs why and ends that
+    pipeline with the reason at once: its ranks never start to wait for node 1's until --timeout (60 s here, beyond
+    the 40 s this test waits for the line)."""
     import threading
     import time
 
     nodes = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
-    nodes += ["--report-port", str(free_port()), "--timeout", "8", "--ckpt", drafter_dir]
+    nodes += ["--report-port", str(free_port()), "--timeout", "60", "--ckpt", drafter_dir]
     server = Server(*nodes, "--node-rank", "0", "--nproc-per-node", "1", "--model-name", "spd")
     logged: list[str] = []
     threading.Thread(target=lambda: logged.extend(server.process.stderr), daemon=True).start()
@@ -172,7 +173,7 @@ def test_a_node_started_with_another_dtype_stops_with_one_line_and_node_0_logs_w
             timeout=120,
         )
         assert worker.returncode == 2 and reason in worker.stderr and "Traceback" not in worker.stderr, worker.stderr
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 40
         while not any(f"node 1 did not join: {reason}" in line for line in logged) and time.monotonic() < deadline:
             time.sleep(0.2)
         text = "".join(logged)

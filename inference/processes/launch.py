@@ -252,6 +252,7 @@ def launch(
             # never on every interface: loopback on one node, node 0's --master-addr across nodes
             stores_listen_on("127.0.0.1" if job.nodes is None else job.nodes.master_addr),
         ):
+            _await_other_nodes(job, inbox)
             elastic_launch(_agent_config(job, method, logs), _rank_main)(
                 job, _reports_to(job, inbox), os.getpid(), request_channel, work
             )
@@ -278,6 +279,16 @@ def _reports_to(job: DecodeJob, inbox: Inbox):
     if job.nodes is None or job.nodes.node_rank == 0:
         return inbox.messages
     return ReportSender(job.nodes, inbox.messages, local_kinds=(Started, Failed))
+
+
+def _await_other_nodes(job: DecodeJob, inbox: Inbox) -> None:
+    """On node 0 of a multi-node run, its ranks start once every other node has joined this pipeline: a node that
+    refuses it (`DecodeJob.agree`) ends it at once, where the ranks would have waited for it until --timeout."""
+    if job.nodes is None or job.nodes.node_rank != 0 or job.nodes.nnodes == 1:
+        return
+    why = inbox.await_nodes(job.nodes.nnodes - 1, job.timeout_s)
+    if why is not None:
+        raise LaunchError(f"the nodes did not meet: {why}")
 
 
 def _listening(job: DecodeJob, inbox: Inbox, request_channel):

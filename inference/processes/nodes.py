@@ -12,7 +12,8 @@ network from mixing. Every pipeline node 0 starts has a name of its own (`Nodes.
 rendezvous's store keys carry; another node asks node 0's listener for the pipeline after the one it ran last
 (`join_pipeline`): the listener of that same pipeline does not answer, the next one does. With the name come
 the settings every rank must share (`Nodes.terms`), which the other nodes check theirs against
-(`DecodeJob.agree`); a node that differs says why to node 0 (`refuse`), whose log and failed pipeline then name it.
+(`DecodeJob.agree`) and answer (`answer`): node 0 starts its ranks once every other node joined, and a node that
+differs says why, which node 0 logs and ends that pipeline with at once.
 """
 
 from __future__ import annotations
@@ -187,6 +188,8 @@ class ReportListener:
                     return
                 if isinstance(message, WatchCancels):
                     return self._watch(connection)
+                if isinstance(message, Joined | Refused) and message.pipeline != self.nodes.pipeline:
+                    return  # an answer to another pipeline of node 0's
                 if isinstance(message, Refused):
                     log.warning(
                         "node %d will not join pipeline %s: %s", message.node_rank, message.pipeline, message.reason
@@ -230,6 +233,15 @@ class PipelineQuery:
 
 
 @dataclass(frozen=True)
+class Joined:
+    """Another node's answer to a pipeline whose terms it shares: its agent starts now. Node 0 starts its own once
+    every other node has joined (`reports.Inbox.await_nodes`), so a refusal ends the pipeline at once."""
+
+    node_rank: int
+    pipeline: str
+
+
+@dataclass(frozen=True)
 class Refused:
     """Another node's answer to a pipeline whose terms differ from its own (`DecodeJob.agree`): it will not join."""
 
@@ -242,12 +254,16 @@ class NodeZeroUnreachable(UserError):
     pass
 
 
-def refuse(nodes: Nodes, reason: str) -> None:
-    """Tell node 0 why this node does not join its pipeline `nodes.pipeline`, where node 0's ranks would otherwise
-    wait for it until the process-group timeout with no word of the cause. Best effort: node 0 may be gone."""
+def answer(nodes: Nodes, reason: str | None = None) -> None:
+    """Tell node 0 whether this node joins its pipeline `nodes.pipeline` (`Joined`), or why not (`Refused`): node 0
+    waits for every answer before its own ranks start. Best effort: node 0 may be gone (its next pipeline then
+    waits for this node's next answer)."""
+    message = (
+        Joined(nodes.node_rank, nodes.pipeline) if reason is None else Refused(nodes.node_rank, nodes.pipeline, reason)
+    )
     with contextlib.suppress(OSError, EOFError, AuthenticationError):
         with Client(nodes.report_address, authkey=nodes.authkey) as connection:
-            connection.send(Refused(nodes.node_rank, nodes.pipeline, reason))
+            connection.send(message)
 
 
 def join_pipeline(nodes: Nodes, timeout_s: float) -> Nodes:

@@ -11,13 +11,14 @@ from __future__ import annotations
 import queue
 import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import NamedTuple
 
 from inference.cycle.pipeline import role_name
 from inference.cycle.result import DecodeResult
 from inference.processes.job import DecodeJob
-from inference.processes.nodes import Refused
+from inference.processes.nodes import Joined, Refused
 
 DRAIN_POLL_S = 0.1  # how often the drain thread checks whether it is closed (a report wakes it at once)
 
@@ -65,7 +66,9 @@ class Inbox:
         self.results: dict[int, DecodeResult] = {}
         self.failures: dict[int, Failed] = {}
         self.refusals: list[Refused] = []  # other nodes that will not join this pipeline, and why
+        self.joined: set[int] = set()  # other nodes that will
         self._lock = threading.Lock()  # the drain thread and other nodes' listeners report concurrently
+        self._answered = threading.Condition(self._lock)
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._drain, name="spd-launch-inbox", daemon=True)
         self._thread.start()
@@ -80,7 +83,7 @@ class Inbox:
                 continue
             self.put(message)
 
-    def put(self, message: Started | Streamed | Finished | Failed | Refused) -> None:
+    def put(self, message: Started | Streamed | Finished | Failed | Joined | Refused) -> None:
         """One report: from the queue, or from a rank on another node."""
         with self._lock:
             if isinstance(message, Started):
@@ -94,8 +97,12 @@ class Inbox:
                 self.results[message.index] = result = message.result
                 if self.on_result is not None:
                     self.on_result(message.index, result)
-            elif isinstance(message, Refused):
-                self.refusals.append(message)
+            elif isinstance(message, Joined | Refused):
+                if isinstance(message, Joined):
+                    self.joined.add(message.node_rank)
+                else:
+                    self.refusals.append(message)
+                self._answered.notify_all()
             else:
                 self.failures.setdefault(message.rank, message)
 
@@ -106,6 +113,19 @@ class Inbox:
 
     def pid_list(self) -> tuple[int, ...]:
         return tuple(self.pids[r] for r in sorted(self.pids))
+
+    def await_nodes(self, others: int, timeout_s: float) -> str | None:
+        """Node 0 before its ranks start: wait until the `others` other nodes have joined this pipeline (None), one
+        refused, or `timeout_s` passed (why not, in a line)."""
+        deadline = time.monotonic() + timeout_s
+        with self._answered:
+            while len(self.joined) < others and not self.refusals:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = others - len(self.joined)
+                    return f"{missing} other node(s) did not answer within --timeout {timeout_s:g} s"
+                self._answered.wait(left)
+        return self.refusal_note().removeprefix("; ") or None
 
     def refusal_note(self) -> str:
         """What a failure message adds when other nodes refused to join: the ranks that waited for them timed out."""

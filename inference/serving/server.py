@@ -36,7 +36,7 @@ from inference import cli
 from inference.backends import make_backend as in_process_backend
 from inference.processes.job import DecodeJob
 from inference.processes.launch import LaunchError, RankInputError, launch
-from inference.processes.nodes import Nodes, RemoteRequestChannel, join_pipeline, refuse
+from inference.processes.nodes import Nodes, RemoteRequestChannel, answer, join_pipeline
 from inference.sampling import Sampling
 from inference.serving.batching import GPU_BATCH, check_max_batch, default_max_batch
 from inference.serving.engine import Engine
@@ -224,14 +224,16 @@ def serving_job(setup: Setup, args: argparse.Namespace) -> DecodeJob:
 
 
 def join_next_pipeline(job: DecodeJob, adopt: tuple[str, ...]) -> None:
-    """This node's place in node 0's next pipeline, with node 0's terms taken (`adopt`) or refused: a refusal is
-    one line here and is told to node 0 (`nodes.refuse`), whose log and failed pipeline then say why."""
+    """This node's place in node 0's next pipeline, with node 0's terms taken (`adopt`) or refused: either is told
+    to node 0 (`nodes.answer`), which starts its ranks once every node joined; a refusal is one line here, and node 0
+    logs it and ends that pipeline with it."""
     job.nodes = join_pipeline(job.nodes, job.timeout_s)
     try:
         job.agree(job.nodes.terms, adopt)
     except UserError as e:
-        refuse(job.nodes, str(e))
+        answer(job.nodes, str(e))
         raise
+    answer(job.nodes)
 
 
 def run_ranks_only(args: argparse.Namespace) -> int:
