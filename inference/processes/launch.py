@@ -259,13 +259,12 @@ def launch(
     except DistStoreError as e:  # the agent's rendezvous: another node's agent never came
         if job.nodes is None:
             raise
-        raise LaunchError(f"the nodes did not meet: {first_line(e)}{inbox.refusal_note()}", inbox.pid_list()) from None
+        raise LaunchError(f"the nodes did not meet: {first_line(e)}", inbox.pid_list()) from None
     except ChildFailedError as e:
         failed = {rank: f.exitcode for rank, f in e.failures.items()}
         blamed = blamed_report(failed, inbox.failures)
         cls = RankInputError if blamed is not None and blamed.user_error else LaunchError
-        message = failure_message(job, failed, inbox.failures) + inbox.refusal_note()
-        raise cls(message, inbox.pid_list(), failed) from None
+        raise cls(failure_message(job, failed, inbox.failures), inbox.pid_list(), failed) from None
     if request_channel is not None:
         return []
     missing = [i for i in range(len(job.prompts)) if i not in inbox.results]

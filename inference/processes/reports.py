@@ -97,11 +97,11 @@ class Inbox:
                 self.results[message.index] = result = message.result
                 if self.on_result is not None:
                     self.on_result(message.index, result)
-            elif isinstance(message, Joined | Refused):
-                if isinstance(message, Joined):
-                    self.joined.add(message.node_rank)
-                else:
-                    self.refusals.append(message)
+            elif isinstance(message, Joined):
+                self.joined.add(message.node_rank)
+                self._answered.notify_all()
+            elif isinstance(message, Refused):
+                self.refusals.append(message)
                 self._answered.notify_all()
             else:
                 self.failures.setdefault(message.rank, message)
@@ -125,11 +125,7 @@ class Inbox:
                     missing = others - len(self.joined)
                     return f"{missing} other node(s) did not answer within --timeout {timeout_s:g} s"
                 self._answered.wait(left)
-        return self.refusal_note().removeprefix("; ") or None
-
-    def refusal_note(self) -> str:
-        """What a failure message adds when other nodes refused to join: the ranks that waited for them timed out."""
-        return "".join(f"; node {r.node_rank} did not join: {r.reason}" for r in self.refusals)
+        return "; ".join(f"node {r.node_rank} did not join: {r.reason}" for r in self.refusals) or None
 
 
 def blamed_report(failed: dict[int, int], reports: dict[int, Failed]) -> Failed | None:
