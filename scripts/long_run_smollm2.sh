@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The long CPU run behind docs/SMOLLM2.md, in order, every step resumable, so that each session starts the same
+# command and it goes on where the last session's stopped (a CPU session keeps runs/ but not its processes):
+#   1. the target, installed and converted once (scripts/smollm2_target.sh);
+#   2. the training answers, unpacked from data/smollm2/regen_t0.jsonl.gz once;
+#   3. the target-state cache every PDM drafter reads (`curve-states`, resumed by shard);
+#   4. the 8 M-token drafter (scripts/train_smollm2.sh, resumed from its last.ckpt);
+#   5. that drafter exported and decoded on the 40 held-out prompts, with an interval (skipped once its json exists);
+#   6. the training-budget curve: SPD, PPSD and EAGLE-3 trained to every budget, then evaluated (`curve-train`,
+#      `curve-eval`; both skip what is done).
+# It lowers its own CPU share first, so that tests and builds beside it keep the cores.
+#   (setsid nohup bash scripts/long_run_smollm2.sh >> runs/long_run.log 2>&1 &)   # start, or resume
+#   pkill -TERM -f "spd_lightning fit"   # stop before a session ends: the training saves its last.ckpt first
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+export PY WANDB_MODE=offline HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=2
+
+# nice orders processes only within their autogroup (one per session while the kernel's sched_autogroup is on), so a
+# run started under setsid lowers its own group too; never the caller's group, which would slow the caller's shell.
+renice -n 19 -p $$ > /dev/null
+if [ "$(ps -o sid= -p $$ | tr -d ' ')" = "$$" ] && [ -w /proc/$$/autogroup ]; then echo 19 > /proc/$$/autogroup; fi
+
+step() { echo "$(date -u '+%F %T') == $*"; }
+DRAFTER=runs/smollm2_8m/drafter
+HELDOUT=runs/heldout/sharegpt40.jsonl
+TARGET=artifacts/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+
+step "1/6 the target"
+bash scripts/smollm2_target.sh
+step "2/6 the training answers"
+[ -f artifacts/smollm2/regen_t0.jsonl ] || gunzip -c data/smollm2/regen_t0.jsonl.gz > artifacts/smollm2/regen_t0.jsonl
+step "3/6 the target-state cache (progress: runs/bench_smollm2/states.log)"
+"$PY" scripts/bench_paper.py curve-states --suite smollm2 --threads 2
+step "4/6 the 8 M-token drafter (progress: runs/smollm2_8m/fit/*/metrics.csv)"
+bash scripts/train_smollm2.sh
+step "5/6 the 8 M-token drafter on the 40 held-out prompts"
+if [ ! -f runs/smollm2_8m/heldout40.json ]; then
+  "$PY" -m spd_lightning export --ckpt runs/smollm2_8m/checkpoints/last.ckpt --out "$DRAFTER"
+  [ -f "$HELDOUT" ] || "$PY" scripts/sharegpt_heldout.py --skip 15000 --count 40 --out "$HELDOUT"
+  "$PY" -m inference.decode --ckpt "$DRAFTER" --target "$TARGET" --prompts "$HELDOUT" --max-new-tokens 64 \
+    --simulate --check-lossless --json runs/smollm2_8m/heldout40.json.part
+  mv runs/smollm2_8m/heldout40.json.part runs/smollm2_8m/heldout40.json
+fi
+step "6/6 the training-budget curve (logs: runs/bench_smollm2/*/)"
+"$PY" scripts/bench_paper.py curve-train all --suite smollm2 --jobs 1 --threads 2
+"$PY" scripts/bench_paper.py curve-eval all --suite smollm2 --jobs 1 --threads 2
+step "done: python scripts/bench_paper.py curve --suite smollm2 writes the tables and the plot"
