@@ -6,8 +6,8 @@
 #   3. the target-state cache every PDM drafter reads (`curve-states`, resumed by shard);
 #   4. the 8 M-token drafter (scripts/train_smollm2.sh, resumed from its last.ckpt);
 #   5. that drafter exported and decoded on the 40 held-out prompts, with an interval (skipped once its json exists);
-#   6. the training-budget curve: SPD, PPSD and EAGLE-3 trained to every budget, then evaluated (`curve-train`,
-#      `curve-eval`; both skip what is done).
+#   6. the training-budget curve (`curve-train`, `curve-eval`; both skip what is done): first the three drafters that
+#      decide the paper's claim (SPD and PPSD at n = 8, L_s = 1, and EAGLE-3) and their tables, then the others.
 # It lowers its own CPU share first, so that tests and builds beside it keep the cores.
 #   (setsid nohup bash scripts/long_run_smollm2.sh >> runs/long_run.log 2>&1 &)   # start, or resume
 #   pkill -TERM -f "spd_lightning fit"   # stop before a session ends: the training saves its last.ckpt first
@@ -23,7 +23,7 @@ if [ "$(ps -o sid= -p $$ | tr -d ' ')" = "$$" ] && [ -w /proc/$$/autogroup ]; th
 
 step() { echo "$(date -u '+%F %T') == $*"; }
 DRAFTER=runs/smollm2_8m/drafter
-HELDOUT=runs/heldout/sharegpt40.jsonl
+HELDOUT=runs/bench_smollm2/sharegpt.jsonl  # the 40 held-out prompts; the curve reads the same file
 TARGET=artifacts/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 
 step "1/6 the target"
@@ -43,6 +43,12 @@ if [ ! -f runs/smollm2_8m/heldout40.json ]; then
   mv runs/smollm2_8m/heldout40.json.part runs/smollm2_8m/heldout40.json
 fi
 step "6/6 the training-budget curve (logs: runs/bench_smollm2/*/)"
-"$PY" scripts/bench_paper.py curve-train all --suite smollm2 --jobs 1 --threads 2
-"$PY" scripts/bench_paper.py curve-eval all --suite smollm2 --jobs 1 --threads 2
-step "done: python scripts/bench_paper.py curve --suite smollm2 writes the tables and the plot"
+DECIDING=(curve_spd_n8_L1 curve_ppsd_n8_L1 curve_eagle3)
+for names in "${DECIDING[*]}" all; do
+  # shellcheck disable=SC2086 # the names are words
+  "$PY" scripts/bench_paper.py curve-train $names --suite smollm2 --jobs 1 --threads 2
+  # shellcheck disable=SC2086
+  "$PY" scripts/bench_paper.py curve-eval $names --suite smollm2 --jobs 1 --threads 2
+  "$PY" scripts/bench_paper.py curve --suite smollm2 --out runs/bench_smollm2/curve.md --png runs/bench_smollm2/curve.png
+done
+step "done: runs/bench_smollm2/curve.md (python scripts/bench_paper.py curve --suite smollm2 puts it in docs/BENCHMARKS.md)"
