@@ -1,14 +1,16 @@
 """Rehearse every shipped config on CPU, as a user runs it: `python -m spd_lightning fit --config configs/X.yaml`.
 
 The target is a random-init model of the config's REAL architecture (`spd_lightning/archs/*.json`: layer count,
-hybrid layer pattern, head counts and dims, vocabulary, rope settings) at hidden size 32, saved as an HF
-directory with a small chat tokenizer. Everything the config sets about the drafter runs as shipped (anchors,
-n, L_s, V_d, layout, schedule, lr schedule, checkpointing, callbacks); only what a CPU cannot afford is
-overridden on the command line: the accelerator, precision and device count, the data (a few short local
-chats, padded to 16 instead of 128 tokens: T = 32), batch size, loader workers, logger, and the step /
-validation / checkpoint intervals and the staircase callback's sizes (2 steps, one 4-token decode). Two
-training steps, a validation, `export`, and a simulator decode of the exported drafter that must equal
-autoregressive decoding. A config that cannot run fails here.
+hybrid layer pattern, head counts and dims, vocabulary, rope settings) at hidden size 32, saved as an HF directory
+with a small chat tokenizer. Everything the config sets about the drafter runs as shipped (anchors, n, L_s, V_d,
+layout, schedule, lr schedule, checkpointing, callbacks); only what a CPU cannot afford is overridden on the command
+line: the accelerator, precision and device count, the target's dtype (float32: a bfloat16 depthwise conv1d, the
+Gated DeltaNet layers' short convolution, takes about 30 ms on this CPU against 0.3 in float32, which made the
+bfloat16 run 45 s against 19; tests/test_checkpointing.py fits a bfloat16 target), the data (a few short local
+chats, padded to 16 instead of 128 tokens: T = 32), batch size, loader workers, logger, and the step / validation /
+checkpoint intervals and the staircase callback's sizes (2 steps, one 4-token decode). Two training steps, a
+validation, `export`, and a simulator decode of the exported drafter that must equal autoregressive decoding. A
+config that cannot run fails here.
 
 The 9B config (hybrid Gated DeltaNet target) runs in the default suite; the 4B and 8B ones, ~30 s and ~15 s on
 the shared 2-core machine, under `-m slow`.
@@ -119,6 +121,8 @@ def test_shipped_config_trains_validates_exports_and_decodes(
             os.path.join(REPO, "configs", config),
             "--model.target",
             target,
+            "--model.target_dtype",
+            "float32",
             "--trainer.accelerator",
             "cpu",
             "--trainer.devices",
