@@ -44,11 +44,15 @@ if [ ! -f runs/smollm2_8m/heldout40.json ]; then
 fi
 step "6/6 the training-budget curve (logs: runs/bench_smollm2/*/)"
 DECIDING=(curve_spd_n8_L1 curve_ppsd_n8_L1 curve_eagle3)
+# The CPU protocol: 14 prompts a set (42), 64 tokens, T = 0. The curve's own (40 a set, 128 tokens, T = 0 and 1)
+# costs about 4 h per drafter and budget on 2 cores (docs/BENCHMARKS.md, "SmolLM2: speedup against training budget").
+PROTOCOL=(--limit 14 --max-new-tokens 64 --temperatures 0)
 for names in "${DECIDING[*]}" all; do
   # shellcheck disable=SC2086 # the names are words
   "$PY" scripts/bench_paper.py curve-train $names --suite smollm2 --jobs 1 --threads 2
   # shellcheck disable=SC2086
-  "$PY" scripts/bench_paper.py curve-eval $names --suite smollm2 --jobs 1 --threads 2
-  "$PY" scripts/bench_paper.py curve --suite smollm2 --out runs/bench_smollm2/curve.md --png runs/bench_smollm2/curve.png
+  "$PY" scripts/bench_paper.py curve-eval $names --suite smollm2 --jobs 1 --threads 2 "${PROTOCOL[@]}"
+  "$PY" scripts/bench_paper.py curve --suite smollm2 "${PROTOCOL[@]}" --out runs/bench_smollm2/curve.md \
+    --png runs/bench_smollm2/curve.png
 done
 step "done: runs/bench_smollm2/curve.md (python scripts/bench_paper.py curve --suite smollm2 puts it in docs/BENCHMARKS.md)"

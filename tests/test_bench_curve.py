@@ -90,10 +90,10 @@ def _eagle3(k: int) -> list[DecodeResult]:
     return [DecodeResult(**{**one.__dict__, "decode_s": 0.8}) for _ in range(4)]
 
 
-def _store(root, name: str, budget: int, results: list[dict], eagle3: list[dict]) -> None:
+def _store(root, name: str, budget: int, results: list[dict], eagle3: list[dict], protocol: str = "") -> None:
     where = {"set": "overall", "path": None, "temperature": 0.0}
     report = {"results": [{**where, **r} for r in results], "eagle3_results": [{**where, **r} for r in eagle3]}
-    out = root / name / f"eval_{budget}"
+    out = root / name / f"eval_{budget}{protocol}"
     out.mkdir(parents=True)
     (out / "eval.json").write_text(json.dumps(report))
     reached = root / name / "budgets" / "budgets.json"
@@ -132,6 +132,29 @@ def test_the_curve_report_from_stored_rows(tmp_path_factory, tmp_path, capsys):
     assert "ratio 1.87, the paper's >= 2x does not hold (SPD's interval and 2 x PPSD's do not overlap" in text
     assert "python -m spd_lightning prepare --config configs/bench_tiny.yaml" in text
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_another_protocol_reads_and_writes_folders_of_its_own(tmp_path_factory, tmp_path, capsys):
+    """`--limit 2 --max-new-tokens 6 --temperatures 0`: the report reads only that protocol's rows (the curve's own,
+    stored beside them, stay out) and lists evaluation commands that run it; --temperatures elsewhere is refused."""
+    target, _ = target_dir(tmp_path_factory, "qwen3", make_tiny_model)
+    root = tmp_path / "root"
+    ar = [DecodeResult(mode="ar", n=1, prompt_len=3, tokens=[1] * 11, K=11, stop_reason="length", decode_s=1.0)] * 4
+    for tokens, protocol in ((12, ""), (8, "_2x6_T0")):
+        spd = pdm_row("spd", 4, 1, _pdm("spd", 4, tokens, 20), ar)
+        _store(root, "curve_spd_n4_L1", 1000, [{**spd, "mode": "spd", "n": 4, "L_s": 1}], [], protocol)
+    out = tmp_path / "doc.md"
+    argv = ["curve", "--suite", "tiny", "--root", str(root), "--out", str(out), "--budgets", "1000", "--png", ""]
+    argv += ["--limit", "2", "--max-new-tokens", "6", "--temperatures", "0"]
+    bench_paper = load_script("bench_paper")
+    assert bench_paper.main([*argv, "--extra", shlex.join(["--model.target", target])]) == 0, capsys.readouterr()
+    text = out.read_text()
+    (row,) = [line for line in text.splitlines() if line.startswith("| SPD n=4 L_s=1 |")]
+    assert f"| {4 * 32 / 82:.2f} [" in row  # n*alpha of the protocol's 8-token prompts, not the curve's 12-token ones
+    evaluation = f"--limit 2 --max-new-tokens 6 --temperatures 0 --no-progress --simulate --out {root}/"
+    assert evaluation + "curve_spd_n4_L1/eval_1000_2x6_T0" in text
+    assert bench_paper.main(["eval", "--temperatures", "0"]) == 2
+    assert "--temperatures goes with curve-eval and curve, not eval" in capsys.readouterr().err
 
 
 def _bench_paper(*argv: str) -> int:

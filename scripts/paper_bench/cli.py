@@ -59,6 +59,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads per run")
     p.add_argument("--limit", type=int, help="eval: prompts per set (default 10; curve-eval: the curve's, 40)")
     p.add_argument("--max-new-tokens", type=int, help="eval: tokens per prompt (default 64; curve-eval: 128)")
+    p.add_argument(
+        "--temperatures", type=float, nargs="+", help="curve-eval, curve: sampling temperatures (default: the curve's)"
+    )
     p.add_argument("--budgets", type=int, nargs="+", help="curve-*: loss-token budgets (default: the suite's)")
     p.add_argument("--tokens-per-step", type=int, help="curve-train: loss tokens per step, an estimate for max_steps")
     p.add_argument(
@@ -79,9 +82,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.curve, args.scripts = suite.curve, SCRIPTS
     if curve and suite.curve is not None:
         defaults = {"limit": suite.curve.limit, "max_new_tokens": suite.curve.max_new_tokens}
-        defaults["tokens_per_step"] = suite.curve.tokens_per_step
+        defaults |= {"tokens_per_step": suite.curve.tokens_per_step, "temperatures": suite.curve.temperatures}
     else:
-        defaults = {"limit": 10, "max_new_tokens": 64, "tokens_per_step": None}
+        defaults = {"limit": 10, "max_new_tokens": 64, "tokens_per_step": None, "temperatures": None}
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -100,6 +103,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> None:
     if args.action in CURVE_ACTIONS:
         return run_curve(args)
+    if args.temperatures is not None:
+        raise BenchError(f"--temperatures goes with curve-eval and curve, not {args.action}: drop it")
     known = [*args.runs, *EAGLE3_RUNS]
     unknown = [n for n in [*args.names, args.calibration, *args.checks] if n not in known]
     if unknown:

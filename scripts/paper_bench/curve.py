@@ -6,6 +6,10 @@ saved drafter evaluated with intervals (docs/BENCHMARKS.md, "SmolLM2: speedup ag
     python scripts/bench_paper.py curve-eval all --suite smollm2    # inference.eval of every (drafter, budget)
     python scripts/bench_paper.py curve --suite smollm2             # tables, plot and verdicts from stored rows
 
+`curve-eval` and `curve` take `--limit`, `--max-new-tokens` and `--temperatures` for a cheaper protocol (each has
+folders of its own, `eval_dir`): on a 2-core CPU the curve's own, 40 prompts a set x 128 tokens x T = 0 and 1, takes
+hours per drafter and budget (docs/BENCHMARKS.md, "SmolLM2: speedup against training budget").
+
 Every step resumes: `prepare --states` keeps the shards it wrote, a fit restarts from its `last.ckpt` (the
 budget callback's count is in it) and stops as soon as its last budget is saved (a finished one is skipped), and
 an (drafter, budget) pair whose `eval_B/eval.json` exists is not evaluated again. The PDM drafters train from one
@@ -120,17 +124,25 @@ def curve_train_command(name: str, args: argparse.Namespace, resume: bool = True
 
 def curve_eval_command(name: str, budget: int, args: argparse.Namespace) -> list[str]:
     """The drafter saved at `budget`, beside AR in one process: the simulator for a PDM, chain decoding at every
-    k of the curve for EAGLE-3; T = 0 and 1."""
+    k of the curve for EAGLE-3; at the curve's temperatures (T = 0 and 1) unless `--temperatures` says others."""
     curve = curve_of(args)
     command = ["python", "-m", "inference.eval", "--ckpt", budget_path(f"{args.root}/{name}/budgets", budget)]
     command += ["--prompts", *args.sets.values(), "--limit", str(args.limit)]
-    command += ["--max-new-tokens", str(args.max_new_tokens), "--temperatures", "0", "1", "--no-progress"]
+    temperatures = [f"{t:g}" for t in args.temperatures]
+    command += ["--max-new-tokens", str(args.max_new_tokens), "--temperatures", *temperatures, "--no-progress"]
     command += ["--k", *map(str, curve.ks)] if name in curve.eagle3 else ["--simulate"]
     return command + ["--out", eval_dir(args, name, budget)]
 
 
 def eval_dir(args: argparse.Namespace, name: str, budget: int) -> str:
-    return f"{args.root}/{name}/eval_{budget}"
+    """`eval_BUDGET` under the curve's protocol; another one (`--limit`, `--max-new-tokens`, `--temperatures`) has
+    a folder of its own, `eval_BUDGET_LIMITxTOKENS_TEMPERATURES` (e.g. `eval_200000_14x64_T0`), so that rows of two
+    protocols never mix and each skips only what it evaluated itself."""
+    curve, out = curve_of(args), f"{args.root}/{name}/eval_{budget}"
+    protocol = (args.limit, args.max_new_tokens, tuple(args.temperatures))
+    if protocol == (curve.limit, curve.max_new_tokens, curve.temperatures):
+        return out
+    return f"{out}_{args.limit}x{args.max_new_tokens}_T{'-'.join(f'{t:g}' for t in args.temperatures)}"
 
 
 def curve_states(args: argparse.Namespace) -> int:

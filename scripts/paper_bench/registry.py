@@ -134,6 +134,7 @@ class Curve(NamedTuple):
     ks: tuple[int, ...] = (1, 2, 3, 5, 7)
     limit: int = 40
     max_new_tokens: int = 128
+    temperatures: tuple[float, ...] = (0.0, 1.0)
     also_serves: tuple[str, ...] = ()  # fit configs on the same data whose anchors and seed layers the cache adds
 
 
