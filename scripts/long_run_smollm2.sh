@@ -21,6 +21,9 @@ export PY WANDB_MODE=offline HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_P
 renice -n 19 -p $$ > /dev/null
 if [ "$(ps -o sid= -p $$ | tr -d ' ')" = "$$" ] && [ -w /proc/$$/autogroup ]; then echo 19 > /proc/$$/autogroup; fi
 
+mkdir -p runs
+exec 9> runs/long_run.lock  # one run at a time: two would write the same checkpoints and cache shards
+flock -n 9 || { echo "error: scripts/long_run_smollm2.sh is already running (runs/long_run.lock)" >&2; exit 1; }
 step() { echo "$(date -u '+%F %T') == $*"; }
 DRAFTER=runs/smollm2_8m/drafter
 HELDOUT=runs/bench_smollm2/sharegpt.jsonl  # the 40 held-out prompts; the curve reads the same file
