@@ -381,6 +381,7 @@ def test_ddp_two_cpu_processes(micro_target, tmp_path):
     assert 0.0 < float(rows[0]["staircase/alpha"]) <= 1.0
 
 
+@pytest.mark.slow  # fast: test_data::test_on_several_ranks_a_source_that_prepare_data_cannot_read_is_raised_by_setup
 @pytest.mark.timeout(150)
 def test_a_bad_data_file_ends_every_ddp_rank_with_its_line(micro_target, tmp_path):
     """Lightning reads the data on one process per node (`prepare_data`) while the others wait in a barrier: a source

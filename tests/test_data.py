@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import warnings
+from types import SimpleNamespace
 
 import datasets
 import numpy as np
@@ -594,3 +595,19 @@ def test_a_subset_of_a_source_without_subsets_is_one_line(tmp_path):
     for source in (DataSource("sharegpt", subset="x"), DataSource(str(path), subset="x")):
         with pytest.raises(DataError, match="has no subsets, got subset='x': drop `subset`"):
             load_source(source, str(tmp_path / "raw"))
+
+
+def test_on_several_ranks_a_source_that_prepare_data_cannot_read_is_raised_by_setup(tokenizer_dir, tmp_path):
+    """Lightning runs `prepare_data` on one process per node while the others wait in a barrier: the failure is kept
+    there and raised by `setup`, where every rank reads the data and ends with the line (the whole 2-process run:
+    `test_cli::test_a_bad_data_file_ends_every_ddp_rank_with_its_line`, slow). On one rank it is raised at once."""
+    bad = tmp_path / "chats.jsonl"
+    bad.write_text('{"conversations": [{"from": "human", "value": "hi"}]}\n{"conversations": [\n')
+    for world_size in (1, 2):
+        datamodule = make_datamodule(tokenizer_dir, tmp_path, [DataSource(path=str(bad))])
+        datamodule.trainer = SimpleNamespace(world_size=world_size)
+        if world_size == 1:
+            one_line_error(datamodule.prepare_data, "as json")
+        else:
+            datamodule.prepare_data()  # the rank that prepares joins the others' barrier
+            one_line_error(lambda dm=datamodule: dm.setup("fit"), f"cannot read '{bad}' as json")

@@ -109,6 +109,7 @@ def test_fsdp_two_cpu_processes_evaluate_save_and_resume(micro_target, tmp_path)
     assert all(r["global_step"] == 3 and r["staircase_alpha"] for r in resumed)  # one epoch is 3 steps per rank
 
 
+@pytest.mark.slow  # fast: the PDM's FSDP run above (the same strategy, optimizer groups, clipping) and test_eagle3_cli
 @pytest.mark.timeout(300)
 def test_fsdp_trains_and_saves_the_eagle3_drafter(micro_target, tmp_path):
     """`fit --model Eagle3Module --trainer.strategy fsdp` with the configs' gradient clipping (Lightning's own norm

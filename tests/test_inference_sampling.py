@@ -36,6 +36,7 @@ def pipeline() -> tuple[Target, Geometry, PipelineDraftModule]:
     return target, geometry, pdm
 
 
+@pytest.mark.slow  # fast: the batched test below (the same cycle at B = 4) and test_sampling_power (B = 1)
 def test_first_tokens_follow_the_target_distribution(pipeline):
     target, geometry, pdm = pipeline
     simulator = Simulator(target, pdm, geometry, SAMPLING)

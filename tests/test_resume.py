@@ -435,6 +435,7 @@ def test_killed_fit_leaves_a_loadable_last_ckpt_and_resumes(chat_target, tmp_pat
     assert killed.returncode != 0, killed.stdout[-2000:]
 
 
+@pytest.mark.slow  # fast: test_stopping's ctrl-C after a step (in-process), its workers, test_killed_fit_...[sigkill]
 @pytest.mark.timeout(180)
 def test_ctrl_c_stops_fit_after_a_step_in_one_line_with_exit_130(chat_target, tmp_path):
     """ctrl-C from a terminal reaches the whole process group, the loader's workers too (`num_workers` 2, which

@@ -166,7 +166,7 @@ with open(f"{{out}}/rank{{trainer.global_rank}}.json", "w") as f:
 @pytest.mark.parametrize(
     "signum, pressed_rank",
     [
-        (signal.SIGINT, 1),
+        pytest.param(signal.SIGINT, 1, marks=pytest.mark.slow),  # test_sigterm_in_validate_...[1] signals rank 1
         (signal.SIGTERM, 0),
         pytest.param(signal.SIGINT, 0, marks=pytest.mark.slow),  # the same handler on the other rank
         pytest.param(signal.SIGTERM, 1, marks=pytest.mark.slow),
