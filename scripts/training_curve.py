@@ -4,7 +4,8 @@
 
 Several logs are the legs of one drafter, in order: a resumed leg continues the step count itself; a warm-started
 leg (`--model.init_from`) counts from 0 again, so its steps continue from the previous leg's last one, and a dotted
-line marks where it began. `--csv` writes the legs as one log. Where validation logged them, a second row of panels
+line marks where it began. `--csv` writes the legs as one log; `--until STEP` keeps the rows up to STEP (a drafter
+exported from a checkpoint before the run's end). Where validation logged them, a second row of panels
 shows the teacher-forced acceptance at every fill level (`val/accept_fill{k}`: what greedy decoding accepts of a
 draft made with k tokens in flight) and the `n*alpha` the refill model predicts from them beside the staircase
 evaluation's measured one. Prints the validation rows (step, val/loss, val/agree and, when logged, the predicted
@@ -93,8 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("metrics", nargs="+", help="metrics.csv of a CSVLogger run; several: the legs, in order")
     parser.add_argument("out", help="the PNG to write")
     parser.add_argument("--csv", help="also write the legs as one CSV log here")
+    parser.add_argument("--until", type=int, help="only the rows up to this step (the drafter's checkpoint)")
     args = parser.parse_args(argv)
     rows, starts = join_legs([read_rows(path) for path in args.metrics])
+    if args.until is not None:
+        rows = [r for r in rows if int(r["step"]) <= args.until]
+        starts = [s for s in starts if s <= args.until]
     if args.csv:
         write_rows(rows, args.csv)
     plt = pyplot()

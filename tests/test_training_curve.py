@@ -45,3 +45,14 @@ def test_the_acceptance_of_every_fill_and_the_predicted_n_alpha_are_plotted_and_
     table = capsys.readouterr().out
     assert "| step | loss | agree | predicted_n_alpha | accept_fill1 | accept_fill2 | accept_fill10 |" in table
     assert "| 49 | 2.000 | 0.200 | 1.700 | 0.310 | 0.320 | 0.400 |" in table
+
+
+def test_until_keeps_the_rows_up_to_the_drafters_step(tmp_path, capsys):
+    """A drafter exported from a checkpoint before the run's end: its log and table stop at that step."""
+    first = log(tmp_path / "a.csv", [val(49, 0.1), val(99, 0.2)])
+    later = log(tmp_path / "b.csv", [val(149, 0.3), val(199, 0.4)])
+    merged = tmp_path / "all.csv"
+    assert curve.main([first, later, str(tmp_path / "curve.png"), "--csv", str(merged), "--until", "149"]) == 0
+    assert [int(r["step"]) for r in csv.DictReader(open(merged))] == [49, 99, 149]
+    table = capsys.readouterr().out
+    assert "| 149 | 2.000 | 0.300 |" in table and "| 199 |" not in table
