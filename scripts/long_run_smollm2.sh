@@ -5,7 +5,8 @@
 #   2. the training answers, unpacked from data/smollm2/regen_t0.jsonl.gz once;
 #   3. the target-state cache every PDM drafter reads (`curve-states`, resumed by shard);
 #   4. the 8 M-token drafter (scripts/train_smollm2.sh, resumed from its last.ckpt);
-#   5. that drafter exported and decoded on the 40 held-out prompts, with an interval (skipped once its json exists);
+#   5. that drafter exported, stored in bf16 as a committed one is, and decoded on the 40 held-out prompts beside the
+#      committed drafter, with intervals and their paired difference (each decode skipped once its json exists);
 #   6. the training-budget curve (`curve-train`, `curve-eval`; both skip what is done): first the three drafters that
 #      decide the paper's claim (SPD and PPSD at n = 8, L_s = 1, and EAGLE-3) and their tables, then the others.
 # It lowers its own CPU share first, so that tests and builds beside it keep the cores.
@@ -38,13 +39,21 @@ step "3/6 the target-state cache (progress: runs/bench_smollm2/states.log)"
 step "4/6 the 8 M-token drafter (progress: runs/smollm2_8m/fit/*/metrics.csv)"
 bash scripts/train_smollm2.sh
 step "5/6 the 8 M-token drafter on the 40 held-out prompts"
+[ -f "$HELDOUT" ] || "$PY" scripts/sharegpt_heldout.py --skip 15000 --count 40 --out "$HELDOUT"
+heldout() {  # heldout DRAFTER JSON: decode the 40 prompts once
+  [ -f "$2" ] && return
+  "$PY" -m inference.decode --ckpt "$1" --target "$TARGET" --prompts "$HELDOUT" --max-new-tokens 64 \
+    --simulate --check-lossless --json "$2.part" > "$2.log"
+  mv "$2.part" "$2"
+}
 if [ ! -f runs/smollm2_8m/heldout40.json ]; then
   "$PY" -m spd_lightning export --ckpt runs/smollm2_8m/checkpoints/last.ckpt --out "$DRAFTER"
-  [ -f "$HELDOUT" ] || "$PY" scripts/sharegpt_heldout.py --skip 15000 --count 40 --out "$HELDOUT"
-  "$PY" -m inference.decode --ckpt "$DRAFTER" --target "$TARGET" --prompts "$HELDOUT" --max-new-tokens 64 \
-    --simulate --check-lossless --json runs/smollm2_8m/heldout40.json.part
-  mv runs/smollm2_8m/heldout40.json.part runs/smollm2_8m/heldout40.json
+  "$PY" scripts/shrink_drafter.py "$DRAFTER"
 fi
+heldout "$DRAFTER" runs/smollm2_8m/heldout40.json
+heldout drafters/smollm2-135m runs/smollm2_8m/committed40.json  # the committed drafter when the run ended
+"$PY" scripts/decode_compare.py committed=runs/smollm2_8m/committed40.json end=runs/smollm2_8m/heldout40.json \
+  | tee runs/smollm2_8m/compare40.md
 step "6/6 the training-budget curve (logs: runs/bench_smollm2/*/)"
 DECIDING=(curve_spd_n8_L1 curve_ppsd_n8_L1 curve_eagle3)
 # The CPU protocol: 14 prompts a set (42), 64 tokens, T = 0. The curve's own (40 a set, 128 tokens, T = 0 and 1)
