@@ -18,29 +18,8 @@ def eagle3_rows(inputs: list[dict], t_full: float | None, path: str = "eval.json
     """EAGLE-3's predicted speedup per k from its measured draft-step and verify costs over `t_full` seconds (`--t-full`)
     or, when None, each row's own `T_full_s`: the AR baseline its times were measured against (eager under
     `--compile`, where SPD's is compiled); `inputs`: the `plan_inputs_eagle3` of the eval.json at `path`, checked
-    first (a hand-edited file)."""
-    rows = []
-    for p in _checked(inputs, path):
-        full = t_full or p["T_full_s"]
-        if None in (full, p["alpha"], p["T_draft_step_s"], p["T_verify_s"]):
-            raise UsageError(f"EAGLE-3 k={p['k']}: the eval report lacks a measured time; rerun inference.eval")
-        round_s = p["k"] * p["T_draft_step_s"] + p["T_verify_s"]
-        rows.append(
-            {
-                "k": p["k"],
-                "tokens_per_forward": p["alpha"],
-                "draft_step": p["T_draft_step_s"],
-                "verify": p["T_verify_s"],
-                "round": round_s,
-                "speedup": costs.s_eagle3(p["alpha"], p["k"], p["T_draft_step_s"] / full, p["T_verify_s"] / full),
-            }
-        )
-    return rows
-
-
-def _checked(inputs: object, path: str) -> list[dict]:
-    """Each row a dict whose k is an integer >= 1 and whose times and tokens per forward are numbers > 0 (or
-    absent); one line naming the value otherwise."""
+    first (a hand-edited file): each row a dict whose k is an integer >= 1 and whose times and tokens per forward
+    are numbers > 0 (or absent), one line naming the value otherwise."""
     fix = "rerun inference.eval --eagle3 to write it again"
     if not isinstance(inputs, list) or not all(isinstance(p, dict) for p in inputs):
         raise UsageError(f"{path}: plan_inputs_eagle3 must be a list of rows, one per k: {fix}")
@@ -50,7 +29,22 @@ def _checked(inputs: object, path: str) -> list[dict]:
             raise UsageError(f"{where} has no k: {fix}")
         for key in ("alpha", "T_full_s", "T_draft_step_s", "T_verify_s"):
             costs.measured_value(p.get(key), f"{where}.{key}", fix)
-    return inputs
+    rows = []
+    for p in inputs:
+        full = t_full or p["T_full_s"]
+        if None in (full, p["alpha"], p["T_draft_step_s"], p["T_verify_s"]):
+            raise UsageError(f"EAGLE-3 k={p['k']}: the eval report lacks a measured time; rerun inference.eval")
+        rows.append(
+            {
+                "k": p["k"],
+                "tokens_per_forward": p["alpha"],
+                "draft_step": p["T_draft_step_s"],
+                "verify": p["T_verify_s"],
+                "round": p["k"] * p["T_draft_step_s"] + p["T_verify_s"],
+                "speedup": costs.s_eagle3(p["alpha"], p["k"], p["T_draft_step_s"] / full, p["T_verify_s"] / full),
+            }
+        )
+    return rows
 
 
 def eagle3_markdown(rows: list[dict], spd_rows: list[dict]) -> str:

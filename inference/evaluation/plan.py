@@ -116,13 +116,6 @@ def plan(model: CostModel, alphas: dict[tuple[int, int], float]) -> tuple[list[d
     return rows, rows[0]
 
 
-def _positive(name: str, x: float | None, allow_zero: bool = False) -> None:
-    if x is None:
-        return
-    if not math.isfinite(x) or x < 0 or (x == 0 and not allow_zero):
-        raise UsageError(f"{name}={x} must be {'>= 0' if allow_zero else '> 0'}")
-
-
 def parse_alpha(spec: str) -> tuple[tuple[int, int], float]:
     try:
         n, L_s, alpha = spec.split(":")
@@ -157,9 +150,9 @@ def read_alphas(path: str) -> dict[tuple[int, int], float]:
                 out.update([_check_alpha((int(row["n"]), int(row["L_s"])), float(row["alpha"]), f"{path}[{i}]")])
         else:
             raise TypeError(type(data).__name__)
+    except UsageError:
+        raise
     except (KeyError, TypeError, ValueError) as e:
-        if isinstance(e, UsageError):
-            raise
         raise UsageError(
             f'{path}: expected {{"n,L_s": alpha}} or [{{"n", "L_s", "alpha"}}] ({type(e).__name__}: {e})'
         ) from e
@@ -191,9 +184,10 @@ def target_shape(name_or_path: str) -> tuple[int, int]:
 
 
 def _check_cost_args(args: argparse.Namespace) -> None:
-    zero_ok = ("draft_fixed", "overhead", "overhead_layers", "stage_fixed")
     for name in ("t_full", "t_draft", "draft_fixed", "overhead", "overhead_layers", "pdm_hidden", "stage_fixed"):
-        _positive(f"--{name.replace('_', '-')}", getattr(args, name), allow_zero=name in zero_ok)
+        x, zero_ok = getattr(args, name), name in ("draft_fixed", "overhead", "overhead_layers", "stage_fixed")
+        if x is not None and (not math.isfinite(x) or x < 0 or (x == 0 and not zero_ok)):
+            raise UsageError(f"--{name.replace('_', '-')}={x} must be {'>= 0' if zero_ok else '> 0'}")
     for name in ("layers", "hidden_size", "draft_layers"):
         v = getattr(args, name)
         if v is not None and v < 1:
@@ -227,7 +221,6 @@ def cost_model(args: argparse.Namespace, measured: dict | None) -> CostModel:
             )
         if t_draft <= draft_fixed:
             raise UsageError(f"--draft-fixed={draft_fixed} must be below the measured draft time {t_draft}")
-        _positive("T_full", t_full)
         per_layer, unit = (t_draft - draft_fixed) / draft_layers, "s"
         stage_fixed = args.stage_fixed
         if stage_fixed is None:  # the slowest stage's cost beyond its share T_full / n, as measured (0 if not)
