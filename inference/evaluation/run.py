@@ -203,8 +203,7 @@ class Decoders:
         from spd_lightning.target import Target
 
         self.args, self.setup = args, setups[0]
-        first = self.setup
-        self.target = Target.load(first.target_path, first.dtype, args.device, first.trust_remote_code)
+        self.target = Target.load(self.setup.target_path, self.setup.dtype, args.device, self.setup.trust_remote_code)
         pdms = [PdmDecoder(args, setup, self.target) for setup in setups if setup.mode != EAGLE3]
         methods = [pdm.method for pdm in pdms]
         for pdm in pdms:  # drafters of one mode, n and L_s (e.g. two layouts): named by their run
@@ -299,8 +298,9 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         bar.close()
     if report["results"]:
-        _plan_inputs(report)
-    report["plan_inputs_eagle3"] = _eagle3_plan_inputs(report["eagle3_results"])
+        report["plan_inputs"] = _plan_inputs(report)
+    keys = ("k", "alpha", "tau", "T_full_s", "T_draft_step_s", "T_verify_s")  # what the planner predicts EAGLE-3 from
+    report["plan_inputs_eagle3"] = [{key: r[key] for key in keys} for r in _lowest_overall(report["eagle3_results"])]
     write_outputs(report, args.out)
     return report
 
@@ -355,7 +355,7 @@ def _add_rows(report: dict, methods: list, where: dict, decoded: dict) -> None:
         report[method.results].append({**where, **method.row(decoded[method], decoded[method.baseline])})
 
 
-def _plan_inputs(report: dict) -> None:
+def _plan_inputs(report: dict) -> dict:
     """What `inference.plan --times eval.json` reads: measured T_full, draft time at this L_s, slowest stage, overhead."""
     row = _lowest_overall([r for r in report["results"] if r["drafter"] == report["drafter"]])[0]
     overhead, draft = None, row["T_draft_s"]
@@ -363,7 +363,7 @@ def _plan_inputs(report: dict) -> None:
         # the simulator runs stages and drafter in sequence; the pipeline overlaps them
         busy = row["mean_stage_sum_s"] + draft if report["simulate"] else max(row["mean_slowest_stage_s"], draft)
         overhead = max(0.0, row["mean_cycle_s"] - busy)
-    report["plan_inputs"] = {
+    return {
         "T_full_s": row["T_full_s"],
         "T_draft_s": draft,
         "L_s": report["L_s"],
@@ -373,12 +373,6 @@ def _plan_inputs(report: dict) -> None:
         "L": report["L"],
         "slowest_stage_s": row["mean_slowest_stage_s"],
     }
-
-
-def _eagle3_plan_inputs(rows: list[dict]) -> list[dict]:
-    """Per k: what `inference.plan` predicts EAGLE-3 from."""
-    keys = ("k", "alpha", "tau", "T_full_s", "T_draft_step_s", "T_verify_s")
-    return [{key: r[key] for key in keys} for r in _lowest_overall(rows)]
 
 
 def _lowest_overall(rows: list[dict]) -> list[dict]:
