@@ -30,8 +30,9 @@ from inference.evaluation.tables import markdown_table
 from spd_lightning.errors import UsageError
 
 
-def check_batch_times(report: object, path: str) -> list[dict]:
-    """The rows of a `bench_batch.py --json` report, each with B >= 1, its stage times, draft and alpha."""
+def batch_rows(report: dict, alpha: float | None, schedule: str, path: str) -> list[dict]:
+    """The predicted tokens/s at each measured B, and its weight-bound (GPU) reading, from the rows of a
+    `bench_batch.py --json` report (each checked first: B >= 1, its stage times, draft and alpha)."""
     rows = report.get("rows") if isinstance(report, dict) else None
     if not isinstance(rows, list) or not rows:
         raise UsageError(f"{path}: no rows (expected the JSON of scripts/bench_batch.py --json)")
@@ -44,16 +45,10 @@ def check_batch_times(report: object, path: str) -> list[dict]:
                 f"{path}: rows[{i}] (B={row['B']}) lacks positive stage_s/draft_s times: rerun bench_batch.py with "
                 f"requests >= B so that full-bucket steps were timed"
             )
-    return sorted(rows, key=lambda r: r["B"])
-
-
-def batch_rows(report: dict, alpha: float | None, schedule: str, path: str) -> list[dict]:
-    """The predicted tokens/s at each measured B, and its weight-bound (GPU) reading."""
-    rows = check_batch_times(report, path)
     if alpha is not None and not 0 < alpha <= 1:
         raise UsageError(f"--batch-alpha={alpha} must be in (0, 1] (alpha = N / K)")
     out, first = [], None
-    for row in rows:
+    for row in sorted(rows, key=lambda r: r["B"]):
         B, a = row["B"], alpha if alpha is not None else row.get("alpha")
         if not isinstance(a, (int, float)) or not 0 < a <= 1:
             raise UsageError(f"{path}: B={B} has no alpha in (0, 1]: pass --batch-alpha")
