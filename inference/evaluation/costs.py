@@ -27,14 +27,8 @@ def measured_value(value: object, where: str, fix: str, integer: bool = False, z
     if value is None:
         return None
     kind = int if integer else (int, float)
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, kind)
-        or not math.isfinite(value)
-        or value < 0
-        or value == 0
-        and not zero_ok
-    ):
+    number = isinstance(value, kind) and not isinstance(value, bool) and math.isfinite(value)
+    if not number or value < 0 or (value == 0 and not zero_ok):
         what = "an integer >= 1" if integer else f"a number {'>= 0' if zero_ok else '> 0'}"
         raise UsageError(f"{where}={value!r} must be {what}: {fix}")
     return value
