@@ -14,7 +14,7 @@ from inference.evaluation.tables import markdown_table
 from spd_lightning.errors import UsageError
 
 
-def eagle3_rows(inputs: list[dict], t_full: float | None, path: str = "eval.json") -> list[dict]:
+def eagle3_rows(inputs: list[dict], t_full: float | None, path: str) -> list[dict]:
     """EAGLE-3's predicted speedup per k from its measured draft-step and verify costs over `t_full` seconds (`--t-full`)
     or, when None, each row's own `T_full_s`: the AR baseline its times were measured against (eager under
     `--compile`, where SPD's is compiled); `inputs`: the `plan_inputs_eagle3` of the eval.json at `path`, checked

@@ -217,10 +217,10 @@ class Decoders:
                     "--compile: EAGLE-3 runs eagerly (chain decoding has no compiled path) and is measured "
                     "against an eager AR baseline; SPD against a compiled one"
                 )
-            name = EAGER_AR if args.compile else "ar"
-            self.baselines[name] = self.baselines.get(name) or ar_stages(self.target)
             base = ChainDecoder.on_target(self.target, eagle3, max(args.k))
             self.methods += [Eagle3Decoder(base, k, args, self.setup.eos) for k in sorted(set(args.k))]
+            name = self.methods[-1].baseline
+            self.baselines[name] = self.baselines.get(name) or ar_stages(self.target)
 
     def warm_up(self, sampling: Sampling, prompt: list[int]) -> None:
         """Allocator and kernels warm and, under `--compile`, the graphs compiled and captured outside the times: a
