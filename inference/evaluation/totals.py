@@ -19,9 +19,7 @@ def acceptance_by(results: Sequence[DecodeResult], kind: str) -> list[float | No
     """Pooled acceptance of the judged drafts per `kind` (`depth` or `fill`): accepted / judged at each index,
     None where none was judged (depth and fill: docs/DESIGN.md, "Terms")."""
     rows = [(r.counters.get(f"accepted_by_{kind}"), r.counters.get(f"rejected_by_{kind}")) for r in results]
-    rows = [(a, b) for a, b in rows if a is not None and b is not None]
-    if not rows:
-        return []
+    rows = [(a, b) for a, b in rows if a is not None and b is not None]  # none: zip() gives []
     accepted = [sum(col) for col in zip(*(a for a, _ in rows))]
     rejected = [sum(col) for col in zip(*(b for _, b in rows))]
     return [a / (a + b) if a + b else None for a, b in zip(accepted, rejected)]
