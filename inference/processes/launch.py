@@ -151,7 +151,10 @@ def _rank_main(job: DecodeJob, messages, launcher_pid: int, request_channel=None
     _exit_with(launcher_pid, rank)
     messages.put(Started(rank, os.getpid()))
     if not job.debug:
-        _quiet_transformers()
+        import transformers
+
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
     try:
         on_tokens = (lambda i, tokens: messages.put(Streamed(i, list(tokens)))) if job.stream else None
         report = lambda i, r: messages.put(Finished(i, r))  # noqa: E731
@@ -211,13 +214,6 @@ def _exit_with(launcher_pid: int, rank: int) -> None:
         os._exit(EXIT_ORPHANED)
 
     threading.Thread(target=watch, name="spd-launcher-watch", daemon=True).start()
-
-
-def _quiet_transformers() -> None:
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
 
 
 # -- the launcher -----------------------------------------------------------------------------
