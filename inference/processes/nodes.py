@@ -65,12 +65,8 @@ class Nodes:
 
 @dataclass(frozen=True)
 class WatchCancels:
-    """A verifier rank on another node asks node 0's listener for the ids of the requests cancelled."""
-
-
-@dataclass(frozen=True)
-class Cancel:
-    request_id: int
+    """A verifier rank on another node asks node 0's listener for the ids of the requests cancelled: the
+    connection then carries each id (an int) one way, and the verifier's `CancelReport`s the other."""
 
 
 class RemoteRequestChannel:
@@ -95,7 +91,7 @@ class RemoteRequestChannel:
             self._connection = self.nodes.connect()
             self._connection.send(WatchCancels())
         while self._connection.poll(0):
-            self._cancels[self._connection.recv().request_id] = None
+            self._cancels[self._connection.recv()] = None
             if len(self._cancels) > CANCELS_KEPT:
                 del self._cancels[next(iter(self._cancels))]
         return request_id in self._cancels
@@ -152,7 +148,7 @@ class ReportListener:
         with self._lock:
             for connection in list(self._watchers):
                 try:
-                    connection.send(Cancel(request_id))
+                    connection.send(request_id)
                 except OSError:  # its rank is gone
                     self._watchers.remove(connection)
 
@@ -204,7 +200,7 @@ class ReportListener:
         with self._lock:
             self._watchers.append(connection)
             for request_id in self.channel.recent_cancels() if self.channel is not None else ():
-                connection.send(Cancel(request_id))
+                connection.send(request_id)
         while True:
             try:
                 report = connection.recv()
