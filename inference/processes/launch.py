@@ -151,7 +151,10 @@ def _rank_main(job: DecodeJob, messages, launcher_pid: int, request_channel=None
     _exit_with(launcher_pid, rank)
     messages.put(Started(rank, os.getpid()))
     if not job.debug:
-        _quiet_transformers()
+        import transformers
+
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
     try:
         on_tokens = (lambda i, tokens: messages.put(Streamed(i, list(tokens)))) if job.stream else None
         report = lambda i, r: messages.put(Finished(i, r))  # noqa: E731
@@ -213,13 +216,6 @@ def _exit_with(launcher_pid: int, rank: int) -> None:
     threading.Thread(target=watch, name="spd-launcher-watch", daemon=True).start()
 
 
-def _quiet_transformers() -> None:
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-
-
 # -- the launcher -----------------------------------------------------------------------------
 def launch(
     job: DecodeJob,
@@ -248,13 +244,12 @@ def launch(
             tempfile.TemporaryDirectory(prefix="spd_launch_") as logs,
             _quiet_agent(job.debug),
             _callers_signal_handlers(),
-            _listening(job, inbox, request_channel),
+            _nodes_met(job, inbox, request_channel) as reports,
             # never on every interface: loopback on one node, node 0's --master-addr across nodes
             stores_listen_on("127.0.0.1" if job.nodes is None else job.nodes.master_addr),
         ):
-            _await_other_nodes(job, inbox)
             elastic_launch(_agent_config(job, method, logs), _rank_main)(
-                job, _reports_to(job, inbox), os.getpid(), request_channel, work
+                job, reports, os.getpid(), request_channel, work
             )
     except DistStoreError as e:  # the agent's rendezvous: another node's agent never came
         if job.nodes is None:
@@ -273,29 +268,23 @@ def launch(
     return [inbox.results[i] for i in range(len(job.prompts))]
 
 
-def _reports_to(job: DecodeJob, inbox: Inbox):
-    """Where this node's ranks report: the local queue, but node 0's listener from the other nodes (`nodes`)."""
-    if job.nodes is None or job.nodes.node_rank == 0:
-        return inbox.messages
-    return ReportSender(job.nodes, inbox.messages, local_kinds=(Started, Failed))
-
-
-def _await_other_nodes(job: DecodeJob, inbox: Inbox) -> None:
-    """On node 0 of a multi-node run, its ranks start once every other node has joined this pipeline: a node that
-    refuses it (`DecodeJob.agree`) ends it at once, where the ranks would have waited for it until --timeout."""
-    if job.nodes is None or job.nodes.node_rank != 0 or job.nodes.nnodes == 1:
-        return
-    why = inbox.await_nodes(job.nodes.nnodes - 1, job.timeout_s)
-    if why is not None:
-        raise LaunchError(f"the nodes did not meet: {why}")
-
-
-def _listening(job: DecodeJob, inbox: Inbox, request_channel):
-    """On node 0 of a multi-node run, the other nodes' reports come into the inbox while the ranks run, and
-    the server's cancels (`request_channel`) go out to a verifier on another node."""
-    if job.nodes is None or job.nodes.node_rank != 0:
-        return contextlib.nullcontext()
-    return contextlib.closing(ReportListener(job.nodes, inbox, request_channel))
+@contextlib.contextmanager
+def _nodes_met(job: DecodeJob, inbox: Inbox, request_channel):
+    """Where this node's ranks report (`nodes`): the local queue, but node 0's listener from the other nodes.
+    On node 0 of a multi-node run, the other nodes' reports come into the inbox while the ranks run, the
+    server's cancels (`request_channel`) go out to a verifier on another node, and its ranks start once every
+    other node has joined this pipeline: a node that refuses it (`DecodeJob.agree`) ends it at once, where the
+    ranks would have waited for it until --timeout."""
+    if job.nodes is None:
+        yield inbox.messages
+    elif job.nodes.node_rank != 0:
+        yield ReportSender(job.nodes, inbox.messages, local_kinds=(Started, Failed))
+    else:
+        with contextlib.closing(ReportListener(job.nodes, inbox, request_channel)):
+            why = inbox.await_nodes(job.nodes.nnodes - 1, job.timeout_s)
+            if why is not None:
+                raise LaunchError(f"the nodes did not meet: {why}")
+            yield inbox.messages
 
 
 @contextlib.contextmanager

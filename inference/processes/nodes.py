@@ -58,15 +58,15 @@ class Nodes:
     def authkey(self) -> bytes:
         return self.run_id.encode()
 
+    def connect(self):
+        """A connection to node 0's `ReportListener`."""
+        return Client(self.report_address, authkey=self.authkey)
+
 
 @dataclass(frozen=True)
 class WatchCancels:
-    """A verifier rank on another node asks node 0's listener for the ids of the requests cancelled."""
-
-
-@dataclass(frozen=True)
-class Cancel:
-    request_id: int
+    """A verifier rank on another node asks node 0's listener for the ids of the requests cancelled: the
+    connection then carries each id (an int) one way, and the verifier's `CancelReport`s the other."""
 
 
 class RemoteRequestChannel:
@@ -88,10 +88,10 @@ class RemoteRequestChannel:
     def cancelled(self, request_id: int) -> bool:
         """What the verifier polls once per cycle: the cancels node 0 has sent so far, without waiting."""
         if self._connection is None:
-            self._connection = Client(self.nodes.report_address, authkey=self.nodes.authkey)
+            self._connection = self.nodes.connect()
             self._connection.send(WatchCancels())
         while self._connection.poll(0):
-            self._cancels[self._connection.recv().request_id] = None
+            self._cancels[self._connection.recv()] = None
             if len(self._cancels) > CANCELS_KEPT:
                 del self._cancels[next(iter(self._cancels))]
         return request_id in self._cancels
@@ -109,15 +109,14 @@ class ReportSender:
     its ranks failed and why."""
 
     def __init__(self, nodes: Nodes, local, local_kinds: tuple[type, ...]):
-        self.address, self.authkey = nodes.report_address, nodes.authkey
-        self.local, self.local_kinds = local, local_kinds
+        self.nodes, self.local, self.local_kinds = nodes, local, local_kinds
         self._connection = None
 
     def put(self, message) -> None:
         if isinstance(message, self.local_kinds):
             self.local.put(message)
         if self._connection is None:
-            self._connection = Client(self.address, authkey=self.authkey)
+            self._connection = self.nodes.connect()
         self._connection.send(message)  # returns once written: nothing is left to flush
 
     def close(self) -> None:
@@ -149,7 +148,7 @@ class ReportListener:
         with self._lock:
             for connection in list(self._watchers):
                 try:
-                    connection.send(Cancel(request_id))
+                    connection.send(request_id)
                 except OSError:  # its rank is gone
                     self._watchers.remove(connection)
 
@@ -201,7 +200,7 @@ class ReportListener:
         with self._lock:
             self._watchers.append(connection)
             for request_id in self.channel.recent_cancels() if self.channel is not None else ():
-                connection.send(Cancel(request_id))
+                connection.send(request_id)
         while True:
             try:
                 report = connection.recv()
@@ -261,9 +260,8 @@ def answer(nodes: Nodes, reason: str | None = None) -> None:
     message = (
         Joined(nodes.node_rank, nodes.pipeline) if reason is None else Refused(nodes.node_rank, nodes.pipeline, reason)
     )
-    with contextlib.suppress(OSError, EOFError, AuthenticationError):
-        with Client(nodes.report_address, authkey=nodes.authkey) as connection:
-            connection.send(message)
+    with contextlib.suppress(OSError, EOFError, AuthenticationError), nodes.connect() as connection:
+        connection.send(message)
 
 
 def join_pipeline(nodes: Nodes, timeout_s: float) -> Nodes:
@@ -273,7 +271,7 @@ def join_pipeline(nodes: Nodes, timeout_s: float) -> Nodes:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            with Client(nodes.report_address, authkey=nodes.authkey) as connection:
+            with nodes.connect() as connection:
                 connection.send(PipelineQuery(nodes.pipeline))
                 zero = connection.recv()
                 return dataclasses.replace(nodes, pipeline=zero.pipeline, terms=zero.terms)

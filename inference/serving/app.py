@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from starlette.convertors import Convertor, register_url_convertor
+from starlette.convertors import PathConvertor, register_url_convertor
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
@@ -35,17 +35,11 @@ log = logging.getLogger("inference.serve")
 MAX_RETRY_AFTER_S = 60
 
 
-class ModelId(Convertor):
+class ModelId(PathConvertor):
     """A model id in a path: it may hold slashes (`--model-name Qwen/Qwen3-8B`, which clients send unescaped),
     but no empty segment, so that a trailing slash still redirects as on any route."""
 
     regex = "[^/]+(?:/[^/]+)*"
-
-    def convert(self, value: str) -> str:
-        return value
-
-    def to_string(self, value: str) -> str:
-        return value
 
 
 register_url_convertor("model_id", ModelId())

@@ -13,7 +13,7 @@ from functools import partial
 
 from inference.cycle.result import DecodeResult
 from inference.cycle.simulator import Simulator
-from inference.cycle.slots import Request, SlotSequence
+from inference.cycle.slots import SlotSequence
 from inference.serving.inflight import SlotBackend
 from inference.serving.slot_feed import QueuedRequest, feed_slots, waiting
 from inference.setup import Setup
@@ -40,17 +40,15 @@ class BatchSimulatorBackend(SlotBackend):
         return cls(target, pdm, setup.geometry, setup.eos, max_batch, compile)
 
     def _drive(self) -> None:
+        on_tokens, cancelled = partial(self.put, "tokens"), self._cancelled.__contains__
         try:
-            feed_slots(self.runner, self._take, self._start, self._ended)
+            feed_slots(self.runner, self._take, self.eos, on_tokens, cancelled, self._ended)
         except Exception:
             log.exception("the batched decoder failed")
             raise
 
     def _take(self, free: int, idle: bool) -> list[QueuedRequest] | str:
         return waiting(self._queue, free, idle)
-
-    def _start(self, queued: QueuedRequest) -> Request:
-        return queued.as_request(self.eos, partial(self.put, "tokens"), lambda i: i in self._cancelled)
 
     def _ended(self, queued: QueuedRequest, result: DecodeResult, seq: SlotSequence) -> None:
         self._cancelled.discard(queued.request_id)

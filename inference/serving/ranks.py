@@ -154,7 +154,7 @@ def serve_requests(
                 channel.record(CancelReport(queued.request_id, seq.stop_seen, result.K))
             report(queued.request_id, result)
 
-    feed_slots(runner, take, lambda queued: queued.as_request(eos, *hooks), ended)
+    feed_slots(runner, take, eos, *hooks, ended)
 
 
 class RankBackend(SlotBackend):

@@ -276,8 +276,7 @@ def run(args: argparse.Namespace) -> int:
     check_args(args)
     if args.node_rank > 0:
         return run_ranks_only(args)
-    listening = bound_socket(args.host, args.port)
-    try:
+    with bound_socket(args.host, args.port) as listening:
         app, engine = build(args)
         config = uvicorn.Config(app, log_config=None, log_level="debug" if cli.debugging(args) else "warning")
         host = f"[{args.host}]" if ":" in args.host else args.host
@@ -288,8 +287,6 @@ def run(args: argparse.Namespace) -> int:
             server.run(sockets=[listening])
         finally:
             engine.close()
-    finally:
-        listening.close()
     return 0
 
 

@@ -24,25 +24,14 @@ IDLE_TICK_S = 1.0  # how long an idle pipeline waits for a request before its ke
 
 
 class QueuedRequest(NamedTuple):
-    """A request on its way to the decoder (picklable, typed): what the backend's queue holds. `as_request`
-    makes it the decoder's `Request` where it joins a slot."""
+    """A request on its way to the decoder (picklable, typed): what the backend's queue holds, until it joins a
+    slot as the decoder's `Request`."""
 
     request_id: int
     prompt: list[int]
     max_new_tokens: int
     sampling: Sampling
     seed: int
-
-    def as_request(
-        self,
-        eos: frozenset[int],
-        on_tokens: Callable[[int, list[int]], None] | None,
-        stop: Callable[[int], bool] | None,
-    ) -> Request:
-        """Its hooks (None: none) get this request's id first: `on_tokens(id, tokens)`, `stop(id)`."""
-        on_tokens = None if on_tokens is None else partial(on_tokens, self.request_id)
-        stop = None if stop is None else partial(stop, self.request_id)
-        return Request(self.prompt, self.max_new_tokens, eos, self.sampling, self.seed, on_tokens=on_tokens, stop=stop)
 
 
 def waiting(source, free: int, idle: bool) -> list[QueuedRequest] | str:
@@ -67,12 +56,14 @@ def waiting(source, free: int, idle: bool) -> list[QueuedRequest] | str:
 def feed_slots(
     runner: PipelineRunner,
     take: Callable[[int, bool], list[QueuedRequest] | str],
-    start: Callable[[QueuedRequest], Request],
+    eos: frozenset[int],
+    on_tokens: Callable[[int, list[int]], None] | None,
+    stop: Callable[[int], bool] | None,
     on_result: Callable[[QueuedRequest, DecodeResult, SlotSequence], None],
 ) -> None:
     """Serve until `take` returns STOP and the slots in flight have finished (see the module docstring).
-    `take(free, idle)`: the requests to join now; `start(queued)`: the decoder's request for it;
-    `on_result(queued, result, seq)` as each sequence ends."""
+    `take(free, idle)`: the requests to join now; the hooks of each (None: none) get its id first:
+    `on_tokens(id, tokens)`, `stop(id)`; `on_result(queued, result, seq)` as each sequence ends."""
     joined: dict[int, tuple[QueuedRequest, SlotSequence]] = {}
     stopping = False
     while not stopping or runner.busy:
@@ -81,9 +72,10 @@ def feed_slots(
             if taken == STOP:
                 stopping = True
             else:
-                for queued in taken:
-                    slot = runner.join(start(queued))
-                    joined[slot] = (queued, runner.slots[slot])
+                for q in taken:
+                    hooks = [None if hook is None else partial(hook, q.request_id) for hook in (on_tokens, stop)]
+                    slot = runner.join(Request(q.prompt, q.max_new_tokens, eos, q.sampling, q.seed, *hooks))
+                    joined[slot] = (q, runner.slots[slot])
         for slot, result in runner.step():
             queued, seq = joined.pop(slot)
             on_result(queued, result, seq)
