@@ -119,10 +119,10 @@ def check_decoder_args(args: argparse.Namespace) -> None:
         )
     if args.device != "cpu" and not args.device.startswith("cuda"):
         raise UsageError(f"--device {args.device!r}: use cpu or cuda")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device {args.device} but CUDA is not available here: use --device cpu")
-    if args.device.startswith("cuda"):  # torch fails on cuda:abc at once, on cuda:5 of fewer GPUs at the first tensor
-        try:
+    if args.device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {args.device} but CUDA is not available here: use --device cpu")
+        try:  # torch fails on cuda:abc at once, on cuda:5 of fewer GPUs at the first tensor
             index = torch.device(args.device).index
         except RuntimeError as e:
             raise UsageError(f"--device {args.device!r}: use cuda or cuda:INDEX (e.g. cuda:0)") from e
