@@ -7,7 +7,8 @@ import argparse
 import json
 import os
 
-from inference.evaluation.repetition import repeated_kgrams
+from inference.evaluation.repetition import repeated_share
+from inference.evaluation.tables import fmt
 
 from .registry import BenchError
 from .runner import eval_command, run_logged
@@ -105,8 +106,6 @@ def repetition(args: argparse.Namespace) -> None:
             raise BenchError(f"AR decoding failed (see {out}.log)")
         with open(out) as f:
             outputs = [p["tokens"] for p in json.load(f)["prompts"]]
-        repeats, ends = (sum(x) for x in zip(*(repeated_kgrams(t) for t in outputs)))
-        lines.append(
-            f"| {os.path.basename(path)} | {len(outputs)} | {sum(len(t) for t in outputs)} | {repeats / max(ends, 1):.2f} |"
-        )
+        share = fmt(repeated_share(outputs), 2)
+        lines.append(f"| {os.path.basename(path)} | {len(outputs)} | {sum(len(t) for t in outputs)} | {share} |")
     print("\n".join(lines))
