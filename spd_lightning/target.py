@@ -167,18 +167,26 @@ def check_checkpoint_files(path: str) -> None:
     its name (as 'a bug'). Other weight formats (pytorch_model.bin) are transformers' to check."""
     from safetensors import safe_open
 
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with reading_checkpoint(index), open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.isfile(os.path.join(path, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        return
-    for name in files:
+    for name in sorted(set((safetensors_weight_map(path) or {}).values())):
         file = os.path.join(path, name)
         with reading_checkpoint(file), safe_open(file, framework="pt"):
             pass
+
+
+def safetensors_weight_map(path: str) -> dict[str, str] | None:
+    """Tensor name -> the file (in `path`) that holds it, from `model.safetensors.index.json` or the one
+    `model.safetensors`; None when the checkpoint has neither (another weight format)."""
+    from safetensors import safe_open
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with reading_checkpoint(index), open(index) as f:
+            return dict(json.load(f)["weight_map"])  # checked here: a weight_map that is no mapping is named too
+    file = os.path.join(path, "model.safetensors")
+    if os.path.isfile(file):
+        with reading_checkpoint(file), safe_open(file, framework="pt") as f:
+            return dict.fromkeys(f.keys(), "model.safetensors")
+    return None
 
 
 def _closure(function) -> dict:

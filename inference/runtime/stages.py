@@ -13,7 +13,6 @@ tensors are read one by one from the safetensors files.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
@@ -26,7 +25,14 @@ from inference.runtime.capture import CompiledStep
 from inference.runtime.hf_compat import cache_kwargs, rotary_positions
 from inference.runtime.slot_rows import RowSets, leading, mark_static
 from spd_lightning.geometry import Geometry
-from spd_lightning.target import Target, TargetError, load_hf_config, reading_checkpoint, resolve_dtype
+from spd_lightning.target import (
+    Target,
+    TargetError,
+    load_hf_config,
+    reading_checkpoint,
+    resolve_dtype,
+    safetensors_weight_map,
+)
 from spd_lightning.target_source import resolve_target
 
 # Checkpoint key prefixes of the text model: causal-LM checkpoints use `model.`, the Qwen3.5
@@ -71,17 +77,8 @@ def meta_target(path: str, dtype: torch.dtype = torch.float32, trust_remote_code
 
 def _checkpoint_index(path: str) -> dict[str, tuple[str, str]]:
     """Normalized tensor name -> (file, name in file), over every safetensors shard of the checkpoint."""
-    from safetensors import safe_open
-
-    index_file = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index_file):
-        with reading_checkpoint(index_file), open(index_file) as f:
-            files = json.load(f)["weight_map"]  # name in file -> file
-    elif os.path.isfile(os.path.join(path, "model.safetensors")):
-        file = os.path.join(path, "model.safetensors")
-        with reading_checkpoint(file), safe_open(file, framework="pt") as f:
-            files = dict.fromkeys(f.keys(), "model.safetensors")
-    else:
+    files = safetensors_weight_map(path)
+    if files is None:
         raise TargetError(
             f"{path!r} has no model.safetensors (or index): the pipeline decoder loads safetensors checkpoints only"
         )
