@@ -128,6 +128,14 @@ def test_a_truncated_checkpoint_is_one_line(tmp_path):
         load_pieces(str(tmp_path / "sharded"), range(0), embed=True, head=False)
 
 
+def test_a_checkpoint_without_safetensors_is_one_line(tmp_path):
+    """A target saved in another weight format (pytorch_model.bin): the ranks say they read safetensors only."""
+    save_target(make_tiny_model("qwen3"), str(tmp_path))
+    (tmp_path / "model.safetensors").rename(tmp_path / "pytorch_model.bin")
+    with pytest.raises(TargetError, match=r"has no model.safetensors \(or index\): .* safetensors checkpoints only"):
+        Stage.load(str(tmp_path), Geometry.build(4, 2), 1)
+
+
 def test_tied_heads_and_prefixed_checkpoints_load(tmp_path):
     """A tied LM head is read from the embedding; `model.language_model.*` keys (Qwen3.5 conditional-generation
     checkpoints) map onto the text model."""
