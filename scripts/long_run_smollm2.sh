@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The long CPU run behind docs/SMOLLM2.md, in order, every step resumable, so that each session starts the same
-# command and it goes on where the last session's stopped (a CPU session keeps runs/ but not its processes):
+# command and it goes on where the last session's stopped, when the machine kept runs/ (never its processes; on
+# 2026-12-04 one session's machine kept runs/, the next one's did not: docs/SMOLLM2.md):
 #   1. the target, installed and converted once (scripts/smollm2_target.sh);
 #   2. the training answers, unpacked from data/smollm2/regen_t0.jsonl.gz once;
 #   3. the target-state cache every PDM drafter reads (`curve-states`, resumed by shard);
