@@ -180,7 +180,7 @@ class StaircaseEvaluation(L.Callback):
 
     def _agreement(self, trainer, pl_module, pdm) -> tuple[torch.Tensor, dict[int, float]]:
         """Teacher-forced top-1 agreement `[n+1 depths, n fills]` over every rank's batches (NaN: no output), and
-        the loss copy's acceptance per fill."""
+        the loss copy's acceptance per fill, every fill measured on every sequence."""
         n, world, rank = pl_module.geometry.n, trainer.world_size, trainer.global_rank
         metric = GroupedAgreement((n + 1) * n).to(pl_module.device)  # group: depth * n + (fill - 1)
         accepted = GroupedAgreement(n + 1).to(pl_module.device)
@@ -191,9 +191,9 @@ class StaircaseEvaluation(L.Callback):
             if i % world != rank:
                 continue
             batch = {k: v.to(pl_module.device) if torch.is_tensor(v) else v for k, v in batch.items()}
-            view = pl_module.staircase_agreement(batch, seed=self.seed + i, pdm=pdm)
+            view, drafts = pl_module.staircase_agreement(batch, seed=self.seed + i, pdm=pdm)
             metric.update(view.agree, view.depth * n + (view.fill - 1))
-            accepted.update(view.loss.accepted(), view.loss.fill)
+            accepted.update(*drafts.by_fill(drafts.accepted))
         rate = torch.full(((n + 1) * n,), torch.nan, dtype=torch.float64)
         for group, value in metric.compute().items():  # compute() sums the counts over the ranks
             rate[group] = value

@@ -1,6 +1,8 @@
 """Validation predicts decoding: the `n*alpha` that the refill chain (spd_lightning/fill_chain.py) predicts from the
 teacher-forced acceptance per fill equals the decoder's measured `n*alpha` within 10 %, on a tiny target and a drafter
-trained briefly on the target's own greedy answers to the very prompts it is then decoded on.
+trained briefly on the target's own greedy answers to the very prompts it is then decoded on. And exactly: the
+teacher-forced drafts at every fill (`SPDModule.every_fill`), walked as a decode walks them (`fill_chain.walk`), give
+the decoder's own accepted and rejected drafts per fill, draft for draft, for both layouts.
 
 Why this is a fair check: at T = 0 the decoder judges drafts of exactly the target's greedy continuation, and a draft
 made at fill `k` is judged only when the `k - 1` in-flight drafts before it were accepted, i.e. were the target's own
@@ -19,6 +21,7 @@ from torch.utils.data import DataLoader
 
 from inference.cycle.ar import ar_decode
 from inference.cycle.simulator import Simulator
+from spd_lightning.fill_chain import walk
 from spd_lightning.target import Target
 
 N_STAGES, PROMPTS, PROMPT_LEN, NEW_TOKENS = 4, 8, 6, 40
@@ -53,3 +56,25 @@ def test_the_predicted_n_alpha_matches_the_decoders(tiny_target_dir, tmp_path):
     measured = N_STAGES * sum(r.N for r in results) / sum(r.K for r in results)
     assert 0.3 < predicted["val/accept_p"] < 0.8  # where the refill cost matters: not a trivial match
     assert predicted["val/predicted_n_alpha"] == pytest.approx(measured, rel=0.10)
+
+
+@pytest.mark.parametrize("layout,num_layers", [("type", 1), ("depth", 1), ("depth", 2)])
+def test_the_walked_teacher_forced_drafts_are_the_decoders(tiny_target_dir, tmp_path, layout, num_layers):
+    torch.manual_seed(0)
+    target = Target.load(tiny_target_dir, dtype="float32")
+    prompts = [torch.randint(1, TINY_VOCAB - 1, (PROMPT_LEN,)).tolist() for _ in range(PROMPTS)]
+    data = OwnAnswers([(p, ar_decode(target, p, NEW_TOKENS).tokens) for p in prompts])
+    module = make_module(tiny_target_dir, n=N_STAGES, lr=3e-3, layout=layout, num_layers=num_layers)
+    make_trainer(tmp_path, max_steps=6).fit(module, datamodule=data)
+    module.pdm.eval()
+    sim = Simulator(module.target, module.pdm, module.geometry)
+    rejected = []
+    for prompt in prompts:
+        decoded = sim.decode(prompt, NEW_TOKENS)
+        ids = torch.tensor([prompt + decoded.tokens])
+        answer = (torch.arange(ids.shape[1]) >= len(prompt))[None]
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": answer}
+        walked = walk(module.every_fill(batch).answer_drafts(0).tolist(), N_STAGES)
+        assert walked == (decoded.counters["accepted_by_fill"], decoded.counters["rejected_by_fill"])
+        rejected.append(sum(walked[1]))
+    assert 0 < sum(rejected) < PROMPTS * (NEW_TOKENS - 1)  # accepts and rejects: not a trivial match

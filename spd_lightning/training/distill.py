@@ -82,6 +82,35 @@ class ViewAgreement(NamedTuple):
     loss: Distilled
 
 
+class EveryFill(NamedTuple):
+    """The loss copy's drafts of a batch made at every fill level (`SPDModule.every_fill`): at output `i` (which
+    drafts `x_{i+1}`) and fill `k` (`[..., k - 1]`), top-1 agreement within `V_d` and what greedy decoding would
+    accept, `[B, T, n]` each; `counted` `[B, T]`, the outputs that draft an answer token."""
+
+    agree: torch.Tensor
+    accepted: torch.Tensor
+    counted: torch.Tensor
+
+    def by_fill(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`values` (`agree` or `accepted`) at every counted output and fill, flattened, and the fill `k` of each
+        (`GroupedAgreement`'s groups); a host sync."""
+        counted = self.counted.bool()
+        picked = values[counted]  # [outputs, n]
+        fills = torch.arange(1, values.shape[-1] + 1, device=values.device).expand_as(picked)
+        return picked.flatten(), fills.flatten()
+
+    def answer_drafts(self, b: int, limit: int | None = None) -> torch.Tensor:
+        """`accepted` `[tokens, n]` over the drafted tokens of sequence `b`'s first answer, as a decode of that
+        answer judges them (its first token comes from the prefill), at most `limit` of them: what
+        `fill_chain.walk` walks."""
+        counted = self.counted[b].tolist()
+        start = counted.index(True) + 1  # output i drafts x_{i+1}: the first counted output drafts the prefill's token
+        end = start
+        while end < len(counted) and counted[end] and (limit is None or end - start < limit):
+            end += 1
+        return self.accepted[b, start:end]
+
+
 def distill(fwd: ReplicatedForward, copy: int, teacher_temperature: float) -> Distilled:
     """KL(P || q) at every output of `copy`, `[B, T]`, counted where the output is active and predicts a loss
     token. Fixed shapes, no boolean indexing: the head runs on all `T` outputs of the copy."""

@@ -14,7 +14,7 @@ import torchmetrics
 from ..fill_chain import measured_prediction
 
 if TYPE_CHECKING:
-    from .distill import ViewAgreement
+    from .distill import EveryFill, ViewAgreement
 
 
 class GroupedAgreement(torchmetrics.Metric):
@@ -36,9 +36,10 @@ class GroupedAgreement(torchmetrics.Metric):
 
 
 class ValidationMetrics(torch.nn.Module):
-    """`SPDModule`'s validation: the loss copy's KL, agreement and `teacher_top1_outside_vd`; agreement per depth
-    (every copy) and per fill (the loss copy); and what greedy decoding would accept per fill, with the refill
-    chain's prediction from it (spd_lightning/fill_chain.py). A submodule, so Lightning moves its states."""
+    """`SPDModule`'s validation: the loss copy's KL, agreement and `teacher_top1_outside_vd`, and agreement per depth
+    (every copy), under the rotating fills of `validation_fill`; agreement and what greedy decoding would accept per
+    fill, each fill measured on every sequence (`update_every_fill`), with the refill chain's prediction from the
+    latter (spd_lightning/fill_chain.py). A submodule, so Lightning moves its states."""
 
     def __init__(self, n: int):
         super().__init__()
@@ -53,8 +54,10 @@ class ValidationMetrics(torch.nn.Module):
         self.loss.update(loss.kl)
         self.agree.update(loss.agree().float())
         self.outside.update(loss.outside_vd.float())
-        self.agree_fill.update(loss.agree(), loss.fill)
-        self.accept_fill.update(loss.accepted(), loss.fill)
+
+    def update_every_fill(self, drafts: EveryFill) -> None:
+        self.agree_fill.update(*drafts.by_fill(drafts.agree))
+        self.accept_fill.update(*drafts.by_fill(drafts.accepted))
 
     def compute(self) -> dict[str, torch.Tensor | float]:
         """`val/*` values: the same keys on every rank (`compute` synchronizes across them); a mean over no loss

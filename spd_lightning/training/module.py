@@ -47,7 +47,15 @@ from ..target import (
 )
 from .attention import Backend
 from .checkpoint_io import check_resumed_shape, check_weights_finite
-from .distill import ReplicatedForward, ViewAgreement, auxiliary_kl, check_right_padded, distill, view_agreement
+from .distill import (
+    EveryFill,
+    ReplicatedForward,
+    ViewAgreement,
+    auxiliary_kl,
+    check_right_padded,
+    distill,
+    view_agreement,
+)
 from .fill_estimate import REFRESH_STEPS, AcceptanceEstimate
 from .layouts import FillDistribution, LayoutName, build_layout
 from .metrics import ValidationMetrics
@@ -58,11 +66,13 @@ from .optimizer import (
     matrix_names,
     plain_name,
 )
-from .teacher import DistillationTeacher
+from .teacher import DistillationTeacher, TeacherView
 
 # Compiled flex graphs a run may need per code object: {grad, no_grad, inference_mode} x {every copy's rows, the
-# loss copy's} x {a size specialized at 1 (one block, a last batch of 1) or not} (tests/test_recompile_limit.py).
-FLEX_RECOMPILE_LIMIT = 16
+# loss copy's} x {a size specialized at 1 (one block, a last batch of 1) or not}, plus dynamo's own specializations
+# of the block-mask sizes: 15-17 measured per layout with validation's per-fill forwards (tests/test_compile_budget.py,
+# tests/test_recompile_limit.py), 11-13 without them.
+FLEX_RECOMPILE_LIMIT = 24
 FILL_ESTIMATE_KEY = "spd_fill_estimate"  # the running acceptance of `fill_probs: auto`, in a checkpoint
 FILL_FULL_PROB = 0.5  # `fill_full_prob` unless set: a full pipeline in half the steps (with `fill_probs: null`)
 
@@ -342,15 +352,17 @@ class SPDModule(DistillationTeacher, ShardedGradientClipping, L.LightningModule)
         full_vocab: bool = True,
         pdm: PipelineDraftModule | None = None,
         fill: torch.Tensor | None = None,
+        teacher_view: TeacherView | None = None,
     ) -> ReplicatedForward:
         """The replicated forward. With `every_copy` False only the loss copy's outputs are computed (`hidden[B, T,
         d]`, the first `T` rows; the last PDM layer runs the other copies as keys and values only); otherwise every
         copy's (`hidden[B, S, d]`). With `full_vocab` False the target's head runs on the `V_d` rows only and
         `outside_vd` is None. `pdm`: another PDM than `self.pdm` (`evaluation_pdm`). `fill`: the fill levels to use
-        (`layout.validation_fill`) instead of a draw from `generator`."""
+        (`layout.validation_fill`) instead of a draw from `generator`. `teacher_view`: `_teacher_view`'s result for
+        this batch, when another forward already has it."""
         pdm = pdm or self.pdm
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
-        states, teacher, outside_vd = self._teacher_view(batch, full_vocab)
+        states, teacher, outside_vd = teacher_view or self._teacher_view(batch, full_vocab)
         B, T = input_ids.shape
         fill = self.layout.draw_fill(B, T, generator) if fill is None else fill
         rep = self.layout.replicate(attention_mask.sum(1), T, fill)
@@ -406,19 +418,43 @@ class SPDModule(DistillationTeacher, ShardedGradientClipping, L.LightningModule)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         B, T = batch["input_ids"].shape  # every fill level in turn, the same at every validation:
-        fwd = self._forward(batch, None, fill=self.layout.validation_fill(B, T, batch_idx * B))
+        view = self._teacher_view(batch, full_vocab=True)
+        fwd = self._forward(batch, None, fill=self.layout.validation_fill(B, T, batch_idx * B), teacher_view=view)
         self.val_metrics.update(view_agreement(fwd, self.hparams.teacher_temperature))
+        self.val_metrics.update_every_fill(self.every_fill(batch, view))
 
     @torch.no_grad()
-    def staircase_agreement(self, batch: dict, seed: int = 0, pdm: PipelineDraftModule | None = None) -> ViewAgreement:
+    def every_fill(
+        self, batch: dict, teacher_view: TeacherView | None = None, pdm: PipelineDraftModule | None = None
+    ) -> EveryFill:
+        """The loss copy's drafts at every fill of every sequence: one loss-copy forward per fill, the teacher's view
+        computed once. A rotation of fills over the samples (`validation_fill`) would measure each fill on other
+        sequences, and which sequences those are moves the per-fill figures more than the fill does
+        (docs/SMOLLM2.md, "What validation predicts")."""
+        B, T = batch["input_ids"].shape
+        view = teacher_view or self._teacher_view(batch, full_vocab=True)
+        shape = self.layout.validation_fill(B, T).shape
+        agree, accepted = [], []
+        for k in range(1, self.geometry.n + 1):
+            fwd = self._forward(batch, None, every_copy=False, pdm=pdm, fill=torch.full(shape, k), teacher_view=view)
+            loss = distill(fwd, fwd.rep.loss_copy, self.hparams.teacher_temperature)
+            agree.append(loss.agree())
+            accepted.append(loss.accepted())
+        return EveryFill(torch.stack(agree, dim=-1), torch.stack(accepted, dim=-1), loss.counted)
+
+    @torch.no_grad()
+    def staircase_agreement(
+        self, batch: dict, seed: int = 0, pdm: PipelineDraftModule | None = None
+    ) -> tuple[ViewAgreement, EveryFill]:
         """Teacher-forced top-1 agreement of every view output of every copy on `batch` (the staircase evaluation's
-        heatmap), and what greedy decoding would accept of the loss copy's (its prediction of `n*alpha`). Every fill
-        level in turn (`layout.validation_fill`, offset by `seed`), whatever the training draws. `pdm`: the PDM to
-        evaluate (`evaluation_pdm`), by default `self.pdm`."""
+        heatmap; every fill level in turn, `layout.validation_fill` offset by `seed`, whatever the training draws),
+        and the loss copy's drafts at every fill (`every_fill`: what greedy decoding would accept, the prediction of
+        `n*alpha`). `pdm`: the PDM to evaluate (`evaluation_pdm`), by default `self.pdm`."""
         check_right_padded(batch["attention_mask"])
         B, T = batch["input_ids"].shape
-        fwd = self._forward(batch, None, pdm=pdm, fill=self.layout.validation_fill(B, T, seed))
-        return view_agreement(fwd, self.hparams.teacher_temperature)
+        view = self._teacher_view(batch, full_vocab=True)
+        fwd = self._forward(batch, None, pdm=pdm, fill=self.layout.validation_fill(B, T, seed), teacher_view=view)
+        return view_agreement(fwd, self.hparams.teacher_temperature), self.every_fill(batch, view, pdm)
 
     def on_validation_epoch_end(self) -> None:
         # compute() synchronizes across ranks, so every rank holds the same values and the same keys; the

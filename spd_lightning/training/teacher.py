@@ -21,6 +21,10 @@ from ..errors import ConfigError
 from ..target import Target, TargetInfo, rebuilt_layer, resolve_dtype, restrict_to_draft_vocab
 from .deltanet_fallback import announce_linear_attention
 
+# What the PDM learns from, per batch (`DistillationTeacher._teacher_view`): anchor states, teacher logits over V_d,
+# and `outside_vd` (None when not computed).
+TeacherView = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
 
 class FrozenTargetHolder:
     """The frozen target of a drafter LightningModule (`self.hparams`: `target`, `target_dtype`,
@@ -128,7 +132,7 @@ class DistillationTeacher(FrozenTargetHolder):
             self.hparams.target, self.hparams.trust_remote_code, layer, self.state_cache.layer_state(layer)
         )
 
-    def _teacher_view(self, batch: dict, full_vocab: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _teacher_view(self, batch: dict, full_vocab: bool) -> TeacherView:
         """What the PDM learns from: anchor states `[B, T, m, H]`, teacher logits over `V_d` `[B, T, V_d]` (the
         target's dtype) and `outside_vd` `[B, T]` (None when not computed). Online, from one target forward; from
         a state cache (the batch carries `states`), the same V_d head applied to the cached final-norm state, and
