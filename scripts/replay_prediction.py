@@ -35,7 +35,7 @@ import torch
 from inference.evaluation.intervals import bootstrap
 from spd_lightning.data.chat import load_tokenizer, render_prompt
 from spd_lightning.export import load_drafter
-from spd_lightning.fill_chain import judged_acceptance, measured_prediction, predicted_n_alpha, walk
+from spd_lightning.fill_chain import judged_acceptance, measured_prediction, predicted_n_alpha, walk, walked_counts
 from spd_lightning.target import Target
 from spd_lightning.training.module import SPDModule
 
@@ -55,7 +55,7 @@ def answer_batch(prompt: list[int], answer: list[int]) -> dict:
 def summary(tables: list[torch.Tensor], n: int) -> dict:
     """The chain's prediction from the mean acceptance per fill, and the walked one, each with its 95 % bootstrap
     interval over the answers (`tables`: one `[drafted tokens, n]` table per answer)."""
-    walked = [walk(t.tolist(), n) for t in tables]
+    walked = [walked_counts(t.tolist(), n) for t in tables]
     columns = {
         "tokens": [len(t) for t in tables],
         "accepted": [sum(w[0]) for w in walked],
@@ -85,7 +85,19 @@ def summary(tables: list[torch.Tensor], n: int) -> dict:
         },
         "independent_interval": intervals["independent"],
         "walked_interval": intervals["walked"],
+        "views_at_walked_fill": views_at_walked_fill(tables, n),
     }
+
+
+def views_at_walked_fill(tables: list[torch.Tensor], n: int) -> list[list[float | None]]:
+    """`[k - 1][j - 1]`: the acceptance, at the positions a decode judges at fill `k`, of drafts made there at fill
+    `j`: whether a judged fill is held back by its view (row k rising towards j = 1) or by its positions (a flat row)."""
+    hits, counts = torch.zeros(n, n), torch.zeros(n)
+    for table in tables:
+        for row, fill in zip(table.float(), walk(table.tolist(), n)):
+            hits[fill - 1] += row
+            counts[fill - 1] += 1
+    return [[float(h / c) if c else None for h in hit_row] for hit_row, c in zip(hits, counts)]
 
 
 def on_decode(module: SPDModule, pdm, decode: dict) -> dict:

@@ -53,19 +53,23 @@ def predicted_n_alpha(acceptance: float | Sequence[float], n: int) -> float:
     return n / (1.0 + (n - 1) * (1.0 - judged_acceptance(acceptance, n)))
 
 
-def walk(accepted: Sequence[Sequence[bool]], n: int) -> tuple[list[int], list[int]]:
+def walk(accepted: Sequence[Sequence[bool]], n: int) -> list[int]:
     """One greedy decode of a known answer, walked: `accepted[j][k - 1]` says whether the draft of the answer's `j`-th
     drafted token (its first token comes from the prefill) is accepted when made at fill `k`. From fill 1, an accept
-    goes to `min(k + 1, n)`, a reject to 1. Returns the accepted and rejected drafts per fill, which at T = 0 are the
-    decoder's own `accepted_by_fill` / `rejected_by_fill` for that answer (tests/test_decode_prediction.py)."""
-    accepted_by_fill, rejected_by_fill, fill = [0] * n, [0] * n, 1
+    goes to `min(k + 1, n)`, a reject to 1. Returns the fill each draft is judged at."""
+    fills, fill = [], 1
     for row in accepted:
-        if row[fill - 1]:
-            accepted_by_fill[fill - 1] += 1
-            fill = min(fill + 1, n)
-        else:
-            rejected_by_fill[fill - 1] += 1
-            fill = 1
+        fills.append(fill)
+        fill = min(fill + 1, n) if row[fill - 1] else 1
+    return fills
+
+
+def walked_counts(accepted: Sequence[Sequence[bool]], n: int) -> tuple[list[int], list[int]]:
+    """The accepted and rejected drafts per fill of `walk`, which at T = 0 are the decoder's own `accepted_by_fill` /
+    `rejected_by_fill` for that answer (tests/test_decode_prediction.py)."""
+    accepted_by_fill, rejected_by_fill = [0] * n, [0] * n
+    for row, fill in zip(accepted, walk(accepted, n)):
+        (accepted_by_fill if row[fill - 1] else rejected_by_fill)[fill - 1] += 1
     return accepted_by_fill, rejected_by_fill
 
 

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from inference.cycle.ar import ar_decode
 from inference.cycle.simulator import Simulator
-from spd_lightning.fill_chain import walk
+from spd_lightning.fill_chain import walked_counts
 from spd_lightning.target import Target
 
 N_STAGES, PROMPTS, PROMPT_LEN, NEW_TOKENS = 4, 8, 6, 40
@@ -74,7 +74,7 @@ def test_the_walked_teacher_forced_drafts_are_the_decoders(tiny_target_dir, tmp_
         ids = torch.tensor([prompt + decoded.tokens])
         answer = (torch.arange(ids.shape[1]) >= len(prompt))[None]
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": answer}
-        walked = walk(module.every_fill(batch).answer_drafts(0).tolist(), N_STAGES)
+        walked = walked_counts(module.every_fill(batch).answer_drafts(0).tolist(), N_STAGES)
         assert walked == (decoded.counters["accepted_by_fill"], decoded.counters["rejected_by_fill"])
         rejected.append(sum(walked[1]))
     assert 0 < sum(rejected) < PROMPTS * (NEW_TOKENS - 1)  # accepts and rejects: not a trivial match

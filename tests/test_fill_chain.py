@@ -6,7 +6,7 @@ import random
 import pytest
 
 from inference.cycle.schedule import PipelineSchedule, Verdict
-from spd_lightning.fill_chain import judged_acceptance, judged_fill_shares, predicted_n_alpha
+from spd_lightning.fill_chain import judged_acceptance, judged_fill_shares, predicted_n_alpha, walk, walked_counts
 from spd_lightning.geometry import Geometry
 
 
@@ -24,6 +24,13 @@ def test_spec_figures():
     assert judged_fill_shares(0.42, 8)[0] == pytest.approx(0.58)
     shares = judged_fill_shares(0.81, 8)
     assert shares[-1] == pytest.approx(0.23, abs=0.005) and shares[0] == pytest.approx(0.19)
+
+
+def test_a_walk_climbs_on_accepts_and_refills_on_rejects():
+    # n = 3: a draft is accepted at fill 1 and 3 only; fill 3 is the ceiling
+    accepted = [[True, False, True]] * 2 + [[False, False, True]] * 3 + [[True, True, True]] * 4
+    assert walk(accepted, 3) == [1, 2, 1, 1, 1, 1, 2, 3, 3]
+    assert walked_counts(accepted, 3) == ([2, 1, 2], [3, 1, 0])
 
 
 def test_bad_acceptance_is_refused():
