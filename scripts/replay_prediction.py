@@ -19,7 +19,7 @@ sets of answers:
   every sequence (`rotated`: sample `b` measured at fill `(b + offset) mod n + 1` only).
 
 For each it prints the refill chain's prediction from the acceptance per fill (`independent`: what validation logs)
-and the walked one (`walked`: `n / (1 + (n - 1)(1 - p_bar))` over the walked drafts), with a 95 % bootstrap interval
+and the walked decode's own `n * N / K` (`walked`: `fill_chain.walked_cycles`), each with a 95 % bootstrap interval
 over the answers.
 """
 
@@ -35,15 +35,18 @@ import torch
 from inference.evaluation.intervals import bootstrap
 from spd_lightning.data.chat import load_tokenizer, render_prompt
 from spd_lightning.export import load_drafter
-from spd_lightning.fill_chain import judged_acceptance, measured_prediction, predicted_n_alpha, walk, walked_counts
+from spd_lightning.fill_chain import (
+    judged_acceptance,
+    measured_prediction,
+    predicted_n_alpha,
+    walk,
+    walked_counts,
+    walked_cycles,
+)
 from spd_lightning.target import Target
 from spd_lightning.training.module import SPDModule
 
 log = logging.getLogger("replay_prediction")
-
-
-def refill_n_alpha(p_bar: float, n: int) -> float:
-    return n / (1 + (n - 1) * (1 - p_bar))
 
 
 def answer_batch(prompt: list[int], answer: list[int]) -> dict:
@@ -58,8 +61,8 @@ def summary(tables: list[torch.Tensor], n: int) -> dict:
     walked = [walked_counts(t.tolist(), n) for t in tables]
     columns = {
         "tokens": [len(t) for t in tables],
-        "accepted": [sum(w[0]) for w in walked],
-        "judged": [sum(w[0]) + sum(w[1]) for w in walked],
+        "N": [len(t) + 1 for t in tables],  # a token per judged draft, and the prefill's
+        "K": [walked_cycles(t.tolist(), n) for t in tables],
         **{f"fill{k}": [int(t[:, k].sum()) for t in tables] for k in range(n)},
     }
 
@@ -68,7 +71,7 @@ def summary(tables: list[torch.Tensor], n: int) -> dict:
         return np.array([predicted_n_alpha([float(x) for x in row], n) for row in p])
 
     def walked_n_alpha(c) -> np.ndarray:
-        return refill_n_alpha(c["accepted"].sum(axis=1) / c["judged"].sum(axis=1), n)
+        return n * c["N"].sum(axis=1) / c["K"].sum(axis=1)
 
     intervals = bootstrap(columns, {"independent": independent, "walked": walked_n_alpha})
     whole = {name: np.array([values]) for name, values in columns.items()}  # the sample itself, as one resample
@@ -120,7 +123,9 @@ def on_decode(module: SPDModule, pdm, decode: dict) -> dict:
         "rejected_by_fill": counters[1],
         "n_alpha": n * totals["N"] / totals["K"],
     }
-    result["counts_equal"] = counters == [result["walked"]["accepted_by_fill"], result["walked"]["rejected_by_fill"]]
+    walked = result["walked"]
+    result["counts_equal"] = counters == [walked["accepted_by_fill"], walked["rejected_by_fill"]]
+    result["n_alpha_equal"] = abs(walked["n_alpha"] - result["decode"]["n_alpha"]) < 1e-12
     return result
 
 
@@ -189,7 +194,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"walked n*alpha={r['walked']['n_alpha']:.3f} [{lo:.2f}, {hi:.2f}]  answers={r['answers']}")
         if "decode" in r:
             print(
-                f"{name:8s} decoded n*alpha={r['decode']['n_alpha']:.3f}  walked counts equal the decoder's: {r['counts_equal']}"
+                f"{name:8s} decoded n*alpha={r['decode']['n_alpha']:.3f}  walked counts equal the decoder's: "
+                f"{r['counts_equal']}, walked n*alpha equals it: {r['n_alpha_equal']}"
             )
         if name == "rotated":
             print(f"rotated  independent n*alpha={r['n_alpha']:.3f} (each fill on its own samples)")

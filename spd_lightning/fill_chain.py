@@ -73,6 +73,17 @@ def walked_counts(accepted: Sequence[Sequence[bool]], n: int) -> tuple[list[int]
     return accepted_by_fill, rejected_by_fill
 
 
+def walked_cycles(accepted: Sequence[Sequence[bool]], n: int) -> int:
+    """`K` of the walked decode: `n` cycles until the first draft is judged (the prefill's token goes through every
+    stage first), then 1 cycle after an accept and `n` after a rejection (the corrected token refills the pipeline);
+    the decode ends with its last verdict. Its `N` is one token per judged draft plus the prefill's."""
+    rows = list(accepted)
+    if not rows:
+        return 0
+    fills = walk(rows, n)
+    return n + sum(1 if row[fill - 1] else n for row, fill in zip(rows[:-1], fills[:-1]))
+
+
 def measured_prediction(accept_by_fill: Mapping[int, float], n: int) -> tuple[float, float] | None:
     """`(p_bar, n*alpha)` from acceptances measured per fill `k` (teacher-forced, say); a fill with no measurement
     takes the mean of the others; None when none was measured."""

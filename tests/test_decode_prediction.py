@@ -2,7 +2,7 @@
 teacher-forced acceptance per fill equals the decoder's measured `n*alpha` within 10 %, on a tiny target and a drafter
 trained briefly on the target's own greedy answers to the very prompts it is then decoded on. And exactly: the
 teacher-forced drafts at every fill (`SPDModule.every_fill`), walked as a decode walks them (`fill_chain.walk`), give
-the decoder's own accepted and rejected drafts per fill, draft for draft, for both layouts.
+the decoder's own accepted and rejected drafts per fill, draft for draft, and its N and K, for both layouts.
 
 Why this is a fair check: at T = 0 the decoder judges drafts of exactly the target's greedy continuation, and a draft
 made at fill `k` is judged only when the `k - 1` in-flight drafts before it were accepted, i.e. were the target's own
@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from inference.cycle.ar import ar_decode
 from inference.cycle.simulator import Simulator
-from spd_lightning.fill_chain import walked_counts
+from spd_lightning.fill_chain import walked_counts, walked_cycles
 from spd_lightning.target import Target
 
 N_STAGES, PROMPTS, PROMPT_LEN, NEW_TOKENS = 4, 8, 6, 40
@@ -74,7 +74,9 @@ def test_the_walked_teacher_forced_drafts_are_the_decoders(tiny_target_dir, tmp_
         ids = torch.tensor([prompt + decoded.tokens])
         answer = (torch.arange(ids.shape[1]) >= len(prompt))[None]
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": answer}
-        walked = walked_counts(module.every_fill(batch).answer_drafts(0).tolist(), N_STAGES)
+        drafts = module.every_fill(batch).answer_drafts(0).tolist()
+        walked = walked_counts(drafts, N_STAGES)
         assert walked == (decoded.counters["accepted_by_fill"], decoded.counters["rejected_by_fill"])
+        assert (len(drafts) + 1, walked_cycles(drafts, N_STAGES)) == (decoded.N, decoded.K)
         rejected.append(sum(walked[1]))
     assert 0 < sum(rejected) < PROMPTS * (NEW_TOKENS - 1)  # accepts and rejects: not a trivial match

@@ -6,7 +6,14 @@ import random
 import pytest
 
 from inference.cycle.schedule import PipelineSchedule, Verdict
-from spd_lightning.fill_chain import judged_acceptance, judged_fill_shares, predicted_n_alpha, walk, walked_counts
+from spd_lightning.fill_chain import (
+    judged_acceptance,
+    judged_fill_shares,
+    predicted_n_alpha,
+    walk,
+    walked_counts,
+    walked_cycles,
+)
 from spd_lightning.geometry import Geometry
 
 
@@ -31,6 +38,8 @@ def test_a_walk_climbs_on_accepts_and_refills_on_rejects():
     accepted = [[True, False, True]] * 2 + [[False, False, True]] * 3 + [[True, True, True]] * 4
     assert walk(accepted, 3) == [1, 2, 1, 1, 1, 1, 2, 3, 3]
     assert walked_counts(accepted, 3) == ([2, 1, 2], [3, 1, 0])
+    assert walked_cycles(accepted, 3) == 3 + (1 + 3 + 3 + 3 + 3 + 1 + 1 + 1)  # the last verdict ends it
+    assert walked_cycles([], 3) == 0
 
 
 def test_bad_acceptance_is_refused():

@@ -24,7 +24,7 @@ def test_the_script_walks_a_decode_and_a_validation_split(micro_target, tmp_path
     out = tmp_path / "walked.json"
     script.main(["--ckpt", last, "--drafter", drafter, "--decode", decoded, "--out", str(out)])
     walked = json.loads(out.read_text())["decode"]
-    assert walked["counts_equal"] and walked["answers"] == 2
+    assert walked["counts_equal"] and walked["n_alpha_equal"] and walked["answers"] == 2
     judged = sum(walked["walked"]["accepted_by_fill"]) + sum(walked["walked"]["rejected_by_fill"])
     assert judged == walked["drafted_tokens"] == sum(len(p["tokens"]) - 1 for p in json.load(open(decoded))["prompts"])
 
