@@ -161,7 +161,7 @@ def on_validation(module: SPDModule, pdm, fit_args: list[str], batches: int) -> 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, help="the fit's Lightning checkpoint (its layout and geometry)")
-    p.add_argument("--drafter", required=True, help="the exported drafter the decode ran")
+    p.add_argument("--drafter", help="an exported drafter (the one the decode ran); default: the checkpoint's PDM")
     p.add_argument("--target", help="the target (default: the decode's)")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--decode", help="an inference.decode --json of a T = 0 decode")
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     module = SPDModule.load_from_checkpoint(args.ckpt, map_location="cpu").eval()
     target = Target.load(args.target or decode["target"], dtype="float32")
     module.use_target(target)
-    pdm, _ = load_drafter(args.drafter, target_head=target.lm_head.weight)
+    pdm = load_drafter(args.drafter, target_head=target.lm_head.weight)[0] if args.drafter else module.pdm
     pdm = pdm.float().eval()
     if decode is not None:
         result = {"decode": on_decode(module, pdm, decode)}

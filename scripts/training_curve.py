@@ -8,14 +8,17 @@ line marks where it began. `--csv` writes the legs as one log; `--until STEP` ke
 exported from a checkpoint before the run's end). Where validation logged them, a second row of panels
 shows the teacher-forced acceptance at every fill level (`val/accept_fill{k}`: what greedy decoding accepts of a
 draft made with k tokens in flight) and the `n*alpha` the refill model predicts from them beside the staircase
-evaluation's measured one. Prints the validation rows (step, val/loss, val/agree and, when logged, the predicted
-`n*alpha` and the acceptance per fill) as a markdown table on stdout.
+evaluation's measured one; `--walked STEP=JSON ...` adds held-out `n*alpha` at those steps with their intervals
+(`scripts/replay_prediction.py --decode` outputs: what a T = 0 decode of the checkpoint gives, exactly). Prints the
+validation rows (step, val/loss, val/agree and, when logged, the predicted `n*alpha` and the acceptance per fill) as
+a markdown table on stdout, and the walked points after it.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import sys
 
@@ -62,7 +65,22 @@ def fill_keys(rows: list[dict[str, str]]) -> list[str]:
     return sorted(keys, key=lambda key: int(key.removeprefix("val/accept_fill")))
 
 
-def plot_fills(rows: list[dict[str, str]], fills: list[str], fill_axis, speed_axis) -> None:
+def read_walked(pairs: list[str]) -> list[tuple[int, float, list[float]]]:
+    """`STEP=JSON` pairs: (step, walked `n*alpha`, its interval) of each replay_prediction `--decode` output."""
+    points = []
+    for pair in pairs:
+        step, _, path = pair.partition("=")
+        if not step.isdigit() or not path:
+            raise SystemExit(f"--walked {pair!r}: give STEP=JSON, e.g. 16500=runs/smollm2_8m/walked_step16500.json")
+        with open(path) as f:
+            walked = json.load(f)["decode"]
+        points.append((int(step), walked["walked"]["n_alpha"], walked["walked_interval"]))
+    return sorted(points)
+
+
+def plot_fills(
+    rows: list[dict[str, str]], fills: list[str], fill_axis, speed_axis, walked: list[tuple[int, float, list[float]]]
+) -> None:
     """Acceptance per fill level, and predicted against measured `n*alpha`."""
     for key in fills:
         fill_axis.plot(*series(rows, key), label=f"fill {key.removeprefix('val/accept_fill')}")
@@ -72,6 +90,10 @@ def plot_fills(rows: list[dict[str, str]], fills: list[str], fill_axis, speed_ax
         steps, values = series(rows, key)
         if steps:
             speed_axis.plot(steps, values, style, label=key)
+    if walked:
+        steps, values, intervals = zip(*walked)
+        errors = [[v - lo for v, (lo, _) in zip(values, intervals)], [hi - v for v, (_, hi) in zip(values, intervals)]]
+        speed_axis.errorbar(steps, values, yerr=errors, fmt="s", capsize=3, label="held-out decode (walked), 95 % CI")
     speed_axis.set_title("n*alpha: predicted (validation) and measured (staircase)")
     speed_axis.legend(fontsize=7)
     for axis in (fill_axis, speed_axis):
@@ -95,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="the PNG to write")
     parser.add_argument("--csv", help="also write the legs as one CSV log here")
     parser.add_argument("--until", type=int, help="only the rows up to this step (the drafter's checkpoint)")
+    parser.add_argument("--walked", nargs="+", default=[], metavar="STEP=JSON", help="held-out n*alpha of checkpoints")
     args = parser.parse_args(argv)
+    walked = read_walked(args.walked)
     rows, starts = join_legs([read_rows(path) for path in args.metrics])
     if args.until is not None:
         rows = [r for r in rows if int(r["step"]) <= args.until]
@@ -117,10 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     right.plot(steps, values, alpha=0.4, label="train/agree")
     right.legend()
     if fills:
-        plot_fills(rows, fills, *axes[1])
+        plot_fills(rows, fills, *axes[1], walked)
     fig.tight_layout()
     save(fig, args.out)
     print_table(rows, fills)
+    for step, value, (lo, hi) in walked:
+        print(f"step {step}: held-out n*alpha {value:.3f} [{lo:.2f}, {hi:.2f}] (walked)")
     return 0
 
 

@@ -1,7 +1,9 @@
 """`scripts/training_curve.py`: the legs of one drafter become one log whose steps keep counting, and its plot."""
 
 import csv
+import json
 
+import pytest
 from kit import load_script
 
 curve = load_script("training_curve")
@@ -56,3 +58,19 @@ def test_until_keeps_the_rows_up_to_the_drafters_step(tmp_path, capsys):
     assert [int(r["step"]) for r in csv.DictReader(open(merged))] == [49, 99, 149]
     table = capsys.readouterr().out
     assert "| 149 | 2.000 | 0.300 |" in table and "| 199 |" not in table
+
+
+def test_walked_held_out_points_join_the_plot_in_step_order(tmp_path, capsys):
+    rows = [{**val(49, 0.2), "val/accept_fill1": "0.3", "val/predicted_n_alpha": "1.7"}]
+    walked = []
+    for step, value in ((200, 1.9), (100, 1.8)):  # given out of order
+        path = tmp_path / f"walked{step}.json"
+        path.write_text(
+            json.dumps({"decode": {"walked": {"n_alpha": value}, "walked_interval": [value - 0.1, value + 0.1]}})
+        )
+        walked.append(f"{step}={path}")
+    assert curve.main([log(tmp_path / "a.csv", rows), str(tmp_path / "curve.png"), "--walked", *walked]) == 0
+    out = capsys.readouterr().out
+    assert out.index("step 100: held-out n*alpha 1.800 [1.70, 1.90]") < out.index("step 200: held-out n*alpha 1.900")
+    with pytest.raises(SystemExit, match="STEP=JSON"):
+        curve.main([log(tmp_path / "a.csv", rows), str(tmp_path / "curve.png"), "--walked", "last.json"])
