@@ -94,7 +94,7 @@ def plot_fills(
         steps, values, intervals = zip(*walked)
         errors = [[v - lo for v, (lo, _) in zip(values, intervals)], [hi - v for v, (_, hi) in zip(values, intervals)]]
         speed_axis.errorbar(steps, values, yerr=errors, fmt="s", capsize=3, label="held-out decode (walked), 95 % CI")
-    speed_axis.set_title("n*alpha: predicted (validation) and measured (staircase)")
+    speed_axis.set_title("n*alpha: predicted and measured")
     speed_axis.legend(fontsize=7)
     for axis in (fill_axis, speed_axis):
         axis.set_xlabel("optimizer step")
