@@ -11,8 +11,9 @@ The drafter's teacher-forced drafts at every fill of every answer token (`SPDMod
 sets of answers:
 
 - `--decode`: the answers of an `inference.decode --json` at T = 0. There every output is the target's greedy token,
-  so walking the drafts as a decode walks them (`fill_chain.walk`) must give the decoder's own accepted and rejected
-  drafts per fill, which the script checks (`counts_equal`);
+  whatever the drafter, so the walk (`fill_chain.walk`) gives what a T = 0 decode of any drafter (`--drafter`, or
+  the checkpoint's own PDM) on those prompts gives; for the drafter the decode ran, it must be the decode's own
+  accepted and rejected drafts per fill and its `n*alpha`, which the script checks (`counts_equal`, `n_alpha_equal`);
 - `--fit-args`: the fit's validation split (the config's data, the target's own answers when the data is a T = 0
   regeneration): every answer token (`all`), each sequence's first answer (`first`), its first 63 drafted tokens
   (`first63`: what a 64-token decode judges), and validation's own logged figure before every fill was measured on
@@ -194,8 +195,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"walked n*alpha={r['walked']['n_alpha']:.3f} [{lo:.2f}, {hi:.2f}]  answers={r['answers']}")
         if "decode" in r:
             print(
-                f"{name:8s} decoded n*alpha={r['decode']['n_alpha']:.3f}  walked counts equal the decoder's: "
-                f"{r['counts_equal']}, walked n*alpha equals it: {r['n_alpha_equal']}"
+                f"{name:8s} the decode's drafter: n*alpha={r['decode']['n_alpha']:.3f}; the walk equals its counts: "
+                f"{r['counts_equal']}, its n*alpha: {r['n_alpha_equal']} (must, when it is the same drafter)"
             )
         if name == "rotated":
             print(f"rotated  independent n*alpha={r['n_alpha']:.3f} (each fill on its own samples)")
