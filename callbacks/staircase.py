@@ -15,6 +15,9 @@ pipeline ranks run) and the PDM as it is now, and reports
     staircase/agree_d{k}_f{a}    teacher-forced top-1 agreement of the copy at depth k under fill a,
                                  from up to `num_batches` validation batches (the layout's own views)
 
+With `method: walk` (T = 0) the decodes are replaced by walks of the PDM's teacher-forced drafts over each
+prompt's greedy answer, computed once: the same numbers, exactly, where the layout's views are exact.
+
 Scalars go to every logger (W&B, CSV, ...) at the global step and into `trainer.callback_metrics`, so a
 `ModelCheckpoint(monitor="staircase/alpha", mode="max")` keeps the best drafter. With a W&B logger it also
 logs a per-prompt table and the depth x fill heatmap; PNGs of the heatmap and of alpha vs step are
@@ -27,7 +30,7 @@ cache (`--data.states`), the target is loaded for each evaluation's decodes and 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -35,13 +38,13 @@ import torch.distributed as dist
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
-from inference.cycle.ar import target_eos
+from inference.cycle.ar import ar_decode, target_eos
 from inference.cycle.simulator import Simulator
 from inference.prompts import read_prompts
 from inference.sampling import Sampling
 from spd_lightning.data.chat import render_prompt
 from spd_lightning.errors import ConfigError
-from spd_lightning.fill_chain import measured_prediction
+from spd_lightning.fill_chain import measured_prediction, walked_counts, walked_cycles
 from spd_lightning.training.metrics import GroupedAgreement
 
 from .plots import alpha_curve_png, heatmap_png
@@ -61,6 +64,11 @@ class StaircaseEvaluation(L.Callback):
         top_p: sample from the smallest set of tokens whose probability reaches p (1: all).
         seed: seeds the sampling and offsets the fill levels of the agreement batches (every level in turn).
         log_table: log the per-prompt table to W&B.
+        method: `decode` runs the simulator. `walk` (temperature 0 only) decodes each prompt once with the target
+            alone (its greedy answer is what any lossless decode outputs), then at every evaluation walks the PDM's
+            teacher-forced drafts at every fill over it as the decoder would (`fill_chain.walk`): the decoder's
+            `N`, `K` and counters exactly where the layout's views are exact (`depth`; `type` at `num_layers: 1`),
+            one forward per fill instead of a decode per prompt, so more prompts for the same time.
     """
 
     def __init__(
@@ -75,6 +83,7 @@ class StaircaseEvaluation(L.Callback):
         top_p: float = 1.0,
         seed: int = 0,
         log_table: bool = True,
+        method: Literal["decode", "walk"] = "decode",
     ):
         if every_n_steps < 0 or num_prompts < 1 or max_new_tokens < 1 or num_batches < 0:
             raise ConfigError(
@@ -84,14 +93,28 @@ class StaircaseEvaluation(L.Callback):
         self.every_n_steps, self.num_prompts, self.max_new_tokens = every_n_steps, num_prompts, max_new_tokens
         self.prompt_file, self.num_batches, self.log_table, self.seed = prompts, num_batches, log_table, seed
         self.sampling = Sampling(temperature, top_k, top_p)
+        if method not in ("decode", "walk") or (method == "walk" and temperature != 0):
+            raise ConfigError(
+                f"StaircaseEvaluation: method={method!r} with temperature={temperature}: use decode, or walk at "
+                "temperature 0 (a sampled decode's answer depends on its drafts)"
+            )
+        self.method = method
+        self._answers: dict[int, list[int]] = {}  # `walk`: the target's greedy answer of each prompt, by index
         self.history: list[tuple[int, float]] = []  # (global step, alpha): the alpha-vs-step curve
         self._prompt_ids: list[list[int]] | None = None
 
     # -- when ------------------------------------------------------------------------------------
     def setup(self, trainer, pl_module, stage: str) -> None:
         """Reads the prompts as the run starts (the data module is set up, no step has run): a prompts file that
-        cannot be read, or no held-out conversation, stops it with one line here, not `every_n_steps` into it."""
+        cannot be read, or no held-out conversation, stops it with one line here, not `every_n_steps` into it; so is
+        `walk` on a layout whose views are not exact."""
         self.prompts(trainer)
+        hp = pl_module.hparams
+        if self.method == "walk" and hp.get("layout") == "type" and hp.get("num_layers", 1) > 1:
+            raise ConfigError(
+                f"StaircaseEvaluation: method=walk needs exact training views; the type layout at num_layers="
+                f"{hp['num_layers']} approximates them: use method: decode, or the depth layout"
+            )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
@@ -129,7 +152,8 @@ class StaircaseEvaluation(L.Callback):
         try:
             with pl_module.evaluation_pdm() as pdm:  # under FSDP: a plain copy of the gathered parameters
                 with pl_module.evaluation_target() as target:  # from a state cache: loaded now, freed after
-                    decoded, rows = self._decode(trainer, pl_module, pdm, target)
+                    measure = self._walk if self.method == "walk" else self._decode
+                    decoded, rows = measure(trainer, pl_module, pdm, target)
                 agreement, accepted = self._agreement(trainer, pl_module, pdm) if self.num_batches else (None, {})
         finally:
             pl_module.pdm.train(was_training)
@@ -153,11 +177,7 @@ class StaircaseEvaluation(L.Callback):
         eos = target_eos(target.config, getattr(target.model, "generation_config", None))
         tok = getattr(trainer.datamodule, "tokenizer", None)
 
-        def text(ids: list[int]) -> str:
-            return tok.decode(ids) if tok is not None else str(ids)
-
-        # [N, K, accepted_by_fill(n), rejected_by_fill(n), accepted_by_depth(n+1), rejected_by_depth(n+1)]
-        counts = torch.zeros(2 + 2 * n + 2 * (n + 1), dtype=torch.float64)
+        counts = _empty_counts(n)
         rows = []
         for i, ids in enumerate(self.prompts(trainer)):
             if i % world != rank:
@@ -175,7 +195,26 @@ class StaircaseEvaluation(L.Callback):
                 ],
                 dtype=torch.float64,
             )
-            rows.append([i, text(ids), text(r.tokens), r.N, r.K, r.alpha])
+            rows.append([i, _text(tok, ids), _text(tok, r.tokens), r.N, r.K, r.alpha])
+        return self._sum(trainer, counts), self._gather(trainer, rows)
+
+    def _walk(self, trainer, pl_module, pdm, target) -> tuple[torch.Tensor, list[list[Any]]]:
+        """`_decode`'s counters and rows without a decode: each prompt's greedy answer (the target's, computed once)
+        and the PDM's teacher-forced drafts at every fill over it, walked as the decoder walks them."""
+        world, rank = trainer.world_size, trainer.global_rank
+        eos = target_eos(target.config, getattr(target.model, "generation_config", None))
+        tok = getattr(trainer.datamodule, "tokenizer", None)
+        counts, rows = _empty_counts(pl_module.geometry.n), []
+        for i, ids in enumerate(self.prompts(trainer)):
+            if i % world != rank:
+                continue
+            if i not in self._answers:
+                self._answers[i] = ar_decode(target, ids, self.max_new_tokens, eos_token_id=eos).tokens
+            answer = self._answers[i]
+            walked = walked_decode(pl_module, pdm, target, ids, answer)
+            counts += walked
+            N, K = int(walked[0]), int(walked[1])
+            rows.append([i, _text(tok, ids), _text(tok, answer), N, K, N / K if K else None])
         return self._sum(trainer, counts), self._gather(trainer, rows)
 
     def _agreement(self, trainer, pl_module, pdm) -> tuple[torch.Tensor, dict[int, float]]:
@@ -271,8 +310,9 @@ class StaircaseEvaluation(L.Callback):
     @property
     def state_key(self) -> str:
         # Two evaluations with different settings (say greedy and sampled) keep separate histories.
+        walk = {"method": "walk"} if self.method == "walk" else {}  # a decode's key is what it was before `method`
         return self._generate_state_key(
-            every_n_steps=self.every_n_steps, prompts=self.prompt_file, sampling=str(self.sampling.to_dict())
+            every_n_steps=self.every_n_steps, prompts=self.prompt_file, sampling=str(self.sampling.to_dict()), **walk
         )
 
     def state_dict(self) -> dict:
@@ -280,3 +320,31 @@ class StaircaseEvaluation(L.Callback):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.history = [(int(s), float(a)) for s, a in state_dict.get("history", [])]
+
+
+def _empty_counts(n: int) -> torch.Tensor:
+    """`[N, K, accepted_by_fill(n), rejected_by_fill(n), accepted_by_depth(n+1), rejected_by_depth(n+1)]`, zeros."""
+    return torch.zeros(2 + 2 * n + 2 * (n + 1), dtype=torch.float64)
+
+
+def _text(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids) if tokenizer is not None else str(ids)
+
+
+def walked_decode(pl_module, pdm, target, prompt: list[int], answer: list[int]) -> torch.Tensor:
+    """What the simulator's decode of `prompt` counts (`[N, K, accepted_by_fill, rejected_by_fill,
+    accepted_by_depth, rejected_by_depth]`), from `answer`, the target's greedy answer, and the PDM's teacher-forced
+    drafts at every fill over it, walked as the decoder walks them (spd_lightning/fill_chain.py)."""
+    geometry = pl_module.geometry
+    n = geometry.n
+    sequence = torch.tensor([prompt + answer], device=pl_module.device)
+    loss_mask = (torch.arange(sequence.shape[1], device=sequence.device) >= len(prompt))[None]
+    batch = {"input_ids": sequence, "attention_mask": torch.ones_like(sequence), "loss_mask": loss_mask}
+    drafts = pl_module.every_fill(batch, pl_module.teacher_view_of(target, batch), pdm).answer_drafts(0).tolist()
+    accepted, rejected = walked_counts(drafts, n)
+    by_depth = [[0] * (n + 1), [0] * (n + 1)]
+    for k in range(n):  # a fill-(k + 1) draft is drafted at depth `inflight_depth(k)` (the schedule's `_count`)
+        by_depth[0][geometry.inflight_depth(k)] += accepted[k]
+        by_depth[1][geometry.inflight_depth(k)] += rejected[k]
+    N, K = len(drafts) + 1, walked_cycles(drafts, n)
+    return torch.tensor([N, K, *accepted, *rejected, *by_depth[0], *by_depth[1]], dtype=torch.float64)

@@ -17,6 +17,7 @@ from kit import DEMO_PROMPTS, REPO, callback_args, csv_rows, fit_args
 from callbacks import StaircaseEvaluation
 from inference.decode import main as decode_main
 from spd_lightning import cli
+from spd_lightning.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -263,3 +264,28 @@ def test_resume_restores_the_history_and_repeats_the_numbers(micro_target, tmp_p
     assert [s for s, _ in straight] == [2, 4]
     assert resumed[0] == straight[0]  # restored from the checkpoint, not re-evaluated
     assert resumed[1][0] == 4 and resumed[1][1] == pytest.approx(straight[1][1], abs=1e-12)
+
+
+@pytest.mark.parametrize("layout,num_layers", [("depth", 2), ("type", 1)])
+def test_a_walk_gives_the_decodes_numbers(micro_target, tmp_path, layout, num_layers):
+    """`method: walk` reports exactly what the simulator's decodes report, counters and table rows included."""
+    extra = ("--model.layout", layout, "--model.num_layers", str(num_layers), "--trainer.max_steps", "3")
+    trained = cli.run_cli(["fit", *fit_args(micro_target, tmp_path, *extra)])
+    settings = dict(num_prompts=4, max_new_tokens=12, prompts=DEMO_PROMPTS, num_batches=0, log_table=False)
+    measured = {}
+    for method in ("decode", "walk"):
+        callback = StaircaseEvaluation(method=method, **settings)
+        callback.setup(trained.trainer, trained.model, "fit")
+        measured[method] = callback.evaluate(trained.trainer, trained.model)
+    assert measured["walk"] == measured["decode"]
+    assert 0 < measured["walk"]["staircase/alpha"] < 1  # accepts and rejects: not a trivial match
+
+
+def test_a_walk_refuses_what_it_cannot_reproduce(micro_target, tmp_path):
+    with pytest.raises(ConfigError, match="walk at temperature 0"):
+        StaircaseEvaluation(method="walk", temperature=1.0)
+    trained = cli.run_cli(
+        ["fit", *fit_args(micro_target, tmp_path, "--model.layout", "type", "--model.num_layers", "2")]
+    )
+    with pytest.raises(ConfigError, match="type layout at num_layers=2"):
+        StaircaseEvaluation(method="walk", prompts=DEMO_PROMPTS).setup(trained.trainer, trained.model, "fit")

@@ -145,12 +145,18 @@ class DistillationTeacher(FrozenTargetHolder):
                 )
             head = self._vd_head()  # the target's dtype, whatever the cache stores the states in (bfloat16 by default)
             return batch["states"], head(batch["final_state"].to(head.weight.dtype)), batch["outside_vd"]
+        if full_vocab:
+            return self.teacher_view_of(self.target, batch)
         with self._teacher_head(full_vocab):
             states, logits = self.target.anchor_states(
                 batch["input_ids"], batch["attention_mask"], self.geometry.anchors
             )
-        if not full_vocab:
-            return states, logits, None
+        return states, logits, None
+
+    def teacher_view_of(self, target: Target, batch: dict) -> TeacherView:
+        """The online teacher's view of `batch` from `target` (the resident one, or `evaluation_target`'s when
+        training from a state cache), over the full vocabulary: `outside_vd` is known."""
+        states, logits = target.anchor_states(batch["input_ids"], batch["attention_mask"], self.geometry.anchors)
         teacher, outside_vd = restrict_to_draft_vocab(logits, self.pdm.d2t)
         return states, teacher, outside_vd  # the full-vocabulary logits are freed before the PDM's activations
 
