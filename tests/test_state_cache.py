@@ -349,8 +349,10 @@ def test_a_states_dir_that_cannot_be_made_is_one_line(chats, capsys, tmp_path, u
     assert code == 2 and len(errors) == 1 and f"cannot write the state cache {directory!r}" in errors[0], err
 
 
-def test_fit_from_the_cache_trains_without_the_target(chats, states, tmp_path, monkeypatch):
-    """Training and validation read the cache; only the staircase evaluation at the end loads the target."""
+@pytest.mark.parametrize("method", ["decode", "walk"])
+def test_fit_from_the_cache_trains_without_the_target(chats, states, tmp_path, monkeypatch, method):
+    """Training and validation read the cache; only the staircase evaluation at the end loads the target (`walk`: it
+    also reads the teacher's view of its answers from that target)."""
     loads = []
     real_load = Target.load.__func__
 
@@ -376,6 +378,7 @@ def test_fit_from_the_cache_trains_without_the_target(chats, states, tmp_path, m
         str(tmp_path),
         "--checkpoint.dirpath",
         str(tmp_path / "ckpt"),
+        f"--trainer.callbacks.init_args.method={method}",
     ]
     trainer = cli.run_cli(["fit", *config_args(chats, *run)]).trainer
     assert trainer.global_step == 3
