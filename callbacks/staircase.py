@@ -43,6 +43,7 @@ from inference.cycle.simulator import Simulator
 from inference.prompts import read_prompts
 from inference.sampling import Sampling
 from spd_lightning.data.chat import render_prompt
+from spd_lightning.data.collate import answer_batch
 from spd_lightning.errors import ConfigError
 from spd_lightning.fill_chain import measured_prediction, walked_counts, walked_cycles
 from spd_lightning.training.metrics import GroupedAgreement
@@ -337,9 +338,7 @@ def walked_decode(pl_module, pdm, target, prompt: list[int], answer: list[int]) 
     drafts at every fill over it, walked as the decoder walks them (spd_lightning/fill_chain.py)."""
     geometry = pl_module.geometry
     n = geometry.n
-    sequence = torch.tensor([prompt + answer], device=pl_module.device)
-    loss_mask = (torch.arange(sequence.shape[1], device=sequence.device) >= len(prompt))[None]
-    batch = {"input_ids": sequence, "attention_mask": torch.ones_like(sequence), "loss_mask": loss_mask}
+    batch = answer_batch(prompt, answer, pl_module.device)
     drafts = pl_module.every_fill(batch, pl_module.teacher_view_of(target, batch), pdm).answer_drafts(0).tolist()
     accepted, rejected = walked_counts(drafts, n)
     by_depth = [[0] * (n + 1), [0] * (n + 1)]

@@ -35,6 +35,7 @@ import torch
 
 from inference.evaluation.intervals import bootstrap
 from spd_lightning.data.chat import load_tokenizer, render_prompt
+from spd_lightning.data.collate import answer_batch
 from spd_lightning.export import load_drafter
 from spd_lightning.fill_chain import (
     judged_acceptance,
@@ -48,12 +49,6 @@ from spd_lightning.target import Target
 from spd_lightning.training.module import SPDModule
 
 log = logging.getLogger("replay_prediction")
-
-
-def answer_batch(prompt: list[int], answer: list[int]) -> dict:
-    ids = torch.tensor([prompt + answer])
-    loss_mask = (torch.arange(ids.shape[1]) >= len(prompt))[None]
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": loss_mask}
 
 
 def summary(tables: list[torch.Tensor], n: int) -> dict:

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 
 from inference.cycle.ar import ar_decode
 from inference.cycle.simulator import Simulator
+from spd_lightning.data.collate import answer_batch
 from spd_lightning.fill_chain import walked_counts, walked_cycles
 from spd_lightning.target import Target
 
@@ -71,10 +72,7 @@ def test_the_walked_teacher_forced_drafts_are_the_decoders(tiny_target_dir, tmp_
     rejected = []
     for prompt in prompts:
         decoded = sim.decode(prompt, NEW_TOKENS)
-        ids = torch.tensor([prompt + decoded.tokens])
-        answer = (torch.arange(ids.shape[1]) >= len(prompt))[None]
-        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": answer}
-        drafts = module.every_fill(batch).answer_drafts(0).tolist()
+        drafts = module.every_fill(answer_batch(prompt, decoded.tokens)).answer_drafts(0).tolist()
         walked = walked_counts(drafts, N_STAGES)
         assert walked == (decoded.counters["accepted_by_fill"], decoded.counters["rejected_by_fill"])
         assert (len(drafts) + 1, walked_cycles(drafts, N_STAGES)) == (decoded.N, decoded.K)

@@ -33,3 +33,11 @@ class ChatCollator:
             attention_mask[row, :length] = 1
             loss_mask[row, :length] = torch.as_tensor(sample["loss_mask"], dtype=torch.bool)
         return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+
+
+def answer_batch(prompt: Sequence[int], answer: Sequence[int], device: torch.device | str | None = None) -> dict:
+    """One sequence, `prompt` then its answer, as a batch whose loss tokens are the answer's: what a decode of
+    `prompt` judges drafts of (the staircase's and `scripts/replay_prediction.py`'s walks)."""
+    input_ids = torch.tensor([[*prompt, *answer]], dtype=torch.long, device=device)
+    loss_mask = (torch.arange(input_ids.shape[1], device=input_ids.device) >= len(prompt))[None]
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "loss_mask": loss_mask}
